@@ -1,0 +1,88 @@
+"""Command-line flags shared by the runners, and how they map onto config fields.
+
+Every flag defaults to ``None`` ("not given"), so the precedence is: flag > ``--config`` file >
+the runner's defaults > the schema's defaults. :func:`config_from_args` turns a bad config into one
+line per problem on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Mapping
+
+from src.config import DATASET_NAMES, Config, ConfigError, load_config
+
+# flag dest -> dotted config field
+COMMON_FLAGS: dict[str, str] = {
+    "dataset": "training.dataset",
+    "data_dir": "training.data_dir",
+    "num_epochs": "training.num_epochs",
+    "batch_size": "training.batch_size",
+    "learning_rate": "training.learning_rate",
+    "optimizer": "training.optimizer",
+    "momentum": "training.momentum",
+    "model": "training.model_architecture",
+    "max_train_samples": "training.max_train_samples",
+    "max_test_samples": "training.max_test_samples",
+    "num_samples": "training.num_samples",
+    "seed": "training.seed",
+    "device": "training.device",
+    "checkpoint_interval": "training.checkpoint_interval",
+    "checkpoint_dir": "system.checkpoint_dir",
+    "log_dir": "system.log_dir",
+}
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags every runner takes (data, model, optimizer, outputs, resume, summary)."""
+    parser.add_argument("--config", help="YAML or JSON config file (flags override its values)")
+    group = parser.add_argument_group("training")
+    group.add_argument("--dataset", choices=DATASET_NAMES, help="dataset (default mnist_5k: bundled, offline)")
+    group.add_argument("--data-dir", help="where torchvision datasets live / download to (default ./data)")
+    group.add_argument("--num-epochs", type=int, help="epochs to train (default 2)")
+    group.add_argument("--batch-size", type=int, help="samples per step per worker/rank (default 64)")
+    group.add_argument("--learning-rate", type=float, help="learning rate (default 0.05)")
+    group.add_argument("--optimizer", choices=("sgd", "adam"), help="optimizer (default sgd, momentum 0.9)")
+    group.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
+    group.add_argument("--model", help="model architecture: simple_cnn, mlp, resnet18 (default simple_cnn)")
+    group.add_argument("--max-train-samples", type=int, help="use only the first N training samples")
+    group.add_argument("--max-test-samples", type=int, help="evaluate on only the first N test samples")
+    group.add_argument("--num-samples", type=int, help="training-set size of --dataset synthetic (default 2048)")
+    group.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")
+    group.add_argument("--device", help="cpu, cuda, cuda:N or auto (default cpu)")
+    group.add_argument("--checkpoint-interval", type=int, help="epochs (PS: server versions) between checkpoints")
+    outputs = parser.add_argument_group("outputs")
+    outputs.add_argument("--checkpoint-dir", help="checkpoint folder")
+    outputs.add_argument("--log-dir", help="TensorBoard logs, events.jsonl and summary.json folder")
+    outputs.add_argument("--summary-json", help="run summary path (default <log-dir>/summary.json)")
+    outputs.add_argument("--resume", help="continue from this checkpoint file or folder (newest good one)")
+
+
+def overrides_from_args(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:
+    """Dotted overrides for the flags that were given."""
+    return {field: getattr(args, dest) for dest, field in flags.items() if getattr(args, dest, None) is not None}
+
+
+def config_from_args(
+    args: argparse.Namespace,
+    *,
+    defaults: Mapping[str, Any],
+    extra_flags: Mapping[str, str] | None = None,
+    forced: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load the config for a runner, exiting with status 2 and one line per problem if it is bad.
+
+    Args:
+        defaults: the runner's defaults below the file (output folders, architecture).
+        extra_flags: the runner's own flag -> field mapping, on top of :data:`COMMON_FLAGS`.
+        forced: fields the runner fixes whatever the file says (e.g. its architecture).
+    """
+    flags = {**COMMON_FLAGS, **(extra_flags or {})}
+    overrides = {**overrides_from_args(args, flags), **(forced or {})}
+    try:
+        return load_config(args.config, overrides=overrides, defaults=defaults)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"config error: {problem}", file=sys.stderr)
+        raise SystemExit(2) from None

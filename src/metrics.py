@@ -1,0 +1,139 @@
+"""Telemetry: ``events.jsonl`` (the source of truth), TensorBoard scalars drawn from the same events,
+and the run summary JSON every runner writes.
+
+An event is one JSON object per line with ``time`` (unix seconds), ``kind`` and its fields. Scalar
+events (:meth:`MetricsLogger.scalars`) are mirrored to TensorBoard as ``<kind>/<name>`` at their
+``step``, so TensorBoard, the report and any controller read the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+SUMMARY_FIELDS = (
+    "architecture",
+    "dataset",
+    "num_workers",
+    "final_accuracy",
+    "final_loss",
+    "total_time_s",
+    "throughput_samples_per_s",
+    "samples_processed",
+    "bytes_sent",
+    "bytes_received",
+    "compression",
+    "checkpoint_path",
+)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item") and callable(value.item):  # 0-d tensors and numpy scalars
+        return value.item()
+    return value
+
+
+class EventLog:
+    """Append-only ``events.jsonl``; each line is flushed so a killed process loses nothing written."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(self.path, "a", buffering=1)
+
+    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"time": time.time(), "kind": kind, **{k: _jsonable(v) for k, v in fields.items()}}
+        self._handle.write(json.dumps(event) + "\n")
+        return event
+
+    def close(self) -> None:
+        if not self._handle.closed:
+            self._handle.close()
+
+
+def read_events(path: str | Path, kind: str | None = None) -> Iterator[dict[str, Any]]:
+    """Events from ``events.jsonl``, optionally only one ``kind``; a torn last line is skipped."""
+    with open(path) as handle:
+        for line in handle:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if kind is None or event.get("kind") == kind:
+                yield event
+
+
+class MetricsLogger:
+    """Events to ``<log_dir>/events.jsonl`` and their scalars to TensorBoard under ``log_dir``.
+
+    Args:
+        log_dir: folder for ``events.jsonl`` and the TensorBoard event files.
+        tensorboard: set False to write only events (e.g. in benchmarks).
+        fields: added to every event (e.g. ``worker=1``).
+    """
+
+    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, **fields: Any):
+        self.log_dir = Path(log_dir)
+        self.events = EventLog(self.log_dir / "events.jsonl")
+        self._fields = fields
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Record a non-scalar event (run start, checkpoint written, push rejected...)."""
+        return self.events.write(kind, **self._fields, **fields)
+
+    def scalars(self, kind: str, step: int, values: Mapping[str, float], **fields: Any) -> dict[str, Any]:
+        """Record ``values`` at ``step`` as one event and as TensorBoard scalars ``<kind>/<name>``."""
+        event = self.events.write(kind, **self._fields, step=step, **fields, **values)
+        if self._writer is not None:
+            for name, value in values.items():
+                if value is not None:
+                    self._writer.add_scalar(f"{kind}/{name}", float(value), step)
+        return event
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self.events.close()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_summary(path: str | Path, summary: Mapping[str, Any]) -> Path:
+    """Write the run summary JSON; every field of :data:`SUMMARY_FIELDS` must be present."""
+    missing = [name for name in SUMMARY_FIELDS if name not in summary]
+    if missing:
+        raise ValueError(f"run summary lacks fields: {', '.join(missing)}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n")
+    return path
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The final lines every runner prints."""
+    lines = [
+        f"Final Accuracy: {summary['final_accuracy'] * 100:.2f}%",
+        f"Final Loss: {summary['final_loss']:.4f}",
+        f"Total Time: {summary['total_time_s']:.2f}s",
+        f"Throughput: {summary['throughput_samples_per_s']:.1f} samples/s",
+    ]
+    if summary.get("bytes_sent"):
+        lines.append(f"Bytes Sent: {summary['bytes_sent']:,}  Bytes Received: {summary['bytes_received']:,}")
+    if summary.get("checkpoint_path"):
+        lines.append(f"Checkpoint: {summary['checkpoint_path']}")
+    return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""Baseline single-process trainer, and the train/eval pieces the distributed trainers reuse.
+
+The baseline is the reference every distributed result is checked against: an epoch reads the
+seeded permutation of :func:`src.data.epoch_permutation` in batches of ``training.batch_size``, so
+sync PS with N workers of batch b, or DDP with N ranks of batch b, should match this trainer with
+batch N*b. It evaluates on the test split after every epoch, checkpoints every
+``training.checkpoint_interval`` epochs and at the end, and resumes exactly from any checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from src.checkpoint import load_latest_good, make_checkpoint, numbered_path, prune_checkpoints, save_checkpoint
+from src.config import Config
+from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
+from src.metrics import MetricsLogger, write_summary
+from src.models import build_model
+
+LOG_EVERY_STEPS = 10
+KEEP_CHECKPOINTS = 3
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; anything else as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"training.device: {name} requested but CUDA is not available")
+    return device
+
+
+def build_optimizer(name: str, params, *, learning_rate: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    """``sgd`` (with momentum) or ``adam`` over ``params``."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=learning_rate, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=learning_rate, weight_decay=weight_decay)
+    raise ValueError(f"training.optimizer: must be sgd or adam, got {name!r}")
+
+
+def optimizer_from_config(config: Config, params) -> torch.optim.Optimizer:
+    t = config.training
+    return build_optimizer(t.optimizer, params, learning_rate=t.learning_rate, momentum=t.momentum, weight_decay=t.weight_decay)
+
+
+def model_from_config(config: Config) -> nn.Module:
+    """The configured model, with parameters initialised from ``training.seed``."""
+    torch.manual_seed(config.training.seed)
+    return build_model(config.training.model_architecture, dataset_info(config.training.dataset))
+
+
+def load_splits(config: Config) -> tuple[TensorDataset, TensorDataset]:
+    """Train and test splits as the config asks (subset sizes, synthetic size and seed)."""
+    t = config.training
+    common = dict(data_dir=t.data_dir, num_samples=t.num_samples, seed=t.seed)
+    train = load_dataset(t.dataset, "train", max_samples=t.max_train_samples, **common)
+    test = load_dataset(t.dataset, "test", max_samples=t.max_test_samples, **common)
+    return train, test
+
+
+def forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """One forward and backward pass, leaving gradients in ``.grad``; returns (mean loss, correct)."""
+    logits = model(images)
+    loss = F.cross_entropy(logits, labels)
+    loss.backward()
+    correct = int((logits.detach().argmax(dim=1) == labels).sum())
+    return float(loss.detach()), correct
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: TensorDataset, *, batch_size: int = 1000, device: torch.device | str = "cpu") -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on all of ``dataset``."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(dataset), batch_size):
+        images = dataset.images[start : start + batch_size].to(device)
+        labels = dataset.labels[start : start + batch_size].to(device)
+        logits = model(images)
+        total_loss += float(F.cross_entropy(logits, labels, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == labels).sum())
+    model.train(was_training)
+    count = max(len(dataset), 1)
+    return total_loss / count, correct / count
+
+
+def progress(total: int, description: str):
+    """A tqdm bar on a terminal, silent otherwise (logs, CI, subprocesses)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, leave=False, disable=not sys.stderr.isatty(), dynamic_ncols=True)
+
+
+class BaselineTrainer:
+    """Single-process training of the configured model; :meth:`run` returns the run summary.
+
+    Args:
+        config: validated config; ``system.checkpoint_dir`` / ``system.log_dir`` are the outputs.
+        resume: a checkpoint file or folder to continue from (falls back to the newest good one).
+        summary_json: where to write the summary (default ``<log_dir>/summary.json``).
+    """
+
+    def __init__(self, config: Config, *, resume: str | Path | None = None, summary_json: str | Path | None = None):
+        self.config = config
+        self.device = resolve_device(config.training.device)
+        self.checkpoint_dir = Path(config.system.checkpoint_dir)
+        self.log_dir = Path(config.system.log_dir)
+        self.summary_json = Path(summary_json) if summary_json else self.log_dir / "summary.json"
+        self.train_set, self.test_set = load_splits(config)
+        self.model = model_from_config(config).to(self.device)
+        self.optimizer = optimizer_from_config(config, self.model.parameters())
+        self.start_epoch, self.step = 0, 0
+        self.resumed_from: Path | None = None
+        if resume is not None:
+            self._restore(resume)
+
+    def _restore(self, target: str | Path) -> None:
+        path, checkpoint = load_latest_good(target)
+        if checkpoint["model_architecture"] != self.config.training.model_architecture:
+            raise ValueError(
+                f"--resume {path}: checkpoint is a {checkpoint['model_architecture']!r} model, "
+                f"config asks for {self.config.training.model_architecture!r}"
+            )
+        self.model.load_state_dict(checkpoint["model_state_dict"])
+        self.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+        self.start_epoch, self.step = checkpoint["epoch"], checkpoint["step"]
+        self.resumed_from = path
+
+    def _checkpoint(self, path: Path, epoch: int) -> Path:
+        checkpoint = make_checkpoint(
+            model_state_dict=self.model.state_dict(),
+            optimizer_state_dict=self.optimizer.state_dict(),
+            model_architecture=self.config.training.model_architecture,
+            dataset=self.config.training.dataset,
+            epoch=epoch,
+            step=self.step,
+            config=self.config.to_dict(),
+        )
+        return save_checkpoint(path, checkpoint)
+
+    def run(self) -> dict[str, Any]:
+        t = self.config.training
+        started = time.perf_counter()
+        train_time, samples = 0.0, 0
+        final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
+        checkpoint_path = None
+        with MetricsLogger(self.log_dir) as log:
+            log.event("run_start", architecture="baseline", config=self.config.to_dict(),
+                      resumed_from=str(self.resumed_from) if self.resumed_from else None)
+            self.model.train()
+            for epoch in range(self.start_epoch, t.num_epochs):
+                order = epoch_permutation(len(self.train_set), epoch, t.seed)
+                num_steps = -(-len(order) // t.batch_size)
+                epoch_loss, epoch_correct, epoch_samples = 0.0, 0, 0
+                with progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar:
+                    for start in range(0, len(order), t.batch_size):
+                        step_started = time.perf_counter()
+                        images, labels = self.train_set.batch(order[start : start + t.batch_size])
+                        images, labels = images.to(self.device), labels.to(self.device)
+                        self.optimizer.zero_grad(set_to_none=True)
+                        loss, correct = forward_backward(self.model, images, labels)
+                        gradient_time = time.perf_counter() - step_started
+                        self.optimizer.step()
+                        step_time = time.perf_counter() - step_started
+                        train_time += step_time
+                        batch = len(labels)
+                        samples += batch
+                        self.step += 1
+                        epoch_loss += loss * batch
+                        epoch_correct += correct
+                        epoch_samples += batch
+                        if self.step % LOG_EVERY_STEPS == 0:
+                            log.scalars("train", self.step, {
+                                "loss": loss,
+                                "accuracy": correct / batch,
+                                "throughput": batch / step_time,
+                                "gradient_time_s": gradient_time,
+                                "samples_processed": samples,
+                            }, epoch=epoch)
+                        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                        bar.update()
+                final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
+                log.scalars("eval", self.step, {
+                    "test_loss": final_loss,
+                    "test_accuracy": final_accuracy,
+                    "train_loss": epoch_loss / max(epoch_samples, 1),
+                    "train_accuracy": epoch_correct / max(epoch_samples, 1),
+                }, epoch=epoch + 1)
+                print(f"epoch {epoch + 1}/{t.num_epochs}: test accuracy {final_accuracy * 100:.2f}%, test loss {final_loss:.4f}", flush=True)
+                if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs:
+                    written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
+                    prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
+                    log.event("checkpoint", path=str(written), epoch=epoch + 1, step=self.step)
+            checkpoint_path = self._checkpoint(self.checkpoint_dir / "baseline_final.pt", max(t.num_epochs, self.start_epoch))
+            total_time = time.perf_counter() - started
+            summary = {
+                "architecture": "baseline",
+                "dataset": t.dataset,
+                "num_workers": 1,
+                "final_accuracy": final_accuracy,
+                "final_loss": final_loss,
+                "total_time_s": total_time,
+                "train_time_s": train_time,
+                "throughput_samples_per_s": samples / train_time if train_time > 0 else 0.0,
+                "samples_processed": samples,
+                "bytes_sent": 0,
+                "bytes_received": 0,
+                "compression": "none",
+                "checkpoint_path": str(checkpoint_path),
+                "epochs": t.num_epochs,
+                "steps": self.step,
+            }
+            log.event("run_end", **summary)
+        write_summary(self.summary_json, summary)
+        return summary
