@@ -161,6 +161,7 @@ class BaselineTrainer:
                 order = epoch_permutation(len(self.train_set), epoch, t.seed)
                 num_steps = -(-len(order) // t.batch_size)
                 epoch_loss, epoch_correct, epoch_samples = 0.0, 0, 0
+                epoch_started = time.perf_counter()
                 with progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar:
                     for start in range(0, len(order), t.batch_size):
                         step_started = time.perf_counter()
@@ -171,14 +172,13 @@ class BaselineTrainer:
                         gradient_time = time.perf_counter() - step_started
                         self.optimizer.step()
                         step_time = time.perf_counter() - step_started
-                        train_time += step_time
                         batch = len(labels)
                         samples += batch
                         self.step += 1
                         epoch_loss += loss * batch
                         epoch_correct += correct
                         epoch_samples += batch
-                        if self.step % LOG_EVERY_STEPS == 0:
+                        if self.step % LOG_EVERY_STEPS == 0 or start + t.batch_size >= len(order):
                             log.scalars("train", self.step, {
                                 "loss": loss,
                                 "accuracy": correct / batch,
@@ -188,6 +188,8 @@ class BaselineTrainer:
                             }, epoch=epoch)
                         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
                         bar.update()
+                # Training time includes our own logging and progress bar, not evaluation or checkpoints.
+                train_time += time.perf_counter() - epoch_started
                 final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
                 log.scalars("eval", self.step, {
                     "test_loss": final_loss,
