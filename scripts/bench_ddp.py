@@ -1,0 +1,337 @@
+"""Benchmark of the DDP trainer: its overhead against a plain DDP loop, and every gradient exchange
+side by side, with PyTorch's own PowerSGD hook as the peer. Prints one JSON document.
+
+    python scripts/bench_ddp.py                                  # 2 ranks, mnist_5k, simple_cnn, 2 epochs
+    python scripts/bench_ddp.py --repeats 5 --output bench_ddp.json
+    python scripts/bench_ddp.py --cases allreduce topk powersgd_rank2 topk_matched
+
+Sections of the JSON:
+
+* ``overhead``: samples/s of :class:`src.ddp_trainer.DDPTrainer` (built-in allreduce) against a
+  plain DDP loop over the same model, shards, batches and ranks, both timed over the epoch loop's
+  wall time (max over ranks); runs alternate and the medians are compared (target ratio >= 0.97).
+* ``hooks``: each gradient exchange for ``--epochs`` epochs: bytes one rank sends per step (mean,
+  and in a compressed step), how many times fewer than allreduce, samples/s, accuracy, wall time.
+  Bytes of our ring and compression hooks are measured from what they send; the backend allreduce
+  and PowerSGD (whose P/Q/uncompressed tensors go through the backend's allreduce) are the
+  ring-equivalent ``2(N-1)/N`` of the tensors they hand it, from PowerSGD's own element counters.
+* ``powersgd_vs_topk``: PowerSGD rank 2 against our top-k + error feedback at the same bytes per
+  compressed step (ratio solved from the compressor's exact wire sizes), both with 2 plain warm-up
+  steps (PowerSGD's minimum ``start_powerSGD_iter`` with error feedback). PowerSGD runs
+  synchronously per bucket, as our hooks do (see :func:`_powersgd_in_bucket_order`); top-k uses
+  ``sampled`` selection (the same entries as ``exact``, found faster).
+
+Timings are only comparable within one run of this script (same machine, same load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from src.comm_hooks import CommHook, comm_hook_from_config, gradient_bytes, ring_allreduce_bytes  # noqa: E402
+from src.compression import CompressionPolicy, build_compressor  # noqa: E402
+from src.config import Config, validate_config  # noqa: E402
+from src.data import make_shards  # noqa: E402
+from src.ddp_trainer import DDPTrainer, RankContext, threads_per_rank  # noqa: E402
+from src.trainer import load_splits, model_from_config, optimizer_from_config  # noqa: E402
+
+POWERSGD_START_ITER = 2  # the smallest start PowerSGD allows with error feedback / warm start
+HOOK_CASES = ("allreduce", "ring", "topk", "quantization_8bit", "quantization_4bit", "powersgd_rank1", "powersgd_rank2", "topk_matched")
+
+
+@dataclass
+class PowerSGDCommHook(CommHook):
+    """PowerSGD with its bytes accounted per step from its own element counters."""
+
+    counted_numel: int = 0
+    compressed_step_bytes: int = 0
+
+    def end_step(self) -> None:
+        after = self.state.total_numel_after_compression
+        # No counter movement: a warm-up step, which allreduces the whole gradient.
+        numel = after - self.counted_numel if after > self.counted_numel else self.gradient_bytes // 4
+        if after > self.counted_numel:
+            self.compressed_step_bytes = ring_allreduce_bytes(self.world_size, 4 * numel)
+        self.counted_numel = after
+        nbytes = ring_allreduce_bytes(self.world_size, 4 * numel)
+        self.stats.estimated(nbytes, nbytes)
+
+
+def _powersgd_in_bucket_order(state, bucket):
+    # PowerSGD chains its P/Q allreduces in future callbacks; with several buckets on gloo those
+    # callbacks can issue collectives in a different order on different ranks (a collective
+    # mismatch). Finishing each bucket before DDP hands over the next keeps the order identical
+    # everywhere, and makes PowerSGD synchronous like our hooks. (No annotations: DDP checks them.)
+    future = powerSGD_hook(state, bucket)
+    future.wait()
+    return future
+
+
+def _recording(hook: CommHook) -> CommHook:
+    """Remember the bytes of the last step (a compressed one, once warm-up is over)."""
+    hook.last_step_bytes, previous = 0, [0]
+    original = hook.end_step
+
+    def end_step() -> None:
+        original()
+        hook.last_step_bytes = hook.stats.total_sent - previous[0]
+        previous[0] = hook.stats.total_sent
+
+    hook.end_step = end_step
+    return hook
+
+
+def _config(base: dict, root: Path, name: str, epochs: int, system: dict | None = None) -> Config:
+    data = json.loads(json.dumps(base))
+    data["training"]["num_epochs"] = epochs
+    data["system"].update({"checkpoint_dir": str(root / name / "checkpoints"), "log_dir": str(root / name / "logs"), **(system or {})})
+    return validate_config(data)
+
+
+def _plain_ddp(config: Config, rank: int, world: int, epochs: int) -> float:
+    """The loop anyone would write: DDP, default allreduce, mean loss. Returns samples/s."""
+    train, _ = load_splits(config)
+    model = model_from_config(config)
+    ddp = DistributedDataParallel(model)
+    optimizer = optimizer_from_config(config, model.parameters())
+    t = config.training
+    elapsed = 0.0
+    for epoch in range(epochs):
+        shard = make_shards(len(train), world, epoch, t.seed)[rank]
+        started = time.perf_counter()
+        for indices in shard.batches(t.batch_size):
+            images, labels = train.batch(indices)
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(images), labels).backward()
+            optimizer.step()
+        elapsed += time.perf_counter() - started
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return len(train) * epochs / float(slowest)
+
+
+def _context(rank: int, world: int) -> RankContext:
+    return RankContext(rank, world, rank, world, "gloo", torch.device("cpu"))
+
+
+def _overhead(base: dict, root: Path, rank: int, world: int, repeats: int, epochs: int) -> dict:
+    plain, ours = [], []
+    for repeat in range(repeats):
+        order = ("plain", "trainer") if repeat % 2 == 0 else ("trainer", "plain")  # alternate who goes first
+        for variant in order:
+            config = _config(base, root, f"overhead_{repeat}", epochs)
+            if variant == "plain":
+                plain.append(_plain_ddp(config, rank, world, epochs))
+            else:
+                ours.append(DDPTrainer(config, _context(rank, world)).run()["throughput_samples_per_s"])
+    return {
+        "plain_ddp_samples_per_s": statistics.median(plain),
+        "trainer_samples_per_s": statistics.median(ours),
+        "ratio": statistics.median(ours) / statistics.median(plain),
+        "target_ratio": 0.97,
+        "plain_ddp_runs": plain,
+        "trainer_runs": ours,
+        "epochs_per_run": epochs,
+    }
+
+
+def _hook_case(name: str, base: dict, matched_ratio: float | None) -> tuple[dict, object]:
+    """(system overrides, hook factory or None) for a case."""
+    if name == "allreduce":
+        return {}, None
+    if name == "ring":
+        return {"allreduce": "ring"}, None
+    if name == "topk":
+        return {"compression_enabled": True, "compression_type": "topk", "compression_ratio": 0.1, "topk_selection": "sampled"}, None
+    if name.startswith("quantization_"):
+        return {"compression_enabled": True, "compression_type": "quantization", "quantization_bits": int(name.split("_")[1][0])}, None
+    if name.startswith("powersgd_rank"):
+        approximation_rank = int(name.removeprefix("powersgd_rank"))
+
+        def factory(module):
+            state = PowerSGDState(process_group=None, matrix_approximation_rank=approximation_rank,
+                                  start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True, warm_start=True,
+                                  random_seed=base["training"]["seed"])
+            return PowerSGDCommHook(name, state, _powersgd_in_bucket_order, world_size=dist.get_world_size(), gradient_bytes=gradient_bytes(module))
+
+        return {}, factory
+    if name == "topk_matched":
+        return {"compression_enabled": True, "compression_type": "topk", "compression_ratio": matched_ratio,
+                "topk_selection": "sampled", "warmup_steps": POWERSGD_START_ITER}, None
+    raise ValueError(f"unknown case {name!r} (known: {', '.join(HOOK_CASES)})")
+
+
+def _topk_ratio_for(payload_bytes: int, numels: list[int]) -> float:
+    """Largest top-k ratio whose payloads (exact wire sizes) fit in ``payload_bytes`` per step."""
+    def size(ratio: float) -> int:
+        policy = CompressionPolicy(build_compressor("topk", ratio=ratio))
+        return sum(policy.compressor_for(0, n).wire_size_for(n) for n in numels)
+
+    low, high = 1e-6, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if size(middle) <= payload_bytes else (low, middle)
+    return low
+
+
+def _hook_run(name: str, base: dict, root: Path, rank: int, world: int, epochs: int, matched_ratio: float | None, dense: int) -> dict:
+    system, factory = _hook_case(name, base, matched_ratio)
+    config = _config(base, root, name, epochs, system)
+
+    def build(module):
+        hook = factory(module) if factory else comm_hook_from_config(config.system, module, seed=config.training.seed)
+        return _recording(hook)
+
+    trainer = DDPTrainer(config, _context(rank, world), comm_hook=build)
+    summary = trainer.run()
+    hook = trainer.comm
+    compressed = hook.compressed_step_bytes if isinstance(hook, PowerSGDCommHook) else hook.last_step_bytes
+    compressed_with = config.system.compression_type if config.system.compression_enabled else None
+    return {
+        "case": name,
+        "compression_ratio": config.system.compression_ratio if compressed_with == "topk" else None,
+        "quantization_bits": config.system.quantization_bits if compressed_with == "quantization" else None,
+        "bytes_sent_per_rank_per_step": summary["bytes_sent_per_rank_per_step"],
+        "bytes_per_compressed_step": compressed,
+        "times_fewer_bytes_than_allreduce": dense / compressed if compressed else None,
+        "bytes_accounting": summary["bytes_accounting"],
+        "samples_per_s": summary["throughput_samples_per_s"],
+        "final_accuracy": summary["final_accuracy"],
+        "final_loss": summary["final_loss"],
+        "train_time_s": summary["train_time_s"],
+        "total_time_s": summary["total_time_s"],
+    }
+
+
+def _hooks(base: dict, root: Path, rank: int, world: int, cases: list[str], epochs: int, repeats: int) -> list[dict]:
+    """Every case ``repeats`` times, interleaved; timings are medians, the rest must not vary."""
+    numels = [p.numel() for p in model_from_config(validate_config(base)).parameters()]
+    dense = ring_allreduce_bytes(world, 4 * sum(numels))
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
+    matched_ratio = None
+    for _ in range(repeats):
+        for name in cases:
+            if name == "topk_matched" and matched_ratio is None:
+                powersgd = runs["powersgd_rank2"][0]
+                # all_gather: each rank sends (N-1) payloads; PowerSGD's figure is already per rank
+                matched_ratio = _topk_ratio_for(powersgd["bytes_per_compressed_step"] // (world - 1), numels)
+            runs[name].append(_hook_run(name, base, root, rank, world, epochs, matched_ratio, dense))
+    results = []
+    for name in cases:
+        first = dict(runs[name][0])
+        first["accuracy_same_in_every_run"] = all(run["final_accuracy"] == first["final_accuracy"] for run in runs[name])
+        for key in ("samples_per_s", "train_time_s", "total_time_s"):
+            first[key] = statistics.median(run[key] for run in runs[name])
+        first["runs"] = len(runs[name])
+        results.append(first)
+    return results
+
+
+def _comparison(hooks: list[dict]) -> dict | None:
+    by_case = {r["case"]: r for r in hooks}
+    if "powersgd_rank2" not in by_case or "topk_matched" not in by_case:
+        return None
+    powersgd, topk = by_case["powersgd_rank2"], by_case["topk_matched"]
+    allreduce = by_case.get("allreduce")
+    return {
+        "powersgd_rank2": powersgd,
+        "topk_error_feedback_same_bytes": topk,
+        "topk_ratio": topk["compression_ratio"],
+        "bytes_ratio_topk_over_powersgd": topk["bytes_per_compressed_step"] / powersgd["bytes_per_compressed_step"],
+        "accuracy_topk_minus_powersgd": topk["final_accuracy"] - powersgd["final_accuracy"],
+        "accuracy_powersgd_minus_allreduce": powersgd["final_accuracy"] - allreduce["final_accuracy"] if allreduce else None,
+        "train_time_topk_over_powersgd": topk["train_time_s"] / powersgd["train_time_s"],
+    }
+
+
+def _session(rank: int, world: int, port: int, options: dict, output: str) -> None:
+    sys.stdout = sys.stderr  # the trainer's progress lines must not mix with the JSON on stdout
+    torch.set_num_threads(threads_per_rank(world))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_ddp_") as scratch:
+            root = Path(scratch) / f"rank_{rank}"  # each rank logs into its own copy; rank 0 checkpoints
+            base = {"training": {"dataset": options["dataset"], "batch_size": options["batch_size"], "seed": 0,
+                                 "model_architecture": options["model"]},
+                    "system": {"architecture": "ddp", "num_workers": world}}
+            load = os.getloadavg()
+            overhead = _overhead(base, root, rank, world, options["repeats"], options["overhead_epochs"]) if options["overhead"] else None
+            hooks = _hooks(base, root, rank, world, options["cases"], options["epochs"], options["hook_repeats"])
+            if rank == 0:
+                report = {
+                    "setup": {"dataset": options["dataset"], "model": options["model"], "world_size": world,
+                              "batch_size_per_rank": options["batch_size"], "epochs": options["epochs"], "backend": "gloo",
+                              "threads_per_rank": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)),
+                              "torch": torch.__version__, "machine": platform.machine(),
+                              "load_average_before": load[0], "load_average_after": os.getloadavg()[0]},
+                    "overhead": overhead,
+                    "hooks": hooks,
+                    "powersgd_vs_topk": _comparison(hooks),
+                }
+                Path(output).write_text(json.dumps(report, indent=2) + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dataset", default="mnist_5k")
+    parser.add_argument("--model", default="simple_cnn")
+    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs of each hook case")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of plain DDP and the trainer")
+    parser.add_argument("--overhead-epochs", type=int, default=1, help="epochs of each overhead run")
+    parser.add_argument("--hook-repeats", type=int, default=2, help="runs of each hook case (timings are medians)")
+    parser.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the overhead section")
+    parser.add_argument("--cases", nargs="+", default=list(HOOK_CASES), choices=HOOK_CASES)
+    parser.add_argument("--output", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if args.world_size < 2:
+        parser.error("--world-size must be >= 2 (there is nothing to exchange with one rank)")
+    if "topk_matched" in args.cases and ("powersgd_rank2" not in args.cases or args.cases.index("powersgd_rank2") > args.cases.index("topk_matched")):
+        parser.error("--cases: topk_matched needs powersgd_rank2 before it")
+
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="bench_ddp_out_") as scratch:
+        output = Path(scratch) / "report.json"
+        context = mp.start_processes(_session, args=(args.world_size, store.port, vars(args), str(output)),
+                                     nprocs=args.world_size, join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+                process.join()
+        text = output.read_text()
+    if args.output:
+        Path(args.output).write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""run_ddp_training.py as a user runs it: the spec's commands, torchrun across two "nodes", Ctrl-C, bad input.
+
+The spec commands run as written (with the bundled ``mnist_5k`` for ``mnist``) from a temporary
+working folder, so the default outputs checkpoints/ddp_cli and logs/ddp_cli land there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import run_ddp_training
+from src.metrics import read_events
+from tests.ddp_fixtures import free_port, process_gone
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = str(REPO / "run_ddp_training.py")
+RUN_TIMEOUT_S = 240
+
+
+def _run(args: list[str], cwd: Path, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, RUNNER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _outputs(cwd: Path, world: int) -> dict:
+    logs = cwd / "logs" / "ddp_cli"
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["num_workers"] == world and summary["architecture"] == "ddp"
+    for rank in range(world):
+        assert json.loads((logs / f"ddp_rank_{rank}.json").read_text())["rank"] == rank
+        assert list((logs / f"rank_{rank}").glob("events.out.tfevents.*"))
+    checkpoint = torch.load(cwd / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True)
+    assert checkpoint["extra"]["comm_hook"]["world_size"] == world
+    return summary
+
+
+# ----------------------------------------------------------------------------- spec commands
+
+
+@pytest.mark.slow
+def test_spec_single_process_run(tmp_path):
+    result = _run(["--world-size", "1", "--dataset", "mnist_5k", "--num-epochs", "1"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Final Accuracy:" in result.stdout and "Throughput:" in result.stdout
+    assert _outputs(tmp_path, 1)["final_accuracy"] >= 0.8
+
+
+@pytest.mark.slow
+def test_spec_two_process_run(tmp_path):
+    result = _run(["--world-size", "2", "--dataset", "mnist_5k", "--num-epochs", "2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = _outputs(tmp_path, 2)
+    assert summary["final_accuracy"] >= 0.9
+    assert summary["samples_processed"] == 2 * 4000
+    assert result.stdout.count("Final Accuracy:") == 1  # the summary is printed once, not per rank
+
+
+@pytest.mark.slow
+def test_spec_synthetic_debug_run_and_resume(tmp_path):
+    result = _run(["--dataset", "synthetic", "--world-size", "2", "--num-epochs", "1", "--num-samples", "2048", "--optimizer", "sgd"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = _outputs(tmp_path, 2)
+    assert summary["samples_processed"] == 2048 and summary["dataset"] == "synthetic"
+    assert summary["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
+    # ... and --resume continues it for a second epoch from the checkpoint folder
+    result = _run(["--dataset", "synthetic", "--world-size", "2", "--num-epochs", "2", "--num-samples", "2048",
+                   "--resume", "checkpoints/ddp_cli"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    resumed = _outputs(tmp_path, 2)
+    assert (resumed["steps"], resumed["steps_this_run"], resumed["samples_processed"]) == (2 * summary["steps"], summary["steps"], 2048)
+
+
+@pytest.mark.slow
+def test_same_script_spans_two_nodes_under_torchrun(tmp_path):
+    # The README's two-node command, both "nodes" on this machine.
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test_job",
+               RUNNER, "--dataset", "synthetic", "--num-samples", "256", "--num-epochs", "1", "--allreduce", "ring"]
+    nodes = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=RUN_TIMEOUT_S) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert sum(out.count("Final Accuracy:") for out, _ in outputs) == 1  # rank 0 only
+    summary = _outputs(tmp_path, 2)
+    assert summary["samples_processed"] == 256 and summary["comm_hook"] == "ring"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank(tmp_path):
+    runner = subprocess.Popen([sys.executable, RUNNER, "--dataset", "synthetic", "--num-samples", "20000", "--batch-size", "8",
+                               "--world-size", "2", "--num-epochs", "50"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = tmp_path / "logs" / "ddp_cli"
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while len(pids) < 2 or not all(_trained(logs, rank) for rank in range(2)):
+            assert runner.poll() is None, runner.communicate()
+            assert time.monotonic() < deadline, "ranks never started training"
+            for rank in range(2):
+                events = logs / f"rank_{rank}" / "events.jsonl"
+                if rank not in pids and events.exists():
+                    pids.update({rank: e["pid"] for e in read_events(events, "run_start")})
+            time.sleep(0.2)  # polling interval of the condition above, not a stand-in for it
+        runner.send_signal(signal.SIGINT)  # the launcher only, as `kill -INT` would
+        _, stderr = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+        for pid in pids.values():
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert runner.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert all(process_gone(pid) for pid in pids.values())
+
+
+def _trained(logs: Path, rank: int) -> bool:
+    events = logs / f"rank_{rank}" / "events.jsonl"
+    return events.exists() and any(True for _ in read_events(events, "train"))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _main(capsys, *args: str) -> tuple[int, str]:
+    try:
+        code = run_ddp_training.main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_world_size_zero_is_rejected(capsys):
+    code, err = _main(capsys, "--world-size", "0")
+    assert code == 2
+    assert err.strip() == "config error: system.num_workers: must be > 0, got 0"
+
+
+def test_compression_ratio_out_of_range_is_rejected(capsys):
+    code, err = _main(capsys, "--compression-enabled", "--compression-ratio", "1.5")
+    assert code == 2 and "system.compression_ratio" in err and len(err.strip().splitlines()) == 1
+
+
+def test_nccl_without_cuda_is_one_line_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = _main(capsys, "--backend", "nccl", "--log-dir", str(tmp_path / "logs"))
+    assert code == 1
+    assert err.strip() == "error: system.backend: nccl requested but CUDA is not available (use gloo or auto)"
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint .* does not exist:RuntimeWarning")
+def test_missing_resume_checkpoint_is_one_line_error(capsys, tmp_path):
+    code, err = _main(capsys, "--resume", str(tmp_path / "nothing_here"), "--log-dir", str(tmp_path / "logs"))
+    assert code == 1
+    assert err.strip().startswith("error: no usable checkpoint at") and len(err.strip().splitlines()) == 1
+
+
+def test_world_size_flag_must_agree_with_torchrun(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    code, err = _main(capsys, "--world-size", "3", "--log-dir", str(tmp_path / "logs"))
+    assert code == 1
+    assert err.strip() == "error: --world-size 3 disagrees with torchrun's WORLD_SIZE=2"
