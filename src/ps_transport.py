@@ -1,0 +1,471 @@
+"""gRPC plumbing of the parameter server: security, channels, message limits, tensor bytes, client.
+
+What lives here is what both ends of the wire must agree on, so that :mod:`src.parameter_server`
+and :mod:`src.worker` contain only their algorithms:
+
+* **Auth.** Every RPC carries ``authorization: Bearer <token>`` metadata; the server's
+  interceptor refuses anything else with ``UNAUTHENTICATED`` before a handler runs. The token comes
+  from ``system.auth_token``, else ``$DTS_AUTH_TOKEN`` (:func:`resolve_auth_token`); the local
+  launcher makes a random one per run.
+* **TLS.** ``system.tls_cert_file`` + ``tls_key_file`` make the server speak TLS; a client uses TLS
+  when it has ``tls_ca_file`` (or, for a self-signed server, ``tls_cert_file``) to verify against.
+* **Message size.** gRPC refuses messages over 4 MB by default; a resnet18 is ~45 MB of float32.
+  Both ends raise the limits instead of chunking: one unary message per pull and per push keeps the
+  protocol simple (``scripts/bench_ps.py`` compares it with raw gRPC). The server sizes its receive
+  limit from the model, so a client cannot make it buffer gigabytes.
+* **Tensor bytes.** Parameters travel as little-endian float32 ``bytes``, gradients as the
+  compression library's payloads. The messages holding them are ordinary protobuf messages on the
+  wire, but their large ``bytes`` fields are encoded and decoded here rather than by protobuf:
+  :func:`serialize` joins the small fields (serialized by protobuf) with the tensors' bytes in one
+  copy, and :func:`split` hands the large fields back as zero-copy views of the received message.
+  Protobuf's own ``SerializeToString`` of a message holding tens of MB costs about a millisecond per
+  MB here (a growing buffer, then a copy into ``bytes``), several times what gRPC needs to send it.
+* **Counted client.** :class:`ParameterServerClient` serializes requests and parses replies itself,
+  so ``bytes_sent`` / ``bytes_received`` are the lengths of the exact serialized messages that went
+  through gRPC, and retries a call that failed in transport with the same request (a push keeps its
+  request id, which the server applies at most once).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from src import parameter_server_pb2 as pb
+from src.config import SystemConfig
+
+AUTH_METADATA_KEY = "authorization"
+AUTH_TOKEN_ENV = "DTS_AUTH_TOKEN"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+# A client accepts whatever its server sends (the server is trusted); 2 GiB is protobuf's ceiling.
+CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
+# Statuses worth retrying with the same request: the call may not have reached the server.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_FLOAT32_LE = np.dtype("<f4")
+
+
+class AuthTokenMissing(ValueError):
+    """No token was configured for a role that needs one."""
+
+
+def resolve_auth_token(system: SystemConfig) -> str | None:
+    """The configured token: ``system.auth_token``, else ``$DTS_AUTH_TOKEN``, else ``None``."""
+    return system.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+def require_auth_token(system: SystemConfig) -> str:
+    """Like :func:`resolve_auth_token`, but a missing token is an error.
+
+    Raises:
+        AuthTokenMissing: neither the config nor the environment has one.
+    """
+    token = resolve_auth_token(system)
+    if not token:
+        raise AuthTokenMissing(f"no auth token: set system.auth_token in the config or ${AUTH_TOKEN_ENV}")
+    return token
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; IPv6 hosts may be bracketed (``[::1]:50051``)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# ----------------------------------------------------------------------------- tensors <-> bytes
+
+
+def tensor_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's values as little-endian float32 bytes: a view, no copy, for a contiguous CPU float32 tensor."""
+    array = tensor.detach().to("cpu", torch.float32).contiguous().numpy()
+    return memoryview(array.astype(_FLOAT32_LE, copy=False)).cast("B")
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw little-endian float32 bytes of ``tensor`` (one copy)."""
+    return tensor_view(tensor).tobytes()
+
+
+def check_float32_bytes(data, numel: int, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``data`` holds exactly ``numel`` float32 values."""
+    if len(data) != 4 * numel:
+        raise ValueError(f"{what}: {len(data)} bytes, expected {4 * numel} ({numel} float32 values)")
+
+
+def copy_bytes_into(tensor: torch.Tensor, data, what: str = "tensor") -> None:
+    """Overwrite ``tensor`` (float32) in place with the float32 values in ``data`` (bytes or a view).
+
+    Raises:
+        ValueError: ``data`` does not hold exactly ``tensor.numel()`` float32 values.
+    """
+    check_float32_bytes(data, tensor.numel(), what)
+    source = np.frombuffer(data, dtype=_FLOAT32_LE)
+    with torch.no_grad():
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == torch.float32:
+            np.copyto(tensor.numpy().reshape(-1), source)  # straight from the message, no temporary
+        else:
+            tensor.copy_(torch.from_numpy(source.astype(np.float32)).view_as(tensor))
+
+
+# ----------------------------------------------------------------------------- messages with large bytes fields
+
+
+def field_number(message_type, name: str) -> int:
+    return message_type.DESCRIPTOR.fields_by_name[name].number
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(view: memoryview, position: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if position >= len(view) or shift > 63:
+            raise ValueError("malformed message: truncated or overlong varint")
+        byte = view[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+@dataclass
+class Outgoing:
+    """A message to send plus its large ``repeated bytes`` fields, kept out of protobuf: ``{field name: chunks}``."""
+
+    message: Any
+    large: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+
+
+def serialize(outgoing: "Outgoing | Any") -> bytes:
+    """Protobuf wire bytes of ``outgoing``: its message, then each large field's chunks, in one copy.
+
+    Protobuf parsers merge fields in any order, so this is exactly what the message with those
+    fields set would parse back to.
+    """
+    if not isinstance(outgoing, Outgoing):
+        return outgoing if isinstance(outgoing, bytes) else outgoing.SerializeToString()
+    pieces: list[Any] = [outgoing.message.SerializeToString()]
+    for name, chunks in outgoing.large.items():
+        tag = _varint(field_number(type(outgoing.message), name) << 3 | 2)
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            pieces += [tag, _varint(len(view)), view]
+    return b"".join(pieces)
+
+
+@dataclass
+class Received:
+    """A parsed message whose large ``repeated bytes`` fields are zero-copy views: ``large[field name]``."""
+
+    message: Any
+    large: dict[str, list[memoryview]]
+
+
+def split(data: bytes, message_type, large_fields: Sequence[str]) -> Received:
+    """Parse ``data`` as ``message_type``, handing ``large_fields`` back as views of ``data``.
+
+    Raises:
+        ValueError: the bytes are not a well-formed message (truncated field, bad wire type).
+    """
+    numbers = {field_number(message_type, name): name for name in large_fields}
+    large: dict[str, list[memoryview]] = {name: [] for name in large_fields}
+    view = memoryview(data)
+    small: list[memoryview] = []
+    position = 0
+    while position < len(view):
+        start = position
+        key, position = _read_varint(view, position)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, position = _read_varint(view, position)
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == 2:
+            length, position = _read_varint(view, position)
+            if position + length <= len(view) and key >> 3 in numbers:
+                large[numbers[key >> 3]].append(view[position:position + length])
+                position += length
+                continue
+            position += length
+        else:
+            raise ValueError(f"malformed message: unsupported wire type {wire_type}")
+        if position > len(view):
+            raise ValueError("malformed message: a field runs past the end")
+        small.append(view[start:position])
+    try:
+        message = message_type.FromString(b"".join(small))
+    except Exception as exc:  # protobuf's DecodeError
+        raise ValueError(f"malformed message: {exc}") from None
+    return Received(message, large)
+
+
+# ----------------------------------------------------------------------------- memory
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc keep and reuse freed memory instead of returning it to the kernel at once.
+
+    Every step allocates and frees message-sized buffers (the serialized push, decompressed
+    gradients, the pull reply). By default glibc serves such sizes with fresh ``mmap`` pages and
+    unmaps them on free, so each step pays a page fault per 4 KB touched: on a VM that is several
+    times the cost of copying the bytes (``scripts/bench_ps.py``: 1-16 MB round trips ~1.4-1.8x
+    faster with this). The price is that the process keeps its peak heap. Call it once at the start
+    of a server or worker process; a no-op returning ``False`` off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
+# ----------------------------------------------------------------------------- security
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {path} ({exc.strerror})") from None
+
+
+def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None`` (plaintext).
+
+    Raises:
+        ValueError: only one of the two is set, or a file cannot be read.
+    """
+    if bool(system.tls_cert_file) != bool(system.tls_key_file):
+        raise ValueError("system.tls_cert_file and system.tls_key_file: set both for TLS, or neither")
+    if not system.tls_cert_file:
+        return None
+    key = _read(system.tls_key_file, "system.tls_key_file")
+    cert = _read(system.tls_cert_file, "system.tls_cert_file")
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def channel_credentials(system: SystemConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials verifying the server against ``tls_ca_file`` (else ``tls_cert_file``), or ``None``."""
+    roots_file = system.tls_ca_file or system.tls_cert_file
+    if not roots_file:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(roots_file, "system.tls_ca_file"))
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"missing or wrong auth token (metadata '{AUTH_METADATA_KEY}: Bearer <token>'; "
+                          f"system.auth_token or ${AUTH_TOKEN_ENV})")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):  # constant time: no timing oracle
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def service_handler(servicer) -> grpc.GenericRpcHandler:
+    """The ParameterServer service with this module's (de)serializers.
+
+    Register and Pull may return pre-serialized bytes (the server encodes each version's parameters
+    once for every worker); Push receives the raw request bytes so the handler can :func:`split`
+    it and refuse a malformed one with INVALID_ARGUMENT.
+    """
+    def unary(method, request_type, reply_type):
+        return grpc.unary_unary_rpc_method_handler(
+            method,
+            request_deserializer=request_type.FromString if request_type is not None else None,
+            response_serializer=serialize if reply_type is None else reply_type.SerializeToString,
+        )
+
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Register": unary(servicer.Register, pb.RegisterRequest, None),
+        "Pull": unary(servicer.Pull, pb.PullRequest, None),
+        "Push": unary(servicer.Push, None, pb.PushReply),
+        "Finish": unary(servicer.Finish, pb.FinishRequest, pb.FinishReply),
+        "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
+    })
+
+
+def start_grpc_server(
+    servicer,
+    system: SystemConfig,
+    *,
+    token: str,
+    max_message_bytes: int,
+    max_threads: int,
+) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for ``servicer`` (see :func:`service_handler`) on ``system.server_address``.
+
+    Returns the server and the bound port.
+
+    Port 0 binds a free port (reported back, for the launcher and tests).
+
+    Raises:
+        ValueError: bad TLS settings, or the address cannot be bound.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="ps-rpc"),
+        interceptors=[TokenAuthInterceptor(token)],
+        options=message_options(max_message_bytes),
+    )
+    server.add_generic_rpc_handlers([service_handler(servicer)])
+    credentials = server_credentials(system)
+    address = system.server_address
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ValueError(f"system.server_address: cannot bind {address} ({exc})") from None
+    if port == 0:
+        raise ValueError(f"system.server_address: cannot bind {address} (in use or not a local address)")
+    server.start()
+    return server, port
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class ParameterServerClient:
+    """A worker's (or a tool's) connection to the parameter server, counting the bytes it moves.
+
+    Args:
+        address: ``host:port`` of the server.
+        token: the run's auth token (``None`` sends none: useful only to test refusal).
+        system: TLS settings (``tls_ca_file`` / ``tls_cert_file``).
+        connect_timeout_s: how long :meth:`register` waits for the server to come up.
+        retries: extra attempts of a call that failed with UNAVAILABLE or DEADLINE_EXCEEDED.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None,
+        system: SystemConfig | None = None,
+        connect_timeout_s: float = 300.0,
+        retries: int = 5,
+    ):
+        options = message_options(CLIENT_MAX_MESSAGE_BYTES) + [("grpc.keepalive_time_ms", 30_000)]
+        credentials = channel_credentials(system) if system is not None else None
+        if credentials is not None:
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        model_state = ("parameters", "buffers")
+        self._calls = {
+            name: self.channel.unary_unary(
+                f"/{SERVICE_NAME}/{name}",
+                request_serializer=self._serialize,
+                response_deserializer=self._parser(reply_type, large_fields),
+            )
+            for name, reply_type, large_fields in (
+                ("Register", pb.RegisterReply, model_state), ("Pull", pb.PullReply, model_state),
+                ("Push", pb.PushReply, None), ("Finish", pb.FinishReply, None), ("Status", pb.StatusReply, None),
+            )
+        }
+
+    def _serialize(self, outgoing) -> bytes:
+        data = serialize(outgoing)
+        self.bytes_sent += len(data)
+        return data
+
+    def _parser(self, reply_type, large_fields) -> Callable[[bytes], Any]:
+        def parse(data: bytes):
+            self.bytes_received += len(data)
+            return split(data, reply_type, large_fields) if large_fields else reply_type.FromString(data)
+
+        return parse
+
+    def _call(self, name: str, request, *, timeout: float | None = None, wait_for_ready: bool = False, retry: bool = True):
+        attempt = 0
+        while True:
+            try:
+                return self._calls[name](request, metadata=self._metadata, timeout=timeout, wait_for_ready=wait_for_ready)
+            except grpc.RpcError as exc:
+                if not retry or exc.code() not in RETRYABLE or attempt >= self.retries:
+                    raise
+                attempt += 1
+                time.sleep(min(0.2 * 2**attempt, 5.0))  # backoff before resending the same request
+
+    def register(self, worker_id: int) -> Received:
+        """Join the run; waits up to ``connect_timeout_s`` for the server to accept connections.
+
+        Returns the :class:`~pb.RegisterReply` with its ``parameters`` and ``buffers`` as views in ``large``.
+        """
+        request = pb.RegisterRequest(worker_id=worker_id)
+        # wait_for_ready already waited connect_timeout_s for the server: no retry on top of it.
+        return self._call("Register", request, timeout=self.connect_timeout_s, wait_for_ready=True, retry=False)
+
+    def pull(self, worker_id: int, min_version: int) -> Received:
+        """Parameters at the newest version, once it is >= ``min_version`` (a :class:`~pb.PullReply` and views)."""
+        return self._call("Pull", pb.PullRequest(worker_id=worker_id, min_version=min_version))
+
+    def push(self, request: pb.PushRequest, gradients: Sequence[Any] = (), buffers: Sequence[Any] = ()) -> pb.PushReply:
+        """Send one step: ``request``'s small fields plus one payload per parameter and the raw buffers.
+
+        A retry resends the same bytes (same request id), which the server applies at most once.
+        """
+        return self._call("Push", Outgoing(request, {"gradients": gradients, "buffers": buffers}))
+
+    def finish(self, worker_id: int, stats: pb.WorkerStats) -> pb.FinishReply:
+        return self._call("Finish", pb.FinishRequest(worker_id=worker_id, stats=stats))
+
+    def status(self, timeout: float | None = 10.0, wait_for_ready: bool = False) -> pb.StatusReply:
+        return self._call("Status", pb.StatusRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "ParameterServerClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,114 @@
+"""Shared helpers for the parameter-server tests: configs, a served server, raw clients, certificates, CLI runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from src import parameter_server_pb2 as pb
+from src.compression import IDENTITY
+from src.config import Config, load_config
+from src.parameter_server import ParameterServer
+from src.ps_transport import ParameterServerClient
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "run_parameter_server_training.py"
+TOKEN = "test-token-0123456789"
+
+
+def ps_config(tmp_path: Path, name: str = "run", **fields: Any) -> Config:
+    """A small PS config writing under ``tmp_path/name``; ``fields`` are dotted overrides with ``__`` for ``.``."""
+    values = {
+        "training.dataset": "mnist_5k", "training.batch_size": 16, "training.num_epochs": 1,
+        "training.max_train_samples": 64, "training.max_test_samples": 64, "training.learning_rate": 0.05,
+        "training.checkpoint_interval": 1000,
+        "system.num_workers": 1, "system.aggregation_mode": "async",
+        "system.checkpoint_dir": str(tmp_path / name / "ckpt"), "system.log_dir": str(tmp_path / name / "logs"),
+    }
+    values.update({key.replace("__", "."): value for key, value in fields.items()})
+    return load_config(overrides=values)
+
+
+class ServedServer:
+    """A :class:`ParameterServer` serving on a free loopback port, stopped by :meth:`close`."""
+
+    def __init__(self, config: Config, token: str = TOKEN, **kwargs: Any):
+        self.server = ParameterServer(config, token=token, tensorboard=False, **kwargs)
+        self.port = self.server.start()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def client(self, token: str | None = TOKEN, **kwargs: Any) -> ParameterServerClient:
+        return ParameterServerClient(self.address, token=token, retries=0, connect_timeout_s=10, **kwargs)
+
+    def close(self) -> None:
+        self.server.stop(grace=0)
+
+
+def identity_gradients(server: ParameterServer, value: float = 0.0) -> list[bytes]:
+    """One identity payload per parameter of ``server``'s model, every entry ``value``."""
+    return [IDENTITY.compress(torch.full(tuple(spec.shape), value)) for spec in server.param_specs]
+
+
+def push_request(server: ParameterServer, *, worker_id: int = 0, request_id: int = 1, base_version: int = 0,
+                 gradients: list[bytes] | None = None, num_samples: int = 4) -> pb.PushRequest:
+    """A whole push as one protobuf message; ``client.push(request)`` sends it as it is."""
+    return pb.PushRequest(worker_id=worker_id, base_version=base_version, request_id=request_id, num_samples=num_samples,
+                          gradients=identity_gradients(server) if gradients is None else gradients)
+
+
+def make_self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A throwaway certificate for 127.0.0.1/localhost and its key, made with the openssl CLI."""
+    cert, key = directory / "server.crt", directory / "server.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
+
+def run_cli(args: list[str], *, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the PS runner to completion; kills its whole process group if it overruns."""
+    process = subprocess.Popen([sys.executable, str(RUNNER), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(process)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"runner timed out after {timeout}s:\n{stdout}\n{stderr}")
+    finally:
+        kill_group(process)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL every process left in ``process``'s session/group (the runner and its children)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members

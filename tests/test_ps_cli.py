@@ -1,0 +1,109 @@
+"""run_parameter_server_training.py end to end: the spec's commands, its outputs, bad flags, failures, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from src.checkpoint import load_checkpoint
+from src.metrics import SUMMARY_FIELDS, read_events
+from tests.ps_fixtures import RUNNER, group_members, kill_group, run_cli
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_spec_smoke_run_writes_the_spec_outputs(tmp_path):
+    """The spec's fast smoke command (mnist_5k here), with the default output folders."""
+    result = run_cli(["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1",
+                      "--max-train-samples", "512", "--max-test-samples", "128"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for line in ("Final Accuracy:", "Final Loss:", "Total Time:", "Throughput:"):
+        assert line in result.stdout
+    checkpoint = load_checkpoint(tmp_path / "checkpoints" / "ps_cli" / "parameter_server_final.pt")
+    assert checkpoint["model_architecture"] == "simple_cnn" and checkpoint["step"] == 512 // (2 * 64)
+    summary = json.loads((tmp_path / "logs" / "ps_cli" / "summary.json").read_text())
+    assert set(SUMMARY_FIELDS) <= set(summary)
+    assert summary["architecture"] == "parameter_server" and summary["num_workers"] == 2
+    assert summary["samples_processed"] == 512 and summary["compression"] == "none"
+    assert summary["bytes_sent"] == sum(w["bytes_sent"] for w in summary["workers"]) > 0
+    for k in (0, 1):
+        worker_logs = tmp_path / "logs" / "ps_cli" / f"worker_{k}"
+        assert any(path.name.startswith("events.out.tfevents") for path in worker_logs.iterdir())
+        train = list(read_events(worker_logs / "events.jsonl", kind="train"))
+        assert train and {"loss", "accuracy", "gradient_time_s", "communication_time_s", "bytes_sent"} <= set(train[-1])
+    assert result.stdout.count("registered with 127.0.0.1:") == 2
+
+
+@pytest.mark.slow
+def test_four_async_topk_workers_from_a_config_file(tmp_path):
+    result = run_cli(["--config", "configs/ps_async_quantization_4workers.yaml", "--dataset", "mnist_5k",
+                      "--num-epochs", "1", "--max-train-samples", "512", "--max-test-samples", "128",
+                      "--compression-type", "topk", "--compression-ratio", "0.1",
+                      "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],
+                     cwd=RUNNER.parent)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["num_workers"] == 4 and summary["aggregation_mode"] == "async"
+    assert summary["compression"] == "topk(0.1)" and summary["samples_processed"] == 512
+    assert summary["versions"] == 512 // 64  # every push applied once: 4 workers x 2 steps
+    assert (tmp_path / "ckpt" / "parameter_server_final.pt").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compression-ratio", "1.5"], "config error: system.compression_ratio: must be in (0, 1], got 1.5"),
+    (["--workers", "0"], "config error: system.num_workers: must be > 0, got 0"),
+    (["--role", "worker"], "--role worker needs --worker-id"),
+    (["--role", "server", "--server-address", "0.0.0.0:0"], "--role server needs a fixed port"),
+])
+def test_bad_flags_exit_nonzero_with_one_line(tmp_path, args, message):
+    result = run_cli(args, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_worker_role_without_a_token_says_so(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "DTS_AUTH_TOKEN"}
+    process = subprocess.run([sys.executable, str(RUNNER), "--role", "worker", "--worker-id", "0",
+                              "--server-address", "127.0.0.1:1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert process.returncode == 1
+    assert process.stderr.strip() == "error: no auth token: set system.auth_token in the config or $DTS_AUTH_TOKEN"
+
+
+def test_server_that_cannot_start_fails_the_run(tmp_path):
+    result = run_cli(["--server-address", "192.0.2.1:0", "--max-train-samples", "64"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 1
+    assert "error: parameter server: ValueError: system.server_address: cannot bind 192.0.2.1:0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_stops_every_child(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, str(RUNNER), "--workers", "2", "--num-epochs", "50"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        registered = set()
+        for line in process.stdout:  # wait until both workers are training
+            if "registered with" in line:
+                registered.add(line.split(":")[0])
+            if len(registered) == 2:
+                break
+        assert len(registered) == 2, process.stderr.read()
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        assert process.wait(timeout=60) == 130
+        stderr = process.stderr.read()
+        assert "interrupted" in stderr and "Traceback" not in stderr
+        deadline = time.monotonic() + 30
+        while group_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)  # children were joined; only multiprocessing's resource tracker may still be exiting
+        assert group_members(process.pid) == []
+    finally:
+        kill_group(process)
+        process.wait()

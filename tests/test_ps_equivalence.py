@@ -1,0 +1,83 @@
+"""Parameter-server contracts against the baseline trainer: sync PS == large-batch SGD, async with 1 worker == SGD.
+
+Server and workers run as threads of the test process (:func:`run_in_process`): the same gRPC code
+paths as separate processes, without paying process start-up per test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from src.checkpoint import load_checkpoint
+from src.config import load_config
+from src.ps_launcher import run_in_process
+from src.trainer import BaselineTrainer
+from tests.ps_fixtures import ps_config
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def baseline_parameters(tmp_path, *, batch_size: int, max_train_samples: int, momentum: float) -> dict[str, torch.Tensor]:
+    config = load_config(overrides={
+        "training.dataset": "mnist_5k", "training.batch_size": batch_size, "training.num_epochs": 1,
+        "training.max_train_samples": max_train_samples, "training.max_test_samples": 64,
+        "training.learning_rate": 0.05, "training.momentum": momentum,
+        "system.architecture": "baseline", "system.num_workers": 1,
+        "system.checkpoint_dir": str(tmp_path / "baseline" / "ckpt"), "system.log_dir": str(tmp_path / "baseline" / "logs"),
+    })
+    trainer = BaselineTrainer(config)
+    trainer.run()
+    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+
+
+def ps_parameters(tmp_path, **fields) -> tuple[dict, dict[str, torch.Tensor]]:
+    config = ps_config(tmp_path, "ps", **fields)
+    summary = run_in_process(config, timeout_s=150)
+    return summary, load_checkpoint(summary["checkpoint_path"])["model_state_dict"]
+
+
+def assert_same_parameters(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "num_workers, max_train_samples, momentum",
+    [
+        # 249 = 2 shards of 125 and 124: the last step averages batches of 13 and 12 (sample-weighted).
+        (2, 249, 0.0),
+        # 129 samples over 4 shards of 16-sample steps: shard 0 has 33, the others 32, so workers 1-3
+        # take an empty third step while worker 0 contributes the one remaining sample.
+        (4, 129, 0.9),
+    ],
+)
+def test_sync_matches_large_batch_baseline(tmp_path, num_workers, max_train_samples, momentum):
+    per_worker_batch = 16
+    expected = baseline_parameters(tmp_path, batch_size=num_workers * per_worker_batch,
+                                   max_train_samples=max_train_samples, momentum=momentum)
+    summary, actual = ps_parameters(
+        tmp_path, system__num_workers=num_workers, system__aggregation_mode="sync", training__batch_size=per_worker_batch,
+        training__max_train_samples=max_train_samples, training__momentum=momentum,
+    )
+    assert summary["versions"] == -(-max_train_samples // (num_workers * per_worker_batch))
+    assert summary["samples_processed"] == max_train_samples
+    assert_same_parameters(expected, actual)
+
+
+def test_async_single_worker_matches_baseline(tmp_path):
+    expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=100, momentum=0.9)
+    summary, actual = ps_parameters(tmp_path, system__num_workers=1, system__aggregation_mode="async",
+                                    training__batch_size=16, training__max_train_samples=100, training__momentum=0.9)
+    assert summary["versions"] == 7 and summary["max_staleness"] == 0
+    assert_same_parameters(expected, actual)
+
+
+def test_sync_differs_from_baseline_when_batches_differ(tmp_path):
+    """The comparison above can fail: the same PS run against a baseline of the wrong batch size."""
+    expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=128, momentum=0.0)
+    _, actual = ps_parameters(tmp_path, system__num_workers=2, system__aggregation_mode="sync",
+                              training__batch_size=16, training__max_train_samples=128, training__momentum=0.0)
+    with pytest.raises(AssertionError):
+        assert_same_parameters(expected, actual)

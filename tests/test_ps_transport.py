@@ -1,0 +1,61 @@
+"""PS wire helpers: large bytes fields encoded outside protobuf still make the same protobuf message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from src import parameter_server_pb2 as pb
+from src.ps_transport import Outgoing, copy_bytes_into, serialize, split, tensor_to_bytes, tensor_view
+
+
+def full_push(gradients, buffers) -> pb.PushRequest:
+    return pb.PushRequest(worker_id=3, base_version=7, request_id=2**62 + 5, num_samples=32, gradients=gradients,
+                          buffers=buffers, metrics=pb.StepMetrics(epoch=1, step=2, loss=0.5, correct=30, last_in_epoch=True))
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [1, 127, 128, 300], [70_000, 3]])
+def test_serialize_equals_protobuf_and_split_inverts_it(sizes):
+    gradients = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    buffers = [b"\x01\x02\x03\x04"] if sizes else []
+    small = full_push([], [])
+    data = serialize(Outgoing(small, {"gradients": gradients, "buffers": buffers}))
+    assert pb.PushRequest.FromString(data) == full_push(gradients, buffers)
+    assert len(data) == full_push(gradients, buffers).ByteSize()
+    received = split(data, pb.PushRequest, ("gradients", "buffers"))
+    assert received.message == small
+    assert [bytes(v) for v in received.large["gradients"]] == gradients
+    assert [bytes(v) for v in received.large["buffers"]] == buffers
+
+
+def test_split_reads_what_protobuf_wrote():
+    reply = pb.PullReply(version=9, parameters=[b"a" * 1000, b"bc"], buffers=[b"d"])
+    received = split(reply.SerializeToString(), pb.PullReply, ("parameters", "buffers"))
+    assert received.message == pb.PullReply(version=9)
+    assert [bytes(v) for v in received.large["parameters"]] == [b"a" * 1000, b"bc"]
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\x08", "truncated or overlong varint"),
+    (b"\x08" + b"\xff" * 11, "truncated or overlong varint"),
+    (b"\x2a\x05ab", "runs past the end"),
+    (b"\x11\x00", "runs past the end"),  # fixed64 with 1 byte
+    (b"\x0b", "unsupported wire type 3"),
+    (b"\x3a\x01\x08", "Wire format was corrupt"),  # metrics: a submessage cut inside a field
+])
+def test_split_refuses_malformed_bytes(data, message):
+    with pytest.raises(ValueError, match=message):
+        split(data, pb.PushRequest, ("gradients", "buffers"))
+
+
+def test_tensor_bytes_round_trip_without_copies_on_the_way_out():
+    tensor = torch.randn(3, 5)
+    view = tensor_view(tensor)
+    assert view.nbytes == 60 and bytes(view) == tensor_to_bytes(tensor)
+    tensor[0, 0] = 42.0
+    assert bytes(view)[:4] == torch.tensor([42.0]).numpy().tobytes()  # a view of the tensor, not a copy
+    target = torch.empty(3, 5)
+    copy_bytes_into(target, memoryview(tensor_to_bytes(tensor)))
+    assert torch.equal(target, tensor)
+    with pytest.raises(ValueError, match="parameter 2: 56 bytes, expected 60"):
+        copy_bytes_into(target, b"\x00" * 56, "parameter 2")
