@@ -24,7 +24,7 @@ import argparse
 import sys
 
 from src.checkpoint import CheckpointError
-from src.cli import add_common_flags, config_from_args
+from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args
 from src.data import DatasetUnavailableError
 from src.metrics import format_summary
 
@@ -33,13 +33,6 @@ DDP_FLAGS = {
     "world_size": "system.num_workers",
     "allreduce": "system.allreduce",
     "backend": "system.backend",
-    "compression_enabled": "system.compression_enabled",
-    "compression_type": "system.compression_type",
-    "compression_ratio": "system.compression_ratio",
-    "quantization_bits": "system.quantization_bits",
-    "topk_selection": "system.topk_selection",
-    "warmup_steps": "system.warmup_steps",
-    "error_feedback": "system.error_feedback",
 }
 
 
@@ -50,20 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--world-size", type=int, help="local ranks to spawn (system.num_workers, default 2); under torchrun its WORLD_SIZE decides")
     ddp.add_argument("--allreduce", choices=("default", "ring"), help="gradient allreduce: the backend's (default) or the explicit ring hook")
     ddp.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="auto: nccl on CUDA, gloo on CPU (default auto)")
-    comp = parser.add_argument_group("compression (DDP comm hook)")
-    comp.add_argument("--compression-enabled", action="store_const", const=True, help="compress gradients in a comm hook")
-    comp.add_argument("--compression-type", choices=("quantization", "topk"), help="compressor (default topk)")
-    comp.add_argument("--compression-ratio", type=float, help="fraction of entries top-k keeps, in (0, 1] (default 0.01)")
-    comp.add_argument("--quantization-bits", type=int, choices=(2, 4, 8), help="bits per entry for quantization (default 8)")
-    comp.add_argument("--topk-selection", choices=("exact", "sampled"), help="top-k selection algorithm (same result; sampled is faster)")
-    comp.add_argument("--warmup-steps", type=int, help="plain allreduce steps before compression starts (default 0)")
-    comp.add_argument("--no-error-feedback", dest="error_feedback", action="store_const", const=False, help="drop what compression leaves out instead of carrying it over")
+    add_compression_flags(parser, "compression (DDP comm hook)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags=DDP_FLAGS, forced={"system.architecture": "ddp"})
+    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**DDP_FLAGS, **COMPRESSION_FLAGS}, forced={"system.architecture": "ddp"})
 
     import torch.multiprocessing as mp  # torch import after flag checks keeps --help fast
 

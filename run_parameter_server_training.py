@@ -28,7 +28,7 @@ import argparse
 import sys
 
 from src.checkpoint import CheckpointError
-from src.cli import add_common_flags, config_from_args
+from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args
 from src.data import DatasetUnavailableError
 from src.metrics import format_summary
 
@@ -40,10 +40,6 @@ DEFAULTS = {
 PS_FLAGS = {
     "workers": "system.num_workers",
     "aggregation_mode": "system.aggregation_mode",
-    "compression_enabled": "system.compression_enabled",
-    "compression_type": "system.compression_type",
-    "compression_ratio": "system.compression_ratio",
-    "quantization_bits": "system.quantization_bits",
     "server_address": "system.server_address",
     "tls_cert": "system.tls_cert_file",
     "tls_key": "system.tls_key_file",
@@ -57,10 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps = parser.add_argument_group("parameter server")
     ps.add_argument("--workers", type=int, help="number of workers (default 2)")
     ps.add_argument("--aggregation-mode", choices=("sync", "async"), help="sync barrier per version, or apply each push (default sync)")
-    ps.add_argument("--compression-enabled", action="store_true", default=None, help="compress gradients on the wire")
-    ps.add_argument("--compression-type", choices=("quantization", "topk"), help="compressor when enabled (default topk)")
-    ps.add_argument("--compression-ratio", type=float, help="fraction of entries top-k keeps, in (0, 1] (default 0.01)")
-    ps.add_argument("--quantization-bits", type=int, choices=(2, 4, 8), help="bits per entry of quantization (default 8)")
+    add_compression_flags(parser, "compression (worker pushes)")
     hosts = parser.add_argument_group("roles, hosts and security")
     hosts.add_argument("--role", choices=("local", "server", "worker"), default="local",
                        help="local: server + workers on this machine (default); server or worker: one role, for several hosts")
@@ -83,9 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--role worker needs --worker-id")
     if args.role != "worker" and args.worker_id is not None:
         parser.error("--worker-id is only for --role worker")
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags=PS_FLAGS, forced={"system.architecture": "parameter_server"})
+    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS}, forced={"system.architecture": "parameter_server"})
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
+
+    workers, momentum = config.system.num_workers, config.training.momentum
+    if config.system.aggregation_mode == "async" and workers > 1 and config.training.optimizer == "sgd":
+        suggested = max(0.0, 0.9 - (1 - 1 / workers))
+        if momentum > suggested + 1e-9:
+            print(f"note: {workers} async workers add about {1 - 1 / workers:.2f} momentum of their own (stale "
+                  f"gradients); momentum {momentum} on top tends to oscillate, --momentum {suggested:.2f} keeps "
+                  f"the sum near 0.9 (docs/parameter_server.md)", file=sys.stderr)
 
     import grpc  # after flag checks: --help and flag errors stay fast
 

@@ -59,6 +59,30 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     outputs.add_argument("--resume", help="continue from this checkpoint file or folder (newest good one)")
 
 
+COMPRESSION_FLAGS: dict[str, str] = {
+    "compression_enabled": "system.compression_enabled",
+    "compression_type": "system.compression_type",
+    "compression_ratio": "system.compression_ratio",
+    "quantization_bits": "system.quantization_bits",
+    "topk_selection": "system.topk_selection",
+    "warmup_steps": "system.warmup_steps",
+    "error_feedback": "system.error_feedback",
+}
+
+
+def add_compression_flags(parser: argparse.ArgumentParser, title: str) -> None:
+    """Gradient compression flags (the parameter server's pushes, the DDP comm hook)."""
+    group = parser.add_argument_group(title)
+    group.add_argument("--compression-enabled", action="store_const", const=True, help="compress gradients on the wire")
+    group.add_argument("--compression-type", choices=("quantization", "topk"), help="compressor when enabled (default topk)")
+    group.add_argument("--compression-ratio", type=float, help="fraction of entries top-k keeps, in (0, 1] (default 0.01)")
+    group.add_argument("--quantization-bits", type=int, choices=(2, 4, 8), help="bits per entry of quantization (default 8)")
+    group.add_argument("--topk-selection", choices=("exact", "sampled"), help="top-k selection: same entries, sampled is faster (default sampled)")
+    group.add_argument("--warmup-steps", type=int, help="uncompressed steps before compression starts (default 0)")
+    group.add_argument("--no-error-feedback", dest="error_feedback", action="store_const", const=False,
+                       help="drop what compression leaves out instead of carrying it into the next step")
+
+
 def overrides_from_args(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:
     """Dotted overrides for the flags that were given."""
     return {field: getattr(args, dest) for dest, field in flags.items() if getattr(args, dest, None) is not None}

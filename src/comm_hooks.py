@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.compression import CompressionPolicy, Compressor, ErrorFeedback, build_compressor, decompress
+from src.compression import CompressionPolicy, ErrorFeedback, decompress, policy_from_config
 from src.config import SystemConfig
 
 # Tag for the ring's point-to-point messages, so they never match another send/recv pair.
@@ -362,21 +362,6 @@ def _compressed_average_(state: CompressionHookState, bucket: dist.GradBucket, b
 # ----------------------------------------------------------------------------- selection
 
 
-def _topk(system: SystemConfig) -> Compressor:
-    return build_compressor("topk", ratio=system.compression_ratio, selection=system.topk_selection)
-
-
-def _quantization(system: SystemConfig) -> Compressor:
-    return build_compressor("quantization", bits=system.quantization_bits, bucket_size=system.quantization_bucket_size)
-
-
-#: ``system.compression_type`` -> compressor built from the system section.
-COMPRESSOR_BUILDERS: Mapping[str, Callable[[SystemConfig], Compressor]] = {
-    "topk": _topk,
-    "quantization": _quantization,
-}
-
-
 @dataclass
 class CommHook:
     """A hook and its state, ready to register on a DDP model, plus how to account its bytes.
@@ -435,11 +420,7 @@ def comm_hook_from_config(system: SystemConfig, model: nn.Module, *, group=None,
     world = _group_size(group)
     common = dict(world_size=world, gradient_bytes=gradient_bytes(model))
     if system.compression_enabled:
-        try:
-            builder = COMPRESSOR_BUILDERS[system.compression_type]
-        except KeyError:
-            raise ValueError(f"system.compression_type: must be one of {sorted(COMPRESSOR_BUILDERS)}, got {system.compression_type!r}") from None
-        policy = CompressionPolicy(builder(system), warmup_steps=system.warmup_steps)
+        policy = policy_from_config(system)
         state = CompressionHookState(
             policy,
             param_names={id(p): name for name, p in model.named_parameters()},
@@ -458,7 +439,6 @@ def comm_hook_from_config(system: SystemConfig, model: nn.Module, *, group=None,
 
 
 __all__ = [
-    "COMPRESSOR_BUILDERS",
     "CommHook",
     "CommStats",
     "CompressionHookState",

@@ -87,6 +87,7 @@ __all__ = [
     "build_compressor",
     "decompress",
     "parse_header",
+    "policy_from_config",
     "wire_size",
 ]
 
@@ -1060,6 +1061,34 @@ class CompressionPolicy:
                    device: torch.device | str | None = None) -> torch.Tensor:
         """Same as the module-level :func:`decompress`."""
         return decompress(payload, device=device)
+
+
+# Config field names that configure each compressor, read from a ``system`` config section.
+_SETTINGS_FROM_CONFIG: Mapping[str, Any] = types.MappingProxyType({
+    "topk": lambda system: {"ratio": system.compression_ratio, "selection": system.topk_selection},
+    "quantization": lambda system: {"bits": system.quantization_bits, "bucket_size": system.quantization_bucket_size},
+})
+
+
+def policy_from_config(system: Any) -> "CompressionPolicy | None":
+    """The compression a run's ``system`` config section asks for, or ``None`` when disabled.
+
+    ``system`` is read by attribute (``src.config.SystemConfig``: ``compression_enabled``,
+    ``compression_type``, ``compression_ratio``, ``topk_selection``, ``quantization_bits``,
+    ``quantization_bucket_size``, ``warmup_steps``), so this module stays free of the config layer.
+
+    Raises:
+        ValueError: unknown ``compression_type`` or a bad setting (naming the field).
+    """
+    if not system.compression_enabled:
+        return None
+    try:
+        settings = _SETTINGS_FROM_CONFIG[system.compression_type](system)
+    except KeyError:
+        raise ValueError(f"system.compression_type: must be one of {sorted(_SETTINGS_FROM_CONFIG)}, "
+                         f"got {system.compression_type!r}") from None
+    compressor = build_compressor(system.compression_type, **settings)
+    return CompressionPolicy(compressor, warmup_steps=system.warmup_steps)
 
 
 # --------------------------------------------------------------------------------------------

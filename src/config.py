@@ -129,7 +129,8 @@ class SystemConfig(_Section):
     """Fraction of entries top-k keeps."""
     quantization_bits: Literal[2, 4, 8] = 8
     quantization_bucket_size: int = 512
-    topk_selection: Literal["exact", "sampled"] = "exact"
+    topk_selection: Literal["exact", "sampled"] = "sampled"
+    """Same entries either way (sampled corrects its threshold estimate to the exact top-k); sampled is faster."""
     error_feedback: bool = True
     """Keep what compression dropped and add it to the next gradient."""
     warmup_steps: int = 0

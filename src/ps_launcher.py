@@ -7,8 +7,6 @@
   launcher decides), so a Ctrl-C in a terminal does not scatter tracebacks.
 * :func:`run_server` / :func:`run_worker`: one role in this process, for runs across hosts
   (``--role server`` / ``--role worker``) and containers.
-* :func:`run_in_process`: server and workers as threads of this process: no process start-up
-  cost, for tests and benchmarks (no isolation: a crash takes everything down).
 
 The local launcher makes a random auth token per run unless one is configured; children get it as
 a process argument, never on a command line or in a file.
@@ -20,7 +18,6 @@ import os
 import secrets
 import signal
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any, Callable
@@ -96,37 +93,6 @@ def run_worker(config: Config, worker_id: int, *, token: str | None = None, addr
 
     reuse_freed_memory()
     return Worker(config, worker_id, address=address, token=token).run()
-
-
-def run_in_process(config: Config, *, token: str | None = None, summary_json: str | Path | None = None,
-                   tensorboard: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
-    """Server and ``system.num_workers`` workers as threads of this process; returns the run summary.
-
-    Raises:
-        LaunchError: a worker failed (its error is chained) or the run exceeded ``timeout_s``.
-    """
-    from src.parameter_server import ParameterServer
-    from src.worker import Worker
-
-    token = token or resolve_auth_token(config.system) or secrets.token_urlsafe(32)
-    server = ParameterServer(config, token=token, tensorboard=tensorboard)
-    try:
-        address = connect_address(config.system.server_address, server.start())
-        worker_config = _with_address(config, address)
-        with ThreadPoolExecutor(max_workers=config.system.num_workers, thread_name_prefix="ps-worker") as pool:
-            runs = [pool.submit(Worker(worker_config, k, token=token, tensorboard=tensorboard).run)
-                    for k in range(config.system.num_workers)]
-            for k, run in enumerate(runs):
-                try:
-                    run.result(timeout=timeout_s)
-                except Exception as exc:
-                    server.stop(grace=0)  # releases the other workers' waiting pulls
-                    raise LaunchError(f"worker {k} failed: {type(exc).__name__}: {exc}") from exc
-        if not server.wait_until_done(timeout_s):
-            raise LaunchError("workers returned but the server did not see them all finish")
-        return server.finalize(summary_json)
-    finally:
-        server.stop()
 
 
 # ----------------------------------------------------------------------------- spawned children

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, build_compressor
-from src.config import Config, SystemConfig, validate_config
+from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, policy_from_config
+from src.config import Config, validate_config
 from src.data import load_dataset, make_shards, steps_per_epoch
 from src.metrics import MetricsLogger
 from src.ps_transport import ParameterServerClient, Received, copy_bytes_into, require_auth_token, tensor_view
@@ -48,17 +48,6 @@ LOCAL_FIELDS = (
 
 class ServerEndedRun(RuntimeError):
     """The server stopped before this worker took all its steps."""
-
-
-def compression_policy(system: SystemConfig) -> CompressionPolicy | None:
-    """The configured compressor wrapped in the warm-up/skip policy, or ``None`` when disabled."""
-    if not system.compression_enabled:
-        return None
-    if system.compression_type == "topk":
-        compressor = build_compressor("topk", ratio=system.compression_ratio, selection=system.topk_selection)
-    else:
-        compressor = build_compressor("quantization", bits=system.quantization_bits, bucket_size=system.quantization_bucket_size)
-    return CompressionPolicy(compressor, warmup_steps=system.warmup_steps)
 
 
 def merge_run_config(local: Config, run_config_json: str) -> Config:
@@ -134,7 +123,7 @@ class Worker:
         self._load(params, buffers, received)
         version = registration.version
 
-        policy = compression_policy(system)
+        policy = policy_from_config(system)
         feedback = ErrorFeedback() if policy is not None and system.error_feedback else None
         generator = torch.Generator().manual_seed(t.seed * 1_000_003 + self.worker_id)  # stochastic rounding
         train_set = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,

@@ -790,3 +790,16 @@ def test_policy_validation():
         CompressionPolicy("topk")
     with pytest.raises(ValueError, match="empty tensor"):
         CompressionPolicy(IDENTITY).compress(torch.zeros(0), 0)
+
+
+def test_policy_from_config_builds_what_the_system_section_asks_for():
+    from src.config import SystemConfig
+    from src.compression import policy_from_config
+
+    assert policy_from_config(SystemConfig(compression_enabled=False)) is None
+    topk = policy_from_config(SystemConfig(compression_enabled=True, compression_type="topk", compression_ratio=0.1,
+                                           topk_selection="exact", warmup_steps=3))
+    assert (topk.compressor.name, topk.compressor.ratio, topk.compressor.selection, topk.warmup_steps) == ("topk", 0.1, "exact", 3)
+    quant = policy_from_config(SystemConfig(compression_enabled=True, compression_type="quantization",
+                                            quantization_bits=4, quantization_bucket_size=128))
+    assert (quant.compressor.name, quant.compressor.bits, quant.compressor.bucket_size) == ("quantization", 4, 128)

@@ -1,7 +1,6 @@
 """Parameter-server contracts against the baseline trainer: sync PS == large-batch SGD, async with 1 worker == SGD.
 
-Server and workers run as threads of the test process (:func:`run_in_process`): the same gRPC code
-paths as separate processes, without paying process start-up per test.
+Server and workers run as separate spawned processes (:func:`run_local`), as a user's run does.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import torch
 
 from src.checkpoint import load_checkpoint
 from src.config import load_config
-from src.ps_launcher import run_in_process
+from src.ps_launcher import run_local
 from src.trainer import BaselineTrainer
 from tests.ps_fixtures import ps_config
 
@@ -33,7 +32,7 @@ def baseline_parameters(tmp_path, *, batch_size: int, max_train_samples: int, mo
 
 def ps_parameters(tmp_path, **fields) -> tuple[dict, dict[str, torch.Tensor]]:
     config = ps_config(tmp_path, "ps", **fields)
-    summary = run_in_process(config, timeout_s=150)
+    summary = run_local(config)
     return summary, load_checkpoint(summary["checkpoint_path"])["model_state_dict"]
 
 

@@ -10,7 +10,7 @@ import torch
 
 from src.checkpoint import load_checkpoint
 from src.metrics import read_events
-from src.ps_launcher import run_in_process
+from src.ps_launcher import run_local
 from tests.ps_fixtures import ROOT, ps_config
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -39,7 +39,7 @@ def convergence(tmp_path_factory):
         config = ps_config(root, name, system__num_workers=2, training__batch_size=32, training__num_epochs=2,
                            training__max_train_samples=None, training__max_test_samples=None,
                            training__learning_rate=0.05, **{"training__momentum": 0.9, **fields})
-        results[name] = (config, run_in_process(config, timeout_s=400))
+        results[name] = (config, run_local(config))
     return results
 
 
@@ -94,7 +94,7 @@ def test_resnet18_far_above_the_4mb_message_default(tmp_path):
     """~45 MB of parameters per pull and per push, with batch-norm buffers synchronised too."""
     config = ps_config(tmp_path, training__model_architecture="resnet18", training__max_train_samples=8,
                        training__max_test_samples=8, training__batch_size=4)
-    summary = run_in_process(config, timeout_s=200)
+    summary = run_local(config)
     model_bytes = 4 * sum(t.numel() for t in load_checkpoint(summary["checkpoint_path"])["model_state_dict"].values()
                           if t.is_floating_point())
     assert model_bytes > 40e6
