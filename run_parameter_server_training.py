@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
     workers, momentum = config.system.num_workers, config.training.momentum
     if config.system.aggregation_mode == "async" and workers > 1 and config.training.optimizer == "sgd":
-        suggested = max(0.0, 0.9 - (1 - 1 / workers))
-        if momentum > suggested + 1e-9:
-            print(f"note: {workers} async workers add about {1 - 1 / workers:.2f} momentum of their own (stale "
-                  f"gradients); momentum {momentum} on top tends to oscillate, --momentum {suggested:.2f} keeps "
-                  f"the sum near 0.9 (docs/parameter_server.md)", file=sys.stderr)
+        implicit = 1 - 1 / workers  # stale gradients act as momentum of their own
+        if momentum + implicit > 1.0:
+            print(f"note: {workers} async workers add about {implicit:.2f} momentum of their own (stale gradients); "
+                  f"with --momentum {momentum} the total passes 1 and training tends to oscillate: try "
+                  f"--momentum {max(0.0, 0.9 - implicit):.2f} (docs/parameter_server.md)", file=sys.stderr)
 
     import grpc  # after flag checks: --help and flag errors stay fast
 

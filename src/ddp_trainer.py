@@ -54,12 +54,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.checkpoint import CheckpointError, load_latest_good, make_checkpoint, numbered_path, prune_checkpoints, save_checkpoint
+from src.checkpoint import CheckpointError, load_latest_good, numbered_path, prune_checkpoints, save_checkpoint
 from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
 from src.config import Config, validate_config
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
 from src.metrics import MetricsLogger, write_summary
-from src.trainer import KEEP_CHECKPOINTS, LOG_EVERY_STEPS, evaluate, load_splits, model_from_config, optimizer_from_config, progress
+from src.trainer import (
+    KEEP_CHECKPOINTS, LOG_EVERY_STEPS, checkpoint_of_run, evaluate, load_splits, model_from_config, optimizer_from_config, progress,
+)
 
 LOCAL_HOST = "127.0.0.1"
 FINAL_CHECKPOINT = "ddp_final.pt"
@@ -297,14 +299,8 @@ class DDPTrainer:
         states: list[Any] | None = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
         dist.gather_object(self.comm.state_dict(), states, dst=0)
         if self.ctx.rank == 0:
-            checkpoint = make_checkpoint(
-                model_state_dict=self.model.state_dict(),
-                optimizer_state_dict=self.optimizer.state_dict(),
-                model_architecture=self.config.training.model_architecture,
-                dataset=self.config.training.dataset,
-                epoch=epoch,
-                step=self.step,
-                config=self.config.to_dict(),
+            checkpoint = checkpoint_of_run(
+                self.config, self.model, self.optimizer, epoch=epoch, step=self.step,
                 extra={"comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states}},
             )
             save_checkpoint(path, checkpoint)

@@ -67,6 +67,21 @@ def load_splits(config: Config) -> tuple[TensorDataset, TensorDataset]:
     return train, test
 
 
+def checkpoint_of_run(config: Config, model: nn.Module, optimizer: torch.optim.Optimizer, *, epoch: int, step: int,
+                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The common checkpoint dict for ``model`` and ``optimizer`` in a run of ``config``."""
+    return make_checkpoint(
+        model_state_dict=model.state_dict(),
+        optimizer_state_dict=optimizer.state_dict(),
+        model_architecture=config.training.model_architecture,
+        dataset=config.training.dataset,
+        epoch=epoch,
+        step=step,
+        config=config.to_dict(),
+        extra=extra,
+    )
+
+
 def forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
     """One forward and backward pass, leaving gradients in ``.grad``; returns (mean loss, correct)."""
     logits = model(images)
@@ -136,15 +151,7 @@ class BaselineTrainer:
         self.resumed_from = path
 
     def _checkpoint(self, path: Path, epoch: int) -> Path:
-        checkpoint = make_checkpoint(
-            model_state_dict=self.model.state_dict(),
-            optimizer_state_dict=self.optimizer.state_dict(),
-            model_architecture=self.config.training.model_architecture,
-            dataset=self.config.training.dataset,
-            epoch=epoch,
-            step=self.step,
-            config=self.config.to_dict(),
-        )
+        checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=epoch, step=self.step)
         return save_checkpoint(path, checkpoint)
 
     def run(self) -> dict[str, Any]:
