@@ -16,7 +16,8 @@ so each push is decoded, checked and applied with SGD + momentum before the pull
 ``ratio`` = echo time / PS time (1.0 = as fast as gRPC moves the bytes). ``server_compute_ms`` is
 the server's own work per push (decompress, checks, optimizer step, encoding the new parameters),
 measured inside the server; ``transport_ratio`` = echo / (PS - server compute) isolates what the
-protocol adds on top of gRPC. Median of ``--repeats`` after one warm-up.
+protocol adds on top of gRPC. Median of ``--repeats`` after one warm-up; PS and echo round trips
+alternate, so a slow spell of a shared machine slows both rather than one.
 
 Training: samples/s of 2-worker sync and async runs (processes, as ``run_parameter_server_training.py``
 starts them) on mnist_5k next to the baseline trainer with the same per-step batch.
@@ -119,14 +120,18 @@ def _timed(method, into: list[float]):
     return timed
 
 
-def _median_time(call, repeats: int) -> float:
-    call()  # warm-up: connection, first allocation of big buffers
-    times = []
+def _median_times(calls, repeats: int) -> list[float]:
+    """Median seconds of each of ``calls``, timed in turns (one of each per repeat), so that a slow
+    spell of a shared machine hits all of them alike rather than whichever ran during it."""
+    for call in calls:
+        call()  # warm-up: connection, first allocation of big buffers
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for call, into in zip(calls, times):
+            started = time.perf_counter()
+            call()
+            into.append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
 
 
 def bench_round_trips(size_mb: float, repeats: int) -> dict:
@@ -160,8 +165,6 @@ def bench_round_trips(size_mb: float, repeats: int) -> dict:
         sent, received = client.bytes_sent, client.bytes_received
         push_pull()
         push_bytes, pull_bytes = client.bytes_sent - sent, client.bytes_received - received
-        ps_time = _median_time(push_pull, repeats)
-        client.close()
 
         channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=message_options(CLIENT_MAX_MESSAGE_BYTES))
         upload = channel.unary_unary(f"/{ECHO_SERVICE}/Upload")
@@ -173,7 +176,8 @@ def bench_round_trips(size_mb: float, repeats: int) -> dict:
             upload(payload)
             download(b"")
 
-        echo_time = _median_time(echo, repeats)
+        ps_time, echo_time = _median_times([push_pull, echo], repeats)
+        client.close()
         channel.close()
         stop.send(None)
         compute_times = report.recv()
@@ -227,7 +231,7 @@ def bench_training(num_epochs: int, batch_size: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 45], help="model sizes (>= 40 means resnet18)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed round trips per size (median reported)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed round trips per size (median reported)")
     parser.add_argument("--skip-training", action="store_true", help="only the round-trip part")
     parser.add_argument("--num-epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=64)

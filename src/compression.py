@@ -58,7 +58,9 @@ import enum
 import math
 import numbers
 import struct
+import sys
 import types
+import warnings
 import zlib
 from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar, Union
@@ -254,7 +256,7 @@ def _parse_header(buf: memoryview) -> PayloadHeader:
                          shape=shape, numel=numel, param=param, payload_size=expected)
 
 
-def decompress(payload: PayloadLike, *, device: torch.device | str | None = None) -> torch.Tensor:
+def decompress(payload: PayloadLike, *, device: torch.device | str | None = None, copy: bool = True) -> torch.Tensor:
     """Rebuild the dense float32 tensor from any compressor's payload.
 
     The header names the compressor, so a receiver needs no other information: a push that the
@@ -263,9 +265,12 @@ def decompress(payload: PayloadLike, *, device: torch.device | str | None = None
     Args:
         payload: the bytes produced by ``compress`` (or a 1-D uint8 array/tensor view of them).
         device: where to put the result (default CPU).
+        copy: ``False`` lets an identity payload come back as a read-only view of ``payload``'s
+            float32 values (no copy; the payload must stay alive and nobody may write the tensor):
+            what a receiver that only reads the gradient, like the parameter server, wants.
 
     Returns:
-        A new, writable float32 tensor of the compressed tensor's shape.
+        A float32 tensor of the compressed tensor's shape; new and writable unless ``copy=False``.
 
     Raises:
         ValueError: the payload is malformed (see :func:`parse_header`) or its buffers are
@@ -273,7 +278,10 @@ def decompress(payload: PayloadLike, *, device: torch.device | str | None = None
     """
     buf = _as_buffer(payload)
     header = _parse_header(buf)
-    flat = _BY_KIND[header.kind]._decode(header, buf)
+    if not copy and header.kind == Kind.IDENTITY and sys.byteorder == "little":
+        flat = _identity_view(header, buf)
+    else:
+        flat = _BY_KIND[header.kind]._decode(header, buf)
     out = flat.reshape(header.shape)
     return out if device is None else out.to(device)
 
@@ -286,6 +294,20 @@ def wire_size(payload: PayloadLike) -> int:
 def _join(header: bytes, *arrays: np.ndarray) -> bytes:
     # bytes.join copies each buffer once straight into the result: no intermediate tobytes().
     return b"".join([header, *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays)])
+
+
+# torch.from_numpy warns (once per process) when handed a read-only array; the read-only view of
+# decompress(copy=False) is one on purpose.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=__name__.replace(".", r"\."))
+
+
+def _identity_view(header: PayloadHeader, buf: memoryview) -> torch.Tensor:
+    """The float32 values of an identity payload as a read-only tensor over ``buf`` (no copy)."""
+    values = np.frombuffer(buf, dtype=_F32, count=header.numel, offset=HEADER_SIZE)
+    if not _all_finite(values):
+        raise ValueError("identity payload holds NaN/Inf values")
+    return torch.from_numpy(values)
 
 
 def _frombuffer(buf: memoryview, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
@@ -333,11 +355,16 @@ def _raise_non_finite(flat: torch.Tensor, shape: tuple[int, ...],
 
 
 def _all_finite(values: Union[np.ndarray, torch.Tensor]) -> bool:
-    # min/max propagate NaN and expose +-Inf: two cheap passes, no temporaries.
+    # One pass: NaN and +-Inf make the sum non-finite, so a finite sum proves every value finite.
+    # Finite values can also overflow the sum; only then does the exact check (min/max) decide.
     if isinstance(values, torch.Tensor):
+        if math.isfinite(values.sum().item()):
+            return True
         lo, hi = torch.aminmax(values)
         return math.isfinite(lo.item()) and math.isfinite(hi.item())
-    return math.isfinite(values.min()) and math.isfinite(values.max())
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = values.sum()
+    return bool(np.isfinite(total)) or (math.isfinite(values.min()) and math.isfinite(values.max()))
 
 
 def _use_host_path(flat: torch.Tensor) -> bool:

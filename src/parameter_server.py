@@ -132,13 +132,20 @@ class ParameterServer:
         self.num_workers = config.system.num_workers
         self.staleness_policy = staleness_policy
         self.model = model if model is not None else model_from_config(config)
-        self.optimizer = optimizer_from_config(config, self.model.parameters())
+        # fused: one pass per tensor; it only reads the gradients, which are views of the push (see _decode)
+        self.optimizer = optimizer_from_config(config, self.model.parameters(), fused=True)
         named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         named_buffers = [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
         self.params = [p for _, p in named_params]
         self.buffers = [b for _, b in named_buffers]
         self.param_specs = [_spec(n, p) for n, p in named_params]
         self.buffer_specs = [_spec(n, b) for n, b in named_buffers]
+        self._param_shapes = [tuple(p.shape) for p in self.params]
+        self._buffer_shapes = [tuple(b.shape) for b in self.buffers]
+        # Byte views of the model's tensors, made once: the optimizer updates them in place, so each
+        # version's pull reply serializes the current values (the server's model is contiguous CPU float32).
+        self._state_views = [tensor_view(t) for t in self.params + self.buffers]
+        self._gradient_sums: list[torch.Tensor] | None = None  # sync: reused for every barrier
         model_bytes = 4 * sum(p.numel() for p in self.params + self.buffers)
         # A push is at most ~2x the model (top-k at ratio 1 sends value + index per entry).
         self.max_message_bytes = min(3 * model_bytes + (4 << 20), 2**31 - 1)
@@ -339,25 +346,27 @@ class ParameterServer:
         if len(payloads) != len(self.params):
             raise PushRefused(invalid, f"push carries {len(payloads)} gradients, the model has {len(self.params)} parameters")
         gradients = []
-        for index, (payload, spec) in enumerate(zip(payloads, self.param_specs)):
+        for index, (payload, spec, shape) in enumerate(zip(payloads, self.param_specs, self._param_shapes)):
             what = f"gradient {index} ({spec.name})"
             try:
                 header = parse_header(payload)  # before decompressing: the header bounds the allocation
-                if header.shape != tuple(spec.shape):
-                    raise ValueError(f"shape {list(header.shape)}, expected {list(spec.shape)}")
-                gradients.append(decompress(payload))  # refuses malformed buffers and NaN/Inf values
+                if header.shape != shape:
+                    raise ValueError(f"shape {list(header.shape)}, expected {list(shape)}")
+                # copy=False: identity gradients stay read-only views of the message (nothing writes them)
+                gradient = decompress(payload, copy=False)  # refuses malformed buffers and NaN/Inf values
+                gradients.append(gradient)
             except ValueError as exc:
                 raise PushRefused(invalid, f"{what}: {exc}") from None
         buffers = []
         if raw_buffers:
             if len(raw_buffers) != len(self.buffers):
                 raise PushRefused(invalid, f"push carries {len(raw_buffers)} buffers, the model has {len(self.buffers)}")
-            for data, spec in zip(raw_buffers, self.buffer_specs):
+            for data, spec, shape in zip(raw_buffers, self.buffer_specs, self._buffer_shapes):
                 try:
-                    check_float32_bytes(data, math.prod(spec.shape), f"buffer {spec.name}")
+                    check_float32_bytes(data, math.prod(shape), f"buffer {spec.name}")
                 except ValueError as exc:
                     raise PushRefused(invalid, str(exc)) from None
-                values = torch.frombuffer(bytearray(data), dtype=torch.float32).view(tuple(spec.shape))
+                values = torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
                 if not bool(torch.isfinite(values).all()):
                     raise PushRefused(invalid, f"buffer {spec.name}: holds NaN or Inf values")
                 buffers.append(values)
@@ -383,16 +392,29 @@ class ParameterServer:
         contributions = [self._barrier[w] for w in sorted(self._barrier)]  # fixed order: reproducible sums
         total = sum(c.num_samples for c in contributions)
         if total > 0:
-            gradients = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-            for c in contributions:
-                for summed, g in zip(gradients, c.gradients):
-                    summed.add_(g, alpha=c.num_samples)
+            with_samples = [c for c in contributions if c.num_samples > 0]
+            if len(with_samples) == 1:  # the weighted average of one gradient is that gradient
+                gradients = with_samples[0].gradients
+            else:  # sum n_k g_k / sum n_k, into buffers reused from barrier to barrier
+                if self._gradient_sums is None:
+                    self._gradient_sums = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
+                gradients = self._gradient_sums
+                first, *rest = with_samples
+                for summed, g in zip(gradients, first.gradients):
+                    torch.mul(g, first.num_samples, out=summed)
+                for c in rest:
+                    for summed, g in zip(gradients, c.gradients):
+                        summed.add_(g, alpha=c.num_samples)
+                for summed in gradients:
+                    summed.div_(total)
             buffers = []
             with_buffers = [c for c in contributions if c.buffers]
-            if with_buffers:
+            if len(with_buffers) == 1:
+                buffers = with_buffers[0].buffers
+            elif with_buffers:
                 weight = sum(c.num_samples for c in with_buffers)
                 buffers = [sum(c.buffers[i] * (c.num_samples / weight) for c in with_buffers) for i in range(len(self.buffers))]
-            self._step([g.div_(total) for g in gradients], buffers)
+            self._step(gradients, buffers)
         self.version += 1
         self.pushes_applied += len(contributions)
         self._barrier.clear()
@@ -416,7 +438,8 @@ class ParameterServer:
                 reply.accepted = False
                 reply.reason = f"rejected by the staleness policy (staleness {staleness})"
             else:
-                gradients = contribution.gradients if weight == 1.0 else [g.mul_(weight) for g in contribution.gradients]
+                # Out of place: the gradients may be read-only views of the push.
+                gradients = contribution.gradients if weight == 1.0 else [g * weight for g in contribution.gradients]
                 self._step(gradients, contribution.buffers)
                 self.version += 1
                 self.pushes_applied += 1
@@ -425,10 +448,13 @@ class ParameterServer:
         return reply, self._count_epoch_ends([contribution])
 
     def _step(self, gradients: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        """One optimizer step with ``gradients`` (read, never written) and the new buffer values."""
         for param, gradient in zip(self.params, gradients):
             param.grad = gradient.to(param.device)
         self.optimizer.step()
         with torch.no_grad():
+            for param in self.params:
+                param.grad = None  # do not keep the push's message alive until the next step
             for buffer, value in zip(self.buffers, buffers):
                 buffer.copy_(value)
 
@@ -444,9 +470,10 @@ class ParameterServer:
     def _serialized_pull_reply(self) -> bytes:
         """The PullReply of the current version, serialized once for every worker that pulls it (lock held)."""
         if self._pull_reply is None or self._pull_reply[0] != self.version:
+            views = self._state_views
             self._pull_reply = (self.version, serialize(Outgoing(
                 pb.PullReply(version=self.version),
-                {"parameters": [tensor_view(p) for p in self.params], "buffers": [tensor_view(b) for b in self.buffers]},
+                {"parameters": views[:len(self.params)], "buffers": views[len(self.params):]},
             )))
         return self._pull_reply[1]
 
