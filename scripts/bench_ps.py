@@ -4,7 +4,7 @@
     python scripts/bench_ps.py --skip-training          # only the round trips
     python scripts/bench_ps.py --sizes-mb 1 4 --repeats 20
 
-The training runs print their progress first; ``--output`` also writes the JSON to a file.
+The training runs' progress goes to stderr, the JSON to stdout; ``--output`` also writes it to a file.
 
 Round trips: for models of ~1, 4, 16 MB (8 float32 tensors) and a resnet18 (~45 MB), one push of
 identity payloads (every gradient uncompressed) plus one pull of the parameters, against a raw gRPC
@@ -26,6 +26,7 @@ starts them) on mnist_5k next to the baseline trainer with the same per-step bat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -198,13 +199,27 @@ def bench_round_trips(size_mb: float, repeats: int) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _progress_to_stderr():
+    """Send what the runs print (this process and the children it spawns) to stderr: stdout is the JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def bench_training(num_epochs: int, batch_size: int) -> dict:
     from src.config import load_config
     from src.ps_launcher import run_local
     from src.trainer import BaselineTrainer
 
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _progress_to_stderr():
         common = {"training.dataset": "mnist_5k", "training.num_epochs": num_epochs, "training.batch_size": batch_size,
                   "training.checkpoint_interval": 10**6}
         for mode in ("sync", "async"):
