@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.checkpoint import CheckpointError
-from src.cli import add_common_flags, config_from_args
-from src.data import DatasetUnavailableError
+from src.cli import add_common_flags, config_from_args, exit_status
 from src.metrics import format_summary
 
 DEFAULTS = {"system.checkpoint_dir": "checkpoints/test_baseline", "system.log_dir": "logs/test_baseline"}
@@ -29,17 +27,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from src.trainer import BaselineTrainer  # torch import after flag checks keeps --help fast
 
-    try:
-        trainer = BaselineTrainer(config, resume=args.resume, summary_json=args.summary_json)
-        summary = trainer.run()
-    except (DatasetUnavailableError, CheckpointError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    print(format_summary(summary))
-    return 0
+    def run() -> None:
+        print(format_summary(BaselineTrainer(config, resume=args.resume, summary_json=args.summary_json).run()))
+
+    return exit_status(run)
 
 
 if __name__ == "__main__":

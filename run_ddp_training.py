@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.checkpoint import CheckpointError
-from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args
-from src.data import DatasetUnavailableError
+from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status
 from src.metrics import format_summary
 
 DEFAULTS = {"system.checkpoint_dir": "checkpoints/ddp_cli", "system.log_dir": "logs/ddp_cli"}
@@ -55,21 +53,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from src.ddp_trainer import LaunchError, launch, torchrun_env
 
-    try:
+    def run() -> None:
         summary = launch(config, world_size_flag=args.world_size, resume=args.resume, summary_json=args.summary_json)
-    except (DatasetUnavailableError, CheckpointError, LaunchError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except mp.ProcessRaisedException as exc:
-        print(f"error: a rank failed:\n{exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    env = torchrun_env()
-    if env is None or env["rank"] == 0:
-        print(format_summary(summary))
-    return 0
+        env = torchrun_env()
+        if env is None or env["rank"] == 0:
+            print(format_summary(summary))
+
+    return exit_status(run, describe={LaunchError: str, mp.ProcessRaisedException: lambda exc: f"a rank failed:\n{exc}"})
 
 
 if __name__ == "__main__":

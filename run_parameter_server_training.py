@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.checkpoint import CheckpointError
-from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args
-from src.data import DatasetUnavailableError
+from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status
 from src.metrics import format_summary
 
 DEFAULTS = {
@@ -93,24 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     from src.ps_launcher import LaunchError, run_local, run_server, run_worker
     from src.ps_transport import AuthTokenMissing
 
-    try:
+    def run() -> None:
         if args.role == "worker":
             totals = run_worker(config, args.worker_id)
             print(f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
                   f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}")
-            return 0
+            return
         summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json)
-    except (LaunchError, AuthTokenMissing, DatasetUnavailableError, CheckpointError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except grpc.RpcError as exc:
-        print(f"error: parameter server call failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: stopped the parameter server and its workers", file=sys.stderr)
-        return 130
-    print(format_summary(summary))
-    return 0
+        print(format_summary(summary))
+
+    return exit_status(run, describe={
+        LaunchError: str,
+        AuthTokenMissing: str,
+        grpc.RpcError: lambda exc: f"parameter server call failed: {exc.code().name}: {exc.details()}",
+    }, interrupted="interrupted: stopped the parameter server and its workers")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 
 Every flag defaults to ``None`` ("not given"), so the precedence is: flag > ``--config`` file >
 the runner's defaults > the schema's defaults. :func:`config_from_args` turns a bad config into one
-line per problem on stderr and exit status 2, never a traceback.
+line per problem on stderr and exit status 2, never a traceback; :func:`exit_status` holds the rest
+of the runners' exit contract (an expected failure: one ``error:`` line and 1; Ctrl-C: 130).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from src.config import DATASET_NAMES, Config, ConfigError, load_config
 
@@ -110,3 +111,37 @@ def config_from_args(
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def exit_status(
+    run: Callable[[], None],
+    *,
+    describe: Mapping[type[BaseException], Callable[[Any], str]] | None = None,
+    interrupted: str = "interrupted",
+) -> int:
+    """Run a runner's work and turn its outcome into the exit status every runner shares.
+
+    Expected failures (a missing dataset, an unusable checkpoint, a bad value, and the types in
+    ``describe``) print one ``error:`` line and give 1; Ctrl-C prints ``interrupted`` and gives 130
+    (the runner's launcher has stopped its children by then). Anything else is a bug and keeps
+    its traceback.
+
+    Args:
+        run: does the work and prints the summary.
+        describe: extra exception types -> their one-line description (default ``str``).
+        interrupted: what to print on Ctrl-C.
+    """
+    from src.checkpoint import CheckpointError  # torch comes with these: only once the flags are good
+    from src.data import DatasetUnavailableError
+
+    describe = {DatasetUnavailableError: str, CheckpointError: str, ValueError: str, **(describe or {})}
+    try:
+        run()
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130
+    except tuple(describe) as exc:
+        line = next(text for kind, text in describe.items() if isinstance(exc, kind))(exc)
+        print(f"error: {line}", file=sys.stderr)
+        return 1
+    return 0
