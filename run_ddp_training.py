@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.multiprocessing as mp  # torch import after flag checks keeps --help fast
 
-    from src.ddp_trainer import LaunchError, launch, torchrun_env
+    from src.ddp_trainer import launch, torchrun_env
+    from src.supervisor import LaunchError
 
     def run() -> None:
         summary = launch(config, world_size_flag=args.world_size, resume=args.resume, summary_json=args.summary_json)

@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc  # after flag checks: --help and flag errors stay fast
 
-    from src.ps_launcher import LaunchError, run_local, run_server, run_worker
+    from src.ps_launcher import run_local, run_server, run_worker
+    from src.supervisor import LaunchError
     from src.ps_transport import AuthTokenMissing
 
     def run() -> None:

@@ -33,6 +33,14 @@ REQUIRED_KEYS = (
     "config",
 )
 _NUMBERED = re.compile(r"^checkpoint_(\d+)\.pt$")
+KEEP_CHECKPOINTS = 3
+"""Numbered checkpoints kept per run folder (older ones are pruned)."""
+FINAL_CHECKPOINT_NAMES = {
+    "baseline": "baseline_final.pt",
+    "parameter_server": "parameter_server_final.pt",
+    "ddp": "ddp_final.pt",
+}
+"""The file each architecture writes at the end of a run, in its checkpoint folder."""
 
 
 class CheckpointError(RuntimeError):
@@ -109,6 +117,20 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} lacks required keys: {', '.join(missing)}")
     checkpoint.setdefault("extra", {})
     return checkpoint
+
+
+def final_checkpoint_path(directory: str | Path, architecture: str) -> Path:
+    """``<directory>/<architecture>_final.pt``: where a run of ``architecture`` leaves its final checkpoint."""
+    return Path(directory) / FINAL_CHECKPOINT_NAMES[architecture]
+
+
+def check_model_matches(path: str | Path, checkpoint: dict[str, Any], model_architecture: str) -> None:
+    """Raise ``ValueError`` unless ``checkpoint`` (loaded from ``path``) holds a ``model_architecture`` model."""
+    if checkpoint["model_architecture"] != model_architecture:
+        raise ValueError(
+            f"--resume {path}: checkpoint is a {checkpoint['model_architecture']!r} model, "
+            f"config asks for {model_architecture!r}"
+        )
 
 
 def numbered_path(directory: str | Path, number: int) -> Path:

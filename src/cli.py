@@ -30,6 +30,8 @@ COMMON_FLAGS: dict[str, str] = {
     "seed": "training.seed",
     "device": "training.device",
     "checkpoint_interval": "training.checkpoint_interval",
+    "eval_interval": "training.eval_interval",
+    "target_accuracy": "training.target_accuracy",
     "checkpoint_dir": "system.checkpoint_dir",
     "log_dir": "system.log_dir",
 }
@@ -51,8 +53,10 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-test-samples", type=int, help="evaluate on only the first N test samples")
     group.add_argument("--num-samples", type=int, help="training-set size of --dataset synthetic (default 2048)")
     group.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")
-    group.add_argument("--device", help="cpu, cuda, cuda:N or auto (default cpu)")
+    group.add_argument("--device", help="cpu, cuda, cuda:N or auto (default auto: CUDA when available)")
     group.add_argument("--checkpoint-interval", type=int, help="epochs (PS: server versions) between checkpoints")
+    group.add_argument("--eval-interval", type=int, help="also evaluate every N steps (PS: server versions); 0 = epoch ends only")
+    group.add_argument("--target-accuracy", type=float, help="report time to this test accuracy, in (0, 1] (default none)")
     outputs = parser.add_argument_group("outputs")
     outputs.add_argument("--checkpoint-dir", help="checkpoint folder")
     outputs.add_argument("--log-dir", help="TensorBoard logs, events.jsonl and summary.json folder")
@@ -82,6 +86,27 @@ def add_compression_flags(parser: argparse.ArgumentParser, title: str) -> None:
     group.add_argument("--warmup-steps", type=int, help="uncompressed steps before compression starts (default 0)")
     group.add_argument("--no-error-feedback", dest="error_feedback", action="store_const", const=False,
                        help="drop what compression leaves out instead of carrying it into the next step")
+
+
+FAULT_TOLERANCE_FLAGS: dict[str, str] = {
+    "inject_fault": "system.inject_faults",
+    "max_restarts": "system.max_restarts",
+    "heartbeat_interval": "system.heartbeat_interval",
+    "heartbeat_timeout": "system.heartbeat_timeout",
+}
+
+
+def add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, heartbeats: bool = True) -> None:
+    """Restart budget and fault injection (both launchers); heartbeat timing (parameter server)."""
+    group = parser.add_argument_group("fault tolerance")
+    group.add_argument("--max-restarts", type=int, help="restarts granted to each failed worker / the DDP group (default 3)")
+    group.add_argument("--inject-fault", action="append", metavar="SPEC",
+                       help="inject a real fault, repeatable: kill:worker=1@step=40, hang:worker=0@step=30, "
+                            "kill:server@version=150, kill:rank=1@step=20 (see src/faults.py)")
+    if heartbeats:
+        group.add_argument("--heartbeat-interval", type=float, help="seconds between a worker's heartbeats (default 1)")
+        group.add_argument("--heartbeat-timeout", type=float,
+                           help="seconds of silence after which a worker counts as failed (default 5)")
 
 
 def overrides_from_args(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:

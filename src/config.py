@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 DATASET_NAMES = ("mnist", "fashion_mnist", "cifar10", "mnist_5k", "synthetic")
+SECRET_FIELDS = ("system.auth_token",)
+"""Fields whose values an error message must never show."""
 
 
 class ConfigError(ValueError):
@@ -59,14 +61,32 @@ class TrainingConfig(_Section):
     num_samples: int = 2048
     """Training-set size of the ``synthetic`` dataset."""
     eval_batch_size: int = 1000
-    device: str = "cpu"
-    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available)."""
+    eval_interval: int = 0
+    """Also evaluate every this many steps (parameter server: server versions); 0 = only at epoch ends."""
+    target_accuracy: float | None = None
+    """Accuracy in (0, 1] whose first crossing the summary reports as time to target; ``None`` for none."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available, else CPU)."""
 
     @field_validator("batch_size", "num_epochs", "checkpoint_interval", "num_samples", "eval_batch_size")
     @classmethod
     def _positive_int(cls, value: int) -> int:
         if value <= 0:
             raise ValueError("must be > 0")
+        return value
+
+    @field_validator("eval_interval")
+    @classmethod
+    def _non_negative_interval(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0 (0 = evaluate only at epoch ends)")
+        return value
+
+    @field_validator("target_accuracy")
+    @classmethod
+    def _accuracy_or_none(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError("must be in (0, 1] (or omitted for no target)")
         return value
 
     @field_validator("max_train_samples", "max_test_samples")
@@ -138,12 +158,19 @@ class SystemConfig(_Section):
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
+    max_restarts: int = 3
+    """Restarts a local launcher grants each failed worker (PS) or the DDP group (elastic agent)."""
+    inject_faults: list[str] = []
+    """Faults to inject on purpose (:mod:`src.faults`), e.g. ``kill:worker=1@step=40``, ``kill:server@version=150``."""
     checkpoint_dir: str = "checkpoints"
     log_dir: str = "logs"
     server_address: str = "127.0.0.1:0"
     """Where the parameter server listens / workers connect; port 0 lets the local launcher pick."""
-    auth_token: str | None = None
-    """Shared secret every RPC carries; ``None`` reads $DTS_AUTH_TOKEN or makes one per local run."""
+    auth_token: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    """Shared secret every RPC carries; ``None`` reads $DTS_AUTH_TOKEN or makes one per local run.
+
+    A secret: excluded from every dump (:meth:`Config.to_dict`, JSON), so it never reaches events,
+    checkpoints or summaries, and never echoed in an error message."""
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
@@ -158,7 +185,16 @@ class SystemConfig(_Section):
             raise ValueError("must be > 0")
         return value
 
-    @field_validator("warmup_steps")
+    @field_validator("inject_faults")
+    @classmethod
+    def _faults_parse(cls, value: list[str]) -> list[str]:
+        from src.faults import parse_fault  # pure, stdlib only
+
+        for text in value:
+            parse_fault(text)  # raises ValueError naming the fault and what is wrong
+        return value
+
+    @field_validator("warmup_steps", "max_restarts")
     @classmethod
     def _non_negative_int(cls, value: int) -> int:
         if value < 0:
@@ -240,6 +276,8 @@ def _describe(error: Mapping[str, Any]) -> str:
         rule = "must be a mapping"
     else:
         rule = error["msg"]
+    if field in SECRET_FIELDS:
+        return f"{field}: {rule} (value not shown: it is a secret)"
     return f"{field}: {rule}, got {error.get('input')!r}"
 
 

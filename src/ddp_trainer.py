@@ -54,24 +54,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.checkpoint import CheckpointError, load_latest_good, numbered_path, prune_checkpoints, save_checkpoint
+from src.checkpoint import (
+    KEEP_CHECKPOINTS, CheckpointError, check_model_matches, final_checkpoint_path, load_latest_good, numbered_path,
+    prune_checkpoints, save_checkpoint,
+)
 from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
 from src.config import Config, validate_config
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
-from src.metrics import MetricsLogger, write_summary
+from src.metrics import LOG_EVERY_STEPS, MetricsLogger, write_summary
+from src.supervisor import LaunchError, stop_processes
 from src.trainer import (
-    KEEP_CHECKPOINTS, LOG_EVERY_STEPS, checkpoint_of_run, evaluate, load_splits, model_from_config, optimizer_from_config, progress,
+    checkpoint_of_run, evaluate, load_splits, model_from_config, optimizer_from_config, progress,
 )
 
 LOCAL_HOST = "127.0.0.1"
-FINAL_CHECKPOINT = "ddp_final.pt"
 #: Errors a rank reports as one line (anything else is a bug and keeps its traceback).
 EXPECTED_ERRORS = (DatasetUnavailableError, CheckpointError, ValueError)
 _TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
-
-
-class LaunchError(RuntimeError):
-    """A rank failed with an expected error; the message holds each distinct reason once."""
 
 
 @dataclass(frozen=True)
@@ -164,16 +163,8 @@ def resolve_resume(config: Config, target: str | Path | None) -> str | None:
     if target is None:
         return None
     path, checkpoint = load_latest_good(target)
-    _check_compatible(path, checkpoint, config)
+    check_model_matches(path, checkpoint, config.training.model_architecture)
     return str(path)
-
-
-def _check_compatible(path: Path | str, checkpoint: dict[str, Any], config: Config) -> None:
-    if checkpoint["model_architecture"] != config.training.model_architecture:
-        raise ValueError(
-            f"--resume {path}: checkpoint is a {checkpoint['model_architecture']!r} model, "
-            f"config asks for {config.training.model_architecture!r}"
-        )
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -244,7 +235,7 @@ class DDPTrainer:
         if self.ctx.rank == 0:
             try:
                 path, checkpoint = load_latest_good(target)
-                _check_compatible(path, checkpoint, self.config)
+                check_model_matches(path, checkpoint, self.config.training.model_architecture)
                 message = [{"path": str(path), "checkpoint": checkpoint}]
             except EXPECTED_ERRORS as exc:
                 message = [{"error": str(exc)}]
@@ -383,7 +374,7 @@ class DDPTrainer:
                     if run_log is not None:
                         prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
                         run_log.event("checkpoint", path=str(written), epoch=epoch + 1, step=self.step)
-            checkpoint_path = self._checkpoint(self.checkpoint_dir / FINAL_CHECKPOINT, max(t.num_epochs, self.start_epoch))
+            checkpoint_path = self._checkpoint(final_checkpoint_path(self.checkpoint_dir, "ddp"), max(t.num_epochs, self.start_epoch))
             common = {
                 **self._description(),
                 "final_accuracy": final_accuracy,
@@ -513,19 +504,6 @@ def _spawned_rank(rank: int, world_size: int, port: int, config_data: dict, resu
         raise SystemExit(1) from None
 
 
-def _stop(processes) -> None:
-    """Terminate, then kill, whatever is still running; reap everything."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + 10
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
 def run_local(config: Config, *, resume: str | Path | None = None, summary_json: str | Path | None = None) -> dict[str, Any]:
     """Run ``system.num_workers`` ranks on this machine (spawned; one rank runs in-process).
 
@@ -567,7 +545,7 @@ def run_local(config: Config, *, resume: str | Path | None = None, summary_json:
             raise KeyboardInterrupt from None
         raise
     finally:
-        _stop(context.processes)
+        stop_processes(context.processes, grace_s=10)
         shutil.rmtree(error_dir, ignore_errors=True)
     return json.loads(summary_path.read_text())
 

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+LOG_EVERY_STEPS = 10
+"""Training loops mirror a step's scalars to TensorBoard every this many steps (and at epoch ends)."""
 SUMMARY_FIELDS = (
     "architecture",
     "dataset",
@@ -111,6 +113,34 @@ class MetricsLogger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class TimeToTarget:
+    """Time to target accuracy: the first evaluation at or above ``target``, in wall seconds and steps.
+
+    Every architecture feeds it each evaluation (``observe``) with the seconds since its training
+    clock started and its step counter (baseline and DDP: optimizer steps; parameter server: server
+    versions), and puts :meth:`fields` into its run summary, so the figure means the same everywhere.
+
+    Args:
+        target: accuracy in (0, 1], or ``None`` (no target: the fields are ``None``).
+    """
+
+    def __init__(self, target: float | None):
+        self.target = target
+        self.seconds: float | None = None
+        self.step: int | None = None
+
+    def observe(self, accuracy: float, seconds: float, step: int) -> bool:
+        """Record one evaluation; returns True the first time the target is reached."""
+        if self.target is None or self.seconds is not None or not accuracy >= self.target:
+            return False
+        self.seconds, self.step = float(seconds), int(step)
+        return True
+
+    def fields(self) -> dict[str, Any]:
+        """``target_accuracy``, ``time_to_target_s``, ``time_to_target_step`` for a run summary."""
+        return {"target_accuracy": self.target, "time_to_target_s": self.seconds, "time_to_target_step": self.step}
 
 
 def write_summary(path: str | Path, summary: Mapping[str, Any]) -> Path:

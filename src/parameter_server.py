@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from src import parameter_server_pb2 as pb
-from src.checkpoint import make_checkpoint, numbered_path, prune_checkpoints, save_checkpoint
+from src.checkpoint import KEEP_CHECKPOINTS, final_checkpoint_path, make_checkpoint, numbered_path, prune_checkpoints, save_checkpoint
 from src.compression import decompress, parse_header
 from src.config import Config
 from src.data import load_dataset
@@ -54,8 +54,6 @@ from src.trainer import evaluate, model_from_config, optimizer_from_config
 StalenessPolicy = Callable[[int], "float | None"]
 """``policy(tau) -> weight`` for an async push of staleness ``tau``; ``None`` rejects the push."""
 
-FINAL_CHECKPOINT_NAME = "parameter_server_final.pt"
-KEEP_CHECKPOINTS = 3
 REMEMBERED_REQUESTS = 64  # per worker: far more than one worker can have in flight
 PULL_POLL_S = 1.0  # a waiting pull wakes this often to notice a cancelled call
 
@@ -126,8 +124,6 @@ class ParameterServer:
     ):
         self.config = config
         self.token = token or require_auth_token(config.system)
-        # What the server hands to workers, checkpoints and logs: never the secret.
-        self.public_config = config.model_copy(update={"system": config.system.model_copy(update={"auth_token": None})})
         self.mode = config.system.aggregation_mode
         self.num_workers = config.system.num_workers
         self.staleness_policy = staleness_policy
@@ -174,7 +170,7 @@ class ParameterServer:
 
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background")
         self.log = MetricsLogger(Path(config.system.log_dir) / "server", tensorboard=tensorboard, role="server")
-        self.log.event("run_start", architecture="parameter_server", config=self.public_config.to_dict())
+        self.log.event("run_start", architecture="parameter_server", config=self.config.to_dict())
         self._grpc_server: grpc.Server | None = None
         self.port: int | None = None
 
@@ -221,7 +217,7 @@ class ParameterServer:
             reply = serialize(Outgoing(
                 pb.RegisterReply(
                     worker_id=worker_id, shard=pb.Shard(rank=worker_id, num_shards=self.num_workers), version=version,
-                    run_config_json=self.public_config.model_dump_json(),
+                    run_config_json=self.config.model_dump_json(),
                     parameter_specs=self.param_specs, buffer_specs=self.buffer_specs,
                 ),
                 {"parameters": [tensor_view(p) for p in self.params], "buffers": [tensor_view(b) for b in self.buffers]},
@@ -494,7 +490,7 @@ class ParameterServer:
         checkpoint = make_checkpoint(
             model_state_dict=state, optimizer_state_dict=optimizer_state,
             model_architecture=self.config.training.model_architecture, dataset=self.config.training.dataset,
-            epoch=epoch, step=version, config=self.public_config.to_dict(),
+            epoch=epoch, step=version, config=self.config.to_dict(),
             extra={"version": version, "aggregation_mode": self.mode, "num_workers": self.num_workers},
         )
         return save_checkpoint(path, checkpoint)
@@ -540,7 +536,7 @@ class ParameterServer:
             version = self.version
             workers = [self._finished[w] for w in sorted(self._finished)]
         final_loss, final_accuracy = self._record_eval(t.num_epochs, version, self.model) if self.test_set is not None else (float("nan"), float("nan"))
-        checkpoint_path = self._checkpoint(Path(self.config.system.checkpoint_dir) / FINAL_CHECKPOINT_NAME,
+        checkpoint_path = self._checkpoint(final_checkpoint_path(self.config.system.checkpoint_dir, "parameter_server"),
                                            self._snapshot(), self.optimizer.state_dict(), version, t.num_epochs)
         start = self._first_register_time or time.perf_counter()
         train_time = (self._last_finish_time or start) - start

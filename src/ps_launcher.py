@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import sys
 from multiprocessing import connection
 from pathlib import Path
@@ -24,13 +23,10 @@ from typing import Any, Callable
 
 from src.config import Config
 from src.ps_transport import resolve_auth_token, split_address
+from src.supervisor import LaunchError, children_ignore_sigint, sigterm_as_keyboard_interrupt, stop_processes
 
 STARTUP_TIMEOUT_S = 600.0  # server start: imports, dataset, model (a torchvision download can be slow)
 STOP_GRACE_S = 5.0
-
-
-class LaunchError(RuntimeError):
-    """A process of the run failed; the message names it and why."""
 
 
 def _with_address(config: Config, address: str) -> Config:
@@ -118,22 +114,6 @@ def _worker_child(config: Config, worker_id: int, token: str, num_threads: int |
         raise SystemExit(1) from None
 
 
-def _raise_keyboard_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def _stop(processes) -> None:
-    """Terminate every child still running, wait a little, kill the stragglers."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(STOP_GRACE_S)
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
 def run_local(config: Config, *, summary_json: str | Path | None = None) -> dict[str, Any]:
     """The server and ``system.num_workers`` workers as processes of this machine; returns the run summary.
 
@@ -149,37 +129,29 @@ def run_local(config: Config, *, summary_json: str | Path | None = None) -> dict
     num_threads = max(1, (os.cpu_count() or 1) // num_workers)  # N workers + server share the cores
     receive, report = context.Pipe(duplex=False)
     processes: list = []
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
-        # Children inherit an ignored SIGINT through exec: a terminal's Ctrl-C reaches only this process's handler.
-        previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with sigterm_as_keyboard_interrupt():
         try:
-            server = context.Process(target=_server_child, name="parameter-server",
-                                     args=(config, token, str(summary_json) if summary_json else None, num_threads, report))
-            server.start()
+            with children_ignore_sigint():
+                server = context.Process(target=_server_child, name="parameter-server",
+                                         args=(config, token, str(summary_json) if summary_json else None, num_threads, report))
+                server.start()
             processes.append(server)
-        finally:
-            signal.signal(signal.SIGINT, previous_sigint)
-        report.close()
+            report.close()
 
-        port = _expect(receive, processes, "listening", STARTUP_TIMEOUT_S)
-        worker_config = _with_address(config, connect_address(config.system.server_address, port))
-        previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            for k in range(num_workers):
-                worker = context.Process(target=_worker_child, name=f"worker-{k}", args=(worker_config, k, token, num_threads))
-                worker.start()
-                processes.append(worker)
+            port = _expect(receive, processes, "listening", STARTUP_TIMEOUT_S)
+            worker_config = _with_address(config, connect_address(config.system.server_address, port))
+            with children_ignore_sigint():
+                for k in range(num_workers):
+                    worker = context.Process(target=_worker_child, name=f"worker-{k}", args=(worker_config, k, token, num_threads))
+                    worker.start()
+                    processes.append(worker)
+            summary = _expect(receive, processes, "summary", None)
+            for process in processes:
+                process.join(STOP_GRACE_S)
+            return summary
         finally:
-            signal.signal(signal.SIGINT, previous_sigint)
-        summary = _expect(receive, processes, "summary", None)
-        for process in processes:
-            process.join(STOP_GRACE_S)
-        return summary
-    finally:
-        _stop(processes)
-        signal.signal(signal.SIGTERM, previous_sigterm)
-        receive.close()
+            stop_processes(processes)
+            receive.close()
 
 
 def _expect(receive, processes, wanted: str, timeout: float | None):

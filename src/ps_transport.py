@@ -59,7 +59,8 @@ class AuthTokenMissing(ValueError):
 
 def resolve_auth_token(system: SystemConfig) -> str | None:
     """The configured token: ``system.auth_token``, else ``$DTS_AUTH_TOKEN``, else ``None``."""
-    return system.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+    configured = system.auth_token.get_secret_value() if system.auth_token is not None else None
+    return configured or os.environ.get(AUTH_TOKEN_ENV) or None
 
 
 def require_auth_token(system: SystemConfig) -> str:

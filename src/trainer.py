@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.checkpoint import load_latest_good, make_checkpoint, numbered_path, prune_checkpoints, save_checkpoint
+from src.checkpoint import (
+    KEEP_CHECKPOINTS, check_model_matches, final_checkpoint_path, load_latest_good, make_checkpoint, numbered_path,
+    prune_checkpoints, save_checkpoint,
+)
 from src.config import Config
 from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
-from src.metrics import MetricsLogger, write_summary
+from src.metrics import LOG_EVERY_STEPS, MetricsLogger, write_summary
 from src.models import build_model
-
-LOG_EVERY_STEPS = 10
-KEEP_CHECKPOINTS = 3
 
 
 def resolve_device(name: str) -> torch.device:
@@ -147,11 +147,7 @@ class BaselineTrainer:
 
     def _restore(self, target: str | Path) -> None:
         path, checkpoint = load_latest_good(target)
-        if checkpoint["model_architecture"] != self.config.training.model_architecture:
-            raise ValueError(
-                f"--resume {path}: checkpoint is a {checkpoint['model_architecture']!r} model, "
-                f"config asks for {self.config.training.model_architecture!r}"
-            )
+        check_model_matches(path, checkpoint, self.config.training.model_architecture)
         self.model.load_state_dict(checkpoint["model_state_dict"])
         self.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
         self.start_epoch, self.step = checkpoint["epoch"], checkpoint["step"]
@@ -216,7 +212,7 @@ class BaselineTrainer:
                     written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
                     prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
                     log.event("checkpoint", path=str(written), epoch=epoch + 1, step=self.step)
-            checkpoint_path = self._checkpoint(self.checkpoint_dir / "baseline_final.pt", max(t.num_epochs, self.start_epoch))
+            checkpoint_path = self._checkpoint(final_checkpoint_path(self.checkpoint_dir, "baseline"), max(t.num_epochs, self.start_epoch))
             total_time = time.perf_counter() - started
             summary = {
                 "architecture": "baseline",

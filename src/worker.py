@@ -33,14 +33,13 @@ from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, policy_from_config
 from src.config import Config, validate_config
 from src.data import load_dataset, make_shards, steps_per_epoch
-from src.metrics import MetricsLogger
+from src.metrics import LOG_EVERY_STEPS, MetricsLogger
 from src.ps_transport import ParameterServerClient, Received, copy_bytes_into, require_auth_token, tensor_view
 from src.trainer import forward_backward, model_from_config, resolve_device
 
-LOG_EVERY_STEPS = 10
 LOCAL_FIELDS = (
     "training.data_dir", "training.device",
-    "system.log_dir", "system.checkpoint_dir", "system.server_address", "system.auth_token",
+    "system.log_dir", "system.checkpoint_dir", "system.server_address",
     "system.tls_cert_file", "system.tls_key_file", "system.tls_ca_file",
 )
 """Fields a worker takes from its own config; everything else comes from the server."""

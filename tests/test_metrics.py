@@ -39,3 +39,15 @@ def test_summary_requires_every_field(tmp_path):
     written = json.loads(write_summary(tmp_path / "s.json", summary).read_text())
     assert written["final_loss"] is None  # NaN is not JSON
     assert "Final Accuracy: 50.00%" in format_summary({**summary, "final_loss": 1.0})
+
+
+def test_time_to_target_records_the_first_crossing_only():
+    from src.metrics import TimeToTarget
+
+    tracker = TimeToTarget(0.9)
+    assert not tracker.observe(0.5, 1.0, 10)
+    assert tracker.observe(0.91, 2.5, 20)
+    assert not tracker.observe(0.95, 3.0, 30)
+    assert tracker.fields() == {"target_accuracy": 0.9, "time_to_target_s": 2.5, "time_to_target_step": 20}
+    assert TimeToTarget(None).fields() == {"target_accuracy": None, "time_to_target_s": None, "time_to_target_step": None}
+    assert not TimeToTarget(None).observe(1.0, 1.0, 1)
