@@ -155,6 +155,12 @@ class SystemConfig(_Section):
     """Keep what compression dropped and add it to the next gradient."""
     warmup_steps: int = 0
     """Uncompressed sends before compression starts."""
+    staleness_policy: Literal["none", "soft", "hard", "both"] = "none"
+    """Async pushes by Staleness tau: none (full weight), soft (weight 1/(1+beta*tau)), hard (reject tau > S_max), both."""
+    staleness_beta: float = 0.5
+    """beta of soft attenuation, >= 0."""
+    max_staleness: int = 8
+    """S_max of the hard bound: an async push with tau > S_max is rejected (the worker rolls back)."""
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
@@ -194,7 +200,14 @@ class SystemConfig(_Section):
             parse_fault(text)  # raises ValueError naming the fault and what is wrong
         return value
 
-    @field_validator("warmup_steps", "max_restarts")
+    @field_validator("staleness_beta")
+    @classmethod
+    def _beta_non_negative(cls, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError("must be a finite number >= 0")
+        return value
+
+    @field_validator("warmup_steps", "max_restarts", "max_staleness")
     @classmethod
     def _non_negative_int(cls, value: int) -> int:
         if value < 0:
