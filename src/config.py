@@ -33,6 +33,12 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
+class SetupError(ValueError):
+    """A problem the user fixes in the run's setup (an address, a TLS file, a device, a checkpoint
+    that does not fit): runners print it as one ``error:`` line. Anything else is a bug and keeps its
+    traceback."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -161,6 +167,9 @@ class SystemConfig(_Section):
     """beta of soft attenuation, >= 0."""
     max_staleness: int = 8
     """S_max of the hard bound: an async push with tau > S_max is rejected (the worker rolls back)."""
+    local_steps: int = 1
+    """Local optimizer steps (plain SGD at the learning rate) a PS worker takes between pushes; it
+    pushes the sum of their gradients. 1 = one gradient per push."""
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
@@ -184,7 +193,7 @@ class SystemConfig(_Section):
     """DDP gradient exchange: the backend's allreduce, or the explicit ring hook."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
-    @field_validator("num_workers", "quantization_bucket_size")
+    @field_validator("num_workers", "quantization_bucket_size", "local_steps")
     @classmethod
     def _positive_int(cls, value: int) -> int:
         if value <= 0:

@@ -51,7 +51,9 @@ def test_converges_on_mnist_5k(convergence, name, accuracy):
     assert summary["final_accuracy"] >= accuracy, summary
     assert summary["samples_processed"] == 2 * 4000
     assert summary["compression"] == {"identity": "none", "topk": "topk(0.1)"}.get(name, "quantization(8)")
-    assert len(summary["workers"]) == 2 and all(w["samples"] == 4000 for w in summary["workers"])
+    assert len(summary["workers"]) == 2 and sum(w["samples"] for w in summary["workers"]) == 2 * 4000
+    if name != "quantization_async":  # sync: each worker trains on its own shard; async workers steal at epoch ends
+        assert all(w["samples"] == 4000 for w in summary["workers"])
 
 
 @pytest.mark.slow
@@ -74,7 +76,7 @@ def test_push_message_is_the_payloads_plus_framing(convergence):
     pushes = list(read_events(f"{config.system.log_dir}/worker_0/events.jsonl", kind="push"))
     assert len(pushes) == 2 * 63  # 2000 samples per worker and epoch, batch 32
     for push in pushes:
-        assert push["payload_bytes"] <= push["push_bytes"] <= push["payload_bytes"] + 64 + 6 * num_params, push
+        assert push["payload_bytes"] <= push["push_bytes"] <= push["payload_bytes"] + 128 + 6 * num_params, push
 
 
 @pytest.mark.slow
@@ -100,7 +102,7 @@ def test_resnet18_far_above_the_4mb_message_default(tmp_path):
     assert model_bytes > 40e6
     assert summary["versions"] == 2
     assert summary["bytes_sent"] >= 2 * 0.99 * model_bytes  # two pushes
-    assert summary["bytes_received"] >= 2 * 0.99 * model_bytes  # registration + one pull
+    assert summary["bytes_received"] >= 2 * 0.99 * model_bytes  # the first pull + one push reply
     running_mean = load_checkpoint(summary["checkpoint_path"])["model_state_dict"]["bn1.running_mean"]
     assert torch.count_nonzero(running_mean) > 0  # the workers' batch-norm statistics reached the server
 
