@@ -46,6 +46,9 @@ PS_FLAGS = {
     "tls_key": "system.tls_key_file",
     "tls_ca": "system.tls_ca_file",
     "local_steps": "system.local_steps",
+    "downlink_compression": "system.downlink_compression",
+    "downlink_ratio": "system.downlink_ratio",
+    "downlink_refresh_interval": "system.downlink_refresh_interval",
 }
 
 
@@ -57,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--aggregation-mode", choices=("sync", "async"), help="sync barrier per version, or apply each push (default sync)")
     ps.add_argument("--local-steps", type=int, help="local SGD steps a worker takes per push (default 1)")
     add_compression_flags(parser, "compression (worker pushes)")
+    downlink = parser.add_argument_group("downlink compression (push replies)")
+    downlink.add_argument("--downlink-compression", choices=("none", "topk", "quantization"),
+                          help="send each worker the change of the parameters since its copy, compressed (default none: dense)")
+    downlink.add_argument("--downlink-ratio", type=float, help="fraction of entries a top-k downlink delta keeps (default 0.1)")
+    downlink.add_argument("--downlink-refresh-interval", type=int,
+                          help="versions between dense refreshes of a worker's parameters (default 50)")
     add_fault_tolerance_flags(parser)
     hosts = parser.add_argument_group("roles, hosts and security")
     hosts.add_argument("--role", choices=("local", "server", "worker"), default="local",

@@ -37,6 +37,7 @@ class Contribution:
     num_samples: int
     gradients: list[torch.Tensor]
     buffers: list[torch.Tensor] = field(default_factory=list)
+    request_id: int = 0
 
 
 class ModelState:

@@ -399,23 +399,29 @@ class WorkPlan:
 def check_coverage(events: Iterable[dict[str, Any]], num_samples: int, num_epochs: int) -> dict[str, Any]:
     """Audit a run from its server events: is every index of every epoch in exactly one applied update?
 
-    Reads ``update`` events (``version``, ``samples``: ``[[epoch, [indices...]], ...]``) and
-    ``server_recovered`` events (``version``: the checkpoint it resumed from), whose arrival voids the
-    updates logged after that version by the server that died.
+    Reads ``update`` events (``version``, ``samples``: ``[[epoch, [indices...]], ...]``, ``requests``:
+    ``[[worker, request_id], ...]``) and ``server_recovered`` events (``version``: the checkpoint it
+    resumed from), whose arrival voids the updates logged after that version by the server that died.
 
     Returns:
-        ``{"ok", "missing", "duplicated", "updates", "voided"}`` with per-problem counts and examples.
+        ``{"ok", "missing", "duplicated", "unexpected", "requests_applied_twice", "updates", "voided",
+        "examples"}``: per-problem counts and a few examples of each.
     """
-    applied: list[tuple[int, int, list[int]]] = []  # (version, epoch, indices)
+    updates: list[dict[str, Any]] = []
     voided = 0
     for event in events:
         if event.get("kind") == "update":
-            for epoch, indices in event["samples"]:
-                applied.append((event["version"], epoch, indices))
+            updates.append(event)
         elif event.get("kind") == "server_recovered":
-            kept = [entry for entry in applied if entry[0] <= event["version"]]
-            voided += len(applied) - len(kept)
-            applied = kept
+            kept = [u for u in updates if u["version"] <= event["version"]]
+            voided += len(updates) - len(kept)
+            updates = kept
+    applied = [(u["version"], epoch, indices) for u in updates for epoch, indices in u["samples"]]
+    request_counts: dict[tuple[int, int], int] = {}
+    for update in updates:
+        for worker, request_id in update.get("requests", []):
+            request_counts[(worker, request_id)] = request_counts.get((worker, request_id), 0) + 1
+    twice = sorted(key for key, count in request_counts.items() if count > 1)
     seen: dict[tuple[int, int], int] = {}
     for _, epoch, indices in applied:
         for index in indices:
@@ -425,8 +431,9 @@ def check_coverage(events: Iterable[dict[str, Any]], num_samples: int, num_epoch
     duplicated = sorted(key for key, count in seen.items() if count > 1)
     extra = sorted(seen.keys() - expected)
     return {
-        "ok": not missing and not duplicated and not extra,
+        "ok": not missing and not duplicated and not extra and not twice,
         "missing": len(missing), "duplicated": len(duplicated), "unexpected": len(extra),
+        "requests_applied_twice": len(twice),
         "examples": {"missing": missing[:5], "duplicated": duplicated[:5], "unexpected": extra[:5]},
-        "updates": len({v for v, _, _ in applied}), "voided": voided,
+        "updates": len(updates), "voided": voided,
     }

@@ -57,6 +57,7 @@ from src.compression import decompress, parse_header
 from src.config import Config
 from src.coordinator import Batch, Member, Membership, MembershipError, WorkPlan
 from src.data import load_dataset
+from src.downlink import Downlink, compressor_from_config
 from src.faults import FaultInjector
 from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.ps_transport import Outgoing, Received, check_float32_bytes, require_auth_token, serialize, split, start_grpc_server, tensor_view
@@ -161,6 +162,8 @@ class ParameterServer:
         self.buffer_specs = [_spec(n, b) for n, b in zip(self.state.buffer_names, self.state.buffers)]
         self._param_shapes = [tuple(p.shape) for p in self.state.params]
         self._buffer_shapes = [tuple(b.shape) for b in self.state.buffers]
+        self.downlink = Downlink(self.state.params, compressor_from_config(system),
+                                 refresh_interval=system.downlink_refresh_interval, drift_bound=system.downlink_drift_bound)
         # Byte views of the model's tensors, made once: the optimizer updates them in place.
         self._param_views = [tensor_view(p) for p in self.state.params]
         self._buffer_views = [tensor_view(b) for b in self.state.buffers]
@@ -257,6 +260,7 @@ class ParameterServer:
             events = []
             if replaced is not None:
                 events += self._fail(replaced, reason="replaced by a new incarnation", silence=None)
+            self.downlink.forget(worker_id)
             applied = bool(request.last_request_id) and self.requests.was_applied(worker_id, request.last_request_id)
             unknown = self.plan.claim(worker_id, request.carried_batch_ids) if not applied else []
             version = self.state.version
@@ -279,7 +283,9 @@ class ParameterServer:
                 member.ready = True
                 self._maybe_start()
             batches, finished = self._await_work(member, context)
-            reply = self._reply_bytes(pb.PullReply(version=self.state.version, work=_work_message(batches, finished)))
+            self.downlink.forget(member.worker_id)  # a pull starts the worker afresh: dense parameters
+            reply = self._reply_bytes(pb.PullReply(version=self.state.version, work=_work_message(batches, finished)),
+                                      member.worker_id)
         return reply
 
     def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
@@ -315,7 +321,7 @@ class ParameterServer:
                     batches, finished = self._await_work(member, context)
                     verdict.work.CopyFrom(_work_message(batches, finished))
                     verdict.version = self.state.version
-                    reply = self._reply_bytes(verdict)
+                    reply = self._reply_bytes(verdict, worker_id)
                     self.requests.finish(worker_id, request_id, reply, applied=verdict.accepted)
                     self._cond.notify_all()
                 return reply
@@ -445,7 +451,7 @@ class ParameterServer:
                 if not bool(torch.isfinite(values).all()):
                     raise PushRefused(invalid, f"buffer {spec.name}: holds NaN or Inf values")
                 buffers.append(values)
-        return Contribution(worker_id, request.num_samples, gradients, buffers)
+        return Contribution(worker_id, request.num_samples, gradients, buffers, request.request_id)
 
     # ------------------------------------------------------------------------- aggregation (lock held)
 
@@ -473,7 +479,7 @@ class ParameterServer:
             gradients, buffers = self.state.average(contributions)
             self.state.step(gradients, buffers)
             self._round = None
-            events += self._applied([c.worker for c in contributions])
+            events += self._applied(contributions)
         if self._round is None or not self._round.expected:
             self._round = None
             self._open_round()
@@ -504,20 +510,21 @@ class ParameterServer:
             return pb.PushReply(accepted=False, staleness=staleness, weight=0.0,
                                 reason=f"rejected by the staleness policy (staleness {staleness})"), []
         self.state.step(contribution.gradients, contribution.buffers, weight)
-        events = self._applied([member.worker_id])
+        events = self._applied([contribution])
         return pb.PushReply(accepted=True, staleness=staleness, weight=weight), events
 
-    def _applied(self, workers: list[int]) -> list:
-        """The update just stepped holds everything ``workers`` held: bookkeeping, events, checkpoints (lock held)."""
+    def _applied(self, contributions: list[Contribution]) -> list:
+        """The update just stepped holds everything its contributors held: bookkeeping, events, checkpoints (lock held)."""
         samples, epochs_done = [], []
-        for worker in workers:
-            batches, finished_epochs = self.plan.applied(worker)
+        for contribution in contributions:
+            batches, finished_epochs = self.plan.applied(contribution.worker)
             samples += [[b.epoch, list(b.indices)] for b in batches]
             epochs_done += finished_epochs
             self.counters["samples_applied"] += sum(len(b.indices) for b in batches)
-        self.counters["pushes_applied"] += len(workers)
+        self.counters["pushes_applied"] += len(contributions)
         version = self.state.version
-        self.log.event("update", version=version, workers=workers, samples=samples)
+        self.log.event("update", version=version, requests=[[c.worker, c.request_id] for c in contributions],
+                       samples=samples)
         self._after_version(epochs_done)
         self._faults.reached(version)
         if self.plan.finished() and self._train_ended_wall is None:
@@ -600,9 +607,14 @@ class ParameterServer:
 
     # ------------------------------------------------------------------------- replies
 
-    def _reply_bytes(self, message) -> bytes:
-        """``message`` with the current parameters and buffers, serialized (lock held: a consistent version)."""
-        return serialize(Outgoing(message, {"parameters": self._param_views, "buffers": self._buffer_views}))
+    def _reply_bytes(self, message, worker: int) -> bytes:
+        """``message`` with the current parameters (dense, or a delta for ``worker``) and buffers, serialized.
+
+        Lock held: every tensor is of one version.
+        """
+        downlink = self.downlink.encode(worker, self.state.version)
+        tensors = {"parameters": self._param_views} if downlink.dense else {"parameter_deltas": downlink.payloads}
+        return serialize(Outgoing(message, {**tensors, "buffers": self._buffer_views}))
 
     # ------------------------------------------------------------------------- evaluation, checkpoints
 

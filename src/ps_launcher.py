@@ -136,11 +136,13 @@ def _server_child(config: Config, token: str, summary_json: str | None, num_thre
         with lock:
             report.send(message)
 
+    from src.parameter_server import RunFailed
+
     try:
         summary = run_server(config, token=token, summary_json=summary_json, resume=resume, faults=faults,
                              on_listening=lambda port: send(("listening", port)),
                              on_event=lambda kind, fields: send((kind, fields)))
-    except _expected_errors() as exc:
+    except (RunFailed, *_expected_errors()) as exc:  # a restart would fail the same way
         send(("error", f"parameter server: {exc}"))
         raise SystemExit(FATAL_EXIT) from None
     send(("summary", summary))

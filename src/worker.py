@@ -39,7 +39,7 @@ import grpc
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, policy_from_config
+from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, decompress, policy_from_config
 from src.config import Config, SetupError, validate_config
 from src.data import load_dataset
 from src.faults import FaultInjector
@@ -196,13 +196,25 @@ class Worker:
 
         with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}", tensorboard=self.tensorboard,
                            role="worker", worker=self.worker_id) as log:
-            received = self.client.pull(self.caller)
+            received = self._pull(carried)
             version = self._load(params, buffers, received)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=version)
             print(f"worker {self.worker_id}: registered with {self.address} as incarnation {self.incarnation} at "
                   f"version {version} ({system.aggregation_mode})", flush=True)
             model.train()
-            while not received.message.work.finished:
+            while True:
+                if received.message.work.finished:
+                    stats = self.stats()
+                    try:
+                        self.client.finish(self.caller, stats)
+                        break
+                    except grpc.RpcError as exc:  # the server restarted before it finished the run: go on
+                        self._check_session_lost(exc)
+                        self._register(0, carried)
+                        received = self._pull(carried)
+                        version = self._load(params, buffers, received)
+                        log.event("rejoined", incarnation=self.incarnation, version=version)
+                        continue
                 work = received.message.work
                 batches = list(work.batches)
                 step_started = time.perf_counter()
@@ -229,7 +241,7 @@ class Worker:
                 if not isinstance(reply, Received):  # lost with the server's session: registered again
                     if reply:  # ... but it was applied, carried batches included
                         carried = []
-                    received = self.client.pull(self.caller)
+                    received = self._pull(carried)
                     version = self._load(params, buffers, received)
                     log.event("rejoined", incarnation=self.incarnation, version=version)
                     continue
@@ -276,10 +288,8 @@ class Worker:
                         "staleness": reply.message.staleness,
                     })
 
-            stats = self.stats()
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
             log.event("run_end", incarnation=self.incarnation, **result)
-            self.client.finish(self.caller, stats)
         print(f"worker {self.worker_id}: finished at version {version}: {totals['samples']} samples in "
               f"{totals['steps']} steps", flush=True)
         return {"worker_id": self.worker_id, "incarnation": self.incarnation, **result}
@@ -294,11 +304,7 @@ class Worker:
         try:
             return self.client.push(request, payloads, buffers)
         except grpc.RpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.ABORTED:
-                raise IncarnationRevoked(f"worker {self.worker_id}: {exc.details()}") from None
-            if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-                raise
+            self._check_session_lost(exc)
         # The server restarted (our session is unknown there) or is restarting: join again and ask
         # whether the push made it into an update before the server's checkpoint.
         print(f"worker {self.worker_id}: lost the server's session; registering again", flush=True)
@@ -308,6 +314,29 @@ class Worker:
                 # applied: keep what it left in the residual; lost: its samples will be computed again
                 (feedback.commit if registration.last_request_applied else feedback.discard)(name)
         return registration.last_request_applied
+
+    def _check_session_lost(self, exc: grpc.RpcError) -> None:
+        """Return if ``exc`` means the server lost this session (restarted, or restarting); raise otherwise.
+
+        Raises:
+            IncarnationRevoked: the server declared this incarnation failed.
+            grpc.RpcError: ``exc`` itself, for any other failure.
+        """
+        code = exc.code()
+        if code == grpc.StatusCode.ABORTED:
+            raise IncarnationRevoked(f"worker {self.worker_id}: {exc.details()}") from None
+        if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+            raise exc
+
+    def _pull(self, carried: list[pb.Batch]) -> Received:
+        """Pull the parameters and work, registering again while the server has lost this session."""
+        while True:
+            try:
+                return self.client.pull(self.caller)
+            except grpc.RpcError as exc:
+                self._check_session_lost(exc)
+                print(f"worker {self.worker_id}: lost the server's session; registering again", flush=True)
+                self._register(0, carried)
 
     @staticmethod
     def _compute(model, params, train_set, batches: list[pb.Batch], learning_rate: float,
@@ -358,13 +387,20 @@ class Worker:
 
     @staticmethod
     def _load(params: list[torch.Tensor], buffers: list[torch.Tensor], reply: Received) -> int:
-        """Copy the parameters and buffers of a pull or push reply into the local model; returns its version."""
-        sent_params, sent_buffers = reply.large["parameters"], reply.large["buffers"]
+        """Put the parameters of a pull or push reply into the local model (dense values, or deltas to add)
+        and its buffers; returns its version."""
+        deltas = reply.large.get("parameter_deltas") or []
+        sent_params, sent_buffers = deltas or reply.large["parameters"], reply.large["buffers"]
         if len(sent_params) != len(params) or len(sent_buffers) != len(buffers):
             raise ValueError(f"server sent {len(sent_params)} parameters and {len(sent_buffers)} buffers, "
                              f"the local model has {len(params)} and {len(buffers)}")
-        for index, (param, data) in enumerate(zip(params, sent_params)):
-            copy_bytes_into(param.data, data, f"parameter {index}")
+        if deltas:
+            with torch.no_grad():
+                for param, payload in zip(params, deltas):
+                    param.add_(decompress(payload, device=param.device).view_as(param))  # the server's replica does the same
+        else:
+            for index, (param, data) in enumerate(zip(params, sent_params)):
+                copy_bytes_into(param.data, data, f"parameter {index}")
         for index, (buffer, data) in enumerate(zip(buffers, sent_buffers)):
             copy_bytes_into(buffer, data, f"buffer {index}")
         return reply.message.version
