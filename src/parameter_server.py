@@ -526,7 +526,7 @@ class ParameterServer:
         self.log.event("update", version=version, requests=[[c.worker, c.request_id] for c in contributions],
                        samples=samples)
         self._after_version(epochs_done)
-        self._faults.reached(version)
+        self._faults.reached(version, announce=lambda fault: self.log.event("fault_injected", fault=str(fault), version=version))
         if self.plan.finished() and self._train_ended_wall is None:
             self._train_ended_wall = time.time()
         self._check_done()
