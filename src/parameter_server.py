@@ -29,8 +29,9 @@ samples are redone.
 
 Outputs under ``system.log_dir/server``: ``events.jsonl`` (register, push, update with the sample
 indices it applied, worker_failed, work_reassigned, eval, checkpoint, ...) and TensorBoard scalars;
-checkpoints in ``system.checkpoint_dir`` every ``training.checkpoint_interval`` versions (written in
-the background; a failed write ends the run with an error) and ``parameter_server_final.pt``.
+checkpoints in ``system.checkpoint_dir`` every ``training.checkpoint_interval`` versions (written
+before the next update, so a server killed at any moment loses fewer than that many versions; a failed
+write ends the run with an error) and ``parameter_server_final.pt``.
 """
 
 from __future__ import annotations
@@ -197,7 +198,6 @@ class ParameterServer:
         self._train_started_wall: float | None = None
         self._train_ended_wall: float | None = None
         self.target = TimeToTarget(t.target_accuracy)
-        self._checkpoint_pending = False
         self._faults = FaultInjector(system.inject_faults, "server", enabled=faults)
 
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background")
@@ -622,11 +622,9 @@ class ParameterServer:
         version = self.state.version
         t = self.config.training
         if version % t.checkpoint_interval == 0:
-            if self._checkpoint_pending:
-                self.log.event("checkpoint_skipped", version=version, reason="the previous checkpoint is still being written")
-            else:
-                self._checkpoint_pending = True
-                self._submit(self._write_numbered_checkpoint, version, self._checkpoint_state())
+            # Written before any further update (lock held): a server killed at any moment loses fewer than
+            # checkpoint_interval versions. A background write could be overtaken by the next checkpoint.
+            self._write_numbered_checkpoint(version, self._checkpoint_state())
         evaluate_now = bool(epochs_done) and epochs_done[-1] + 1 < t.num_epochs  # the final evaluation covers the last
         if t.eval_interval and version % t.eval_interval == 0:
             evaluate_now = True
@@ -682,6 +680,7 @@ class ParameterServer:
         return save_checkpoint(path, checkpoint)
 
     def _write_numbered_checkpoint(self, version: int, state: dict[str, Any]) -> None:
+        """Write ``checkpoint_<version>.pt`` (lock held); a failure is an event and ends the run with an error."""
         try:
             directory = Path(self.config.system.checkpoint_dir)
             written = self._checkpoint(numbered_path(directory, version), state)
@@ -689,10 +688,9 @@ class ParameterServer:
             self.log.event("checkpoint", path=str(written), version=version)
         except Exception as exc:
             self.log.event("checkpoint_failed", version=version, error=f"{type(exc).__name__}: {exc}")
-            raise RunFailed(f"checkpoint at version {version} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            with self._cond:
-                self._checkpoint_pending = False
+            self._fatal = RunFailed(f"checkpoint at version {version} failed: {type(exc).__name__}: {exc}")
+            self._done.set()
+            self._cond.notify_all()
 
     def _restore(self, target: str | Path) -> None:
         """Continue from a checkpoint of this run's server (strictly: it must be one)."""
