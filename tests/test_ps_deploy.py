@@ -67,7 +67,11 @@ def test_local_override_builds_on_the_local_base_and_stays_on_this_machine():
         assert f'image="${{1:-{service["build"]["args"]["BASE_IMAGE"]}}}"' in base_script, name  # the script makes that base
         packages = [volume for volume in service["volumes"] if volume.endswith(":/usr/local/lib/python3.11/dist-packages:ro")]
         assert len(packages) == 1, name  # the host's packages, read-only
-    assert "mnist_5k" in local["services"]["parameter_server"]["command"]  # internal network: nothing to download
+    # The same run as docker-compose.yml's, on the bundled mnist_5k (internal network: nothing to download).
+    main_command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["parameter_server"]["command"]
+    local_command = local["services"]["parameter_server"]["command"]
+    dataset = main_command.index("--dataset") + 1
+    assert local_command == main_command[:dataset] + ["mnist_5k"] + main_command[dataset + 1:]
 
 
 def test_tls_override_gives_the_key_to_the_server_only():
