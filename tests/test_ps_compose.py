@@ -12,7 +12,7 @@ verifies for the name the workers dial.
 
 Needs root, Docker (dockerd running), docker-compose and debootstrap; CI installs and starts them
 (.ci/run) and sets DTS_REQUIRE_DOCKER=1, so there the test fails instead of skipping. The first run
-on a machine makes the base image (1 to 3 minutes); later runs reuse it and the built image.
+on a machine makes the base image (about a minute of CPU); later runs reuse it and the built image.
 """
 
 from __future__ import annotations
