@@ -5,8 +5,8 @@
 #
 #   docker/build_local_base.sh [IMAGE]        (default dts-local-base:bookworm-py311)
 #
-# Needs root, debootstrap and a running Docker engine. Takes about a minute of CPU time (3 to 5 minutes
-# of wall time on a busy 2-core machine); downloading the ~40 MB of packages is a small part.
+# Needs root, debootstrap and a running Docker engine. Takes about a minute of CPU time (3 to 5
+# minutes of wall time on a busy 2-core machine); downloading the ~40 MB of packages is a small part.
 # $DTS_DEBIAN_MIRROR overrides the mirror (default http://deb.debian.org/debian).
 set -euo pipefail
 
