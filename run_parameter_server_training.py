@@ -27,7 +27,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status
+from src.cli import (
+    COMPRESSION_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_fault_tolerance_flags, config_from_args,
+    exit_status,
+)
 from src.metrics import format_summary
 
 DEFAULTS = {
@@ -42,6 +45,10 @@ PS_FLAGS = {
     "tls_cert": "system.tls_cert_file",
     "tls_key": "system.tls_key_file",
     "tls_ca": "system.tls_ca_file",
+    "local_steps": "system.local_steps",
+    "downlink_compression": "system.downlink_compression",
+    "downlink_ratio": "system.downlink_ratio",
+    "downlink_refresh_interval": "system.downlink_refresh_interval",
 }
 
 
@@ -51,7 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     ps = parser.add_argument_group("parameter server")
     ps.add_argument("--workers", type=int, help="number of workers (default 2)")
     ps.add_argument("--aggregation-mode", choices=("sync", "async"), help="sync barrier per version, or apply each push (default sync)")
+    ps.add_argument("--local-steps", type=int, help="local SGD steps a worker takes per push (default 1)")
     add_compression_flags(parser, "compression (worker pushes)")
+    downlink = parser.add_argument_group("downlink compression (push replies)")
+    downlink.add_argument("--downlink-compression", choices=("none", "topk", "quantization"),
+                          help="send each worker the change of the parameters since its copy, compressed (default none: dense)")
+    downlink.add_argument("--downlink-ratio", type=float, help="fraction of entries a top-k downlink delta keeps (default 0.1)")
+    downlink.add_argument("--downlink-refresh-interval", type=int,
+                          help="versions between dense refreshes of a worker's parameters (default 50)")
+    add_fault_tolerance_flags(parser)
     hosts = parser.add_argument_group("roles, hosts and security")
     hosts.add_argument("--role", choices=("local", "server", "worker"), default="local",
                        help="local: server + workers on this machine (default); server or worker: one role, for several hosts")
@@ -68,13 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.resume:
-        parser.error("--resume is not supported for the parameter server yet (recovery comes with the coordinator)")
+    if args.resume and args.role == "worker":
+        parser.error("--resume is for the server (--role server or local); a worker rejoins by registering again")
     if args.role == "worker" and args.worker_id is None:
         parser.error("--role worker needs --worker-id")
     if args.role != "worker" and args.worker_id is not None:
         parser.error("--worker-id is only for --role worker")
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS}, forced={"system.architecture": "parameter_server"})
+    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS}, forced={"system.architecture": "parameter_server"})
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
 
@@ -90,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from src.ps_launcher import run_local, run_server, run_worker
     from src.supervisor import LaunchError
+    from src.parameter_server import RunFailed
     from src.ps_transport import AuthTokenMissing
+    from src.worker import IncarnationRevoked
 
     def run() -> None:
         if args.role == "worker":
@@ -98,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
                   f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}")
             return
-        summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json)
+        summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json,
+                                                                       resume=args.resume)
         print(format_summary(summary))
 
     return exit_status(run, describe={
         LaunchError: str,
         AuthTokenMissing: str,
+        RunFailed: str,
+        IncarnationRevoked: str,
         grpc.RpcError: lambda exc: f"parameter server call failed: {exc.code().name}: {exc.details()}",
     }, interrupted="interrupted: stopped the parameter server and its workers")
 

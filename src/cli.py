@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Callable, Mapping
 
-from src.config import DATASET_NAMES, Config, ConfigError, load_config
+from src.config import DATASET_NAMES, Config, ConfigError, SetupError, load_config
 
 # flag dest -> dotted config field
 COMMON_FLAGS: dict[str, str] = {
@@ -146,8 +146,9 @@ def exit_status(
 ) -> int:
     """Run a runner's work and turn its outcome into the exit status every runner shares.
 
-    Expected failures (a missing dataset, an unusable checkpoint, a bad value, and the types in
-    ``describe``) print one ``error:`` line and give 1; Ctrl-C prints ``interrupted`` and gives 130
+    Expected failures (a missing dataset, an unusable checkpoint, a setup problem the user fixes
+    (:class:`~src.config.SetupError`), and the types in ``describe``) print one ``error:`` line and
+    give 1; Ctrl-C prints ``interrupted`` and gives 130
     (the runner's launcher has stopped its children by then). Anything else is a bug and keeps
     its traceback.
 
@@ -159,7 +160,7 @@ def exit_status(
     from src.checkpoint import CheckpointError  # torch comes with these: only once the flags are good
     from src.data import DatasetUnavailableError
 
-    describe = {DatasetUnavailableError: str, CheckpointError: str, ValueError: str, **(describe or {})}
+    describe = {DatasetUnavailableError: str, CheckpointError: str, SetupError: str, **(describe or {})}
     try:
         run()
     except KeyboardInterrupt:

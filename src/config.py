@@ -33,6 +33,12 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
+class SetupError(ValueError):
+    """A problem the user fixes in the run's setup (an address, a TLS file, a device, a checkpoint
+    that does not fit): runners print it as one ``error:`` line. Anything else is a bug and keeps its
+    traceback."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -161,6 +167,18 @@ class SystemConfig(_Section):
     """beta of soft attenuation, >= 0."""
     max_staleness: int = 8
     """S_max of the hard bound: an async push with tau > S_max is rejected (the worker rolls back)."""
+    downlink_compression: Literal["none", "topk", "quantization"] = "none"
+    """How push replies carry the parameters: dense, or a compressed delta since the worker's copy
+    (top-k keeps ``downlink_ratio`` of the entries; quantization uses ``quantization_bits``)."""
+    downlink_ratio: float = 0.1
+    """Fraction of entries a top-k downlink delta keeps, in (0, 1]."""
+    downlink_refresh_interval: int = 50
+    """Versions after which a worker gets the dense parameters again (downlink compression)."""
+    downlink_drift_bound: float = 0.05
+    """Largest relative distance ``||server - worker|| / ||server||`` a downlink delta may leave; beyond it, a dense refresh."""
+    local_steps: int = 1
+    """Local optimizer steps (plain SGD at the learning rate) a PS worker takes between pushes; it
+    pushes the sum of their gradients. 1 = one gradient per push."""
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
@@ -184,7 +202,7 @@ class SystemConfig(_Section):
     """DDP gradient exchange: the backend's allreduce, or the explicit ring hook."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
-    @field_validator("num_workers", "quantization_bucket_size")
+    @field_validator("num_workers", "quantization_bucket_size", "local_steps", "downlink_refresh_interval")
     @classmethod
     def _positive_int(cls, value: int) -> int:
         if value <= 0:
@@ -214,7 +232,14 @@ class SystemConfig(_Section):
             raise ValueError("must be >= 0")
         return value
 
-    @field_validator("compression_ratio")
+    @field_validator("downlink_drift_bound")
+    @classmethod
+    def _bound_positive(cls, value: float) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError("must be a finite number > 0")
+        return value
+
+    @field_validator("compression_ratio", "downlink_ratio")
     @classmethod
     def _ratio_range(cls, value: float) -> float:
         if not (math.isfinite(value) and 0.0 < value <= 1.0):

@@ -59,7 +59,7 @@ from src.checkpoint import (
     prune_checkpoints, save_checkpoint,
 )
 from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
-from src.config import Config, validate_config
+from src.config import Config, SetupError, validate_config
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, write_summary
 from src.supervisor import LaunchError, stop_processes
@@ -69,7 +69,7 @@ from src.trainer import (
 
 LOCAL_HOST = "127.0.0.1"
 #: Errors a rank reports as one line (anything else is a bug and keeps its traceback).
-EXPECTED_ERRORS = (DatasetUnavailableError, CheckpointError, ValueError)
+EXPECTED_ERRORS = (DatasetUnavailableError, CheckpointError, SetupError)
 _TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
 
@@ -111,7 +111,7 @@ def rank_device(name: str, local_rank: int) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"training.device: {name} requested but CUDA is not available")
+        raise SetupError(f"training.device: {name} requested but CUDA is not available")
     if name == "cuda":
         return torch.device("cuda", local_rank)
     return torch.device(name)
@@ -126,9 +126,9 @@ def select_backend(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
-        raise ValueError("system.backend: nccl requested but CUDA is not available (use gloo or auto)")
+        raise SetupError("system.backend: nccl requested but CUDA is not available (use gloo or auto)")
     if requested == "nccl" and device.type != "cuda":
-        raise ValueError(f"system.backend: nccl needs a CUDA training.device, got {device}")
+        raise SetupError(f"system.backend: nccl needs a CUDA training.device, got {device}")
     return requested
 
 
@@ -148,9 +148,9 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
     select_backend(config.system.backend, device)
     if device.type == "cuda" and local_world_size > 1:
         if config.training.device.startswith("cuda:"):
-            raise ValueError(f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; use cuda or auto")
+            raise SetupError(f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; use cuda or auto")
         if local_world_size > torch.cuda.device_count():
-            raise ValueError(f"system.num_workers: {local_world_size} local ranks but only {torch.cuda.device_count()} CUDA devices")
+            raise SetupError(f"system.num_workers: {local_world_size} local ranks but only {torch.cuda.device_count()} CUDA devices")
 
 
 def resolve_resume(config: Config, target: str | Path | None) -> str | None:
@@ -559,9 +559,9 @@ def run_torchrun(config: Config, *, world_size_flag: int | None = None, resume: 
     """
     env = torchrun_env()
     if env is None:
-        raise ValueError("not launched by torchrun: RANK, WORLD_SIZE and MASTER_ADDR must be set")
+        raise SetupError("not launched by torchrun: RANK, WORLD_SIZE and MASTER_ADDR must be set")
     if world_size_flag is not None and world_size_flag != env["world_size"]:
-        raise ValueError(f"--world-size {world_size_flag} disagrees with torchrun's WORLD_SIZE={env['world_size']}")
+        raise SetupError(f"--world-size {world_size_flag} disagrees with torchrun's WORLD_SIZE={env['world_size']}")
     config = validate_config({**config.to_dict(), "system": {**config.to_dict()["system"], "num_workers": env["world_size"]}})
     check_launch(config, local_world_size=env["local_world_size"])
     return run_rank(config, **env, resume=resume, summary_json=summary_json)
