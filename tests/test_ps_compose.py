@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from src.checkpoint import load_checkpoint
+from src.data import load_dataset
 from src.metrics import read_events
 from tests.ps_fixtures import ROOT
 
@@ -132,16 +133,17 @@ def make_server_certificate(directory: Path) -> None:
                    check=True, capture_output=True, timeout=60)
 
 
-def wait_for_line(compose: Compose, service: str, text: str, deadline_s: float) -> None:
-    container = compose.container(service)
+def wait_for_event(compose: Compose, events: Path, condition, what: str, deadline_s: float) -> None:
+    """Poll the server's events.jsonl (on the host volume) until an event meets ``condition``."""
+    server = compose.container("parameter_server")
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        if text in compose.logs(service):
+        if events.is_file() and any(condition(event) for event in read_events(events)):
             return
-        if not inspect("container", container)["State"]["Running"]:
-            pytest.fail(f"{service} stopped before printing {text!r}:\n{compose.logs()}")
+        if not inspect("container", server)["State"]["Running"]:
+            pytest.fail(f"the server stopped before {what}:\n{compose.logs()}")
         time.sleep(0.2)
-    pytest.fail(f"{service} did not print {text!r} within {deadline_s}s:\n{compose.logs()}")
+    pytest.fail(f"no {what} within {deadline_s}s:\n{compose.logs()}")
 
 
 def evaluate_checkpoint(path: Path, capsys) -> dict:
@@ -169,6 +171,7 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     image_override.write_text(yaml.safe_dump({"services": {service: {"image": image} for service in SERVICES}}))
     files.append(str(image_override))
     compose = Compose(f"dtstest{os.getpid()}{'tls' if tls else 'plain'}", files, environment)
+    server_events = output / "logs" / "ps_cli" / "server" / "events.jsonl"
 
     try:
         compose("build", "--force-rm", timeout=600)
@@ -179,7 +182,7 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
                 assert refused.returncode != 0 and "set DTS_AUTH_TOKEN" in refused.stderr, refused.stderr
             assert not docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={compose.project}").split()
         compose("up", "-d", "--no-build", "parameter_server")
-        wait_for_line(compose, "parameter_server", "parameter server listening on", deadline_s=180)
+        wait_for_event(compose, server_events, lambda e: e["kind"] == "listening", "listening event", deadline_s=180)
         server_ip = inspect("container", compose.container("parameter_server"))["NetworkSettings"]["Networks"][compose.network]["IPAddress"]
         if tls:
             # The server speaks TLS with a certificate valid for the name the workers dial (a
@@ -199,9 +202,9 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
         compose("up", "-d", "--no-build", "--no-recreate")
         containers = {service: compose.container(service) for service in SERVICES}
         if not tls:
-            # A worker dies as in a crash (SIGKILL of its process, exit 137): docker restarts it
-            # (restart: on-failure) and it registers again.
-            wait_for_line(compose, "worker_0", "epoch 1/2 done", deadline_s=300)
+            # A worker dies as in a crash (SIGKILL of its process, exit 137) an eighth into the
+            # run: docker restarts it (restart: on-failure) and it registers again.
+            wait_for_event(compose, server_events, lambda e: e["kind"] == "update" and e["version"] >= 8, "update 8", deadline_s=300)
             os.kill(inspect("container", containers["worker_0"])["State"]["Pid"], signal.SIGKILL)
         # The server ends the run once every worker is done; then the workers have exited too.
         for service in SERVICES:
@@ -218,13 +221,13 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     assert not any(states["parameter_server"]["NetworkSettings"]["Ports"].values())  # 50051 not published
     assert "Final Accuracy:" in logs and "Checkpoint: checkpoints/ps_cli/parameter_server_final.pt" in logs
 
-    # Workers reached the server over training_net from their containers' own addresses (the
-    # restarted worker_0 registered twice).
+    # Workers reached the server over training_net from their containers' own addresses; the
+    # restarted worker_0 joined again as a new incarnation.
     subnet = ipaddress.ip_network(network["IPAM"]["Config"][0]["Subnet"])
-    registered = list(read_events(output / "logs" / "ps_cli" / "server" / "events.jsonl", kind="register"))
-    assert sorted(event["worker"] for event in registered) == ([0, 1] if tls else [0, 0, 1]), registered
-    peers = {ipaddress.ip_address(event["peer"].removeprefix("ipv4:").rsplit(":", 1)[0]) for event in registered}
-    assert len(peers) >= 2 and all(peer in subnet and peer != ipaddress.ip_address(server_ip) for peer in peers), (peers, subnet, server_ip)
+    joined = [e for e in read_events(server_events) if e["kind"] in ("register", "worker_rejoined")]
+    assert sorted((e["kind"], e["worker"]) for e in joined) == [("register", 0), ("register", 1)] + ([] if tls else [("worker_rejoined", 0)]), joined
+    peers = {ipaddress.ip_address(e["peer"].removeprefix("ipv4:").rsplit(":", 1)[0]) for e in joined}
+    assert all(peer in subnet and peer != ipaddress.ip_address(server_ip) for peer in peers), (peers, subnet, server_ip)
     for k in (0, 1):
         assert (output / "logs" / "ps_cli" / f"worker_{k}" / "events.jsonl").is_file()
 
@@ -232,6 +235,9 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     summary = json.loads((output / "logs" / "ps_cli" / "summary.json").read_text())
     assert (summary["dataset"], summary["num_workers"], summary["epochs"]) == ("mnist_5k", 2, 2)
     assert summary["final_accuracy"] > 0.8  # two epochs of mnist_5k reach ~94%
+    # Every sample of both epochs in exactly one applied update, the killed worker's included.
+    assert summary["samples_processed"] == 2 * len(load_dataset("mnist_5k", "train")), summary
+    assert summary["faults"]["incarnations"] == (2 if tls else 3), summary["faults"]
     final = output / "checkpoints" / "ps_cli" / "parameter_server_final.pt"
     checkpoint = load_checkpoint(final)
     assert (checkpoint["dataset"], checkpoint["epoch"], checkpoint["extra"]["version"]) == ("mnist_5k", 2, summary["versions"])
