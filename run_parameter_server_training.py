@@ -77,14 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
                                           "a worker trusts it when no --tls-ca is given")
     hosts.add_argument("--tls-key", help="server private key (PEM)")
     hosts.add_argument("--tls-ca", help="CA certificate workers verify the server against (PEM)")
+    hosts.add_argument("--resume-unfinished", metavar="DIR",
+                       help="server: continue from the newest checkpoint in DIR if the run there was interrupted "
+                            "(no newer final checkpoint), else start afresh; for restart policies (docker compose)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.resume and args.role == "worker":
+    if (args.resume or args.resume_unfinished) and args.role == "worker":
         parser.error("--resume is for the server (--role server or local); a worker rejoins by registering again")
+    if args.resume and args.resume_unfinished:
+        parser.error("give --resume or --resume-unfinished, not both")
     if args.role == "worker" and args.worker_id is None:
         parser.error("--role worker needs --worker-id")
     if args.role != "worker" and args.worker_id is not None:
@@ -110,13 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     from src.worker import IncarnationRevoked
 
     def run() -> None:
+        resume = args.resume
+        if args.resume_unfinished:
+            from src.checkpoint import unfinished_run_checkpoint
+
+            resume = unfinished_run_checkpoint(args.resume_unfinished, "parameter_server")
+            print(f"resuming the interrupted run from {resume}" if resume else
+                  f"no interrupted run in {args.resume_unfinished}: starting afresh", flush=True)
         if args.role == "worker":
             totals = run_worker(config, args.worker_id)
             print(f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
                   f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}")
             return
         summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json,
-                                                                       resume=args.resume)
+                                                                       resume=resume)
         print(format_summary(summary))
 
     return exit_status(run, describe={
