@@ -19,7 +19,9 @@ only its local settings (--data-dir, --device, --log-dir, TLS files) from its ow
 
 Outputs: the final summary on the terminal, checkpoints/ps_cli/parameter_server_final.pt (the common
 checkpoint format), logs/ps_cli/summary.json, and events.jsonl + TensorBoard logs under
-logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir).
+logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir); with
+--artifacts-dir DIR also DIR/ps.json, DIR/worker_metrics.json and DIR/ps_events.jsonl for
+generate_performance_report.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status
+from src.cli import (
+    COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status, write_artifacts_if_asked,
+)
 from src.metrics import format_summary
 
 DEFAULTS = {
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--role worker needs --worker-id")
     if args.role != "worker" and args.worker_id is not None:
         parser.error("--worker-id is only for --role worker")
+    if args.role == "worker" and args.artifacts_dir:
+        parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
     config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS}, forced={"system.architecture": "parameter_server"})
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json)
         print(format_summary(summary))
+        write_artifacts_if_asked(args, config, summary)
 
     return exit_status(run, describe={
         LaunchError: str,
