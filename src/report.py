@@ -399,7 +399,7 @@ def runs_from_dir(root: str | Path) -> list[Run]:
     if not runs:
         raise ReportInputError(root, "no run summaries found (summary.json, baseline.json, ps.json, ddp_rank_<r>.json)")
     _attach_dir_events(root, run_dirs)
-    return runs
+    return sorted(runs, key=lambda run: ARCHITECTURES.index(run.summary["architecture"]))  # stable: path order within one
 
 
 def _attach_dir_events(root: Path, run_dirs: dict[Path, list[Run]]) -> None:
@@ -777,7 +777,7 @@ def report_blocks(report: Mapping[str, Any], plot_dir: str) -> list[Block]:
     blocks += [("h2", SECTIONS[4]), ("table", ["run", "target", "time to target", "step", "source"],
                 [[r["label"], _fmt(r["time_to_target"]["target_accuracy"], "pct"),
                   ("not reached" if r["time_to_target"]["reached"] is False else _fmt(r["time_to_target"]["seconds"], "s")),
-                  _fmt(r["time_to_target"]["step"]), r["time_to_target"]["source"] or "no target set"] for r in runs])]
+                  "-" if r["time_to_target"]["reached"] is False else _fmt(r["time_to_target"]["step"]), r["time_to_target"]["source"] or "no target set"] for r in runs])]
 
     blocks += [("h2", SECTIONS[5])]
     image("time_split", "Mean seconds per worker/rank in gradient computation, compression and communication")

@@ -135,6 +135,8 @@ def _short_bytes(value: float) -> str:
 
 def staleness(ax, report: Mapping[str, Any]) -> None:
     runs = [r for r in report["runs"] if r["staleness"] and r["staleness"]["histogram"]]
+    if any(r["staleness"]["mode"] == "async" for r in runs):  # sync runs are all 0: the table says so
+        runs = [r for r in runs if r["staleness"]["mode"] == "async"]
     if not runs:
         _empty(ax, "Staleness distribution", "no parameter-server run with a staleness histogram or push events")
         return
@@ -147,7 +149,7 @@ def staleness(ax, report: Mapping[str, Any]) -> None:
     ax.set_xticks(keys)
     ax.set_xlabel("staleness (server versions behind at arrival)")
     ax.set_ylabel("pushes")
-    ax.set_title("Staleness distribution")
+    ax.set_title("Staleness distribution" + (" (async runs)" if all(r["staleness"]["mode"] == "async" for r in runs) else ""))
     ax.legend(fontsize=8)
 
 
