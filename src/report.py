@@ -759,6 +759,10 @@ def report_blocks(report: Mapping[str, Any], plot_dir: str) -> list[Block]:
           _fmt(r["throughput_samples_per_s"], "rate"),
           _fmt(r["speedup_vs_baseline"], "x") if report["baseline"] else "no baseline run"] for r in runs])]
     blocks.append(("p", "Training clocks: " + "; ".join(f"{r['label']}: {r['clock']}" for r in runs) + "."))
+    emulated = [r for r in runs if r["emulation"]]
+    if emulated:  # slowed workers or links: the times above are not this machine's own
+        blocks.append(("p", "Emulated conditions: " + "; ".join(
+            f"{r['label']}: {json.dumps(r['emulation'], sort_keys=True)}" for r in emulated) + "."))
 
     blocks += [("h2", SECTIONS[2])]
     image("accuracy_vs_time", "Test accuracy against seconds since each run's start")

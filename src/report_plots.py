@@ -155,10 +155,14 @@ def staleness(ax, report: Mapping[str, Any]) -> None:
 
 def fault_timeline(ax, report: Mapping[str, Any]) -> None:
     rows: list[tuple[str, float, str]] = []
+    silences: list[tuple[str, float, float]] = []  # (lane, start, end): failed but not yet detected
     for run in report["runs"]:
         for event in run["faults"]["timeline"]:
             who = next((f"{k} {event[k]}" for k in ("worker", "rank") if event.get(k) is not None), "server")
             rows.append((f"{run['label']}: {who}", event["seconds"], event["kind"]))
+            latency = event.get("detection_latency_s")
+            if isinstance(latency, (int, float)) and not isinstance(latency, bool):
+                silences.append((f"{run['label']}: {who}", event["seconds"] - latency, event["seconds"]))
     if not rows:
         _empty(ax, "Fault timeline", "no faults: these runs' logs hold no fault events", nothing_happened=True)
         return
@@ -167,7 +171,11 @@ def fault_timeline(ax, report: Mapping[str, Any]) -> None:
     for index, kind in enumerate(kinds):
         points = [(t, lanes.index(lane)) for lane, t, k in rows if k == kind]
         ax.scatter([t for t, _ in points], [y for _, y in points], label=kind, color=_color(index), s=50, zorder=3)
+    for index, (lane, start, end) in enumerate(silences):
+        ax.hlines(lanes.index(lane), start, end, color="#999", linewidth=8, alpha=0.4, zorder=2,
+                  label="until detected (detection latency)" if index == 0 else None)
     ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
     ax.set_xlabel("wall time since run start (s)")
     ax.set_title("Fault timeline")
     ax.grid(axis="x", alpha=0.3)

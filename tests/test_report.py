@@ -157,6 +157,23 @@ def test_faults_give_detection_and_recovery_times_and_staleness_comes_from_pushe
     assert faults["timeline"][0]["seconds"] == 6.0
 
 
+@pytest.mark.slow  # matplotlib: a few seconds
+@pytest.mark.timeout(120)
+def test_fault_section_and_timeline_are_rendered(tmp_path):
+    from src.report import write_report
+
+    summary = {**SUMMARY, "architecture": "parameter_server", "num_workers": 2, "aggregation_mode": "async"}
+    events = [{"time": 50.0, "kind": "run_start", "architecture": "parameter_server", "source": "server"},
+              {"time": 55.0, "kind": "worker_failed", "worker": 0, "detection_latency_s": 1.25, "source": "server"},
+              {"time": 58.0, "kind": "worker_rejoined", "worker": 0, "source": "server"},
+              {"time": 60.0, "kind": "server_recovered", "versions_lost": 4, "source": "server"}]
+    paths = write_report(build_report([Run(summary, "ps.json", events=events, main_source="server")]), tmp_path / "r.json")
+    faults = paths["markdown"].read_text().split("## Faults")[1].split("## Per worker")[0]
+    assert "| 0 | 1.25 s |" in faults and "| worker 0 | worker_failed | worker_rejoined | 3.00 s |" in faults
+    assert "Server versions lost to recovery: 4." in faults and "| 10.00 s | server_recovered |" in faults
+    assert paths["plot:fault_timeline"].stat().st_size > 5000
+
+
 def test_ddp_run_rebuilt_from_ranks_like_the_trainer():
     ranks = [{**RANK, "train_time_s": 8.0}, {**RANK, "rank": 1, "train_time_s": 9.0, "samples_processed": 3990}]
     summary = ddp_summary_from_ranks(ranks)
