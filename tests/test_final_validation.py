@@ -41,10 +41,12 @@ def test_property_28_is_null_unless_four_workers(two_cores):
 
 
 def test_property_28_keeps_its_rule_and_says_when_the_machine_cannot_show_it(two_cores):
-    slow = validation.property_28(4, _summaries(900.0, 1500.0))
+    slow = validation.property_28(4, _summaries(900.0, 1500.0), 7.5)
     assert slow["value"] is False and slow["speedups"]["ps_sync"] == 0.9
     assert "2 CPU core(s) for 4 workers" in slow["note"] and "not adjusted" in slow["note"]
-    assert validation.property_28(4, _summaries(1100.0, 1500.0))["value"] is True
+    assert slow["machine"] == {"cpu_cores": 2, "cuda_devices": 0, "load_average_during_runs": 7.5}
+    fast = validation.property_28(4, _summaries(1100.0, 1500.0), 7.5)
+    assert fast["value"] is True and "not from the workers running in parallel" in fast["note"] and "7.5" in fast["note"]
     assert validation.property_28(4, {**_summaries(1100.0, 1500.0), "ddp": None})["value"] is False  # DDP did not run
 
 
