@@ -114,6 +114,7 @@ class Run:
     events: list[dict[str, Any]] = field(default_factory=list)
     main_source: str | None = None
     label: str = ""
+    """Shown in the report; empty: described from the summary (``ps async topk(0.1)``)."""
 
 
 # ----------------------------------------------------------------------------- reading inputs
@@ -479,15 +480,20 @@ def _describe(summary: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _label_runs(runs: Sequence[Run]) -> None:
-    labels = [run.label or _describe(run.summary) for run in runs]
+def run_labels(runs: Sequence[Run]) -> list[str]:
+    """One distinct label per run: its own or :func:`_describe`; repeats get their folder, then a number."""
+    described = [run.label or _describe(run.summary) for run in runs]
+    labels = list(described)
     for index, run in enumerate(runs):
-        label = labels[index]
-        if labels.count(label) > 1:
-            label = f"{label} [{Path(run.origin).parent.name or Path(run.origin).name}]"
-            if [f"{labels[i]} [{Path(runs[i].origin).parent.name}]" for i in range(len(runs))].count(label) > 1:
-                label = f"{labels[index]} #{labels[:index + 1].count(labels[index])}"
-        run.label = label
+        folder = Path(run.origin).parent.name
+        if described.count(described[index]) > 1 and folder:
+            labels[index] = f"{described[index]} [{folder}]"
+    with_folders, seen = list(labels), {}
+    for index, label in enumerate(with_folders):
+        if with_folders.count(label) > 1:
+            seen[label] = seen.get(label, 0) + 1
+            labels[index] = f"{label} #{seen[label]}"
+    return labels
 
 
 def _main_events(run: Run, kind: str) -> list[dict[str, Any]]:
@@ -657,16 +663,17 @@ def build_report(runs: Sequence[Run], *, bench: Mapping[str, Any] | None = None,
         bench: ``reports/bench.json`` as written by ``scripts/bench_all.py`` (its ``figures`` are tabled).
         target_accuracy: for runs whose summary records no time to target, find it on their eval curve.
     """
-    _label_runs(runs)
-    baseline = next((r for r in runs if r.summary["architecture"] == "baseline"), None)
+    labels = run_labels(runs)
+    baseline_index = next((i for i, r in enumerate(runs) if r.summary["architecture"] == "baseline"), None)
+    baseline = runs[baseline_index] if baseline_index is not None else None
     base_throughput = _number(baseline.summary["throughput_samples_per_s"]) if baseline else None
     entries = []
-    for run in runs:
+    for run, label in zip(runs, labels):
         s = run.summary
         throughput = _number(s["throughput_samples_per_s"])
         curve = _accuracy_curve(run)
         entries.append({
-            "label": run.label,
+            "label": label,
             "origin": run.origin,
             "architecture": s["architecture"],
             "aggregation_mode": s.get("aggregation_mode"),
@@ -701,7 +708,7 @@ def build_report(runs: Sequence[Run], *, bench: Mapping[str, Any] | None = None,
         "report_version": REPORT_VERSION,
         "generated_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "inputs": list(inputs),
-        "baseline": baseline.label if baseline else None,
+        "baseline": labels[baseline_index] if baseline is not None else None,
         "definitions": DEFINITIONS,
         "runs": entries,
         "benchmarks": list(bench.get("figures") or []) if bench else None,

@@ -20,7 +20,7 @@ import pytest
 
 import generate_performance_report
 from src.report import (
-    PLOTS, SECTIONS, Run, build_report, ddp_summary_from_ranks, read_event_file, select_run_events,
+    PLOTS, SECTIONS, Run, build_report, ddp_summary_from_ranks, read_event_file, run_labels, select_run_events,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +172,12 @@ def test_fault_section_and_timeline_are_rendered(tmp_path):
     assert "| 0 | 1.25 s |" in faults and "| worker 0 | worker_failed | worker_rejoined | 3.00 s |" in faults
     assert "Server versions lost to recovery: 4." in faults and "| 10.00 s | server_recovered |" in faults
     assert paths["plot:fault_timeline"].stat().st_size > 5000
+
+
+def test_runs_of_one_kind_get_distinct_labels():
+    ps = {**SUMMARY, "architecture": "parameter_server", "aggregation_mode": "async", "compression": "topk(0.1)"}
+    runs = [Run(ps, "a/x/summary.json"), Run(ps, "a/y/summary.json"), Run(ps, "b/y/summary.json"), Run(SUMMARY, "s.json")]
+    assert run_labels(runs) == ["ps async topk(0.1) [x]", "ps async topk(0.1) [y] #1", "ps async topk(0.1) [y] #2", "baseline"]
 
 
 def test_ddp_run_rebuilt_from_ranks_like_the_trainer():
