@@ -140,7 +140,7 @@ def staleness(ax, report: Mapping[str, Any]) -> None:
     if not runs:
         _empty(ax, "Staleness distribution", "no parameter-server run with a staleness histogram or push events")
         return
-    keys = sorted({int(k) for r in runs for k in r["staleness"]["histogram"]})
+    keys = list(range(max(int(k) for r in runs for k in r["staleness"]["histogram"]) + 1))  # gaps show as gaps
     width = 0.8 / len(runs)
     for index, run in enumerate(runs):
         histogram = run["staleness"]["histogram"]
