@@ -19,7 +19,9 @@ only its local settings (--data-dir, --device, --log-dir, TLS files) from its ow
 
 Outputs: the final summary on the terminal, checkpoints/ps_cli/parameter_server_final.pt (the common
 checkpoint format), logs/ps_cli/summary.json, and events.jsonl + TensorBoard logs under
-logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir).
+logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir); with
+--artifacts-dir DIR also DIR/ps.json, DIR/worker_metrics.json and DIR/ps_events.jsonl for
+generate_performance_report.py.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sys
 
 from src.cli import (
     COMPRESSION_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_fault_tolerance_flags, config_from_args,
-    exit_status,
+    exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--role worker needs --worker-id")
     if args.role != "worker" and args.worker_id is not None:
         parser.error("--worker-id is only for --role worker")
+    if args.role == "worker" and args.artifacts_dir:
+        parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
     config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS}, forced={"system.architecture": "parameter_server"})
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json,
                                                                        resume=resume)
         print(format_summary(summary))
+        write_artifacts_if_asked(args, config, summary)
 
     return exit_status(run, describe={
         LaunchError: str,
