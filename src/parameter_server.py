@@ -779,8 +779,8 @@ class ParameterServer:
                 "worker_failures": self.counters["workers_failed"],
                 "server_recoveries": self.counters["server_recoveries"],
                 "versions_lost": self.counters["versions_lost"],
-                "incarnations": len(workers),
             },
+            "worker_incarnations": len(workers),
             "workers": workers,
         }
         self.log.event("run_end", **{k: v for k, v in summary.items() if k != "workers"})
