@@ -755,8 +755,9 @@ class ParameterServer:
     def _emulation_summary(self) -> dict[str, Any] | None:
         """Which emulation was on (``None``: none) and the downlink delay each worker's replies waited."""
         described = netem.describe(self.config.emulation, self.num_workers)
-        if described is not None:
-            described["downlink_delay_s"] = {str(k): link.delay_s for k, link in self.downlinks.items() if link is not None}
+        waited = {str(k): link.delay_s for k, link in self.downlinks.items() if link is not None}
+        if described is not None and waited:
+            described["downlink_delay_s"] = waited
         return described
 
     def finalize(self, summary_json: str | Path | None = None) -> dict[str, Any]:
