@@ -105,6 +105,8 @@ def test_the_shipped_experiment_configs_are_valid(tmp_path):
             rx.build_config(experiment, run_data, tmp_path / experiment["name"])
 
 
+@pytest.mark.slow  # starts a process
+@pytest.mark.timeout(120)
 def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**TINY, "emulation": {"slowdown": 0.5}}))
