@@ -127,6 +127,17 @@ def find_runs(folders: Iterable[Path]) -> list[Run]:
 # ----------------------------------------------------------------------------- derived figures
 
 
+def worker_rates(summary: dict[str, Any]) -> dict[int, float]:
+    """Each worker's own rate: its samples over its busy time (gradient + compression + communication;
+    incarnations of one worker id added up)."""
+    rates: dict[int, float] = {}
+    for w in summary.get("workers", []):
+        busy = w["gradient_time_s"] + w["compression_time_s"] + w["communication_time_s"]
+        if busy > 0:
+            rates[w["worker_id"]] = rates.get(w["worker_id"], 0.0) + w["samples"] / busy
+    return rates
+
+
 def step_profile(summary: dict[str, Any]) -> dict[str, float | None]:
     """Per-step averages over the workers: compute (gradient + compression) and communication seconds,
     and the ideal async/sync throughput ratio of these workers' rates (sum of rates / (N x slowest))."""
@@ -136,11 +147,7 @@ def step_profile(summary: dict[str, Any]) -> dict[str, float | None]:
     steps = sum(w["steps"] for w in workers)
     compute = sum(w["gradient_time_s"] + w["compression_time_s"] for w in workers) / steps
     communication = sum(w["communication_time_s"] for w in workers) / steps
-    rates: dict[int, float] = {}
-    for w in workers:  # a worker's own rate: its samples over its busy time (incarnations of one id added up)
-        busy = w["gradient_time_s"] + w["compression_time_s"] + w["communication_time_s"]
-        if busy > 0:
-            rates[w["worker_id"]] = rates.get(w["worker_id"], 0.0) + w["samples"] / busy
+    rates = worker_rates(summary)
     ideal = sum(rates.values()) / (len(rates) * min(rates.values())) if rates and min(rates.values()) > 0 else None
     return {"compute_s": compute, "communication_s": communication, "ideal_async_over_sync": ideal}
 
