@@ -165,3 +165,56 @@ def test_a_tiny_matrix_runs_resumes_without_redoing_finished_runs_and_plots(tmp_
     table = (plots / "results.md").read_text()
     assert "| identity__seed-0 | async | none |" in table and "| topk_ef__seed-0 | async | topk(0.01) |" in table
     assert "| identity | 1 |" in table and "| topk_ef | 1 |" in table  # one row per configuration over its seeds
+
+
+def _fake_run(folder: Path, name: str, seed: int, **summary) -> None:
+    """A finished run folder holding only what the plots and findings read."""
+    run = folder / name
+    (run / "logs").mkdir(parents=True)
+    workers = summary.pop("workers")
+    base = {"architecture": "parameter_server", "aggregation_mode": "async", "compression": "none", "final_accuracy": 0.9,
+            "total_time_s": 10.0, "train_time_s": 8.0, "target_accuracy": 0.85, "bytes_sent": 100, "bytes_received": 100,
+            "throughput_samples_per_s": 100.0, "emulation": None, "staleness_histogram": {"0": 3, "1": 1}}
+    workers = [{"worker_id": k, "samples": s, "steps": n, "gradient_time_s": g, "compression_time_s": 0.0,
+                "communication_time_s": c} for k, (s, n, g, c) in enumerate(workers)]
+    (run / "summary.json").write_text(json.dumps({**base, **summary, "workers": workers}))
+    (run / "experiment.json").write_text(json.dumps({"status": "finished"}))
+    (run / "config.yaml").write_text(yaml.safe_dump({"training": {"seed": seed}}))
+
+
+def test_findings_are_computed_from_the_summaries(tmp_path):
+    import findings
+
+    f1 = tmp_path / "f1_stragglers"
+    # worker 1 four times slower: rates 100 and 25 samples/s in async -> ideal 125 / (2 x 25) = 2.5
+    _fake_run(f1, "sync__slow__seed-0", 0, aggregation_mode="sync", throughput_samples_per_s=50.0, time_to_target_s=30.0,
+              workers=[(500, 10, 1.0, 9.0), (500, 10, 10.0, 0.0)])
+    _fake_run(f1, "async__slow__seed-0", 0, throughput_samples_per_s=120.0, time_to_target_s=10.0,
+              workers=[(1000, 20, 5.0, 5.0), (250, 5, 10.0, 0.0)])
+    result = findings.f1(f1)
+    assert result["ideal_ratio"]["mean"] == pytest.approx(2.5)
+    assert result["async_over_sync_throughput"]["mean"] == pytest.approx(2.4)
+    assert result["fraction_of_ideal"]["mean"] == pytest.approx(0.96)
+    assert result["time_to_target_speedup"]["mean"] == pytest.approx(3.0) and result["async_reaches_target_sooner"] == [True]
+    assert result["slowest_worker_rate_async_over_sync"]["mean"] == pytest.approx(0.5)  # 25 vs 50 samples/s
+
+    f8 = tmp_path / "f8_bandwidth"
+    # per step: dense 10 ms compute + 90 ms comm, top-k 10 + 10 -> ceiling 5; time to target 40 s vs 10 s -> 4x
+    _fake_run(f8, "up-25__identity__seed-0", 0, time_to_target_s=40.0, bytes_sent=1000, workers=[(100, 10, 0.1, 0.9)])
+    _fake_run(f8, "up-25__topk_ef__seed-0", 0, time_to_target_s=10.0, bytes_sent=200, workers=[(100, 10, 0.1, 0.1)])
+    link = findings.f8(f8)["links"]["up-25"]
+    assert link["per_step_ceiling"]["mean"] == pytest.approx(5.0) and link["time_to_target_speedup"]["mean"] == pytest.approx(4.0)
+    assert link["fraction_of_ceiling"]["mean"] == pytest.approx(0.8) and link["bytes_sent_ratio"]["mean"] == pytest.approx(0.2)
+
+    f2 = tmp_path / "f2_f6_compression"
+    for name, accuracy, sent in (("identity", 0.95, 1000), ("topk", 0.90, 20), ("topk_ef", 0.94, 20), ("quantization", 0.95, 260)):
+        _fake_run(f2, f"{name}__seed-0", 0, final_accuracy=accuracy, bytes_sent=sent, workers=[(100, 10, 0.1, 0.1)])
+    compression = findings.f2_f6(f2)
+    assert compression["topk_ef"]["bytes_sent_ratio"]["mean"] == pytest.approx(0.02)
+    assert compression["topk_ef"]["accuracy_points_vs_identity"]["mean"] == pytest.approx(-1.0)
+    assert compression["f6_error_feedback_recovers_points"]["mean"] == pytest.approx(4.0)
+
+    import plot_results
+
+    table = plot_results.markdown_table(plot_results.find_runs([f2]))
+    assert "| topk_ef__seed-0 | async | none |" in table and "| topk_ef | 1 | 0.9400 |" in table
