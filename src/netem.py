@@ -16,7 +16,8 @@ time and shows in every timing, summary and plot):
   (a fixed delay, or with ``step_delay_sigma`` > 0 a seeded log-normal one whose median is
   ``step_delay_s``). The wait counts as gradient time.
 * **Links** (:class:`Link`): a message of ``n`` serialized bytes waits ``8 n / bandwidth + latency``
-  before it goes out, in its sender: the worker's client for the uplink (every message it sends),
+  before it goes out, in its sender: the worker's client for the uplink (every message it sends once
+  registration has told it its conditions),
   the server's reply path for the downlink (the Pull and Push replies, which carry the model). The
   bytes are the exact serialized gRPC message, the same ones the byte counters count. Messages do
   not queue behind each other on a link: a worker sends one push at a time, and the only message
