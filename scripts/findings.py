@@ -2,9 +2,9 @@
 
     python scripts/findings.py --results results            # after the matrices in docs/findings.md
 
-Reads ``<results>/f1_stragglers``, ``f8_bandwidth`` and ``f2_f6_compression`` (whichever exist) and
-prints one JSON document: per finding, each seed's figures, their mean and standard deviation,
-the spec's figure and the issue's target beside ours. Nothing is estimated: every number comes from
+Reads ``<results>/f1_stragglers``, ``f8_bandwidth``, ``f2_f6_compression`` and ``f6_error_feedback``
+(whichever exist) and prints one JSON document: per finding, each seed's figures, their mean and
+standard deviation, the spec's figure and the issue's target beside ours. Nothing is estimated: every number comes from
 the runs' summaries (see plot_results.step_profile for the per-step times).
 """
 
@@ -108,6 +108,8 @@ def f8(folder: Path) -> dict[str, Any]:
                                  "topk_ef": _stats([sparse[x].summary["time_to_target_s"] for x in seeds])},
             "per_step_s": {"identity": profile(dense), "topk_ef": profile(sparse)},
             "bytes_sent_ratio": _stats([_ratio(sparse[x].summary["bytes_sent"], dense[x].summary["bytes_sent"]) for x in seeds]),
+            "accuracy_points_vs_identity": _stats([100 * (sparse[x].summary["final_accuracy"] - dense[x].summary["final_accuracy"])
+                                                   for x in seeds]),
             "final_accuracy": {"identity": _stats([dense[x].summary["final_accuracy"] for x in seeds]),
                                "topk_ef": _stats([sparse[x].summary["final_accuracy"] for x in seeds])},
         }
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = Path(args.results)
     report: dict[str, Any] = {}
-    for key, folder, compute in (("F1", "f1_stragglers", f1), ("F8_F9", "f8_bandwidth", f8), ("F2_F5_F6", "f2_f6_compression", f2_f6)):
+    for key, folder, compute in (("F1", "f1_stragglers", f1), ("F8_F9", "f8_bandwidth", f8), ("F2_F5_F6", "f2_f6_compression", f2_f6),
+                                  ("F6_plain_sgd", "f6_error_feedback", f2_f6)):
         if (root / folder).is_dir() and pr.find_runs([root / folder]):
             report[key] = compute(root / folder)
     if not report:
