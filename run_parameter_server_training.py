@@ -30,8 +30,8 @@ import argparse
 import sys
 
 from src.cli import (
-    COMPRESSION_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_fault_tolerance_flags, config_from_args,
-    exit_status, write_artifacts_if_asked,
+    COMPRESSION_FLAGS, EMULATION_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_emulation_flags,
+    add_fault_tolerance_flags, config_from_args, exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     downlink.add_argument("--downlink-refresh-interval", type=int,
                           help="versions between dense refreshes of a worker's parameters (default 50)")
     add_fault_tolerance_flags(parser)
+    add_emulation_flags(parser)
     hosts = parser.add_argument_group("roles, hosts and security")
     hosts.add_argument("--role", choices=("local", "server", "worker"), default="local",
                        help="local: server + workers on this machine (default); server or worker: one role, for several hosts")
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--worker-id is only for --role worker")
     if args.role == "worker" and args.artifacts_dir:
         parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS}, forced={"system.architecture": "parameter_server"})
+    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS, **EMULATION_FLAGS}, forced={"system.architecture": "parameter_server"})
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
 

@@ -112,6 +112,49 @@ def add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, heartbeats: bo
                            help="seconds of silence after which a worker counts as failed (default 5)")
 
 
+EMULATION_FLAGS: dict[str, str] = {
+    "slowdown": "emulation.slowdown",
+    "slow_worker": "emulation.workers",
+    "step_delay_s": "emulation.step_delay_s",
+    "step_delay_sigma": "emulation.step_delay_sigma",
+    "uplink_mbps": "emulation.uplink_mbps",
+    "downlink_mbps": "emulation.downlink_mbps",
+    "uplink_latency_ms": "emulation.uplink_latency_ms",
+    "downlink_latency_ms": "emulation.downlink_latency_ms",
+}
+
+
+class _SlowWorker(argparse.Action):
+    """``--slow-worker ID=FACTOR`` (repeatable) -> ``{ID: {"slowdown": FACTOR}}`` for ``emulation.workers``."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        worker, sep, factor = value.partition("=")
+        try:
+            parsed = int(worker), float(factor)
+        except ValueError:
+            parser.error(f"{option_string}: expected ID=FACTOR (e.g. 1=4), got {value!r}")
+        if not sep:
+            parser.error(f"{option_string}: expected ID=FACTOR (e.g. 1=4), got {value!r}")
+        workers = dict(getattr(namespace, self.dest, None) or {})
+        workers[parsed[0]] = {"slowdown": parsed[1]}
+        setattr(namespace, self.dest, workers)
+
+
+def add_emulation_flags(parser: argparse.ArgumentParser) -> None:
+    """Emulated stragglers and links of a parameter-server run (``emulation.*``, :mod:`src.netem`)."""
+    group = parser.add_argument_group("emulation (stragglers and slow links on one machine; real waiting)")
+    group.add_argument("--slow-worker", action=_SlowWorker, metavar="ID=FACTOR",
+                       help="worker ID computes FACTOR times slower, repeatable (e.g. 1=4)")
+    group.add_argument("--slowdown", type=float, help="every worker computes this many times slower (default 1)")
+    group.add_argument("--step-delay-s", type=float, help="seconds added to every step's compute (default 0)")
+    group.add_argument("--step-delay-sigma", type=float,
+                       help="log-normal spread of --step-delay-s (sigma of its log; default 0: constant)")
+    group.add_argument("--uplink-mbps", type=float, help="worker -> server bandwidth, Mbit/s (default: not limited)")
+    group.add_argument("--downlink-mbps", type=float, help="server -> worker bandwidth, Mbit/s (default: not limited)")
+    group.add_argument("--uplink-latency-ms", type=float, help="worker -> server latency per message, ms (default 0)")
+    group.add_argument("--downlink-latency-ms", type=float, help="server -> worker latency per message, ms (default 0)")
+
+
 def overrides_from_args(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:
     """Dotted overrides for the flags that were given."""
     return {field: getattr(args, dest) for dest, field in flags.items() if getattr(args, dest, None) is not None}

@@ -279,11 +279,76 @@ class SystemConfig(_Section):
         return value
 
 
+# ----------------------------------------------------------------------------- emulation (src/netem.py)
+
+
+def _check_emulated(name: str, value: float | None) -> float | None:
+    """The rule of each emulation field (``None`` passes: not limited, or as the default)."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    if name == "slowdown" and value < 1.0:
+        raise ValueError("must be >= 1 (1 = the machine's own speed)")
+    if name.endswith("_mbps") and value <= 0:
+        raise ValueError("must be > 0 (or null: not limited)")
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+_EMULATED_FIELDS = ("slowdown", "step_delay_s", "step_delay_sigma", "uplink_mbps", "downlink_mbps",
+                    "uplink_latency_ms", "downlink_latency_ms")
+
+
+class WorkerEmulation(_Section):
+    """One worker's conditions in ``emulation.workers``; a field left null takes ``emulation``'s value."""
+
+    slowdown: float | None = None
+    step_delay_s: float | None = None
+    step_delay_sigma: float | None = None
+    uplink_mbps: float | None = None
+    downlink_mbps: float | None = None
+    uplink_latency_ms: float | None = None
+    downlink_latency_ms: float | None = None
+
+    @field_validator(*_EMULATED_FIELDS)
+    @classmethod
+    def _rule(cls, value: float | None, info) -> float | None:
+        return _check_emulated(info.field_name, value)
+
+
+class EmulationConfig(_Section):
+    """Emulated stragglers and slow links of a parameter-server run (:mod:`src.netem`); the values
+    here apply to every worker, ``workers`` overrides them per worker id. All off by default."""
+
+    slowdown: float = 1.0
+    """Each step's measured compute time is stretched to this many times itself (4 = a 4x slower worker)."""
+    step_delay_s: float = 0.0
+    """Seconds added to each step's compute: the median when ``step_delay_sigma`` > 0."""
+    step_delay_sigma: float = 0.0
+    """Log-normal spread of the added delay (sigma of its log; 0 = the same delay every step)."""
+    uplink_mbps: float | None = None
+    """Worker -> server bandwidth in Mbit/s (10^6 bit/s); null = not limited."""
+    downlink_mbps: float | None = None
+    """Server -> worker bandwidth in Mbit/s; null = not limited."""
+    uplink_latency_ms: float = 0.0
+    downlink_latency_ms: float = 0.0
+    workers: dict[int, WorkerEmulation] = {}
+    """Per worker id: ``{1: {slowdown: 4}}`` makes worker 1 four times slower."""
+
+    @field_validator(*_EMULATED_FIELDS)
+    @classmethod
+    def _rule(cls, value: float | None, info) -> float | None:
+        return _check_emulated(info.field_name, value)
+
+
 class Config(_Section):
-    """A whole run: ``training`` + ``system``."""
+    """A whole run: ``training`` + ``system`` (+ ``emulation``, off by default)."""
 
     training: TrainingConfig = TrainingConfig()
     system: SystemConfig = SystemConfig()
+    emulation: EmulationConfig = EmulationConfig()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (stored in checkpoints and summaries)."""

@@ -27,6 +27,10 @@ refused. With ``resume``, the server continues from its own checkpoint (paramete
 version, work progress, de-dup outcomes, totals); updates after that checkpoint are lost and their
 samples are redone.
 
+Emulated links (:mod:`src.netem`, the config's ``emulation`` section): a Pull or Push reply to a
+worker with a narrow downlink waits its transfer time (from its exact serialized size) after it is
+built, outside the lock, before it is returned to gRPC; the summary's ``emulation`` says what was on.
+
 Outputs under ``system.log_dir/server``: ``events.jsonl`` (register, push, update with the sample
 indices it applied, worker_failed, work_reassigned, eval, checkpoint, ...) and TensorBoard scalars;
 checkpoints in ``system.checkpoint_dir`` every ``training.checkpoint_interval`` versions (written
@@ -49,6 +53,7 @@ import grpc
 import torch
 from torch import nn
 
+from src import netem
 from src import parameter_server_pb2 as pb
 from src.aggregation import Contribution, ModelState, RequestLog, SyncRound
 from src.checkpoint import (
@@ -156,6 +161,9 @@ class ParameterServer:
         self.num_workers = system.num_workers
         self.staleness_policy = staleness_policy
         self.on_event = on_event
+        netem.check_workers(config.emulation, self.num_workers)
+        self.downlinks = {k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
+                          for k in range(self.num_workers)}  # emulated server -> worker links
         model = model if model is not None else model_from_config(config)
         # fused: one pass per tensor; it only reads the gradients, which may be views of the push
         self.state = ModelState(model, optimizer_from_config(config, model.parameters(), fused=True))
@@ -285,6 +293,7 @@ class ParameterServer:
             self.downlink.forget(member.worker_id)  # a pull starts the worker afresh: dense parameters
             reply = self._reply_bytes(pb.PullReply(version=self.state.version, work=_work_message(batches, finished)),
                                       member.worker_id)
+        self._emulate_downlink(member.worker_id, reply)
         return reply
 
     def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
@@ -319,6 +328,7 @@ class ParameterServer:
                     reply = self._reply_bytes(verdict, worker_id)
                     self.requests.finish(worker_id, request_id, reply, applied=verdict.accepted)
                     self._cond.notify_all()
+                self._emulate_downlink(worker_id, reply)
                 return reply
             except BaseException:
                 with self._cond:
@@ -599,6 +609,12 @@ class ParameterServer:
 
     # ------------------------------------------------------------------------- replies
 
+    def _emulate_downlink(self, worker: int, reply: bytes) -> None:
+        """Wait as long as ``reply`` takes on ``worker``'s emulated downlink (lock not held: links are parallel)."""
+        link = self.downlinks.get(worker)
+        if link is not None:
+            link.transmit(len(reply))
+
     def _reply_bytes(self, message, worker: int) -> bytes:
         """``message`` with the current parameters (dense, or a delta for ``worker``) and buffers, serialized.
 
@@ -724,6 +740,14 @@ class ParameterServer:
         print(f"epoch {epoch}/{t.num_epochs}: test accuracy {accuracy * 100:.2f}%, test loss {loss:.4f} (server version {version})", flush=True)
         return loss, accuracy
 
+    def _emulation_summary(self) -> dict[str, Any] | None:
+        """Which emulation was on (``None``: none) and the downlink delay each worker's replies waited."""
+        described = netem.describe(self.config.emulation, self.num_workers)
+        waited = {str(k): link.delay_s for k, link in self.downlinks.items() if link is not None}
+        if described is not None and waited:
+            described["downlink_delay_s"] = waited
+        return described
+
     def finalize(self, summary_json: str | Path | None = None) -> dict[str, Any]:
         """After the run is over: final evaluation, final checkpoint, run summary (returned and written).
 
@@ -782,6 +806,7 @@ class ParameterServer:
             },
             "worker_incarnations": len(workers),
             "workers": workers,
+            "emulation": self._emulation_summary(),
         }
         self.log.event("run_end", **{k: v for k, v in summary.items() if k != "workers"})
         write_summary(summary_json or Path(self.config.system.log_dir) / "summary.json", summary)

@@ -413,6 +413,8 @@ class ParameterServerClient:
         system: TLS settings (``tls_ca_file`` / ``tls_cert_file``).
         connect_timeout_s: how long :meth:`register` waits for the server to come up.
         retries: extra attempts of a call that failed with UNAVAILABLE or DEADLINE_EXCEEDED.
+        uplink: an emulated link (:class:`src.netem.Link`): every message waits its transfer time,
+            from its exact serialized size, before it is sent.
 
     ``bytes_sent`` / ``bytes_received`` count every serialized message, heartbeats included; they
     are safe to read from another thread (each is one integer updated by one call at a time).
@@ -426,6 +428,7 @@ class ParameterServerClient:
         system: SystemConfig | None = None,
         connect_timeout_s: float = 300.0,
         retries: int = 5,
+        uplink: Any = None,
     ):
         options = message_options(CLIENT_MAX_MESSAGE_BYTES) + keepalive_options(server=False)
         credentials = channel_credentials(system) if system is not None else None
@@ -438,6 +441,7 @@ class ParameterServerClient:
         self.retries = retries
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.uplink = uplink
         self._lock = threading.Lock()
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
         model_state = ("parameters", "buffers")
@@ -458,6 +462,8 @@ class ParameterServerClient:
         data = serialize(outgoing)
         with self._lock:
             self.bytes_sent += len(data)
+        if self.uplink is not None:  # emulation: gRPC calls this in the caller's thread, before sending
+            self.uplink.transmit(len(data))
         return data
 
     def _parser(self, reply_type, large_fields) -> Callable[[bytes], Any]:

@@ -19,6 +19,11 @@ last push was applied (commit, or discard: its samples will be redone) and goes 
 declared this incarnation failed (it was silent too long, or a newer one registered), the process
 stops with :class:`IncarnationRevoked`.
 
+Emulation (:mod:`src.netem`, the run config's ``emulation`` section, learnt from the server): a
+slowed worker waits after each forward/backward (counted as gradient time), and a narrow uplink
+makes every message wait its transfer time in the client before it is sent (counted as
+communication time); ``emulated_delay_s`` in the totals is the sum of both waits.
+
 Measured per worker: gradient time (forward/backward), compression time, communication time (the
 push round trip, including waiting at the sync barrier), bytes sent and received (the serialized
 gRPC messages, :class:`~src.ps_transport.ParameterServerClient`), samples, loss and accuracy.
@@ -44,6 +49,7 @@ from src.config import Config, SetupError, validate_config
 from src.data import load_dataset
 from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
+from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.ps_transport import ParameterServerClient, Received, copy_bytes_into, require_auth_token, tensor_view
 from src.trainer import forward_backward, model_from_config, resolve_device
 
@@ -128,6 +134,12 @@ class Worker:
                                            communication_time_s=0.0, pushes_rejected=0, payload_bytes=0, dense_bytes=0,
                                            train_loss=0.0, train_accuracy=0.0)
         self._started = time.perf_counter()
+        self.compute_delay: ComputeDelay | None = None  # emulation, set once the run config is known
+
+    def emulated_delay_s(self) -> float:
+        """Seconds this process waited for emulated compute and uplink (:mod:`src.netem`)."""
+        uplink = self.client.uplink if self.client is not None else None
+        return (self.compute_delay.delay_s if self.compute_delay else 0.0) + (uplink.delay_s if uplink else 0.0)
 
     def stats(self) -> pb.WorkerStats:
         """This process's running totals (read by the heartbeat thread too)."""
@@ -139,7 +151,7 @@ class Worker:
             gradient_time_s=t["gradient_time_s"], compression_time_s=t["compression_time_s"],
             communication_time_s=t["communication_time_s"], total_time_s=time.perf_counter() - self._started,
             train_loss=t["train_loss"], train_accuracy=t["train_accuracy"], pushes_rejected=t["pushes_rejected"],
-            payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"],
+            payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"], emulated_delay_s=self.emulated_delay_s(),
         )
 
     def run(self) -> dict[str, Any]:
@@ -156,6 +168,9 @@ class Worker:
         try:
             registration = self._register(0)
             config = merge_run_config(self.local_config, registration.run_config_json)
+            conditions = conditions_for(config.emulation, self.worker_id)
+            self.client.uplink = link_or_none(conditions.uplink)
+            self.compute_delay = ComputeDelay(conditions, worker_seed(config.training.seed, self.worker_id))
             heartbeats = _Heartbeats(self, config.system.heartbeat_interval)
             heartbeats.start()
             return self._train(config, registration)
@@ -219,6 +234,8 @@ class Worker:
                 batches = list(work.batches)
                 step_started = time.perf_counter()
                 loss, correct, samples = self._compute(model, params, train_set, batches, t.learning_rate, device)
+                if batches:
+                    self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
                 computed = time.perf_counter()
                 self.faults.reached(totals["steps"] + 1, announce=lambda fault: log.event("fault_injected", fault=str(fault)))
                 payloads = self._compress(named_params, policy, feedback, generator, totals["steps"], zero=not batches)
@@ -234,10 +251,11 @@ class Worker:
                                            compression_time_s=compressed - computed,
                                            communication_time_s=totals.get("last_communication_s", 0.0)),
                 )
-                sent_before = self.client.bytes_sent
+                sent_before, received_before = self.client.bytes_sent, self.client.bytes_received
                 reply = self._push(request, payloads, [tensor_view(b) for b in buffers] if batches else [], feedback,
                                    named_params, carried)
                 push_bytes = self.client.bytes_sent - sent_before
+                reply_bytes = self.client.bytes_received - received_before
                 if not isinstance(reply, Received):  # lost with the server's session: registered again
                     if reply:  # ... but it was applied, carried batches included
                         carried = []
@@ -271,7 +289,7 @@ class Worker:
                 totals["train_loss"] = epoch_loss / max(epoch_samples, 1)
                 totals["train_accuracy"] = epoch_correct / max(epoch_samples, 1)
                 log.event("push", step=totals["steps"], num_samples=samples, batch_ids=list(request.batch_ids),
-                          payload_bytes=payload_bytes, push_bytes=push_bytes, accepted=accepted,
+                          payload_bytes=payload_bytes, push_bytes=push_bytes, reply_bytes=reply_bytes, accepted=accepted,
                           staleness=reply.message.staleness, version=version)
                 if totals["steps"] % LOG_EVERY_STEPS == 0 or received.message.work.finished:
                     log.scalars("train", totals["steps"], {
