@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import torch
 from torch import nn
 
@@ -69,7 +70,12 @@ class DistributedModel(nn.Module):
         client.model = self
         try:
             if client.registration.model_wanted:
-                self.offer()
+                try:
+                    self.offer()
+                except grpc.RpcError as exc:  # another worker's model came first and differs
+                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    raise SetupError(exc.details()) from None
             else:
                 self._check_layout(client.registration)
             self.sync()
