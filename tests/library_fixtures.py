@@ -161,3 +161,91 @@ def _report_errors(target: Callable[..., None], args: tuple, errors) -> None:
     except BaseException:
         errors.put(traceback.format_exc())
         raise
+
+
+# ----------------------------------------------------------------------------- framework integrations (worker processes)
+
+
+def worker_shard(worker: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``worker``'s share of the mnist_5k training set (images, labels)."""
+    from src.data import load_dataset
+
+    train_set = load_dataset("mnist_5k", "train")
+    indices = make_shards(len(train_set), num_workers, 0, 0)[worker].indices
+    return train_set.images[indices], train_set.labels[indices]
+
+
+def lightning_worker(address: str, worker: int, num_workers: int, epochs: int, log_dir: str) -> None:
+    """A LightningModule defined here, trained with ``Trainer(strategy=ASGCStrategy(...))`` on its shard."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torch_asgc.plugins.lightning import ASGCStrategy
+
+    torch.set_num_threads(1)
+
+    class LitMLP(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = small_mlp(seed=worker)
+
+        def training_step(self, batch, batch_idx):
+            images, labels = batch
+            return F.cross_entropy(self.net(images), labels)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    images, labels = worker_shard(worker, num_workers)
+    loader = DataLoader(TensorDataset(images, labels), batch_size=32, shuffle=True,
+                        generator=torch.Generator().manual_seed(worker))
+    trainer = pl.Trainer(max_epochs=epochs, strategy=ASGCStrategy(address, token=TOKEN, worker_id=worker),
+                         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=log_dir)
+    trainer.fit(LitMLP(), loader)
+
+
+def huggingface_worker(address: str, worker: int, num_workers: int, epochs: int, output_dir: str) -> None:
+    """A tiny ``PreTrainedModel`` defined here, trained by ``transformers.Trainer`` with ASGCHFTrainerCallback."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+
+    from torch_asgc.plugins.huggingface import ASGCHFTrainerCallback
+
+    torch.set_num_threads(1)
+
+    class TinyConfig(PretrainedConfig):
+        model_type = "asgc-tiny-mlp"
+
+    class TinyClassifier(PreTrainedModel):
+        config_class = TinyConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.net = small_mlp(seed=worker)
+
+        def forward(self, pixel_values, labels=None):
+            logits = self.net(pixel_values)
+            return {"loss": F.cross_entropy(logits, labels), "logits": logits} if labels is not None else {"logits": logits}
+
+    images, labels = worker_shard(worker, num_workers)
+    dataset = [{"pixel_values": image, "labels": label} for image, label in zip(images, labels)]
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=32, num_train_epochs=epochs,
+                             report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, seed=worker,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=TinyClassifier(TinyConfig()), args=args, train_dataset=dataset,
+                      callbacks=[ASGCHFTrainerCallback(address, token=TOKEN, worker_id=worker)])
+    trainer.train()
+
+
+def accuracy_of_checkpoint(path: str, module: nn.Module, prefix: str = "") -> float:
+    """Test accuracy on mnist_5k of ``module`` loaded from a server checkpoint (keys under ``prefix``)."""
+    from src.checkpoint import load_checkpoint
+    from src.data import load_dataset
+    from src.trainer import evaluate
+
+    state = load_checkpoint(path)["model_state_dict"]
+    module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=False)
+    return evaluate(module, load_dataset("mnist_5k", "test"))[1]
