@@ -16,7 +16,7 @@ from tests.library_fixtures import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-ACCURACY_BAR = 0.88  # two epochs of a 784-64-10 MLP, sync: measured ~0.91 (docs/library.md)
+ACCURACY_BAR = 0.86  # two epochs of a 784-64-10 MLP, sync, server SGD lr 0.05 momentum 0.9: measured in docs/library.md
 
 
 @pytest.mark.parametrize("framework", ["lightning", "huggingface"])
@@ -25,7 +25,7 @@ def test_two_worker_run_reaches_the_bar(tmp_path, framework):
                         reason=f"pip install -e .[{framework}]")
     worker = lightning_worker if framework == "lightning" else huggingface_worker
     config = library_config(tmp_path, framework, system__num_workers=2, system__aggregation_mode="sync",
-                            training__learning_rate=0.1, training__momentum=0.9)
+                            training__learning_rate=0.05, training__momentum=0.9)
     with LibraryServer(config) as server:
         run_worker_processes(worker, [(server.address, k, 2, 2, str(tmp_path / f"worker{k}")) for k in range(2)],
                              timeout=360)

@@ -282,9 +282,21 @@ def serve(config: Config, *, model_source: str = CLIENT_MODEL, token: str | None
         server.stop()
 
 
+def summary_lines(summary: dict[str, Any]) -> str:
+    """What the server prints at the end (no accuracy: the workers evaluate, on their own data)."""
+    return "\n".join([
+        f"Versions: {summary['versions']}  Samples: {summary['samples_processed']:,}  "
+        f"Pushes applied: {summary['pushes_applied']}  rejected: {summary['pushes_rejected']}  "
+        f"skipped steps: {summary['steps_skipped']}",
+        f"Total Time: {summary['total_time_s']:.2f}s",
+        f"Throughput: {summary['throughput_samples_per_s']:.1f} samples/s",
+        f"Bytes Sent: {summary['bytes_sent']:,}  Bytes Received: {summary['bytes_received']:,}",
+        f"Checkpoint: {summary['checkpoint_path']}",
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     from src.cli import COMPRESSION_FLAGS, config_from_args, exit_status
-    from src.metrics import format_summary
     from src.ps_transport import AuthTokenMissing
 
     args = build_parser().parse_args(argv)
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         summary = serve(config, model_source=args.model_source, resume=args.resume, summary_json=args.summary_json)
-        print(format_summary(summary))
+        print(summary_lines(summary))
 
     return exit_status(run, describe={AuthTokenMissing: str, RunFailed: str},
                        interrupted="interrupted: stopped the parameter server")
