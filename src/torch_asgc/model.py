@@ -94,7 +94,11 @@ class DistributedModel(nn.Module):
 
         In sync mode this waits for this worker's turn in the barrier (right away between steps).
         """
-        return self.load(self.client.pull())
+        reply = self.client.pull()
+        if reply.message.work.batches:
+            raise SetupError("this server hands out its own batches (run_parameter_server_training.py); for your own "
+                             "loop and data start `python -m torch_asgc.server`")
+        return self.load(reply)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.module.state_dict(*args, **kwargs)
