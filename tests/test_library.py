@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.compression import build_compressor
+from src.compression import CompressionPolicy, build_compressor
 from src.config import SetupError
 from src.served_model import import_factory, model_from_layout
 from tests.library_fixtures import TOKEN, LibraryServer, TinyConvNet, library_config, small_mlp
@@ -332,3 +332,36 @@ def test_huggingface_callback_surface():
     assert isinstance(callback, transformers.TrainerCallback) and callback.client is None
     with pytest.raises(ValueError, match="accelerate-prepared optimizer"):
         callback.on_train_begin(None, None, None, model=nn.Linear(1, 1), optimizer=None)
+
+
+def test_server_that_plans_its_own_work_is_named(tmp_path):
+    from src.trainer import model_from_config
+    from tests.ps_fixtures import TOKEN as PS_TOKEN, ServedServer, ps_config
+
+    config = ps_config(tmp_path)
+    served = ServedServer(config, evaluate=False)
+    try:
+        client = connect(served.address, token=PS_TOKEN)
+        with pytest.raises(SetupError, match="python -m torch_asgc.server"):
+            DistributedModel(model_from_config(config), client)
+        with pytest.raises(grpc.RpcError, match="the run is not finished"):
+            client.close()  # that server's run is not over; close() still stops heartbeats and the channel
+    finally:
+        served.close()
+
+
+def test_lost_push_settles_by_whether_it_was_applied_and_redone():
+    from src.compression import ErrorFeedback
+    from src.worker_protocol import encode_gradients, settle_lost_push
+
+    policy = CompressionPolicy(build_compressor("topk", ratio=0.25))
+    gradient = torch.arange(8.0)
+    outcomes = {}
+    for case in ("applied", "redone", "kept"):
+        feedback = ErrorFeedback()
+        encode_gradients([("w", gradient)], policy, feedback, None, 0)
+        settle_lost_push(feedback, ["w"], applied=case == "applied", redone=case == "redone")
+        outcomes[case] = feedback.residual("w")
+    assert torch.equal(outcomes["applied"], torch.tensor([0, 1, 2, 3, 4, 5, 0, 0.0]))  # what top-k left out
+    assert outcomes["redone"] is None  # its samples come again: as if never computed
+    assert torch.equal(outcomes["kept"], gradient)  # not redone: all of it goes with the next push
