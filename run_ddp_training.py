@@ -15,7 +15,8 @@ nothing); run on each of the two nodes:
 
 Outputs: checkpoints in checkpoints/ddp_cli (ddp_final.pt + numbered), logs/ddp_cli/summary.json,
 logs/ddp_cli/ddp_rank_<r>.json, and TensorBoard + events.jsonl under logs/ddp_cli/rank_<r>
-(change with --checkpoint-dir / --log-dir / --summary-json).
+(change with --checkpoint-dir / --log-dir / --summary-json); with --artifacts-dir DIR also
+DIR/ddp_rank_<r>.json and DIR/ddp_events.jsonl for generate_performance_report.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status
+from src.cli import (
+    COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status, write_artifacts_if_asked,
+)
 from src.metrics import format_summary
 
 DEFAULTS = {"system.checkpoint_dir": "checkpoints/ddp_cli", "system.log_dir": "logs/ddp_cli"}
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         env = torchrun_env()
         if env is None or env["rank"] == 0:
             print(format_summary(summary))
+            write_artifacts_if_asked(args, config, summary)
 
     return exit_status(run, describe={LaunchError: str, mp.ProcessRaisedException: lambda exc: f"a rank failed:\n{exc}"})
 

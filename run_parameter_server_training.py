@@ -19,7 +19,9 @@ only its local settings (--data-dir, --device, --log-dir, TLS files) from its ow
 
 Outputs: the final summary on the terminal, checkpoints/ps_cli/parameter_server_final.pt (the common
 checkpoint format), logs/ps_cli/summary.json, and events.jsonl + TensorBoard logs under
-logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir).
+logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir); with
+--artifacts-dir DIR also DIR/ps.json, DIR/worker_metrics.json and DIR/ps_events.jsonl for
+generate_performance_report.py.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sys
 
 from src.cli import (
     COMPRESSION_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_fault_tolerance_flags, config_from_args,
-    exit_status,
+    exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -77,18 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
                                           "a worker trusts it when no --tls-ca is given")
     hosts.add_argument("--tls-key", help="server private key (PEM)")
     hosts.add_argument("--tls-ca", help="CA certificate workers verify the server against (PEM)")
+    hosts.add_argument("--resume-unfinished", metavar="DIR",
+                       help="server: continue from the newest checkpoint in DIR if the run there was interrupted "
+                            "(no newer final checkpoint), else start afresh; for restart policies (docker compose)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.resume and args.role == "worker":
+    if (args.resume or args.resume_unfinished) and args.role == "worker":
         parser.error("--resume is for the server (--role server or local); a worker rejoins by registering again")
+    if args.resume and args.resume_unfinished:
+        parser.error("give --resume or --resume-unfinished, not both")
     if args.role == "worker" and args.worker_id is None:
         parser.error("--role worker needs --worker-id")
     if args.role != "worker" and args.worker_id is not None:
         parser.error("--worker-id is only for --role worker")
+    if args.role == "worker" and args.artifacts_dir:
+        parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
     config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS}, forced={"system.architecture": "parameter_server"})
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
@@ -110,14 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     from src.worker import IncarnationRevoked
 
     def run() -> None:
+        resume = args.resume
+        if args.resume_unfinished:
+            from src.checkpoint import unfinished_run_checkpoint
+
+            resume = unfinished_run_checkpoint(args.resume_unfinished, "parameter_server")
+            print(f"resuming the interrupted run from {resume}" if resume else
+                  f"no interrupted run in {args.resume_unfinished}: starting afresh", flush=True)
         if args.role == "worker":
             totals = run_worker(config, args.worker_id)
             print(f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
                   f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}")
             return
         summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json,
-                                                                       resume=args.resume)
+                                                                       resume=resume)
         print(format_summary(summary))
+        write_artifacts_if_asked(args, config, summary)
 
     return exit_status(run, describe={
         LaunchError: str,

@@ -153,6 +153,23 @@ def prune_checkpoints(directory: str | Path, keep_last: int) -> None:
         stale.unlink(missing_ok=True)
 
 
+def unfinished_run_checkpoint(directory: str | Path, architecture: str) -> Path | None:
+    """The newest numbered checkpoint in ``directory`` if the run there was interrupted, else ``None``.
+
+    Interrupted: a numbered checkpoint was written after the run's final checkpoint (or there is no
+    final one). "Newest" is by modification time, not number: a run started afresh in the folder of a
+    finished one counts its versions from 0 again. A restarted container can then pass the same
+    command every time: it resumes after a crash and starts afresh after a finished run.
+    """
+    numbered = sorted(numbered_checkpoints(directory), key=lambda p: p.stat().st_mtime, reverse=True)
+    if not numbered:
+        return None
+    final = final_checkpoint_path(directory, architecture)
+    if final.is_file() and final.stat().st_mtime >= numbered[0].stat().st_mtime:
+        return None
+    return numbered[0]
+
+
 def load_latest_good(target: str | Path) -> tuple[Path, dict[str, Any]]:
     """Load ``target`` (a file or a checkpoint folder); fall back to the newest good checkpoint.
 

@@ -62,6 +62,9 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     outputs.add_argument("--log-dir", help="TensorBoard logs, events.jsonl and summary.json folder")
     outputs.add_argument("--summary-json", help="run summary path (default <log-dir>/summary.json)")
     outputs.add_argument("--resume", help="continue from this checkpoint file or folder (newest good one)")
+    outputs.add_argument("--artifacts-dir", help="also write the report's input files here (baseline.json, ps.json + "
+                                                 "worker_metrics.json, ddp_rank_<r>.json, <name>_events.jsonl); "
+                                                 "see generate_performance_report.py")
 
 
 COMPRESSION_FLAGS: dict[str, str] = {
@@ -136,6 +139,15 @@ def config_from_args(
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def write_artifacts_if_asked(args: argparse.Namespace, config: Config, summary: Mapping[str, Any]) -> None:
+    """``--artifacts-dir``: the run's report inputs, from its summary and its log folder (src/report.py)."""
+    if getattr(args, "artifacts_dir", None):
+        from src.report import write_artifacts
+
+        written = write_artifacts(args.artifacts_dir, summary, config.system.log_dir)
+        print(f"artifacts: {', '.join(str(path) for path in written)}")
 
 
 def exit_status(

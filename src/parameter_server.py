@@ -34,8 +34,9 @@ checkpoints record the layout, so such a server resumes without any worker.
 
 Outputs under ``system.log_dir/server``: ``events.jsonl`` (register, push, update with the sample
 indices it applied, worker_failed, work_reassigned, eval, checkpoint, ...) and TensorBoard scalars;
-checkpoints in ``system.checkpoint_dir`` every ``training.checkpoint_interval`` versions (written in
-the background; a failed write ends the run with an error) and ``parameter_server_final.pt``.
+checkpoints in ``system.checkpoint_dir`` every ``training.checkpoint_interval`` versions (written
+before the next update, so a server killed at any moment loses fewer than that many versions; a failed
+write ends the run with an error) and ``parameter_server_final.pt``.
 """
 
 from __future__ import annotations
@@ -203,11 +204,9 @@ class ParameterServer:
         self._train_started_wall: float | None = None
         self._train_ended_wall: float | None = None
         self.target = TimeToTarget(t.target_accuracy)
-        self._checkpoint_pending = False
         self._faults = FaultInjector(system.inject_faults, "server", enabled=faults)
 
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background")
-        self._futures: list[Future] = []
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background")  # evaluations
         self.log = MetricsLogger(Path(system.log_dir) / "server", tensorboard=tensorboard, role="server")
         self.resumed_from: Path | None = None
         if resume is not None:
@@ -374,18 +373,14 @@ class ParameterServer:
                 remembered = self.requests.lookup(worker_id, request_id)
                 if remembered is not None:
                     return remembered  # a retry: answer again, apply nothing
-                held = self.plan.holding(worker_id)
-                self._check_covers(request, held)
+                self._check_covers(request, self.plan.holding(worker_id))
                 self.requests.begin(worker_id, request_id)
             try:
                 contribution = self._decode(worker_id, received)  # outside the lock: workers decode in parallel
                 with self._cond:
                     member = self._member(request.caller, context)
-                    verdict, events = (self._add_to_round if self.mode == "sync" else self._apply_now)(
-                        member, request, contribution, held)
+                    verdict = (self._add_to_round if self.mode == "sync" else self._apply_now)(member, request, contribution)
                     self._cond.notify_all()
-                self._publish(events)
-                with self._cond:
                     batches, finished = self._await_work(member, context)
                     verdict.work.CopyFrom(self._work_message(batches, finished))
                     verdict.version = self.state.version
@@ -544,8 +539,7 @@ class ParameterServer:
 
     # ------------------------------------------------------------------------- aggregation (lock held)
 
-    def _add_to_round(self, member: Member, request: pb.PushRequest, contribution: Contribution,
-                      held: list[Batch]) -> tuple[pb.PushReply, list]:
+    def _add_to_round(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
         round_ = self._round
         if round_ is None or request.base_version != round_.version:
             raise PushRefused(grpc.StatusCode.FAILED_PRECONDITION,
@@ -556,23 +550,21 @@ class ParameterServer:
         except ValueError as exc:
             raise PushRefused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         self._log_push(member, request, staleness=0, weight=1.0, accepted=True)
-        events = self._maybe_complete_round()
-        return pb.PushReply(accepted=True, staleness=0, weight=1.0), events
+        self._maybe_complete_round()
+        return pb.PushReply(accepted=True, staleness=0, weight=1.0)
 
-    def _maybe_complete_round(self) -> list:
-        """Apply the round if every expected worker is in; open the next one. Returns events to publish."""
+    def _maybe_complete_round(self) -> None:
+        """Apply the round if every expected worker is in; open the next one when none is open."""
         round_ = self._round
-        events: list = []
         if round_ is not None and round_.complete():
             contributions = round_.contributions()
             gradients, buffers = self.state.average(contributions)
             self.state.step(gradients, buffers)
             self._round = None
-            events += self._applied(contributions)
+            self._applied(contributions)
         if self._round is None or not self._round.expected:
             self._round = None
             self._open_round()
-        return events
 
     def _open_round(self) -> None:
         """sync: hand every ready worker its next batch for the current version (lock held)."""
@@ -585,8 +577,7 @@ class ParameterServer:
             self._training_clock_starts()
         self._check_done()
 
-    def _apply_now(self, member: Member, request: pb.PushRequest, contribution: Contribution,
-                   held: list[Batch]) -> tuple[pb.PushReply, list]:
+    def _apply_now(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
         if request.base_version > self.state.version:
             raise PushRefused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"base_version {request.base_version} is ahead of the server's version {self.state.version}")
@@ -597,15 +588,16 @@ class ParameterServer:
         if weight is None:
             self.counters["pushes_rejected"] += 1
             return pb.PushReply(accepted=False, staleness=staleness, weight=0.0,
-                                reason=f"rejected by the staleness policy (staleness {staleness})"), []
+                                reason=f"rejected by the staleness policy (staleness {staleness})")
         self.state.step(contribution.gradients, contribution.buffers, weight)
-        events = self._applied([contribution])
-        return pb.PushReply(accepted=True, staleness=staleness, weight=weight), events
+        self._applied([contribution])
+        return pb.PushReply(accepted=True, staleness=staleness, weight=weight)
 
-    def _applied(self, contributions: list[Contribution]) -> list:
+    def _applied(self, contributions: list[Contribution]) -> None:
         """The update just stepped holds everything its contributors held: bookkeeping, events, checkpoints (lock held)."""
         samples, epochs_done = [], []
         for contribution in contributions:
+            self.requests.mark(contribution.worker, contribution.request_id, applied=True)  # before a checkpoint below
             batches, finished_epochs = self.plan.applied(contribution.worker)
             samples += [[b.epoch, list(b.indices)] for b in batches]
             epochs_done += finished_epochs
@@ -619,7 +611,6 @@ class ParameterServer:
         if self.plan.finished() and self._train_ended_wall is None:
             self._train_ended_wall = time.time()
         self._check_done()
-        return []
 
     def _log_push(self, member: Member, request: pb.PushRequest, *, staleness: int, weight: float | None, accepted: bool) -> None:
         metrics = request.metrics
@@ -711,11 +702,9 @@ class ParameterServer:
         version = self.state.version
         t = self.config.training
         if version % t.checkpoint_interval == 0:
-            if self._checkpoint_pending:
-                self.log.event("checkpoint_skipped", version=version, reason="the previous checkpoint is still being written")
-            else:
-                self._checkpoint_pending = True
-                self._submit(self._write_numbered_checkpoint, version, self._checkpoint_state())
+            # Written before any further update (lock held): a server killed at any moment loses fewer than
+            # checkpoint_interval versions. A background write could be overtaken by the next checkpoint.
+            self._write_numbered_checkpoint(version, self._checkpoint_state())
         evaluate_now = bool(epochs_done) and epochs_done[-1] + 1 < t.num_epochs  # the final evaluation covers the last
         if t.eval_interval and version % t.eval_interval == 0:
             evaluate_now = True
@@ -724,9 +713,7 @@ class ParameterServer:
             self._submit(self._evaluate_snapshot, epoch, version, self.state.snapshot(), self._elapsed())
 
     def _submit(self, function, *args) -> None:
-        future = self._background.submit(function, *args)
-        future.add_done_callback(self._background_done)
-        self._futures.append(future)
+        self._background.submit(function, *args).add_done_callback(self._background_done)
 
     def _background_done(self, future: Future) -> None:
         error = future.exception()
@@ -772,6 +759,7 @@ class ParameterServer:
         return save_checkpoint(path, checkpoint)
 
     def _write_numbered_checkpoint(self, version: int, state: dict[str, Any]) -> None:
+        """Write ``checkpoint_<version>.pt`` (lock held); a failure is an event and ends the run with an error."""
         try:
             directory = Path(self.config.system.checkpoint_dir)
             written = self._checkpoint(numbered_path(directory, version), state)
@@ -779,10 +767,9 @@ class ParameterServer:
             self.log.event("checkpoint", path=str(written), version=version)
         except Exception as exc:
             self.log.event("checkpoint_failed", version=version, error=f"{type(exc).__name__}: {exc}")
-            raise RunFailed(f"checkpoint at version {version} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            with self._cond:
-                self._checkpoint_pending = False
+            self._fatal = RunFailed(f"checkpoint at version {version} failed: {type(exc).__name__}: {exc}")
+            self._done.set()
+            self._cond.notify_all()
 
     def _restore(self, target: str | Path) -> None:
         """Continue from a checkpoint of this run's server (strictly: it must be one)."""

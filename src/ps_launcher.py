@@ -221,10 +221,11 @@ class _LocalRun:
         return used + 1
 
     def newest_checkpoint(self) -> str | None:
-        from src.checkpoint import numbered_checkpoints
+        """This run's newest checkpoint (by time: an older run's in the same folder may have higher numbers)."""
+        from src.checkpoint import unfinished_run_checkpoint
 
-        found = numbered_checkpoints(self.config.system.checkpoint_dir)
-        return str(found[0]) if found else None
+        found = unfinished_run_checkpoint(self.config.system.checkpoint_dir, "parameter_server")
+        return str(found) if found else None
 
 
 def _exit_description(process) -> str:

@@ -140,10 +140,9 @@ class ClientLoopServer(ParameterServer):
                               f"push from worker {worker_id}: num_samples must be > 0, got {request.num_samples}")
         return super()._decode(worker_id, received)
 
-    def _add_to_round(self, member: Member, request: pb.PushRequest, contribution: Contribution,
-                      held: list[Batch]) -> tuple[pb.PushReply, list]:
+    def _add_to_round(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
         if contribution.gradients:
-            return super()._add_to_round(member, request, contribution, held)
+            return super()._add_to_round(member, request, contribution)
         round_ = self._round
         if round_ is None or request.base_version != round_.version or member.worker_id not in round_.expected \
                 or member.worker_id in round_.arrived:
@@ -151,13 +150,14 @@ class ClientLoopServer(ParameterServer):
                               f"skipped step of worker {member.worker_id} for version {request.base_version}, which is "
                               f"not its turn (barrier at version {round_.version if round_ else self.state.version})")
         round_.drop(member.worker_id)  # this version goes on without it; it is in the next round again
-        return self._skipped(member, request), self._maybe_complete_round()
+        reply = self._skipped(member, request)
+        self._maybe_complete_round()
+        return reply
 
-    def _apply_now(self, member: Member, request: pb.PushRequest, contribution: Contribution,
-                   held: list[Batch]) -> tuple[pb.PushReply, list]:
+    def _apply_now(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
         if contribution.gradients:
-            return super()._apply_now(member, request, contribution, held)
-        return self._skipped(member, request), []
+            return super()._apply_now(member, request, contribution)
+        return self._skipped(member, request)
 
     def _skipped(self, member: Member, request: pb.PushRequest) -> pb.PushReply:
         self.counters["steps_skipped"] += 1
@@ -173,14 +173,12 @@ class ClientLoopServer(ParameterServer):
             member = self._member(request.caller, context)
             stats = self._record_stats(member, request.stats, final=True)
             self.members.finish(member)
-            events: list = []
             if self._round is not None and self._round.drop(member.worker_id):
-                events = self._maybe_complete_round()
+                self._maybe_complete_round()
             self._maybe_start()  # a sync run waiting for everyone may now start without it
             self._check_done()
             self._cond.notify_all()
             version = self.version
-        self._publish(events)
         self.log.event("worker_finished", worker=member.worker_id, incarnation=member.incarnation, version=version, **stats)
         return pb.FinishReply(version=version)
 
