@@ -34,7 +34,7 @@ from src.compression import CompressionPolicy, ErrorFeedback, build_compressor  
 from src.config import load_config  # noqa: E402
 from src.data import dataset_info, load_dataset  # noqa: E402
 from src.models import build_model  # noqa: E402
-from src.ps_transport import ParameterServerClient, tensor_view  # noqa: E402
+from src.ps_transport import ParameterServerClient  # noqa: E402
 from src.worker_protocol import encode_gradients, load_reply, settle_push  # noqa: E402
 from torch_asgc import DistributedModel, DistributedOptimizer, connect  # noqa: E402
 from torch_asgc.server import ClientLoopServer  # noqa: E402

@@ -68,4 +68,5 @@ def test_readme_example_runs_as_written(tmp_path, example):
     assert (tmp_path / "checkpoints" / "asgc_server" / "parameter_server_final.pt").is_file()
     if example == "train.py":
         accuracies = [float(re.search(r"test accuracy ([0-9.]+)", output).group(1)) for output in outputs]
+        print(f"README train.py: test accuracies {accuracies}")
         assert min(accuracies) >= 0.85, outputs

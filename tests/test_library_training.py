@@ -9,7 +9,7 @@ import torch
 from src.data import load_dataset
 from src.trainer import evaluate
 from tests.library_fixtures import (
-    TOKEN, LibraryServer, TinyConvNet, accuracy_of_checkpoint, library_config, plain_loop, run_worker_processes,
+    TOKEN, LibraryServer, TinyConvNet, accuracy_of_checkpoint, library_config, run_worker_processes,
     shard_batches, small_mlp, topk_worker,
 )
 from torch_asgc import DistributedModel, DistributedOptimizer, connect
