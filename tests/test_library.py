@@ -365,3 +365,16 @@ def test_lost_push_settles_by_whether_it_was_applied_and_redone():
     assert torch.equal(outcomes["applied"], torch.tensor([0, 1, 2, 3, 4, 5, 0, 0.0]))  # what top-k left out
     assert outcomes["redone"] is None  # its samples come again: as if never computed
     assert torch.equal(outcomes["kept"], gradient)  # not redone: all of it goes with the next push
+
+
+def test_server_cli_names_bad_input(tmp_path, monkeypatch, capsys):
+    from torch_asgc.server import main
+
+    monkeypatch.setenv("DTS_AUTH_TOKEN", TOKEN)
+    outputs = ["--server-address", "127.0.0.1:0", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert main(["--model", "no_such_module:build", *outputs]) == 1
+    assert capsys.readouterr().err.strip().startswith("error: model factory 'no_such_module:build': cannot import no_such_module")
+    with pytest.raises(SystemExit) as bad_config:
+        main(["--workers", "0", *outputs])
+    assert bad_config.value.code == 2
+    assert "config error: system.num_workers: must be > 0, got 0" in capsys.readouterr().err
