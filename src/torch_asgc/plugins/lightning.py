@@ -11,8 +11,8 @@ strategy is Lightning's single-device strategy plus, when fitting starts:
   the start; the first worker's initial values when the server has no model yet),
 * :class:`~torch_asgc.optim.DistributedOptimizer` around the optimizer ``configure_optimizers``
   returns (one optimizer), so Lightning's ``optimizer.step(closure)`` pushes the gradient and loads
-  the server's reply; with ``precision="16-mixed"`` Lightning's GradScaler skips overflowing steps
-  through it.
+  the server's reply (with ``precision="16-mixed"`` Lightning calls ``scaler.step(optimizer)``,
+  which takes the optimizer's AMP path; tested with GradScaler directly, not through Lightning).
 
 Each step's sample count is the training batch's size (Lightning's ``extract_batch_size``). The
 client leaves the run (``close()``) when fitting ends. Validation and checkpoints are Lightning's
