@@ -164,8 +164,11 @@ def test_factory_model_source(tmp_path):
 # ----------------------------------------------------------------------------- DistributedOptimizer
 
 
-def test_async_single_worker_steps_like_local_sgd(served):
-    server = served(training__learning_rate=0.1, training__momentum=0.9)
+@pytest.mark.parametrize("downlink", ["none", "topk"])
+def test_async_single_worker_steps_like_local_sgd(served, downlink):
+    # downlink top-k at ratio 1: replies carry the parameters as exact deltas, added on the worker
+    server = served(training__learning_rate=0.1, training__momentum=0.9, system__downlink_compression=downlink,
+                    system__downlink_ratio=1.0)
     images, labels = data()
     reference = small_mlp(seed=5)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -178,6 +181,7 @@ def test_async_single_worker_steps_like_local_sgd(served):
         assert model.version == 3 and client.totals["samples"] == 96
     for (name, expected), (_, actual) in zip(reference.named_parameters(), net.named_parameters()):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert server.server.downlink.deltas == (3 if downlink == "topk" else 0)
     summary = server.finish()
     assert summary["samples_processed"] == 96 and summary["versions"] == 3 and summary["dataset"] == "client"
 
