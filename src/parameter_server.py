@@ -549,6 +549,7 @@ class ParameterServer:
             round_.add(contribution)
         except ValueError as exc:
             raise PushRefused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        self.staleness_histogram[0] += 1  # a sync push is always for the current version
         self._log_push(member, request, staleness=0, weight=1.0, accepted=True)
         self._maybe_complete_round()
         return pb.PushReply(accepted=True, staleness=0, weight=1.0)
@@ -876,8 +877,8 @@ class ParameterServer:
                 "worker_failures": self.counters["workers_failed"],
                 "server_recoveries": self.counters["server_recoveries"],
                 "versions_lost": self.counters["versions_lost"],
-                "incarnations": len(workers),
             },
+            "worker_incarnations": len(workers),
             "workers": workers,
         }
         self.log.event("run_end", **{k: v for k, v in summary.items() if k != "workers"})

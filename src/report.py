@@ -630,8 +630,11 @@ def _faults(run: Run) -> dict[str, Any]:
     events = [e for e in run.events if e["kind"] in FAULT_KINDS]
     timeline = [{"seconds": e["time"] - start, "kind": e["kind"],
                  **{k: v for k, v in e.items() if k not in ("time", "kind", "config")}} for e in events]
-    detections = [{"worker": e.get("worker"), "seconds": e["detection_latency_s"]}
-                  for e in events if e["kind"] == "worker_failed" and _number(e.get("detection_latency_s")) is not None]
+    # The server cannot know when a process died, only how long it had been silent when it was failed:
+    # that silence is an upper bound of the detection latency (the fault came at or after its last sign of life).
+    detections = [{"worker": e.get("worker"), "seconds": e.get("detection_latency_s", e.get("silent_for_s"))}
+                  for e in events if e["kind"] == "worker_failed"
+                  and _number(e.get("detection_latency_s", e.get("silent_for_s"))) is not None]
     recoveries = []
     for failed in (e for e in events if e["kind"] in ("worker_failed", "rank_failed", "server_failed")):
         who = "worker" if failed["kind"] == "worker_failed" else ("rank" if failed["kind"] == "rank_failed" else None)
@@ -828,7 +831,8 @@ def report_blocks(report: Mapping[str, Any], plot_dir: str) -> list[Block]:
         blocks.append(("h3", r["label"]))
         if f["counts"]:
             blocks.append(("p", "Counts from the summary: " + ", ".join(f"{k} {v}" for k, v in f["counts"].items()) + "."))
-        blocks.append(("table", ["worker", "detection latency"], [[d["worker"], _fmt(d["seconds"], "s")] for d in f["detection"]])
+        blocks.append(("table", ["worker", "detection latency (at most: silence before the failure was declared)"],
+                       [[d["worker"], _fmt(d["seconds"], "s")] for d in f["detection"]])
                       if f["detection"] else ("p", "Detection latency: " + NOT_RECORDED + "."))
         blocks.append(("table", ["who", "from", "to", "recovery time"],
                        [[x["who"], x["from"] or "", x["to"], _fmt(x["seconds"], "s")] for x in f["recovery"]])

@@ -237,7 +237,7 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     assert summary["final_accuracy"] > 0.8  # two epochs of mnist_5k reach ~94%
     # Every sample of both epochs in exactly one applied update, the killed worker's included.
     assert summary["samples_processed"] == 2 * len(load_dataset("mnist_5k", "train")), summary
-    assert summary["faults"]["incarnations"] == (2 if tls else 3), summary["faults"]
+    assert summary["worker_incarnations"] == (2 if tls else 3), summary
     final = output / "checkpoints" / "ps_cli" / "parameter_server_final.pt"
     checkpoint = load_checkpoint(final)
     assert (checkpoint["dataset"], checkpoint["epoch"], checkpoint["extra"]["version"]) == ("mnist_5k", 2, summary["versions"])
