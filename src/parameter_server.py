@@ -31,6 +31,11 @@ Emulated links (:mod:`src.netem`, the config's ``emulation`` section): a Pull or
 worker with a narrow downlink waits its transfer time (from its exact serialized size) after it is
 built, outside the lock, before it is returned to gRPC; the summary's ``emulation`` says what was on.
 
+A server may also start without a model (a subclass's :meth:`ParameterServer._served_model`
+returns ``None``, see :mod:`src.torch_asgc.server`): Register then answers ``model_wanted`` and the
+first worker's Initialize installs the layout and initial values (:func:`src.served_model.model_from_layout`);
+checkpoints record the layout, so such a server resumes without any worker.
+
 Outputs under ``system.log_dir/server``: ``events.jsonl`` (register, push, update with the sample
 indices it applied, worker_failed, work_reassigned, eval, checkpoint, ...) and TensorBoard scalars;
 checkpoints in ``system.checkpoint_dir`` every ``training.checkpoint_interval`` versions (written
@@ -67,11 +72,14 @@ from src.downlink import Downlink, compressor_from_config
 from src.faults import FaultInjector
 from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.ps_transport import Outgoing, Received, check_float32_bytes, require_auth_token, serialize, split, start_grpc_server, tensor_view
+from src.served_model import layout_mismatch, model_from_layout
 from src.trainer import evaluate, model_from_config, optimizer_from_config
 
 StalenessPolicy = Callable[[int], "float | None"]
 """``policy(tau) -> weight`` for an async push of staleness ``tau``; ``None`` rejects the push."""
 
+MODELLESS_MAX_MESSAGE_BYTES = 1 << 30
+"""Message limit of a server that starts without a model (it cannot size the limit from the model)."""
 WAIT_POLL_S = 0.5  # a waiting call wakes this often to notice a cancelled RPC
 MONITOR_PERIOD_S = 0.2  # failure detection runs this often: detection lands within timeout + this
 _MEMBERSHIP_CODES = {
@@ -125,7 +133,8 @@ class ParameterServer:
     Args:
         config: the run's config (mode, workers, optimizer, heartbeats, outputs).
         token: the auth token every RPC must carry (default: :func:`require_auth_token`).
-        model: a model to serve instead of ``model_from_config(config)`` (benchmarks).
+        model: a model to serve instead of ``model_from_config(config)`` (benchmarks); see also
+            :meth:`_served_model`.
         num_train_samples: training-set size (default: loaded from the config's dataset).
         staleness_policy: async weight-or-reject hook, see :data:`StalenessPolicy`.
         evaluate: evaluate on the test split (every ``eval_interval`` versions, at epoch ends, at the end).
@@ -164,26 +173,23 @@ class ParameterServer:
         netem.check_workers(config.emulation, self.num_workers)
         self.downlinks = {k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
                           for k in range(self.num_workers)}  # emulated server -> worker links
-        model = model if model is not None else model_from_config(config)
-        # fused: one pass per tensor; it only reads the gradients, which may be views of the push
-        self.state = ModelState(model, optimizer_from_config(config, model.parameters(), fused=True))
-        self.param_specs = [_spec(n, p) for n, p in zip(self.state.param_names, self.state.params)]
-        self.buffer_specs = [_spec(n, b) for n, b in zip(self.state.buffer_names, self.state.buffers)]
-        self._param_shapes = [tuple(p.shape) for p in self.state.params]
-        self._buffer_shapes = [tuple(b.shape) for b in self.state.buffers]
-        self.downlink = Downlink(self.state.params, compressor_from_config(system),
-                                 refresh_interval=system.downlink_refresh_interval, drift_bound=system.downlink_drift_bound)
-        # Byte views of the model's tensors, made once: the optimizer updates them in place.
-        self._param_views = [tensor_view(p) for p in self.state.params]
-        self._buffer_views = [tensor_view(b) for b in self.state.buffers]
-        model_bytes = 4 * sum(p.numel() for p in self.state.params + self.state.buffers)
-        # A push is at most ~2x the model (top-k at ratio 1 sends value + index per entry).
-        self.max_message_bytes = min(3 * model_bytes + (4 << 20), 2**31 - 1)
+        self.model_label = t.model_architecture  # what checkpoints call the model
+        self.data_label = t.dataset  # what summaries call the data
+        self._grpc_server: grpc.Server | None = None
         self.test_set = None
         if evaluate:
             self.test_set = load_dataset(t.dataset, "test", data_dir=t.data_dir, max_samples=t.max_test_samples,
                                          num_samples=t.num_samples, seed=t.seed)
-            self._eval_model = copy.deepcopy(model)
+        self.state: ModelState | None = None
+        self.param_specs: list[pb.TensorSpec] = []
+        self.buffer_specs: list[pb.TensorSpec] = []
+        self.downlink = Downlink([], None, refresh_interval=1, drift_bound=1.0)  # replaced with the model
+        self.max_message_bytes = MODELLESS_MAX_MESSAGE_BYTES
+        served = self._served_model(model)
+        if served is not None:
+            self._install_model(served)
+        else:  # the first optimizer of a process costs seconds (lazy imports): not later, under the lock
+            optimizer_from_config(config, [nn.Parameter(torch.zeros(1))], fused=True)
         if num_train_samples is None:
             num_train_samples = len(load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
                                                  num_samples=t.num_samples, seed=t.seed))
@@ -214,10 +220,39 @@ class ParameterServer:
         if resume is not None:
             self._restore(resume)
         self.log.event("run_start", architecture="parameter_server", config=config.to_dict(),
-                       resumed_from=str(self.resumed_from) if self.resumed_from else None, version=self.state.version)
-        self._grpc_server: grpc.Server | None = None
+                       resumed_from=str(self.resumed_from) if self.resumed_from else None, version=self.version)
         self._monitor: threading.Thread | None = None
         self.port: int | None = None
+
+    def _served_model(self, model: nn.Module | None) -> nn.Module | None:
+        """The model to serve from the start; ``None``: the first worker's Initialize brings it."""
+        return model if model is not None else model_from_config(self.config)
+
+    def _install_model(self, model: nn.Module) -> None:
+        """Serve ``model``: its optimizer, specs, downlink and byte views (at construction, or lock held)."""
+        system = self.config.system
+        # fused: one pass per tensor; it only reads the gradients, which may be views of the push
+        self.state = ModelState(model, optimizer_from_config(self.config, model.parameters(), fused=True))
+        self.param_specs = [_spec(n, p) for n, p in zip(self.state.param_names, self.state.params)]
+        self.buffer_specs = [_spec(n, b) for n, b in zip(self.state.buffer_names, self.state.buffers)]
+        self._param_shapes = [tuple(p.shape) for p in self.state.params]
+        self._buffer_shapes = [tuple(b.shape) for b in self.state.buffers]
+        self.downlink = Downlink(self.state.params, compressor_from_config(system),
+                                 refresh_interval=system.downlink_refresh_interval, drift_bound=system.downlink_drift_bound)
+        # Byte views of the model's tensors, made once: the optimizer updates them in place.
+        self._param_views = [tensor_view(p) for p in self.state.params]
+        self._buffer_views = [tensor_view(b) for b in self.state.buffers]
+        if self._grpc_server is None:  # the limit is fixed once serving
+            model_bytes = 4 * sum(p.numel() for p in self.state.params + self.state.buffers)
+            # A push is at most ~2x the model (top-k at ratio 1 sends value + index per entry).
+            self.max_message_bytes = min(3 * model_bytes + (4 << 20), 2**31 - 1)
+        if self.test_set is not None:
+            self._eval_model = copy.deepcopy(model)
+
+    @property
+    def version(self) -> int:
+        """The Server Version: optimizer steps taken (0 while there is no model yet)."""
+        return self.state.version if self.state is not None else 0
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -260,6 +295,8 @@ class ParameterServer:
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         worker_id = request.worker_id
         with self._cond:
+            if request.any_worker_id:
+                worker_id = self._free_worker_id(context)
             try:
                 member, replaced = self.members.register(worker_id, request.pid)
             except ValueError as exc:
@@ -270,7 +307,7 @@ class ParameterServer:
             self.downlink.forget(worker_id)
             applied = bool(request.last_request_id) and self.requests.was_applied(worker_id, request.last_request_id)
             unknown = self.plan.claim(worker_id, request.carried_batch_ids) if not applied else []
-            version = self.state.version
+            version = self.version
             self._cond.notify_all()
         rejoined = any(m.worker_id == worker_id for m in self.members.history[:-1])
         self.log.event("worker_rejoined" if rejoined else "register", worker=worker_id, incarnation=member.incarnation,
@@ -281,17 +318,47 @@ class ParameterServer:
             worker_id=worker_id, incarnation=member.incarnation, session=member.session, version=version,
             run_config_json=self.config.model_dump_json(),
             parameter_specs=self.param_specs, buffer_specs=self.buffer_specs, last_request_applied=applied,
+            model_wanted=self.state is None,
         )
+
+    def Initialize(self, data: bytes, context: grpc.ServicerContext) -> pb.InitializeReply:
+        try:
+            received = split(data, pb.InitializeRequest, ("parameters", "buffers"))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"initialize: {exc}")
+        request = received.message
+        layout = ([(s.name, tuple(s.shape)) for s in request.parameter_specs],
+                  [(s.name, tuple(s.shape)) for s in request.buffer_specs])
+        with self._cond:
+            member = self._member(request.caller, context)
+            if self.state is not None:  # another worker's model came first, or the server has its own
+                mismatch = layout_mismatch(layout, (self.state.param_names, self._param_shapes),
+                                           (self.state.buffer_names, self._buffer_shapes))
+                if mismatch:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"worker {member.worker_id}: its model does not match the server's: {mismatch}")
+                return pb.InitializeReply(accepted=False, version=self.state.version)
+            try:
+                model = model_from_layout(*layout, received.large["parameters"], received.large["buffers"])
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"initialize: {exc}")
+            self._install_model(model)
+            self._cond.notify_all()
+        self.log.event("model_initialized", worker=member.worker_id, incarnation=member.incarnation,
+                       parameters=len(layout[0]), buffers=len(layout[1]),
+                       numel=sum(p.numel() for p in self.state.params))
+        return pb.InitializeReply(accepted=True, version=0)
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
         with self._cond:
             member = self._member(request.caller, context)
+            self._require_model(context)
             if not member.ready:
                 member.ready = True
                 self._maybe_start()
             batches, finished = self._await_work(member, context)
             self.downlink.forget(member.worker_id)  # a pull starts the worker afresh: dense parameters
-            reply = self._reply_bytes(pb.PullReply(version=self.state.version, work=_work_message(batches, finished)),
+            reply = self._reply_bytes(pb.PullReply(version=self.state.version, work=self._work_message(batches, finished)),
                                       member.worker_id)
         self._emulate_downlink(member.worker_id, reply)
         return reply
@@ -306,6 +373,7 @@ class ParameterServer:
         try:
             with self._cond:
                 member = self._member(request.caller, context)
+                self._require_model(context)
                 if request_id == 0:
                     raise PushRefused(grpc.StatusCode.INVALID_ARGUMENT, "push: request_id must be non-zero (unique per push)")
                 while self.requests.lookup(worker_id, request_id) is RequestLog.IN_PROGRESS:
@@ -323,7 +391,7 @@ class ParameterServer:
                     verdict = (self._add_to_round if self.mode == "sync" else self._apply_now)(member, request, contribution)
                     self._cond.notify_all()
                     batches, finished = self._await_work(member, context)
-                    verdict.work.CopyFrom(_work_message(batches, finished))
+                    verdict.work.CopyFrom(self._work_message(batches, finished))
                     verdict.version = self.state.version
                     reply = self._reply_bytes(verdict, worker_id)
                     self.requests.finish(worker_id, request_id, reply, applied=verdict.accepted)
@@ -343,7 +411,7 @@ class ParameterServer:
         with self._cond:
             member = self._member(request.caller, context)
             self._record_stats(member, request.stats, final=False)
-            return pb.HeartbeatReply(version=self.state.version)
+            return pb.HeartbeatReply(version=self.version)
 
     def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
         with self._cond:
@@ -355,7 +423,7 @@ class ParameterServer:
             stats = self._record_stats(member, request.stats, final=True)
             self.members.finish(member)
             self._check_done()
-            version = self.state.version
+            version = self.version
         self.log.event("worker_finished", worker=member.worker_id, incarnation=member.incarnation, version=version, **stats)
         return pb.FinishReply(version=version)
 
@@ -363,7 +431,7 @@ class ParameterServer:
         with self._cond:
             current = self.members.current
             return pb.StatusReply(
-                version=self.state.version, aggregation_mode=self.mode, num_workers=self.num_workers,
+                version=self.version, aggregation_mode=self.mode, num_workers=self.num_workers,
                 registered=sorted(current), finished=sorted(w for w, m in current.items() if m.state == "finished"),
                 pushes_applied=self.counters["pushes_applied"], pushes_rejected=self.counters["pushes_rejected"],
                 pushes_refused=self.counters["pushes_refused"], done=self._done.is_set(),
@@ -380,6 +448,20 @@ class ParameterServer:
         except MembershipError as exc:
             context.abort(_MEMBERSHIP_CODES[exc.kind], exc.message)
 
+    def _require_model(self, context: grpc.ServicerContext) -> None:
+        """Abort the call (lock held) while the server has no model yet."""
+        if self.state is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the server has no model yet: send Initialize first")
+
+    def _free_worker_id(self, context: grpc.ServicerContext) -> int:
+        """The lowest worker id no live incarnation holds (lock held); aborts when all are held."""
+        live = set(self.members.live())
+        free = [w for w in range(self.num_workers) if w not in live]
+        if not free:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"all {self.num_workers} worker ids are held by live workers (system.num_workers)")
+        return free[0]
+
     def _refused(self, worker_id: int | None, request_id: int, refused: PushRefused, context: grpc.ServicerContext) -> None:
         with self._cond:
             self.counters["pushes_refused"] += 1
@@ -390,12 +472,7 @@ class ParameterServer:
         """Wait (lock held) until ``member`` has work to be told about, or the run is finished."""
         worker = member.worker_id
         while True:
-            try:
-                self.members.verify(member)  # not a sign of life: a hung process's open call must not keep it alive
-            except MembershipError as exc:
-                context.abort(_MEMBERSHIP_CODES[exc.kind], exc.message)
-            if self._fatal is not None:
-                context.abort(grpc.StatusCode.INTERNAL, f"the server stopped the run: {self._fatal}")
+            self._check_waiting(member, context)
             if worker in self._to_deliver:
                 return self._to_deliver.pop(worker), False
             if self.mode == "async":
@@ -412,6 +489,18 @@ class ParameterServer:
             self._cond.wait(WAIT_POLL_S)
             if not context.is_active():
                 context.abort(grpc.StatusCode.CANCELLED, "call cancelled while waiting for work")
+
+    def _check_waiting(self, member: Member, context: grpc.ServicerContext) -> None:
+        """Abort a waiting call (lock held) whose member is no longer live, or when the run failed."""
+        try:
+            self.members.verify(member)  # not a sign of life: a hung process's open call must not keep it alive
+        except MembershipError as exc:
+            context.abort(_MEMBERSHIP_CODES[exc.kind], exc.message)
+        if self._fatal is not None:
+            context.abort(grpc.StatusCode.INTERNAL, f"the server stopped the run: {self._fatal}")
+
+    def _work_message(self, batches: list[Batch] | None, finished: bool) -> pb.Work:
+        return _work_message(batches, finished)
 
     def _check_covers(self, request: pb.PushRequest, held: list[Batch]) -> None:
         worker = request.caller.worker_id
@@ -523,11 +612,11 @@ class ParameterServer:
             batches, finished_epochs = self.plan.applied(contribution.worker)
             samples += [[b.epoch, list(b.indices)] for b in batches]
             epochs_done += finished_epochs
-            self.counters["samples_applied"] += sum(len(b.indices) for b in batches)
+            self.counters["samples_applied"] += contribution.num_samples  # checked to equal its batches' samples
         self.counters["pushes_applied"] += len(contributions)
         version = self.state.version
         self.log.event("update", version=version, requests=[[c.worker, c.request_id] for c in contributions],
-                       samples=samples)
+                       samples=samples, num_samples=sum(c.num_samples for c in contributions))
         self._after_version(epochs_done)
         self._faults.reached(version, announce=lambda fault: self.log.event("fault_injected", fault=str(fault), version=version))
         if self.plan.finished() and self._train_ended_wall is None:
@@ -566,9 +655,9 @@ class ParameterServer:
             self._round.drop(worker)
         moved = self.plan.release(worker, self.members.live())
         self.log.event("worker_failed", worker=worker, incarnation=member.incarnation, pid=member.pid, reason=reason,
-                       silent_for_s=silence, version=self.state.version)
+                       silent_for_s=silence, version=self.version)
         if moved:
-            self.log.event("work_reassigned", worker=worker, version=self.state.version,
+            self.log.event("work_reassigned", worker=worker, version=self.version,
                            batches={str(to): [b.batch_id for b in bs] for to, bs in moved.items()},
                            samples=sum(len(b.indices) for bs in moved.values() for b in bs))
         if self.mode == "sync":
@@ -674,13 +763,14 @@ class ParameterServer:
                 "run_started_wall": self._run_started_wall,
                 "train_started_wall": self._train_started_wall,
                 "time_to_target": [self.target.seconds, self.target.step],
+                "layout": {"parameters": list(self.state.param_names), "buffers": list(self.state.buffer_names)},
             },
         }
 
     def _checkpoint(self, path: Path, state: dict[str, Any]) -> Path:
         checkpoint = make_checkpoint(
             model_state_dict=state["model"], optimizer_state_dict=state["optimizer"],
-            model_architecture=self.config.training.model_architecture, dataset=self.config.training.dataset,
+            model_architecture=self.model_label, dataset=self.data_label,
             epoch=state["epochs_done"], step=state["version"], config=self.config.to_dict(), extra=state["extra"],
         )
         return save_checkpoint(path, checkpoint)
@@ -705,7 +795,15 @@ class ParameterServer:
         if "work" not in extra or extra.get("num_workers") != self.num_workers or extra.get("aggregation_mode") != self.mode:
             raise CheckpointError(f"--resume {path}: not a checkpoint of a {self.mode} parameter-server run with "
                              f"{self.num_workers} workers")
-        check_model_matches(path, checkpoint, self.config.training.model_architecture)
+        check_model_matches(path, checkpoint, self.model_label)
+        if self.state is None:  # a server that takes its model from a worker: the checkpoint holds it
+            layout = extra.get("layout")
+            if layout is None:
+                raise CheckpointError(f"--resume {path}: the checkpoint does not record its model's layout")
+            state = checkpoint["model_state_dict"]
+            self._install_model(model_from_layout(
+                [(n, tuple(state[n].shape)) for n in layout["parameters"]], [(n, tuple(state[n].shape)) for n in layout["buffers"]],
+                [state[n] for n in layout["parameters"]], [state[n] for n in layout["buffers"]]))
         self.state.model.load_state_dict(checkpoint["model_state_dict"])
         self.state.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
         self.state.version = extra["version"]
@@ -772,7 +870,7 @@ class ParameterServer:
         judged = sum(histogram.values())
         summary = {
             "architecture": "parameter_server",
-            "dataset": t.dataset,
+            "dataset": self.data_label,
             "num_workers": self.num_workers,
             "aggregation_mode": self.mode,
             "final_accuracy": final_accuracy,

@@ -23,19 +23,21 @@ class Caller(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "last_request_id", "carried_batch_ids", "pid")
+    __slots__ = ("worker_id", "last_request_id", "carried_batch_ids", "pid", "any_worker_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CARRIED_BATCH_IDS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    ANY_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     last_request_id: int
     carried_batch_ids: _containers.RepeatedScalarFieldContainer[int]
     pid: int
-    def __init__(self, worker_id: _Optional[int] = ..., last_request_id: _Optional[int] = ..., carried_batch_ids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ...) -> None: ...
+    any_worker_id: bool
+    def __init__(self, worker_id: _Optional[int] = ..., last_request_id: _Optional[int] = ..., carried_batch_ids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., any_worker_id: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "session", "version", "run_config_json", "parameter_specs", "buffer_specs", "last_request_applied")
+    __slots__ = ("worker_id", "incarnation", "session", "version", "run_config_json", "parameter_specs", "buffer_specs", "last_request_applied", "model_wanted")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +46,7 @@ class RegisterReply(_message.Message):
     PARAMETER_SPECS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SPECS_FIELD_NUMBER: _ClassVar[int]
     LAST_REQUEST_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_WANTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     incarnation: int
     session: bytes
@@ -52,7 +55,30 @@ class RegisterReply(_message.Message):
     parameter_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buffer_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     last_request_applied: bool
-    def __init__(self, worker_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ..., version: _Optional[int] = ..., run_config_json: _Optional[str] = ..., parameter_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffer_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., last_request_applied: _Optional[bool] = ...) -> None: ...
+    model_wanted: bool
+    def __init__(self, worker_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ..., version: _Optional[int] = ..., run_config_json: _Optional[str] = ..., parameter_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffer_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., last_request_applied: _Optional[bool] = ..., model_wanted: _Optional[bool] = ...) -> None: ...
+
+class InitializeRequest(_message.Message):
+    __slots__ = ("caller", "parameter_specs", "buffer_specs", "parameters", "buffers")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_SPECS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SPECS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    parameter_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    buffer_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    parameters: _containers.RepeatedScalarFieldContainer[bytes]
+    buffers: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., parameter_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffer_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class InitializeReply(_message.Message):
+    __slots__ = ("accepted", "version")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    version: int
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "epoch", "indices")

@@ -346,8 +346,8 @@ def service_handler(servicer) -> grpc.GenericRpcHandler:
     """The ParameterServer service with this module's (de)serializers.
 
     Pull and Push return pre-serialized bytes (:func:`serialize`: the model's tensors are joined in
-    without protobuf); Push receives the raw request bytes so the handler can :func:`split` it and
-    refuse a malformed one with INVALID_ARGUMENT.
+    without protobuf); Push and Initialize receive the raw request bytes so the handler can
+    :func:`split` them and refuse a malformed one with INVALID_ARGUMENT.
     """
     def unary(method, request_type, reply_type):
         return grpc.unary_unary_rpc_method_handler(
@@ -358,6 +358,7 @@ def service_handler(servicer) -> grpc.GenericRpcHandler:
 
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "Register": unary(servicer.Register, pb.RegisterRequest, pb.RegisterReply),
+        "Initialize": unary(servicer.Initialize, None, pb.InitializeReply),
         "Pull": unary(servicer.Pull, pb.PullRequest, None),
         "Push": unary(servicer.Push, None, None),
         "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
@@ -452,7 +453,8 @@ class ParameterServerClient:
                 response_deserializer=self._parser(reply_type, large_fields),
             )
             for name, reply_type, large_fields in (
-                ("Register", pb.RegisterReply, None), ("Pull", pb.PullReply, model_state),
+                ("Register", pb.RegisterReply, None), ("Initialize", pb.InitializeReply, None),
+                ("Pull", pb.PullReply, model_state),
                 ("Push", pb.PushReply, model_state + ("parameter_deltas",)), ("Heartbeat", pb.HeartbeatReply, None),
                 ("Finish", pb.FinishReply, None), ("Status", pb.StatusReply, None),
             )
@@ -486,17 +488,22 @@ class ParameterServerClient:
                 time.sleep(min(0.2 * 2**attempt, 5.0))  # backoff before resending the same request
 
     def register(self, worker_id: int, last_request_id: int = 0, carried_batch_ids: Sequence[int] = (), *,
-                 timeout: float | None = None) -> pb.RegisterReply:
+                 timeout: float | None = None, any_worker_id: bool = False) -> pb.RegisterReply:
         """Join the run (again); waits up to ``timeout`` (default ``connect_timeout_s``) for the server.
 
         Args:
             last_request_id: the last push this process sent, if it lost its session (the reply says
                 whether it was applied).
+            any_worker_id: let the server pick a free worker id (the reply's ``worker_id``).
         """
         request = pb.RegisterRequest(worker_id=worker_id, last_request_id=last_request_id,
-                                     carried_batch_ids=carried_batch_ids, pid=os.getpid())
+                                     carried_batch_ids=carried_batch_ids, pid=os.getpid(), any_worker_id=any_worker_id)
         # wait_for_ready: gRPC reconnects with its own backoff until the server accepts or the deadline passes.
         return self._call("Register", request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True, retry=False)
+
+    def initialize(self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]) -> pb.InitializeReply:
+        """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
+        return self._call("Initialize", Outgoing(request, {"parameters": parameters, "buffers": buffers}))
 
     def pull(self, caller: pb.Caller) -> Received:
         """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views)."""

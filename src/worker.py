@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,14 +43,17 @@ import grpc
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, decompress, policy_from_config
+from src.compression import ErrorFeedback, policy_from_config
 from src.config import Config, SetupError, validate_config
 from src.data import load_dataset
 from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
 from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
-from src.ps_transport import ParameterServerClient, Received, copy_bytes_into, require_auth_token, tensor_view
+from src.ps_transport import ParameterServerClient, Received, require_auth_token, tensor_view
 from src.trainer import forward_backward, model_from_config, resolve_device
+from src.worker_protocol import (  # noqa: F401  (IncarnationRevoked: part of this module's interface)
+    Heartbeats, IncarnationRevoked, check_session_lost, encode_gradients, load_reply, settle_lost_push, settle_push,
+)
 
 LOCAL_FIELDS = (
     "training.data_dir", "training.device",
@@ -65,10 +67,6 @@ class ServerEndedRun(RuntimeError):
     """The server stopped before this worker was told the run is finished."""
 
 
-class IncarnationRevoked(RuntimeError):
-    """The server declared this incarnation failed (silent too long, or replaced): this process must stop."""
-
-
 def merge_run_config(local: Config, run_config_json: str) -> Config:
     """The server's run config with this worker's :data:`LOCAL_FIELDS` put back."""
     merged = json.loads(run_config_json)
@@ -77,23 +75,6 @@ def merge_run_config(local: Config, run_config_json: str) -> Config:
         section, field = dotted.split(".")
         merged[section][field] = mine[section][field]
     return validate_config(merged)
-
-
-class _Heartbeats(threading.Thread):
-    """Sends a heartbeat with the current totals every ``interval`` seconds until stopped."""
-
-    def __init__(self, worker: "Worker", interval: float):
-        super().__init__(name=f"worker-{worker.worker_id}-heartbeat", daemon=True)
-        self.worker = worker
-        self.interval = interval
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.interval):
-            try:
-                self.worker.client.heartbeat(self.worker.caller, self.worker.stats(), timeout=self.interval * 2)
-            except grpc.RpcError:
-                pass  # the training loop's own calls find out what is wrong and act on it
 
 
 class Worker:
@@ -171,7 +152,9 @@ class Worker:
             conditions = conditions_for(config.emulation, self.worker_id)
             self.client.uplink = link_or_none(conditions.uplink)
             self.compute_delay = ComputeDelay(conditions, worker_seed(config.training.seed, self.worker_id))
-            heartbeats = _Heartbeats(self, config.system.heartbeat_interval)
+            interval = config.system.heartbeat_interval
+            heartbeats = Heartbeats(lambda: self.client.heartbeat(self.caller, self.stats(), timeout=interval * 2), interval,
+                                    name=f"worker-{self.worker_id}-heartbeat")
             heartbeats.start()
             return self._train(config, registration)
         finally:
@@ -196,6 +179,7 @@ class Worker:
         if local_layout != server_layout:
             raise SetupError(f"worker {self.worker_id}: the local {t.model_architecture} does not match the server's parameters")
         params = [p for _, p in named_params]
+        names = [n for n, _ in named_params]
         dense_bytes_per_step = 4 * sum(p.numel() for p in params)  # what identity payloads would carry
         policy = policy_from_config(system)
         # Error feedback also holds a rejected push's gradient when compression is off (identity payloads).
@@ -212,7 +196,7 @@ class Worker:
         with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}", tensorboard=self.tensorboard,
                            role="worker", worker=self.worker_id) as log:
             received = self._pull(carried)
-            version = self._load(params, buffers, received)
+            version = load_reply(params, buffers, received)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=version)
             print(f"worker {self.worker_id}: registered with {self.address} as incarnation {self.incarnation} at "
                   f"version {version} ({system.aggregation_mode})", flush=True)
@@ -227,7 +211,7 @@ class Worker:
                         self._check_session_lost(exc)
                         self._register(0, carried)
                         received = self._pull(carried)
-                        version = self._load(params, buffers, received)
+                        version = load_reply(params, buffers, received)
                         log.event("rejoined", incarnation=self.incarnation, version=version)
                         continue
                 work = received.message.work
@@ -238,7 +222,9 @@ class Worker:
                     self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
                 computed = time.perf_counter()
                 self.faults.reached(totals["steps"] + 1, announce=lambda fault: log.event("fault_injected", fault=str(fault)))
-                payloads = self._compress(named_params, policy, feedback, generator, totals["steps"], zero=not batches)
+                payloads = encode_gradients(
+                    ((name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in named_params),
+                    policy, feedback, generator, totals["steps"])  # no batches: a flush of what error feedback carries
                 compressed = time.perf_counter()
 
                 request_id += 1
@@ -260,18 +246,16 @@ class Worker:
                     if reply:  # ... but it was applied, carried batches included
                         carried = []
                     received = self._pull(carried)
-                    version = self._load(params, buffers, received)
+                    version = load_reply(params, buffers, received)
                     log.event("rejoined", incarnation=self.incarnation, version=version)
                     continue
                 accepted = reply.message.accepted
-                if feedback is not None:
-                    for name, _ in named_params:
-                        (feedback.commit if accepted else feedback.rollback)(name)
+                settle_push(feedback, names, accepted=accepted)
                 carried = [] if accepted else covered
                 if not accepted:
                     totals["pushes_rejected"] += 1
                 received = reply
-                version = self._load(params, buffers, received)
+                version = load_reply(params, buffers, received)
                 finished = time.perf_counter()
 
                 payload_bytes = sum(len(p) for p in payloads)
@@ -327,24 +311,13 @@ class Worker:
         # whether the push made it into an update before the server's checkpoint.
         print(f"worker {self.worker_id}: lost the server's session; registering again", flush=True)
         registration = self._register(request.request_id, carried)
-        if feedback is not None:
-            for name, _ in named_params:
-                # applied: keep what it left in the residual; lost: its samples will be computed again
-                (feedback.commit if registration.last_request_applied else feedback.discard)(name)
+        # applied: keep what it left in the residual; lost: its samples will be computed again
+        settle_lost_push(feedback, [name for name, _ in named_params], applied=registration.last_request_applied, redone=True)
         return registration.last_request_applied
 
     def _check_session_lost(self, exc: grpc.RpcError) -> None:
-        """Return if ``exc`` means the server lost this session (restarted, or restarting); raise otherwise.
-
-        Raises:
-            IncarnationRevoked: the server declared this incarnation failed.
-            grpc.RpcError: ``exc`` itself, for any other failure.
-        """
-        code = exc.code()
-        if code == grpc.StatusCode.ABORTED:
-            raise IncarnationRevoked(f"worker {self.worker_id}: {exc.details()}") from None
-        if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-            raise exc
+        """See :func:`src.worker_protocol.check_session_lost`."""
+        check_session_lost(exc, self.worker_id)
 
     def _pull(self, carried: list[pb.Batch]) -> Received:
         """Pull the parameters and work, registering again while the server has lost this session."""
@@ -386,39 +359,3 @@ class Worker:
             for p, s in zip(params, summed):
                 p.grad = s
         return total_loss / max(total_samples, 1), total_correct, total_samples
-
-    @staticmethod
-    def _compress(named_params, policy: CompressionPolicy | None, feedback: ErrorFeedback | None,
-                  generator: torch.Generator, step: int, *, zero: bool = False) -> list[bytes]:
-        """One payload per parameter; ``zero``: no new gradient (a flush of what error feedback carries)."""
-        payloads = []
-        for name, param in named_params:
-            gradient = torch.zeros_like(param) if zero or param.grad is None else param.grad
-            if feedback is None:
-                payloads.append((policy.compress(gradient, step, generator) if policy is not None else IDENTITY.compress(gradient)))
-                continue
-            compensated = feedback.compensate(name, gradient)
-            payload = policy.compress(compensated, step, generator) if policy is not None else IDENTITY.compress(compensated)
-            feedback.update(name, compensated, payload)
-            payloads.append(payload)
-        return payloads
-
-    @staticmethod
-    def _load(params: list[torch.Tensor], buffers: list[torch.Tensor], reply: Received) -> int:
-        """Put the parameters of a pull or push reply into the local model (dense values, or deltas to add)
-        and its buffers; returns its version."""
-        deltas = reply.large.get("parameter_deltas") or []
-        sent_params, sent_buffers = deltas or reply.large["parameters"], reply.large["buffers"]
-        if len(sent_params) != len(params) or len(sent_buffers) != len(buffers):
-            raise ValueError(f"server sent {len(sent_params)} parameters and {len(sent_buffers)} buffers, "
-                             f"the local model has {len(params)} and {len(buffers)}")
-        if deltas:
-            with torch.no_grad():
-                for param, payload in zip(params, deltas):
-                    param.add_(decompress(payload, device=param.device).view_as(param))  # the server's replica does the same
-        else:
-            for index, (param, data) in enumerate(zip(params, sent_params)):
-                copy_bytes_into(param.data, data, f"parameter {index}")
-        for index, (buffer, data) in enumerate(zip(buffers, sent_buffers)):
-            copy_bytes_into(buffer, data, f"buffer {index}")
-        return reply.message.version
