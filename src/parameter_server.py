@@ -10,9 +10,12 @@ finish when they have taken all their steps. The server's version counts optimiz
   batch), steps the optimizer, moves to ``v + 1`` and releases the pulls waiting for it. A worker
   that finished leaves the barrier, so the others never wait for it.
 * **async**: each push is applied when it arrives. Its staleness ``tau = version - base_version``
-  is recorded and handed to the staleness policy (:data:`StalenessPolicy`), which returns the
-  weight to apply it with, or ``None`` to turn it away (the worker then rolls back its error
-  feedback). The default policy applies every push at full weight.
+  is recorded and handed to the staleness policy (:class:`~src.staleness.StalenessPolicy`,
+  ``system.staleness_policy``), which returns the weight to apply it with, or ``None`` to turn it
+  away (the worker then rolls back its error feedback). The default policy applies every push at
+  full weight. With ``system.async_correction: lookahead`` (the default) the optimizer is
+  :class:`~src.staleness.LookaheadMomentum` (per-worker momentum, ``lr/N`` per push) and pulls send
+  its lookahead point; ``implicit_momentum`` lowers the momentum by ``1 - 1/N``.
 
 Every push is checked before it touches the model: registered worker, one payload per parameter
 with the parameter's shape, a well-formed payload (the compression library's header and checksum),
@@ -36,7 +39,7 @@ from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import torch
@@ -49,18 +52,11 @@ from src.config import Config
 from src.data import load_dataset
 from src.metrics import MetricsLogger, write_summary
 from src.ps_transport import Outgoing, Received, check_float32_bytes, require_auth_token, serialize, split, start_grpc_server, tensor_view
+from src.staleness import LookaheadMomentum, StalenessPolicy, compensated_momentum
 from src.trainer import evaluate, model_from_config, optimizer_from_config
-
-StalenessPolicy = Callable[[int], "float | None"]
-"""``policy(tau) -> weight`` for an async push of staleness ``tau``; ``None`` rejects the push."""
 
 REMEMBERED_REQUESTS = 64  # per worker: far more than one worker can have in flight
 PULL_POLL_S = 1.0  # a waiting pull wakes this often to notice a cancelled call
-
-
-def accept_every_push(staleness: int) -> float | None:
-    """The default staleness policy: apply every push at full weight."""
-    return 1.0
 
 
 def compression_label(config: Config) -> str:
@@ -104,7 +100,7 @@ class ParameterServer:
         config: the run's config (mode, workers, optimizer, outputs).
         token: the auth token every RPC must carry (default: :func:`require_auth_token`).
         model: a model to serve instead of ``model_from_config(config)`` (benchmarks).
-        staleness_policy: async weight-or-reject hook, see :data:`StalenessPolicy`.
+        staleness_policy: async weight-or-reject policy (default: ``StalenessPolicy.from_config(config.system)``).
         evaluate: evaluate on the test split at epoch ends and at the end (needs a model that
             takes the dataset's images).
         tensorboard: also write TensorBoard scalars next to ``events.jsonl``.
@@ -118,7 +114,7 @@ class ParameterServer:
         *,
         token: str | None = None,
         model: nn.Module | None = None,
-        staleness_policy: StalenessPolicy = accept_every_push,
+        staleness_policy: StalenessPolicy | None = None,
         evaluate: bool = True,
         tensorboard: bool = True,
     ):
@@ -126,10 +122,9 @@ class ParameterServer:
         self.token = token or require_auth_token(config.system)
         self.mode = config.system.aggregation_mode
         self.num_workers = config.system.num_workers
-        self.staleness_policy = staleness_policy
+        self.staleness_policy = staleness_policy or StalenessPolicy.from_config(config.system)
         self.model = model if model is not None else model_from_config(config)
-        # fused: one pass per tensor; it only reads the gradients, which are views of the push (see _decode)
-        self.optimizer = optimizer_from_config(config, self.model.parameters(), fused=True)
+        self.optimizer = self._make_optimizer(config)
         named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         named_buffers = [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
         self.params = [p for _, p in named_params]
@@ -141,6 +136,9 @@ class ParameterServer:
         # Byte views of the model's tensors, made once: the optimizer updates them in place, so each
         # version's pull reply serializes the current values (the server's model is contiguous CPU float32).
         self._state_views = [tensor_view(t) for t in self.params + self.buffers]
+        if isinstance(self.optimizer, LookaheadMomentum):  # pulls send the lookahead point, computed into these
+            self._lookahead = [torch.empty_like(p) for p in self.params]
+            self._state_views[:len(self.params)] = [tensor_view(t) for t in self._lookahead]
         self._gradient_sums: list[torch.Tensor] | None = None  # sync: reused for every barrier
         model_bytes = 4 * sum(p.numel() for p in self.params + self.buffers)
         # A push is at most ~2x the model (top-k at ratio 1 sends value + index per entry).
@@ -173,6 +171,16 @@ class ParameterServer:
         self.log.event("run_start", architecture="parameter_server", config=self.config.to_dict())
         self._grpc_server: grpc.Server | None = None
         self.port: int | None = None
+
+    def _make_optimizer(self, config: Config) -> torch.optim.Optimizer:
+        t, system = config.training, config.system
+        if self.mode == "async" and system.async_correction == "lookahead" and t.optimizer == "sgd":
+            return LookaheadMomentum.from_config(config, self.model.parameters())
+        if self.mode == "async" and system.async_correction == "implicit_momentum":
+            momentum = compensated_momentum(t.momentum, system.num_workers)
+            config = config.model_copy(update={"training": t.model_copy(update={"momentum": momentum})})
+        # fused: one pass per tensor; it only reads the gradients, which are views of the push (see _decode)
+        return optimizer_from_config(config, self.model.parameters(), fused=True)
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -291,6 +299,8 @@ class ParameterServer:
             if first_time:
                 self._finished[worker_id] = {"worker_id": worker_id, **stats}
                 self._last_finish_time = time.perf_counter()
+                if isinstance(self.optimizer, LookaheadMomentum):
+                    self.optimizer.forget_worker(worker_id)  # its momentum will not be applied any more
                 if self.mode == "sync":
                     epoch_ended = self._maybe_complete_barrier()  # it no longer holds the others back
                 if len(self._finished) == self.num_workers and not self._barrier:
@@ -428,26 +438,29 @@ class ParameterServer:
         self.max_staleness = max(self.max_staleness, staleness)
         reply = pb.PushReply(accepted=True, staleness=staleness)
         if contribution.num_samples > 0:
-            weight = self.staleness_policy(staleness)
+            weight, reason = self.staleness_policy.verdict(staleness)
             if weight is None:
                 self.pushes_rejected += 1
                 reply.accepted = False
-                reply.reason = f"rejected by the staleness policy (staleness {staleness})"
+                reply.reason = f"rejected by the staleness policy: {reason}"
             else:
                 # Out of place: the gradients may be read-only views of the push.
                 gradients = contribution.gradients if weight == 1.0 else [g * weight for g in contribution.gradients]
-                self._step(gradients, contribution.buffers)
+                self._step(gradients, contribution.buffers, worker=worker_id)
                 self.version += 1
                 self.pushes_applied += 1
                 self._after_version()
         reply.version = self.version
         return reply, self._count_epoch_ends([contribution])
 
-    def _step(self, gradients: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+    def _step(self, gradients: list[torch.Tensor], buffers: list[torch.Tensor], worker: int | None = None) -> None:
         """One optimizer step with ``gradients`` (read, never written) and the new buffer values."""
         for param, gradient in zip(self.params, gradients):
             param.grad = gradient.to(param.device)
-        self.optimizer.step()
+        if isinstance(self.optimizer, LookaheadMomentum):
+            self.optimizer.step(worker=worker)
+        else:
+            self.optimizer.step()
         with torch.no_grad():
             for param in self.params:
                 param.grad = None  # do not keep the push's message alive until the next step
@@ -466,6 +479,8 @@ class ParameterServer:
     def _serialized_pull_reply(self) -> bytes:
         """The PullReply of the current version, serialized once for every worker that pulls it (lock held)."""
         if self._pull_reply is None or self._pull_reply[0] != self.version:
+            if isinstance(self.optimizer, LookaheadMomentum):
+                self.optimizer.lookahead(out=self._lookahead)
             views = self._state_views
             self._pull_reply = (self.version, serialize(Outgoing(
                 pb.PullReply(version=self.version),

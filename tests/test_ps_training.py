@@ -22,11 +22,10 @@ CONVERGENCE_RUNS = {
                  system__compression_type="topk", system__compression_ratio=0.1),
     "quantization": dict(system__aggregation_mode="sync", system__compression_enabled=True,
                          system__compression_type="quantization", system__quantization_bits=8),
-    # Asynchrony acts as extra momentum (about 1 - 1/N with N workers): momentum 0.9 on top of it
-    # oscillates (52-78% here), as a single process fed one-step-stale gradients does too; with 0.5
-    # runs end at 88-96% (thread timing varies the staleness from run to run).
+    # Async with the default correction (lookahead, docs/async.md) and the default momentum 0.9;
+    # without the correction momentum 0.9 oscillates (52-78% here).
     "quantization_async": dict(system__aggregation_mode="async", system__compression_enabled=True,
-                               system__compression_type="quantization", system__quantization_bits=8, training__momentum=0.5),
+                               system__compression_type="quantization", system__quantization_bits=8),
 }
 
 
