@@ -7,11 +7,14 @@ compression policy and error feedback as :mod:`src.worker`) at its snapshot; the
 with the server-side optimizer, then the worker pulls the newest parameters. Staleness is counted
 exactly as the server counts it (``version - base_version``).
 
-This is for the search (a 2-epoch mnist_5k run takes seconds here against ~40 s for a real PS run);
-every claim in docs/async.md is confirmed with real runs (scripts/async_study.py).
+This served the search: it runs one process at 1 thread, with a schedule under control (``uniform``
+is a harsh round robin, ``exponential`` memoryless staleness, ``--slowdown`` a slow worker); every
+claim in docs/async.md is confirmed with real runs (scripts/async_study.py). Prints each run's JSON
+(accuracy, staleness histogram, train-loss trace per 16 pushes) on stderr and the summary on stdout.
 
-    python scripts/async_sim.py --workers 2 --momentum 0.9 --correction none --repeats 3
-    python scripts/async_sim.py --workers 4 --correction momentum --compression topk --schedule exponential
+    python scripts/async_sim.py --workers 2 --correction none --compression topk --repeats 3
+    python scripts/async_sim.py --workers 4 --correction lookahead --compression topk --schedule exponential
+    python scripts/async_sim.py --workers 4 --variant '{"lr_scale": 0.25, "own": false}'
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from src.compression import ErrorFeedback, policy_from_config  # noqa: E402
+from src.compression import ErrorFeedback, decompress, policy_from_config  # noqa: E402
 from src.config import validate_config  # noqa: E402
 from src.data import load_dataset, make_shards, steps_per_epoch  # noqa: E402
 from src.staleness import LookaheadMomentum, StalenessPolicy, compensated_momentum  # noqa: E402
@@ -68,13 +71,13 @@ class MomentumVariant:
             p.sub_(v, alpha=self.lr)
 
     @torch.no_grad()
-    def pull_view(self, mult=None, worker=None):
+    def pull_view(self, worker):
+        """What ``worker`` pulls: the parameters, or their lookahead."""
         if not self.look:
             return [p.detach().clone() for p in self.params]
-        m = self.mu if mult is None else mult
-        if not self.own and worker is not None:
-            return [p - self.lr * m * (s - v) for p, s, v in zip(self.params, self.sums, self.buffers[worker])]
-        return [p - self.lr * m * s for p, s in zip(self.params, self.sums)]
+        if not self.own:
+            return [p - self.lr * self.mu * (s - v) for p, s, v in zip(self.params, self.sums, self.buffers[worker])]
+        return [p - self.lr * self.mu * s for p, s in zip(self.params, self.sums)]
 
 
 def server_optimizer(config, params):
@@ -97,12 +100,12 @@ def simulate(config, *, schedule: str = "uniform", jitter: float = 0.2, slowdown
     test = load_dataset(t.dataset, "test", data_dir=t.data_dir, max_samples=t.max_test_samples, seed=t.seed)
     model = model_from_config(config)
     optimizer = server_optimizer(config, model.parameters())
-    dana = None
+    other = None  # a design-space variant instead of the server's optimizer
     if variant is not None:
-        dana = MomentumVariant(model.parameters(), num_workers=n, lr=t.learning_rate * variant.get("lr_scale", 1.0),
-                                  momentum=t.momentum, weight_decay=t.weight_decay,
-                                  lookahead=variant.get("lookahead", True), per_worker=variant.get("per_worker", True),
-                                  own=variant.get("own", True))
+        other = MomentumVariant(model.parameters(), num_workers=n, lr=t.learning_rate * variant.get("lr_scale", 1.0),
+                                momentum=t.momentum, weight_decay=t.weight_decay,
+                                lookahead=variant.get("lookahead", True), per_worker=variant.get("per_worker", True),
+                                own=variant.get("own", True))
     losses = []
     staleness_policy = StalenessPolicy.from_config(system)
     replicas = [model_from_config(config) for _ in range(n)]
@@ -153,7 +156,6 @@ def simulate(config, *, schedule: str = "uniform", jitter: float = 0.2, slowdown
                     payload = policy.compress(compensated, pushes_done[k], generators[k])
                     if feedback:
                         feedback[k].update(name, compensated, payload)
-                    from src.compression import decompress
                     g = decompress(payload)
                 gradients.append(g)
             histogram[tau] = histogram.get(tau, 0) + 1
@@ -163,8 +165,8 @@ def simulate(config, *, schedule: str = "uniform", jitter: float = 0.2, slowdown
                 if feedback:
                     for name in names:
                         feedback[k].rollback(name)
-            elif dana is not None:
-                dana.step(k, gradients, weight)
+            elif other is not None:
+                other.step(k, gradients, weight)
                 version += 1
             else:
                 for p, g in zip(params, gradients):
@@ -176,8 +178,8 @@ def simulate(config, *, schedule: str = "uniform", jitter: float = 0.2, slowdown
                 version += 1
             pushes_done[k] += 1
         base_version[k] = version
-        if dana is not None or isinstance(optimizer, LookaheadMomentum):
-            pulled = dana.pull_view(worker=k) if dana is not None else optimizer.lookahead()
+        if other is not None or isinstance(optimizer, LookaheadMomentum):
+            pulled = other.pull_view(k) if other is not None else optimizer.lookahead()
             with torch.no_grad():
                 for rp, v in zip(replicas[k].parameters(), pulled):
                     rp.copy_(v)
