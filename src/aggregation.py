@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from src.staleness import LookaheadMomentum
+
 REMEMBERED_REQUESTS = 64
 """Requests remembered per worker: far more than one worker can have in flight."""
 
@@ -43,6 +45,10 @@ class Contribution:
 class ModelState:
     """Parameters, buffers, optimizer and version of the served model.
 
+    With a :class:`~src.staleness.LookaheadMomentum` optimizer (async correction), workers are sent
+    its lookahead point rather than the parameters (:meth:`sent`); evaluation and checkpoints use
+    the parameters.
+
     Args:
         model: the model (CPU, float32, contiguous parameters).
         optimizer: the server-side optimizer over ``model``'s trainable parameters.
@@ -59,20 +65,45 @@ class ModelState:
         self.buffers = [b for _, b in named_buffers]
         self.version = 0
         self._sums: list[torch.Tensor] | None = None  # reused from barrier to barrier
+        self.lookahead = optimizer if isinstance(optimizer, LookaheadMomentum) else None
+        self._sent = [torch.empty_like(p) for p in self.params] if self.lookahead else self.params
+        self._revision = 0  # changes whenever what is sent changes
+        self._sent_revision = -1
 
-    def step(self, gradients: list[torch.Tensor], buffers: list[torch.Tensor], weight: float = 1.0) -> None:
-        """One optimizer step with ``weight * gradients`` and the new buffer values; version + 1."""
+    def sent(self) -> list[torch.Tensor]:
+        """What workers are sent: the parameters, or the lookahead point (updated once per change).
+
+        The same tensor objects every time, so byte views of them stay valid.
+        """
+        if self.lookahead is not None and self._sent_revision != self._revision:
+            self.lookahead.lookahead(out=self._sent)
+            self._sent_revision = self._revision
+        return self._sent
+
+    def forget_worker(self, worker: int) -> None:
+        """``worker`` left (finished or failed): its pending momentum no longer counts in the lookahead."""
+        if self.lookahead is not None:
+            self.lookahead.forget_worker(worker)
+            self._revision += 1
+
+    def step(self, gradients: list[torch.Tensor], buffers: list[torch.Tensor], weight: float = 1.0, *,
+             worker: int = 0) -> None:
+        """One optimizer step with ``weight * gradients`` (a push of ``worker``) and the new buffer values; version + 1."""
         if weight != 1.0:  # out of place: the gradients may be read-only views of a message
             gradients = [g * weight for g in gradients]
         for param, gradient in zip(self.params, gradients):
             param.grad = gradient.to(param.device)
-        self.optimizer.step()
+        if self.lookahead is not None:
+            self.lookahead.step(worker=worker)
+        else:
+            self.optimizer.step()
         with torch.no_grad():
             for param in self.params:
                 param.grad = None  # do not keep the push's message alive until the next step
             for buffer, value in zip(self.buffers, buffers):
                 buffer.copy_(value)
         self.version += 1
+        self._revision += 1
 
     def average(self, contributions: list[Contribution]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sample-weighted mean of the gradients and buffers of ``contributions`` (none may be empty)."""

@@ -91,6 +91,41 @@ def add_compression_flags(parser: argparse.ArgumentParser, title: str) -> None:
                        help="drop what compression leaves out instead of carrying it into the next step")
 
 
+STALENESS_FLAGS: dict[str, str] = {
+    "staleness_policy": "system.staleness_policy",
+    "staleness_beta": "system.staleness_beta",
+    "max_staleness": "system.max_staleness",
+    "async_correction": "system.async_correction",
+    "async_step_scale": "system.async_step_scale",
+    "adaptive_compression": "system.adaptive_compression",
+    "controller_rho_min": "system.controller_rho_min",
+    "controller_rho_max": "system.controller_rho_max",
+    "controller_rebound_threshold": "system.controller_rebound_threshold",
+}
+
+
+def add_staleness_flags(parser: argparse.ArgumentParser) -> None:
+    """Asynchronous training: staleness policy, async correction, adaptive compression controller."""
+    group = parser.add_argument_group("staleness and adaptive compression (async)")
+    group.add_argument("--staleness-policy", choices=("none", "soft", "hard", "both"),
+                       help="async pushes by staleness tau: none, soft (weight 1/(1+beta*tau)), hard (reject tau > "
+                            "--max-staleness), both (default none)")
+    group.add_argument("--staleness-beta", type=float, help="beta of soft attenuation, >= 0 (default 0.5)")
+    group.add_argument("--max-staleness", type=int, help="S_max of the hard bound, >= 0 (default 8)")
+    group.add_argument("--async-correction", choices=("none", "implicit_momentum", "lookahead"),
+                       help="correction of async SGD for staleness (default lookahead: async trains like sync; "
+                            "none: the plain optimizer; see docs/async.md)")
+    group.add_argument("--async-step-scale", type=float,
+                       help="lookahead: multiplier of each push's step (default: the stability-matched value, "
+                            "0.825 for 2 workers, 0.649 for 4)")
+    group.add_argument("--adaptive-compression", action="store_const", const=True,
+                       help="let the controller set the top-k Active Fraction and S_max from the event stream")
+    group.add_argument("--controller-rho-min", type=float, help="lowest Active Fraction the controller sets (default 0.01)")
+    group.add_argument("--controller-rho-max", type=float, help="highest Active Fraction the controller sets (default 0.5)")
+    group.add_argument("--controller-rebound-threshold", type=float,
+                       help="Loss Rebound (nats) above which the controller compresses less (default 0.05)")
+
+
 FAULT_TOLERANCE_FLAGS: dict[str, str] = {
     "inject_fault": "system.inject_faults",
     "max_restarts": "system.max_restarts",

@@ -174,11 +174,37 @@ class SystemConfig(_Section):
     """Fraction of entries a top-k downlink delta keeps, in (0, 1]."""
     downlink_refresh_interval: int = 50
     """Versions after which a worker gets the dense parameters again (downlink compression)."""
-    downlink_drift_bound: float = 0.05
+    downlink_drift_bound: float = 0.03
     """Largest relative distance ``||server - worker|| / ||server||`` a downlink delta may leave; beyond it, a dense refresh."""
     local_steps: int = 1
     """Local optimizer steps (plain SGD at the learning rate) a PS worker takes between pushes; it
     pushes the sum of their gradients. 1 = one gradient per push."""
+    # --- async correction and adaptive compression (src/staleness.py, src/controller.py) ---
+    async_correction: Literal["none", "implicit_momentum", "lookahead"] = "lookahead"
+    """Async SGD's correction for staleness: lookahead (per-worker momentum, lr/N per push, pulls at the
+    lookahead point: N async workers take the steps of N sync workers), implicit_momentum (explicit
+    momentum lowered by 1 - 1/N), none (the plain optimizer)."""
+    async_step_scale: float | None = None
+    """lookahead: multiplier of every push's step; null = the stability-matched default (0.825 for 2
+    workers, 0.649 for 4 at momentum 0.9; 1.0 = exactly a sync step per N pushes)."""
+    adaptive_compression: bool = False
+    """Let the controller set the top-k Active Fraction rho and S_max from the event stream."""
+    controller_rho_min: float = 0.01
+    """Lowest Active Fraction the controller may set, in (0, 1]."""
+    controller_rho_max: float = Field(default=0.5, validate_default=True)  # checked against rho_min even when not given
+    """Highest Active Fraction the controller may set, in [controller_rho_min, 1]."""
+    controller_max_staleness_min: int = 1
+    """Tightest S_max the controller may set, >= 0."""
+    controller_max_staleness_max: int = Field(default=16, validate_default=True)
+    """Loosest S_max the controller may set, >= controller_max_staleness_min."""
+    controller_rebound_threshold: float = 0.05
+    """Loss Rebound (mean positive jump of eval loss between evaluations, nats) above which it compresses less."""
+    controller_rebound_window: int = 3
+    """Consecutive evaluation pairs the Loss Rebound averages over, > 0."""
+    controller_stable_evaluations: int = 2
+    """Evaluations in a row without a rebound before it compresses more, > 0."""
+    controller_communication_share: float = 0.5
+    """Communication share of step time, in [0, 1], at or above which communication dominates."""
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
@@ -237,6 +263,69 @@ class SystemConfig(_Section):
     def _bound_positive(cls, value: float) -> float:
         if not (math.isfinite(value) and value > 0):
             raise ValueError("must be a finite number > 0")
+        return value
+
+    # --- async correction and adaptive compression ---
+    @field_validator("async_step_scale")
+    @classmethod
+    def _step_scale_positive(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError("must be a finite number > 0 (or null for the stability-matched default)")
+        return value
+
+    @field_validator("controller_rho_min")
+    @classmethod
+    def _rho_min_range(cls, value: float) -> float:
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError("must be in (0, 1]")
+        return value
+
+    @field_validator("controller_rho_max")
+    @classmethod
+    def _rho_max_range(cls, value: float, info) -> float:
+        low = info.data.get("controller_rho_min")
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError("must be in (0, 1]")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= system.controller_rho_min ({low})")
+        return value
+
+    @field_validator("controller_max_staleness_min")
+    @classmethod
+    def _staleness_min_range(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("controller_max_staleness_max")
+    @classmethod
+    def _staleness_max_range(cls, value: int, info) -> int:
+        low = info.data.get("controller_max_staleness_min")
+        if value < 0:
+            raise ValueError("must be >= 0")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= system.controller_max_staleness_min ({low})")
+        return value
+
+    @field_validator("controller_rebound_threshold")
+    @classmethod
+    def _threshold_non_negative(cls, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError("must be a finite number >= 0")
+        return value
+
+    @field_validator("controller_rebound_window", "controller_stable_evaluations")
+    @classmethod
+    def _positive_count(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be > 0")
+        return value
+
+    @field_validator("controller_communication_share")
+    @classmethod
+    def _share_range(cls, value: float) -> float:
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise ValueError("must be in [0, 1]")
         return value
 
     @field_validator("compression_ratio", "downlink_ratio")

@@ -73,10 +73,9 @@ from src.faults import FaultInjector
 from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.ps_transport import Outgoing, Received, check_float32_bytes, require_auth_token, serialize, split, start_grpc_server, tensor_view
 from src.served_model import layout_mismatch, model_from_layout
-from src.trainer import evaluate, model_from_config, optimizer_from_config
+from src.staleness import StalenessPolicy, server_optimizer
+from src.trainer import evaluate, model_from_config
 
-StalenessPolicy = Callable[[int], "float | None"]
-"""``policy(tau) -> weight`` for an async push of staleness ``tau``; ``None`` rejects the push."""
 
 MODELLESS_MAX_MESSAGE_BYTES = 1 << 30
 """Message limit of a server that starts without a model (it cannot size the limit from the model)."""
@@ -87,11 +86,6 @@ _MEMBERSHIP_CODES = {
     "revoked": grpc.StatusCode.ABORTED,  # this incarnation is over
     "finished": grpc.StatusCode.FAILED_PRECONDITION,
 }
-
-
-def accept_every_push(staleness: int) -> float | None:
-    """The default staleness policy: apply every push at full weight."""
-    return 1.0
 
 
 def compression_label(config: Config) -> str:
@@ -136,7 +130,7 @@ class ParameterServer:
         model: a model to serve instead of ``model_from_config(config)`` (benchmarks); see also
             :meth:`_served_model`.
         num_train_samples: training-set size (default: loaded from the config's dataset).
-        staleness_policy: async weight-or-reject hook, see :data:`StalenessPolicy`.
+        staleness_policy: async weight-or-reject policy (default ``StalenessPolicy.from_config(config.system)``).
         evaluate: evaluate on the test split (every ``eval_interval`` versions, at epoch ends, at the end).
         tensorboard: also write TensorBoard scalars next to ``events.jsonl``.
         resume: a checkpoint file or folder of an earlier server of this run to continue from.
@@ -155,7 +149,7 @@ class ParameterServer:
         token: str | None = None,
         model: nn.Module | None = None,
         num_train_samples: int | None = None,
-        staleness_policy: StalenessPolicy = accept_every_push,
+        staleness_policy: StalenessPolicy | None = None,
         evaluate: bool = True,
         tensorboard: bool = True,
         resume: str | Path | None = None,
@@ -168,7 +162,7 @@ class ParameterServer:
         self.token = token or require_auth_token(system)
         self.mode = system.aggregation_mode
         self.num_workers = system.num_workers
-        self.staleness_policy = staleness_policy
+        self.staleness_policy = staleness_policy or StalenessPolicy.from_config(system)
         self.on_event = on_event
         netem.check_workers(config.emulation, self.num_workers)
         self.downlinks = {k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
@@ -189,7 +183,7 @@ class ParameterServer:
         if served is not None:
             self._install_model(served)
         else:  # the first optimizer of a process costs seconds (lazy imports): not later, under the lock
-            optimizer_from_config(config, [nn.Parameter(torch.zeros(1))], fused=True)
+            server_optimizer(config, [nn.Parameter(torch.zeros(1))])
         if num_train_samples is None:
             num_train_samples = len(load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
                                                  num_samples=t.num_samples, seed=t.seed))
@@ -197,7 +191,8 @@ class ParameterServer:
 
         self._cond = threading.Condition()
         self.members = Membership(self.num_workers, system.heartbeat_timeout, clock=clock)
-        self.plan = WorkPlan(num_train_samples, self.num_workers, t.batch_size, t.num_epochs, t.seed, self.mode)
+        self.plan = WorkPlan(num_train_samples, self.num_workers, t.batch_size, t.num_epochs, t.seed, self.mode,
+                             batches_per_step=system.local_steps)
         self.requests = RequestLog()
         self._round: SyncRound | None = None
         self._started = self.mode == "async"  # sync waits for every worker before its first round
@@ -231,16 +226,15 @@ class ParameterServer:
     def _install_model(self, model: nn.Module) -> None:
         """Serve ``model``: its optimizer, specs, downlink and byte views (at construction, or lock held)."""
         system = self.config.system
-        # fused: one pass per tensor; it only reads the gradients, which may be views of the push
-        self.state = ModelState(model, optimizer_from_config(self.config, model.parameters(), fused=True))
+        self.state = ModelState(model, server_optimizer(self.config, model.parameters()))
         self.param_specs = [_spec(n, p) for n, p in zip(self.state.param_names, self.state.params)]
         self.buffer_specs = [_spec(n, b) for n, b in zip(self.state.buffer_names, self.state.buffers)]
         self._param_shapes = [tuple(p.shape) for p in self.state.params]
         self._buffer_shapes = [tuple(b.shape) for b in self.state.buffers]
-        self.downlink = Downlink(self.state.params, compressor_from_config(system),
+        self.downlink = Downlink(self.state.sent(), compressor_from_config(system),
                                  refresh_interval=system.downlink_refresh_interval, drift_bound=system.downlink_drift_bound)
-        # Byte views of the model's tensors, made once: the optimizer updates them in place.
-        self._param_views = [tensor_view(p) for p in self.state.params]
+        # Byte views of what workers are sent, made once: the tensors are updated in place.
+        self._param_views = [tensor_view(p) for p in self.state.sent()]
         self._buffer_views = [tensor_view(b) for b in self.state.buffers]
         if self._grpc_server is None:  # the limit is fixed once serving
             model_bytes = 4 * sum(p.numel() for p in self.state.params + self.state.buffers)
@@ -422,6 +416,7 @@ class ParameterServer:
                               f"/{self.config.training.num_epochs})")
             stats = self._record_stats(member, request.stats, final=True)
             self.members.finish(member)
+            self.state.forget_worker(member.worker_id)
             self._check_done()
             version = self.version
         self.log.event("worker_finished", worker=member.worker_id, incarnation=member.incarnation, version=version, **stats)
@@ -594,13 +589,13 @@ class ParameterServer:
                               f"base_version {request.base_version} is ahead of the server's version {self.state.version}")
         staleness = self.state.version - request.base_version
         self.staleness_histogram[staleness] += 1
-        weight = self.staleness_policy(staleness)
-        self._log_push(member, request, staleness=staleness, weight=weight, accepted=weight is not None)
+        weight, reason = self.staleness_policy.verdict(staleness)
+        self._log_push(member, request, staleness=staleness, weight=weight, accepted=weight is not None, reason=reason)
         if weight is None:
             self.counters["pushes_rejected"] += 1
             return pb.PushReply(accepted=False, staleness=staleness, weight=0.0,
-                                reason=f"rejected by the staleness policy (staleness {staleness})")
-        self.state.step(contribution.gradients, contribution.buffers, weight)
+                                reason=f"rejected by the staleness policy: {reason}")
+        self.state.step(contribution.gradients, contribution.buffers, weight, worker=member.worker_id)
         self._applied([contribution])
         return pb.PushReply(accepted=True, staleness=staleness, weight=weight)
 
@@ -623,11 +618,13 @@ class ParameterServer:
             self._train_ended_wall = time.time()
         self._check_done()
 
-    def _log_push(self, member: Member, request: pb.PushRequest, *, staleness: int, weight: float | None, accepted: bool) -> None:
+    def _log_push(self, member: Member, request: pb.PushRequest, *, staleness: int, weight: float | None, accepted: bool,
+                  reason: str | None = None) -> None:
+        """The push event: its Staleness, weight and verdict (with the policy's reason), batches and timings."""
         metrics = request.metrics
         self.log.event("push", worker=member.worker_id, incarnation=member.incarnation, request_id=request.request_id,
                        base_version=request.base_version, version=self.state.version, staleness=staleness, weight=weight,
-                       accepted=accepted, num_samples=request.num_samples, batch_ids=list(request.batch_ids),
+                       accepted=accepted, reason=reason, num_samples=request.num_samples, batch_ids=list(request.batch_ids),
                        epoch=metrics.epoch, loss=metrics.loss, gradient_time_s=metrics.gradient_time_s,
                        compression_time_s=metrics.compression_time_s, communication_time_s=metrics.communication_time_s)
 
@@ -651,6 +648,7 @@ class ParameterServer:
         worker = member.worker_id
         self.counters["workers_failed"] += 1
         self._to_deliver.pop(worker, None)
+        self.state.forget_worker(worker)
         if self._round is not None:
             self._round.drop(worker)
         moved = self.plan.release(worker, self.members.live())
@@ -709,6 +707,7 @@ class ParameterServer:
 
         Lock held: every tensor is of one version.
         """
+        self.state.sent()  # the lookahead point of this version, when workers are sent one
         downlink = self.downlink.encode(worker, self.state.version)
         tensors = {"parameters": self._param_views} if downlink.dense else {"parameter_deltas": downlink.payloads}
         return serialize(Outgoing(message, {**tensors, "buffers": self._buffer_views}))

@@ -66,6 +66,7 @@ class RawWorker:
         self.reply = self.client.pull(self.caller)
         self.version = self.reply.message.version
         self.next_request_id = 1
+        self.carried: list[pb.Batch] = []  # batches of rejected pushes, listed again in the next one
 
     @property
     def work(self) -> pb.Work:
@@ -73,7 +74,7 @@ class RawWorker:
 
     def request(self, **fields: Any) -> pb.PushRequest:
         """A valid push of the held work (every field overridable); gradients are identity zeros by default."""
-        batches = list(self.work.batches)
+        batches = self.carried + list(self.work.batches)
         values = dict(caller=self.caller, base_version=self.version, request_id=self.next_request_id,
                       num_samples=sum(len(b.indices) for b in batches), batch_ids=[b.batch_id for b in batches],
                       gradients=identity_gradients(self.served.server))
@@ -84,7 +85,9 @@ class RawWorker:
         """Send ``request`` (default: a valid one); a reply becomes the worker's new state."""
         request = request or self.request()
         self.next_request_id = max(self.next_request_id, request.request_id) + 1
+        covered = self.carried + list(self.work.batches)
         reply = self.client.push(request)
+        self.carried = [] if reply.message.accepted else [b for b in covered if b.batch_id in request.batch_ids]
         self.reply, self.version = reply, reply.message.version
         return reply
 

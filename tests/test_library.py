@@ -18,6 +18,7 @@ from torch import nn
 from src.compression import CompressionPolicy, build_compressor
 from src.config import SetupError
 from src.served_model import import_factory, model_from_layout
+from src.staleness import StalenessPolicy
 from tests.library_fixtures import TOKEN, LibraryServer, TinyConvNet, library_config, small_mlp
 from torch_asgc import DistributedModel, DistributedOptimizer, connect
 from torch_asgc.server import ClientLoopServer
@@ -167,8 +168,10 @@ def test_factory_model_source(tmp_path):
 @pytest.mark.parametrize("downlink", ["none", "topk"])
 def test_async_single_worker_steps_like_local_sgd(served, downlink):
     # downlink top-k at ratio 1: replies carry the parameters as exact deltas, added on the worker
+    # async_correction none: the plain server optimizer (the default lookahead sends its lookahead point,
+    # which one worker's local SGD does not reach)
     server = served(training__learning_rate=0.1, training__momentum=0.9, system__downlink_compression=downlink,
-                    system__downlink_ratio=1.0)
+                    system__downlink_ratio=1.0, system__async_correction="none")
     images, labels = data()
     reference = small_mlp(seed=5)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -217,7 +220,11 @@ def test_topk_error_feedback_sends_less_and_keeps_the_rest(served):
 
 
 def test_rejected_push_rolls_back_and_keeps_the_parameters(served):
-    server = served(system__staleness_policy="hard", staleness_policy=lambda tau: None)  # reject everything
+    class RejectAll(StalenessPolicy):
+        def verdict(self, tau: int) -> tuple[float | None, str]:
+            return None, f"staleness {tau}: this test rejects every push"
+
+    server = served(system__staleness_policy="hard", staleness_policy=RejectAll("hard"))
     images, labels = data(32)
     with connect(server.address, token=TOKEN) as client:
         net = small_mlp()

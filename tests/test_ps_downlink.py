@@ -24,7 +24,8 @@ def local_copy(worker, reply, held: list[torch.Tensor] | None) -> list[torch.Ten
 
 
 def drive(tmp_path, steps: int, **fields):
-    """One async worker pushing random gradients; yields (reply was dense, worker copy, server params, replica)."""
+    """One async worker pushing random gradients; yields (reply was dense, worker copy,
+    what the server sends (its parameters, or their lookahead point), replica)."""
     config = ps_config(tmp_path, training__max_train_samples=16 * (steps + 1), training__batch_size=16, **fields)
     served = ServedServer(config, evaluate=False)
     worker = served.worker(0)
@@ -37,7 +38,7 @@ def drive(tmp_path, steps: int, **fields):
             reply = worker.push(worker.request(gradients=gradients))
             held = local_copy(worker, reply, held)
             replica = served.server.downlink.replica(0)
-            yield (not reply.large.get("parameter_deltas"), held, [p.detach().clone() for p in served.server.state.params],
+            yield (not reply.large.get("parameter_deltas"), held, [p.detach().clone() for p in served.server.state.sent()],
                    None if replica is None else [r.clone() for r in replica])
     finally:
         worker.close()

@@ -72,7 +72,9 @@ def test_mutated_pushes_are_refused_cleanly_or_applied_when_still_valid(target, 
     body = bytearray(valid_body(target[1]))
     for _ in range(data.draw(st.integers(1, 4), label="mutations")):
         kind = data.draw(st.sampled_from(["flip", "truncate", "insert", "delete", "overwrite"]), label="kind")
-        position = data.draw(st.integers(0, max(len(body) - 1, 0)), label="position")
+        # drawn from a fixed range: the valid body's length depends on the server's state, and hypothesis
+        # needs the same strategies when it replays an example
+        position = data.draw(st.integers(0, 1 << 22), label="position") % max(len(body), 1)
         if kind == "flip" and body:
             body[position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
         elif kind == "truncate":
