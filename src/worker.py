@@ -52,7 +52,8 @@ from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.ps_transport import ParameterServerClient, Received, require_auth_token, tensor_view
 from src.trainer import forward_backward, model_from_config, resolve_device
 from src.worker_protocol import (  # noqa: F401  (IncarnationRevoked: part of this module's interface)
-    Heartbeats, IncarnationRevoked, check_session_lost, encode_gradients, load_reply, settle_lost_push, settle_push,
+    Heartbeats, IncarnationRevoked, check_session_lost, controlled_policy, encode_gradients, load_reply, settle_lost_push,
+    settle_push,
 )
 
 LOCAL_FIELDS = (
@@ -198,6 +199,7 @@ class Worker:
             received = self._pull(carried)
             version = load_reply(params, buffers, received)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=version)
+            policy = self._follow_control(policy, received, log, 1)
             print(f"worker {self.worker_id}: registered with {self.address} as incarnation {self.incarnation} at "
                   f"version {version} ({system.aggregation_mode})", flush=True)
             model.train()
@@ -260,6 +262,7 @@ class Worker:
 
                 payload_bytes = sum(len(p) for p in payloads)
                 totals["steps"] += 1
+                policy = self._follow_control(policy, received, log, totals["steps"] + 1)  # from the next push on
                 totals["samples"] += samples
                 totals["gradient_time_s"] += computed - step_started
                 totals["compression_time_s"] += compressed - computed
@@ -295,6 +298,15 @@ class Worker:
         print(f"worker {self.worker_id}: finished at version {version}: {totals['samples']} samples in "
               f"{totals['steps']} steps", flush=True)
         return {"worker_id": self.worker_id, "incarnation": self.incarnation, **result}
+
+    @staticmethod
+    def _follow_control(policy, received: Received, log: MetricsLogger, step: int):
+        """The policy with the adaptive controller's top-k Active Fraction from ``received``, from the next step."""
+        updated = controlled_policy(policy, received.message.control)
+        if updated is not policy:
+            log.event("control_applied", step=step, compression_ratio=updated.compressor.ratio,
+                      previous_compression_ratio=policy.compressor.ratio, max_staleness=received.message.control.max_staleness)
+        return updated
 
     def _push(self, request: pb.PushRequest, payloads: list[bytes], buffers: list, feedback: ErrorFeedback | None,
               named_params, carried: list[pb.Batch]) -> Received | bool:
