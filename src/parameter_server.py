@@ -213,6 +213,7 @@ class ParameterServer:
         self.counters = Counter()  # pushes_applied / _rejected / _refused, samples_applied, workers_failed, ...
         self.staleness_histogram: Counter[int] = Counter()
         self.controller_decisions: Counter[str] = Counter()  # by action: hold / compress_less / compress_more
+        self._ledger: list[torch.Tensor] | None = None  # system.gradient_ledger: sum of the applied gradients (float64)
         self.stats_by_incarnation: dict[int, dict[str, Any]] = {}
         self._run_started_wall = time.time()
         self._train_started_wall: float | None = None
@@ -617,6 +618,8 @@ class ParameterServer:
         samples, epochs_done = [], []
         for contribution in contributions:
             self.requests.mark(contribution.worker, contribution.request_id, applied=True)  # before a checkpoint below
+            if self.config.system.gradient_ledger:
+                self._add_to_ledger(contribution.gradients)
             batches, finished_epochs = self.plan.applied(contribution.worker)
             samples += [[b.epoch, list(b.indices)] for b in batches]
             epochs_done += finished_epochs
@@ -630,6 +633,12 @@ class ParameterServer:
         if self.plan.finished() and self._train_ended_wall is None:
             self._train_ended_wall = time.time()
         self._check_done()
+
+    def _add_to_ledger(self, gradients: list[torch.Tensor]) -> None:
+        if self._ledger is None:
+            self._ledger = [torch.zeros(g.shape, dtype=torch.float64) for g in gradients]
+        for total, gradient in zip(self._ledger, gradients):
+            total.add_(gradient.to(torch.float64))
 
     def _log_push(self, member: Member, request: pb.PushRequest, *, staleness: int, weight: float | None, accepted: bool,
                   reason: str | None = None) -> None:
@@ -903,6 +912,10 @@ class ParameterServer:
         final_loss, final_accuracy = (self._record_eval(t.num_epochs, version, self.state.model, elapsed)
                                       if self.test_set is not None else (float("nan"), float("nan")))
         checkpoint_path = self._checkpoint(final_checkpoint_path(self.config.system.checkpoint_dir, "parameter_server"), state)
+        if self.config.system.gradient_ledger:
+            ledger = dict(zip(self.state.param_names, self._ledger or [torch.zeros(p.shape, dtype=torch.float64)
+                                                                       for p in self.state.params]))
+            torch.save({"applied": ledger}, Path(self.config.system.log_dir) / "server" / "gradient_ledger.pt")
         train_time = elapsed
         samples = self.counters["samples_applied"]
         histogram = dict(sorted(self.staleness_histogram.items()))

@@ -193,6 +193,8 @@ class Worker:
         carried: list[pb.Batch] = []  # batches whose rejected gradient waits in the error feedback
         totals = self.totals
         epoch_loss = epoch_correct = epoch_samples = 0
+        # system.gradient_ledger: the sum of every gradient computed (before error feedback), float64
+        ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in params] if system.gradient_ledger else None
 
         with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}", tensorboard=self.tensorboard,
                            role="worker", worker=self.worker_id) as log:
@@ -223,6 +225,10 @@ class Worker:
                 if batches:
                     self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
                 computed = time.perf_counter()
+                if ledger is not None and batches:
+                    for total, p in zip(ledger, params):
+                        if p.grad is not None:
+                            total.add_(p.grad.to(torch.float64))
                 self.faults.reached(totals["steps"] + 1, announce=lambda fault: log.event("fault_injected", fault=str(fault)))
                 payloads = encode_gradients(
                     ((name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in named_params),
@@ -294,6 +300,11 @@ class Worker:
                     })
 
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
+            if ledger is not None:
+                residuals = {n: (feedback.residual(n) if feedback is not None and feedback.residual(n) is not None
+                                 else torch.zeros(p.shape)).to(torch.float64) for n, p in named_params}
+                torch.save({"computed": dict(zip(names, ledger)), "residuals": residuals},
+                           Path(system.log_dir) / f"worker_{self.worker_id}" / "gradient_ledger.pt")
             log.event("run_end", incarnation=self.incarnation, **result)
         print(f"worker {self.worker_id}: finished at version {version}: {totals['samples']} samples in "
               f"{totals['steps']} steps", flush=True)
