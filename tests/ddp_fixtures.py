@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import struct
+import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,11 +54,45 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = SPAWN_TIMEOUT_S) ->
                 process.join()
 
 
-def free_port() -> int:
-    """A port that was free a moment ago (only for tools that insist on a fixed port, e.g. torchrun's rendezvous)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# struct tcp_info (linux/tcp.h): u64 tcpi_bytes_received at byte 128 (Linux >= 4.1), u64
+# tcpi_bytes_sent at byte 200 (Linux >= 4.19). The kernel counts the payload bytes of every TCP
+# segment, so these are what really crossed the wire, whatever the code above it believes.
+_TCP_INFO_SIZE = 232
+_TCP_BYTES_RECEIVED_AT = 128
+_TCP_BYTES_SENT_AT = 200
+
+
+def tcp_bytes() -> tuple[int, int]:
+    """``(sent, received)``: TCP payload bytes over all of this process's TCP sockets, from the kernel.
+
+    gloo's traffic goes through TCP sockets between the ranks, so the difference of two readings
+    around a collective is what that collective put on the wire, counted by the kernel and not by
+    the code under test (plus gloo's own framing, a few hundred bytes per collective). The store's
+    socket is counted too; it is quiet while tensors are exchanged. Take both readings while every
+    peer is still connected: a socket a peer closed in between disappears with its counts.
+    """
+    sent = received = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            duplicate = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # closed since the listing (e.g. the listing's own descriptor)
+            continue
+        with duplicate:
+            if duplicate.family not in (socket.AF_INET, socket.AF_INET6) or duplicate.type != socket.SOCK_STREAM:
+                continue
+            try:
+                info = duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
+            except OSError:  # a listening socket being torn down
+                continue
+            if len(info) < _TCP_BYTES_SENT_AT + 8:
+                raise RuntimeError(f"kernel's tcp_info is {len(info)} bytes: too old to count bytes sent (needs Linux >= 4.19)")
+            (received_now,) = struct.unpack_from("<Q", info, _TCP_BYTES_RECEIVED_AT)
+            (sent_now,) = struct.unpack_from("<Q", info, _TCP_BYTES_SENT_AT)
+            sent += sent_now
+            received += received_now
+    return sent, received
 
 
 def process_gone(pid: int) -> bool:
@@ -66,3 +105,57 @@ def process_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return not os.path.exists(f"/proc/{pid}")
+
+
+@dataclass
+class NodeResult:
+    """How one process of :func:`run_together` ended, with everything it printed."""
+
+    returncode: int
+    killed: bool
+    """Still running at the deadline (or after a peer failed), so :func:`run_together` killed it."""
+    stdout: str
+    stderr: str
+
+    def describe(self, name: str) -> str:
+        how = "killed by the test" if self.killed else f"exit {self.returncode}"
+        return f"--- {name}: {how}\n[stdout]\n{self.stdout[-3000:]}\n[stderr]\n{self.stderr[-6000:]}"
+
+
+def run_together(commands: list[list[str]], *, cwd: Path, env: dict | None = None, timeout: float = SPAWN_TIMEOUT_S,
+                 peer_grace_s: float = 60.0) -> list[NodeResult]:
+    """Run ``commands`` side by side (e.g. the nodes of one torchrun job) and return each one's outcome.
+
+    Outputs go to files, so no pipe fills up and every process's output is kept whatever the order
+    they end in. When one process fails, the others get ``peer_grace_s`` to end on their own (a
+    peer blocked in a collective with the dead one never would), then everything left is killed:
+    a failure shows up at once, with every process's output, instead of after ``timeout``.
+    Each command runs in its own session and its whole process group is killed.
+    """
+    logs = [(cwd / f".node_{index}.out", cwd / f".node_{index}.err") for index in range(len(commands))]
+    processes, killed = [], set()
+    try:
+        for command, (out, err) in zip(commands, logs):
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                processes.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process in processes]
+            if all(code is not None for code in codes):
+                break
+            if any(code not in (None, 0) for code in codes):
+                deadline = min(deadline, time.monotonic() + peer_grace_s)
+            time.sleep(0.2)  # polling interval of the condition above
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                killed.add(process.pid)
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            else:  # the launcher is gone; its session may still hold children
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return [NodeResult(process.returncode, process.pid in killed, out.read_text(), err.read_text())
+            for process, (out, err) in zip(processes, logs)]

@@ -12,23 +12,29 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 import run_ddp_training
 from src.metrics import read_events
-from tests.ddp_fixtures import free_port, process_gone
+from tests.ddp_fixtures import process_gone, run_together
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = str(REPO / "run_ddp_training.py")
 RUN_TIMEOUT_S = 240
 
 
+def _clean_env() -> dict[str, str]:
+    """This environment without torchrun's variables (a test itself run under torchrun stays a local launch)."""
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
 def _run(args: list[str], cwd: Path, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, RUNNER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, RUNNER, *args], cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _outputs(cwd: Path, world: int) -> dict:
@@ -81,22 +87,20 @@ def test_spec_synthetic_debug_run_and_resume(tmp_path):
 
 @pytest.mark.slow
 def test_same_script_spans_two_nodes_under_torchrun(tmp_path):
-    # The README's two-node command, both "nodes" on this machine.
-    port = free_port()
+    # The README's two-node command, both "nodes" on this machine. The rendezvous store is held by
+    # this test on a port the OS picked (port 0), so no port is probed and then bound by someone
+    # else, and both nodes join it as clients (is_host=0); a fresh rendezvous id per run keeps
+    # concurrent runs of this test apart. Both nodes are watched together: if one fails, its output
+    # is shown at once beside the other's.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test_job",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=0",
+               "--rdzv-id", f"test_job_{uuid.uuid4().hex}",
                RUNNER, "--dataset", "synthetic", "--num-samples", "256", "--num-epochs", "1", "--allreduce", "ring"]
-    nodes = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for _ in range(2)]
-    try:
-        outputs = [node.communicate(timeout=RUN_TIMEOUT_S) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
-    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
-    assert sum(out.count("Final Accuracy:") for out, _ in outputs) == 1  # rank 0 only
+    nodes = run_together([command, command], cwd=tmp_path, env=_clean_env(), timeout=RUN_TIMEOUT_S)
+    assert [(node.returncode, node.killed) for node in nodes] == [(0, False)] * 2, "\n".join(
+        node.describe(f"node {index}") for index, node in enumerate(nodes))
+    assert sum(node.stdout.count("Final Accuracy:") for node in nodes) == 1  # rank 0 only
     summary = _outputs(tmp_path, 2)
     assert summary["samples_processed"] == 256 and summary["comm_hook"] == "ring"
 
