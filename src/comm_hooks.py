@@ -72,10 +72,20 @@ class CommStats:
     estimated_bytes_received: int = 0
     hook_seconds: float = 0.0
     """Wall time inside Python hooks (compress, exchange, decompress); 0 for the built-in allreduce."""
+    dense_bytes: int = 0
+    """Gradient bytes (float32) this rank handed to a compressing exchange."""
+    payload_bytes: int = 0
+    """What those gradients weighed on the way out: one copy of this rank's payloads (before the
+    ``N-1``-fold fan-out of ``all_gather``); dense during warm-up. ``dense / payload`` is the
+    compression ratio."""
 
     def measured(self, sent: int, received: int) -> None:
         self.bytes_sent += int(sent)
         self.bytes_received += int(received)
+
+    def compressed(self, dense: int, payload: int) -> None:
+        self.dense_bytes += int(dense)
+        self.payload_bytes += int(payload)
 
     def estimated(self, sent: int, received: int) -> None:
         self.estimated_bytes_sent += int(sent)
@@ -307,6 +317,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     world = _group_size(state.group)
     if state.step < state.policy.warmup_steps:
         PLAIN_ALLREDUCE[state.plain_allreduce](buffer, state.group, state.stats)
+        state.stats.compressed(buffer.numel() * 4, buffer.numel() * 4)
         buffer.div_(world)
     else:
         _compressed_average_(state, bucket, buffer, world)
@@ -343,6 +354,7 @@ def _compressed_average_(state: CompressionHookState, bucket: dist.GradBucket, b
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=state.group)
     state.stats.measured((world - 1) * local.numel(), (world - 1) * local.numel())
+    state.stats.compressed(4 * buffer.numel(), local.numel())
 
     total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
     for source in range(world):  # fixed rank order: every replica sums identically

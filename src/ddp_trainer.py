@@ -314,6 +314,7 @@ class DDPTrainer:
         for index, indices in enumerate(batches):
             step_started = time.perf_counter()
             sent_before, hook_before = stats.total_sent, stats.hook_seconds
+            dense_before, payload_before = stats.dense_bytes, stats.payload_bytes
             images, labels = self.train_set.batch(indices)
             images, labels = images.to(device), labels.to(device)
             self.optimizer.zero_grad(set_to_none=True)
@@ -327,6 +328,10 @@ class DDPTrainer:
             samples += len(labels)
             self.step += 1
             if self.step % LOG_EVERY_STEPS == 0 or index + 1 == num_steps:
+                compression = {}
+                if self.config.system.compression_enabled:
+                    payload = stats.payload_bytes - payload_before
+                    compression["compression_ratio"] = (stats.dense_bytes - dense_before) / payload if payload else None
                 log.scalars("train", self.step, {
                     "loss": local_loss,
                     "accuracy": correct / max(len(labels), 1),
@@ -336,6 +341,7 @@ class DDPTrainer:
                     "step_time_s": step_time,
                     "bytes_sent": stats.total_sent - sent_before,
                     "samples_processed": samples,
+                    **compression,
                 }, epoch=epoch)
             bar.update()
         bar.close()

@@ -55,11 +55,13 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = SPAWN_TIMEOUT_S) ->
 
 
 # struct tcp_info (linux/tcp.h): u64 tcpi_bytes_received at byte 128 (Linux >= 4.1), u64
-# tcpi_bytes_sent at byte 200 (Linux >= 4.19). The kernel counts the payload bytes of every TCP
-# segment, so these are what really crossed the wire, whatever the code above it believes.
+# tcpi_bytes_sent and tcpi_bytes_retrans at bytes 200 and 208 (Linux >= 4.19). The kernel counts
+# the payload bytes of every TCP segment, so these are what really crossed the wire, whatever the
+# code above it believes. Retransmitted bytes (rare even on loopback) are taken out of "sent".
 _TCP_INFO_SIZE = 232
 _TCP_BYTES_RECEIVED_AT = 128
 _TCP_BYTES_SENT_AT = 200
+_TCP_BYTES_RETRANS_AT = 208
 
 
 def tcp_bytes() -> tuple[int, int]:
@@ -86,13 +88,44 @@ def tcp_bytes() -> tuple[int, int]:
                 info = duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
             except OSError:  # a listening socket being torn down
                 continue
-            if len(info) < _TCP_BYTES_SENT_AT + 8:
+            if len(info) < _TCP_BYTES_RETRANS_AT + 8:
                 raise RuntimeError(f"kernel's tcp_info is {len(info)} bytes: too old to count bytes sent (needs Linux >= 4.19)")
             (received_now,) = struct.unpack_from("<Q", info, _TCP_BYTES_RECEIVED_AT)
-            (sent_now,) = struct.unpack_from("<Q", info, _TCP_BYTES_SENT_AT)
-            sent += sent_now
+            sent_now, retransmitted = struct.unpack_from("<QQ", info, _TCP_BYTES_SENT_AT)
+            sent += sent_now - retransmitted
             received += received_now
     return sent, received
+
+
+class StepBytes:
+    """Per training step of a rank: the bytes its comm hook counted, and the bytes the kernel saw it send.
+
+    :meth:`wrap` goes into ``DDPTrainer(comm_hook=...)``: each step's window opens when the model's
+    forward starts (the last forward before a step is its training forward; evaluation's traffic
+    falls before it) and closes after ``CommHook.end_step``, so it holds the step's gradient
+    exchange and nothing else.
+    """
+
+    def __init__(self, factory):
+        self.factory = factory
+        self.steps: list[dict[str, int]] = []
+
+    def wrap(self, module):
+        hook = self.factory(module)
+        opened: dict[str, int] = {}
+
+        def open_window(*_):
+            opened["claimed"], opened["sent"] = hook.stats.total_sent, tcp_bytes()[0]
+
+        module.register_forward_pre_hook(open_window)
+        end_step = hook.end_step
+
+        def close_window():
+            end_step()
+            self.steps.append({"claimed": hook.stats.total_sent - opened["claimed"], "measured": tcp_bytes()[0] - opened["sent"]})
+
+        hook.end_step = close_window
+        return hook
 
 
 def process_gone(pid: int) -> bool:

@@ -4,6 +4,8 @@ One spawned 3-rank session (3 ranks: with 2 the ring's left and right neighbour 
 runs every multi-rank check and saves what it saw; the tests below assert on it. Each hook is
 compared with an independent reference: ``dist.all_reduce`` for the ring, and the compression API
 applied by hand (compensate -> compress -> decompress -> mean over ranks) for the compressed hook.
+Byte counts are checked against the kernel's count of the TCP payload bytes each rank sent
+(:func:`tests.ddp_fixtures.tcp_bytes`), not against the hooks' own formulas.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from src.comm_hooks import (
 )
 from src.compression import CompressionPolicy, build_compressor, decompress
 from src.config import SystemConfig
-from tests.ddp_fixtures import join_group, spawn_ranks
+from tests.ddp_fixtures import join_group, spawn_ranks, tcp_bytes
 
 WORLD = 3
 RING_SIZES = [(1,), (2,), (3,), (7,), (10,), (999,), (1000,), (4099,), (6, 35)]
 TOPK_WARMUP = 1
 STEPS = 4
+#: gloo's framing on top of the tensors handed to it (~300 bytes per message).
+FRAMING_BYTES = 2048
 
 
 def _tiny_model() -> nn.Module:
@@ -64,9 +68,12 @@ def _ring_checks(rank: int, world: int) -> list[dict]:
         expected = tensor.clone()
         dist.all_reduce(expected)
         got = tensor.clone()
+        dist.barrier()
+        before = tcp_bytes()
         sent, received = ring_allreduce_(got)
+        after = tcp_bytes()
         results.append({"shape": shape, "error": float((got - expected).abs().max()), "scale": float(expected.abs().max()),
-                        "sent": sent, "received": received})
+                        "sent": sent, "received": received, "wire_sent": after[0] - before[0]})
     return results
 
 
@@ -75,18 +82,22 @@ def _ring_hook_check(rank: int, world: int) -> dict:
     plain, ring = DistributedDataParallel(plain_module), DistributedDataParallel(ring_module)
     state = RingHookState()
     ring.register_comm_hook(state, ring_allreduce_hook)
-    errors = []
+    errors, wire = [], 0
     for step in range(3):  # iteration 0 uses one bucket, later ones the rebuilt buckets
         x, y = _batch(step, rank)
         for model in (plain, ring):
             model.zero_grad()
+            dist.barrier()
+            before = tcp_bytes()[0]
             F.cross_entropy(model(x), y).backward()
+            if model is ring:
+                wire += tcp_bytes()[0] - before
         errors.append(max(float((a.grad - b.grad).abs().max()) for a, b in zip(plain_module.parameters(), ring_module.parameters())))
         with torch.no_grad():
             for a, b in zip(plain_module.parameters(), ring_module.parameters()):
                 a -= 0.1 * a.grad
                 b -= 0.1 * b.grad
-    return {"errors": errors, "bytes_sent": state.stats.bytes_sent, "steps": state.step,
+    return {"errors": errors, "bytes_sent": state.stats.bytes_sent, "wire_sent": wire, "steps": state.step,
             "numel": sum(p.numel() for p in plain_module.parameters())}
 
 
@@ -110,7 +121,10 @@ def _compression_check(rank: int, world: int, kind: str) -> dict:
         x, y = _batch(step, rank)
         sent_before = state.stats.total_sent
         module.zero_grad()
+        dist.barrier()
+        wire_before = tcp_bytes()[0]
         F.cross_entropy(model(x), y).backward()
+        wire_sent = tcp_bytes()[0] - wire_before
         reference.zero_grad()
         F.cross_entropy(reference(x), y).backward()
         record = {"error": 0.0, "bound": 0.0, "changed": 0.0}
@@ -132,14 +146,9 @@ def _compression_check(rank: int, world: int, kind: str) -> dict:
             if kind == "quantization":
                 # Each rank's entry is off by less than one level of its bucket scale (<= its max |g|).
                 record["bound"] = max(record["bound"], sum(float(g.abs().max()) for g in grads) / 127 / world)
-        numels = [p.numel() for p in module.parameters()]
-        if step < policy.warmup_steps:
-            expected_bytes = ring_allreduce_bytes(world, 4 * sum(numels))
-        else:
-            expected_bytes = (world - 1) * sum(policy.compressor_for(step, n).wire_size_for(n) for n in numels)
         record["bytes"] = state.stats.total_sent - sent_before
-        record["expected_bytes"] = expected_bytes
-        record["dense_bytes"] = ring_allreduce_bytes(world, 4 * sum(numels))
+        record["wire_sent"] = wire_sent
+        record["compressed"] = step >= policy.warmup_steps
         steps.append(record)
         with torch.no_grad():  # keep the reference replica on the same parameters
             for got, local in zip(module.parameters(), reference.parameters()):
@@ -195,6 +204,8 @@ def test_ring_allreduce_sends_2_n_minus_1_over_n_of_the_tensor(session):
             assert check["received"] == 4 * (2 * numel - chunks[rank] - chunks[(rank + 1) % WORLD]), (shape, rank)
             if numel % WORLD == 0:
                 assert check["sent"] == ring_allreduce_bytes(WORLD, 4 * numel) == 2 * (WORLD - 1) * 4 * numel // WORLD
+            # ... which is what the kernel saw leave the process, give or take gloo's framing
+            assert 0 <= check["wire_sent"] - check["sent"] <= FRAMING_BYTES, (shape, rank, check)
         assert sum(r["ring"][check_index]["sent"] for r in session) == sum(r["ring"][check_index]["received"] for r in session)
 
 
@@ -203,8 +214,10 @@ def test_ring_hook_matches_default_ddp_allreduce(session):
         hook = results["ring_hook"]
         assert max(hook["errors"]) <= 1e-6
         assert hook["steps"] == 3
-        # every step, every bucket: 2(N-1)/N of the gradient bytes, counted from what was sent
+        # every step, every bucket: 2(N-1)/N of the gradient bytes, counted from what was sent ...
         assert hook["bytes_sent"] == pytest.approx(3 * ring_allreduce_bytes(WORLD, 4 * hook["numel"]), abs=3 * 4 * 2 * WORLD)
+        # ... which is what the kernel saw leave the process, give or take gloo's framing
+        assert 0 <= hook["wire_sent"] - hook["bytes_sent"] <= 3 * FRAMING_BYTES
 
 
 # ----------------------------------------------------------------------------- compression
@@ -230,12 +243,15 @@ def test_quantization_hook_error_is_within_one_level(session):
 
 
 @pytest.mark.parametrize("kind", ["topk", "quantization"])
-def test_hook_bytes_are_the_payload_sizes(session, kind):
+def test_hook_counts_the_bytes_the_kernel_saw_sent(session, kind):
+    # The hook's count against the kernel's count of this process's TCP payload bytes in the same
+    # backward pass: independent of the hook's own arithmetic. (Whether compression pays is shown
+    # on a real model in test_ddp_trainer: this one is too small for gloo's framing.)
     for results in session:
-        for record in results[kind]["steps"]:
-            assert record["bytes"] == record["expected_bytes"]
-        compressed = results[kind]["steps"][-1]
-        assert compressed["bytes"] < compressed["dense_bytes"]
+        records = results[kind]["steps"]
+        for record in records:
+            assert 0 <= record["wire_sent"] - record["bytes"] <= FRAMING_BYTES, record
+        assert any(record["compressed"] for record in records)
 
 
 # ----------------------------------------------------------------------------- single rank, in process
