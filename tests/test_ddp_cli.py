@@ -136,6 +136,88 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert all(process_gone(pid) for pid in pids.values())
 
 
+# ----------------------------------------------------------------------------- a rank killed for real
+
+# 512 samples / (2 ranks x 32) = 8 steps per epoch, 16 in all; top-k with error feedback, so the
+# restarted group must also get every rank's residuals and the hook's step back. Checkpoints at
+# steps 3, 6, 8 (epoch end), 9, 12, 15, 16: a kill at step 11 sends the group back to step 9, one
+# step into epoch 2.
+RUN_ARGS = ["--dataset", "synthetic", "--num-samples", "512", "--batch-size", "32", "--num-epochs", "2",
+            "--compression-enabled", "--compression-type", "topk", "--compression-ratio", "0.1", "--checkpoint-interval-steps", "3"]
+FAULT_RUN = [*RUN_ARGS, "--world-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The final checkpoint of FAULT_RUN without a fault, the reference of the restarted runs."""
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    result = _run(FAULT_RUN, cwd)
+    assert result.returncode == 0, result.stderr
+    return torch.load(cwd / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True)
+
+
+def _assert_same_training(final: dict, reference: dict) -> None:
+    # Exact: the restarted group redoes steps 10-16 from the step-9 checkpoint (parameters, momentum,
+    # every rank's residuals, the hook's step, the data position) with the same arithmetic, and
+    # gloo's collectives on the same ranks and sizes are deterministic.
+    assert final["step"] == reference["step"] == 16
+    for name, value in reference["model_state_dict"].items():
+        assert torch.equal(final["model_state_dict"][name], value), name
+    for index, state in reference["optimizer_state_dict"]["state"].items():
+        assert torch.equal(final["optimizer_state_dict"]["state"][index]["momentum_buffer"], state["momentum_buffer"])
+
+
+def _assert_restarted_once_from_step_9(logs: Path, killed_rank: int) -> None:
+    restarts = list(read_events(logs / "events.jsonl", "rank_restarted"))
+    assert [(e["attempt"], e["step"], e["epoch_step"], Path(e["resumed_from"]).name) for e in restarts] == [(1, 9, 1, "checkpoint_000009.pt")]
+    attempts = [(e["attempt"], e["pid"]) for e in read_events(logs / f"rank_{killed_rank}" / "events.jsonl", "run_start")]
+    assert [attempt for attempt, _ in attempts] == [0, 1]
+    assert process_gone(attempts[0][1])  # the SIGKILLed incarnation is gone
+    summary = json.loads((logs / "summary.json").read_text())
+    assert (summary["restarts"], summary["steps"], summary["steps_this_run"]) == (1, 16, 7)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkilled_rank_restarts_the_group_from_its_checkpoint(tmp_path, uninterrupted):
+    result = _run([*FAULT_RUN, "--inject-fault", "kill:rank=1@step=11", "--max-restarts", "2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "fault injection: kill:rank=1@step=11" in result.stderr
+    assert "restart 1/2: the group continues from" in result.stdout
+    _assert_restarted_once_from_step_9(tmp_path / "logs" / "ddp_cli", killed_rank=1)
+    _assert_same_training(torch.load(tmp_path / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True), uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkilled_rank_restarts_under_torchrun_and_an_error_that_cannot_succeed_is_not_retried(tmp_path, uninterrupted):
+    # torchrun's own agent and --max-restarts; this time the rank that writes checkpoints dies.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def torchrun(nproc: int, *args: str) -> list:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=0",
+                   "--rdzv-id", f"test_job_{uuid.uuid4().hex}", *args]
+        return run_together([command], cwd=tmp_path, env=_clean_env(), timeout=RUN_TIMEOUT_S)
+
+    (node,) = torchrun(2, "--max-restarts", "1", RUNNER, *FAULT_RUN, "--inject-fault", "kill:rank=0@step=11")
+    assert (node.returncode, node.killed) == (0, False), node.describe("torchrun")
+    assert "fault injection: kill:rank=0@step=11" in node.stderr
+    _assert_restarted_once_from_step_9(tmp_path / "logs" / "ddp_cli", killed_rank=0)
+    _assert_same_training(torch.load(tmp_path / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True), uninterrupted)
+
+    # Resuming that run's step-15 checkpoint (mid-epoch, 2 ranks) with 1 rank cannot succeed: the
+    # first attempt says why in one line; the 2 restarts torchrun grants stop at once.
+    mid_epoch = tmp_path / "checkpoints" / "ddp_cli" / "checkpoint_000015.pt"
+    (node,) = torchrun(1, "--max-restarts", "2", RUNNER, *RUN_ARGS, "--resume", str(mid_epoch),
+                       "--checkpoint-dir", "checkpoints/second", "--log-dir", "logs/second")
+    assert node.returncode != 0 and not node.killed, node.describe("torchrun")
+    errors = [line for line in node.stderr.splitlines() if line.startswith("error:")]
+    assert errors[0].startswith(f"error: --resume {mid_epoch}: taken 7 steps into epoch 2 by 2 ranks x batch 32; this run has 1 x 32")
+    assert len(errors) == 3 and all(line.endswith("(an earlier attempt stopped on this; not retrying)") for line in errors[1:])
+    assert not (tmp_path / "logs" / "second" / "rank_0").exists()  # no attempt trained
+
+
 def _trained(logs: Path, rank: int) -> bool:
     events = logs / f"rank_{rank}" / "events.jsonl"
     return events.exists() and any(True for _ in read_events(events, "train"))
@@ -175,6 +257,25 @@ def test_missing_resume_checkpoint_is_one_line_error(capsys, tmp_path):
     code, err = _main(capsys, "--resume", str(tmp_path / "nothing_here"), "--log-dir", str(tmp_path / "logs"))
     assert code == 1
     assert err.strip().startswith("error: no usable checkpoint at") and len(err.strip().splitlines()) == 1
+
+
+def test_missing_dataset_is_one_line_before_any_rank_starts(capsys, monkeypatch, tmp_path):
+    import torch.distributed.launcher.api as elastic
+
+    from src import ddp_launcher
+    from src.data import DatasetUnavailableError
+
+    def missing(name, split, **_):
+        raise DatasetUnavailableError(f"dataset {name!r} not found under {tmp_path}")
+
+    def no_agent(*_, **__):
+        raise AssertionError("the elastic agent was started for a run that cannot succeed")
+
+    monkeypatch.setattr(ddp_launcher, "load_dataset", missing)
+    monkeypatch.setattr(elastic, "elastic_launch", no_agent)
+    code, err = _main(capsys, "--dataset", "mnist", "--max-restarts", "3", "--log-dir", str(tmp_path / "logs"))
+    assert code == 1
+    assert err.strip() == f"error: dataset 'mnist' not found under {tmp_path}"
 
 
 def test_world_size_flag_must_agree_with_torchrun(capsys, monkeypatch, tmp_path):

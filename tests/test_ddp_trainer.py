@@ -8,7 +8,9 @@ per test would cost a spawn each); the tests assert on their checkpoints and sum
   hooks', and the estimate for the backend's allreduce) matches what the kernel saw each rank send
   (:class:`tests.ddp_fixtures.StepBytes`), not a formula of the code under test;
 * resume continues the uninterrupted trajectory exactly, comm hook residuals included (and a resume
-  whose checkpoint lost the hook state does not: the state matters);
+  whose checkpoint lost the hook state does not: the state matters), also from a checkpoint taken
+  mid-epoch (``checkpoint_interval_steps``);
+* evaluation every ``eval_interval`` steps and the time to target accuracy;
 * compressed hooks send ~2 x ratio (top-k) or ~1/4 (8-bit) of the dense bytes; warm-up steps are dense;
 * (slow) top-k 0.1 with error feedback reaches >= 90% on mnist_5k in 2 epochs.
 """
@@ -48,8 +50,9 @@ TOPK = {"compression_enabled": True, "compression_type": "topk", "compression_ra
 
 
 def _plan(root: Path) -> list[tuple]:
-    topk_training = {"num_samples": 256}
-    first_epoch = root / "topk" / "checkpoints" / "checkpoint_000001.pt"
+    topk_training = {"num_samples": 256}  # 8 steps per epoch
+    first_epoch = root / "topk" / "checkpoints" / "checkpoint_000008.pt"
+    every = {**topk_training, "checkpoint_interval_steps": 5, "eval_interval": 3, "target_accuracy": 0.3}
     return [
         ("train", _config(root, "default"), None),
         ("train", _config(root, "ring", system={"allreduce": "ring"}), None),
@@ -57,6 +60,8 @@ def _plan(root: Path) -> list[tuple]:
         ("train", _config(root, "topk_resumed", topk_training, TOPK), str(first_epoch)),
         ("strip_hook_state", str(first_epoch), str(root / "stateless.pt")),
         ("train", _config(root, "topk_stateless", topk_training, TOPK), str(root / "stateless.pt")),
+        ("train", _config(root, "topk_every", every, TOPK), None),  # checkpoints at 5, 8, 10, 15, 16
+        ("train", _config(root, "topk_mid_epoch", topk_training, TOPK), str(root / "topk_every" / "checkpoints" / "checkpoint_000010.pt")),
         ("train", _config(root, "quantization", {"num_samples": 256, "num_epochs": 1},
                           {"compression_enabled": True, "compression_type": "quantization", "warmup_steps": 3}), None),
     ]
@@ -166,7 +171,7 @@ def test_resume_continues_the_same_trajectory_hook_state_included(runs):
     assert _max_difference(resumed["model_state_dict"], uninterrupted["model_state_dict"]) <= 1e-6
     # the same resume without the residuals lands elsewhere: the hook state is what kept it on track
     assert _max_difference(stateless["model_state_dict"], uninterrupted["model_state_dict"]) > 1e-4
-    saved = load_checkpoint(runs / "topk" / "checkpoints" / "checkpoint_000001.pt")["extra"]["comm_hook"]
+    saved = load_checkpoint(runs / "topk" / "checkpoints" / "checkpoint_000008.pt")["extra"]["comm_hook"]
     assert saved["name"] == "topk" and saved["world_size"] == WORLD and len(saved["ranks"]) == WORLD
     for state in saved["ranks"]:
         assert state["step"] == 8  # 256 samples / (2 x 16) per epoch
@@ -175,6 +180,38 @@ def test_resume_continues_the_same_trajectory_hook_state_included(runs):
         assert max(float(r.abs().max()) for r in residuals.values()) > 0
     first, second = (saved["ranks"][r]["error_feedback"]["residuals"]["classifier.1.weight"] for r in range(WORLD))
     assert not torch.equal(first, second)  # residuals are per rank
+
+
+def test_mid_epoch_checkpoint_resumes_exactly_data_order_and_hook_state(runs):
+    uninterrupted = _final(runs, "topk")
+    # evaluating every 3 steps and checkpointing every 5 leaves the training itself untouched ...
+    every = _final(runs, "topk_every")
+    assert _max_difference(every["model_state_dict"], uninterrupted["model_state_dict"]) == 0.0
+    # ... and resuming from step 10, 2 steps into epoch 2, lands exactly where the uninterrupted run did
+    mid = load_checkpoint(runs / "topk_every" / "checkpoints" / "checkpoint_000010.pt")
+    assert (mid["epoch"], mid["step"], mid["extra"]["epoch_step"], mid["extra"]["world_size"]) == (1, 10, 2, WORLD)
+    assert mid["extra"]["comm_hook"]["ranks"][0]["step"] == 10
+    resumed = _final(runs, "topk_mid_epoch")
+    assert resumed["step"] == uninterrupted["step"] == 16
+    assert _max_difference(resumed["model_state_dict"], uninterrupted["model_state_dict"]) == 0.0
+    summary = _summary(runs, "topk_mid_epoch")
+    assert (summary["steps_this_run"], summary["samples_processed"]) == (6, 256 - 2 * 2 * 16)
+    # numbered by step, newest three kept
+    names = sorted(p.name for p in (runs / "topk_every" / "checkpoints").iterdir())
+    assert names == ["checkpoint_000010.pt", "checkpoint_000015.pt", "checkpoint_000016.pt", "ddp_final.pt"]
+
+
+def test_eval_every_k_steps_and_time_to_target(runs):
+    summary = _summary(runs, "topk_every")
+    evals = list(read_events(runs / "topk_every" / "logs" / "events.jsonl", "eval"))
+    assert [e["step"] for e in evals] == [3, 6, 8, 9, 12, 15, 16]
+    first_good = next(e for e in evals if e["test_accuracy"] >= 0.3)
+    assert (summary["target_accuracy"], summary["time_to_target_step"]) == (0.3, first_good["step"])
+    assert 0 < summary["time_to_target_s"] <= summary["train_time_s"]
+    assert summary["clock"] == "from the first training step; evaluation and checkpoints excluded"
+    # every rank's summary agrees (the clock is the slowest rank's at each evaluation)
+    assert _summary(runs, "topk_every", 1)["time_to_target_s"] == summary["time_to_target_s"]
+    assert _summary(runs, "topk")["time_to_target_s"] is None  # no target asked
 
 
 def test_compressed_hooks_count_what_goes_on_the_wire(runs):
@@ -206,7 +243,7 @@ def test_outputs_per_rank_and_for_the_run(runs):
     assert [e["epoch"] for e in evals] == [1, 2]
     assert evals[-1]["test_accuracy"] == summary["final_accuracy"]
     checkpoints = sorted(p.name for p in (runs / "default" / "checkpoints").iterdir())
-    assert checkpoints == ["checkpoint_000001.pt", "checkpoint_000002.pt", "ddp_final.pt"]
+    assert checkpoints == ["checkpoint_000004.pt", "checkpoint_000008.pt", "ddp_final.pt"]  # numbered by step
     torch.load(runs / "default" / "checkpoints" / "ddp_final.pt", weights_only=True)
 
 
