@@ -28,6 +28,7 @@ logs/ddp_cli/ddp_rank_<r>.json, and TensorBoard + events.jsonl under logs/ddp_cl
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from src.cli import (
@@ -76,4 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun rank: see leave_rank_process
+        from src.ddp_trainer import leave_rank_process
+
+        leave_rank_process(status)
+    sys.exit(status)

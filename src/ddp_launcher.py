@@ -27,6 +27,7 @@ launcher itself dies (``PR_SET_PDEATHSIG``), so no rank outlives it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -117,7 +118,7 @@ def resolve_resume(config: Config, target: str | Path | None, *, world_size: int
 
 def _elastic_rank(config_data: dict, resume: str | None, summary_json: str, error_dir: str) -> None:
     """A rank started by the local elastic agent (it sets RANK, WORLD_SIZE, MASTER_ADDR/PORT...)."""
-    from src.ddp_trainer import EXPECTED_ERRORS, run_rank
+    from src.ddp_trainer import EXPECTED_ERRORS, leave_rank_process, run_rank
 
     # Die at once on SIGINT, the agent's stop signal on Ctrl-C: a rank blocked inside a collective
     # cannot run Python's handler.
@@ -129,7 +130,11 @@ def _elastic_rank(config_data: dict, resume: str | None, summary_json: str, erro
         reason = Path(error_dir, f"rank_{env['rank']}.txt")
         if not reason.exists():  # the first attempt's reason; later attempts only repeat it
             reason.write_text(str(exc))
+        atexit.register(leave_rank_process, 1)
         raise SystemExit(1) from None
+    # The agent still collects this function's return value after it returns; the process then
+    # leaves at the start of interpreter shutdown (see leave_rank_process).
+    atexit.register(leave_rank_process, 0)
 
 
 class _WithoutTraceback(logging.Filter):

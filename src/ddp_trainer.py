@@ -44,12 +44,14 @@ also logs run-level events (eval, checkpoints, restarts) at the top level.
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -258,6 +260,9 @@ class DDPTrainer:
         self.comm = comm_hook(self.model) if comm_hook is not None else comm_hook_from_config(config.system, self.model, seed=config.training.seed)
         self.comm.register(self.ddp)
         self.hook_note = self._restore_hook(saved_hook)
+        # DDP re-buckets after a process's first backward pass; a silent one now makes every
+        # training step see the final buckets (the compression units; see src.comm_hooks).
+        self.comm.settle_buckets(self.ddp, self.train_set.images[:1].to(context.device))
 
     def close(self) -> None:
         """Let go of DDP (and through it the process group) now, not whenever the garbage collector runs.
@@ -574,6 +579,26 @@ def _int_env(name: str) -> int | None:
 
 
 # ----------------------------------------------------------------------------- one rank's life
+
+
+def leave_rank_process(code: int) -> NoReturn:
+    """End a rank process with ``code`` once its outputs are flushed, skipping interpreter shutdown.
+
+    Once DDP has run, torch keeps the gloo process group, and its threads, alive after
+    ``destroy_process_group`` (measured: its three gloo threads are still there after DDP is
+    deleted and the garbage collected). They are torn down only while the interpreter shuts down,
+    where they can abort the process (``terminate called without an active exception``, SIGABRT)
+    after a run that succeeded; the elastic agent then counts a failed rank. Every output of the
+    run is closed by now (summaries, events, TensorBoard, checkpoints fsynced), so leaving without
+    that teardown loses nothing.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
+            pass
+    os._exit(code)
 
 
 def run_rank(

@@ -6,6 +6,7 @@ A test's rank function runs in a spawned child as ``fn(rank, world_size, port, *
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from src.ddp_trainer import leave_rank_process
+
 SPAWN_TIMEOUT_S = 240
 
 
@@ -30,6 +33,13 @@ def join_group(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
+def _rank_entry(rank: int, fn, *args) -> None:
+    fn(rank, *args)
+    # Succeeded: leave without interpreter shutdown, where torch's lingering gloo threads can
+    # abort the process (see src.ddp_trainer.leave_rank_process).
+    atexit.register(leave_rank_process, 0)
+
+
 def spawn_ranks(fn, world_size: int, *args, timeout: float = SPAWN_TIMEOUT_S) -> None:
     """Run ``fn`` on ``world_size`` spawned ranks; raise if one fails or the deadline passes.
 
@@ -37,7 +47,8 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = SPAWN_TIMEOUT_S) ->
     """
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.start_processes(fn, args=(world_size, store.port, *args), nprocs=world_size, join=False, start_method="spawn")
+    context = mp.start_processes(_rank_entry, args=(fn, world_size, store.port, *args), nprocs=world_size, join=False,
+                                 start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
