@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -313,6 +314,9 @@ def _targets(hooks: list[dict], comparison: dict | None) -> list[dict]:
 
 
 def _session(rank: int, world: int, port: int, options: dict, output: str) -> None:
+    # Die at once when the parent goes (spawn's death signal is SIGINT; a rank blocked inside a
+    # collective would never run Python's handler).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.stdout = sys.stderr  # the trainer's progress lines must not mix with the JSON on stdout
     torch.set_num_threads(threads_per_rank(world))
     store = dist.TCPStore("127.0.0.1", port, is_master=False)

@@ -265,10 +265,9 @@ class DDPTrainer:
         self.comm.settle_buckets(self.ddp, self.train_set.images[:1].to(context.device))
 
     def close(self) -> None:
-        """Let go of DDP (and through it the process group) now, not whenever the garbage collector runs.
+        """Stop the comm hook's exchange thread and let go of DDP (before the group is destroyed).
 
-        DDP and its comm hook hold the process group in reference cycles; freed only at interpreter
-        shutdown, gloo's threads may need the interpreter after it is gone and abort the process.
+        (torch keeps gloo's own threads alive even so; see :func:`leave_rank_process`.)
         """
         closer = getattr(self.comm, "close", None)
         if callable(closer):
