@@ -181,6 +181,9 @@ class JobRecord:
     def _set(self, key: str, value: str) -> None:
         if self.store is not None:
             self.store.set(self._PREFIX + key, value)
+            # A store's set does not wait for the server; a read on the same connection does, so
+            # the value is in the store (for the next attempt) before this returns.
+            self.store.get(self._PREFIX + key)
 
     def newest_checkpoint(self) -> str | None:
         return self._get(self._NEWEST_CHECKPOINT)

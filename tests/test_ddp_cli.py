@@ -278,6 +278,48 @@ def test_missing_dataset_is_one_line_before_any_rank_starts(capsys, monkeypatch,
     assert err.strip() == f"error: dataset 'mnist' not found under {tmp_path}"
 
 
+def _mid_epoch_checkpoint(path: Path, *, world_size: int, batch_size: int) -> Path:
+    from src.checkpoint import save_checkpoint
+    from src.config import validate_config
+    from src.trainer import checkpoint_of_run, model_from_config, optimizer_from_config
+
+    config = validate_config({"training": {"dataset": "synthetic", "batch_size": batch_size}, "system": {"architecture": "ddp"}})
+    model = model_from_config(config)
+    checkpoint = checkpoint_of_run(config, model, optimizer_from_config(config, model.parameters()), epoch=1, step=10,
+                                   extra={"epoch_step": 2, "world_size": world_size})
+    return save_checkpoint(path, checkpoint)
+
+
+def test_a_mid_epoch_checkpoint_needs_the_same_ranks_and_batch_size(capsys, tmp_path):
+    checkpoint = _mid_epoch_checkpoint(tmp_path / "checkpoint_000010.pt", world_size=2, batch_size=32)
+    code, err = _main(capsys, "--dataset", "synthetic", "--resume", str(checkpoint), "--world-size", "1", "--batch-size", "32",
+                      "--log-dir", str(tmp_path / "logs"))
+    assert code == 1
+    assert err.strip() == (f"error: --resume {checkpoint}: taken 2 steps into epoch 2 by 2 ranks x batch 32; this run has 1 x 32, "
+                           f"which would read other samples: resume it with the same ranks and batch size, or from an epoch-end checkpoint")
+
+
+def test_job_record_keeps_the_newest_checkpoint_and_a_fatal_error_in_the_agent_store(monkeypatch):
+    from src.ddp_trainer import JobRecord
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    nowhere = JobRecord.from_environment()  # no elastic agent: nothing recorded, nothing found
+    nowhere.checkpoint_written("checkpoints/checkpoint_000004.pt")
+    assert (nowhere.store, nowhere.newest_checkpoint(), nowhere.fatal_error()) == (None, None, None)
+
+    agent_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent_store.port))
+    first_attempt, restarted = JobRecord.from_environment(), JobRecord.from_environment()
+    assert restarted.newest_checkpoint() is None and restarted.fatal_error() is None
+    first_attempt.checkpoint_written("checkpoints/checkpoint_000004.pt")
+    first_attempt.checkpoint_written("checkpoints/checkpoint_000008.pt")
+    first_attempt.record_fatal("dataset 'mnist' not found")
+    assert restarted.newest_checkpoint() == "checkpoints/checkpoint_000008.pt"
+    assert restarted.fatal_error() == "dataset 'mnist' not found"
+
+
 def test_world_size_flag_must_agree_with_torchrun(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
