@@ -7,12 +7,14 @@ A test's rank function runs in a spawned child as ``fn(rank, world_size, port, *
 from __future__ import annotations
 
 import atexit
+import fcntl
 import logging
 import os
 import signal
 import socket
 import struct
 import subprocess
+import termios
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,16 +77,9 @@ _TCP_BYTES_SENT_AT = 200
 _TCP_BYTES_RETRANS_AT = 208
 
 
-def tcp_bytes() -> tuple[int, int]:
-    """``(sent, received)``: TCP payload bytes over all of this process's TCP sockets, from the kernel.
-
-    gloo's traffic goes through TCP sockets between the ranks, so the difference of two readings
-    around a collective is what that collective put on the wire, counted by the kernel and not by
-    the code under test (plus gloo's own framing, a few hundred bytes per collective). The store's
-    socket is counted too; it is quiet while tensors are exchanged. Take both readings while every
-    peer is still connected: a socket a peer closed in between disappears with its counts.
-    """
-    sent = received = 0
+def _tcp_counts() -> tuple[int, int, int]:
+    """(sent, received, still queued to send) over this process's TCP sockets."""
+    sent = received = queued = 0
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
@@ -97,7 +92,8 @@ def tcp_bytes() -> tuple[int, int]:
                 continue
             try:
                 info = duplicate.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
-            except OSError:  # a listening socket being torn down
+                outq = fcntl.ioctl(duplicate.fileno(), termios.TIOCOUTQ, b"\0" * 4)  # SIOCOUTQ: not yet sent or acked
+            except OSError:  # a listening socket, or one being torn down
                 continue
             if len(info) < _TCP_BYTES_RETRANS_AT + 8:
                 raise RuntimeError(f"kernel's tcp_info is {len(info)} bytes: too old to count bytes sent (needs Linux >= 4.19)")
@@ -105,7 +101,30 @@ def tcp_bytes() -> tuple[int, int]:
             sent_now, retransmitted = struct.unpack_from("<QQ", info, _TCP_BYTES_SENT_AT)
             sent += sent_now - retransmitted
             received += received_now
-    return sent, received
+            queued += struct.unpack("<i", outq)[0]
+    return sent, received, queued
+
+
+def tcp_bytes(settle_s: float = 10.0) -> tuple[int, int]:
+    """``(sent, received)``: TCP payload bytes over all of this process's TCP sockets, from the kernel.
+
+    gloo's traffic goes through TCP sockets between the ranks, so the difference of two readings
+    around a collective is what that collective put on the wire, counted by the kernel and not by
+    the code under test (plus gloo's own framing, a few hundred bytes per collective). The store's
+    socket is counted too; it is quiet while tensors are exchanged.
+
+    A send completes for gloo once its bytes are in the socket's buffer, which the kernel may still
+    be transmitting (a slow receiver): each reading first waits, up to ``settle_s``, until no
+    socket has bytes queued, so bytes written before a reading are counted before it. Take both
+    readings while every peer is still connected: a socket a peer closed in between disappears
+    with its counts.
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        sent, received, queued = _tcp_counts()
+        if queued == 0 or time.monotonic() >= deadline:
+            return sent, received
+        time.sleep(0.001)  # polling interval of the condition above
 
 
 class StepBytes:
