@@ -5,7 +5,8 @@
     python run_baseline_training.py --resume checkpoints/test_baseline --num-epochs 4
 
 Outputs: checkpoints in checkpoints/test_baseline, TensorBoard logs + events.jsonl + summary.json in
-logs/test_baseline (change with --checkpoint-dir / --log-dir / --summary-json).
+logs/test_baseline (change with --checkpoint-dir / --log-dir / --summary-json); with --artifacts-dir DIR
+also DIR/baseline.json and DIR/baseline_events.jsonl for generate_performance_report.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.cli import add_common_flags, config_from_args, exit_status
+from src.cli import add_common_flags, config_from_args, exit_status, write_artifacts_if_asked
 from src.metrics import format_summary
 
 DEFAULTS = {"system.checkpoint_dir": "checkpoints/test_baseline", "system.log_dir": "logs/test_baseline"}
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     from src.trainer import BaselineTrainer  # torch import after flag checks keeps --help fast
 
     def run() -> None:
-        print(format_summary(BaselineTrainer(config, resume=args.resume, summary_json=args.summary_json).run()))
+        summary = BaselineTrainer(config, resume=args.resume, summary_json=args.summary_json).run()
+        print(format_summary(summary))
+        write_artifacts_if_asked(args, config, summary)
 
     return exit_status(run)
 

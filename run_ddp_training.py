@@ -22,7 +22,8 @@ SIGKILLs rank R at its Nth step, in the first attempt only.
 
 Outputs: checkpoints in checkpoints/ddp_cli (ddp_final.pt + numbered), logs/ddp_cli/summary.json,
 logs/ddp_cli/ddp_rank_<r>.json, and TensorBoard + events.jsonl under logs/ddp_cli/rank_<r>
-(change with --checkpoint-dir / --log-dir / --summary-json).
+(change with --checkpoint-dir / --log-dir / --summary-json); with --artifacts-dir DIR also
+DIR/ddp_rank_<r>.json and DIR/ddp_events.jsonl for generate_performance_report.py.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 
 from src.cli import (
     COMPRESSION_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_fault_tolerance_flags, config_from_args,
-    exit_status,
+    exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         env = torchrun_env()
         if env is None or env["rank"] == 0:
             print(format_summary(summary))
+            write_artifacts_if_asked(args, config, summary)
 
     return exit_status(run, describe={LaunchError: str})
 

@@ -19,7 +19,9 @@ only its local settings (--data-dir, --device, --log-dir, TLS files) from its ow
 
 Outputs: the final summary on the terminal, checkpoints/ps_cli/parameter_server_final.pt (the common
 checkpoint format), logs/ps_cli/summary.json, and events.jsonl + TensorBoard logs under
-logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir).
+logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir); with
+--artifacts-dir DIR also DIR/ps.json, DIR/worker_metrics.json and DIR/ps_events.jsonl for
+generate_performance_report.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.cli import COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status
+from src.cli import (
+    COMPRESSION_FLAGS, EMULATION_FLAGS, FAULT_TOLERANCE_FLAGS, STALENESS_FLAGS, add_common_flags, add_compression_flags,
+    add_emulation_flags, add_fault_tolerance_flags, add_staleness_flags, config_from_args, exit_status, write_artifacts_if_asked,
+)
 from src.metrics import format_summary
 
 DEFAULTS = {
@@ -42,6 +47,10 @@ PS_FLAGS = {
     "tls_cert": "system.tls_cert_file",
     "tls_key": "system.tls_key_file",
     "tls_ca": "system.tls_ca_file",
+    "local_steps": "system.local_steps",
+    "downlink_compression": "system.downlink_compression",
+    "downlink_ratio": "system.downlink_ratio",
+    "downlink_refresh_interval": "system.downlink_refresh_interval",
 }
 
 
@@ -51,7 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     ps = parser.add_argument_group("parameter server")
     ps.add_argument("--workers", type=int, help="number of workers (default 2)")
     ps.add_argument("--aggregation-mode", choices=("sync", "async"), help="sync barrier per version, or apply each push (default sync)")
+    ps.add_argument("--local-steps", type=int, help="local SGD steps a worker takes per push (default 1)")
     add_compression_flags(parser, "compression (worker pushes)")
+    downlink = parser.add_argument_group("downlink compression (push replies)")
+    downlink.add_argument("--downlink-compression", choices=("none", "topk", "quantization"),
+                          help="send each worker the change of the parameters since its copy, compressed (default none: dense)")
+    downlink.add_argument("--downlink-ratio", type=float, help="fraction of entries a top-k downlink delta keeps (default 0.1)")
+    downlink.add_argument("--downlink-refresh-interval", type=int,
+                          help="versions between dense refreshes of a worker's parameters (default 50)")
+    add_fault_tolerance_flags(parser)
+    add_emulation_flags(parser)
+    add_staleness_flags(parser)
     hosts = parser.add_argument_group("roles, hosts and security")
     hosts.add_argument("--role", choices=("local", "server", "worker"), default="local",
                        help="local: server + workers on this machine (default); server or worker: one role, for several hosts")
@@ -62,48 +81,64 @@ def build_parser() -> argparse.ArgumentParser:
                                           "a worker trusts it when no --tls-ca is given")
     hosts.add_argument("--tls-key", help="server private key (PEM)")
     hosts.add_argument("--tls-ca", help="CA certificate workers verify the server against (PEM)")
+    hosts.add_argument("--resume-unfinished", metavar="DIR",
+                       help="server: continue from the newest checkpoint in DIR if the run there was interrupted "
+                            "(no newer final checkpoint), else start afresh; for restart policies (docker compose)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.resume:
-        parser.error("--resume is not supported for the parameter server yet (recovery comes with the coordinator)")
+    if (args.resume or args.resume_unfinished) and args.role == "worker":
+        parser.error("--resume is for the server (--role server or local); a worker rejoins by registering again")
+    if args.resume and args.resume_unfinished:
+        parser.error("give --resume or --resume-unfinished, not both")
     if args.role == "worker" and args.worker_id is None:
         parser.error("--role worker needs --worker-id")
     if args.role != "worker" and args.worker_id is not None:
         parser.error("--worker-id is only for --role worker")
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS}, forced={"system.architecture": "parameter_server"})
+    if args.role == "worker" and args.artifacts_dir:
+        parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
+    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS,
+                                                                     **EMULATION_FLAGS, **STALENESS_FLAGS},
+                              forced={"system.architecture": "parameter_server"})
+    if config.system.adaptive_compression:  # src/controller.py is ready; the server does not feed it events yet
+        parser.error("--adaptive-compression (system.adaptive_compression) is not wired into the parameter server yet")
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
-
-    workers, momentum = config.system.num_workers, config.training.momentum
-    if config.system.aggregation_mode == "async" and workers > 1 and config.training.optimizer == "sgd":
-        implicit = 1 - 1 / workers  # stale gradients act as momentum of their own
-        if momentum + implicit > 1.0:
-            print(f"note: {workers} async workers add about {implicit:.2f} momentum of their own (stale gradients); "
-                  f"with --momentum {momentum} the total passes 1 and training tends to oscillate: try "
-                  f"--momentum {max(0.0, 0.9 - implicit):.2f} (docs/parameter_server.md)", file=sys.stderr)
 
     import grpc  # after flag checks: --help and flag errors stay fast
 
     from src.ps_launcher import run_local, run_server, run_worker
     from src.supervisor import LaunchError
+    from src.parameter_server import RunFailed
     from src.ps_transport import AuthTokenMissing
+    from src.worker import IncarnationRevoked
 
     def run() -> None:
+        resume = args.resume
+        if args.resume_unfinished:
+            from src.checkpoint import unfinished_run_checkpoint
+
+            resume = unfinished_run_checkpoint(args.resume_unfinished, "parameter_server")
+            print(f"resuming the interrupted run from {resume}" if resume else
+                  f"no interrupted run in {args.resume_unfinished}: starting afresh", flush=True)
         if args.role == "worker":
             totals = run_worker(config, args.worker_id)
             print(f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
                   f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}")
             return
-        summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json)
+        summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json,
+                                                                       resume=resume)
         print(format_summary(summary))
+        write_artifacts_if_asked(args, config, summary)
 
     return exit_status(run, describe={
         LaunchError: str,
         AuthTokenMissing: str,
+        RunFailed: str,
+        IncarnationRevoked: str,
         grpc.RpcError: lambda exc: f"parameter server call failed: {exc.code().name}: {exc.details()}",
     }, interrupted="interrupted: stopped the parameter server and its workers")
 

@@ -6,17 +6,38 @@
 #                        worker: where the server is (default parameter_server:50051)
 #   DTS_WORKER_ID        worker: its id, 0..workers-1 (required for workers)
 #   DTS_AUTH_TOKEN       shared secret every RPC carries (read by the Python code itself)
+#   DTS_TLS_CERT, DTS_TLS_KEY, DTS_TLS_CA
+#                        optional PEM files, passed on as --tls-cert, --tls-key, --tls-ca
+#                        (docker/compose.tls.yml sets them)
+#   DTS_PROCESSES_PER_HOST
+#                        optional: how many training processes share this host's cores; unless
+#                        OMP_NUM_THREADS is set, each gets nproc / this many torch threads
+#                        (docker-compose.yml sets 3: oversubscribed cores slow a run down several times)
 #   extra arguments      passed on to run_parameter_server_training.py (e.g. --workers 2 --dataset mnist)
 #
 # Workers only need the address and the token: the server tells them the run's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+if [[ -n "${DTS_PROCESSES_PER_HOST:-}" && -z "${OMP_NUM_THREADS:-}" ]]; then
+  if [[ ! "$DTS_PROCESSES_PER_HOST" =~ ^[1-9][0-9]*$ ]]; then
+    echo "entrypoint: DTS_PROCESSES_PER_HOST must be a positive integer, got '${DTS_PROCESSES_PER_HOST}'" >&2
+    exit 2
+  fi
+  threads=$(( $(nproc) / DTS_PROCESSES_PER_HOST ))
+  export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
+fi
+
+tls=()
+[[ -n "${DTS_TLS_CERT:-}" ]] && tls+=(--tls-cert "$DTS_TLS_CERT")
+[[ -n "${DTS_TLS_KEY:-}" ]] && tls+=(--tls-key "$DTS_TLS_KEY")
+[[ -n "${DTS_TLS_CA:-}" ]] && tls+=(--tls-ca "$DTS_TLS_CA")
+
 role="${DTS_ROLE:-}"
 case "$role" in
   server)
     exec python run_parameter_server_training.py --role server \
-      --server-address "${DTS_SERVER_ADDRESS:-0.0.0.0:50051}" "$@"
+      --server-address "${DTS_SERVER_ADDRESS:-0.0.0.0:50051}" "${tls[@]}" "$@"
     ;;
   worker)
     if [[ -z "${DTS_WORKER_ID:-}" ]]; then
@@ -24,7 +45,7 @@ case "$role" in
       exit 2
     fi
     exec python run_parameter_server_training.py --role worker --worker-id "$DTS_WORKER_ID" \
-      --server-address "${DTS_SERVER_ADDRESS:-parameter_server:50051}" "$@"
+      --server-address "${DTS_SERVER_ADDRESS:-parameter_server:50051}" "${tls[@]}" "$@"
     ;;
   *)
     echo "entrypoint: DTS_ROLE must be 'server' or 'worker', got '${role}'" >&2

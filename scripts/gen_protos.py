@@ -1,12 +1,16 @@
 """Regenerate the parameter server's gRPC stubs from ``protos/parameter_server.proto``.
 
-    python scripts/gen_protos.py           # write src/parameter_server_pb2{,_grpc}.py{,i}
+    python scripts/gen_protos.py           # write src/parameter_server_pb2.py{,i}
     python scripts/gen_protos.py --check   # exit 1 if the committed stubs do not match the .proto
 
 The proto is compiled under the virtual path ``src/parameter_server.proto`` (``-Isrc=protos``), so
 the generated modules import each other as ``from src import ...`` without patching their text.
 ``--check`` compares descriptors, not file text, so a different grpcio-tools version that emits
 slightly different code does not count as stale, while any change to the protocol does.
+
+No ``_pb2_grpc`` service stubs are generated: both ends build their handlers and calls from the
+service descriptor in ``parameter_server_pb2`` (:mod:`src.ps_transport`), with serializers of their
+own that count bytes and keep tensor bytes out of protobuf.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO = ROOT / "protos" / "parameter_server.proto"
-GENERATED = ("parameter_server_pb2.py", "parameter_server_pb2.pyi", "parameter_server_pb2_grpc.py")
+GENERATED = ("parameter_server_pb2.py", "parameter_server_pb2.pyi")
 
 
 def _protoc(proto: Path, *args: str) -> None:
@@ -34,7 +38,7 @@ def _protoc(proto: Path, *args: str) -> None:
 def generate(out_root: Path = ROOT) -> list[Path]:
     """Compile the proto into ``<out_root>/src``; returns the files written."""
     (out_root / "src").mkdir(parents=True, exist_ok=True)
-    _protoc(PROTO, f"--python_out={out_root}", f"--pyi_out={out_root}", f"--grpc_python_out={out_root}")
+    _protoc(PROTO, f"--python_out={out_root}", f"--pyi_out={out_root}")
     return [out_root / "src" / name for name in GENERATED]
 
 
@@ -62,11 +66,6 @@ def stale_reasons(proto: Path = PROTO) -> list[str]:
     reasons = []
     if committed != expected:
         reasons.append("src/parameter_server_pb2.py was generated from a different parameter_server.proto")
-    grpc_text = (ROOT / "src" / "parameter_server_pb2_grpc.py").read_text()
-    for service in expected.service:
-        for method in service.method:
-            if f"/{expected.package}.{service.name}/{method.name}" not in grpc_text:
-                reasons.append(f"src/parameter_server_pb2_grpc.py lacks rpc {service.name}.{method.name}")
     return reasons
 
 

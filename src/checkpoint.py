@@ -125,9 +125,9 @@ def final_checkpoint_path(directory: str | Path, architecture: str) -> Path:
 
 
 def check_model_matches(path: str | Path, checkpoint: dict[str, Any], model_architecture: str) -> None:
-    """Raise ``ValueError`` unless ``checkpoint`` (loaded from ``path``) holds a ``model_architecture`` model."""
+    """Raise :class:`CheckpointError` unless ``checkpoint`` (loaded from ``path``) holds a ``model_architecture`` model."""
     if checkpoint["model_architecture"] != model_architecture:
-        raise ValueError(
+        raise CheckpointError(
             f"--resume {path}: checkpoint is a {checkpoint['model_architecture']!r} model, "
             f"config asks for {model_architecture!r}"
         )
@@ -151,6 +151,23 @@ def prune_checkpoints(directory: str | Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` numbered checkpoints."""
     for stale in numbered_checkpoints(directory)[keep_last:]:
         stale.unlink(missing_ok=True)
+
+
+def unfinished_run_checkpoint(directory: str | Path, architecture: str) -> Path | None:
+    """The newest numbered checkpoint in ``directory`` if the run there was interrupted, else ``None``.
+
+    Interrupted: a numbered checkpoint was written after the run's final checkpoint (or there is no
+    final one). "Newest" is by modification time, not number: a run started afresh in the folder of a
+    finished one counts its versions from 0 again. A restarted container can then pass the same
+    command every time: it resumes after a crash and starts afresh after a finished run.
+    """
+    numbered = sorted(numbered_checkpoints(directory), key=lambda p: p.stat().st_mtime, reverse=True)
+    if not numbered:
+        return None
+    final = final_checkpoint_path(directory, architecture)
+    if final.is_file() and final.stat().st_mtime >= numbered[0].stat().st_mtime:
+        return None
+    return numbered[0]
 
 
 def load_latest_good(target: str | Path) -> tuple[Path, dict[str, Any]]:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Callable, Mapping
 
-from src.config import DATASET_NAMES, Config, ConfigError, load_config
+from src.config import DATASET_NAMES, Config, ConfigError, SetupError, load_config
 
 # flag dest -> dotted config field
 COMMON_FLAGS: dict[str, str] = {
@@ -62,6 +62,9 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     outputs.add_argument("--log-dir", help="TensorBoard logs, events.jsonl and summary.json folder")
     outputs.add_argument("--summary-json", help="run summary path (default <log-dir>/summary.json)")
     outputs.add_argument("--resume", help="continue from this checkpoint file or folder (newest good one)")
+    outputs.add_argument("--artifacts-dir", help="also write the report's input files here (baseline.json, ps.json + "
+                                                 "worker_metrics.json, ddp_rank_<r>.json, <name>_events.jsonl); "
+                                                 "see generate_performance_report.py")
 
 
 COMPRESSION_FLAGS: dict[str, str] = {
@@ -88,6 +91,41 @@ def add_compression_flags(parser: argparse.ArgumentParser, title: str) -> None:
                        help="drop what compression leaves out instead of carrying it into the next step")
 
 
+STALENESS_FLAGS: dict[str, str] = {
+    "staleness_policy": "system.staleness_policy",
+    "staleness_beta": "system.staleness_beta",
+    "max_staleness": "system.max_staleness",
+    "async_correction": "system.async_correction",
+    "async_step_scale": "system.async_step_scale",
+    "adaptive_compression": "system.adaptive_compression",
+    "controller_rho_min": "system.controller_rho_min",
+    "controller_rho_max": "system.controller_rho_max",
+    "controller_rebound_threshold": "system.controller_rebound_threshold",
+}
+
+
+def add_staleness_flags(parser: argparse.ArgumentParser) -> None:
+    """Asynchronous training: staleness policy, async correction, adaptive compression controller."""
+    group = parser.add_argument_group("staleness and adaptive compression (async)")
+    group.add_argument("--staleness-policy", choices=("none", "soft", "hard", "both"),
+                       help="async pushes by staleness tau: none, soft (weight 1/(1+beta*tau)), hard (reject tau > "
+                            "--max-staleness), both (default none)")
+    group.add_argument("--staleness-beta", type=float, help="beta of soft attenuation, >= 0 (default 0.5)")
+    group.add_argument("--max-staleness", type=int, help="S_max of the hard bound, >= 0 (default 8)")
+    group.add_argument("--async-correction", choices=("none", "implicit_momentum", "lookahead"),
+                       help="correction of async SGD for staleness (default lookahead: async trains like sync; "
+                            "none: the plain optimizer; see docs/async.md)")
+    group.add_argument("--async-step-scale", type=float,
+                       help="lookahead: multiplier of each push's step (default: the stability-matched value, "
+                            "0.825 for 2 workers, 0.649 for 4)")
+    group.add_argument("--adaptive-compression", action="store_const", const=True,
+                       help="let the controller set the top-k Active Fraction and S_max from the event stream")
+    group.add_argument("--controller-rho-min", type=float, help="lowest Active Fraction the controller sets (default 0.01)")
+    group.add_argument("--controller-rho-max", type=float, help="highest Active Fraction the controller sets (default 0.5)")
+    group.add_argument("--controller-rebound-threshold", type=float,
+                       help="Loss Rebound (nats) above which the controller compresses less (default 0.05)")
+
+
 FAULT_TOLERANCE_FLAGS: dict[str, str] = {
     "inject_fault": "system.inject_faults",
     "max_restarts": "system.max_restarts",
@@ -107,6 +145,49 @@ def add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, heartbeats: bo
         group.add_argument("--heartbeat-interval", type=float, help="seconds between a worker's heartbeats (default 1)")
         group.add_argument("--heartbeat-timeout", type=float,
                            help="seconds of silence after which a worker counts as failed (default 5)")
+
+
+EMULATION_FLAGS: dict[str, str] = {
+    "slowdown": "emulation.slowdown",
+    "slow_worker": "emulation.workers",
+    "step_delay_s": "emulation.step_delay_s",
+    "step_delay_sigma": "emulation.step_delay_sigma",
+    "uplink_mbps": "emulation.uplink_mbps",
+    "downlink_mbps": "emulation.downlink_mbps",
+    "uplink_latency_ms": "emulation.uplink_latency_ms",
+    "downlink_latency_ms": "emulation.downlink_latency_ms",
+}
+
+
+class _SlowWorker(argparse.Action):
+    """``--slow-worker ID=FACTOR`` (repeatable) -> ``{ID: {"slowdown": FACTOR}}`` for ``emulation.workers``."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        worker, sep, factor = value.partition("=")
+        try:
+            parsed = int(worker), float(factor)
+        except ValueError:
+            parser.error(f"{option_string}: expected ID=FACTOR (e.g. 1=4), got {value!r}")
+        if not sep:
+            parser.error(f"{option_string}: expected ID=FACTOR (e.g. 1=4), got {value!r}")
+        workers = dict(getattr(namespace, self.dest, None) or {})
+        workers[parsed[0]] = {"slowdown": parsed[1]}
+        setattr(namespace, self.dest, workers)
+
+
+def add_emulation_flags(parser: argparse.ArgumentParser) -> None:
+    """Emulated stragglers and links of a parameter-server run (``emulation.*``, :mod:`src.netem`)."""
+    group = parser.add_argument_group("emulation (stragglers and slow links on one machine; real waiting)")
+    group.add_argument("--slow-worker", action=_SlowWorker, metavar="ID=FACTOR",
+                       help="worker ID computes FACTOR times slower, repeatable (e.g. 1=4)")
+    group.add_argument("--slowdown", type=float, help="every worker computes this many times slower (default 1)")
+    group.add_argument("--step-delay-s", type=float, help="seconds added to every step's compute (default 0)")
+    group.add_argument("--step-delay-sigma", type=float,
+                       help="log-normal spread of --step-delay-s (sigma of its log; default 0: constant)")
+    group.add_argument("--uplink-mbps", type=float, help="worker -> server bandwidth, Mbit/s (default: not limited)")
+    group.add_argument("--downlink-mbps", type=float, help="server -> worker bandwidth, Mbit/s (default: not limited)")
+    group.add_argument("--uplink-latency-ms", type=float, help="worker -> server latency per message, ms (default 0)")
+    group.add_argument("--downlink-latency-ms", type=float, help="server -> worker latency per message, ms (default 0)")
 
 
 def overrides_from_args(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:
@@ -138,6 +219,15 @@ def config_from_args(
         raise SystemExit(2) from None
 
 
+def write_artifacts_if_asked(args: argparse.Namespace, config: Config, summary: Mapping[str, Any]) -> None:
+    """``--artifacts-dir``: the run's report inputs, from its summary and its log folder (src/report.py)."""
+    if getattr(args, "artifacts_dir", None):
+        from src.report import write_artifacts
+
+        written = write_artifacts(args.artifacts_dir, summary, config.system.log_dir)
+        print(f"artifacts: {', '.join(str(path) for path in written)}")
+
+
 def exit_status(
     run: Callable[[], None],
     *,
@@ -146,8 +236,9 @@ def exit_status(
 ) -> int:
     """Run a runner's work and turn its outcome into the exit status every runner shares.
 
-    Expected failures (a missing dataset, an unusable checkpoint, a bad value, and the types in
-    ``describe``) print one ``error:`` line and give 1; Ctrl-C prints ``interrupted`` and gives 130
+    Expected failures (a missing dataset, an unusable checkpoint, a setup problem the user fixes
+    (:class:`~src.config.SetupError`), and the types in ``describe``) print one ``error:`` line and
+    give 1; Ctrl-C prints ``interrupted`` and gives 130
     (the runner's launcher has stopped its children by then). Anything else is a bug and keeps
     its traceback.
 
@@ -159,7 +250,7 @@ def exit_status(
     from src.checkpoint import CheckpointError  # torch comes with these: only once the flags are good
     from src.data import DatasetUnavailableError
 
-    describe = {DatasetUnavailableError: str, CheckpointError: str, ValueError: str, **(describe or {})}
+    describe = {DatasetUnavailableError: str, CheckpointError: str, SetupError: str, **(describe or {})}
     try:
         run()
     except KeyboardInterrupt:

@@ -1159,6 +1159,7 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self._residuals: dict[Union[str, int], torch.Tensor] = {}
         self._pending: dict[Union[str, int], torch.Tensor] = {}
+        self._before: dict[Union[str, int], torch.Tensor | None] = {}
 
     def compensate(self, key: Union[str, int], grad: torch.Tensor) -> torch.Tensor:
         """Return a new float32 tensor ``grad + residual(key)`` (``grad`` copy if none yet).
@@ -1202,6 +1203,7 @@ class ErrorFeedback:
             raise ValueError(f"transmitted tensor for key {key!r} has shape {tuple(sent.shape)} "
                              f"but the compensated tensor has shape {tuple(compensated.shape)}")
         residual = compensated - sent.to(compensated.device)
+        self._before[key] = self._residuals.get(key)  # not modified in place: kept by reference for discard
         self._residuals[key] = residual
         self._pending[key] = compensated
         return residual
@@ -1219,10 +1221,31 @@ class ErrorFeedback:
         if key not in self._pending:
             raise ValueError(f"no pending update to roll back for key {key!r}")
         self._residuals[key] = self._pending.pop(key)
+        self._before.pop(key, None)
+
+    def discard(self, key: Union[str, int]) -> None:
+        """Undo the last :meth:`compensate`/:meth:`update` of ``key`` entirely: the residual is what it was before.
+
+        For a push that was lost (not rejected) and whose samples will be computed again: keeping
+        its gradient in the residual would apply it twice.
+
+        Raises:
+            ValueError: no update of ``key`` is pending.
+        """
+        _check_key(key)
+        if key not in self._pending:
+            raise ValueError(f"no pending update to discard for key {key!r}")
+        self._pending.pop(key)
+        before = self._before.pop(key, None)
+        if before is None:
+            self._residuals.pop(key, None)
+        else:
+            self._residuals[key] = before
 
     def commit(self, key: Union[str, int]) -> None:
         """Forget the rollback copy of ``key`` once its push was accepted (frees memory)."""
         self._pending.pop(key, None)
+        self._before.pop(key, None)
 
     def residual(self, key: Union[str, int]) -> torch.Tensor | None:
         """Current residual of ``key`` (None if it has none)."""
@@ -1236,6 +1259,7 @@ class ErrorFeedback:
         """Drop every residual and pending rollback."""
         self._residuals.clear()
         self._pending.clear()
+        self._before.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals (and pending rollbacks) as a plain dict of ints and tensors.
@@ -1270,3 +1294,4 @@ class ErrorFeedback:
             loaded[section] = dict(entries)
         self._residuals = loaded["residuals"]
         self._pending = loaded["pending"]
+        self._before = {}

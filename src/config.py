@@ -33,6 +33,12 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
+class SetupError(ValueError):
+    """A problem the user fixes in the run's setup (an address, a TLS file, a device, a checkpoint
+    that does not fit): runners print it as one ``error:`` line. Anything else is a bug and keeps its
+    traceback."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -170,6 +176,44 @@ class SystemConfig(_Section):
     """beta of soft attenuation, >= 0."""
     max_staleness: int = 8
     """S_max of the hard bound: an async push with tau > S_max is rejected (the worker rolls back)."""
+    downlink_compression: Literal["none", "topk", "quantization"] = "none"
+    """How push replies carry the parameters: dense, or a compressed delta since the worker's copy
+    (top-k keeps ``downlink_ratio`` of the entries; quantization uses ``quantization_bits``)."""
+    downlink_ratio: float = 0.1
+    """Fraction of entries a top-k downlink delta keeps, in (0, 1]."""
+    downlink_refresh_interval: int = 50
+    """Versions after which a worker gets the dense parameters again (downlink compression)."""
+    downlink_drift_bound: float = 0.03
+    """Largest relative distance ``||server - worker|| / ||server||`` a downlink delta may leave; beyond it, a dense refresh."""
+    local_steps: int = 1
+    """Local optimizer steps (plain SGD at the learning rate) a PS worker takes between pushes; it
+    pushes the sum of their gradients. 1 = one gradient per push."""
+    # --- async correction and adaptive compression (src/staleness.py, src/controller.py) ---
+    async_correction: Literal["none", "implicit_momentum", "lookahead"] = "lookahead"
+    """Async SGD's correction for staleness: lookahead (per-worker momentum, lr/N per push, pulls at the
+    lookahead point: N async workers take the steps of N sync workers), implicit_momentum (explicit
+    momentum lowered by 1 - 1/N), none (the plain optimizer)."""
+    async_step_scale: float | None = None
+    """lookahead: multiplier of every push's step; null = the stability-matched default (0.825 for 2
+    workers, 0.649 for 4 at momentum 0.9; 1.0 = exactly a sync step per N pushes)."""
+    adaptive_compression: bool = False
+    """Let the controller set the top-k Active Fraction rho and S_max from the event stream."""
+    controller_rho_min: float = 0.01
+    """Lowest Active Fraction the controller may set, in (0, 1]."""
+    controller_rho_max: float = Field(default=0.5, validate_default=True)  # checked against rho_min even when not given
+    """Highest Active Fraction the controller may set, in [controller_rho_min, 1]."""
+    controller_max_staleness_min: int = 1
+    """Tightest S_max the controller may set, >= 0."""
+    controller_max_staleness_max: int = Field(default=16, validate_default=True)
+    """Loosest S_max the controller may set, >= controller_max_staleness_min."""
+    controller_rebound_threshold: float = 0.05
+    """Loss Rebound (mean positive jump of eval loss between evaluations, nats) above which it compresses less."""
+    controller_rebound_window: int = 3
+    """Consecutive evaluation pairs the Loss Rebound averages over, > 0."""
+    controller_stable_evaluations: int = 2
+    """Evaluations in a row without a rebound before it compresses more, > 0."""
+    controller_communication_share: float = 0.5
+    """Communication share of step time, in [0, 1], at or above which communication dominates."""
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
@@ -193,7 +237,7 @@ class SystemConfig(_Section):
     """DDP gradient exchange: the backend's allreduce, or the explicit ring hook."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
-    @field_validator("num_workers", "quantization_bucket_size")
+    @field_validator("num_workers", "quantization_bucket_size", "local_steps", "downlink_refresh_interval")
     @classmethod
     def _positive_int(cls, value: int) -> int:
         if value <= 0:
@@ -223,7 +267,77 @@ class SystemConfig(_Section):
             raise ValueError("must be >= 0")
         return value
 
-    @field_validator("compression_ratio")
+    @field_validator("downlink_drift_bound")
+    @classmethod
+    def _bound_positive(cls, value: float) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError("must be a finite number > 0")
+        return value
+
+    # --- async correction and adaptive compression ---
+    @field_validator("async_step_scale")
+    @classmethod
+    def _step_scale_positive(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError("must be a finite number > 0 (or null for the stability-matched default)")
+        return value
+
+    @field_validator("controller_rho_min")
+    @classmethod
+    def _rho_min_range(cls, value: float) -> float:
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError("must be in (0, 1]")
+        return value
+
+    @field_validator("controller_rho_max")
+    @classmethod
+    def _rho_max_range(cls, value: float, info) -> float:
+        low = info.data.get("controller_rho_min")
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError("must be in (0, 1]")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= system.controller_rho_min ({low})")
+        return value
+
+    @field_validator("controller_max_staleness_min")
+    @classmethod
+    def _staleness_min_range(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("controller_max_staleness_max")
+    @classmethod
+    def _staleness_max_range(cls, value: int, info) -> int:
+        low = info.data.get("controller_max_staleness_min")
+        if value < 0:
+            raise ValueError("must be >= 0")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= system.controller_max_staleness_min ({low})")
+        return value
+
+    @field_validator("controller_rebound_threshold")
+    @classmethod
+    def _threshold_non_negative(cls, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError("must be a finite number >= 0")
+        return value
+
+    @field_validator("controller_rebound_window", "controller_stable_evaluations")
+    @classmethod
+    def _positive_count(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be > 0")
+        return value
+
+    @field_validator("controller_communication_share")
+    @classmethod
+    def _share_range(cls, value: float) -> float:
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise ValueError("must be in [0, 1]")
+        return value
+
+    @field_validator("compression_ratio", "downlink_ratio")
     @classmethod
     def _ratio_range(cls, value: float) -> float:
         if not (math.isfinite(value) and 0.0 < value <= 1.0):
@@ -263,11 +377,76 @@ class SystemConfig(_Section):
         return value
 
 
+# ----------------------------------------------------------------------------- emulation (src/netem.py)
+
+
+def _check_emulated(name: str, value: float | None) -> float | None:
+    """The rule of each emulation field (``None`` passes: not limited, or as the default)."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    if name == "slowdown" and value < 1.0:
+        raise ValueError("must be >= 1 (1 = the machine's own speed)")
+    if name.endswith("_mbps") and value <= 0:
+        raise ValueError("must be > 0 (or null: not limited)")
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+_EMULATED_FIELDS = ("slowdown", "step_delay_s", "step_delay_sigma", "uplink_mbps", "downlink_mbps",
+                    "uplink_latency_ms", "downlink_latency_ms")
+
+
+class WorkerEmulation(_Section):
+    """One worker's conditions in ``emulation.workers``; a field left null takes ``emulation``'s value."""
+
+    slowdown: float | None = None
+    step_delay_s: float | None = None
+    step_delay_sigma: float | None = None
+    uplink_mbps: float | None = None
+    downlink_mbps: float | None = None
+    uplink_latency_ms: float | None = None
+    downlink_latency_ms: float | None = None
+
+    @field_validator(*_EMULATED_FIELDS)
+    @classmethod
+    def _rule(cls, value: float | None, info) -> float | None:
+        return _check_emulated(info.field_name, value)
+
+
+class EmulationConfig(_Section):
+    """Emulated stragglers and slow links of a parameter-server run (:mod:`src.netem`); the values
+    here apply to every worker, ``workers`` overrides them per worker id. All off by default."""
+
+    slowdown: float = 1.0
+    """Each step's measured compute time is stretched to this many times itself (4 = a 4x slower worker)."""
+    step_delay_s: float = 0.0
+    """Seconds added to each step's compute: the median when ``step_delay_sigma`` > 0."""
+    step_delay_sigma: float = 0.0
+    """Log-normal spread of the added delay (sigma of its log; 0 = the same delay every step)."""
+    uplink_mbps: float | None = None
+    """Worker -> server bandwidth in Mbit/s (10^6 bit/s); null = not limited."""
+    downlink_mbps: float | None = None
+    """Server -> worker bandwidth in Mbit/s; null = not limited."""
+    uplink_latency_ms: float = 0.0
+    downlink_latency_ms: float = 0.0
+    workers: dict[int, WorkerEmulation] = {}
+    """Per worker id: ``{1: {slowdown: 4}}`` makes worker 1 four times slower."""
+
+    @field_validator(*_EMULATED_FIELDS)
+    @classmethod
+    def _rule(cls, value: float | None, info) -> float | None:
+        return _check_emulated(info.field_name, value)
+
+
 class Config(_Section):
-    """A whole run: ``training`` + ``system``."""
+    """A whole run: ``training`` + ``system`` (+ ``emulation``, off by default)."""
 
     training: TrainingConfig = TrainingConfig()
     system: SystemConfig = SystemConfig()
+    emulation: EmulationConfig = EmulationConfig()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (stored in checkpoints and summaries)."""

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from src.checkpoint import load_latest_good
-from src.config import Config, validate_config
+from src.config import Config, SetupError, validate_config
 from src.data import load_dataset
 from src.supervisor import LaunchError
 
@@ -70,7 +70,7 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
     """Reject configurations no rank could run, before anything is started.
 
     Raises:
-        ValueError: one line naming the field (device, backend, world size against GPUs).
+        SetupError: one line naming the field (device, backend, world size against GPUs).
     """
     import torch
 
@@ -80,9 +80,9 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
     select_backend(config.system.backend, device)
     if device.type == "cuda" and local_world_size > 1:
         if config.training.device.startswith("cuda:"):
-            raise ValueError(f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; use cuda or auto")
+            raise SetupError(f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; use cuda or auto")
         if local_world_size > torch.cuda.device_count():
-            raise ValueError(f"system.num_workers: {local_world_size} local ranks but only {torch.cuda.device_count()} CUDA devices")
+            raise SetupError(f"system.num_workers: {local_world_size} local ranks but only {torch.cuda.device_count()} CUDA devices")
 
 
 def check_dataset(config: Config) -> None:
@@ -100,9 +100,8 @@ def resolve_resume(config: Config, target: str | Path | None, *, world_size: int
     """The checkpoint file ``--resume`` points at (newest good one in a folder), checked against the config.
 
     Raises:
-        CheckpointError: nothing loadable.
-        ValueError: the checkpoint holds a different model, or was taken mid-epoch with other ranks
-            or batch size.
+        CheckpointError: nothing loadable, or the checkpoint holds a different model.
+        SetupError: the checkpoint was taken mid-epoch with other ranks or batch size.
     """
     from src.ddp_trainer import check_resumable
 
@@ -163,7 +162,7 @@ def run_local(config: Config, *, resume: str | Path | None = None, summary_json:
         The run summary (rank 0's ``summary.json``).
 
     Raises:
-        ValueError, CheckpointError, DatasetUnavailableError: bad device/backend/world size, dataset
+        SetupError, CheckpointError, DatasetUnavailableError: bad device/backend/world size, dataset
             or ``resume`` (before any rank starts).
         LaunchError: a rank stopped with an expected error, or ranks kept failing after
             ``system.max_restarts`` restarts.
@@ -213,15 +212,15 @@ def run_torchrun(config: Config, *, world_size_flag: int | None = None, resume: 
     """Run this process as the rank torchrun assigned it (restarts are torchrun's ``--max-restarts``).
 
     Raises:
-        ValueError: ``--world-size`` disagrees with torchrun's WORLD_SIZE, or bad device/backend.
+        SetupError: ``--world-size`` disagrees with torchrun's WORLD_SIZE, or bad device/backend.
     """
     from src.ddp_trainer import run_rank
 
     env = torchrun_env()
     if env is None:
-        raise ValueError("not launched by torchrun: RANK, WORLD_SIZE and MASTER_ADDR must be set")
+        raise SetupError("not launched by torchrun: RANK, WORLD_SIZE and MASTER_ADDR must be set")
     if world_size_flag is not None and world_size_flag != env["world_size"]:
-        raise ValueError(f"--world-size {world_size_flag} disagrees with torchrun's WORLD_SIZE={env['world_size']}")
+        raise SetupError(f"--world-size {world_size_flag} disagrees with torchrun's WORLD_SIZE={env['world_size']}")
     config = validate_config({**config.to_dict(), "system": {**config.to_dict()["system"], "num_workers": env["world_size"]}})
     check_launch(config, local_world_size=env["local_world_size"])
     return run_rank(config, **env, resume=resume, summary_json=summary_json)

@@ -64,7 +64,7 @@ from src.checkpoint import (
     prune_checkpoints, save_checkpoint,
 )
 from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
-from src.config import Config
+from src.config import Config, SetupError
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
 from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
@@ -76,7 +76,7 @@ from src.trainer import (
 
 #: Errors a rank reports as one line (anything else is a bug and keeps its traceback). They cannot
 #: succeed on a retry, so the first attempt's is recorded and later attempts stop at once.
-EXPECTED_ERRORS = (DatasetUnavailableError, CheckpointError, ValueError, LaunchError)
+EXPECTED_ERRORS = (DatasetUnavailableError, CheckpointError, SetupError, LaunchError)
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,12 @@ def rank_device(name: str, local_rank: int) -> torch.device:
     """The device of a rank: ``cuda``/``auto`` put local rank k on GPU k; ``cuda:N`` is taken as given.
 
     Raises:
-        ValueError: CUDA requested but not available.
+        SetupError: CUDA requested but not available.
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"training.device: {name} requested but CUDA is not available")
+        raise SetupError(f"training.device: {name} requested but CUDA is not available")
     if name == "cuda":
         return torch.device("cuda", local_rank)
     return torch.device(name)
@@ -112,14 +112,14 @@ def select_backend(requested: str, device: torch.device) -> str:
     """``auto`` -> nccl on CUDA, gloo on CPU.
 
     Raises:
-        ValueError: nccl without CUDA.
+        SetupError: nccl without CUDA.
     """
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
-        raise ValueError("system.backend: nccl requested but CUDA is not available (use gloo or auto)")
+        raise SetupError("system.backend: nccl requested but CUDA is not available (use gloo or auto)")
     if requested == "nccl" and device.type != "cuda":
-        raise ValueError(f"system.backend: nccl needs a CUDA training.device, got {device}")
+        raise SetupError(f"system.backend: nccl needs a CUDA training.device, got {device}")
     return requested
 
 
@@ -130,7 +130,7 @@ def threads_per_rank(local_world_size: int) -> int:
 
 
 def check_resumable(path: str | Path, checkpoint: dict[str, Any], config: Config, world_size: int) -> None:
-    """Raise ``ValueError`` unless a run of ``config`` on ``world_size`` ranks can continue ``checkpoint``.
+    """Raise :class:`SetupError` unless a run of ``config`` on ``world_size`` ranks can continue ``checkpoint``.
 
     The model must match; a checkpoint taken mid-epoch also needs the same ranks and batch size,
     since it continues the epoch at its next batch and any other split would read other samples.
@@ -141,7 +141,7 @@ def check_resumable(path: str | Path, checkpoint: dict[str, Any], config: Config
         saved = (checkpoint["extra"].get("world_size"), checkpoint["config"]["training"]["batch_size"])
         here = (world_size, config.training.batch_size)
         if saved != here:
-            raise ValueError(
+            raise SetupError(
                 f"--resume {path}: taken {epoch_step} steps into epoch {int(checkpoint['epoch']) + 1} by {saved[0]} ranks "
                 f"x batch {saved[1]}; this run has {here[0]} x {here[1]}, which would read other samples: resume it "
                 f"with the same ranks and batch size, or from an epoch-end checkpoint")

@@ -29,7 +29,7 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 _TARGET_TRIGGERS = {"worker": ("step",), "server": ("version",), "rank": ("step",)}
@@ -111,9 +111,16 @@ class FaultInjector:
             return self.pending.pop(0)
         return None
 
-    def reached(self, count: int) -> None:
-        """Call with the step (or version) just reached; signals this process if a fault is due."""
+    def reached(self, count: int, announce: Callable[[FaultSpec], None] | None = None) -> None:
+        """Call with the step (or version) just reached; signals this process if a fault is due.
+
+        Args:
+            announce: called with the fault just before the signal (e.g. to write a ``fault_injected``
+                event: the moment of failure, against which detection latency is measured).
+        """
         fault = self.due(count)
         if fault is not None:
+            if announce is not None:
+                announce(fault)
             print(f"fault injection: {fault} (pid {os.getpid()})", file=sys.stderr, flush=True)
             os.kill(os.getpid(), ACTIONS[fault.action])

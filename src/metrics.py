@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -41,21 +42,30 @@ def _jsonable(value: Any) -> Any:
 
 
 class EventLog:
-    """Append-only ``events.jsonl``; each line is flushed so a killed process loses nothing written."""
+    """Append-only ``events.jsonl``; each event is one whole line, written and flushed under a lock.
+
+    The parameter server writes events from several gRPC threads at once: without the lock a long
+    line can be split by another thread's write. A killed process loses nothing already written.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(self.path, "a", buffering=1)
+        self._handle = open(self.path, "a")
+        self._lock = threading.Lock()
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"time": time.time(), "kind": kind, **{k: _jsonable(v) for k, v in fields.items()}}
-        self._handle.write(json.dumps(event) + "\n")
+        line = json.dumps(event) + "\n"
+        with self._lock:
+            self._handle.write(line)
+            self._handle.flush()
         return event
 
     def close(self) -> None:
-        if not self._handle.closed:
-            self._handle.close()
+        with self._lock:
+            if not self._handle.closed:
+                self._handle.close()
 
 
 def read_events(path: str | Path, kind: str | None = None) -> Iterator[dict[str, Any]]:

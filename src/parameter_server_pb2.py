@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asrc/parameter_server.proto\x12\x06\x64ts.ps\")\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\")\n\x05Shard\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\"$\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\xe6\x01\n\rRegisterReply\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x1c\n\x05shard\x18\x02 \x01(\x0b\x32\r.dts.ps.Shard\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x17\n\x0frun_config_json\x18\x04 \x01(\t\x12+\n\x0fparameter_specs\x18\x05 \x03(\x0b\x32\x12.dts.ps.TensorSpec\x12(\n\x0c\x62uffer_specs\x18\x06 \x03(\x0b\x32\x12.dts.ps.TensorSpec\x12\x12\n\nparameters\x18\x07 \x03(\x0c\x12\x0f\n\x07\x62uffers\x18\x08 \x03(\x0c\"5\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bmin_version\x18\x02 \x01(\x03\"S\n\tPullReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nparameters\x18\x02 \x03(\x0c\x12\x0f\n\x07\x62uffers\x18\x03 \x03(\x0c\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"`\n\x0bStepMetrics\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x0c\n\x04loss\x18\x03 \x01(\x02\x12\x0f\n\x07\x63orrect\x18\x04 \x01(\x05\x12\x15\n\rlast_in_epoch\x18\x05 \x01(\x08\"\xa9\x01\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\x12\x11\n\tgradients\x18\x05 \x03(\x0c\x12\x0f\n\x07\x62uffers\x18\x06 \x03(\x0c\x12$\n\x07metrics\x18\x07 \x01(\x0b\x32\x13.dts.ps.StepMetrics\"Q\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"\x87\x02\n\x0bWorkerStats\x12\x0f\n\x07samples\x18\x01 \x01(\x03\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x12\n\nbytes_sent\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x12\x17\n\x0fgradient_time_s\x18\x05 \x01(\x01\x12\x1a\n\x12\x63ompression_time_s\x18\x06 \x01(\x01\x12\x1c\n\x14\x63ommunication_time_s\x18\x07 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x08 \x01(\x01\x12\x12\n\ntrain_loss\x18\t \x01(\x01\x12\x16\n\x0etrain_accuracy\x18\n \x01(\x01\x12\x17\n\x0fpushes_rejected\x18\x0b \x01(\x03\"F\n\rFinishRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\"\n\x05stats\x18\x02 \x01(\x0b\x32\x13.dts.ps.WorkerStats\"\x1e\n\x0b\x46inishReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x0f\n\rStatusRequest\"\xca\x01\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x18\n\x10\x61ggregation_mode\x18\x02 \x01(\t\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12\x12\n\nregistered\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x03(\x05\x12\x16\n\x0epushes_applied\x18\x06 \x01(\x03\x12\x17\n\x0fpushes_rejected\x18\x07 \x01(\x03\x12\x16\n\x0epushes_refused\x18\x08 \x01(\x03\x12\x0c\n\x04\x64one\x18\t \x01(\x08\x32\x99\x02\n\x0fParameterServer\x12:\n\x08Register\x12\x17.dts.ps.RegisterRequest\x1a\x15.dts.ps.RegisterReply\x12.\n\x04Pull\x12\x13.dts.ps.PullRequest\x1a\x11.dts.ps.PullReply\x12.\n\x04Push\x12\x13.dts.ps.PushRequest\x1a\x11.dts.ps.PushReply\x12\x34\n\x06\x46inish\x12\x15.dts.ps.FinishRequest\x1a\x13.dts.ps.FinishReply\x12\x34\n\x06Status\x12\x15.dts.ps.StatusRequest\x1a\x13.dts.ps.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asrc/parameter_server.proto\x12\x06\x64ts.ps\")\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\",\n\x06\x43\x61ller\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0f\n\x07session\x18\x02 \x01(\x0c\"|\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x17\n\x0flast_request_id\x18\x02 \x01(\x04\x12\x19\n\x11\x63\x61rried_batch_ids\x18\x03 \x03(\x03\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x15\n\rany_worker_id\x18\x05 \x01(\x08\"\xfd\x01\n\rRegisterReply\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0f\n\x07session\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x17\n\x0frun_config_json\x18\x05 \x01(\t\x12+\n\x0fparameter_specs\x18\x06 \x03(\x0b\x32\x12.dts.ps.TensorSpec\x12(\n\x0c\x62uffer_specs\x18\x07 \x03(\x0b\x32\x12.dts.ps.TensorSpec\x12\x1c\n\x14last_request_applied\x18\x08 \x01(\x08\x12\x14\n\x0cmodel_wanted\x18\t \x01(\x08\"\xaf\x01\n\x11InitializeRequest\x12\x1e\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x0e.dts.ps.Caller\x12+\n\x0fparameter_specs\x18\x02 \x03(\x0b\x32\x12.dts.ps.TensorSpec\x12(\n\x0c\x62uffer_specs\x18\x03 \x03(\x0b\x32\x12.dts.ps.TensorSpec\x12\x12\n\nparameters\x18\x04 \x03(\x0c\x12\x0f\n\x07\x62uffers\x18\x05 \x03(\x0c\"4\n\x0fInitializeReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"9\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x05\x12\x0f\n\x07indices\x18\x03 \x03(\x03\"G\n\x04Work\x12\x1e\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\r.dts.ps.Batch\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\r\n\x05\x66lush\x18\x03 \x01(\x08\";\n\x07\x43ontrol\x12\x19\n\x11\x63ompression_ratio\x18\x01 \x01(\x01\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03\"-\n\x0bPullRequest\x12\x1e\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x0e.dts.ps.Caller\"\x7f\n\tPullReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nparameters\x18\x02 \x03(\x0c\x12\x0f\n\x07\x62uffers\x18\x03 \x03(\x0c\x12\x1a\n\x04work\x18\x04 \x01(\x0b\x32\x0c.dts.ps.Work\x12 \n\x07\x63ontrol\x18\x05 \x01(\x0b\x32\x0f.dts.ps.Control\"\x9c\x01\n\x0bStepMetrics\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x0c\n\x04loss\x18\x03 \x01(\x02\x12\x0f\n\x07\x63orrect\x18\x04 \x01(\x05\x12\x17\n\x0fgradient_time_s\x18\x05 \x01(\x01\x12\x1a\n\x12\x63ompression_time_s\x18\x06 \x01(\x01\x12\x1c\n\x14\x63ommunication_time_s\x18\x07 \x01(\x01\"\xc9\x01\n\x0bPushRequest\x12\x1e\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x0e.dts.ps.Caller\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\x12\x11\n\tbatch_ids\x18\x05 \x03(\x03\x12\x11\n\tgradients\x18\x06 \x03(\x0c\x12\x0f\n\x07\x62uffers\x18\x07 \x03(\x0c\x12$\n\x07metrics\x18\x08 \x01(\x0b\x32\x13.dts.ps.StepMetrics\"\xde\x01\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x12\n\nparameters\x18\x06 \x03(\x0c\x12\x0f\n\x07\x62uffers\x18\x07 \x03(\x0c\x12\x18\n\x10parameter_deltas\x18\x08 \x03(\x0c\x12\x1a\n\x04work\x18\t \x01(\x0b\x32\x0c.dts.ps.Work\x12 \n\x07\x63ontrol\x18\n \x01(\x0b\x32\x0f.dts.ps.Control\"\xcd\x02\n\x0bWorkerStats\x12\x0f\n\x07samples\x18\x01 \x01(\x03\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x12\n\nbytes_sent\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x12\x17\n\x0fgradient_time_s\x18\x05 \x01(\x01\x12\x1a\n\x12\x63ompression_time_s\x18\x06 \x01(\x01\x12\x1c\n\x14\x63ommunication_time_s\x18\x07 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x08 \x01(\x01\x12\x12\n\ntrain_loss\x18\t \x01(\x01\x12\x16\n\x0etrain_accuracy\x18\n \x01(\x01\x12\x17\n\x0fpushes_rejected\x18\x0b \x01(\x03\x12\x15\n\rpayload_bytes\x18\x0c \x01(\x03\x12\x13\n\x0b\x64\x65nse_bytes\x18\r \x01(\x03\x12\x18\n\x10\x65mulated_delay_s\x18\x0e \x01(\x01\"V\n\x10HeartbeatRequest\x12\x1e\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x0e.dts.ps.Caller\x12\"\n\x05stats\x18\x02 \x01(\x0b\x32\x13.dts.ps.WorkerStats\"!\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\"S\n\rFinishRequest\x12\x1e\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x0e.dts.ps.Caller\x12\"\n\x05stats\x18\x02 \x01(\x0b\x32\x13.dts.ps.WorkerStats\"\x1e\n\x0b\x46inishReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x0f\n\rStatusRequest\"D\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\"\x85\x02\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x18\n\x10\x61ggregation_mode\x18\x02 \x01(\t\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12\x12\n\nregistered\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x03(\x05\x12\x16\n\x0epushes_applied\x18\x06 \x01(\x03\x12\x17\n\x0fpushes_rejected\x18\x07 \x01(\x03\x12\x16\n\x0epushes_refused\x18\x08 \x01(\x03\x12\x0c\n\x04\x64one\x18\t \x01(\x08\x12$\n\x07workers\x18\n \x03(\x0b\x32\x13.dts.ps.WorkerState\x12\x13\n\x0b\x65pochs_done\x18\x0b \x01(\x05\x32\x9a\x03\n\x0fParameterServer\x12:\n\x08Register\x12\x17.dts.ps.RegisterRequest\x1a\x15.dts.ps.RegisterReply\x12@\n\nInitialize\x12\x19.dts.ps.InitializeRequest\x1a\x17.dts.ps.InitializeReply\x12.\n\x04Pull\x12\x13.dts.ps.PullRequest\x1a\x11.dts.ps.PullReply\x12.\n\x04Push\x12\x13.dts.ps.PushRequest\x1a\x11.dts.ps.PushReply\x12=\n\tHeartbeat\x12\x18.dts.ps.HeartbeatRequest\x1a\x16.dts.ps.HeartbeatReply\x12\x34\n\x06\x46inish\x12\x15.dts.ps.FinishRequest\x1a\x13.dts.ps.FinishReply\x12\x34\n\x06Status\x12\x15.dts.ps.StatusRequest\x1a\x13.dts.ps.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORSPEC']._serialized_start=38
   _globals['_TENSORSPEC']._serialized_end=79
-  _globals['_SHARD']._serialized_start=81
-  _globals['_SHARD']._serialized_end=122
-  _globals['_REGISTERREQUEST']._serialized_start=124
-  _globals['_REGISTERREQUEST']._serialized_end=160
-  _globals['_REGISTERREPLY']._serialized_start=163
-  _globals['_REGISTERREPLY']._serialized_end=393
-  _globals['_PULLREQUEST']._serialized_start=395
-  _globals['_PULLREQUEST']._serialized_end=448
-  _globals['_PULLREPLY']._serialized_start=450
-  _globals['_PULLREPLY']._serialized_end=533
-  _globals['_STEPMETRICS']._serialized_start=535
-  _globals['_STEPMETRICS']._serialized_end=631
-  _globals['_PUSHREQUEST']._serialized_start=634
-  _globals['_PUSHREQUEST']._serialized_end=803
-  _globals['_PUSHREPLY']._serialized_start=805
-  _globals['_PUSHREPLY']._serialized_end=886
-  _globals['_WORKERSTATS']._serialized_start=889
-  _globals['_WORKERSTATS']._serialized_end=1152
-  _globals['_FINISHREQUEST']._serialized_start=1154
-  _globals['_FINISHREQUEST']._serialized_end=1224
-  _globals['_FINISHREPLY']._serialized_start=1226
-  _globals['_FINISHREPLY']._serialized_end=1256
-  _globals['_STATUSREQUEST']._serialized_start=1258
-  _globals['_STATUSREQUEST']._serialized_end=1273
-  _globals['_STATUSREPLY']._serialized_start=1276
-  _globals['_STATUSREPLY']._serialized_end=1478
-  _globals['_PARAMETERSERVER']._serialized_start=1481
-  _globals['_PARAMETERSERVER']._serialized_end=1762
+  _globals['_CALLER']._serialized_start=81
+  _globals['_CALLER']._serialized_end=125
+  _globals['_REGISTERREQUEST']._serialized_start=127
+  _globals['_REGISTERREQUEST']._serialized_end=251
+  _globals['_REGISTERREPLY']._serialized_start=254
+  _globals['_REGISTERREPLY']._serialized_end=507
+  _globals['_INITIALIZEREQUEST']._serialized_start=510
+  _globals['_INITIALIZEREQUEST']._serialized_end=685
+  _globals['_INITIALIZEREPLY']._serialized_start=687
+  _globals['_INITIALIZEREPLY']._serialized_end=739
+  _globals['_BATCH']._serialized_start=741
+  _globals['_BATCH']._serialized_end=798
+  _globals['_WORK']._serialized_start=800
+  _globals['_WORK']._serialized_end=871
+  _globals['_CONTROL']._serialized_start=873
+  _globals['_CONTROL']._serialized_end=932
+  _globals['_PULLREQUEST']._serialized_start=934
+  _globals['_PULLREQUEST']._serialized_end=979
+  _globals['_PULLREPLY']._serialized_start=981
+  _globals['_PULLREPLY']._serialized_end=1108
+  _globals['_STEPMETRICS']._serialized_start=1111
+  _globals['_STEPMETRICS']._serialized_end=1267
+  _globals['_PUSHREQUEST']._serialized_start=1270
+  _globals['_PUSHREQUEST']._serialized_end=1471
+  _globals['_PUSHREPLY']._serialized_start=1474
+  _globals['_PUSHREPLY']._serialized_end=1696
+  _globals['_WORKERSTATS']._serialized_start=1699
+  _globals['_WORKERSTATS']._serialized_end=2032
+  _globals['_HEARTBEATREQUEST']._serialized_start=2034
+  _globals['_HEARTBEATREQUEST']._serialized_end=2120
+  _globals['_HEARTBEATREPLY']._serialized_start=2122
+  _globals['_HEARTBEATREPLY']._serialized_end=2155
+  _globals['_FINISHREQUEST']._serialized_start=2157
+  _globals['_FINISHREQUEST']._serialized_end=2240
+  _globals['_FINISHREPLY']._serialized_start=2242
+  _globals['_FINISHREPLY']._serialized_end=2272
+  _globals['_STATUSREQUEST']._serialized_start=2274
+  _globals['_STATUSREQUEST']._serialized_end=2289
+  _globals['_WORKERSTATE']._serialized_start=2291
+  _globals['_WORKERSTATE']._serialized_end=2359
+  _globals['_STATUSREPLY']._serialized_start=2362
+  _globals['_STATUSREPLY']._serialized_end=2623
+  _globals['_PARAMETERSERVER']._serialized_start=2626
+  _globals['_PARAMETERSERVER']._serialized_end=3036
 # @@protoc_insertion_point(module_scope)

@@ -14,106 +14,184 @@ class TensorSpec(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class Shard(_message.Message):
-    __slots__ = ("rank", "num_shards")
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
-    rank: int
-    num_shards: int
-    def __init__(self, rank: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+class Caller(_message.Message):
+    __slots__ = ("worker_id", "session")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    session: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "last_request_id", "carried_batch_ids", "pid", "any_worker_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_BATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ANY_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    last_request_id: int
+    carried_batch_ids: _containers.RepeatedScalarFieldContainer[int]
+    pid: int
+    any_worker_id: bool
+    def __init__(self, worker_id: _Optional[int] = ..., last_request_id: _Optional[int] = ..., carried_batch_ids: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., any_worker_id: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "shard", "version", "run_config_json", "parameter_specs", "buffer_specs", "parameters", "buffers")
+    __slots__ = ("worker_id", "incarnation", "session", "version", "run_config_json", "parameter_specs", "buffer_specs", "last_request_applied", "model_wanted")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    SHARD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_SPECS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SPECS_FIELD_NUMBER: _ClassVar[int]
-    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
-    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_REQUEST_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_WANTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    shard: Shard
+    incarnation: int
+    session: bytes
     version: int
     run_config_json: str
     parameter_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buffer_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    last_request_applied: bool
+    model_wanted: bool
+    def __init__(self, worker_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., session: _Optional[bytes] = ..., version: _Optional[int] = ..., run_config_json: _Optional[str] = ..., parameter_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffer_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., last_request_applied: _Optional[bool] = ..., model_wanted: _Optional[bool] = ...) -> None: ...
+
+class InitializeRequest(_message.Message):
+    __slots__ = ("caller", "parameter_specs", "buffer_specs", "parameters", "buffers")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_SPECS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SPECS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    parameter_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    buffer_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     parameters: _containers.RepeatedScalarFieldContainer[bytes]
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., version: _Optional[int] = ..., run_config_json: _Optional[str] = ..., parameter_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffer_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., parameter_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffer_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class InitializeReply(_message.Message):
+    __slots__ = ("accepted", "version")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    version: int
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("batch_id", "epoch", "indices")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    epoch: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[int] = ..., epoch: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Work(_message.Message):
+    __slots__ = ("batches", "finished", "flush")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[Batch]
+    finished: bool
+    flush: bool
+    def __init__(self, batches: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., finished: _Optional[bool] = ..., flush: _Optional[bool] = ...) -> None: ...
+
+class Control(_message.Message):
+    __slots__ = ("compression_ratio", "max_staleness")
+    COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    compression_ratio: float
+    max_staleness: int
+    def __init__(self, compression_ratio: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "min_version")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
-    worker_id: int
-    min_version: int
-    def __init__(self, worker_id: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
+    __slots__ = ("caller",)
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("version", "parameters", "buffers", "finished")
+    __slots__ = ("version", "parameters", "buffers", "work", "control")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: _containers.RepeatedScalarFieldContainer[bytes]
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
-    finished: bool
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    work: Work
+    control: Control
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("epoch", "step", "loss", "correct", "last_in_epoch")
+    __slots__ = ("epoch", "step", "loss", "correct", "gradient_time_s", "compression_time_s", "communication_time_s")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
-    LAST_IN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATION_TIME_S_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     loss: float
     correct: int
-    last_in_epoch: bool
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., last_in_epoch: _Optional[bool] = ...) -> None: ...
+    gradient_time_s: float
+    compression_time_s: float
+    communication_time_s: float
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., gradient_time_s: _Optional[float] = ..., compression_time_s: _Optional[float] = ..., communication_time_s: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "base_version", "request_id", "num_samples", "gradients", "buffers", "metrics")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_IDS_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
-    worker_id: int
+    caller: Caller
     base_version: int
     request_id: int
     num_samples: int
+    batch_ids: _containers.RepeatedScalarFieldContainer[int]
     gradients: _containers.RepeatedScalarFieldContainer[bytes]
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
     metrics: StepMetrics
-    def __init__(self, worker_id: _Optional[int] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("accepted", "reason", "version", "staleness")
+    __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     version: int
     staleness: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+    weight: float
+    parameters: _containers.RepeatedScalarFieldContainer[bytes]
+    buffers: _containers.RepeatedScalarFieldContainer[bytes]
+    parameter_deltas: _containers.RepeatedScalarFieldContainer[bytes]
+    work: Work
+    control: Control
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., parameter_deltas: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("samples", "steps", "bytes_sent", "bytes_received", "gradient_time_s", "compression_time_s", "communication_time_s", "total_time_s", "train_loss", "train_accuracy", "pushes_rejected")
+    __slots__ = ("samples", "steps", "bytes_sent", "bytes_received", "gradient_time_s", "compression_time_s", "communication_time_s", "total_time_s", "train_loss", "train_accuracy", "pushes_rejected", "payload_bytes", "dense_bytes", "emulated_delay_s")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +203,9 @@ class WorkerStats(_message.Message):
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     PUSHES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_DELAY_S_FIELD_NUMBER: _ClassVar[int]
     samples: int
     steps: int
     bytes_sent: int
@@ -136,15 +217,32 @@ class WorkerStats(_message.Message):
     train_loss: float
     train_accuracy: float
     pushes_rejected: int
-    def __init__(self, samples: _Optional[int] = ..., steps: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., gradient_time_s: _Optional[float] = ..., compression_time_s: _Optional[float] = ..., communication_time_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., train_loss: _Optional[float] = ..., train_accuracy: _Optional[float] = ..., pushes_rejected: _Optional[int] = ...) -> None: ...
+    payload_bytes: int
+    dense_bytes: int
+    emulated_delay_s: float
+    def __init__(self, samples: _Optional[int] = ..., steps: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., gradient_time_s: _Optional[float] = ..., compression_time_s: _Optional[float] = ..., communication_time_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., train_loss: _Optional[float] = ..., train_accuracy: _Optional[float] = ..., pushes_rejected: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., emulated_delay_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("caller", "stats")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    stats: WorkerStats
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("worker_id", "stats")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("caller", "stats")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
-    worker_id: int
+    caller: Caller
     stats: WorkerStats
-    def __init__(self, worker_id: _Optional[int] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
 
 class FinishReply(_message.Message):
     __slots__ = ("version",)
@@ -156,8 +254,18 @@ class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WorkerState(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "state")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    incarnation: int
+    state: str
+    def __init__(self, worker_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
 class StatusReply(_message.Message):
-    __slots__ = ("version", "aggregation_mode", "num_workers", "registered", "finished", "pushes_applied", "pushes_rejected", "pushes_refused", "done")
+    __slots__ = ("version", "aggregation_mode", "num_workers", "registered", "finished", "pushes_applied", "pushes_rejected", "pushes_refused", "done", "workers", "epochs_done")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +275,8 @@ class StatusReply(_message.Message):
     PUSHES_REJECTED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_DONE_FIELD_NUMBER: _ClassVar[int]
     version: int
     aggregation_mode: str
     num_workers: int
@@ -176,4 +286,6 @@ class StatusReply(_message.Message):
     pushes_rejected: int
     pushes_refused: int
     done: bool
-    def __init__(self, version: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
+    epochs_done: int
+    def __init__(self, version: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., done: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., epochs_done: _Optional[int] = ...) -> None: ...

@@ -1,10 +1,23 @@
-"""Running a parameter-server job: the server and N workers as processes on this machine, or one role.
+"""Running a parameter-server job: the server and N workers as supervised processes here, or one role.
 
 * :func:`run_local`: spawns the server, waits for it to report its port, spawns the workers, and
-  supervises them. Processes are started with ``spawn`` (gRPC does not survive ``fork``). A child
-  that fails ends the run with an error naming it; Ctrl-C or SIGTERM stops every child (terminate,
-  then kill what is left) and re-raises :class:`KeyboardInterrupt`. Children ignore SIGINT (the
-  launcher decides), so a Ctrl-C in a terminal does not scatter tracebacks.
+  supervises them all until the server reports the run summary. Processes are started with
+  ``spawn`` (gRPC does not survive ``fork``).
+
+  - A worker that dies (any non-zero exit, a signal) is started again, up to
+    ``system.max_restarts`` times per worker id; the new process registers as a new incarnation and
+    gets work. A worker the server declares failed while its process still runs (a hang) is killed
+    first. With its budget spent, the run goes on without that worker (the server reassigns its work).
+  - A server that dies is started again from its newest checkpoint, on the same port, up to
+    ``system.max_restarts`` times; the workers register with it again.
+  - Faults of ``system.inject_faults`` fire only in first incarnations (a restarted process gets none).
+  - An error the user must fix (bad config, missing dataset) ends the run with a :class:`LaunchError`
+    naming it; no restart can help.
+  - Ctrl-C or SIGTERM stops every child and re-raises :class:`KeyboardInterrupt`. Children ignore
+    SIGINT (the launcher decides), so a Ctrl-C in a terminal does not scatter tracebacks.
+
+  Restarts are events in ``<log_dir>/launcher/events.jsonl`` (``worker_restarted``,
+  ``server_restarted``, ``worker_killed``).
 * :func:`run_server` / :func:`run_worker`: one role in this process, for runs across hosts
   (``--role server`` / ``--role worker``) and containers.
 
@@ -17,16 +30,19 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import threading
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any, Callable
 
 from src.config import Config
+from src.metrics import EventLog
 from src.ps_transport import resolve_auth_token, split_address
 from src.supervisor import LaunchError, children_ignore_sigint, sigterm_as_keyboard_interrupt, stop_processes
 
 STARTUP_TIMEOUT_S = 600.0  # server start: imports, dataset, model (a torchvision download can be slow)
 STOP_GRACE_S = 5.0
+FATAL_EXIT = 3  # a child's exit status for an error no restart can fix (it sent the message first)
 
 
 def _with_address(config: Config, address: str) -> Config:
@@ -48,6 +64,15 @@ def _set_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors a user fixes (config, files, datasets): one line, and no restart."""
+    from src.checkpoint import CheckpointError
+    from src.config import ConfigError, SetupError
+    from src.data import DatasetUnavailableError
+
+    return (ConfigError, SetupError, DatasetUnavailableError, CheckpointError)
+
+
 # ----------------------------------------------------------------------------- one role in this process
 
 
@@ -57,23 +82,30 @@ def run_server(
     token: str | None = None,
     summary_json: str | Path | None = None,
     on_listening: Callable[[int], None] | None = None,
+    resume: str | Path | None = None,
+    faults: bool = True,
+    on_event: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Serve one run until every worker has finished; returns the run summary.
+    """Serve one run until it is over; returns the run summary.
 
     Args:
         token: auth token (default: config / ``$DTS_AUTH_TOKEN``; an error if neither has one).
         summary_json: summary path (default ``<log_dir>/summary.json``).
         on_listening: called with the bound port once the server accepts connections.
+        resume: continue from this server checkpoint (file or folder).
+        faults: fire the config's server faults (``False`` for a restarted server).
+        on_event: told about worker failures (the local launcher kills hung processes).
     """
     from src.parameter_server import ParameterServer
     from src.ps_transport import reuse_freed_memory
 
     reuse_freed_memory()
-    server = ParameterServer(config, token=token)
+    server = ParameterServer(config, token=token, resume=resume, faults=faults, on_event=on_event)
     try:
         port = server.start()
         print(f"parameter server listening on {connect_address(config.system.server_address, port)} "
-              f"({config.system.aggregation_mode}, {config.system.num_workers} workers)", flush=True)
+              f"({config.system.aggregation_mode}, {config.system.num_workers} workers"
+              f"{', resumed at version ' + str(server.state.version) if resume else ''})", flush=True)
         if on_listening is not None:
             on_listening(port)
         server.wait_until_done()
@@ -82,98 +114,229 @@ def run_server(
         server.stop()
 
 
-def run_worker(config: Config, worker_id: int, *, token: str | None = None, address: str | None = None) -> dict[str, Any]:
+def run_worker(config: Config, worker_id: int, *, token: str | None = None, address: str | None = None,
+               faults: bool = True) -> dict[str, Any]:
     """Train as worker ``worker_id`` of the server at ``address`` (default ``system.server_address``)."""
     from src.ps_transport import reuse_freed_memory
     from src.worker import Worker
 
     reuse_freed_memory()
-    return Worker(config, worker_id, address=address, token=token).run()
+    return Worker(config, worker_id, address=address, token=token, faults=faults).run()
 
 
 # ----------------------------------------------------------------------------- spawned children
 
 
-def _server_child(config: Config, token: str, summary_json: str | None, num_threads: int | None, report) -> None:
+def _server_child(config: Config, token: str, summary_json: str | None, num_threads: int | None, report,
+                  resume: str | None, faults: bool) -> None:
     _set_threads(num_threads)
+    lock = threading.Lock()  # events come from the server's RPC and monitor threads
+
+    def send(message) -> None:
+        with lock:
+            report.send(message)
+
+    from src.parameter_server import RunFailed
+
     try:
-        summary = run_server(config, token=token, summary_json=summary_json,
-                             on_listening=lambda port: report.send(("listening", port)))
-    except Exception as exc:
-        report.send(("error", f"parameter server: {type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from None
-    report.send(("summary", summary))
+        summary = run_server(config, token=token, summary_json=summary_json, resume=resume, faults=faults,
+                             on_listening=lambda port: send(("listening", port)),
+                             on_event=lambda kind, fields: send((kind, fields)))
+    except (RunFailed, *_expected_errors()) as exc:  # a restart would fail the same way
+        send(("error", f"parameter server: {exc}"))
+        raise SystemExit(FATAL_EXIT) from None
+    send(("summary", summary))
 
 
-def _worker_child(config: Config, worker_id: int, token: str, num_threads: int | None) -> None:
+def _worker_child(config: Config, worker_id: int, token: str, num_threads: int | None, report, faults: bool) -> None:
     _set_threads(num_threads)
+    from src.worker import IncarnationRevoked
+
     try:
-        run_worker(config, worker_id, token=token)
-    except Exception as exc:
-        print(f"error: worker {worker_id}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        run_worker(config, worker_id, token=token, faults=faults)
+    except _expected_errors() as exc:
+        report.send(("error", f"worker {worker_id}: {exc}"))
+        raise SystemExit(FATAL_EXIT) from None
+    except IncarnationRevoked as exc:
+        print(f"worker {worker_id}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 
-def run_local(config: Config, *, summary_json: str | Path | None = None) -> dict[str, Any]:
-    """The server and ``system.num_workers`` workers as processes of this machine; returns the run summary.
+class _LocalRun:
+    """The processes of one local run and what the launcher does when one of them ends."""
+
+    def __init__(self, config: Config, summary_json: str | Path | None):
+        import multiprocessing
+
+        self.context = multiprocessing.get_context("spawn")
+        self.config = config
+        self.summary_json = str(summary_json) if summary_json else None
+        self.token = resolve_auth_token(config.system) or secrets.token_urlsafe(32)
+        self.num_workers = config.system.num_workers
+        self.num_threads = max(1, (os.cpu_count() or 1) // self.num_workers)  # N workers + server share the cores
+        self.max_restarts = config.system.max_restarts
+        self.restarts: dict[str, int] = {}
+        self.server = None
+        self.workers: dict[int, Any] = {}
+        self.receivers: list = []
+        self.pipe_of: dict[Any, Any] = {}  # process -> the receiving end of its report pipe
+        self.port: int | None = None
+        self.events = EventLog(Path(config.system.log_dir) / "launcher" / "events.jsonl")
+
+    def processes(self) -> list:
+        return [p for p in [self.server, *self.workers.values()] if p is not None]
+
+    def _pipe(self):
+        receive, send = self.context.Pipe(duplex=False)
+        self.receivers.append(receive)
+        return send
+
+    def start_server(self, *, resume: str | None, faults: bool, config: Config) -> None:
+        send = self._pipe()
+        with children_ignore_sigint():
+            self.server = self.context.Process(
+                target=_server_child, name="parameter-server",
+                args=(config, self.token, self.summary_json, self.num_threads, send, resume, faults))
+            self.server.start()
+        send.close()
+        self.pipe_of[self.server] = self.receivers[-1]
+
+    def start_worker(self, worker_id: int, *, faults: bool) -> None:
+        config = _with_address(self.config, connect_address(self.config.system.server_address, self.port))
+        send = self._pipe()
+        with children_ignore_sigint():
+            process = self.context.Process(target=_worker_child, name=f"worker-{worker_id}",
+                                           args=(config, worker_id, self.token, self.num_threads, send, faults))
+            process.start()
+        send.close()
+        self.workers[worker_id] = process
+        self.pipe_of[process] = self.receivers[-1]
+
+    def spend_restart(self, name: str) -> int | None:
+        """The restart number for ``name``, or ``None`` when its budget is spent."""
+        used = self.restarts.get(name, 0)
+        if used >= self.max_restarts:
+            return None
+        self.restarts[name] = used + 1
+        return used + 1
+
+    def newest_checkpoint(self) -> str | None:
+        """This run's newest checkpoint (by time: an older run's in the same folder may have higher numbers)."""
+        from src.checkpoint import unfinished_run_checkpoint
+
+        found = unfinished_run_checkpoint(self.config.system.checkpoint_dir, "parameter_server")
+        return str(found) if found else None
+
+
+def _exit_description(process) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        import signal
+
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def run_local(config: Config, *, summary_json: str | Path | None = None, resume: str | Path | None = None) -> dict[str, Any]:
+    """The server and ``system.num_workers`` workers as supervised processes of this machine; returns the run summary.
+
+    Args:
+        resume: start the server from this checkpoint of an earlier run (file or folder).
 
     Raises:
-        LaunchError: the server or a worker failed (the message names it).
+        LaunchError: an error no restart can fix, a restart budget spent with nobody left to train,
+            or the server failing for good (the message names it).
         KeyboardInterrupt: Ctrl-C or SIGTERM; every child has been stopped.
     """
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    token = resolve_auth_token(config.system) or secrets.token_urlsafe(32)
-    num_workers = config.system.num_workers
-    num_threads = max(1, (os.cpu_count() or 1) // num_workers)  # N workers + server share the cores
-    receive, report = context.Pipe(duplex=False)
-    processes: list = []
+    run = _LocalRun(config, summary_json)
     with sigterm_as_keyboard_interrupt():
         try:
-            with children_ignore_sigint():
-                server = context.Process(target=_server_child, name="parameter-server",
-                                         args=(config, token, str(summary_json) if summary_json else None, num_threads, report))
-                server.start()
-            processes.append(server)
-            report.close()
-
-            port = _expect(receive, processes, "listening", STARTUP_TIMEOUT_S)
-            worker_config = _with_address(config, connect_address(config.system.server_address, port))
-            with children_ignore_sigint():
-                for k in range(num_workers):
-                    worker = context.Process(target=_worker_child, name=f"worker-{k}", args=(worker_config, k, token, num_threads))
-                    worker.start()
-                    processes.append(worker)
-            summary = _expect(receive, processes, "summary", None)
-            for process in processes:
+            run.start_server(resume=str(resume) if resume else None, faults=True, config=config)
+            run.port = _await_message(run, "listening", STARTUP_TIMEOUT_S)
+            for worker_id in range(run.num_workers):
+                run.start_worker(worker_id, faults=True)
+            summary = _await_message(run, "summary", None)
+            for process in run.processes():
                 process.join(STOP_GRACE_S)
             return summary
         finally:
-            stop_processes(processes)
-            receive.close()
+            stop_processes(run.processes(), STOP_GRACE_S)
+            for receive in run.receivers:
+                receive.close()
+            run.events.close()
 
 
-def _expect(receive, processes, wanted: str, timeout: float | None):
-    """Wait for the server's ``wanted`` message while watching every child; raise if one fails first."""
-    watched = {process.sentinel: process for process in processes}
+def _await_message(run: _LocalRun, wanted: str, timeout: float | None):
+    """Supervise every child until the server sends ``wanted``; restart what dies (see the module docstring)."""
     while True:
-        ready = connection.wait([receive, *watched], timeout)
+        watched = {p.sentinel: p for p in run.processes() if p.exitcode is None}
+        ready = connection.wait([*run.receivers, *watched], timeout)
         if not ready:
             raise LaunchError(f"timed out after {timeout:.0f}s waiting for the parameter server to be {wanted}")
-        if receive in ready:
-            try:
-                kind, value = receive.recv()
-            except EOFError:
-                kind, value = "error", "parameter server exited without a result"
-            if kind == "error":
-                raise LaunchError(value)
-            if kind == wanted:
+        for receive in [r for r in ready if r in run.receivers]:
+            found, value = _drain(run, receive, wanted)
+            if found:
                 return value
         for sentinel in [s for s in ready if s in watched]:
-            process = watched.pop(sentinel)
+            process = watched[sentinel]
             process.join()
-            if process.exitcode != 0:
-                raise LaunchError(f"{process.name} exited with status {process.exitcode}")
-            if process.name == "parameter-server" and not receive.poll():
-                raise LaunchError("parameter server exited without a result")
+            found, value = _drain(run, run.pipe_of.get(process), wanted)  # its last words come first
+            if found:
+                return value
+            if process is run.server:
+                _server_ended(run, process)
+            elif process.exitcode != 0:
+                _worker_ended(run, process)
+
+
+def _drain(run: _LocalRun, receive, wanted: str) -> tuple[bool, Any]:
+    """Act on every message waiting in ``receive``; returns ``(True, value)`` once ``wanted`` arrives."""
+    while receive is not None and receive in run.receivers and receive.poll():
+        try:
+            kind, value = receive.recv()
+        except (EOFError, OSError):
+            run.receivers.remove(receive)  # that child is gone; its sentinel tells the rest
+            return False, None
+        if kind == "error":
+            raise LaunchError(value)
+        if kind == wanted:
+            return True, value
+        if kind == "worker_failed":
+            process = run.workers.get(value["worker"])
+            if process is not None and process.pid == value["pid"] and process.is_alive():  # failed but running: hung
+                process.kill()
+                run.events.write("worker_killed", worker=value["worker"], pid=process.pid,
+                                 reason="declared failed by the server while its process was alive (hung)")
+    return False, None
+
+
+def _server_ended(run: _LocalRun, process) -> None:
+    attempt = run.spend_restart("server")
+    if attempt is None:
+        raise LaunchError(f"parameter server {_exit_description(process)}; its restart budget "
+                          f"(system.max_restarts={run.max_restarts}) is spent")
+    resume = run.newest_checkpoint()
+    print(f"launcher: parameter server {_exit_description(process)}; restarting it "
+          f"({'from ' + resume if resume else 'from scratch: no checkpoint yet'}, restart {attempt}/{run.max_restarts})",
+          file=sys.stderr, flush=True)
+    run.events.write("server_restarted", attempt=attempt, exit=_exit_description(process), resumed_from=resume)
+    # Same port: the workers reconnect to the address they know.
+    config = _with_address(run.config, connect_address(run.config.system.server_address, run.port))
+    run.start_server(resume=resume, faults=False, config=config)
+
+
+def _worker_ended(run: _LocalRun, process) -> None:
+    worker_id = int(process.name.rsplit("-", 1)[1])
+    attempt = run.spend_restart(process.name)
+    if attempt is None:
+        print(f"launcher: {process.name} {_exit_description(process)}; its restart budget is spent, "
+              f"the run goes on without it", file=sys.stderr, flush=True)
+        run.events.write("worker_abandoned", worker=worker_id, exit=_exit_description(process))
+        if not any(p.exitcode is None for p in run.workers.values()):
+            raise LaunchError(f"every worker has failed and the restart budgets (system.max_restarts="
+                              f"{run.max_restarts}) are spent")
+        return
+    print(f"launcher: {process.name} {_exit_description(process)}; restarting it "
+          f"(restart {attempt}/{run.max_restarts})", file=sys.stderr, flush=True)
+    run.events.write("worker_restarted", worker=worker_id, attempt=attempt, exit=_exit_description(process))
+    run.start_worker(worker_id, faults=False)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.config import SystemConfig
+from src.config import SetupError, SystemConfig
 
 AUTH_METADATA_KEY = "authorization"
 AUTH_TOKEN_ENV = "DTS_AUTH_TOKEN"
@@ -53,7 +54,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _FLOAT32_LE = np.dtype("<f4")
 
 
-class AuthTokenMissing(ValueError):
+class AuthTokenMissing(SetupError):
     """No token was configured for a role that needs one."""
 
 
@@ -264,7 +265,7 @@ def _read(path: str, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise ValueError(f"{what}: cannot read {path} ({exc.strerror})") from None
+        raise SetupError(f"{what}: cannot read {path} ({exc.strerror})") from None
 
 
 def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
@@ -274,7 +275,7 @@ def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
         ValueError: only one of the two is set, or a file cannot be read.
     """
     if bool(system.tls_cert_file) != bool(system.tls_key_file):
-        raise ValueError("system.tls_cert_file and system.tls_key_file: set both for TLS, or neither")
+        raise SetupError("system.tls_cert_file and system.tls_key_file: set both for TLS, or neither")
     if not system.tls_cert_file:
         return None
     key = _read(system.tls_key_file, "system.tls_key_file")
@@ -319,12 +320,34 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+KEEPALIVE_TIME_MS = 30_000
+"""Both ends ping an idle connection this often, and the server accepts pings that often: without the
+server's side of it, a client pinging during a long barrier wait earns a ``too_many_pings`` GOAWAY."""
+KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+def keepalive_options(*, server: bool) -> list[tuple[str, int]]:
+    """The keepalive settings of one end; the server's admit exactly the client's ping rate."""
+    options = [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if server:
+        options += [
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
+    return options
+
+
 def service_handler(servicer) -> grpc.GenericRpcHandler:
     """The ParameterServer service with this module's (de)serializers.
 
-    Register and Pull may return pre-serialized bytes (the server encodes each version's parameters
-    once for every worker); Push receives the raw request bytes so the handler can :func:`split`
-    it and refuse a malformed one with INVALID_ARGUMENT.
+    Pull and Push return pre-serialized bytes (:func:`serialize`: the model's tensors are joined in
+    without protobuf); Push and Initialize receive the raw request bytes so the handler can
+    :func:`split` them and refuse a malformed one with INVALID_ARGUMENT.
     """
     def unary(method, request_type, reply_type):
         return grpc.unary_unary_rpc_method_handler(
@@ -334,9 +357,11 @@ def service_handler(servicer) -> grpc.GenericRpcHandler:
         )
 
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "Register": unary(servicer.Register, pb.RegisterRequest, None),
+        "Register": unary(servicer.Register, pb.RegisterRequest, pb.RegisterReply),
+        "Initialize": unary(servicer.Initialize, None, pb.InitializeReply),
         "Pull": unary(servicer.Pull, pb.PullRequest, None),
-        "Push": unary(servicer.Push, None, pb.PushReply),
+        "Push": unary(servicer.Push, None, None),
+        "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
         "Finish": unary(servicer.Finish, pb.FinishRequest, pb.FinishReply),
         "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
     })
@@ -362,7 +387,7 @@ def start_grpc_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="ps-rpc"),
         interceptors=[TokenAuthInterceptor(token)],
-        options=message_options(max_message_bytes),
+        options=message_options(max_message_bytes) + keepalive_options(server=True),
     )
     server.add_generic_rpc_handlers([service_handler(servicer)])
     credentials = server_credentials(system)
@@ -370,9 +395,9 @@ def start_grpc_server(
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise ValueError(f"system.server_address: cannot bind {address} ({exc})") from None
+        raise SetupError(f"system.server_address: cannot bind {address} ({exc})") from None
     if port == 0:
-        raise ValueError(f"system.server_address: cannot bind {address} (in use or not a local address)")
+        raise SetupError(f"system.server_address: cannot bind {address} (in use or not a local address)")
     server.start()
     return server, port
 
@@ -389,6 +414,11 @@ class ParameterServerClient:
         system: TLS settings (``tls_ca_file`` / ``tls_cert_file``).
         connect_timeout_s: how long :meth:`register` waits for the server to come up.
         retries: extra attempts of a call that failed with UNAVAILABLE or DEADLINE_EXCEEDED.
+        uplink: an emulated link (:class:`src.netem.Link`): every message waits its transfer time,
+            from its exact serialized size, before it is sent.
+
+    ``bytes_sent`` / ``bytes_received`` count every serialized message, heartbeats included; they
+    are safe to read from another thread (each is one integer updated by one call at a time).
     """
 
     def __init__(
@@ -399,8 +429,9 @@ class ParameterServerClient:
         system: SystemConfig | None = None,
         connect_timeout_s: float = 300.0,
         retries: int = 5,
+        uplink: Any = None,
     ):
-        options = message_options(CLIENT_MAX_MESSAGE_BYTES) + [("grpc.keepalive_time_ms", 30_000)]
+        options = message_options(CLIENT_MAX_MESSAGE_BYTES) + keepalive_options(server=False)
         credentials = channel_credentials(system) if system is not None else None
         if credentials is not None:
             self.channel = grpc.secure_channel(address, credentials, options=options)
@@ -411,6 +442,8 @@ class ParameterServerClient:
         self.retries = retries
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.uplink = uplink
+        self._lock = threading.Lock()
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
         model_state = ("parameters", "buffers")
         self._calls = {
@@ -420,19 +453,25 @@ class ParameterServerClient:
                 response_deserializer=self._parser(reply_type, large_fields),
             )
             for name, reply_type, large_fields in (
-                ("Register", pb.RegisterReply, model_state), ("Pull", pb.PullReply, model_state),
-                ("Push", pb.PushReply, None), ("Finish", pb.FinishReply, None), ("Status", pb.StatusReply, None),
+                ("Register", pb.RegisterReply, None), ("Initialize", pb.InitializeReply, None),
+                ("Pull", pb.PullReply, model_state),
+                ("Push", pb.PushReply, model_state + ("parameter_deltas",)), ("Heartbeat", pb.HeartbeatReply, None),
+                ("Finish", pb.FinishReply, None), ("Status", pb.StatusReply, None),
             )
         }
 
     def _serialize(self, outgoing) -> bytes:
         data = serialize(outgoing)
-        self.bytes_sent += len(data)
+        with self._lock:
+            self.bytes_sent += len(data)
+        if self.uplink is not None:  # emulation: gRPC calls this in the caller's thread, before sending
+            self.uplink.transmit(len(data))
         return data
 
     def _parser(self, reply_type, large_fields) -> Callable[[bytes], Any]:
         def parse(data: bytes):
-            self.bytes_received += len(data)
+            with self._lock:
+                self.bytes_received += len(data)
             return split(data, reply_type, large_fields) if large_fields else reply_type.FromString(data)
 
         return parse
@@ -448,28 +487,43 @@ class ParameterServerClient:
                 attempt += 1
                 time.sleep(min(0.2 * 2**attempt, 5.0))  # backoff before resending the same request
 
-    def register(self, worker_id: int) -> Received:
-        """Join the run; waits up to ``connect_timeout_s`` for the server to accept connections.
+    def register(self, worker_id: int, last_request_id: int = 0, carried_batch_ids: Sequence[int] = (), *,
+                 timeout: float | None = None, any_worker_id: bool = False) -> pb.RegisterReply:
+        """Join the run (again); waits up to ``timeout`` (default ``connect_timeout_s``) for the server.
 
-        Returns the :class:`~pb.RegisterReply` with its ``parameters`` and ``buffers`` as views in ``large``.
+        Args:
+            last_request_id: the last push this process sent, if it lost its session (the reply says
+                whether it was applied).
+            any_worker_id: let the server pick a free worker id (the reply's ``worker_id``).
         """
-        request = pb.RegisterRequest(worker_id=worker_id)
-        # wait_for_ready already waited connect_timeout_s for the server: no retry on top of it.
-        return self._call("Register", request, timeout=self.connect_timeout_s, wait_for_ready=True, retry=False)
+        request = pb.RegisterRequest(worker_id=worker_id, last_request_id=last_request_id,
+                                     carried_batch_ids=carried_batch_ids, pid=os.getpid(), any_worker_id=any_worker_id)
+        # wait_for_ready: gRPC reconnects with its own backoff until the server accepts or the deadline passes.
+        return self._call("Register", request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True, retry=False)
 
-    def pull(self, worker_id: int, min_version: int) -> Received:
-        """Parameters at the newest version, once it is >= ``min_version`` (a :class:`~pb.PullReply` and views)."""
-        return self._call("Pull", pb.PullRequest(worker_id=worker_id, min_version=min_version))
+    def initialize(self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]) -> pb.InitializeReply:
+        """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
+        return self._call("Initialize", Outgoing(request, {"parameters": parameters, "buffers": buffers}))
 
-    def push(self, request: pb.PushRequest, gradients: Sequence[Any] = (), buffers: Sequence[Any] = ()) -> pb.PushReply:
-        """Send one step: ``request``'s small fields plus one payload per parameter and the raw buffers.
+    def pull(self, caller: pb.Caller) -> Received:
+        """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views)."""
+        return self._call("Pull", pb.PullRequest(caller=caller))
+
+    def push(self, request: pb.PushRequest, gradients: Sequence[Any] = (), buffers: Sequence[Any] = (), *,
+             wait_for_ready: bool = False, timeout: float | None = None) -> Received:
+        """Send one step; the reply (a :class:`~pb.PushReply` and views) carries the next parameters and work.
 
         A retry resends the same bytes (same request id), which the server applies at most once.
         """
-        return self._call("Push", Outgoing(request, {"gradients": gradients, "buffers": buffers}))
+        return self._call("Push", Outgoing(request, {"gradients": gradients, "buffers": buffers}),
+                          wait_for_ready=wait_for_ready, timeout=timeout)
 
-    def finish(self, worker_id: int, stats: pb.WorkerStats) -> pb.FinishReply:
-        return self._call("Finish", pb.FinishRequest(worker_id=worker_id, stats=stats))
+    def heartbeat(self, caller: pb.Caller, stats: pb.WorkerStats, timeout: float) -> pb.HeartbeatReply:
+        """One heartbeat (no retry: the next one follows soon)."""
+        return self._call("Heartbeat", pb.HeartbeatRequest(caller=caller, stats=stats), timeout=timeout, retry=False)
+
+    def finish(self, caller: pb.Caller, stats: pb.WorkerStats) -> pb.FinishReply:
+        return self._call("Finish", pb.FinishRequest(caller=caller, stats=stats))
 
     def status(self, timeout: float | None = 10.0, wait_for_ready: bool = False) -> pb.StatusReply:
         return self._call("Status", pb.StatusRequest(), timeout=timeout, wait_for_ready=wait_for_ready)

@@ -28,7 +28,7 @@ from src.checkpoint import (
     KEEP_CHECKPOINTS, check_model_matches, final_checkpoint_path, load_latest_good, make_checkpoint, numbered_path,
     prune_checkpoints, save_checkpoint,
 )
-from src.config import Config
+from src.config import Config, SetupError
 from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.models import build_model
@@ -40,7 +40,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"training.device: {name} requested but CUDA is not available")
+        raise SetupError(f"training.device: {name} requested but CUDA is not available")
     return device
 
 

@@ -1,22 +1,34 @@
-"""A parameter-server worker: pull -> batch from its shard -> forward/backward -> compress -> push.
+"""A parameter-server worker: register -> pull -> (train on the handed batches -> push) until finished.
 
-The worker learns the run from the server at registration (its shard, the config's training and
-compression settings, the model layout and the current parameters), so a worker on another host
-needs only the server address and the auth token; its own config keeps only what is local to its
-machine (:data:`LOCAL_FIELDS`: data folder, device, log folder, address, TLS files).
+The worker learns the run from the server at registration (the config's training and compression
+settings and the model layout), so a worker on another host needs only the server address and the
+auth token; its own config keeps only what is local to its machine (:data:`LOCAL_FIELDS`).
 
-Per step: the batch is step ``i`` of its shard (:meth:`src.data.Shard.batches`); a worker whose
-shard ran out takes an empty step (``num_samples=0``, no tensors) so the sync barrier never waits
-for it. Each parameter's gradient goes through error feedback (``compensate``), the compression
-policy (configured compressor after ``system.warmup_steps``, identity for tensors it would not
-shrink) and ``update``; the payloads go into the push unchanged. A push turned away by the server
-(``accepted=false``) rolls the residuals back, so no gradient mass is lost.
+Per step: the server hands the worker batches (sample indices) with the parameters to train on;
+the worker computes the gradient (with ``system.local_steps`` = H > 1 it takes H local SGD steps,
+one per batch, and pushes the sum of their gradients), puts each parameter's gradient through
+error feedback (``compensate``) and the compression policy, and pushes. The push's reply carries
+the verdict, the next parameters and the next batches: one RPC per step. A push turned away by the
+staleness policy rolls the residuals back (no gradient mass is lost) and its batches are carried
+into the next push, which lists them too.
 
-Measured per worker: gradient time (forward/backward), compression time, communication time (push
-and pull calls, including waiting at the sync barrier), bytes sent and received (the serialized
+Staying alive: a background thread sends a heartbeat every ``system.heartbeat_interval`` with the
+worker's running totals. If the server loses this worker's session (it restarted from a checkpoint),
+the worker registers again (gRPC's ``wait_for_ready`` waits out the restart), learns whether its
+last push was applied (commit, or discard: its samples will be redone) and goes on. If the server
+declared this incarnation failed (it was silent too long, or a newer one registered), the process
+stops with :class:`IncarnationRevoked`.
+
+Emulation (:mod:`src.netem`, the run config's ``emulation`` section, learnt from the server): a
+slowed worker waits after each forward/backward (counted as gradient time), and a narrow uplink
+makes every message wait its transfer time in the client before it is sent (counted as
+communication time); ``emulated_delay_s`` in the totals is the sum of both waits.
+
+Measured per worker: gradient time (forward/backward), compression time, communication time (the
+push round trip, including waiting at the sync barrier), bytes sent and received (the serialized
 gRPC messages, :class:`~src.ps_transport.ParameterServerClient`), samples, loss and accuracy.
-Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the totals go to the server when
-the worker finishes, which puts them in the run summary.
+Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the totals go to the server with each
+heartbeat and at Finish, which puts them in the run summary.
 """
 
 from __future__ import annotations
@@ -27,26 +39,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, policy_from_config
-from src.config import Config, validate_config
-from src.data import load_dataset, make_shards, steps_per_epoch
+from src.compression import ErrorFeedback, policy_from_config
+from src.config import Config, SetupError, validate_config
+from src.data import load_dataset
+from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
-from src.ps_transport import ParameterServerClient, Received, copy_bytes_into, require_auth_token, tensor_view
+from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
+from src.ps_transport import ParameterServerClient, Received, require_auth_token, tensor_view
 from src.trainer import forward_backward, model_from_config, resolve_device
+from src.worker_protocol import (  # noqa: F401  (IncarnationRevoked: part of this module's interface)
+    Heartbeats, IncarnationRevoked, check_session_lost, encode_gradients, load_reply, settle_lost_push, settle_push,
+)
 
 LOCAL_FIELDS = (
     "training.data_dir", "training.device",
-    "system.log_dir", "system.checkpoint_dir", "system.server_address",
+    "system.log_dir", "system.checkpoint_dir", "system.server_address", "system.inject_faults",
     "system.tls_cert_file", "system.tls_key_file", "system.tls_ca_file",
 )
 """Fields a worker takes from its own config; everything else comes from the server."""
 
 
 class ServerEndedRun(RuntimeError):
-    """The server stopped before this worker took all its steps."""
+    """The server stopped before this worker was told the run is finished."""
 
 
 def merge_run_config(local: Config, run_config_json: str) -> Config:
@@ -60,15 +78,16 @@ def merge_run_config(local: Config, run_config_json: str) -> Config:
 
 
 class Worker:
-    """One worker of a parameter-server run; :meth:`run` trains until its shard is done.
+    """One worker of a parameter-server run; :meth:`run` trains until the server says the run is finished.
 
     Args:
         config: this worker's config (its :data:`LOCAL_FIELDS` are used; the rest comes from the server).
-        worker_id: ``0..num_workers-1``; it is also the shard the worker reads.
+        worker_id: ``0..num_workers-1``; it is also the shard the worker reads first.
         address: the server's ``host:port`` (default ``system.server_address``).
         token: the run's auth token (default :func:`~src.ps_transport.require_auth_token`).
         tensorboard: also write TensorBoard scalars next to ``events.jsonl``.
-        connect_timeout_s: how long to wait for the server at registration.
+        connect_timeout_s: how long to wait for the server at (re-)registration.
+        faults: fire this worker's ``system.inject_faults`` (``False`` for a restarted worker).
     """
 
     def __init__(
@@ -80,6 +99,7 @@ class Worker:
         token: str | None = None,
         tensorboard: bool = True,
         connect_timeout_s: float = 300.0,
+        faults: bool = True,
     ):
         self.local_config = config
         self.worker_id = worker_id
@@ -87,27 +107,68 @@ class Worker:
         self.token = token or require_auth_token(config.system)
         self.tensorboard = tensorboard
         self.connect_timeout_s = connect_timeout_s
+        self.faults = FaultInjector(config.system.inject_faults, "worker", worker_id, enabled=faults)
+        self.client: ParameterServerClient | None = None
+        self.caller = pb.Caller(worker_id=worker_id)
+        self.incarnation = 0
+        self.totals: dict[str, Any] = dict(samples=0, steps=0, gradient_time_s=0.0, compression_time_s=0.0,
+                                           communication_time_s=0.0, pushes_rejected=0, payload_bytes=0, dense_bytes=0,
+                                           train_loss=0.0, train_accuracy=0.0)
+        self._started = time.perf_counter()
+        self.compute_delay: ComputeDelay | None = None  # emulation, set once the run config is known
+
+    def emulated_delay_s(self) -> float:
+        """Seconds this process waited for emulated compute and uplink (:mod:`src.netem`)."""
+        uplink = self.client.uplink if self.client is not None else None
+        return (self.compute_delay.delay_s if self.compute_delay else 0.0) + (uplink.delay_s if uplink else 0.0)
+
+    def stats(self) -> pb.WorkerStats:
+        """This process's running totals (read by the heartbeat thread too)."""
+        t = self.totals
+        client = self.client
+        return pb.WorkerStats(
+            samples=t["samples"], steps=t["steps"],
+            bytes_sent=client.bytes_sent if client else 0, bytes_received=client.bytes_received if client else 0,
+            gradient_time_s=t["gradient_time_s"], compression_time_s=t["compression_time_s"],
+            communication_time_s=t["communication_time_s"], total_time_s=time.perf_counter() - self._started,
+            train_loss=t["train_loss"], train_accuracy=t["train_accuracy"], pushes_rejected=t["pushes_rejected"],
+            payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"], emulated_delay_s=self.emulated_delay_s(),
+        )
 
     def run(self) -> dict[str, Any]:
-        """Register, train every step of every epoch, finish; returns this worker's totals.
+        """Register, train on whatever the server hands out until it says finished, finish; returns the totals.
 
         Raises:
             grpc.RpcError: the server refused a call (bad auth, bad push) or went away for good.
-            ServerEndedRun: the server stopped the run early.
+            IncarnationRevoked: the server declared this incarnation failed.
             ValueError: the local model does not match the server's layout.
         """
-        client = ParameterServerClient(self.address, token=self.token, system=self.local_config.system,
-                                       connect_timeout_s=self.connect_timeout_s)
+        self.client = ParameterServerClient(self.address, token=self.token, system=self.local_config.system,
+                                            connect_timeout_s=self.connect_timeout_s)
+        heartbeats = None
         try:
-            return self._train(client)
+            registration = self._register(0)
+            config = merge_run_config(self.local_config, registration.run_config_json)
+            conditions = conditions_for(config.emulation, self.worker_id)
+            self.client.uplink = link_or_none(conditions.uplink)
+            self.compute_delay = ComputeDelay(conditions, worker_seed(config.training.seed, self.worker_id))
+            interval = config.system.heartbeat_interval
+            heartbeats = Heartbeats(lambda: self.client.heartbeat(self.caller, self.stats(), timeout=interval * 2), interval,
+                                    name=f"worker-{self.worker_id}-heartbeat")
+            heartbeats.start()
+            return self._train(config, registration)
         finally:
-            client.close()
+            if heartbeats is not None:
+                heartbeats.stopped.set()
+            self.client.close()
 
-    def _train(self, client: ParameterServerClient) -> dict[str, Any]:
-        started = time.perf_counter()
-        received = client.register(self.worker_id)
-        registration = received.message
-        config = merge_run_config(self.local_config, registration.run_config_json)
+    def _register(self, last_request_id: int, carried: list[pb.Batch] = ()) -> pb.RegisterReply:
+        registration = self.client.register(self.worker_id, last_request_id, [b.batch_id for b in carried])
+        self.caller = pb.Caller(worker_id=self.worker_id, session=registration.session)
+        self.incarnation = registration.incarnation
+        return registration
+
+    def _train(self, config: Config, registration: pb.RegisterReply) -> dict[str, Any]:
         t, system = config.training, config.system
         device = resolve_device(t.device)
         model = model_from_config(config).to(device)
@@ -116,136 +177,185 @@ class Worker:
         local_layout = [(n, list(p.shape)) for n, p in named_params]
         server_layout = [(s.name, list(s.shape)) for s in registration.parameter_specs]
         if local_layout != server_layout:
-            raise ValueError(f"worker {self.worker_id}: the local {t.model_architecture} does not match the server's parameters")
+            raise SetupError(f"worker {self.worker_id}: the local {t.model_architecture} does not match the server's parameters")
         params = [p for _, p in named_params]
+        names = [n for n, _ in named_params]
         dense_bytes_per_step = 4 * sum(p.numel() for p in params)  # what identity payloads would carry
-        self._load(params, buffers, received)
-        version = registration.version
-
         policy = policy_from_config(system)
-        feedback = ErrorFeedback() if policy is not None and system.error_feedback else None
+        # Error feedback also holds a rejected push's gradient when compression is off (identity payloads).
+        rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
+        feedback = ErrorFeedback() if (policy is not None and system.error_feedback) or rejections_possible else None
         generator = torch.Generator().manual_seed(t.seed * 1_000_003 + self.worker_id)  # stochastic rounding
         train_set = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
                                  num_samples=t.num_samples, seed=t.seed)
-        num_workers, rank = registration.shard.num_shards, registration.shard.rank
-        num_steps = steps_per_epoch(len(train_set), num_workers, t.batch_size)
-        request_id = secrets.randbits(62)  # random start: ids of a restarted worker do not collide with its old ones
-        totals = dict(samples=0, steps=0, gradient_time_s=0.0, compression_time_s=0.0, communication_time_s=0.0,
-                      pushes_rejected=0, payload_bytes=0, dense_bytes=0)
-        print(f"worker {self.worker_id}: registered with {self.address} at version {version} "
-              f"(shard {rank}/{num_workers}, {num_steps} steps per epoch, {system.aggregation_mode})", flush=True)
+        request_id = secrets.randbits(62) or 1  # random start: a restarted worker's ids do not collide with old ones
+        carried: list[pb.Batch] = []  # batches whose rejected gradient waits in the error feedback
+        totals = self.totals
+        epoch_loss = epoch_correct = epoch_samples = 0
 
         with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}", tensorboard=self.tensorboard,
                            role="worker", worker=self.worker_id) as log:
-            log.event("run_start", address=self.address, version=version, steps_per_epoch=num_steps)
+            received = self._pull(carried)
+            version = load_reply(params, buffers, received)
+            log.event("run_start", address=self.address, incarnation=self.incarnation, version=version)
+            print(f"worker {self.worker_id}: registered with {self.address} as incarnation {self.incarnation} at "
+                  f"version {version} ({system.aggregation_mode})", flush=True)
             model.train()
-            for epoch in range(t.num_epochs):
-                batches = list(make_shards(len(train_set), num_workers, epoch, t.seed)[rank].batches(t.batch_size))
-                epoch_loss = epoch_correct = epoch_samples = 0
-                for step in range(num_steps):
-                    indices = batches[step] if step < len(batches) else []
-                    step_started = time.perf_counter()
-                    loss, correct = 0.0, 0
-                    if indices:
-                        images, labels = train_set.batch(indices)
-                        model.zero_grad(set_to_none=True)
-                        loss, correct = forward_backward(model, images.to(device), labels.to(device))
-                    computed = time.perf_counter()
-                    payloads = self._compress(named_params, policy, feedback, generator, totals["steps"]) if indices else []
-                    compressed = time.perf_counter()
+            while True:
+                if received.message.work.finished:
+                    stats = self.stats()
+                    try:
+                        self.client.finish(self.caller, stats)
+                        break
+                    except grpc.RpcError as exc:  # the server restarted before it finished the run: go on
+                        self._check_session_lost(exc)
+                        self._register(0, carried)
+                        received = self._pull(carried)
+                        version = load_reply(params, buffers, received)
+                        log.event("rejoined", incarnation=self.incarnation, version=version)
+                        continue
+                work = received.message.work
+                batches = list(work.batches)
+                step_started = time.perf_counter()
+                loss, correct, samples = self._compute(model, params, train_set, batches, t.learning_rate, device)
+                if batches:
+                    self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
+                computed = time.perf_counter()
+                self.faults.reached(totals["steps"] + 1, announce=lambda fault: log.event("fault_injected", fault=str(fault)))
+                payloads = encode_gradients(
+                    ((name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in named_params),
+                    policy, feedback, generator, totals["steps"])  # no batches: a flush of what error feedback carries
+                compressed = time.perf_counter()
 
-                    last_step = step == num_steps - 1
-                    request_id += 1
-                    request = pb.PushRequest(
-                        worker_id=self.worker_id, base_version=version, request_id=request_id, num_samples=len(indices),
-                        metrics=pb.StepMetrics(epoch=epoch, step=step, loss=loss, correct=correct, last_in_epoch=last_step),
-                    )
-                    sent_before = client.bytes_sent
-                    reply = client.push(request, payloads, [tensor_view(b) for b in buffers] if indices else [])
-                    push_bytes = client.bytes_sent - sent_before
-                    if feedback is not None and indices:
-                        for name, _ in named_params:
-                            (feedback.commit if reply.accepted else feedback.rollback)(name)
-                    if not reply.accepted:
-                        totals["pushes_rejected"] += 1
-                    if not (last_step and epoch == t.num_epochs - 1):  # nothing to pull after the last push
-                        # sync: wait for this version's barrier; async: anything at least as new as our push's result.
-                        wanted = version + 1 if system.aggregation_mode == "sync" else reply.version
-                        pulled = client.pull(self.worker_id, wanted)
-                        if pulled.message.finished:
-                            raise ServerEndedRun(f"worker {self.worker_id}: the server ended the run at version "
-                                                 f"{pulled.message.version} before epoch {epoch + 1} step {step + 1} was done")
-                        self._load(params, buffers, pulled)
-                        version = pulled.message.version
-                    finished = time.perf_counter()
+                request_id += 1
+                covered = carried + batches
+                request = pb.PushRequest(
+                    caller=self.caller, base_version=version, request_id=request_id,
+                    num_samples=sum(len(b.indices) for b in covered), batch_ids=[b.batch_id for b in covered],
+                    metrics=pb.StepMetrics(epoch=batches[-1].epoch if batches else 0, step=totals["steps"], loss=loss,
+                                           correct=correct, gradient_time_s=computed - step_started,
+                                           compression_time_s=compressed - computed,
+                                           communication_time_s=totals.get("last_communication_s", 0.0)),
+                )
+                sent_before, received_before = self.client.bytes_sent, self.client.bytes_received
+                reply = self._push(request, payloads, [tensor_view(b) for b in buffers] if batches else [], feedback,
+                                   named_params, carried)
+                push_bytes = self.client.bytes_sent - sent_before
+                reply_bytes = self.client.bytes_received - received_before
+                if not isinstance(reply, Received):  # lost with the server's session: registered again
+                    if reply:  # ... but it was applied, carried batches included
+                        carried = []
+                    received = self._pull(carried)
+                    version = load_reply(params, buffers, received)
+                    log.event("rejoined", incarnation=self.incarnation, version=version)
+                    continue
+                accepted = reply.message.accepted
+                settle_push(feedback, names, accepted=accepted)
+                carried = [] if accepted else covered
+                if not accepted:
+                    totals["pushes_rejected"] += 1
+                received = reply
+                version = load_reply(params, buffers, received)
+                finished = time.perf_counter()
 
-                    payload_bytes = sum(len(p) for p in payloads)
-                    totals["steps"] += 1
-                    totals["samples"] += len(indices)
-                    totals["gradient_time_s"] += computed - step_started
-                    totals["compression_time_s"] += compressed - computed
-                    totals["communication_time_s"] += finished - compressed
-                    totals["payload_bytes"] += payload_bytes
-                    totals["dense_bytes"] += dense_bytes_per_step if indices else 0
-                    epoch_loss += loss * len(indices)
-                    epoch_correct += correct
-                    epoch_samples += len(indices)
-                    log.event("push", epoch=epoch, step=step, num_samples=len(indices), payload_bytes=payload_bytes,
-                              push_bytes=push_bytes, accepted=reply.accepted, staleness=reply.staleness, version=version)
-                    if totals["steps"] % LOG_EVERY_STEPS == 0 or last_step:
-                        log.scalars("train", totals["steps"], {
-                            "loss": loss,
-                            "accuracy": correct / len(indices) if indices else 0.0,
-                            "throughput": len(indices) / (finished - step_started),
-                            "gradient_time_s": computed - step_started,
-                            "compression_time_s": compressed - computed,
-                            "communication_time_s": finished - compressed,
-                            "samples_processed": totals["samples"],
-                            "bytes_sent": client.bytes_sent,
-                            "bytes_received": client.bytes_received,
-                            "compression_ratio": totals["dense_bytes"] / max(totals["payload_bytes"], 1),
-                            "staleness": reply.staleness,
-                        }, epoch=epoch)
-                print(f"worker {self.worker_id}: epoch {epoch + 1}/{t.num_epochs} done, train loss "
-                      f"{epoch_loss / max(epoch_samples, 1):.4f}, version {version}", flush=True)
+                payload_bytes = sum(len(p) for p in payloads)
+                totals["steps"] += 1
+                totals["samples"] += samples
+                totals["gradient_time_s"] += computed - step_started
+                totals["compression_time_s"] += compressed - computed
+                totals["communication_time_s"] += finished - compressed
+                totals["last_communication_s"] = finished - compressed
+                totals["payload_bytes"] += payload_bytes
+                totals["dense_bytes"] += dense_bytes_per_step
+                epoch_loss += loss * samples
+                epoch_correct += correct
+                epoch_samples += samples
+                totals["train_loss"] = epoch_loss / max(epoch_samples, 1)
+                totals["train_accuracy"] = epoch_correct / max(epoch_samples, 1)
+                log.event("push", step=totals["steps"], num_samples=samples, batch_ids=list(request.batch_ids),
+                          payload_bytes=payload_bytes, push_bytes=push_bytes, reply_bytes=reply_bytes, accepted=accepted,
+                          staleness=reply.message.staleness, version=version)
+                if totals["steps"] % LOG_EVERY_STEPS == 0 or received.message.work.finished:
+                    log.scalars("train", totals["steps"], {
+                        "loss": loss,
+                        "accuracy": correct / samples if samples else 0.0,
+                        "throughput": samples / (finished - step_started),
+                        "gradient_time_s": computed - step_started,
+                        "compression_time_s": compressed - computed,
+                        "communication_time_s": finished - compressed,
+                        "samples_processed": totals["samples"],
+                        "bytes_sent": self.client.bytes_sent,
+                        "bytes_received": self.client.bytes_received,
+                        "compression_ratio": totals["dense_bytes"] / max(totals["payload_bytes"], 1),
+                        "staleness": reply.message.staleness,
+                    })
 
-            stats = pb.WorkerStats(
-                samples=totals["samples"], steps=totals["steps"],
-                bytes_sent=client.bytes_sent, bytes_received=client.bytes_received,
-                gradient_time_s=totals["gradient_time_s"], compression_time_s=totals["compression_time_s"],
-                communication_time_s=totals["communication_time_s"], total_time_s=time.perf_counter() - started,
-                train_loss=epoch_loss / max(epoch_samples, 1), train_accuracy=epoch_correct / max(epoch_samples, 1),
-                pushes_rejected=totals["pushes_rejected"],
-            )
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
-            log.event("run_end", **result)
-            client.finish(self.worker_id, stats)
-        return {"worker_id": self.worker_id, **result}
+            log.event("run_end", incarnation=self.incarnation, **result)
+        print(f"worker {self.worker_id}: finished at version {version}: {totals['samples']} samples in "
+              f"{totals['steps']} steps", flush=True)
+        return {"worker_id": self.worker_id, "incarnation": self.incarnation, **result}
+
+    def _push(self, request: pb.PushRequest, payloads: list[bytes], buffers: list, feedback: ErrorFeedback | None,
+              named_params, carried: list[pb.Batch]) -> Received | bool:
+        """Push; on a lost session register again. Returns the reply, or (the reply lost) whether the push was applied.
+
+        Raises:
+            IncarnationRevoked: the server declared this incarnation failed.
+        """
+        try:
+            return self.client.push(request, payloads, buffers)
+        except grpc.RpcError as exc:
+            self._check_session_lost(exc)
+        # The server restarted (our session is unknown there) or is restarting: join again and ask
+        # whether the push made it into an update before the server's checkpoint.
+        print(f"worker {self.worker_id}: lost the server's session; registering again", flush=True)
+        registration = self._register(request.request_id, carried)
+        # applied: keep what it left in the residual; lost: its samples will be computed again
+        settle_lost_push(feedback, [name for name, _ in named_params], applied=registration.last_request_applied, redone=True)
+        return registration.last_request_applied
+
+    def _check_session_lost(self, exc: grpc.RpcError) -> None:
+        """See :func:`src.worker_protocol.check_session_lost`."""
+        check_session_lost(exc, self.worker_id)
+
+    def _pull(self, carried: list[pb.Batch]) -> Received:
+        """Pull the parameters and work, registering again while the server has lost this session."""
+        while True:
+            try:
+                return self.client.pull(self.caller)
+            except grpc.RpcError as exc:
+                self._check_session_lost(exc)
+                print(f"worker {self.worker_id}: lost the server's session; registering again", flush=True)
+                self._register(0, carried)
 
     @staticmethod
-    def _compress(named_params, policy: CompressionPolicy | None, feedback: ErrorFeedback | None,
-                  generator: torch.Generator, step: int) -> list[bytes]:
-        payloads = []
-        for name, param in named_params:
-            gradient = param.grad if param.grad is not None else torch.zeros_like(param)
-            if policy is None:
-                payloads.append(IDENTITY.compress(gradient))
-                continue
-            compensated = feedback.compensate(name, gradient) if feedback is not None else gradient
-            payload = policy.compress(compensated, step, generator)
-            if feedback is not None:
-                feedback.update(name, compensated, payload)
-            payloads.append(payload)
-        return payloads
+    def _compute(model, params, train_set, batches: list[pb.Batch], learning_rate: float,
+                 device) -> tuple[float, int, int]:
+        """Gradients of the handed batches into ``param.grad`` (summed; local SGD steps between them).
 
-    @staticmethod
-    def _load(params: list[torch.Tensor], buffers: list[torch.Tensor], reply: Received) -> None:
-        """Copy the parameters and buffers of a register or pull reply into the local model."""
-        sent_params, sent_buffers = reply.large["parameters"], reply.large["buffers"]
-        if len(sent_params) != len(params) or len(sent_buffers) != len(buffers):
-            raise ValueError(f"server sent {len(sent_params)} parameters and {len(sent_buffers)} buffers, "
-                             f"the local model has {len(params)} and {len(buffers)}")
-        for index, (param, data) in enumerate(zip(params, sent_params)):
-            copy_bytes_into(param.data, data, f"parameter {index}")
-        for index, (buffer, data) in enumerate(zip(buffers, sent_buffers)):
-            copy_bytes_into(buffer, data, f"buffer {index}")
+        Returns the mean loss, the correct count and the samples.
+        """
+        if not batches:
+            return 0.0, 0, 0
+        summed: list[torch.Tensor] | None = None
+        total_loss, total_correct, total_samples = 0.0, 0, 0
+        for index, batch in enumerate(batches):
+            images, labels = train_set.batch(list(batch.indices))
+            model.zero_grad(set_to_none=True)
+            loss, correct = forward_backward(model, images.to(device), labels.to(device))
+            total_loss += loss * len(batch.indices)
+            total_correct += correct
+            total_samples += len(batch.indices)
+            if len(batches) == 1:
+                break
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            summed = [g.clone() for g in grads] if summed is None else [s.add_(g) for s, g in zip(summed, grads)]
+            if index + 1 < len(batches):
+                with torch.no_grad():
+                    for p, g in zip(params, grads):
+                        p.add_(g, alpha=-learning_rate)  # a local plain-SGD step
+        if summed is not None:
+            for p, s in zip(params, summed):
+                p.grad = s
+        return total_loss / max(total_samples, 1), total_correct, total_samples

@@ -47,20 +47,57 @@ class ServedServer:
     def client(self, token: str | None = TOKEN, **kwargs: Any) -> ParameterServerClient:
         return ParameterServerClient(self.address, token=token, retries=0, connect_timeout_s=10, **kwargs)
 
+    def worker(self, worker_id: int = 0) -> "RawWorker":
+        """A hand-driven worker: registered and holding its first work."""
+        return RawWorker(self, worker_id)
+
     def close(self) -> None:
         self.server.stop(grace=0)
+
+
+class RawWorker:
+    """A worker driven by hand through a raw client: register, pull, then pushes the test composes."""
+
+    def __init__(self, served: ServedServer, worker_id: int):
+        self.served = served
+        self.client = served.client()
+        self.registration = self.client.register(worker_id)
+        self.caller = pb.Caller(worker_id=worker_id, session=self.registration.session)
+        self.reply = self.client.pull(self.caller)
+        self.version = self.reply.message.version
+        self.next_request_id = 1
+        self.carried: list[pb.Batch] = []  # batches of rejected pushes, listed again in the next one
+
+    @property
+    def work(self) -> pb.Work:
+        return self.reply.message.work
+
+    def request(self, **fields: Any) -> pb.PushRequest:
+        """A valid push of the held work (every field overridable); gradients are identity zeros by default."""
+        batches = self.carried + list(self.work.batches)
+        values = dict(caller=self.caller, base_version=self.version, request_id=self.next_request_id,
+                      num_samples=sum(len(b.indices) for b in batches), batch_ids=[b.batch_id for b in batches],
+                      gradients=identity_gradients(self.served.server))
+        values.update(fields)
+        return pb.PushRequest(**values)
+
+    def push(self, request: pb.PushRequest | None = None):
+        """Send ``request`` (default: a valid one); a reply becomes the worker's new state."""
+        request = request or self.request()
+        self.next_request_id = max(self.next_request_id, request.request_id) + 1
+        covered = self.carried + list(self.work.batches)
+        reply = self.client.push(request)
+        self.carried = [] if reply.message.accepted else [b for b in covered if b.batch_id in request.batch_ids]
+        self.reply, self.version = reply, reply.message.version
+        return reply
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def identity_gradients(server: ParameterServer, value: float = 0.0) -> list[bytes]:
     """One identity payload per parameter of ``server``'s model, every entry ``value``."""
     return [IDENTITY.compress(torch.full(tuple(spec.shape), value)) for spec in server.param_specs]
-
-
-def push_request(server: ParameterServer, *, worker_id: int = 0, request_id: int = 1, base_version: int = 0,
-                 gradients: list[bytes] | None = None, num_samples: int = 4) -> pb.PushRequest:
-    """A whole push as one protobuf message; ``client.push(request)`` sends it as it is."""
-    return pb.PushRequest(worker_id=worker_id, base_version=base_version, request_id=request_id, num_samples=num_samples,
-                          gradients=identity_gradients(server) if gradients is None else gradients)
 
 
 def make_self_signed_cert(directory: Path) -> tuple[Path, Path]:

@@ -106,3 +106,22 @@ def test_prune_keeps_newest(tmp_path):
         save_checkpoint(numbered_path(tmp_path, step), sample(step))
     prune_checkpoints(tmp_path, keep_last=2)
     assert numbered_checkpoints(tmp_path) == [numbered_path(tmp_path, 5), numbered_path(tmp_path, 4)]
+
+
+def test_unfinished_run_checkpoint_resumes_only_an_interrupted_run(tmp_path):
+    import os
+
+    from src.checkpoint import final_checkpoint_path, numbered_path, unfinished_run_checkpoint
+
+    assert unfinished_run_checkpoint(tmp_path, "parameter_server") is None  # nothing there: start afresh
+    for number, mtime in ((10, 100), (20, 200)):
+        numbered_path(tmp_path, number).write_bytes(b"x")
+        os.utime(numbered_path(tmp_path, number), (mtime, mtime))
+    assert unfinished_run_checkpoint(tmp_path, "parameter_server") == numbered_path(tmp_path, 20)  # crashed
+    final = final_checkpoint_path(tmp_path, "parameter_server")
+    final.write_bytes(b"x")
+    os.utime(final, (300, 300))
+    assert unfinished_run_checkpoint(tmp_path, "parameter_server") is None  # finished
+    numbered_path(tmp_path, 5).write_bytes(b"x")  # a new run crashed after that one had finished
+    os.utime(numbered_path(tmp_path, 5), (400, 400))
+    assert unfinished_run_checkpoint(tmp_path, "parameter_server") == numbered_path(tmp_path, 5)

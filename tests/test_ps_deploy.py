@@ -1,7 +1,7 @@
-"""Deployment files of the parameter server: docker-compose.yml, the Dockerfile, the entrypoint, the PS configs.
+"""Deployment files of the parameter server: docker-compose.yml and its overrides, the Dockerfile, the entrypoint, the PS configs.
 
-There is no Docker engine on CI, so the compose file is checked for the structure the spec asks for;
-the multi-host test (test_ps_multihost.py) runs the same entrypoint for real.
+Fast checks of their structure; test_ps_compose.py (slow) builds the image and runs the compose
+cluster for real, and test_ps_multihost.py runs the same entrypoint across network namespaces.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def compose():
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+def override(name: str) -> dict:
+    return yaml.safe_load((ROOT / "docker" / name).read_text())
+
+
 def test_compose_services_network_and_volumes(compose):
     services = compose["services"]
     assert set(services) == {"parameter_server", "worker_0", "worker_1"}
@@ -37,7 +41,9 @@ def test_compose_services_network_and_volumes(compose):
         assert service["networks"] == ["training_net"], name
         assert {"./checkpoints:/app/checkpoints", "./logs:/app/logs"} <= set(service["volumes"]), name
         assert service["build"] == {"context": ".", "dockerfile": "docker/Dockerfile"}, name
-        assert "DTS_AUTH_TOKEN" in service["environment"], name
+        # No fallback token: compose refuses to start without $DTS_AUTH_TOKEN (test_ps_compose.py runs it).
+        assert service["environment"]["DTS_AUTH_TOKEN"].startswith("${DTS_AUTH_TOKEN:?"), name
+        assert service["environment"]["DTS_PROCESSES_PER_HOST"] == "3", name
     server = services["parameter_server"]
     assert server["environment"]["DTS_ROLE"] == "server"
     assert server["environment"]["DTS_SERVER_ADDRESS"] == "0.0.0.0:50051"  # reachable on training_net
@@ -49,10 +55,42 @@ def test_compose_services_network_and_volumes(compose):
         assert worker["environment"]["DTS_WORKER_ID"] == str(k)
         assert worker["environment"]["DTS_SERVER_ADDRESS"] == "parameter_server:50051"
         assert worker["depends_on"] == ["parameter_server"]
+        assert worker["restart"].startswith("on-failure"), "a failed worker is restarted and registers again"
+
+
+def test_local_override_builds_on_the_local_base_and_stays_on_this_machine():
+    local = override("compose.local.yml")
+    assert local["networks"]["training_net"]["internal"] is True
+    base_script = (ROOT / "docker" / "build_local_base.sh").read_text()
+    for name, service in local["services"].items():
+        assert service["build"]["args"]["INSTALL_REQUIREMENTS"] == "no", name
+        assert f'image="${{1:-{service["build"]["args"]["BASE_IMAGE"]}}}"' in base_script, name  # the script makes that base
+        packages = [volume for volume in service["volumes"] if volume.endswith(":/usr/local/lib/python3.11/dist-packages:ro")]
+        assert len(packages) == 1, name  # the host's packages, read-only
+    # The same run as docker-compose.yml's, on the bundled mnist_5k (internal network: nothing to download).
+    main_command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["parameter_server"]["command"]
+    local_command = local["services"]["parameter_server"]["command"]
+    dataset = main_command.index("--dataset") + 1
+    assert local_command == main_command[:dataset] + ["mnist_5k"] + main_command[dataset + 1:]
+
+
+def test_tls_override_gives_the_key_to_the_server_only():
+    tls = override("compose.tls.yml")
+    server = tls["services"]["parameter_server"]
+    assert server["environment"] == {"DTS_TLS_CERT": "certs/server.crt", "DTS_TLS_KEY": "certs/server.key"}
+    for k in (0, 1):
+        worker = tls["services"][f"worker_{k}"]
+        assert worker["environment"] == {"DTS_TLS_CA": "certs/server.crt"}
+        assert not any("server.key" in volume for volume in worker["volumes"])
+    # Nor does a key (or local data) get into the image through the build context.
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {"certs", "data", "checkpoints", "logs", ".git"} <= set(ignored)
 
 
 def test_dockerfile_runs_the_entrypoint_with_the_code():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}\n" in dockerfile  # users get the official image
+    assert "ARG INSTALL_REQUIREMENTS=yes" in dockerfile
     assert 'ENTRYPOINT ["bash", "docker/entrypoint.sh"]' in dockerfile
     for copied in ("COPY src/ src/", "COPY run_*.py ./", "COPY docker/entrypoint.sh docker/entrypoint.sh", "requirements.txt"):
         assert copied in dockerfile
@@ -69,6 +107,42 @@ def test_entrypoint_refuses_a_missing_role(environment, message):
     result = subprocess.run(["bash", str(ROOT / "docker" / "entrypoint.sh")], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    """A ``python`` on PATH that prints the arguments and thread count it was given (the entrypoint's output)."""
+    (tmp_path / "python").write_text('#!/bin/sh\necho "OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset}"\nfor a in "$@"; do echo "$a"; done\n')
+    (tmp_path / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTS_") and k != "OMP_NUM_THREADS"}
+    return env | {"PATH": f"{tmp_path}:{os.environ['PATH']}"}
+
+
+def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "docker" / "entrypoint.sh"), *args], env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_entrypoint_passes_tls_files_and_a_share_of_the_cores(fake_python):
+    server = run_entrypoint(fake_python | {"DTS_ROLE": "server", "DTS_TLS_CERT": "certs/server.crt", "DTS_TLS_KEY": "certs/server.key",
+                                           "DTS_PROCESSES_PER_HOST": "3"}, "--workers", "2")
+    assert server.returncode == 0, server.stderr
+    lines = server.stdout.split()
+    assert lines[0] == f"OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // 3)}"
+    assert lines[1:] == ["run_parameter_server_training.py", "--role", "server", "--server-address", "0.0.0.0:50051",
+                         "--tls-cert", "certs/server.crt", "--tls-key", "certs/server.key", "--workers", "2"]
+    worker = run_entrypoint(fake_python | {"DTS_ROLE": "worker", "DTS_WORKER_ID": "1", "DTS_TLS_CA": "certs/server.crt",
+                                           "OMP_NUM_THREADS": "7", "DTS_PROCESSES_PER_HOST": "3"})
+    assert worker.stdout.split() == ["OMP_NUM_THREADS=7", "run_parameter_server_training.py", "--role", "worker", "--worker-id", "1",
+                                     "--server-address", "parameter_server:50051", "--tls-ca", "certs/server.crt"]
+    plain = run_entrypoint(fake_python | {"DTS_ROLE": "worker", "DTS_WORKER_ID": "0"})
+    assert plain.stdout.split() == ["OMP_NUM_THREADS=unset", "run_parameter_server_training.py", "--role", "worker", "--worker-id", "0",
+                                    "--server-address", "parameter_server:50051"]
+
+
+def test_entrypoint_refuses_a_bad_process_count(fake_python):
+    result = run_entrypoint(fake_python | {"DTS_ROLE": "server", "DTS_PROCESSES_PER_HOST": "three"})
+    assert result.returncode == 2
+    assert "DTS_PROCESSES_PER_HOST must be a positive integer, got 'three'" in result.stderr
 
 
 @pytest.mark.parametrize("name", sorted(SPEC_CONFIGS))

@@ -66,8 +66,11 @@ def test_sync_matches_large_batch_baseline(tmp_path, num_workers, max_train_samp
 
 
 def test_async_single_worker_matches_baseline(tmp_path):
+    # The plain server optimizer; with the lookahead correction one worker takes Nesterov's steps
+    # (tests/test_staleness.py checks that against torch's Nesterov SGD).
     expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=100, momentum=0.9)
     summary, actual = ps_parameters(tmp_path, system__num_workers=1, system__aggregation_mode="async",
+                                    system__async_correction="none",
                                     training__batch_size=16, training__max_train_samples=100, training__momentum=0.9)
     assert summary["versions"] == 7 and summary["max_staleness"] == 0
     assert_same_parameters(expected, actual)

@@ -105,3 +105,68 @@ def test_server_and_workers_on_separate_hosts(hosts, tmp_path):
         assert f"worker {k}: 128 samples" in text[f"worker_{k}"]
         assert (logs / f"worker_host_{k}" / f"worker_{k}" / "events.jsonl").is_file()
     assert (tmp_path / "ckpt" / "parameter_server_final.pt").is_file()
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(hosts, tmp_path):
+    """Worker 1's host kills it mid-run: the server fails it after the heartbeat timeout and goes on (no hang);
+    started again by hand, it registers as a new incarnation and trains until the run ends."""
+    from src.coordinator import check_coverage
+
+    logs = tmp_path / "logs"
+    server_events = logs / "server_host" / "server" / "events.jsonl"
+    worker_1_events = logs / "worker_host_1" / "worker_1" / "events.jsonl"
+    processes = {}
+    outputs = {role: open(tmp_path / f"{role}.out", "w+") for role in [*hosts, "worker_1_again"]}
+    worker = lambda k: ({"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k), "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
+                        ["--log-dir", str(logs / f"worker_host_{k}")])
+
+    def events(path, kind):
+        return list(read_events(path, kind)) if path.is_file() else []
+
+    try:
+        processes["server"] = start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
+                                    ["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "2000",
+                                     "--batch-size", "16", "--max-test-samples", "128", "--heartbeat-interval", "0.5",
+                                     "--heartbeat-timeout", "3", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                     "--log-dir", str(logs / "server_host")], outputs["server"])
+        for k in (0, 1):
+            processes[f"worker_{k}"] = start(hosts[f"worker_{k}"], *worker(k), outputs[f"worker_{k}"])
+        wait_for(lambda: len(events(worker_1_events, "push")) >= 5, 180, "worker 1's fifth push")
+        kill_group(processes["worker_1"])
+        processes["worker_1"].wait()
+        wait_for(lambda: events(server_events, "worker_failed"), 30, "the server to fail worker 1")
+        versions_at_failure = max(e["version"] for e in events(server_events, "update"))
+        wait_for(lambda: max(e["version"] for e in events(server_events, "update")) > versions_at_failure + 3, 60,
+                 "the run to go on without worker 1")
+        processes["worker_1_again"] = start(hosts["worker_1"], *worker(1), outputs["worker_1_again"])
+        codes = {role: processes[role].wait(timeout=240) for role in ("server", "worker_0", "worker_1_again")}
+        text = {}
+        for role, handle in outputs.items():
+            handle.seek(0)
+            text[role] = handle.read()
+        assert codes == {"server": 0, "worker_0": 0, "worker_1_again": 0}, text
+    finally:
+        for process in processes.values():
+            kill_group(process)
+            process.wait()
+        for handle in outputs.values():
+            handle.close()
+
+    failed = events(server_events, "worker_failed")
+    assert [e["worker"] for e in failed] == [1] and "silent for" in failed[0]["reason"]
+    rejoined = events(server_events, "worker_rejoined")
+    assert [e["worker"] for e in rejoined] == [1] and rejoined[0]["incarnation"] > failed[0]["incarnation"]
+    starts = [e["incarnation"] for e in events(worker_1_events, "run_start")]
+    assert starts == [failed[0]["incarnation"], rejoined[0]["incarnation"]]  # the new process trained too
+    report = check_coverage(events(server_events, None), 2000, 1)
+    assert report["ok"], report

@@ -11,8 +11,9 @@ import torch
 from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
 from src.ps_transport import ParameterServerClient
+from src.metrics import read_events
 from src.worker import Worker
-from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config, push_request
+from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,14 +47,17 @@ def test_binds_loopback_only_by_default(served):
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])
-@pytest.mark.parametrize("call", ["status", "register", "pull", "push"])
+@pytest.mark.parametrize("call", ["status", "register", "pull", "push", "heartbeat", "finish"])
 def test_calls_without_the_token_are_refused(served, token, call):
+    caller = pb.Caller(worker_id=0, session=b"x" * 16)
     with served.client(token=token) as client:
         invoke = {
             "status": lambda: client.status(),
-            "register": lambda: client.register(0),
-            "pull": lambda: client.pull(0, 0),
-            "push": lambda: client.push(push_request(served.server)),
+            "register": lambda: client.register(0, timeout=5),
+            "pull": lambda: client.pull(caller),
+            "push": lambda: client.push(pb.PushRequest(caller=caller, request_id=1)),
+            "heartbeat": lambda: client.heartbeat(caller, pb.WorkerStats(), timeout=5),
+            "finish": lambda: client.finish(caller, pb.WorkerStats()),
         }[call]
         with pytest.raises(grpc.RpcError) as refused:
             invoke()
@@ -74,8 +78,9 @@ def corrupt(payload: bytes, value: float) -> bytes:
     return payload[:HEADER_SIZE] + torch.tensor([value]).numpy().tobytes() + payload[HEADER_SIZE + 4:]
 
 
-def bad_pushes(server):
-    """(description, request, expected status, words the refusal must contain)."""
+def bad_pushes(worker):
+    """(description, request, expected status, words the refusal must contain) for a registered worker holding work."""
+    server = worker.served.server
     good = identity_gradients(server)
     shapes = [tuple(spec.shape) for spec in server.param_specs]
     wrong_shape = list(good)
@@ -94,41 +99,53 @@ def bad_pushes(server):
 
     topk_payload[HEADER_SIZE:HEADER_SIZE + 4] = torch.tensor([float("nan")]).numpy().tobytes()
     topk_nan[0] = bytes(topk_payload)
+    held = list(worker.request().batch_ids)
+    other = 1 - worker.caller.worker_id
+    samples = worker.request().num_samples
     invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    not_found = grpc.StatusCode.NOT_FOUND
     return [
-        ("unknown worker", push_request(server, worker_id=7), precondition, ["worker 7", "not registered"]),
-        ("too few tensors", push_request(server, gradients=good[:-1]), invalid, [f"{len(good) - 1} gradients", f"{len(good)} parameters"]),
-        ("wrong shape", push_request(server, gradients=wrong_shape), invalid, ["gradient 0", "shape", "expected"]),
-        ("truncated payload", push_request(server, gradients=truncated), invalid, ["gradient 1", "truncated"]),
-        ("NaN", push_request(server, gradients=nan), invalid, ["gradient 0", "NaN"]),
-        ("Inf", push_request(server, gradients=inf), invalid, ["gradient 2", "NaN/Inf"]),
-        ("NaN in a top-k payload", push_request(server, gradients=topk_nan), invalid, ["gradient 0"]),
-        ("garbage payload", push_request(server, gradients=garbage), invalid, ["gradient 0", "magic"]),
-        ("tensors in an empty step", push_request(server, num_samples=0), invalid, ["empty step"]),
-        ("base version from the future", push_request(server, base_version=99), invalid, ["ahead"]),
+        ("unknown worker", worker.request(caller=pb.Caller(worker_id=7, session=worker.caller.session)), not_found,
+         ["worker 7", "not registered"]),
+        ("another worker's id with this session", worker.request(caller=pb.Caller(worker_id=other, session=worker.caller.session)),
+         not_found, [f"worker {other}"]),
+        ("no session", worker.request(caller=pb.Caller(worker_id=0)), not_found, ["worker 0", "unknown session"]),
+        ("request id 0", worker.request(request_id=0), invalid, ["request_id must be non-zero"]),
+        ("an empty push (proto3 defaults)", pb.PushRequest(caller=worker.caller, request_id=99), invalid,
+         ["covers batches []", f"it holds {held}"]),
+        ("batches it does not hold", worker.request(batch_ids=[b + 1000 for b in held]), invalid, ["covers batches", "it holds"]),
+        ("wrong sample count", worker.request(num_samples=samples + 1), invalid, [f"num_samples {samples + 1}"]),
+        ("too few tensors", worker.request(gradients=good[:-1]), invalid, [f"{len(good) - 1} gradients", f"{len(good)} parameters"]),
+        ("wrong shape", worker.request(gradients=wrong_shape), invalid, ["gradient 0", "shape", "expected"]),
+        ("truncated payload", worker.request(gradients=truncated), invalid, ["gradient 1", "truncated"]),
+        ("NaN", worker.request(gradients=nan), invalid, ["gradient 0", "NaN"]),
+        ("Inf", worker.request(gradients=inf), invalid, ["gradient 2", "NaN/Inf"]),
+        ("NaN in a top-k payload", worker.request(gradients=topk_nan), invalid, ["gradient 0"]),
+        ("garbage payload", worker.request(gradients=garbage), invalid, ["gradient 0", "magic"]),
+        ("base version from the future", worker.request(base_version=99), invalid, ["ahead"]),
     ]
 
 
 def test_bad_pushes_are_refused_and_the_server_keeps_serving(tmp_path):
     served = ServedServer(ps_config(tmp_path), evaluate=False)
+    worker = served.worker(0)
     try:
-        with served.client() as client:
-            client.register(0)
-            before = [p.detach().clone() for p in served.server.params]
-            cases = bad_pushes(served.server)
-            for description, request, code, words in cases:
-                with pytest.raises(grpc.RpcError) as refused:
-                    client.push(request)
-                assert refused.value.code() == code, description
-                for word in words:
-                    assert word in refused.value.details(), (description, refused.value.details())
-            status = client.status()
-            assert status.version == 0 and status.pushes_refused == len(cases)
-            for old, new in zip(before, served.server.params):
-                assert torch.equal(old, new)
-            reply = client.push(push_request(served.server, request_id=42))  # a good push still goes through
-            assert reply.accepted and reply.version == 1
+        before = [p.detach().clone() for p in served.server.state.params]
+        cases = bad_pushes(worker)
+        for description, request, code, words in cases:
+            with pytest.raises(grpc.RpcError) as refused:
+                worker.client.push(request)
+            assert refused.value.code() == code, description
+            for word in words:
+                assert word in refused.value.details(), (description, refused.value.details())
+        status = worker.client.status()
+        assert status.version == 0 and status.pushes_refused == len(cases) - 3  # 3 refused as callers, before any push logic
+        for old, new in zip(before, served.server.state.params):
+            assert torch.equal(old, new)
+        reply = worker.push()  # a good push still goes through
+        assert reply.message.accepted and reply.message.version == 1
     finally:
+        worker.close()
         served.close()
 
 
@@ -149,47 +166,69 @@ def test_malformed_push_bytes_are_refused(served, data, words):
 
 def test_retried_push_is_applied_once(tmp_path):
     served = ServedServer(ps_config(tmp_path), evaluate=False)
+    worker = served.worker(0)
     try:
-        with served.client() as client:
-            client.register(0)
-            gradients = identity_gradients(served.server, value=1.0)
-            first = client.push(push_request(served.server, request_id=5, gradients=gradients))
-            after_first = [p.detach().clone() for p in served.server.params]
-            retry = client.push(push_request(served.server, request_id=5, gradients=gradients))
-            assert retry == first and first.version == 1
-            assert client.status().pushes_applied == 1
-            for old, new in zip(after_first, served.server.params):
-                assert torch.equal(old, new)
-            other = client.push(push_request(served.server, request_id=6, base_version=1, gradients=gradients))
-            assert other.version == 2  # a new request id is a new push
+        request = worker.request(request_id=5, gradients=identity_gradients(served.server, value=1.0))
+        first = worker.push(request)
+        after_first = [p.detach().clone() for p in served.server.state.params]
+        retry = worker.client.push(request)
+        assert retry.message == first.message and first.message.version == 1
+        assert worker.client.status().pushes_applied == 1
+        for old, new in zip(after_first, served.server.state.params):
+            assert torch.equal(old, new)
+        other = worker.push(worker.request(request_id=6))
+        assert other.message.version == 2  # a new request id is a new push
     finally:
+        worker.close()
+        served.close()
+
+
+def test_a_replaced_incarnation_is_refused(tmp_path):
+    """Registering worker 0 again makes a new incarnation; the old session can push, pull or beat no more."""
+    served = ServedServer(ps_config(tmp_path), evaluate=False)
+    old = served.worker(0)
+    try:
+        stale = old.request()
+        new = served.worker(0)
+        assert new.registration.incarnation == old.registration.incarnation + 1
+        for call in (lambda: old.client.push(stale), lambda: old.client.pull(old.caller),
+                     lambda: old.client.heartbeat(old.caller, pb.WorkerStats(), timeout=5)):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.ABORTED
+            assert f"incarnation {old.registration.incarnation} was replaced" in refused.value.details()
+        assert new.push().message.accepted  # the new incarnation holds the work and trains
+        events = [e["kind"] for e in read_events(served.server.log.events.path)]
+        assert "worker_failed" in events and "worker_rejoined" in events
+        new.close()
+    finally:
+        old.close()
         served.close()
 
 
 def test_run_finishes_despite_a_misbehaving_worker(tmp_path):
-    """Worker 1 sends only bad pushes and leaves; worker 0 trains to the end and the run completes."""
-    config = ps_config(tmp_path, system__num_workers=2, system__aggregation_mode="sync", training__max_train_samples=96)
+    """Worker 1 sends only bad pushes, then stops; worker 0 trains, worker 1's work moves to it, the run completes."""
+    config = ps_config(tmp_path, system__num_workers=2, system__aggregation_mode="sync", training__max_train_samples=96,
+                       system__heartbeat_interval=0.2, system__heartbeat_timeout=1.0)
     served = ServedServer(config)
     try:
-        with served.client() as rogue:
-            rogue.register(1)
-            refused = 0
-            for _, request, _, _ in bad_pushes(served.server):
-                request.worker_id = 1 if request.worker_id == 0 else request.worker_id
-                with pytest.raises(grpc.RpcError):
-                    rogue.push(request)
-                refused += 1
-            rogue.finish(1, pb.WorkerStats())
         worker_config = config.model_copy(update={"system": config.system.model_copy(update={"server_address": served.address})})
         outcome = {}
         thread = threading.Thread(target=lambda: outcome.update(Worker(worker_config, 0, token=TOKEN, tensorboard=False).run()))
         thread.start()
+        rogue = served.worker(1)  # both ready: the first round starts
+        refused = 0
+        for _, request, _, _ in bad_pushes(rogue):
+            with pytest.raises(grpc.RpcError):
+                rogue.client.push(request)
+            refused += 1
+        rogue.close()  # silent from now on: failed after the heartbeat timeout
         thread.join(90)
-        assert not thread.is_alive() and outcome["steps"] == 3
+        assert not thread.is_alive() and outcome["samples"] == 96
         assert served.server.wait_until_done(30)
         summary = served.server.finalize()
-        assert summary["pushes_refused"] == refused and summary["versions"] == 3
-        assert summary["samples_processed"] == 48  # worker 0's shard: half of 96
+        assert summary["pushes_refused"] == refused - 3 and summary["faults"]["worker_failures"] == 1
+        assert summary["samples_processed"] == 96  # every sample once, worker 1's shard included
     finally:
         served.close()
 

@@ -10,8 +10,9 @@ from src.ps_transport import Outgoing, copy_bytes_into, serialize, split, tensor
 
 
 def full_push(gradients, buffers) -> pb.PushRequest:
-    return pb.PushRequest(worker_id=3, base_version=7, request_id=2**62 + 5, num_samples=32, gradients=gradients,
-                          buffers=buffers, metrics=pb.StepMetrics(epoch=1, step=2, loss=0.5, correct=30, last_in_epoch=True))
+    return pb.PushRequest(caller=pb.Caller(worker_id=3, session=b"s" * 16), base_version=7, request_id=2**62 + 5,
+                          num_samples=32, batch_ids=[4, 2**40], gradients=gradients, buffers=buffers,
+                          metrics=pb.StepMetrics(epoch=1, step=2, loss=0.5, correct=30, gradient_time_s=0.25))
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [1, 127, 128, 300], [70_000, 3]])
@@ -41,7 +42,7 @@ def test_split_reads_what_protobuf_wrote():
     (b"\x2a\x05ab", "runs past the end"),
     (b"\x11\x00", "runs past the end"),  # fixed64 with 1 byte
     (b"\x0b", "unsupported wire type 3"),
-    (b"\x3a\x01\x08", "Wire format was corrupt"),  # metrics: a submessage cut inside a field
+    (b"\x42\x01\x08", "Wire format was corrupt"),  # metrics: a submessage cut inside a field
 ])
 def test_split_refuses_malformed_bytes(data, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,202 @@
+"""Run every scripts/bench_*.py, keep each one's JSON, and table each figure beside its reference.
+
+    python scripts/bench_all.py                              # all benchmarks, reports/bench.json (~5-8 min on 2 cores)
+    python scripts/bench_all.py --quick                      # fewer repeats, smaller sizes (~2-3 min)
+    python scripts/bench_all.py --only bench_compression bench_ps --output reports/bench.json
+    python generate_performance_report.py --runs-dir artifacts --bench-json reports/bench.json
+
+Benchmarks run one after another (never side by side: they time the same cores), each with a time
+limit. reports/bench.json holds ``results`` (each script's JSON, its command, exit status and wall
+time) and ``figures``: one row per figure with our value, the reference's (plain PyTorch loop,
+plain DDP loop, raw gRPC echo, torch.topk, PowerSGD), the ratio, how the ratio is defined and the
+target the benchmark states (``None`` where none is set). A benchmark that fails keeps its row with
+the error, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK_ARGS = {
+    "bench_baseline": ["--repeats", "1", "--epochs", "1"],
+    "bench_compression": ["--sizes", "1000000", "--repeats", "3"],
+    "bench_ps": ["--sizes-mb", "1", "4", "--repeats", "5"],
+    "bench_ddp": ["--repeats", "1", "--hook-repeats", "1", "--epochs", "1",
+                  "--cases", "allreduce", "ring", "topk", "powersgd_rank2", "topk_matched"],
+}
+COMPRESSION_TARGET = {"size": 11_000_000, "ratio": 5.0}  # bench_compression: sampled top-k >= 5x torch.topk at 11M
+
+
+def last_json_document(text: str) -> Any:
+    """The last JSON object printed on stdout (benchmarks print progress before it on some paths)."""
+    decoder = json.JSONDecoder()
+    for start in sorted((i for i, ch in enumerate(text) if ch == "{" and (i == 0 or text[i - 1] == "\n")), reverse=True):
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            continue
+        if not text[end:].strip():
+            return value
+    raise ValueError("no JSON object at the end of its output")
+
+
+def _row(benchmark: str, figure: str, ours: float | None, reference: float | None, reference_name: str, unit: str,
+         ratio: float | None, ratio_definition: str, target: float | None, *, higher_is_better: bool = True,
+         target_text: str | None = None) -> dict[str, Any]:
+    meets = None
+    if target is not None and ratio is not None:
+        meets = ratio >= target if higher_is_better else ratio <= target
+    return {"benchmark": benchmark, "figure": figure, "ours": ours, "reference": reference,
+            "reference_name": reference_name, "unit": unit, "ratio": ratio, "ratio_definition": ratio_definition,
+            "target": target, "target_text": target_text, "meets_target": meets}
+
+
+def figures_baseline(result: dict) -> list[dict]:
+    return [_row("bench_baseline", "baseline trainer samples/s", result["trainer_samples_per_s"],
+                 result["plain_loop_samples_per_s"], "plain PyTorch loop", "samples/s", result["ratio"], "ours / reference",
+                 result.get("target_ratio"))]
+
+
+def figures_ddp(result: dict) -> list[dict]:
+    rows = []
+    overhead = result.get("overhead")
+    if overhead:
+        rows.append(_row("bench_ddp", "DDP trainer samples/s", round(overhead["trainer_samples_per_s"], 1),
+                         round(overhead["plain_ddp_samples_per_s"], 1), "plain DDP loop", "samples/s",
+                         round(overhead["ratio"], 4), "ours / reference", overhead.get("target_ratio")))
+    comparison = result.get("powersgd_vs_topk")
+    if comparison:
+        topk, powersgd = comparison["topk_error_feedback_same_bytes"], comparison["powersgd_rank2"]
+        rows.append(_row("bench_ddp", "top-k + error feedback accuracy at PowerSGD rank 2's bytes",
+                         topk["final_accuracy"], powersgd["final_accuracy"], "PowerSGD rank 2", "accuracy",
+                         round(topk["final_accuracy"] / powersgd["final_accuracy"], 4) if powersgd["final_accuracy"] else None,
+                         "ours / reference", None))
+        rows.append(_row("bench_ddp", "top-k + error feedback train time at PowerSGD rank 2's bytes",
+                         round(topk["train_time_s"], 3), round(powersgd["train_time_s"], 3), "PowerSGD rank 2", "s",
+                         round(powersgd["train_time_s"] / topk["train_time_s"], 4), "reference / ours (> 1: we are faster)", None))
+    return rows
+
+
+def figures_ps(result: dict) -> list[dict]:
+    rows = [_row("bench_ps", f"push + pull round trip, {trip['model_mb']} MB model", trip["ps_round_trip_ms"],
+                 trip["echo_round_trip_ms"], "raw gRPC bytes echo", "ms", trip["ratio"],
+                 "reference / ours (1 = as fast as gRPC moves the bytes)", None) for trip in result.get("round_trips", [])]
+    training = result.get("training") or {}
+    base = (training.get("baseline") or {}).get("samples_per_s")
+    for mode in ("sync", "async"):
+        run = training.get(f"ps_{mode}_2_workers")
+        if run and base:
+            rows.append(_row("bench_ps", f"PS {mode}, 2 workers, samples/s", run["samples_per_s"], base,
+                             "baseline trainer", "samples/s", round(run["samples_per_s"] / base, 4), "ours / reference", None))
+    return rows
+
+
+def figures_compression(result: dict) -> list[dict]:
+    rows = []
+    for size, entry in sorted(result.get("sizes", {}).items(), key=lambda item: int(item[0])):
+        sampled = entry["topk_sampled_0.01"]["compress_ms"]
+        target = COMPRESSION_TARGET["ratio"] if int(size) == COMPRESSION_TARGET["size"] else None
+        rows.append(_row("bench_compression", f"sampled top-k 1% compress, {int(size):,} floats", sampled,
+                         entry["torch_topk_1pct_ms"], "torch.topk (selection alone)", "ms",
+                         entry["sampled_topk_speedup"]["compress_vs_torch_topk"], "reference / ours (speedup)", target,
+                         target_text=None if target else "stated for 11M floats only"))
+    return rows
+
+
+FIGURES: dict[str, Callable[[dict], list[dict]]] = {
+    "bench_baseline": figures_baseline,
+    "bench_ddp": figures_ddp,
+    "bench_ps": figures_ps,
+    "bench_compression": figures_compression,
+}
+
+
+def discover() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "scripts").glob("bench_*.py") if p.stem != "bench_all")
+
+
+def run_one(name: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
+    command = [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *extra]
+    started = time.perf_counter()
+    entry: dict[str, Any] = {"command": " ".join(["python", f"scripts/{name}.py", *extra]), "returncode": None,
+                             "wall_s": None, "result": None, "error": None}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        entry["error"] = f"timed out after {timeout_s:.0f}s"
+        return entry
+    entry["returncode"], entry["wall_s"] = done.returncode, round(time.perf_counter() - started, 1)
+    if done.returncode != 0:
+        entry["error"] = f"exited with status {done.returncode}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}"
+        return entry
+    try:
+        entry["result"] = last_json_document(done.stdout)
+    except ValueError as exc:
+        entry["error"] = str(exc)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default="reports/bench.json", help="where to write the results (default reports/bench.json)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these (e.g. bench_ps bench_compression)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes: a smoke run, not for docs")
+    parser.add_argument("--timeout-s", type=float, default=900, help="limit per benchmark (default 900)")
+    args = parser.parse_args(argv)
+    names = discover()
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            parser.error(f"--only: no scripts/{unknown[0]}.py (known: {', '.join(names)})")
+        names = [n for n in names if n in args.only]
+    load_before = os.getloadavg()[0]
+    results, figures, failed = {}, [], []
+    for name in names:
+        extra = QUICK_ARGS.get(name, []) if args.quick else []
+        print(f"{name}: running {' '.join(extra) or '(defaults)'}", file=sys.stderr, flush=True)
+        entry = run_one(name, extra, args.timeout_s)
+        results[name] = entry
+        if entry["error"]:
+            failed.append(name)
+            figures.append({"benchmark": name, "figure": "(benchmark failed)", "error": entry["error"], "ours": None,
+                            "reference": None, "reference_name": "", "unit": "", "ratio": None, "ratio_definition": None,
+                            "target": None, "target_text": entry["error"], "meets_target": None})
+            print(f"{name}: FAILED: {entry['error']}", file=sys.stderr, flush=True)
+            continue
+        extract = FIGURES.get(name)
+        figures += extract(entry["result"]) if extract else [{
+            "benchmark": name, "figure": "(no reference figure known to bench_all)", "ours": None, "reference": None,
+            "reference_name": "", "unit": "", "ratio": None, "ratio_definition": None, "target": None,
+            "target_text": "see its JSON in results", "meets_target": None}]
+        print(f"{name}: done in {entry['wall_s']}s", file=sys.stderr, flush=True)
+    document = {
+        "command": "python scripts/bench_all.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "quick": args.quick,
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "load_average_before": round(load_before, 2),
+        "load_average_after": round(os.getloadavg()[0], 2),
+        "generated_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "figures": figures,
+        "results": results,
+    }
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(document, indent=2) + "\n")
+    for row in figures:
+        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        target = row["target_text"] or ("none set" if row["target"] is None else f">= {row['target']}")
+        print(f"{row['benchmark']:<18} {row['figure']:<60} ratio {ratio:>7}  target {target}")
+    print(f"wrote {output}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Benchmark: a training step through torch_asgc against the same step made with the raw protocol calls.
+
+    python scripts/bench_library.py [--steps 30] [--rounds 3] [--model simple_cnn]
+
+ours:      forward/backward + ``DistributedOptimizer.step()`` (compensate, compress, push, load the reply)
+reference: the same forward/backward + what our own PS worker does per step with the raw client
+           (``encode_gradients`` -> ``ParameterServerClient.push`` -> ``settle_push`` -> ``load_reply``)
+
+Both are workers of one in-process :class:`~torch_asgc.server.ClientLoopServer` (async, so neither
+waits for the other), on the same batches of mnist_5k, alternating blocks of ``--steps`` steps for
+``--rounds`` rounds; the figure is the median step time. Uncompressed and top-k 0.01 (+ error
+feedback). The ratio is the library's overhead over the protocol itself; target <= 1.10.
+Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from src import parameter_server_pb2 as pb  # noqa: E402
+from src.compression import CompressionPolicy, ErrorFeedback, build_compressor  # noqa: E402
+from src.config import load_config  # noqa: E402
+from src.data import dataset_info, load_dataset  # noqa: E402
+from src.models import build_model  # noqa: E402
+from src.ps_transport import ParameterServerClient  # noqa: E402
+from src.worker_protocol import encode_gradients, load_reply, settle_push  # noqa: E402
+from torch_asgc import DistributedModel, DistributedOptimizer, connect  # noqa: E402
+from torch_asgc.server import ClientLoopServer  # noqa: E402
+
+TOKEN = "bench-library-token-0123456789"
+TARGET_RATIO = 1.10
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="simple_cnn")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {}
+    for label, compressor in (("identity", None), ("topk_0.01", build_compressor("topk", ratio=0.01))):
+        results[label] = measure(args, compressor)
+    print(json.dumps({
+        "benchmark": "library step vs raw protocol step",
+        "model": args.model, "batch_size": 64, "load_average": os.getloadavg()[0],
+        "target_ratio": TARGET_RATIO, "results": results,
+    }, indent=2))
+
+
+def measure(args, compressor) -> dict:
+    out = Path("/tmp") / f"bench_library_{os.getpid()}"
+    config = load_config(overrides={
+        "system.num_workers": 2, "system.aggregation_mode": "async", "system.server_address": "127.0.0.1:0",
+        "system.log_dir": str(out / "logs"), "system.checkpoint_dir": str(out / "ckpt"),
+        "training.checkpoint_interval": 100_000, "training.momentum": 0.0,
+        "system.heartbeat_timeout": 3600.0,  # the raw reference worker sends no heartbeats
+    })
+    server = ClientLoopServer(config, token=TOKEN, tensorboard=False)
+    port = server.start()
+    address = f"127.0.0.1:{port}"
+    train = load_dataset("mnist_5k", "train")
+    batches = [train.batch(list(range(i, i + 64))) for i in range(0, 64 * args.steps, 64)]
+    try:
+        torch.manual_seed(0)
+        net = build_model(args.model, dataset_info("mnist_5k"))
+        client = connect(address, token=TOKEN, worker_id=0)
+        model = DistributedModel(net, client)
+        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.0), client,
+                                         compression=compressor if compressor is not None else "none")
+
+        torch.manual_seed(0)
+        raw_net = build_model(args.model, dataset_info("mnist_5k"))
+        raw = ParameterServerClient(address, token=TOKEN, retries=0)
+        registration = raw.register(1)
+        caller = pb.Caller(worker_id=1, session=registration.session)
+        named = [(n, p) for n, p in raw_net.named_parameters() if p.requires_grad]
+        params, names = [p for _, p in named], [n for n, _ in named]
+        version = load_reply(params, [], raw.pull(caller))
+        policy = CompressionPolicy(compressor) if compressor is not None else None
+        feedback = ErrorFeedback() if compressor is not None else None
+        request_id = 1
+
+        def library_block() -> list[float]:
+            times = []
+            for images, labels in batches:
+                started = time.perf_counter()
+                optimizer.zero_grad()
+                F.cross_entropy(model(images), labels).backward()
+                optimizer.step()
+                times.append(time.perf_counter() - started)
+            return times
+
+        def reference_block() -> list[float]:
+            nonlocal version, request_id
+            times = []
+            for step, (images, labels) in enumerate(batches):
+                started = time.perf_counter()
+                raw_net.zero_grad(set_to_none=True)
+                F.cross_entropy(raw_net(images), labels).backward()
+                payloads = encode_gradients(((n, p.grad) for n, p in named), policy, feedback, None, step)
+                request_id += 1
+                reply = raw.push(pb.PushRequest(caller=caller, base_version=version, request_id=request_id,
+                                                num_samples=len(labels)), payloads, [])
+                settle_push(feedback, names, accepted=reply.message.accepted)
+                version = load_reply(params, [], reply)
+                times.append(time.perf_counter() - started)
+            return times
+
+        ours, reference = [], []
+        library_block(), reference_block()  # warm-up
+        for _ in range(args.rounds):
+            ours += library_block()
+            reference += reference_block()
+        client.close()
+        raw.close()
+    finally:
+        server.stop(grace=0)
+    ours_ms, reference_ms = 1000 * statistics.median(ours), 1000 * statistics.median(reference)
+    return {"library_step_ms": round(ours_ms, 3), "reference_step_ms": round(reference_ms, 3),
+            "ratio": round(ours_ms / reference_ms, 3), "within_target": ours_ms / reference_ms <= TARGET_RATIO,
+            "push_bytes_per_step": int(client.transport.bytes_sent / max(1, client.totals["steps"]))}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The performance report's plots: PNG files drawn with headless matplotlib from the report dict.
+
+Every plot of :data:`src.report.PLOTS` is always written, so a report has the same files whatever
+ran; a plot whose data no run recorded says so in its middle instead of being left out. Each
+function reads only the report dict (:func:`src.report.build_report`), so the plots show exactly
+the numbers of the JSON and Markdown reports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on CI or servers
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from src.report import NOT_RECORDED, PLOTS  # noqa: E402
+
+_COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+_SPLIT = (("gradient_time_s", "gradient"), ("compression_time_s", "compression"), ("communication_time_s", "communication"))
+
+
+def _color(index: int) -> str:
+    return _COLORS[index % len(_COLORS)]
+
+
+def _empty(ax, title: str, reason: str, *, nothing_happened: bool = False) -> None:
+    """An empty plot that says why: the data was not recorded, or (``nothing_happened``) there was none."""
+    text = reason if nothing_happened else f"{NOT_RECORDED}\n{reason}"
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#666")
+    ax.set_title(title)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def accuracy_vs_time(ax, report: Mapping[str, Any]) -> None:
+    drawn = False
+    for index, run in enumerate(report["runs"]):
+        curve = run["accuracy_curve"]
+        if not curve:
+            continue
+        xs, ys = [p["seconds"] for p in curve], [p["accuracy"] * 100 for p in curve]
+        ax.plot(xs, ys, marker="o", color=_color(index), label=run["label"])
+        drawn = True
+    if not drawn:
+        _empty(ax, "Accuracy vs wall time", "no eval events in the runs' event logs")
+        return
+    ax.set_xlabel("wall time since run start (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("Accuracy vs wall time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def throughput(ax, report: Mapping[str, Any]) -> None:
+    runs = [r for r in report["runs"] if r["throughput_samples_per_s"] is not None]
+    if not runs:
+        _empty(ax, "Throughput", "no throughput in the summaries")
+        return
+    values = [r["throughput_samples_per_s"] for r in runs]
+    bars = ax.bar(range(len(runs)), values, color=[_color(report["runs"].index(r)) for r in runs])
+    for bar, run in zip(bars, runs):
+        speedup = run["speedup_vs_baseline"]
+        text = f"{bar.get_height():,.0f}" + (f"\n{speedup:.2f}x" if speedup is not None else "")
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    baseline = next((r for r in runs if r["architecture"] == "baseline"), None)
+    if baseline is not None:
+        ax.axhline(baseline["throughput_samples_per_s"], color="#444", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(runs)), [r["label"] for r in runs], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("samples / s of training time")
+    ax.set_title("Throughput (label: samples/s and speedup over the baseline)")
+    ax.set_ylim(0, max(values) * 1.25 or 1)
+
+
+def time_split(ax, report: Mapping[str, Any]) -> None:
+    runs = report["runs"]
+    recorded = [r for r in runs if any(r["time_split"]["per_worker_s"][k] is not None for k, _ in _SPLIT)]
+    if not recorded:
+        _empty(ax, "Where the time goes", "no gradient / compression / communication times in the summaries")
+        return
+    positions = range(len(runs))
+    bottoms = [0.0] * len(runs)
+    for color_index, (key, name) in enumerate(_SPLIT):
+        heights = [r["time_split"]["per_worker_s"][key] or 0.0 for r in runs]
+        ax.bar(positions, heights, bottom=bottoms, label=name, color=_color(color_index))
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    top = max(bottoms) or 1.0
+    for index, run in enumerate(runs):
+        missing = [name for key, name in _SPLIT if run["time_split"]["per_worker_s"][key] is None]
+        if missing:
+            ax.annotate("not recorded:\n" + "\n".join(missing), (index, bottoms[index] + top * 0.02), ha="center",
+                        va="bottom", fontsize=7, color="#666")
+    ax.set_xticks(list(positions), [r["label"] for r in runs], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("seconds per worker / rank (mean)")
+    ax.set_title("Where the time goes")
+    ax.set_ylim(0, top * 1.45)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def bytes_per_step(ax, report: Mapping[str, Any]) -> None:
+    runs = [r for r in report["runs"] if r["bytes"]["sent_per_step"] is not None]
+    if not runs:
+        _empty(ax, "Bytes per step", "no bytes or step counts in the summaries")
+        return
+    width = 0.38
+    for offset, key, name, color in ((-width / 2, "sent_per_step", "sent", _color(0)),
+                                     (width / 2, "received_per_step", "received", _color(1))):
+        values = [r["bytes"][key] or 0.0 for r in runs]
+        bars = ax.bar([i + offset for i in range(len(runs))], values, width, label=name, color=color,
+                      hatch=None, edgecolor="white")
+        for bar, run, value in zip(bars, runs, values):
+            if run["bytes"]["estimated"]:
+                bar.set_hatch("//")
+                bar.set_edgecolor("#333")
+            ax.annotate(_short_bytes(value), (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(runs)), [r["label"] for r in runs], rotation=20, ha="right", fontsize=8)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: _short_bytes(value)))
+    ax.set_ylabel("bytes per worker step")
+    ax.set_title("Bytes per step (hatched: estimated, backend allreduce)")
+    ax.set_ylim(0, max(max((r["bytes"]["sent_per_step"] or 0) for r in runs),
+                       max((r["bytes"]["received_per_step"] or 0) for r in runs)) * 1.2 or 1)
+    ax.legend(fontsize=8)
+
+
+def _short_bytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def staleness(ax, report: Mapping[str, Any]) -> None:
+    runs = [r for r in report["runs"] if r["staleness"] and r["staleness"]["histogram"]]
+    if any(r["staleness"]["mode"] == "async" for r in runs):  # sync runs are all 0: the table says so
+        runs = [r for r in runs if r["staleness"]["mode"] == "async"]
+    if not runs:
+        _empty(ax, "Staleness distribution", "no parameter-server run with a staleness histogram or push events")
+        return
+    keys = list(range(max(int(k) for r in runs for k in r["staleness"]["histogram"]) + 1))  # gaps show as gaps
+    width = 0.8 / len(runs)
+    for index, run in enumerate(runs):
+        histogram = run["staleness"]["histogram"]
+        ax.bar([k + (index - (len(runs) - 1) / 2) * width for k in keys], [histogram.get(str(k), 0) for k in keys], width,
+               label=run["label"], color=_color(report["runs"].index(run)))
+    ax.set_xticks(keys)
+    ax.set_xlabel("staleness (server versions behind at arrival)")
+    ax.set_ylabel("pushes")
+    ax.set_title("Staleness distribution" + (" (async runs)" if all(r["staleness"]["mode"] == "async" for r in runs) else ""))
+    ax.legend(fontsize=8)
+
+
+def fault_timeline(ax, report: Mapping[str, Any]) -> None:
+    rows: list[tuple[str, float, str]] = []
+    silences: list[tuple[str, float, float]] = []  # (lane, start, end): failed but not yet detected
+    for run in report["runs"]:
+        for event in run["faults"]["timeline"]:
+            who = next((f"{k} {event[k]}" for k in ("worker", "rank") if event.get(k) is not None), "server")
+            rows.append((f"{run['label']}: {who}", event["seconds"], event["kind"]))
+            latency = event.get("detection_latency_s")
+            if isinstance(latency, (int, float)) and not isinstance(latency, bool):
+                silences.append((f"{run['label']}: {who}", event["seconds"] - latency, event["seconds"]))
+    if not rows:
+        _empty(ax, "Fault timeline", "no faults: these runs' logs hold no fault events", nothing_happened=True)
+        return
+    lanes = sorted({lane for lane, _, _ in rows})
+    kinds = sorted({kind for _, _, kind in rows})
+    for index, kind in enumerate(kinds):
+        points = [(t, lanes.index(lane)) for lane, t, k in rows if k == kind]
+        ax.scatter([t for t, _ in points], [y for _, y in points], label=kind, color=_color(index), s=50, zorder=3)
+    for index, (lane, start, end) in enumerate(silences):
+        ax.hlines(lanes.index(lane), start, end, color="#999", linewidth=8, alpha=0.4, zorder=2,
+                  label="until detected (detection latency)" if index == 0 else None)
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.set_xlabel("wall time since run start (s)")
+    ax.set_title("Fault timeline")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+DRAWERS: dict[str, Callable[[Any, Mapping[str, Any]], None]] = {
+    "accuracy_vs_time": accuracy_vs_time,
+    "throughput": throughput,
+    "time_split": time_split,
+    "bytes_per_step": bytes_per_step,
+    "staleness": staleness,
+    "fault_timeline": fault_timeline,
+}
+assert set(DRAWERS) == set(PLOTS), "every plot of the report needs a drawer"
+
+
+def draw_all(report: Mapping[str, Any], directory: str | Path) -> dict[str, Path]:
+    """Draw every plot of ``report`` into ``directory``; returns plot name -> PNG path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name in PLOTS:
+        figure, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+        try:
+            DRAWERS[name](ax, report)
+            figure.tight_layout()
+            path = directory / report["plots"][name]
+            figure.savefig(path, format="png")
+            written[name] = path
+        finally:
+            plt.close(figure)
+    return written

@@ -1,0 +1,211 @@
+"""connect() and WorkerClient: one worker process's membership in a parameter-server run.
+
+The client registers with the server (a new incarnation with its own session secret), learns the
+run's config (mode, compression, heartbeat interval), sends a heartbeat every
+``system.heartbeat_interval`` from a background thread, and re-registers when the server has lost
+its session (a restarted server; gRPC's ``wait_for_ready`` waits out the restart). Every call after
+registration carries the session, so a late call from a failed incarnation is refused and this
+process learns it must stop (:class:`~src.worker_protocol.IncarnationRevoked`).
+
+It moves no tensors by itself: :class:`~torch_asgc.model.DistributedModel` pulls and initializes
+through it, :class:`~torch_asgc.optim.DistributedOptimizer` pushes through it. ``close()`` (or the end
+of a ``with`` block) tells the server this worker is done (``Finish``, with its totals for the run
+summary); in sync mode the barrier goes on without it.
+
+    with connect("127.0.0.1:50051") as client:      # token: $DTS_AUTH_TOKEN
+        model = DistributedModel(net, client)
+        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client)
+        ...                                           # the user's own loop
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import grpc
+
+from src import parameter_server_pb2 as pb
+from src.config import Config, SetupError, SystemConfig, validate_config
+from src.ps_transport import AUTH_TOKEN_ENV, ParameterServerClient, Received
+from src.worker_protocol import Heartbeats, IncarnationRevoked, check_session_lost
+
+if TYPE_CHECKING:
+    from .model import DistributedModel
+
+
+class WorkerClient:
+    """One worker's connection to the parameter server; see the module docstring. Use :func:`connect`.
+
+    Attributes:
+        worker_id: this worker's id (the server's choice when :func:`connect` got none).
+        incarnation: the current registration's incarnation number.
+        config: the run's config as the server sent it (``config.system.aggregation_mode``, compression, ...).
+        model: the :class:`~torch_asgc.model.DistributedModel` using this client, once there is one.
+        totals: this process's running totals (steps, samples, times, bytes), sent with heartbeats.
+    """
+
+    def __init__(self, address: str, *, token: str | None = None, worker_id: int | None = None,
+                 tls_ca_file: str | None = None, connect_timeout_s: float = 300.0):
+        token = token or os.environ.get(AUTH_TOKEN_ENV)
+        if not token:
+            raise SetupError(f"no auth token: pass token=... to connect() or set ${AUTH_TOKEN_ENV}")
+        self.address = address
+        self.transport = ParameterServerClient(address, token=token, system=SystemConfig(tls_ca_file=tls_ca_file),
+                                               connect_timeout_s=connect_timeout_s)
+        self.worker_id = worker_id
+        self.incarnation = 0
+        self.caller = pb.Caller()
+        self.config: Config | None = None
+        self.registration: pb.RegisterReply | None = None
+        self.model: DistributedModel | None = None
+        self.totals: dict[str, Any] = dict(samples=0, steps=0, steps_skipped=0, pushes_rejected=0, gradient_time_s=0.0,
+                                           compression_time_s=0.0, communication_time_s=0.0, payload_bytes=0,
+                                           dense_bytes=0, train_loss=0.0)
+        self._request_id = secrets.randbits(62) or 1  # random start: a restarted process's ids do not collide
+        self._heartbeats: Heartbeats | None = None
+        self._started = time.perf_counter()
+        self.closed = False
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    def open(self) -> "WorkerClient":
+        """Register and start heartbeats (:func:`connect` calls it)."""
+        self._register(0)
+        interval = self.config.system.heartbeat_interval
+        self._heartbeats = Heartbeats(lambda: self.transport.heartbeat(self.caller, self.stats(), timeout=2 * interval),
+                                      interval, name=f"asgc-worker-{self.worker_id}-heartbeat")
+        self._heartbeats.start()
+        return self
+
+    def close(self) -> None:
+        """Leave the run: Finish with this worker's totals, stop heartbeats, close the channel (idempotent).
+
+        Raises:
+            grpc.RpcError: the server refused Finish (e.g. this incarnation was failed meanwhile).
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._call_with_rejoin(lambda: self.transport.finish(self.caller, self.stats()))
+        finally:
+            if self._heartbeats is not None:
+                self._heartbeats.stop()
+            self.transport.close()
+
+    def __enter__(self) -> "WorkerClient":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # leaving because of an error: do not hide it behind a failed Finish
+            self.close()
+        except Exception as exc:  # noqa: BLE001
+            print(f"worker {self.worker_id}: could not leave the run cleanly ({exc})", file=sys.stderr)
+
+    @property
+    def mode(self) -> str:
+        """``sync`` or ``async``: the server's aggregation mode."""
+        return self.config.system.aggregation_mode
+
+    def stats(self) -> pb.WorkerStats:
+        """This process's running totals (read by the heartbeat thread too)."""
+        t = self.totals
+        return pb.WorkerStats(
+            samples=t["samples"], steps=t["steps"], bytes_sent=self.transport.bytes_sent,
+            bytes_received=self.transport.bytes_received, gradient_time_s=t["gradient_time_s"],
+            compression_time_s=t["compression_time_s"], communication_time_s=t["communication_time_s"],
+            total_time_s=time.perf_counter() - self._started, train_loss=t["train_loss"],
+            pushes_rejected=t["pushes_rejected"], payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"],
+        )
+
+    # ------------------------------------------------------------------------- calls (used by the model and optimizer)
+
+    def next_request_id(self) -> int:
+        self._request_id += 1
+        return self._request_id
+
+    def initialize(self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]) -> bool:
+        """Offer the model to a server that has none; whether ours became its version 0."""
+        request.caller.CopyFrom(self.caller)
+        return self._call_with_rejoin(lambda: self.transport.initialize(request, parameters, buffers)).accepted
+
+    def pull(self) -> Received:
+        """The newest parameters (sync: once this worker's turn in the barrier has come)."""
+        return self._call_with_rejoin(lambda: self.transport.pull(self.caller))
+
+    def push(self, request: pb.PushRequest, gradients: Sequence[Any], buffers: Sequence[Any]) -> Received | bool:
+        """Send one step; the reply, or, when the reply was lost with the server's session, whether the
+        server had applied the push (this client has registered again meanwhile).
+
+        Raises:
+            IncarnationRevoked: the server declared this incarnation failed.
+            grpc.RpcError: the server refused the push (the message names the problem).
+        """
+        request.caller.CopyFrom(self.caller)
+        try:
+            return self.transport.push(request, gradients, buffers)
+        except grpc.RpcError as exc:
+            check_session_lost(exc, self.worker_id)
+        print(f"worker {self.worker_id}: lost the server's session; registering again", file=sys.stderr, flush=True)
+        return self._register(request.request_id).last_request_applied
+
+    # ------------------------------------------------------------------------- registration
+
+    def _register(self, last_request_id: int) -> pb.RegisterReply:
+        first = self.registration is None
+        reply = self.transport.register(self.worker_id or 0, last_request_id,
+                                        any_worker_id=first and self.worker_id is None)
+        self.registration = reply
+        self.worker_id = reply.worker_id
+        self.incarnation = reply.incarnation
+        self.caller = pb.Caller(worker_id=reply.worker_id, session=reply.session)
+        self.config = validate_config(json.loads(reply.run_config_json))
+        if not first and reply.model_wanted and self.model is not None:
+            self.model.offer()  # a server restarted before its first checkpoint: it needs the model again
+        return reply
+
+    def _call_with_rejoin(self, call):
+        """``call()``, registering again while the server has lost this session."""
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as exc:
+                check_session_lost(exc, self.worker_id)
+            print(f"worker {self.worker_id}: lost the server's session; registering again", file=sys.stderr, flush=True)
+            self._register(0)
+
+
+def connect(address: str, token: str | None = None, worker_id: int | None = None, *,
+            tls_ca_file: str | None = None, connect_timeout_s: float = 300.0) -> WorkerClient:
+    """Join the parameter-server run at ``address`` as one worker; a context manager (``close()`` on exit).
+
+    Args:
+        address: the server's ``host:port``.
+        token: the run's auth token (default ``$DTS_AUTH_TOKEN``).
+        worker_id: ``0..num_workers-1``; ``None`` lets the server pick the lowest free id.
+        tls_ca_file: verify a TLS server against this CA (or its self-signed certificate).
+        connect_timeout_s: how long to wait for the server to come up (and to come back after a restart).
+
+    Raises:
+        SetupError: no token.
+        grpc.RpcError: the server refused (wrong token: UNAUTHENTICATED; no free id: RESOURCE_EXHAUSTED)
+            or was not there within ``connect_timeout_s`` (DEADLINE_EXCEEDED).
+    """
+    client = WorkerClient(address, token=token, worker_id=worker_id, tls_ca_file=tls_ca_file,
+                          connect_timeout_s=connect_timeout_s)
+    try:
+        return client.open()
+    except BaseException:
+        client.transport.close()
+        raise
+
+
+__all__ = ["IncarnationRevoked", "WorkerClient", "connect"]

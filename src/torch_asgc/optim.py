@@ -1,0 +1,301 @@
+"""DistributedOptimizer: a user's optimizer whose step() goes through the parameter server.
+
+The server holds the authoritative optimizer (its config's ``training.optimizer``, learning rate,
+momentum, weight decay) and applies the workers' gradients: averaged per version (sync) or one push
+at a time with the staleness policy's weight (async). So ``step()`` does not step the wrapped
+optimizer; per parameter of the :class:`~torch_asgc.model.DistributedModel` it
+
+1. takes the gradient (unscaled first under AMP, see below; zero for a parameter that got none),
+2. adds the error-feedback residual (``compensate``), compresses, keeps what was left out
+   (``update``): :func:`src.worker_protocol.encode_gradients`, the same code our own workers run,
+3. pushes the payloads with the Worker Version and the step's sample count, and
+4. on the reply: commits the residuals (accepted) or rolls them back (rejected by the staleness
+   policy: the whole compensated gradient waits in the residual for the next push, no gradient mass
+   is lost), then loads the parameters the reply carries into the model.
+
+A push whose reply was lost with the server's session (the server restarted) is committed if the
+server says it had applied it, else rolled back into the residual (the user's loop does not redo
+its samples).
+
+``zero_grad()`` clears the gradients as the wrapped optimizer does; ``param_groups`` and ``state``
+are the wrapped optimizer's (schedulers and GradScaler work on them); ``state_dict()`` holds the
+wrapped optimizer's state, the error-feedback residuals and the step counts, and
+``load_state_dict()`` takes it back (or a plain state dict of the wrapped optimizer).
+The wrapped optimizer's hyperparameters are not applied: the server's are (a warning says so when
+they differ).
+
+**AMP.** With ``torch.autocast`` and ``GradScaler``, ``scaler.step(optimizer)`` always calls this
+``step()`` (the optimizer declares ``_step_supports_amp_scaling``) with the scaler's ``grad_scale``
+and ``found_inf``: gradients are divided by the scale before compression, and a step whose
+gradients hold inf/NaN is skipped and its gradient not pushed, as GradScaler would skip it; then
+``scaler.update()`` lowers the scale as usual. Without a scaler, non-finite gradients skip the step
+the same way. A skipped step sends nothing in async mode; in sync mode it sends a gradient-free
+"skip" message so that the version's barrier goes on without this worker.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from src import parameter_server_pb2 as pb
+from src.compression import CompressionPolicy, Compressor, ErrorFeedback, policy_from_config
+from src.config import SetupError
+from src.worker_protocol import encode_gradients, settle_lost_push, settle_push
+
+from .client import WorkerClient
+
+def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | None:
+    """``None``: what the server's config says; ``"none"``: uncompressed; a compressor or a policy: that.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if compression is None:
+        return policy_from_config(system)
+    if isinstance(compression, str) and compression in ("none", "identity"):
+        return None
+    if isinstance(compression, CompressionPolicy):
+        return compression
+    if isinstance(compression, Compressor):
+        return CompressionPolicy(compression)
+    raise ValueError(f"compression: expected None (the server's setting), 'none', a Compressor "
+                     f"(src.compression.build_compressor) or a CompressionPolicy, got {compression!r}")
+
+
+def _differences(optimizer: torch.optim.Optimizer, training: Any) -> list[str]:
+    """How the wrapped optimizer's hyperparameters differ from the server's."""
+    kinds = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+    if type(optimizer) is not kinds[training.optimizer]:
+        return [f"it is {type(optimizer).__name__}, the server's is {training.optimizer}"]
+    expected = {"lr": training.learning_rate, "weight_decay": training.weight_decay}
+    if training.optimizer == "sgd":
+        expected["momentum"] = training.momentum
+    found = []
+    for group in optimizer.param_groups:
+        for key, value in expected.items():
+            if key in group and abs(float(group[key]) - value) > 1e-12:
+                found.append(f"{key} {group[key]} (server: {value})")
+    return sorted(set(found))
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that ``step()`` pushes through ``client`` (see the module docstring).
+
+    Args:
+        optimizer: the user's optimizer over (some of) the :class:`~torch_asgc.model.DistributedModel`'s parameters.
+        client: the connected client whose model is that DistributedModel.
+        compression: ``None`` (the server's ``system.compression_*`` settings), ``"none"``, a
+            :class:`~src.compression.Compressor` (e.g. ``build_compressor("topk", ratio=0.01)``) or a
+            :class:`~src.compression.CompressionPolicy` (warm-up steps, small-tensor skipping).
+        error_feedback: keep what compression leaves out and add it to the next gradient.
+        seed: seed of the stochastic rounding of quantization (default ``training.seed`` + worker id).
+
+    Raises:
+        SetupError: no DistributedModel on ``client`` yet, or the optimizer holds parameters it does not have.
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler calls step() with grad_scale / found_inf set, every iteration
+
+    def __init__(self, optimizer: torch.optim.Optimizer, client: WorkerClient, *, compression: Any = None,
+                 error_feedback: bool = True, seed: int | None = None):
+        model = client.model
+        if model is None:
+            raise SetupError("DistributedOptimizer: wrap the model first (DistributedModel(module, client))")
+        known = {id(p) for _, p in model.trainable}
+        for group in optimizer.param_groups:
+            if any(id(p) not in known for p in group["params"]):
+                raise SetupError("DistributedOptimizer: the optimizer holds parameters that are not trainable "
+                                 "parameters of the DistributedModel")
+        self.wrapped = optimizer
+        self.client = client
+        # torch.optim.Optimizer's bookkeeping without its __init__ (which would reset the wrapped state)
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        if hasattr(self, "_patch_step_function"):
+            self._patch_step_function()  # step hooks and profiler labels, as for any optimizer
+        system, training = client.config.system, client.config.training
+        self.policy = resolve_compression(compression, system)
+        rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
+        self.feedback = ErrorFeedback() if (self.policy is not None and error_feedback) or rejections_possible else None
+        seed = training.seed if seed is None else seed
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + client.worker_id)
+        self.steps = 0
+        self.skipped_steps = 0
+        self._warned_samples = False
+        differences = _differences(optimizer, training)
+        if differences:
+            warnings.warn("DistributedOptimizer: the server applies its own optimizer "
+                          f"({training.optimizer}, lr {training.learning_rate}); the wrapped optimizer differs: "
+                          + "; ".join(differences), stacklevel=2)
+
+    # ------------------------------------------------------------------------- the wrapped optimizer's view
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.wrapped.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.wrapped.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.wrapped.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.wrapped.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.wrapped.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.wrapped.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.wrapped.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wrapped.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.wrapped!r})"
+
+    # ------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, the error-feedback residuals and the step counts."""
+        return {
+            "optimizer": self.wrapped.state_dict(),
+            "error_feedback": self.feedback.state_dict() if self.feedback is not None else None,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back a :meth:`state_dict` (or a plain state dict of the wrapped optimizer)."""
+        if "error_feedback" not in state_dict:
+            self.wrapped.load_state_dict(state_dict)
+            return
+        self.wrapped.load_state_dict(state_dict["optimizer"])
+        residuals = state_dict["error_feedback"]
+        if residuals is not None:
+            if self.feedback is None:
+                self.feedback = ErrorFeedback()
+            self.feedback.load_state_dict(residuals)
+        elif self.feedback is not None:
+            self.feedback.reset()
+        self.steps = int(state_dict.get("steps", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    # ------------------------------------------------------------------------- the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, num_samples: int | None = None) -> Any:
+        """Push this step's gradient and load the parameters the server replies with.
+
+        Args:
+            closure: recomputes the loss (run with gradients on); its result is returned.
+            num_samples: samples the gradient covers (default: counted by the DistributedModel's forwards).
+
+        Raises:
+            IncarnationRevoked: the server declared this worker failed (the process should stop).
+            grpc.RpcError: the server refused the push (the message names the problem).
+        """
+        loss = None
+        started = time.perf_counter()
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        model = self.client.model
+        counted = model.take_samples()
+        samples = counted if num_samples is None else int(num_samples)
+        gradients = [p.grad for _, p in model.trainable]
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call
+        grad_scale = getattr(self, "grad_scale", None)  # None: already unscaled (scaler.unscale_), or no scaler
+        if bool(found_inf > 0) if found_inf is not None else not _all_finite(gradients):
+            self._skip(model)
+            return loss
+        if samples <= 0:
+            if not self._warned_samples:
+                warnings.warn("DistributedOptimizer: no training forward counted a batch since the last step; "
+                              "pass step(num_samples=...) (counting this push as 1 sample)", stacklevel=2)
+                self._warned_samples = True
+            samples = 1
+        inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        named = []
+        for (name, param), gradient in zip(model.trainable, gradients):
+            if gradient is None:
+                gradient = torch.zeros_like(param, dtype=torch.float32)
+            elif inverse_scale is not None:
+                gradient = gradient.float() * inverse_scale.to(gradient.device)
+            named.append((name, gradient))
+        computed = time.perf_counter()
+        payloads = encode_gradients(named, self.policy, self.feedback, self.generator, self.steps)
+        compressed = time.perf_counter()
+        totals = self.client.totals
+        request = pb.PushRequest(
+            base_version=model.version, request_id=self.client.next_request_id(), num_samples=samples,
+            metrics=pb.StepMetrics(step=self.steps, loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else 0.0,
+                                   gradient_time_s=computed - started, compression_time_s=compressed - computed,
+                                   communication_time_s=totals.get("last_communication_s", 0.0)),
+        )
+        reply = self.client.push(request, payloads, model.buffer_views())
+        names = model.parameter_names
+        if isinstance(reply, bool):  # the reply was lost with the server's session; registered again
+            settle_lost_push(self.feedback, names, applied=reply, redone=False)
+            model.sync()
+            accepted = reply
+        else:
+            accepted = reply.message.accepted
+            settle_push(self.feedback, names, accepted=accepted)
+            model.load(reply)
+        finished = time.perf_counter()
+        self._mark_wrapped_stepped()
+        self.steps += 1
+        totals["steps"] += 1
+        totals["samples"] += samples
+        totals["pushes_rejected"] += 0 if accepted else 1
+        totals["gradient_time_s"] += computed - started
+        totals["compression_time_s"] += compressed - computed
+        totals["communication_time_s"] += finished - compressed
+        totals["last_communication_s"] = finished - compressed
+        totals["payload_bytes"] += sum(len(p) for p in payloads)
+        totals["dense_bytes"] += 4 * sum(p.numel() for _, p in model.trainable)
+        if request.metrics.loss:
+            totals["train_loss"] = request.metrics.loss
+        return loss
+
+    def _skip(self, model) -> None:
+        """A step with inf/NaN gradients: push nothing (sync: tell the barrier to go on without us)."""
+        self.skipped_steps += 1
+        self.client.totals["steps_skipped"] += 1
+        if self.client.mode == "sync":
+            request = pb.PushRequest(base_version=model.version, request_id=self.client.next_request_id(), num_samples=0)
+            reply = self.client.push(request, [], [])
+            if isinstance(reply, bool):
+                model.sync()
+            else:
+                model.load(reply)
+
+    def _mark_wrapped_stepped(self) -> None:
+        # An LR scheduler built on the wrapped optimizer checks that it was stepped before the
+        # scheduler steps; the step is ours, so say so (avoids a misleading warning).
+        self.wrapped._opt_called = True  # noqa: SLF001
+
+
+def _all_finite(gradients: list[torch.Tensor | None]) -> bool:
+    checks = [torch.isfinite(g).all() for g in gradients if g is not None]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
+__all__ = ["DistributedOptimizer", "resolve_compression"]

@@ -1,0 +1,313 @@
+"""A parameter server for any model and any training loop: the workers own the data, the loop and the loss.
+
+:class:`ClientLoopServer` is our gRPC :class:`~src.parameter_server.ParameterServer` (same auth, TLS,
+sync and async modes, staleness policy, compression, downlink, checkpoints, events and summary) with
+two differences:
+
+* **The model** comes from the first worker that sends Initialize (``model_source="client"``: its
+  parameter layout and initial values; the other workers pull those), or from a
+  ``"package.module:function"`` the user names, called with no arguments after
+  ``torch.manual_seed(training.seed)``. The server's optimizer is the config's
+  (``training.optimizer``, ``learning_rate``, ``momentum``, ``weight_decay``).
+* **The work** is the workers': the server plans no batches and loads no dataset. A reply's Work is
+  empty ("train on your next batch"); a push lists no batch ids and says how many samples its
+  gradient covers (the sync average is weighted by them). In sync mode each version's barrier
+  waits for every worker that is live and has pulled when the round opens; a worker that registers
+  later joins the next round; a worker that leaves (``Finish``, i.e. ``WorkerClient.close()``) or
+  fails is dropped from the barrier. A push with no gradients and ``num_samples`` 0 is a *skipped*
+  step (an AMP overflow): the barrier goes on without it for this version.
+
+The run ends when every one of the ``system.num_workers`` worker ids has registered and none is
+live any more (all finished, or failed); then :meth:`finalize` writes the final checkpoint (whose
+``model_state_dict`` keys are the user's own parameter names) and the summary. There is no
+server-side evaluation: the server has neither the data nor, for a worker's model, its forward pass.
+
+From the command line (``python -m torch_asgc.server --help``)::
+
+    export DTS_AUTH_TOKEN=$(openssl rand -hex 24)
+    python -m torch_asgc.server --server-address 0.0.0.0:50051 --workers 2 --aggregation-mode sync \\
+        --learning-rate 0.05 --momentum 0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from torch import nn
+
+from src import parameter_server_pb2 as pb
+from src.aggregation import Contribution, SyncRound
+from src.config import Config, SetupError
+from src.coordinator import Batch, Member
+from src.parameter_server import ParameterServer, PushRefused, RunFailed
+from src.ps_transport import Received
+from src.served_model import import_factory
+
+CLIENT_MODEL = "client"
+"""``model_source`` for a model whose layout and initial values come from the first worker."""
+
+
+class ClientLoopServer(ParameterServer):
+    """A parameter server whose workers run their own training loop on their own data (see the module docstring).
+
+    Args:
+        config: the run's config: ``system`` (workers, mode, compression, heartbeats, outputs, TLS) and
+            the optimizer fields of ``training`` (plus ``seed`` and ``checkpoint_interval``).
+        model_source: ``"client"`` (the first worker's model) or ``"package.module:function"``.
+        max_message_bytes: the gRPC message limit while the model's size is not known yet.
+        **kwargs: as for :class:`~src.parameter_server.ParameterServer` (``token``, ``resume``,
+            ``tensorboard``, ``staleness_policy``, ``clock``, ...).
+
+    Raises:
+        SetupError: the factory cannot be imported or does not return an ``nn.Module``.
+    """
+
+    def __init__(self, config: Config, *, model_source: str = CLIENT_MODEL, max_message_bytes: int | None = None,
+                 **kwargs: Any):
+        self.model_source = model_source
+        super().__init__(config, evaluate=False, num_train_samples=0, **kwargs)
+        self.model_label = model_source  # checkpoints name the model by where it came from
+        self.data_label = "client"  # the workers' own data
+        if max_message_bytes is not None and self.state is None:
+            self.max_message_bytes = max_message_bytes
+
+    def _served_model(self, model: nn.Module | None) -> nn.Module | None:
+        if model is not None:
+            return model
+        if self.model_source == CLIENT_MODEL:
+            return None
+        try:
+            factory = import_factory(self.model_source)
+        except ValueError as exc:
+            raise SetupError(str(exc)) from None
+        torch.manual_seed(self.config.training.seed)
+        built = factory()
+        if not isinstance(built, nn.Module):
+            raise SetupError(f"model factory {self.model_source!r} returned {type(built).__name__}, not an nn.Module")
+        return built.float()
+
+    # ------------------------------------------------------------------------- work: the workers' own
+
+    def _work_message(self, batches: list[Batch] | None, finished: bool) -> pb.Work:
+        return pb.Work(finished=finished)  # empty: train on your own next batch
+
+    def _await_work(self, member: Member, context: grpc.ServicerContext) -> tuple[list[Batch] | None, bool]:
+        """async: at once; sync: once ``member`` is expected in the open round and has not pushed to it."""
+        worker = member.worker_id
+        while True:
+            self._check_waiting(member, context)
+            round_ = self._round
+            if self.mode == "async" or (round_ is not None and worker in round_.expected and worker not in round_.arrived):
+                return [], False
+            if self._stopping:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the parameter server is shutting down")
+            self._cond.wait(0.5)
+            if not context.is_active():
+                context.abort(grpc.StatusCode.CANCELLED, "call cancelled while waiting for the barrier")
+
+    def _open_round(self) -> None:
+        """sync: a barrier for the current version among every ready live worker (lock held)."""
+        if not self._started or self._round is not None:
+            return
+        ready = self.members.ready()
+        if ready:
+            self._round = SyncRound(self.state.version, set(ready))
+            self._training_clock_starts()
+        self._check_done()
+
+    def _check_covers(self, request: pb.PushRequest, held: list[Batch]) -> None:
+        if request.batch_ids:
+            raise PushRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"push from worker {request.caller.worker_id} lists batch ids, but on this server "
+                              f"the workers own their data (batch_ids must be empty)")
+
+    def _decode(self, worker_id: int, received: Received) -> Contribution:
+        request = received.message
+        if not received.large["gradients"] and not received.large["buffers"]:
+            if request.num_samples != 0:
+                raise PushRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"push from worker {worker_id} has no gradients but num_samples {request.num_samples} "
+                                  f"(a skipped step has num_samples 0)")
+            return Contribution(worker_id, 0, [], [], request.request_id)  # a skipped step
+        if request.num_samples <= 0:
+            raise PushRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"push from worker {worker_id}: num_samples must be > 0, got {request.num_samples}")
+        return super()._decode(worker_id, received)
+
+    def _add_to_round(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
+        if contribution.gradients:
+            return super()._add_to_round(member, request, contribution)
+        round_ = self._round
+        if round_ is None or request.base_version != round_.version or member.worker_id not in round_.expected \
+                or member.worker_id in round_.arrived:
+            raise PushRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"skipped step of worker {member.worker_id} for version {request.base_version}, which is "
+                              f"not its turn (barrier at version {round_.version if round_ else self.state.version})")
+        round_.drop(member.worker_id)  # this version goes on without it; it is in the next round again
+        reply = self._skipped(member, request)
+        self._maybe_complete_round()
+        return reply
+
+    def _apply_now(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
+        if contribution.gradients:
+            return super()._apply_now(member, request, contribution)
+        return self._skipped(member, request)
+
+    def _skipped(self, member: Member, request: pb.PushRequest) -> pb.PushReply:
+        self.counters["steps_skipped"] += 1
+        self.log.event("push_skipped", worker=member.worker_id, incarnation=member.incarnation,
+                       request_id=request.request_id, base_version=request.base_version, version=self.state.version)
+        return pb.PushReply(accepted=False, reason="skipped step (no gradient)", staleness=0, weight=0.0)
+
+    # ------------------------------------------------------------------------- leaving and the end
+
+    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
+        """A worker leaves whenever its loop is done: out of every barrier from now on."""
+        with self._cond:
+            member = self._member(request.caller, context)
+            stats = self._record_stats(member, request.stats, final=True)
+            self.members.finish(member)
+            if self._round is not None and self._round.drop(member.worker_id):
+                self._maybe_complete_round()
+            self._maybe_start()  # a sync run waiting for everyone may now start without it
+            self._check_done()
+            self._cond.notify_all()
+            version = self.version
+        self.log.event("worker_finished", worker=member.worker_id, incarnation=member.incarnation, version=version, **stats)
+        return pb.FinishReply(version=version)
+
+    def _check_done(self) -> None:
+        """Over when every worker id has registered and none is live any more."""
+        if len(self.members.current) == self.num_workers and not self.members.live():
+            if self._train_ended_wall is None:
+                self._train_ended_wall = time.time()
+            self._done.set()
+            self._cond.notify_all()
+
+    def finalize(self, summary_json: str | Path | None = None) -> dict[str, Any]:
+        """Final checkpoint and run summary (see :meth:`ParameterServer.finalize`).
+
+        Raises:
+            RunFailed: no worker ever sent a model, or a background checkpoint failed.
+        """
+        if self.state is None:
+            raise RunFailed("the run ended before any worker sent its model (Initialize)")
+        summary = super().finalize(summary_json)
+        summary["steps_skipped"] = self.counters["steps_skipped"]
+        return summary
+
+
+# ----------------------------------------------------------------------------- command line
+
+FLAGS = {
+    "workers": "system.num_workers",
+    "aggregation_mode": "system.aggregation_mode",
+    "server_address": "system.server_address",
+    "tls_cert": "system.tls_cert_file",
+    "tls_key": "system.tls_key_file",
+    "weight_decay": "training.weight_decay",
+    "heartbeat_interval": "system.heartbeat_interval",
+    "heartbeat_timeout": "system.heartbeat_timeout",
+    "downlink_compression": "system.downlink_compression",
+    "downlink_ratio": "system.downlink_ratio",
+}
+DEFAULTS = {
+    "system.checkpoint_dir": "checkpoints/asgc_server",
+    "system.log_dir": "logs/asgc_server",
+    "system.server_address": "127.0.0.1:50051",
+    "training.checkpoint_interval": 100,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from src.cli import add_compression_flags
+
+    parser = argparse.ArgumentParser(prog="python -m torch_asgc.server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML or JSON config file (flags override its values)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--server-address", help="host:port to listen on (default 127.0.0.1:50051; port 0: a free port)")
+    run.add_argument("--workers", type=int, help="worker ids 0..N-1 (default 2); sync starts when all N have pulled")
+    run.add_argument("--aggregation-mode", choices=("sync", "async"), help="barrier per version, or apply each push (default sync)")
+    run.add_argument("--model", dest="model_source", default=CLIENT_MODEL,
+                     help="'client' (the first worker's model, default) or 'package.module:function' building it")
+    run.add_argument("--seed", type=int, help="torch seed before calling a model factory (default 0)")
+    optimizer = parser.add_argument_group("server optimizer")
+    optimizer.add_argument("--optimizer", choices=("sgd", "adam"), help="default sgd")
+    optimizer.add_argument("--learning-rate", type=float, help="default 0.05")
+    optimizer.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
+    optimizer.add_argument("--weight-decay", type=float, help="default 0")
+    add_compression_flags(parser, "compression the workers use unless their DistributedOptimizer says otherwise")
+    downlink = parser.add_argument_group("downlink compression (push replies)")
+    downlink.add_argument("--downlink-compression", choices=("none", "topk", "quantization"), help="default none (dense)")
+    downlink.add_argument("--downlink-ratio", type=float, help="fraction of entries a top-k downlink delta keeps (default 0.1)")
+    health = parser.add_argument_group("membership")
+    health.add_argument("--heartbeat-interval", type=float, help="seconds between a worker's heartbeats (default 1)")
+    health.add_argument("--heartbeat-timeout", type=float, help="silence after which a worker is failed (default 5)")
+    outputs = parser.add_argument_group("outputs and security")
+    outputs.add_argument("--checkpoint-interval", type=int, help="server versions between checkpoints (default 100)")
+    outputs.add_argument("--checkpoint-dir", help="default checkpoints/asgc_server")
+    outputs.add_argument("--log-dir", help="events.jsonl, TensorBoard and summary.json (default logs/asgc_server)")
+    outputs.add_argument("--summary-json", help="run summary path (default <log-dir>/summary.json)")
+    outputs.add_argument("--resume", help="continue from this server checkpoint (file or folder)")
+    outputs.add_argument("--tls-cert", help="server certificate (PEM); with --tls-key the server speaks TLS")
+    outputs.add_argument("--tls-key", help="server private key (PEM)")
+    return parser
+
+
+def serve(config: Config, *, model_source: str = CLIENT_MODEL, token: str | None = None,
+          resume: str | Path | None = None, summary_json: str | Path | None = None) -> dict[str, Any]:
+    """Serve one run until every worker has left; returns the run summary (also written to disk).
+
+    Args:
+        token: the auth token (default: ``system.auth_token`` or ``$DTS_AUTH_TOKEN``).
+    """
+    server = ClientLoopServer(config, model_source=model_source, token=token, resume=resume)
+    try:
+        port = server.start()
+        host = config.system.server_address.rpartition(":")[0]
+        print(f"parameter server listening on {host}:{port} ({config.system.aggregation_mode}, "
+              f"{config.system.num_workers} workers, model: {model_source})", flush=True)
+        server.wait_until_done()
+        return server.finalize(summary_json)
+    finally:
+        server.stop()
+
+
+def summary_lines(summary: dict[str, Any]) -> str:
+    """What the server prints at the end (no accuracy: the workers evaluate, on their own data)."""
+    return "\n".join([
+        f"Versions: {summary['versions']}  Samples: {summary['samples_processed']:,}  "
+        f"Pushes applied: {summary['pushes_applied']}  rejected: {summary['pushes_rejected']}  "
+        f"skipped steps: {summary['steps_skipped']}",
+        f"Total Time: {summary['total_time_s']:.2f}s",
+        f"Throughput: {summary['throughput_samples_per_s']:.1f} samples/s",
+        f"Bytes Sent: {summary['bytes_sent']:,}  Bytes Received: {summary['bytes_received']:,}",
+        f"Checkpoint: {summary['checkpoint_path']}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from src.cli import COMPRESSION_FLAGS, config_from_args, exit_status
+    from src.ps_transport import AuthTokenMissing
+
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**FLAGS, **COMPRESSION_FLAGS},
+                              forced={"system.architecture": "parameter_server"})
+
+    def run() -> None:
+        summary = serve(config, model_source=args.model_source, resume=args.resume, summary_json=args.summary_json)
+        print(summary_lines(summary))
+
+    return exit_status(run, describe={AuthTokenMissing: str, RunFailed: str},
+                       interrupted="interrupted: stopped the parameter server")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

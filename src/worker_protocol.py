@@ -1,0 +1,130 @@
+"""The worker's side of the parameter-server protocol, whoever owns the training loop.
+
+Shared by our own :class:`src.worker.Worker` (the server hands it batches) and the client library
+:mod:`src.torch_asgc` (the user's loop owns the data): the pieces of a step that do not depend on
+where the gradient came from.
+
+* :func:`encode_gradients`: per parameter, ``ErrorFeedback.compensate -> policy.compress ->
+  ErrorFeedback.update``; the payloads are the exact bytes that go on the wire.
+* :func:`settle_push`: after the reply, commit the residuals (accepted) or roll them back (rejected:
+  the whole compensated gradient goes back into the residual, so no gradient mass is lost).
+* :func:`settle_lost_push`: the reply was lost with the server's session; on re-registering the
+  server says whether the push was applied: commit, or (not applied) discard when its samples will
+  be computed again, roll back when they will not.
+* :func:`load_reply`: put a pull or push reply's parameters (dense, or downlink deltas) and buffers
+  into the local tensors.
+* :func:`check_session_lost` and :class:`Heartbeats`: what a failed call means, and the thread that
+  says "alive" every ``heartbeat_interval``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable, Sequence
+
+import grpc
+import torch
+
+from src import parameter_server_pb2 as pb
+from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, decompress
+from src.ps_transport import Received, copy_bytes_into
+
+
+class IncarnationRevoked(RuntimeError):
+    """The server declared this incarnation failed (silent too long, or replaced): this process must stop."""
+
+
+def check_session_lost(exc: grpc.RpcError, worker_id: int) -> None:
+    """Return if ``exc`` means the server lost this session (restarted, or restarting); raise otherwise.
+
+    Raises:
+        IncarnationRevoked: the server declared this incarnation failed.
+        grpc.RpcError: ``exc`` itself, for any other failure.
+    """
+    code = exc.code()
+    if code == grpc.StatusCode.ABORTED:
+        raise IncarnationRevoked(f"worker {worker_id}: {exc.details()}") from None
+    if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+        raise exc
+
+
+def encode_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], policy: CompressionPolicy | None,
+                     feedback: ErrorFeedback | None, generator: torch.Generator | None, step: int) -> list[bytes]:
+    """One payload per parameter: compensated by ``feedback`` (if any), compressed by ``policy`` (identity if none)."""
+    payloads = []
+    for name, gradient in named_gradients:
+        compensated = feedback.compensate(name, gradient) if feedback is not None else gradient
+        payload = policy.compress(compensated, step, generator) if policy is not None else IDENTITY.compress(compensated)
+        if feedback is not None:
+            feedback.update(name, compensated, payload)
+        payloads.append(payload)
+    return payloads
+
+
+def settle_push(feedback: ErrorFeedback | None, names: Iterable[str], *, accepted: bool) -> None:
+    """After a push's reply: commit its residuals, or roll them back when it was rejected."""
+    if feedback is not None:
+        for name in names:
+            (feedback.commit if accepted else feedback.rollback)(name)
+
+
+def settle_lost_push(feedback: ErrorFeedback | None, names: Iterable[str], *, applied: bool, redone: bool) -> None:
+    """After a push whose reply was lost: ``applied`` commits; otherwise ``redone`` (its samples will be
+    computed again) discards it, else it is rolled back into the residual (its gradient goes with the next push)."""
+    if feedback is not None:
+        for name in names:
+            (feedback.commit if applied else feedback.discard if redone else feedback.rollback)(name)
+
+
+def load_reply(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], reply: Received) -> int:
+    """Put the parameters of a pull or push reply into ``params`` (dense values, or deltas to add) and its
+    buffers into ``buffers``; returns its version.
+
+    Raises:
+        ValueError: the reply holds a different number of tensors, or a tensor of another size.
+    """
+    deltas = reply.large.get("parameter_deltas") or []
+    sent_params, sent_buffers = deltas or reply.large["parameters"], reply.large["buffers"]
+    if len(sent_params) != len(params) or len(sent_buffers) != len(buffers):
+        raise ValueError(f"server sent {len(sent_params)} parameters and {len(sent_buffers)} buffers, "
+                         f"the local model has {len(params)} and {len(buffers)}")
+    if deltas:
+        with torch.no_grad():
+            for param, payload in zip(params, deltas):
+                param.add_(decompress(payload, device=param.device).view_as(param).to(param.dtype))  # the server's replica does the same
+    else:
+        for index, (param, data) in enumerate(zip(params, sent_params)):
+            copy_bytes_into(param.data, data, f"parameter {index}")
+    for index, (buffer, data) in enumerate(zip(buffers, sent_buffers)):
+        copy_bytes_into(buffer, data, f"buffer {index}")
+    return reply.message.version
+
+
+class Heartbeats(threading.Thread):
+    """Calls ``beat()`` (one heartbeat RPC) every ``interval`` seconds until :meth:`stop`.
+
+    A failed heartbeat is ignored: the training loop's own calls find out what is wrong and act on it.
+    """
+
+    def __init__(self, beat: Callable[[], object], interval: float, *, name: str = "worker-heartbeat"):
+        super().__init__(name=name, daemon=True)
+        self.beat = beat
+        self.interval = interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.beat()
+            except grpc.RpcError:
+                pass
+            except ValueError:  # the channel was closed under a last beat: the owner is shutting down
+                if not self.stopped.is_set():
+                    raise
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+__all__ = ["Heartbeats", "IncarnationRevoked", "check_session_lost", "encode_gradients", "load_reply",
+           "settle_lost_push", "settle_push"]

@@ -1,0 +1,220 @@
+"""Experiment scripts: one experiment, a resumable matrix, the plots and the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.ps_fixtures import ROOT, kill_group
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import run_experiment as rx  # noqa: E402  (scripts, not package modules)
+import run_matrix  # noqa: E402
+
+TINY = {
+    "training": {"dataset": "mnist_5k", "num_epochs": 1, "batch_size": 16, "max_train_samples": 64,
+                 "max_test_samples": 64, "eval_interval": 2, "target_accuracy": 0.2, "momentum": 0.4},
+    "system": {"num_workers": 1, "aggregation_mode": "async"},
+}
+
+
+def script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(process)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{name} timed out after {timeout}s:\n{stdout}\n{stderr}")
+    finally:
+        kill_group(process)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+# ----------------------------------------------------------------------------- expansion and checks (no runs)
+
+
+def test_a_matrix_expands_into_every_combination_named_by_its_levels():
+    matrix = {"matrix": {"name": "grid", "axes": {
+        "mode": ["sync", "async"],
+        "compression": ["identity", "topk_ef"],
+        "uplink_mbps": [None, 250],
+        "heterogeneity": {"even": {}, "one_4x": {"emulation.workers": {1: {"slowdown": 4}}}},
+        "seed": [0, 1],
+    }}, **TINY}
+    name, runs = run_matrix.expand(matrix, "file_stem")
+    assert name == "grid" and len(runs) == 2 * 2 * 2 * 2 * 2
+    names = [experiment["name"] for experiment, _ in runs]
+    assert names[0] == "sync__identity__up-inf__even__seed-0" and names[-1] == "async__topk_ef__up-250__one_4x__seed-1"
+    by_name = dict((e["name"], data) for e, data in runs)
+    last = by_name["async__topk_ef__up-250__one_4x__seed-1"]
+    assert last["system"]["aggregation_mode"] == "async" and last["system"]["error_feedback"] is True
+    assert last["emulation"] == {"uplink_mbps": 250, "workers": {1: {"slowdown": 4}}} and last["training"]["seed"] == 1
+    assert by_name["sync__identity__up-inf__even__seed-0"]["system"]["compression_enabled"] is False
+    assert TINY["system"] == {"num_workers": 1, "aggregation_mode": "async"}  # the base is not modified
+    config = rx.build_config(*runs[-1], Path("/tmp/x") / names[-1])
+    assert config.system.log_dir == f"/tmp/x/{names[-1]}/logs" and config.emulation.workers[1].slowdown == 4
+
+
+@pytest.mark.parametrize("axes, expected", [
+    ({"compression": ["zip"]}, "matrix.axes.compression: unknown level 'zip'"),
+    ({"speed": [1, 2]}, "matrix.axes.speed: unknown axis"),
+    ({"seed": ["a"]}, "matrix.axes.seed: seeds must be integers"),
+    ({"mode": []}, "matrix.axes.mode: must be a non-empty list"),
+])
+def test_bad_axes_are_named(axes, expected):
+    with pytest.raises(rx.ExperimentError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        run_matrix.expand({"matrix": {"axes": axes}, **TINY}, "m")
+
+
+def test_the_controller_and_staleness_policies_say_when_they_are_not_integrated(tmp_path):
+    experiment, data = rx.split_experiment({"experiment": {"controller": "on"}, **TINY}, "x")
+    if rx.controller_available():
+        assert rx.build_config(experiment, data, tmp_path).system.adaptive_compression is True
+    else:
+        with pytest.raises(rx.ExperimentError, match="experiment.controller: on needs the adaptive controller"):
+            rx.build_config(experiment, data, tmp_path)
+    experiment, data = rx.split_experiment({**TINY, "system": {**TINY["system"], "staleness_policy": "soft"}}, "x")
+    if not rx.staleness_available():
+        with pytest.raises(rx.ExperimentError, match="system.staleness_policy: soft needs src/staleness.py"):
+            rx.build_config(experiment, data, tmp_path)
+    with pytest.raises(rx.ExperimentError, match="experiment.seeds: unknown key"):
+        rx.split_experiment({"experiment": {"seeds": 3}}, "x")
+
+
+def test_the_shipped_experiment_configs_are_valid(tmp_path):
+    folder = ROOT / "configs" / "experiments"
+    files = sorted(folder.glob("*.yaml"))
+    assert any(f.name == "smoke.yaml" for f in files)
+    for path in files:
+        data = yaml.safe_load(path.read_text())
+        if "matrix" in data:
+            _, runs = run_matrix.expand(data, path.stem)
+        else:
+            runs = [rx.split_experiment(data, path.stem)]
+        for experiment, run_data in runs:
+            if experiment["controller"] and not rx.controller_available():
+                continue  # F11: waits for the controller (docs/findings.md)
+            rx.build_config(experiment, run_data, tmp_path / experiment["name"])
+
+
+@pytest.mark.slow  # starts a process
+@pytest.mark.timeout(120)
+def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**TINY, "emulation": {"slowdown": 0.5}}))
+    result = script("run_experiment.py", "--config", str(bad), "--results-dir", str(tmp_path / "r"), timeout=60)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "config error: emulation.slowdown: must be >= 1 (1 = the machine's own speed), got 0.5"]
+    assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------- a tiny matrix, end to end
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_tiny_matrix_runs_resumes_without_redoing_finished_runs_and_plots(tmp_path):
+    matrix_file = tmp_path / "tiny.yaml"
+    matrix_file.write_text(yaml.safe_dump({
+        "matrix": {"name": "tiny", "axes": {"compression": ["identity", "topk_ef"], "seed": [0]}},
+        **TINY, "emulation": {"uplink_mbps": 200},
+    }))
+    results = tmp_path / "results"
+    first = script("run_matrix.py", "--config", str(matrix_file), "--results-dir", str(results))
+    assert first.returncode == 0, first.stdout + first.stderr
+    lines = first.stdout.strip().splitlines()
+    assert lines[0] == f"matrix tiny: 2 runs into {results / 'tiny'}"
+    assert lines[1].startswith("[1/2] identity__seed-0: done in ") and lines[2].startswith("[2/2] topk_ef__seed-0: done in ")
+    assert lines[3].startswith("matrix tiny: 2/2 runs finished") and len(lines) == 4  # one line per run, children quiet
+    identity, topk = results / "tiny" / "identity__seed-0", results / "tiny" / "topk_ef__seed-0"
+    for run in (identity, topk):
+        assert {"config.yaml", "experiment.json", "summary.json", "logs", "checkpoints"} <= {p.name for p in run.iterdir()}
+        assert (run / "logs" / "server" / "events.jsonl").is_file() and list((run / "logs" / "server").glob("events.out.tfevents.*"))
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["samples_processed"] == 64 and summary["emulation"]["workers"]["0"] == {"uplink_mbps": 200.0}
+    assert json.loads((topk / "summary.json").read_text())["compression"] == "topk(0.01)"
+    assert yaml.safe_load((topk / "config.yaml").read_text())["system"]["error_feedback"] is True
+
+    # interrupt the second run: its folder stays, without a finished summary
+    finished_at = (identity / "summary.json").stat().st_mtime_ns
+    (topk / "summary.json").unlink()
+    status = json.loads((topk / "experiment.json").read_text())
+    (topk / "experiment.json").write_text(json.dumps({**status, "status": "running"}))
+    (topk / "leftover").write_text("from the interrupted attempt")
+    again = script("run_matrix.py", "--config", str(matrix_file), "--results-dir", str(results))
+    assert again.returncode == 0, again.stdout + again.stderr
+    lines = again.stdout.strip().splitlines()
+    assert lines[1] == "[1/2] identity__seed-0: skipped (finished earlier)"
+    assert lines[2].startswith("[2/2] topk_ef__seed-0: done in ") and "(redone: interrupted earlier)" in lines[2]
+    assert (identity / "summary.json").stat().st_mtime_ns == finished_at
+    assert (topk / "summary.json").is_file() and not (topk / "leftover").exists()
+
+    plotted = script("plot_results.py", "--results", str(results / "tiny"))
+    assert plotted.returncode == 0, plotted.stderr
+    plots = results / "tiny" / "plots"
+    for name in ("accuracy_vs_time", "accuracy_vs_bytes", "time_to_target", "bytes_per_run", "staleness", "controller"):
+        assert (plots / f"{name}.png").stat().st_size > 5_000, name
+    table = (plots / "results.md").read_text()
+    assert "| identity__seed-0 | async | none |" in table and "| topk_ef__seed-0 | async | topk(0.01) |" in table
+    assert "| identity | 1 |" in table and "| topk_ef | 1 |" in table  # one row per configuration over its seeds
+
+
+def _fake_run(folder: Path, name: str, seed: int, **summary) -> None:
+    """A finished run folder holding only what the plots and findings read."""
+    run = folder / name
+    (run / "logs").mkdir(parents=True)
+    workers = summary.pop("workers")
+    base = {"architecture": "parameter_server", "aggregation_mode": "async", "compression": "none", "final_accuracy": 0.9,
+            "total_time_s": 10.0, "train_time_s": 8.0, "target_accuracy": 0.85, "bytes_sent": 100, "bytes_received": 100,
+            "throughput_samples_per_s": 100.0, "emulation": None, "staleness_histogram": {"0": 3, "1": 1}}
+    workers = [{"worker_id": k, "samples": s, "steps": n, "gradient_time_s": g, "compression_time_s": 0.0,
+                "communication_time_s": c} for k, (s, n, g, c) in enumerate(workers)]
+    (run / "summary.json").write_text(json.dumps({**base, **summary, "workers": workers}))
+    (run / "experiment.json").write_text(json.dumps({"status": "finished"}))
+    (run / "config.yaml").write_text(yaml.safe_dump({"training": {"seed": seed}}))
+
+
+def test_findings_are_computed_from_the_summaries(tmp_path):
+    import findings
+
+    f1 = tmp_path / "f1_stragglers"
+    # worker 1 four times slower: rates 100 and 25 samples/s in async -> ideal 125 / (2 x 25) = 2.5
+    _fake_run(f1, "sync__slow__seed-0", 0, aggregation_mode="sync", throughput_samples_per_s=50.0, time_to_target_s=30.0,
+              workers=[(500, 10, 1.0, 9.0), (500, 10, 10.0, 0.0)])
+    _fake_run(f1, "async__slow__seed-0", 0, throughput_samples_per_s=120.0, time_to_target_s=10.0,
+              workers=[(1000, 20, 5.0, 5.0), (250, 5, 10.0, 0.0)])
+    result = findings.f1(f1)
+    assert result["ideal_ratio"]["mean"] == pytest.approx(2.5)
+    assert result["async_over_sync_throughput"]["mean"] == pytest.approx(2.4)
+    assert result["fraction_of_ideal"]["mean"] == pytest.approx(0.96)
+    assert result["time_to_target_speedup"]["mean"] == pytest.approx(3.0) and result["async_reaches_target_sooner"] == [True]
+    assert result["slowest_worker_rate_async_over_sync"]["mean"] == pytest.approx(0.5)  # 25 vs 50 samples/s
+
+    f8 = tmp_path / "f8_bandwidth"
+    # per step: dense 10 ms compute + 90 ms comm, top-k 10 + 10 -> ceiling 5; time to target 40 s vs 10 s -> 4x
+    _fake_run(f8, "up-25__identity__seed-0", 0, time_to_target_s=40.0, bytes_sent=1000, workers=[(100, 10, 0.1, 0.9)])
+    _fake_run(f8, "up-25__topk_ef__seed-0", 0, time_to_target_s=10.0, bytes_sent=200, workers=[(100, 10, 0.1, 0.1)])
+    link = findings.f8(f8)["links"]["up-25"]
+    assert link["per_step_ceiling"]["mean"] == pytest.approx(5.0) and link["time_to_target_speedup"]["mean"] == pytest.approx(4.0)
+    assert link["fraction_of_ceiling"]["mean"] == pytest.approx(0.8) and link["bytes_sent_ratio"]["mean"] == pytest.approx(0.2)
+
+    f2 = tmp_path / "f2_f6_compression"
+    for name, accuracy, sent in (("identity", 0.95, 1000), ("topk", 0.90, 20), ("topk_ef", 0.94, 20), ("quantization", 0.95, 260)):
+        _fake_run(f2, f"{name}__seed-0", 0, final_accuracy=accuracy, bytes_sent=sent, workers=[(100, 10, 0.1, 0.1)])
+    compression = findings.f2_f6(f2)
+    assert compression["topk_ef"]["bytes_sent_ratio"]["mean"] == pytest.approx(0.02)
+    assert compression["topk_ef"]["accuracy_points_vs_identity"]["mean"] == pytest.approx(-1.0)
+    assert compression["f6_error_feedback_recovers_points"]["mean"] == pytest.approx(4.0)
+
+    import plot_results
+
+    table = plot_results.markdown_table(plot_results.find_runs([f2]))
+    assert "| topk_ef__seed-0 | async | none |" in table and "| topk_ef | 1 | 0.9400 |" in table

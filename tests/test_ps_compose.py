@@ -1,0 +1,246 @@
+"""docker-compose.yml run for real: build the image, run the parameter server and two workers as containers.
+
+The image is built on a base made locally (docker/build_local_base.sh: debootstrap, no registry),
+never pulled; the containers mount the host's Python packages read-only (docker/compose.local.yml)
+instead of installing torch into the image, and training_net is internal, so nothing leaves this
+machine. Each run checks that the three services train mnist_5k to completion over training_net
+and that the final checkpoint on the host volume evaluates to the accuracy the server reported.
+The plain run also checks that compose refuses to start without DTS_AUTH_TOKEN, that a container
+with a wrong token is refused by the server, and that a worker killed mid-run is restarted by
+docker and registers again; the TLS run (docker/compose.tls.yml), that the server's certificate
+verifies for the name the workers dial.
+
+Needs root, Docker (dockerd running), docker-compose and debootstrap; CI installs and starts them
+(.ci/run) and sets DTS_REQUIRE_DOCKER=1, so there the test fails instead of skipping. The first run
+on a machine makes the base image (about a minute of CPU); later runs reuse it and the built image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from src.checkpoint import load_checkpoint
+from src.data import load_dataset
+from src.metrics import read_events
+from tests.ps_fixtures import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+BASE_IMAGE = "dts-local-base:bookworm-py311"  # the BASE_IMAGE build arg of docker/compose.local.yml
+SERVICES = ("parameter_server", "worker_0", "worker_1")
+TOKEN = "compose-test-token-0123456789"
+
+
+def docker_unavailable() -> str | None:
+    """Why this machine cannot run the test, or ``None``."""
+    if os.geteuid() != 0:
+        return "needs root (bind mounts, debootstrap)"
+    for tool in ("docker", "docker-compose", "debootstrap"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode != 0:
+        return "the Docker engine is not running"
+    if sys.version_info[:2] != (3, 11):
+        return f"the image's Python is 3.11; this Python is {sys.version_info[0]}.{sys.version_info[1]}, its packages would not load"
+    return None
+
+
+@pytest.fixture(scope="module")
+def local_base():
+    """The local base image: made once per machine by docker/build_local_base.sh, never pulled."""
+    reason = docker_unavailable()
+    if reason is not None:
+        if os.environ.get("DTS_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"DTS_REQUIRE_DOCKER=1 but {reason}")
+        pytest.skip(reason)
+    made = subprocess.run(["bash", str(ROOT / "docker" / "build_local_base.sh"), BASE_IMAGE],
+                          capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True, timeout=60).returncode == 0
+    return BASE_IMAGE
+
+
+def docker(*args: str, timeout: float = 60) -> str:
+    """``docker ARGS``' stdout (the engine's CLI answers queries far faster than docker-compose)."""
+    result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"docker {' '.join(args)}: {result.stderr}"
+    return result.stdout
+
+
+def inspect(kind: str, name: str) -> dict:
+    return json.loads(docker(kind, "inspect", name))[0]
+
+
+class Compose:
+    """docker-compose on one project (a unique name) with the test's environment; :meth:`down` removes it all."""
+
+    def __init__(self, project: str, files: list[str], environment: dict[str, str]):
+        self.project = project
+        self.network = f"{project}_training_net"
+        self.prefix = ["docker-compose", "--ansi", "never", "-p", project, *[arg for f in files for arg in ("-f", f)]]
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("DTS_", "COMPOSE_"))} | environment
+
+    def __call__(self, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None):
+        result = subprocess.run([*self.prefix, *args], cwd=ROOT, env=env or self.env, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            pytest.fail(f"docker-compose {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def container(self, service: str) -> str:
+        ids = docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={self.project}",
+                     "--filter", f"label=com.docker.compose.service={service}", "--filter", "label=com.docker.compose.oneoff=False").split()
+        assert len(ids) == 1, f"{service}: containers {ids}"
+        return ids[0]
+
+    def logs(self, *services: str) -> str:
+        text = []
+        for service in services or SERVICES:
+            result = subprocess.run(["docker", "logs", self.container(service)], capture_output=True, text=True, timeout=60)
+            text.append(f"--- {service}\n{result.stdout}{result.stderr}")
+        return "\n".join(text)
+
+    def down(self) -> None:
+        self("down", "--volumes", "--remove-orphans", "--timeout", "5", check=False, timeout=120)
+        # Whatever down left behind (it failed, or a one-off container outlived it) goes too.
+        label = f"label=com.docker.compose.project={self.project}"
+        leftover = subprocess.run(["docker", "ps", "-aq", "--filter", label], capture_output=True, text=True, timeout=60).stdout.split()
+        if leftover:
+            subprocess.run(["docker", "rm", "-f", *leftover], capture_output=True, timeout=120)
+        if subprocess.run(["docker", "network", "inspect", self.network], capture_output=True, timeout=60).returncode == 0:
+            subprocess.run(["docker", "network", "rm", self.network], capture_output=True, timeout=60)
+
+
+def make_server_certificate(directory: Path) -> None:
+    """The README's command for the compose cluster's self-signed certificate (name: parameter_server)."""
+    directory.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-days", "365", "-subj", "/CN=parameter_server", "-addext", "subjectAltName=DNS:parameter_server",
+                    "-keyout", str(directory / "server.key"), "-out", str(directory / "server.crt")],
+                   check=True, capture_output=True, timeout=60)
+
+
+def wait_for_event(compose: Compose, events: Path, condition, what: str, deadline_s: float) -> None:
+    """Poll the server's events.jsonl (on the host volume) until an event meets ``condition``."""
+    server = compose.container("parameter_server")
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if events.is_file() and any(condition(event) for event in read_events(events)):
+            return
+        if not inspect("container", server)["State"]["Running"]:
+            pytest.fail(f"the server stopped before {what}:\n{compose.logs()}")
+        time.sleep(0.2)
+    pytest.fail(f"no {what} within {deadline_s}s:\n{compose.logs()}")
+
+
+def evaluate_checkpoint(path: Path, capsys) -> dict:
+    """scripts/evaluate_checkpoint.py on ``path``, in this process (torch is loaded already)."""
+    spec = importlib.util.spec_from_file_location("evaluate_checkpoint", ROOT / "scripts" / "evaluate_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    assert module.main(["--checkpoint", str(path)]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls):
+    output = tmp_path / "out"
+    files = ["docker-compose.yml", "docker/compose.local.yml"] + (["docker/compose.tls.yml"] if tls else [])
+    environment = {"DTS_AUTH_TOKEN": TOKEN, "DTS_SITE_PACKAGES": sysconfig.get_paths()["purelib"], "DTS_COMPOSE_OUTPUT": str(output)}
+    if tls:
+        make_server_certificate(tmp_path / "certs")
+        environment["DTS_TLS_DIR"] = str(tmp_path / "certs")
+    # An image tag of this checkout's own, so that a run from another checkout on the same
+    # machine cannot retag the image under this one's containers.
+    image_override = tmp_path / "image.yml"
+    image = f"dts-compose-test:{hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]}"
+    image_override.write_text(yaml.safe_dump({"services": {service: {"image": image} for service in SERVICES}}))
+    files.append(str(image_override))
+    compose = Compose(f"dtstest{os.getpid()}{'tls' if tls else 'plain'}", files, environment)
+    server_events = output / "logs" / "ps_cli" / "server" / "events.jsonl"
+
+    try:
+        compose("build", "--force-rm", timeout=600)
+        if not tls:
+            # No token (unset or empty), no cluster: compose refuses before starting anything.
+            for without in ({k: v for k, v in compose.env.items() if k != "DTS_AUTH_TOKEN"}, compose.env | {"DTS_AUTH_TOKEN": ""}):
+                refused = compose("up", "-d", "--no-build", check=False, env=without)
+                assert refused.returncode != 0 and "set DTS_AUTH_TOKEN" in refused.stderr, refused.stderr
+            assert not docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={compose.project}").split()
+        compose("up", "-d", "--no-build", "parameter_server")
+        wait_for_event(compose, server_events, lambda e: e["kind"] == "listening", "listening event", deadline_s=180)
+        server_ip = inspect("container", compose.container("parameter_server"))["NetworkSettings"]["Networks"][compose.network]["IPAddress"]
+        if tls:
+            # The server speaks TLS with a certificate valid for the name the workers dial (a
+            # plain Python client in a worker's container, so the handshake alone is checked).
+            handshake = compose("run", "--rm", "--no-deps", "-T", "--entrypoint", "python", "worker_0", "-c",
+                                "import socket, ssl; context = ssl.create_default_context(cafile='certs/server.crt'); "
+                                "print(context.wrap_socket(socket.create_connection(('parameter_server', 50051), timeout=30), "
+                                "server_hostname='parameter_server').version())", check=False)
+            assert handshake.returncode == 0 and handshake.stdout.startswith("TLSv1."), handshake.stdout + handshake.stderr
+        else:
+            # A container on training_net with a wrong token: the server refuses it; the run goes on.
+            intruder = compose("run", "--rm", "--no-deps", "-T", "-e", "DTS_AUTH_TOKEN=not-the-token", "worker_1", check=False)
+            assert intruder.returncode == 1, intruder.stdout + intruder.stderr
+            assert "parameter server call failed: UNAUTHENTICATED: missing or wrong auth token" in intruder.stderr, intruder.stderr
+            assert TOKEN not in intruder.stdout + intruder.stderr
+
+        compose("up", "-d", "--no-build", "--no-recreate")
+        containers = {service: compose.container(service) for service in SERVICES}
+        if not tls:
+            # A worker dies as in a crash (SIGKILL of its process, exit 137) an eighth into the
+            # run: docker restarts it (restart: on-failure) and it registers again.
+            wait_for_event(compose, server_events, lambda e: e["kind"] == "update" and e["version"] >= 8, "update 8", deadline_s=300)
+            os.kill(inspect("container", containers["worker_0"])["State"]["Pid"], signal.SIGKILL)
+        # The server ends the run once every worker is done; then the workers have exited too.
+        for service in SERVICES:
+            waited = subprocess.run(["docker", "wait", containers[service]], capture_output=True, text=True, timeout=600)
+            logs = compose.logs()
+            assert waited.stdout.strip() == "0", f"{service} exited {waited.stdout.strip()}:\n{logs}"
+        states = {service: inspect("container", container) for service, container in containers.items()}
+        network = inspect("network", compose.network)
+    finally:
+        compose.down()
+
+    assert [state["RestartCount"] for state in states.values()] == ([0, 0, 0] if tls else [0, 1, 0]), logs
+    assert network["Internal"] is True  # no route off this machine
+    assert not any(states["parameter_server"]["NetworkSettings"]["Ports"].values())  # 50051 not published
+    assert "Final Accuracy:" in logs and "Checkpoint: checkpoints/ps_cli/parameter_server_final.pt" in logs
+
+    # Workers reached the server over training_net from their containers' own addresses; the
+    # restarted worker_0 joined again as a new incarnation.
+    subnet = ipaddress.ip_network(network["IPAM"]["Config"][0]["Subnet"])
+    joined = [e for e in read_events(server_events) if e["kind"] in ("register", "worker_rejoined")]
+    assert sorted((e["kind"], e["worker"]) for e in joined) == [("register", 0), ("register", 1)] + ([] if tls else [("worker_rejoined", 0)]), joined
+    peers = {ipaddress.ip_address(e["peer"].removeprefix("ipv4:").rsplit(":", 1)[0]) for e in joined}
+    assert all(peer in subnet and peer != ipaddress.ip_address(server_ip) for peer in peers), (peers, subnet, server_ip)
+    for k in (0, 1):
+        assert (output / "logs" / "ps_cli" / f"worker_{k}" / "events.jsonl").is_file()
+
+    # The final checkpoint on the host volume is the trained model the server reported.
+    summary = json.loads((output / "logs" / "ps_cli" / "summary.json").read_text())
+    assert (summary["dataset"], summary["num_workers"], summary["epochs"]) == ("mnist_5k", 2, 2)
+    assert summary["final_accuracy"] > 0.8  # two epochs of mnist_5k reach ~94%
+    # Every sample of both epochs in exactly one applied update, the killed worker's included.
+    assert summary["samples_processed"] == 2 * len(load_dataset("mnist_5k", "train")), summary
+    assert summary["worker_incarnations"] == (2 if tls else 3), summary
+    final = output / "checkpoints" / "ps_cli" / "parameter_server_final.pt"
+    checkpoint = load_checkpoint(final)
+    assert (checkpoint["dataset"], checkpoint["epoch"], checkpoint["extra"]["version"]) == ("mnist_5k", 2, summary["versions"])
+    # Same model and test split, evaluated on the host; only the thread count differs from the
+    # container's, which may flip a prediction sitting on a tie: a few samples in 1000.
+    assert evaluate_checkpoint(final, capsys)["accuracy"] == pytest.approx(summary["final_accuracy"], abs=0.005)
