@@ -6,12 +6,19 @@
     python run_ddp_training.py --world-size 2 --allreduce ring                       # explicit ring hook
     python run_ddp_training.py --world-size 2 --compression-enabled --compression-type topk --compression-ratio 0.01
     python run_ddp_training.py --world-size 2 --resume checkpoints/ddp_cli --num-epochs 4
+    python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --inject-fault kill:rank=1@step=30
 
 Across machines, the same script under torchrun (it reads RANK / WORLD_SIZE / MASTER_ADDR and spawns
 nothing); run on each of the two nodes:
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29400 \\
-        --rdzv-id ddp_job run_ddp_training.py --num-epochs 2
+        --rdzv-id ddp_job --max-restarts 3 run_ddp_training.py --num-epochs 2
+
+Fault tolerance: the local launcher is torch's elastic agent (the one torchrun runs). A rank that
+dies takes the group down and the agent starts it again, up to --max-restarts times (torchrun's own
+--max-restarts under torchrun); the new attempt continues from the newest checkpoint of this job
+(--checkpoint-interval-steps K adds a checkpoint every K steps). --inject-fault kill:rank=R@step=N
+SIGKILLs rank R at its Nth step, in the first attempt only.
 
 Outputs: checkpoints in checkpoints/ddp_cli (ddp_final.pt + numbered), logs/ddp_cli/summary.json,
 logs/ddp_cli/ddp_rank_<r>.json, and TensorBoard + events.jsonl under logs/ddp_cli/rank_<r>
@@ -22,10 +29,12 @@ DIR/ddp_rank_<r>.json and DIR/ddp_events.jsonl for generate_performance_report.p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from src.cli import (
-    COMPRESSION_FLAGS, add_common_flags, add_compression_flags, config_from_args, exit_status, write_artifacts_if_asked,
+    COMPRESSION_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_fault_tolerance_flags, config_from_args,
+    exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -34,6 +43,7 @@ DDP_FLAGS = {
     "world_size": "system.num_workers",
     "allreduce": "system.allreduce",
     "backend": "system.backend",
+    "checkpoint_interval_steps": "training.checkpoint_interval_steps",
 }
 
 
@@ -44,17 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--world-size", type=int, help="local ranks to spawn (system.num_workers, default 2); under torchrun its WORLD_SIZE decides")
     ddp.add_argument("--allreduce", choices=("default", "ring"), help="gradient allreduce: the backend's (default) or the explicit ring hook")
     ddp.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="auto: nccl on CUDA, gloo on CPU (default auto)")
+    ddp.add_argument("--checkpoint-interval-steps", type=int,
+                     help="also checkpoint every N optimizer steps, mid-epoch too (default 0: epoch checkpoints only)")
     add_compression_flags(parser, "compression (DDP comm hook)")
+    add_fault_tolerance_flags(parser, heartbeats=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**DDP_FLAGS, **COMPRESSION_FLAGS}, forced={"system.architecture": "ddp"})
+    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**DDP_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS}, forced={"system.architecture": "ddp"})
 
-    import torch.multiprocessing as mp  # torch import after flag checks keeps --help fast
-
-    from src.ddp_trainer import launch, torchrun_env
+    from src.ddp_launcher import launch, torchrun_env  # torch loads after the flags are checked: --help stays fast
     from src.supervisor import LaunchError
 
     def run() -> None:
@@ -64,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             print(format_summary(summary))
             write_artifacts_if_asked(args, config, summary)
 
-    return exit_status(run, describe={LaunchError: str, mp.ProcessRaisedException: lambda exc: f"a rank failed:\n{exc}"})
+    return exit_status(run, describe={LaunchError: str})
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun rank: see leave_rank_process
+        from src.ddp_trainer import leave_rank_process
+
+        leave_rank_process(status)
+    sys.exit(status)

@@ -56,6 +56,8 @@ class TrainingConfig(_Section):
     """A name from ``src.models.MODELS``."""
     checkpoint_interval: int = 1
     """Epochs between checkpoints (baseline, DDP) or server versions between checkpoints (PS)."""
+    checkpoint_interval_steps: int = 0
+    """DDP: also checkpoint every this many optimizer steps (mid-epoch too); 0 = epoch checkpoints only."""
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -86,6 +88,13 @@ class TrainingConfig(_Section):
     def _non_negative_interval(cls, value: int) -> int:
         if value < 0:
             raise ValueError("must be >= 0 (0 = evaluate only at epoch ends)")
+        return value
+
+    @field_validator("checkpoint_interval_steps")
+    @classmethod
+    def _non_negative_steps(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0 (0 = checkpoint only at epoch ends)")
         return value
 
     @field_validator("target_accuracy")

@@ -1,17 +1,10 @@
-"""Ring-allreduce data parallelism: DistributedDataParallel over torch.distributed, one process per rank.
+"""One rank of ring-allreduce data parallelism: DistributedDataParallel over torch.distributed.
 
-    python run_ddp_training.py --world-size 2 --num-epochs 2                  # 2 local ranks, spawned
-    python run_ddp_training.py --world-size 2 --allreduce ring                # explicit ring hook
-    python run_ddp_training.py --world-size 2 --compression-enabled --compression-type topk --compression-ratio 0.01
-    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        --rdzv-id job1 run_ddp_training.py --num-epochs 2                     # 2 machines x 2 ranks
-
-Launch: with ``--world-size N`` the launcher hosts a TCPStore on 127.0.0.1 (port 0: the OS picks a
-free one, so there is no probe-then-bind race) and spawns N ranks with the spawn start method. When
-the environment already has ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` (torchrun), nothing is
-spawned: this process is one rank and joins through ``env://``; that is how a run spans machines.
-gloo on CPU, nccl when the device is CUDA (``system.backend`` overrides). Each rank gets
-``cores // local ranks`` intra-op threads so N ranks do not oversubscribe the machine.
+Ranks are started by :mod:`src.ddp_launcher` (locally through torch's elastic agent, or by
+torchrun across machines); :func:`run_rank` joins the process group, trains with
+:class:`DDPTrainer` and leaves the group. gloo on CPU, nccl when the device is CUDA
+(``system.backend`` overrides). Each rank gets ``cores // local ranks`` intra-op threads so N ranks
+do not oversubscribe the machine.
 
 Data: rank r of N reads ``make_shards(len(train), N, epoch, seed)[r]`` in batches of
 ``training.batch_size``. Step i of all ranks together then reads exactly the samples the baseline
@@ -23,33 +16,45 @@ collectives) instead of using ``Join``: explicit, deterministic, and it keeps th
 counters in lock-step.
 
 Gradient exchange: :mod:`src.comm_hooks` (built-in allreduce, ring hook, compressed hooks).
-Evaluation: after every epoch each rank scores its slice ``r::N`` of the test split and the sums are
-all-reduced, so every rank knows the accuracy. Checkpoints: rank 0 writes the common format
-(``checkpoint_<epoch>.pt`` every ``checkpoint_interval`` epochs and ``ddp_final.pt``) with every
-rank's hook state (residuals, step) gathered into ``extra["comm_hook"]``; ``--resume`` has rank 0
-load the checkpoint and broadcast it, so the other machines need no copy of the file.
+Evaluation: after every epoch, and every ``training.eval_interval`` steps when set, each rank scores
+its slice ``r::N`` of the test split and the sums are all-reduced, so every rank knows the accuracy;
+the first evaluation at ``training.target_accuracy`` gives the time to target. Time is a
+:class:`src.trainer.TrainingClock` (from the first training step; evaluation and checkpoints excluded).
+
+Checkpoints: rank 0 writes the common format as ``checkpoint_<step>.pt`` (numbered by optimizer
+step) every ``checkpoint_interval`` epochs and every ``checkpoint_interval_steps`` steps (mid-epoch
+too), and ``ddp_final.pt``, with every rank's hook state (residuals, step) gathered into
+``extra["comm_hook"]`` and the position inside the epoch in ``extra["epoch_step"]``. ``--resume``
+has rank 0 load the checkpoint and broadcast it (other machines need no copy of the file); a
+mid-epoch checkpoint continues the same epoch at the next batch, so the data order and the hook
+state continue exactly.
+
+Restarts: when the elastic agent restarts the group after a rank died (``TORCHELASTIC_RESTART_COUNT``
+> 0), rank 0 resumes from the newest checkpoint this job wrote, which :class:`JobRecord` keeps in
+the agent's store (so an older job's checkpoints in the same folder are never taken), and logs
+``rank_restarted``. Faults (``system.inject_faults``, ``kill:rank=R@step=N``) fire in the first
+attempt only. An expected error (missing dataset, unusable checkpoint, bad value) is recorded there
+too, so later attempts stop at once instead of repeating a run that cannot succeed.
 
 Outputs under ``system.log_dir``: ``summary.json`` (rank 0, whole run), ``ddp_rank_<r>.json`` (per
 rank: samples, time, bytes), and per-rank TensorBoard + ``events.jsonl`` under ``rank_<r>/``; rank 0
-also logs run-level events (eval, checkpoints) at the top level.
+also logs run-level events (eval, checkpoints, restarts) at the top level.
 """
 
 from __future__ import annotations
 
-import json
+import gc
 import logging
 import os
-import shutil
-import signal
-import tempfile
+import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -59,18 +64,19 @@ from src.checkpoint import (
     prune_checkpoints, save_checkpoint,
 )
 from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
-from src.config import Config, SetupError, validate_config
+from src.config import Config, SetupError
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
-from src.metrics import LOG_EVERY_STEPS, MetricsLogger, write_summary
-from src.supervisor import LaunchError, stop_processes
+from src.faults import FaultInjector
+from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
+from src.supervisor import LaunchError
 from src.trainer import (
-    checkpoint_of_run, evaluate, load_splits, model_from_config, optimizer_from_config, progress,
+    TrainingClock, checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config, optimizer_from_config,
+    progress, report_target,
 )
 
-LOCAL_HOST = "127.0.0.1"
-#: Errors a rank reports as one line (anything else is a bug and keeps its traceback).
-EXPECTED_ERRORS = (DatasetUnavailableError, CheckpointError, SetupError)
-_TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+#: Errors a rank reports as one line (anything else is a bug and keeps its traceback). They cannot
+#: succeed on a retry, so the first attempt's is recorded and later attempts stop at once.
+EXPECTED_ERRORS = (DatasetUnavailableError, CheckpointError, SetupError, LaunchError)
 
 
 @dataclass(frozen=True)
@@ -83,30 +89,15 @@ class RankContext:
     local_world_size: int
     backend: str
     device: torch.device
-
-
-# ----------------------------------------------------------------------------- launch checks
-
-
-def torchrun_env(environ: dict[str, str] | None = None) -> dict[str, int] | None:
-    """Rank layout from torchrun's environment, or ``None`` when not launched by torchrun."""
-    environ = os.environ if environ is None else environ
-    if not all(key in environ for key in _TORCHRUN_KEYS):
-        return None
-    world = int(environ["WORLD_SIZE"])
-    return {
-        "rank": int(environ["RANK"]),
-        "world_size": world,
-        "local_rank": int(environ.get("LOCAL_RANK", environ["RANK"])),
-        "local_world_size": int(environ.get("LOCAL_WORLD_SIZE", world)),
-    }
+    attempt: int = 0
+    """How many times the elastic agent restarted the group before this attempt (0: the first)."""
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:
     """The device of a rank: ``cuda``/``auto`` put local rank k on GPU k; ``cuda:N`` is taken as given.
 
     Raises:
-        ValueError: CUDA requested but not available.
+        SetupError: CUDA requested but not available.
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,7 +112,7 @@ def select_backend(requested: str, device: torch.device) -> str:
     """``auto`` -> nccl on CUDA, gloo on CPU.
 
     Raises:
-        ValueError: nccl without CUDA.
+        SetupError: nccl without CUDA.
     """
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
@@ -138,33 +129,73 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
-def check_launch(config: Config, *, local_world_size: int) -> None:
-    """Reject configurations no rank could run, before anything is spawned.
+def check_resumable(path: str | Path, checkpoint: dict[str, Any], config: Config, world_size: int) -> None:
+    """Raise :class:`SetupError` unless a run of ``config`` on ``world_size`` ranks can continue ``checkpoint``.
 
-    Raises:
-        ValueError: one line naming the field (device, backend, world size against GPUs).
+    The model must match; a checkpoint taken mid-epoch also needs the same ranks and batch size,
+    since it continues the epoch at its next batch and any other split would read other samples.
     """
-    device = rank_device(config.training.device, 0)
-    select_backend(config.system.backend, device)
-    if device.type == "cuda" and local_world_size > 1:
-        if config.training.device.startswith("cuda:"):
-            raise SetupError(f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; use cuda or auto")
-        if local_world_size > torch.cuda.device_count():
-            raise SetupError(f"system.num_workers: {local_world_size} local ranks but only {torch.cuda.device_count()} CUDA devices")
-
-
-def resolve_resume(config: Config, target: str | Path | None) -> str | None:
-    """The checkpoint file ``--resume`` points at (newest good one in a folder), checked against the config.
-
-    Raises:
-        CheckpointError: nothing loadable.
-        ValueError: the checkpoint holds a different model.
-    """
-    if target is None:
-        return None
-    path, checkpoint = load_latest_good(target)
     check_model_matches(path, checkpoint, config.training.model_architecture)
-    return str(path)
+    epoch_step = int(checkpoint.get("extra", {}).get("epoch_step", 0))
+    if epoch_step:
+        saved = (checkpoint["extra"].get("world_size"), checkpoint["config"]["training"]["batch_size"])
+        here = (world_size, config.training.batch_size)
+        if saved != here:
+            raise SetupError(
+                f"--resume {path}: taken {epoch_step} steps into epoch {int(checkpoint['epoch']) + 1} by {saved[0]} ranks "
+                f"x batch {saved[1]}; this run has {here[0]} x {here[1]}, which would read other samples: resume it "
+                f"with the same ranks and batch size, or from an epoch-end checkpoint")
+
+
+class JobRecord:
+    """What every attempt of one elastic job shares: the newest checkpoint it wrote, and a fatal error.
+
+    The elastic agent (torchrun, or :mod:`src.ddp_launcher`) hosts one TCPStore for the whole job
+    and hands its address to every attempt as ``MASTER_ADDR``/``MASTER_PORT`` (with
+    ``TORCHELASTIC_USE_AGENT_STORE=True``). Keys written there outlive a failed attempt, and a new
+    job gets a new store, so a restarted attempt finds this job's checkpoint and never an older
+    job's left in the same folder. Without an agent store (ranks started some other way, or store
+    sharing switched off) nothing is recorded and a restart starts over from ``--resume``.
+    """
+
+    _PREFIX = "dts_ddp/"
+    _NEWEST_CHECKPOINT = "newest_checkpoint"
+    _FATAL = "fatal_error"
+
+    def __init__(self, store: dist.Store | None = None):
+        self.store = store
+
+    @classmethod
+    def from_environment(cls) -> "JobRecord":
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return cls(None)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=60))
+        return cls(store)
+
+    def _get(self, key: str) -> str | None:
+        if self.store is None or not self.store.check([self._PREFIX + key]):
+            return None
+        return self.store.get(self._PREFIX + key).decode()
+
+    def _set(self, key: str, value: str) -> None:
+        if self.store is not None:
+            self.store.set(self._PREFIX + key, value)
+            # A store's set does not wait for the server; a read on the same connection does, so
+            # the value is in the store (for the next attempt) before this returns.
+            self.store.get(self._PREFIX + key)
+
+    def newest_checkpoint(self) -> str | None:
+        return self._get(self._NEWEST_CHECKPOINT)
+
+    def checkpoint_written(self, path: str | Path) -> None:
+        self._set(self._NEWEST_CHECKPOINT, str(path))
+
+    def fatal_error(self) -> str | None:
+        return self._get(self._FATAL)
+
+    def record_fatal(self, message: str) -> None:
+        self._set(self._FATAL, message)
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -193,10 +224,12 @@ class DDPTrainer:
 
     Args:
         config: validated config (``system.num_workers`` is informational here; the group decides).
-        context: this rank's place, backend and device.
-        resume: checkpoint file to continue from (rank 0 reads it and broadcasts it).
+        context: this rank's place, backend, device and restart attempt.
+        resume: checkpoint file or folder to continue from (rank 0 reads it and broadcasts it). A
+            restarted attempt continues from ``job``'s newest checkpoint instead, when there is one.
         summary_json: run summary path (default ``<log_dir>/summary.json``), written by rank 0.
-        comm_hook: factory ``(module) -> CommHook`` replacing the config's choice (benchmarks).
+        comm_hook: factory ``(module) -> CommHook`` replacing the config's choice (benchmarks, tests).
+        job: the elastic job's shared record (newest checkpoint); default: none.
     """
 
     def __init__(
@@ -207,9 +240,11 @@ class DDPTrainer:
         resume: str | Path | None = None,
         summary_json: str | Path | None = None,
         comm_hook: Callable[[nn.Module], CommHook] | None = None,
+        job: JobRecord | None = None,
     ):
         self.config = config
         self.ctx = context
+        self.job = job or JobRecord()
         self.checkpoint_dir = Path(config.system.checkpoint_dir)
         self.log_dir = Path(config.system.log_dir)
         self.summary_json = Path(summary_json) if summary_json else self.log_dir / "summary.json"
@@ -219,24 +254,50 @@ class DDPTrainer:
         self.test_part = TensorDataset(test_set.info, test_set.images[rank::world].contiguous(), test_set.labels[rank::world].contiguous())
         self.model = model_from_config(config).to(context.device)
         self.optimizer = optimizer_from_config(config, self.model.parameters())
-        self.start_epoch, self.step = 0, 0
+        self.start_epoch, self.start_index, self.step, self.steps_run = 0, 0, 0, 0
         self.resumed_from: str | None = None
-        saved_hook = self._restore(resume) if resume is not None else None
+        self.faults = FaultInjector(config.system.inject_faults, "rank", rank, enabled=context.attempt == 0)
+        saved_hook = self._restore(resume) if resume is not None or context.attempt > 0 else None
         device_ids = [context.device.index] if context.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
         self.comm = comm_hook(self.model) if comm_hook is not None else comm_hook_from_config(config.system, self.model, seed=config.training.seed)
         self.comm.register(self.ddp)
         self.hook_note = self._restore_hook(saved_hook)
+        # DDP re-buckets after a process's first backward pass; a silent one now makes every
+        # training step see the final buckets (the compression units; see src.comm_hooks).
+        self.comm.settle_buckets(self.ddp, self.train_set.images[:1].to(context.device))
+
+    def close(self) -> None:
+        """Stop the comm hook's exchange thread and let go of DDP (before the group is destroyed).
+
+        (torch keeps gloo's own threads alive even so; see :func:`leave_rank_process`.)
+        """
+        closer = getattr(self.comm, "close", None)
+        if callable(closer):
+            closer()
+        self.ddp = self.comm = None
+        gc.collect()
 
     # -- resume ---------------------------------------------------------------------------
 
-    def _restore(self, target: str | Path) -> dict[str, Any] | None:
+    def _resume_target(self, requested: str | Path | None) -> str | Path | None:
+        """Rank 0: a restarted attempt continues from this job's newest checkpoint, else from ``requested``."""
+        if self.ctx.attempt > 0:
+            return self.job.newest_checkpoint() or requested
+        return requested
+
+    def _load_for_resume(self, target: str | Path) -> dict[str, Any]:
+        """Rank 0: load ``target`` (newest good checkpoint) and check this run can continue it."""
+        path, checkpoint = load_latest_good(target)
+        check_resumable(path, checkpoint, self.config, self.ctx.world_size)
+        return {"path": str(path), "checkpoint": checkpoint}
+
+    def _restore(self, requested: str | Path | None) -> dict[str, Any] | None:
         message: list[Any] = [None]
         if self.ctx.rank == 0:
+            target = self._resume_target(requested)
             try:
-                path, checkpoint = load_latest_good(target)
-                check_model_matches(path, checkpoint, self.config.training.model_architecture)
-                message = [{"path": str(path), "checkpoint": checkpoint}]
+                message = [self._load_for_resume(target) if target is not None else {"fresh": True}]
             except EXPECTED_ERRORS as exc:
                 message = [{"error": str(exc)}]
         # Broadcasting (not every rank reading the file) lets other machines resume without a copy.
@@ -244,12 +305,15 @@ class DDPTrainer:
         received = message[0]
         if "error" in received:
             raise CheckpointError(received["error"])
+        if "fresh" in received:
+            return None
         checkpoint = received["checkpoint"]
         self.model.load_state_dict(checkpoint["model_state_dict"])
         self.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
         self.start_epoch, self.step = int(checkpoint["epoch"]), int(checkpoint["step"])
+        self.start_index = int(checkpoint["extra"].get("epoch_step", 0))
         self.resumed_from = received["path"]
-        return checkpoint.get("extra", {}).get("comm_hook")
+        return checkpoint["extra"].get("comm_hook")
 
     def _restore_hook(self, saved: dict[str, Any] | None) -> str | None:
         """Load this rank's hook state; returns a note when it could not be used (the run goes on)."""
@@ -286,21 +350,49 @@ class DDPTrainer:
         loss_sum, correct, total = self._all_reduce([loss * count, round(accuracy * count), count])
         return loss_sum / max(total, 1), correct / max(total, 1)
 
-    def _checkpoint(self, path: Path, epoch: int) -> Path:
+    def _evaluate_and_log(self, run_log: MetricsLogger | None, epoch: int, clock: TrainingClock,
+                          target: TimeToTarget) -> tuple[float, float]:
+        """Evaluate (collective) with the clock stopped; rank 0 logs it; every rank feeds ``target``."""
+        with clock.paused():
+            loss, accuracy = self._evaluate()
+            (seconds,) = self._all_reduce([clock.seconds], op=dist.ReduceOp.MAX)  # the slowest rank's clock
+            if run_log is not None:
+                run_log.scalars("eval", self.step, {"test_loss": loss, "test_accuracy": accuracy}, epoch=epoch)
+                report_target(target, accuracy, seconds, self.step)
+            else:
+                target.observe(accuracy, seconds, self.step)
+        return loss, accuracy
+
+    def _checkpoint(self, path: Path, *, epoch: int, epoch_step: int = 0) -> Path:
+        """Write a checkpoint (collective: every rank's hook state is gathered to rank 0)."""
         states: list[Any] | None = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
         dist.gather_object(self.comm.state_dict(), states, dst=0)
         if self.ctx.rank == 0:
             checkpoint = checkpoint_of_run(
                 self.config, self.model, self.optimizer, epoch=epoch, step=self.step,
-                extra={"comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states}},
+                extra={"comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states},
+                       "epoch_step": epoch_step, "world_size": self.ctx.world_size},
             )
             save_checkpoint(path, checkpoint)
+            self.job.checkpoint_written(path)
         return path
+
+    def _numbered_checkpoint(self, run_log: MetricsLogger | None, clock: TrainingClock, *, epoch: int, epoch_step: int) -> None:
+        with clock.paused():
+            written = self._checkpoint(numbered_path(self.checkpoint_dir, self.step), epoch=epoch, epoch_step=epoch_step)
+            if run_log is not None:
+                prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
+                run_log.event("checkpoint", path=str(written), epoch=epoch, epoch_step=epoch_step, step=self.step)
+
+    def _step_checkpoint_due(self) -> bool:
+        interval = self.config.training.checkpoint_interval_steps
+        return interval > 0 and self.step % interval == 0
 
     # -- the loop -------------------------------------------------------------------------
 
-    def _train_epoch(self, epoch: int, log: MetricsLogger) -> tuple[int, int]:
-        """One epoch of this rank's shard; returns (samples, steps)."""
+    def _train_epoch(self, epoch: int, first_index: int, rank_log: MetricsLogger, run_log: MetricsLogger | None,
+                     clock: TrainingClock, target: TimeToTarget) -> tuple[int, int]:
+        """Epoch ``epoch`` of this rank's shard from batch ``first_index`` on; returns (samples, steps)."""
         t = self.config.training
         rank, world, device = self.ctx.rank, self.ctx.world_size, self.ctx.device
         num_train = len(self.train_set)
@@ -310,10 +402,12 @@ class DDPTrainer:
         batches += [[]] * (num_steps - len(batches))  # shard ran out: empty steps, same collectives
         stats = self.comm.stats
         samples = 0
-        bar = progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") if rank == 0 else _SilentBar()
-        for index, indices in enumerate(batches):
+        bar = progress(num_steps - first_index, f"epoch {epoch + 1}/{t.num_epochs}") if rank == 0 else _SilentBar()
+        for index in range(first_index, num_steps):
+            indices = batches[index]
             step_started = time.perf_counter()
             sent_before, hook_before = stats.total_sent, stats.hook_seconds
+            dense_before, payload_before = stats.dense_bytes, stats.payload_bytes
             images, labels = self.train_set.batch(indices)
             images, labels = images.to(device), labels.to(device)
             self.optimizer.zero_grad(set_to_none=True)
@@ -326,8 +420,14 @@ class DDPTrainer:
             step_time = time.perf_counter() - step_started
             samples += len(labels)
             self.step += 1
-            if self.step % LOG_EVERY_STEPS == 0 or index + 1 == num_steps:
-                log.scalars("train", self.step, {
+            self.steps_run += 1
+            epoch_end = index + 1 == num_steps
+            if self.step % LOG_EVERY_STEPS == 0 or epoch_end:
+                compression = {}
+                if self.config.system.compression_enabled:
+                    payload = stats.payload_bytes - payload_before
+                    compression["compression_ratio"] = (stats.dense_bytes - dense_before) / payload if payload else None
+                rank_log.scalars("train", self.step, {
                     "loss": local_loss,
                     "accuracy": correct / max(len(labels), 1),
                     "throughput": len(labels) / step_time,
@@ -336,45 +436,52 @@ class DDPTrainer:
                     "step_time_s": step_time,
                     "bytes_sent": stats.total_sent - sent_before,
                     "samples_processed": samples,
+                    **compression,
                 }, epoch=epoch)
+            if not epoch_end:  # the epoch's end has its own evaluation and checkpoint
+                if eval_due(self.step, t.eval_interval, epoch_end=False):
+                    self._evaluate_and_log(run_log, epoch, clock, target)
+                if self._step_checkpoint_due():
+                    self._numbered_checkpoint(run_log, clock, epoch=epoch, epoch_step=index + 1)
             bar.update()
+            self.faults.reached(self.steps_run)  # a real SIGKILL, after the step and its checkpoint
         bar.close()
-        return samples, num_steps
+        return samples, num_steps - first_index
 
     def run(self) -> dict[str, Any]:
         """Train, evaluate and checkpoint; returns the run summary (every rank returns the same one)."""
         t = self.config.training
         rank = self.ctx.rank
         started = time.perf_counter()
-        train_time, samples, steps_run = 0.0, 0, 0
+        clock, target = TrainingClock(), TimeToTarget(t.target_accuracy)
+        samples, steps_run = 0, 0
         rank_log = MetricsLogger(self.log_dir / f"rank_{rank}", rank=rank)
         run_log = MetricsLogger(self.log_dir) if rank == 0 else None
         try:
             rank_log.event("run_start", pid=os.getpid(), world_size=self.ctx.world_size, backend=self.ctx.backend,
-                           device=str(self.ctx.device), threads=torch.get_num_threads(), comm_hook=self.comm.name)
+                           device=str(self.ctx.device), threads=torch.get_num_threads(), comm_hook=self.comm.name,
+                           attempt=self.ctx.attempt)
             if run_log is not None:
                 run_log.event("run_start", architecture="ddp", config=self.config.to_dict(), world_size=self.ctx.world_size,
-                              backend=self.ctx.backend, comm_hook=self.comm.name, resumed_from=self.resumed_from, hook_note=self.hook_note)
+                              backend=self.ctx.backend, comm_hook=self.comm.name, resumed_from=self.resumed_from,
+                              hook_note=self.hook_note, attempt=self.ctx.attempt)
                 if self.hook_note:
                     print(f"warning: {self.hook_note}", flush=True)
+            if self.ctx.attempt > 0:
+                self._log_restart(rank_log, run_log)
             final_loss, final_accuracy = self._evaluate()
             self.ddp.train()
             for epoch in range(self.start_epoch, t.num_epochs):
-                # Training time is the epoch loop's wall time (logging included; eval and checkpoints not).
-                epoch_started = time.perf_counter()
-                epoch_samples, epoch_steps = self._train_epoch(epoch, rank_log)
-                train_time += time.perf_counter() - epoch_started
+                first_index = self.start_index if epoch == self.start_epoch else 0
+                with clock.running():
+                    epoch_samples, epoch_steps = self._train_epoch(epoch, first_index, rank_log, run_log, clock, target)
                 samples, steps_run = samples + epoch_samples, steps_run + epoch_steps
-                final_loss, final_accuracy = self._evaluate()
+                final_loss, final_accuracy = self._evaluate_and_log(run_log, epoch + 1, clock, target)
                 if run_log is not None:
-                    run_log.scalars("eval", self.step, {"test_loss": final_loss, "test_accuracy": final_accuracy}, epoch=epoch + 1)
                     print(f"epoch {epoch + 1}/{t.num_epochs}: test accuracy {final_accuracy * 100:.2f}%, test loss {final_loss:.4f}", flush=True)
-                if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs:
-                    written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
-                    if run_log is not None:
-                        prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
-                        run_log.event("checkpoint", path=str(written), epoch=epoch + 1, step=self.step)
-            checkpoint_path = self._checkpoint(final_checkpoint_path(self.checkpoint_dir, "ddp"), max(t.num_epochs, self.start_epoch))
+                if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs or self._step_checkpoint_due():
+                    self._numbered_checkpoint(run_log, clock, epoch=epoch + 1, epoch_step=0)
+            checkpoint_path = self._checkpoint(final_checkpoint_path(self.checkpoint_dir, "ddp"), epoch=max(t.num_epochs, self.start_epoch))
             common = {
                 **self._description(),
                 "final_accuracy": final_accuracy,
@@ -382,8 +489,12 @@ class DDPTrainer:
                 "checkpoint_path": str(checkpoint_path),
                 "steps": self.step,
                 "steps_this_run": steps_run,
+                "restarts": self.ctx.attempt,
+                "resumed_from": self.resumed_from,
+                "clock": TrainingClock.DESCRIPTION,
+                **target.fields(),
             }
-            rank_summary, summary = self._summaries(common, samples, train_time, steps_run, time.perf_counter() - started)
+            rank_summary, summary = self._summaries(common, samples, clock.seconds, steps_run, time.perf_counter() - started)
             rank_log.event("run_end", **{k: v for k, v in rank_summary.items() if k != "rank"})
             write_summary(self.log_dir / f"ddp_rank_{rank}.json", rank_summary)
             if run_log is not None:
@@ -395,6 +506,17 @@ class DDPTrainer:
             rank_log.close()
             if run_log is not None:
                 run_log.close()
+
+    def _log_restart(self, rank_log: MetricsLogger, run_log: MetricsLogger | None) -> None:
+        """The ``rank_restarted`` event: which attempt this is and where it continues from."""
+        fields = {"attempt": self.ctx.attempt, "max_restarts": _int_env("TORCHELASTIC_MAX_RESTARTS"),
+                  "resumed_from": self.resumed_from, "step": self.step, "epoch": self.start_epoch, "epoch_step": self.start_index}
+        rank_log.event("rank_restarted", **fields)
+        if run_log is not None:
+            run_log.event("rank_restarted", **fields)
+            where = f"from {self.resumed_from} (step {self.step})" if self.resumed_from else "from the start (no checkpoint yet)"
+            budget = f"/{fields['max_restarts']}" if fields["max_restarts"] is not None else ""
+            print(f"restart {self.ctx.attempt}{budget}: the group continues {where}", flush=True)
 
     def _description(self) -> dict[str, Any]:
         """What ran: the fields every summary of this run shares."""
@@ -453,7 +575,32 @@ class DDPTrainer:
         return rank_summary, summary
 
 
-# ----------------------------------------------------------------------------- process management
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value is not None and value.lstrip("-").isdigit() else None
+
+
+# ----------------------------------------------------------------------------- one rank's life
+
+
+def leave_rank_process(code: int) -> NoReturn:
+    """End a rank process with ``code`` once its outputs are flushed, skipping interpreter shutdown.
+
+    Once DDP has run, torch keeps the gloo process group, and its threads, alive after
+    ``destroy_process_group`` (measured: its three gloo threads are still there after DDP is
+    deleted and the garbage collected). They are torn down only while the interpreter shuts down,
+    where they can abort the process (``terminate called without an active exception``, SIGABRT)
+    after a run that succeeded; the elastic agent then counts a failed rank. Every output of the
+    run is closed by now (summaries, events, TensorBoard, checkpoints fsynced), so leaving without
+    that teardown loses nothing.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
+            pass
+    os._exit(code)
 
 
 def run_rank(
@@ -469,107 +616,47 @@ def run_rank(
 ) -> dict[str, Any]:
     """Join the process group as ``rank``, train, and leave the group (also on errors).
 
+    The restart attempt comes from ``TORCHELASTIC_RESTART_COUNT`` (set by the elastic agent).
+
     Args:
-        store: rendezvous store; ``None`` joins through ``env://`` (torchrun's MASTER_ADDR/PORT).
+        store: rendezvous store; ``None`` joins through the elastic agent's store (``MASTER_ADDR``/
+            ``MASTER_PORT``), with its keys kept apart per restart attempt.
 
     Returns:
         The run summary.
+
+    Raises:
+        LaunchError: an earlier attempt of this job stopped on an expected error (it would again).
     """
-    torch.set_num_threads(threads_per_rank(local_world_size))
-    device = rank_device(config.training.device, local_rank)
-    backend = select_backend(config.system.backend, device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if store is not None:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    else:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+    attempt = _int_env("TORCHELASTIC_RESTART_COUNT") or 0
+    job = JobRecord.from_environment()
+    fatal = job.fatal_error() if attempt > 0 else None
+    if fatal is not None:
+        raise LaunchError(f"{fatal} (an earlier attempt stopped on this; not retrying)")
     try:
-        context = RankContext(rank, world_size, local_rank, local_world_size, backend, device)
-        return DDPTrainer(config, context, resume=resume, summary_json=summary_json).run()
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawned_rank(rank: int, world_size: int, port: int, config_data: dict, resume: str | None, summary_json: str | None, error_dir: str) -> None:
-    # Die at once on SIGINT: a rank blocked inside a collective cannot run Python's handler, and
-    # the parent (which also sees Ctrl-C, or dies and triggers the spawn death signal) stops us.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    try:
-        store = dist.TCPStore(LOCAL_HOST, port, is_master=False)
-        run_rank(validate_config(config_data), rank=rank, world_size=world_size, local_rank=rank,
-                 local_world_size=world_size, store=store, resume=resume, summary_json=summary_json)
+        torch.set_num_threads(threads_per_rank(local_world_size))
+        device = rank_device(config.training.device, local_rank)
+        backend = select_backend(config.system.backend, device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if store is None and job.store is not None:
+            # The agent's store outlives an attempt, and env:// would hand every attempt the same
+            # keys: a restarted rank would read a dead rank's address and fail to connect. Each
+            # attempt gets its own key space.
+            store = dist.PrefixStore(f"attempt_{attempt}", job.store)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+        try:
+            context = RankContext(rank, world_size, local_rank, local_world_size, backend, device, attempt)
+            trainer = DDPTrainer(config, context, resume=resume, summary_json=summary_json, job=job)
+            try:
+                return trainer.run()
+            finally:
+                trainer.close()
+        finally:
+            dist.destroy_process_group()
     except EXPECTED_ERRORS as exc:
-        Path(error_dir, f"rank_{rank}.txt").write_text(str(exc))
-        raise SystemExit(1) from None
-
-
-def run_local(config: Config, *, resume: str | Path | None = None, summary_json: str | Path | None = None) -> dict[str, Any]:
-    """Run ``system.num_workers`` ranks on this machine (spawned; one rank runs in-process).
-
-    Returns:
-        The run summary (rank 0's ``summary.json``).
-
-    Raises:
-        ValueError, CheckpointError: bad device/backend/world size or ``resume`` (before spawning).
-        LaunchError: a rank stopped with an expected error (dataset missing ...).
-        KeyboardInterrupt: interrupted; every rank has been stopped.
-    """
-    world = config.system.num_workers
-    check_launch(config, local_world_size=world)
-    resume_path = resolve_resume(config, resume)
-    summary_path = Path(summary_json) if summary_json else Path(config.system.log_dir) / "summary.json"
-    # The launcher hosts the rendezvous store on an OS-chosen port; ranks connect to it.
-    store = dist.TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False)
-    if world == 1:
-        return run_rank(config, rank=0, world_size=1, local_rank=0, local_world_size=1, store=store,
-                        resume=resume_path, summary_json=summary_path)
-    # We report why a rank stopped; torch's own "Terminating process ..." warnings only add noise.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    error_dir = tempfile.mkdtemp(prefix="ddp_errors_")
-    context = mp.start_processes(
-        _spawned_rank,
-        args=(world, store.port, config.to_dict(), resume_path, str(summary_path), error_dir),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        while not context.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        reasons = sorted({p.read_text() for p in Path(error_dir).glob("rank_*.txt")})
-        if reasons:
-            raise LaunchError("; ".join(reasons)) from None
-        if exc.signal_name == "SIGINT":
-            raise KeyboardInterrupt from None
+        job.record_fatal(str(exc))
         raise
-    finally:
-        stop_processes(context.processes, grace_s=10)
-        shutil.rmtree(error_dir, ignore_errors=True)
-    return json.loads(summary_path.read_text())
-
-
-def run_torchrun(config: Config, *, world_size_flag: int | None = None, resume: str | Path | None = None,
-                 summary_json: str | Path | None = None) -> dict[str, Any]:
-    """Run this process as the rank torchrun assigned it.
-
-    Raises:
-        ValueError: ``--world-size`` disagrees with torchrun's WORLD_SIZE, or bad device/backend.
-    """
-    env = torchrun_env()
-    if env is None:
-        raise SetupError("not launched by torchrun: RANK, WORLD_SIZE and MASTER_ADDR must be set")
-    if world_size_flag is not None and world_size_flag != env["world_size"]:
-        raise SetupError(f"--world-size {world_size_flag} disagrees with torchrun's WORLD_SIZE={env['world_size']}")
-    config = validate_config({**config.to_dict(), "system": {**config.to_dict()["system"], "num_workers": env["world_size"]}})
-    check_launch(config, local_world_size=env["local_world_size"])
-    return run_rank(config, **env, resume=resume, summary_json=summary_json)
-
-
-def launch(config: Config, *, world_size_flag: int | None = None, resume: str | Path | None = None,
-           summary_json: str | Path | None = None) -> dict[str, Any]:
-    """torchrun environment -> be one rank; otherwise spawn ``system.num_workers`` local ranks."""
-    if torchrun_env() is not None:
-        return run_torchrun(config, world_size_flag=world_size_flag, resume=resume, summary_json=summary_json)
-    return run_local(config, resume=resume, summary_json=summary_json)

@@ -3,16 +3,22 @@
 The baseline is the reference every distributed result is checked against: an epoch reads the
 seeded permutation of :func:`src.data.epoch_permutation` in batches of ``training.batch_size``, so
 sync PS with N workers of batch b, or DDP with N ranks of batch b, should match this trainer with
-batch N*b. It evaluates on the test split after every epoch, checkpoints every
-``training.checkpoint_interval`` epochs and at the end, and resumes exactly from any checkpoint.
+batch N*b. It evaluates on the test split after every epoch (and every ``training.eval_interval``
+steps when set), checkpoints every ``training.checkpoint_interval`` epochs and at the end, and
+resumes exactly from any checkpoint.
+
+Time is kept by a :class:`TrainingClock`: it starts at the first training step and stops while the
+model is evaluated or checkpointed, so throughput and time to target accuracy
+(:class:`src.metrics.TimeToTarget`) measure training alone; summaries say so in their ``clock`` field.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +30,7 @@ from src.checkpoint import (
 )
 from src.config import Config, SetupError
 from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
-from src.metrics import LOG_EVERY_STEPS, MetricsLogger, write_summary
+from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.models import build_model
 
 
@@ -115,6 +121,63 @@ def evaluate(model: nn.Module, dataset: TensorDataset, *, batch_size: int = 1000
     return total_loss / count, correct / count
 
 
+class TrainingClock:
+    """Seconds spent training: runs from the first training step, stopped while evaluating or checkpointing.
+
+    ``with clock.running():`` around the training loop, ``with clock.paused():`` around the
+    evaluations and checkpoints inside it; :attr:`seconds` can be read at any time.
+    """
+
+    DESCRIPTION = "from the first training step; evaluation and checkpoints excluded"
+    """The ``clock`` field of a run summary: what ``train_time_s``, throughput and time to target count."""
+
+    def __init__(self) -> None:
+        self._elapsed = 0.0
+        self._since: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self._elapsed + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+    def _start(self) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def _stop(self) -> None:
+        if self._since is not None:
+            self._elapsed += time.perf_counter() - self._since
+            self._since = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator["TrainingClock"]:
+        self._start()
+        try:
+            yield self
+        finally:
+            self._stop()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator["TrainingClock"]:
+        was_running = self._since is not None
+        self._stop()
+        try:
+            yield self
+        finally:
+            if was_running:
+                self._start()
+
+
+def eval_due(step: int, interval: int, *, epoch_end: bool) -> bool:
+    """Whether to evaluate after optimizer step ``step``: every epoch end, and every ``interval`` steps (0: never)."""
+    return epoch_end or (interval > 0 and step % interval == 0)
+
+
+def report_target(target: TimeToTarget, accuracy: float, seconds: float, step: int) -> None:
+    """Feed one evaluation to ``target``; print a line the first time the target accuracy is reached."""
+    if target.observe(accuracy, seconds, step):
+        print(f"target accuracy {target.target * 100:.2f}% reached at step {step}, {seconds:.2f}s into training", flush=True)
+
+
 def progress(total: int, description: str):
     """A tqdm bar on a terminal, silent otherwise (logs, CI, subprocesses)."""
     from tqdm import tqdm
@@ -157,10 +220,20 @@ class BaselineTrainer:
         checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=epoch, step=self.step)
         return save_checkpoint(path, checkpoint)
 
+    def _evaluate(self, log: MetricsLogger, epoch: int, target: TimeToTarget, clock: TrainingClock,
+                  extra: dict[str, float] | None = None) -> tuple[float, float]:
+        t = self.config.training
+        with clock.paused():
+            loss, accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
+            log.scalars("eval", self.step, {"test_loss": loss, "test_accuracy": accuracy, **(extra or {})}, epoch=epoch)
+            report_target(target, accuracy, clock.seconds, self.step)
+        return loss, accuracy
+
     def run(self) -> dict[str, Any]:
         t = self.config.training
         started = time.perf_counter()
-        train_time, samples = 0.0, 0
+        clock, target = TrainingClock(), TimeToTarget(t.target_accuracy)
+        samples = 0
         final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
         checkpoint_path = None
         with MetricsLogger(self.log_dir) as log:
@@ -171,8 +244,8 @@ class BaselineTrainer:
                 order = epoch_permutation(len(self.train_set), epoch, t.seed)
                 num_steps = -(-len(order) // t.batch_size)
                 epoch_loss, epoch_correct, epoch_samples = 0.0, 0, 0
-                epoch_started = time.perf_counter()
-                with progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar:
+                # Training time includes our own logging and progress bar, not evaluation or checkpoints.
+                with clock.running(), progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar:
                     for start in range(0, len(order), t.batch_size):
                         step_started = time.perf_counter()
                         images, labels = self.train_set.batch(order[start : start + t.batch_size])
@@ -188,7 +261,8 @@ class BaselineTrainer:
                         epoch_loss += loss * batch
                         epoch_correct += correct
                         epoch_samples += batch
-                        if self.step % LOG_EVERY_STEPS == 0 or start + t.batch_size >= len(order):
+                        last_step = start + t.batch_size >= len(order)
+                        if self.step % LOG_EVERY_STEPS == 0 or last_step:
                             log.scalars("train", self.step, {
                                 "loss": loss,
                                 "accuracy": correct / batch,
@@ -196,17 +270,14 @@ class BaselineTrainer:
                                 "gradient_time_s": gradient_time,
                                 "samples_processed": samples,
                             }, epoch=epoch)
+                        if not last_step and eval_due(self.step, t.eval_interval, epoch_end=False):
+                            self._evaluate(log, epoch, target, clock)
                         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
                         bar.update()
-                # Training time includes our own logging and progress bar, not evaluation or checkpoints.
-                train_time += time.perf_counter() - epoch_started
-                final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
-                log.scalars("eval", self.step, {
-                    "test_loss": final_loss,
-                    "test_accuracy": final_accuracy,
+                final_loss, final_accuracy = self._evaluate(log, epoch + 1, target, clock, {
                     "train_loss": epoch_loss / max(epoch_samples, 1),
                     "train_accuracy": epoch_correct / max(epoch_samples, 1),
-                }, epoch=epoch + 1)
+                })
                 print(f"epoch {epoch + 1}/{t.num_epochs}: test accuracy {final_accuracy * 100:.2f}%, test loss {final_loss:.4f}", flush=True)
                 if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs:
                     written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
@@ -214,6 +285,7 @@ class BaselineTrainer:
                     log.event("checkpoint", path=str(written), epoch=epoch + 1, step=self.step)
             checkpoint_path = self._checkpoint(final_checkpoint_path(self.checkpoint_dir, "baseline"), max(t.num_epochs, self.start_epoch))
             total_time = time.perf_counter() - started
+            train_time = clock.seconds
             summary = {
                 "architecture": "baseline",
                 "dataset": t.dataset,
@@ -222,7 +294,9 @@ class BaselineTrainer:
                 "final_loss": final_loss,
                 "total_time_s": total_time,
                 "train_time_s": train_time,
+                "clock": TrainingClock.DESCRIPTION,
                 "throughput_samples_per_s": samples / train_time if train_time > 0 else 0.0,
+                **target.fields(),
                 "samples_processed": samples,
                 "bytes_sent": 0,
                 "bytes_received": 0,

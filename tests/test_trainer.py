@@ -6,6 +6,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from src.checkpoint import load_checkpoint, numbered_path
 from src.config import load_config
 from src.metrics import SUMMARY_FIELDS, read_events
-from src.trainer import BaselineTrainer
+from src.trainer import BaselineTrainer, TrainingClock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,6 +87,36 @@ def test_events_summary_and_tensorboard_are_written(tmp_path):
     checkpoint = load_checkpoint(summary["checkpoint_path"])
     assert (checkpoint["model_architecture"], checkpoint["dataset"], checkpoint["epoch"]) == ("mlp", "synthetic", 1)
     assert checkpoint["config"]["training"]["num_samples"] == 256
+
+
+def test_eval_interval_and_time_to_target_on_the_training_clock(tmp_path):
+    # 256 samples / batch 32: 8 steps per epoch; every 3 steps plus the epoch ends.
+    summary = BaselineTrainer(small_config(tmp_path, "run", num_epochs=2, eval_interval=3, target_accuracy=0.5)).run()
+    evals = list(read_events(tmp_path / "run" / "logs" / "events.jsonl", "eval"))
+    assert [e["step"] for e in evals] == [3, 6, 8, 9, 12, 15, 16]
+    first_good = next(e for e in evals if e["test_accuracy"] >= 0.5)
+    assert summary["time_to_target_step"] == first_good["step"] and summary["target_accuracy"] == 0.5
+    assert 0 < summary["time_to_target_s"] <= summary["train_time_s"] < summary["total_time_s"]
+    assert summary["clock"] == "from the first training step; evaluation and checkpoints excluded"
+    # a target never reached stays None (a learning rate too small to learn anything in one epoch)
+    missed = BaselineTrainer(small_config(tmp_path, "missed", num_epochs=1, learning_rate=1e-7, target_accuracy=0.99)).run()
+    assert (missed["time_to_target_s"], missed["time_to_target_step"]) == (None, None)
+
+
+def test_training_clock_counts_only_while_running():
+    clock = TrainingClock()
+    assert clock.seconds == 0.0
+    with clock.running():
+        busy_until = time.perf_counter() + 0.02
+        while time.perf_counter() < busy_until:
+            pass
+        with clock.paused():
+            paused_at = clock.seconds
+            busy_until = time.perf_counter() + 0.05
+            while time.perf_counter() < busy_until:
+                pass
+            assert clock.seconds == paused_at  # stopped while paused
+    assert 0.02 <= clock.seconds < 0.05
 
 
 def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
