@@ -393,18 +393,19 @@ def test_over_a_whole_run_computed_gradients_are_applied_or_still_in_the_residua
 @pytest.mark.parametrize("workers", [2, 4])
 def test_the_specs_async_command_trains_within_two_points_of_sync(tmp_path, workers):
     """The spec's async command as written (momentum 0.9 by default), against the same command in sync
-    mode: mnist_5k's held-out 1,000 after 2 epochs (docs/async.md, section 4)."""
+    mode: mnist_5k's held-out 1,000 after 2 epochs (docs/async.md, section 4). Async runs depend on
+    timing (which push lands first), so the bar is on the mean of two runs; sync is deterministic."""
     import json
 
     from tests.ps_fixtures import run_cli
 
     command = ["--workers", str(workers), "--dataset", "mnist_5k", "--num-epochs", "2", "--compression-enabled",
                "--compression-type", "topk", "--compression-ratio", "0.1"]
-    accuracy = {}
-    for mode in ("sync", "async"):
-        folder = tmp_path / mode
+    accuracy = {"sync": [], "async": []}
+    for mode in ("sync", "async", "async"):
+        folder = tmp_path / f"{mode}{len(accuracy[mode])}"
         folder.mkdir()
         result = run_cli([*command, "--aggregation-mode", mode], cwd=folder, timeout=420)
         assert result.returncode == 0, result.stderr[-3000:]
-        accuracy[mode] = json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())["final_accuracy"]
-    assert accuracy["async"] >= accuracy["sync"] - 0.02, accuracy
+        accuracy[mode].append(json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())["final_accuracy"])
+    assert sum(accuracy["async"]) / 2 >= accuracy["sync"][0] - 0.02, accuracy
