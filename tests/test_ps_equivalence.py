@@ -49,7 +49,7 @@ def assert_same_parameters(expected: dict[str, torch.Tensor], actual: dict[str, 
         (2, 249, 0.0),
         # 129 samples over 4 shards of 16-sample steps: shard 0 has 33, the others 32, so workers 1-3
         # take an empty third step while worker 0 contributes the one remaining sample.
-        (4, 129, 0.9),
+        pytest.param(4, 129, 0.9, marks=pytest.mark.slow),  # 4 worker processes: ~20 s
     ],
 )
 def test_sync_matches_large_batch_baseline(tmp_path, num_workers, max_train_samples, momentum):

@@ -116,6 +116,7 @@ def test_epochs_are_evaluated_and_checkpointed(convergence):
     assert "auth_token" not in checkpoint["config"]["system"]
 
 
+@pytest.mark.slow  # ~20 s: the only resnet18 run
 @pytest.mark.timeout(240)
 def test_resnet18_far_above_the_4mb_message_default(tmp_path):
     """~45 MB of parameters per pull and per push, with batch-norm buffers synchronised too."""
