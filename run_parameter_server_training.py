@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS,
                                                                      **EMULATION_FLAGS, **STALENESS_FLAGS},
                               forced={"system.architecture": "parameter_server"})
-    if config.system.adaptive_compression:  # src/controller.py is ready; the server does not feed it events yet
-        parser.error("--adaptive-compression (system.adaptive_compression) is not wired into the parameter server yet")
+    if config.system.adaptive_compression and not config.training.eval_interval:
+        parser.error("--adaptive-compression decides at evaluations: give --eval-interval K (training.eval_interval, "
+                     "server versions between evaluations)")
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
 

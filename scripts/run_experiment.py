@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from src.config import Config, ConfigError, SetupError, SystemConfig, read_config_file, validate_config  # noqa: E402
+from src.config import Config, ConfigError, SetupError, read_config_file, validate_config  # noqa: E402
 
 CONTROLLER_FIELD = "adaptive_compression"
 """The ``system`` field that turns the adaptive controller on (src/controller.py, integrated by the server)."""
@@ -77,33 +76,21 @@ def parse_switch(value: Any, field: str) -> bool:
     raise ExperimentError(f"{field}: must be on/off (true/false), got {value!r}")
 
 
-def controller_available() -> bool:
-    return CONTROLLER_FIELD in SystemConfig.model_fields
-
-
-def staleness_available() -> bool:
-    return importlib.util.find_spec("src.staleness") is not None
-
-
 def build_config(experiment: Mapping[str, Any], run_data: Mapping[str, Any], run_dir: Path) -> Config:
     """The run's validated config, its outputs under ``run_dir``.
 
     Raises:
-        ExperimentError: the controller or a staleness policy is asked for but not built in yet.
+        ExperimentError: the controller is asked for without evaluations to decide at.
         ConfigError: a bad config field.
     """
     data = json.loads(json.dumps(run_data))  # a deep copy
     system = data.setdefault("system", {})
     training = data.setdefault("training", {})
     if experiment["controller"]:
-        if not controller_available():
-            raise ExperimentError(
-                "experiment.controller: on needs the adaptive controller in the parameter server "
-                f"(system.{CONTROLLER_FIELD}), which this build does not have yet (pending integration)")
+        if not training.get("eval_interval"):
+            raise ExperimentError("experiment.controller: on decides at evaluations: set training.eval_interval "
+                                  "(server versions between evaluations)")
         system[CONTROLLER_FIELD] = True
-    if system.get("staleness_policy", "none") != "none" and not staleness_available():
-        raise ExperimentError(f"system.staleness_policy: {system['staleness_policy']} needs src/staleness.py in the "
-                              "parameter server, which this build does not have yet (pending integration)")
     system["log_dir"] = str(run_dir / "logs")
     system["checkpoint_dir"] = str(run_dir / "checkpoints")
     training.setdefault("checkpoint_interval", DEFAULT_CHECKPOINT_INTERVAL)

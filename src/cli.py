@@ -119,7 +119,8 @@ def add_staleness_flags(parser: argparse.ArgumentParser) -> None:
                        help="lookahead: multiplier of each push's step (default: the stability-matched value, "
                             "0.825 for 2 workers, 0.649 for 4)")
     group.add_argument("--adaptive-compression", action="store_const", const=True,
-                       help="let the controller set the top-k Active Fraction and S_max from the event stream")
+                       help="let the controller set the top-k Active Fraction and S_max at every evaluation "
+                            "(needs --eval-interval; decisions are 'controller' events)")
     group.add_argument("--controller-rho-min", type=float, help="lowest Active Fraction the controller sets (default 0.01)")
     group.add_argument("--controller-rho-max", type=float, help="highest Active Fraction the controller sets (default 0.5)")
     group.add_argument("--controller-rebound-threshold", type=float,

@@ -168,6 +168,10 @@ class SystemConfig(_Section):
     """Same entries either way (sampled corrects its threshold estimate to the exact top-k); sampled is faster."""
     error_feedback: bool = True
     """Keep what compression dropped and add it to the next gradient."""
+    gradient_ledger: bool = False
+    """Audit Error Feedback over a parameter-server run: each worker writes the sum of the gradients it
+    computed and its final residuals, the server the sum of the gradients it applied
+    (``gradient_ledger.pt`` in each log folder); computed = applied + residuals."""
     warmup_steps: int = 0
     """Uncompressed sends before compression starts."""
     staleness_policy: Literal["none", "soft", "hard", "both"] = "none"

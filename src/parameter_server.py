@@ -65,7 +65,7 @@ from src.checkpoint import (
     KEEP_CHECKPOINTS, CheckpointError, check_model_matches, final_checkpoint_path, load_latest_good, make_checkpoint, numbered_path, prune_checkpoints, save_checkpoint,
 )
 from src.compression import decompress, parse_header
-from src.config import Config
+from src.config import Config, SetupError
 from src.coordinator import Batch, Member, Membership, MembershipError, WorkPlan
 from src.data import load_dataset
 from src.downlink import Downlink, compressor_from_config
@@ -73,6 +73,7 @@ from src.faults import FaultInjector
 from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.ps_transport import Outgoing, Received, check_float32_bytes, require_auth_token, serialize, split, start_grpc_server, tensor_view
 from src.served_model import layout_mismatch, model_from_layout
+from src.controller import CompressionController
 from src.staleness import StalenessPolicy, server_optimizer
 from src.trainer import evaluate, model_from_config
 
@@ -163,6 +164,15 @@ class ParameterServer:
         self.mode = system.aggregation_mode
         self.num_workers = system.num_workers
         self.staleness_policy = staleness_policy or StalenessPolicy.from_config(system)
+        # Adaptive compression (src/controller.py): fed this server's push and eval events; its decisions
+        # go to the workers in every reply's Control and set the staleness policy's S_max.
+        self.controller = CompressionController.from_config(system) if system.adaptive_compression else None
+        if self.controller is not None and evaluate and not t.eval_interval:
+            raise SetupError("system.adaptive_compression decides at evaluations: set training.eval_interval "
+                             "(server versions between evaluations)")
+        self._control = pb.Control()
+        if self.controller is not None:
+            self._set_control(self.controller.rho, self.controller.max_staleness)
         self.on_event = on_event
         netem.check_workers(config.emulation, self.num_workers)
         self.downlinks = {k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
@@ -202,6 +212,8 @@ class ParameterServer:
         self._done = threading.Event()
         self.counters = Counter()  # pushes_applied / _rejected / _refused, samples_applied, workers_failed, ...
         self.staleness_histogram: Counter[int] = Counter()
+        self.controller_decisions: Counter[str] = Counter()  # by action: hold / compress_less / compress_more
+        self._ledger: list[torch.Tensor] | None = None  # system.gradient_ledger: sum of the applied gradients (float64)
         self.stats_by_incarnation: dict[int, dict[str, Any]] = {}
         self._run_started_wall = time.time()
         self._train_started_wall: float | None = None
@@ -352,7 +364,8 @@ class ParameterServer:
                 self._maybe_start()
             batches, finished = self._await_work(member, context)
             self.downlink.forget(member.worker_id)  # a pull starts the worker afresh: dense parameters
-            reply = self._reply_bytes(pb.PullReply(version=self.state.version, work=self._work_message(batches, finished)),
+            reply = self._reply_bytes(pb.PullReply(version=self.state.version, work=self._work_message(batches, finished),
+                                                           control=self._control),
                                       member.worker_id)
         self._emulate_downlink(member.worker_id, reply)
         return reply
@@ -387,6 +400,7 @@ class ParameterServer:
                     batches, finished = self._await_work(member, context)
                     verdict.work.CopyFrom(self._work_message(batches, finished))
                     verdict.version = self.state.version
+                    verdict.control.CopyFrom(self._control)
                     reply = self._reply_bytes(verdict, worker_id)
                     self.requests.finish(worker_id, request_id, reply, applied=verdict.accepted)
                     self._cond.notify_all()
@@ -604,6 +618,8 @@ class ParameterServer:
         samples, epochs_done = [], []
         for contribution in contributions:
             self.requests.mark(contribution.worker, contribution.request_id, applied=True)  # before a checkpoint below
+            if self.config.system.gradient_ledger:
+                self._add_to_ledger(contribution.gradients)
             batches, finished_epochs = self.plan.applied(contribution.worker)
             samples += [[b.epoch, list(b.indices)] for b in batches]
             epochs_done += finished_epochs
@@ -618,15 +634,23 @@ class ParameterServer:
             self._train_ended_wall = time.time()
         self._check_done()
 
+    def _add_to_ledger(self, gradients: list[torch.Tensor]) -> None:
+        if self._ledger is None:
+            self._ledger = [torch.zeros(g.shape, dtype=torch.float64) for g in gradients]
+        for total, gradient in zip(self._ledger, gradients):
+            total.add_(gradient.to(torch.float64))
+
     def _log_push(self, member: Member, request: pb.PushRequest, *, staleness: int, weight: float | None, accepted: bool,
                   reason: str | None = None) -> None:
         """The push event: its Staleness, weight and verdict (with the policy's reason), batches and timings."""
         metrics = request.metrics
-        self.log.event("push", worker=member.worker_id, incarnation=member.incarnation, request_id=request.request_id,
+        event = self.log.event("push", worker=member.worker_id, incarnation=member.incarnation, request_id=request.request_id,
                        base_version=request.base_version, version=self.state.version, staleness=staleness, weight=weight,
                        accepted=accepted, reason=reason, num_samples=request.num_samples, batch_ids=list(request.batch_ids),
                        epoch=metrics.epoch, loss=metrics.loss, gradient_time_s=metrics.gradient_time_s,
                        compression_time_s=metrics.compression_time_s, communication_time_s=metrics.communication_time_s)
+        if self.controller is not None:
+            self.controller.observe(event)  # timings only; decisions come at evaluations
 
     # ------------------------------------------------------------------------- membership (lock held)
 
@@ -758,6 +782,8 @@ class ParameterServer:
                 "next_incarnation": self.members.next_incarnation,
                 "counters": dict(self.counters),
                 "staleness_histogram": {str(k): v for k, v in self.staleness_histogram.items()},
+                "controller": None if self.controller is None else {
+                    "state": self.controller.state_dict(), "decisions": dict(self.controller_decisions)},
                 "stats_by_incarnation": {str(k): dict(v) for k, v in self.stats_by_incarnation.items()},
                 "run_started_wall": self._run_started_wall,
                 "train_started_wall": self._train_started_wall,
@@ -811,6 +837,10 @@ class ParameterServer:
         self.members.next_incarnation = extra["next_incarnation"]
         self.counters.update(extra["counters"])
         self.staleness_histogram.update({int(k): v for k, v in extra["staleness_histogram"].items()})
+        if self.controller is not None and extra.get("controller"):
+            self.controller.load_state_dict(extra["controller"]["state"])
+            self.controller_decisions.update(extra["controller"]["decisions"])
+            self._set_control(self.controller.rho, self.controller.max_staleness)
         self.stats_by_incarnation = {int(k): v for k, v in extra["stats_by_incarnation"].items()}
         self._run_started_wall = extra["run_started_wall"]
         self._train_started_wall = extra["train_started_wall"]
@@ -831,11 +861,30 @@ class ParameterServer:
     def _record_eval(self, epoch: int, version: int, model: nn.Module, elapsed: float) -> tuple[float, float]:
         t = self.config.training
         loss, accuracy = evaluate(model, self.test_set, batch_size=t.eval_batch_size)
-        self.log.scalars("eval", version, {"test_loss": loss, "test_accuracy": accuracy}, epoch=epoch, elapsed_s=elapsed)
+        event = self.log.scalars("eval", version, {"test_loss": loss, "test_accuracy": accuracy}, epoch=epoch, elapsed_s=elapsed)
+        if self.controller is not None:
+            with self._cond:
+                self._decide(event)
         if self.target.observe(accuracy, elapsed, version):
             self.log.event("target_reached", version=version, elapsed_s=elapsed, accuracy=accuracy)
         print(f"epoch {epoch}/{t.num_epochs}: test accuracy {accuracy * 100:.2f}%, test loss {loss:.4f} (server version {version})", flush=True)
         return loss, accuracy
+
+    def _decide(self, eval_event: dict[str, Any]) -> None:
+        """The controller's decision at an evaluation: an event, and the Control of every later reply (lock held)."""
+        decision = self.controller.observe(eval_event)
+        if decision is None:
+            return
+        fields = {k: v for k, v in decision.items() if k != "kind"}
+        self.log.event("controller", **fields)
+        self.controller_decisions[decision["action"]] += 1
+        self._set_control(decision["rho"], decision["max_staleness"])
+
+    def _set_control(self, rho: float, max_staleness: int) -> None:
+        """Workers use ``rho`` from their next step (top-k runs); pushes are judged against ``max_staleness`` now."""
+        compresses_topk = self.config.system.compression_enabled and self.config.system.compression_type == "topk"
+        self._control = pb.Control(compression_ratio=rho if compresses_topk else 0.0, max_staleness=max_staleness)
+        self.staleness_policy = self.staleness_policy.with_max_staleness(max_staleness)
 
     def _emulation_summary(self) -> dict[str, Any] | None:
         """Which emulation was on (``None``: none) and the downlink delay each worker's replies waited."""
@@ -863,6 +912,10 @@ class ParameterServer:
         final_loss, final_accuracy = (self._record_eval(t.num_epochs, version, self.state.model, elapsed)
                                       if self.test_set is not None else (float("nan"), float("nan")))
         checkpoint_path = self._checkpoint(final_checkpoint_path(self.config.system.checkpoint_dir, "parameter_server"), state)
+        if self.config.system.gradient_ledger:
+            ledger = dict(zip(self.state.param_names, self._ledger or [torch.zeros(p.shape, dtype=torch.float64)
+                                                                       for p in self.state.params]))
+            torch.save({"applied": ledger}, Path(self.config.system.log_dir) / "server" / "gradient_ledger.pt")
         train_time = elapsed
         samples = self.counters["samples_applied"]
         histogram = dict(sorted(self.staleness_histogram.items()))
@@ -892,6 +945,9 @@ class ParameterServer:
             "staleness_histogram": {str(k): v for k, v in histogram.items()},
             "mean_staleness": sum(k * v for k, v in histogram.items()) / judged if judged else 0.0,
             "max_staleness": max(histogram, default=0),
+            "controller": None if self.controller is None else {
+                "decisions": dict(self.controller_decisions), "final_compression_ratio": self._control.compression_ratio or None,
+                "final_max_staleness": self.controller.max_staleness},
             **self.target.fields(),
             "gradient_time_s": sum(w["gradient_time_s"] for w in workers),
             "compression_time_s": sum(w["compression_time_s"] for w in workers),

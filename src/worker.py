@@ -52,7 +52,8 @@ from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.ps_transport import ParameterServerClient, Received, require_auth_token, tensor_view
 from src.trainer import forward_backward, model_from_config, resolve_device
 from src.worker_protocol import (  # noqa: F401  (IncarnationRevoked: part of this module's interface)
-    Heartbeats, IncarnationRevoked, check_session_lost, encode_gradients, load_reply, settle_lost_push, settle_push,
+    Heartbeats, IncarnationRevoked, check_session_lost, controlled_policy, encode_gradients, load_reply, settle_lost_push,
+    settle_push,
 )
 
 LOCAL_FIELDS = (
@@ -192,12 +193,15 @@ class Worker:
         carried: list[pb.Batch] = []  # batches whose rejected gradient waits in the error feedback
         totals = self.totals
         epoch_loss = epoch_correct = epoch_samples = 0
+        # system.gradient_ledger: the sum of every gradient computed (before error feedback), float64
+        ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in params] if system.gradient_ledger else None
 
         with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}", tensorboard=self.tensorboard,
                            role="worker", worker=self.worker_id) as log:
             received = self._pull(carried)
             version = load_reply(params, buffers, received)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=version)
+            policy = self._follow_control(policy, received, log, 1)
             print(f"worker {self.worker_id}: registered with {self.address} as incarnation {self.incarnation} at "
                   f"version {version} ({system.aggregation_mode})", flush=True)
             model.train()
@@ -221,6 +225,10 @@ class Worker:
                 if batches:
                     self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
                 computed = time.perf_counter()
+                if ledger is not None and batches:
+                    for total, p in zip(ledger, params):
+                        if p.grad is not None:
+                            total.add_(p.grad.to(torch.float64))
                 self.faults.reached(totals["steps"] + 1, announce=lambda fault: log.event("fault_injected", fault=str(fault)))
                 payloads = encode_gradients(
                     ((name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in named_params),
@@ -260,6 +268,7 @@ class Worker:
 
                 payload_bytes = sum(len(p) for p in payloads)
                 totals["steps"] += 1
+                policy = self._follow_control(policy, received, log, totals["steps"] + 1)  # from the next push on
                 totals["samples"] += samples
                 totals["gradient_time_s"] += computed - step_started
                 totals["compression_time_s"] += compressed - computed
@@ -291,10 +300,24 @@ class Worker:
                     })
 
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
+            if ledger is not None:
+                residuals = {n: (feedback.residual(n) if feedback is not None and feedback.residual(n) is not None
+                                 else torch.zeros(p.shape)).to(torch.float64) for n, p in named_params}
+                torch.save({"computed": dict(zip(names, ledger)), "residuals": residuals},
+                           Path(system.log_dir) / f"worker_{self.worker_id}" / "gradient_ledger.pt")
             log.event("run_end", incarnation=self.incarnation, **result)
         print(f"worker {self.worker_id}: finished at version {version}: {totals['samples']} samples in "
               f"{totals['steps']} steps", flush=True)
         return {"worker_id": self.worker_id, "incarnation": self.incarnation, **result}
+
+    @staticmethod
+    def _follow_control(policy, received: Received, log: MetricsLogger, step: int):
+        """The policy with the adaptive controller's top-k Active Fraction from ``received``, from the next step."""
+        updated = controlled_policy(policy, received.message.control)
+        if updated is not policy:
+            log.event("control_applied", step=step, compression_ratio=updated.compressor.ratio,
+                      previous_compression_ratio=policy.compressor.ratio, max_staleness=received.message.control.max_staleness)
+        return updated
 
     def _push(self, request: pb.PushRequest, payloads: list[bytes], buffers: list, feedback: ErrorFeedback | None,
               named_params, carried: list[pb.Batch]) -> Received | bool:

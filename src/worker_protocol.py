@@ -11,6 +11,7 @@ where the gradient came from.
 * :func:`settle_lost_push`: the reply was lost with the server's session; on re-registering the
   server says whether the push was applied: commit, or (not applied) discard when its samples will
   be computed again, roll back when they will not.
+* :func:`controlled_policy`: the top-k Active Fraction the adaptive controller sent in a reply.
 * :func:`load_reply`: put a pull or push reply's parameters (dense, or downlink deltas) and buffers
   into the local tensors.
 * :func:`check_session_lost` and :class:`Heartbeats`: what a failed call means, and the thread that
@@ -19,14 +20,15 @@ where the gradient came from.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, decompress
+from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, TopKCompressor, decompress
 from src.ps_transport import Received, copy_bytes_into
 
 
@@ -59,6 +61,18 @@ def encode_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], policy
             feedback.update(name, compensated, payload)
         payloads.append(payload)
     return payloads
+
+
+def controlled_policy(policy: CompressionPolicy | None, control: Any) -> CompressionPolicy | None:
+    """``policy`` with the top-k Active Fraction the adaptive controller sets in a reply's ``control``.
+
+    Unchanged when the reply sets none (``compression_ratio`` 0), when the policy does not compress
+    with top-k, or when the ratio is already the policy's. Used from the worker's next step.
+    """
+    rho = control.compression_ratio
+    if policy is None or rho <= 0 or not isinstance(policy.compressor, TopKCompressor) or policy.compressor.ratio == rho:
+        return policy
+    return dataclasses.replace(policy, compressor=dataclasses.replace(policy.compressor, ratio=rho))
 
 
 def settle_push(feedback: ErrorFeedback | None, names: Iterable[str], *, accepted: bool) -> None:

@@ -193,3 +193,52 @@ def test_settings_from_config_clamp_the_start_into_the_bounds():
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ControllerSettings(**kwargs)
+
+
+# ----------------------------------------------------------------------------- end to end, real processes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_decisions_reach_the_workers_payload_sizes(tmp_path):
+    """A parameter-server run (server and 2 worker processes) with the controller on: each decision is a
+    server event, and every later push of each worker is exactly the top-k payload of the new rho."""
+    import torch
+
+    from src.compression import CompressionPolicy, build_compressor
+    from src.metrics import read_events
+    from src.trainer import model_from_config
+    from src.ps_launcher import run_local
+    from tests.ps_fixtures import ps_config
+
+    # Never a rebound, communication always "dominant", one stable evaluation: compress more at every
+    # evaluation after the first (rho 0.1 -> 0.05 -> 0.025 -> 0.0125 -> 0.01, the floor).
+    config = ps_config(tmp_path, system__num_workers=2, system__compression_enabled=True, system__compression_type="topk",
+                       system__compression_ratio=0.1, system__adaptive_compression=True,
+                       system__controller_rho_min=0.01, system__controller_rebound_threshold=10.0,
+                       system__controller_stable_evaluations=1, system__controller_communication_share=0.0,
+                       training__max_train_samples=768, training__batch_size=32, training__eval_interval=4,
+                       training__momentum=0.9)
+    summary = run_local(config)
+    decisions = list(read_events(f"{config.system.log_dir}/server/events.jsonl", kind="controller"))
+    assert [d["action"] for d in decisions][:5] == ["hold", "compress_more", "compress_more", "compress_more", "compress_more"]
+    assert [d["rho"] for d in decisions][:5] == [0.1, 0.05, 0.025, 0.0125, 0.01]
+    assert all(d["rho"] == 0.01 for d in decisions[4:]) and all("communication share" in d["reason"] for d in decisions[1:5])
+    assert sum(summary["controller"]["decisions"].values()) == len(decisions)  # S_max keeps relaxing after rho's floor
+    assert summary["controller"]["final_compression_ratio"] == 0.01
+
+    shapes = [tuple(p.shape) for p in model_from_config(config).parameters()]
+    generator = torch.Generator().manual_seed(0)
+
+    def payload_bytes(rho: float) -> int:
+        policy = CompressionPolicy(build_compressor("topk", ratio=rho, selection=config.system.topk_selection))
+        return sum(len(policy.compress(torch.randn(shape, generator=generator), 0, generator)) for shape in shapes)
+
+    for worker in range(2):
+        events = list(read_events(f"{config.system.log_dir}/worker_{worker}/events.jsonl"))
+        switches = [(e["step"], e["compression_ratio"]) for e in events if e["kind"] == "control_applied"]
+        assert [rho for _, rho in switches] == sorted({rho for _, rho in switches}, reverse=True) and switches
+        assert {rho for _, rho in switches} <= {0.05, 0.025, 0.0125, 0.01}
+        for push in (e for e in events if e["kind"] == "push"):
+            rho = next((r for step, r in reversed(switches) if step <= push["step"]), 0.1)  # the rho in effect
+            assert push["payload_bytes"] == payload_bytes(rho), (push["step"], rho, switches)
