@@ -72,6 +72,9 @@ BEFORE = {"topk_vs_allreduce": 0.78, "ring_vs_allreduce": 0.72, "topk_over_power
 """The issue's figures before bucketing and overlapping (per-parameter, synchronous hooks)."""
 HOOK_CASES = ("allreduce", "ring", "topk", "quantization_8bit", "quantization_4bit", "powersgd_rank1", "powersgd_rank2", "topk_matched")
 DEFAULT_CASES = ("allreduce", "ring", "topk", "quantization_8bit", "quantization_4bit", "powersgd_rank1")
+POWERSGD_MIN_WARMUP = 2
+"""Plain steps PowerSGD needs first with error feedback / warm start (its constructor refuses fewer):
+the hook cases run without warm-up, so PowerSGD rank 1 there takes these 2."""
 
 
 @dataclass
@@ -185,7 +188,7 @@ def _hook_case(name: str, base: dict, matched_ratio: float | None, warmup_steps:
 
         def factory(module):
             state = PowerSGDState(process_group=None, matrix_approximation_rank=approximation_rank,
-                                  start_powerSGD_iter=warmup_steps, use_error_feedback=True, warm_start=True,
+                                  start_powerSGD_iter=max(warmup_steps, POWERSGD_MIN_WARMUP), use_error_feedback=True, warm_start=True,
                                   random_seed=base["training"]["seed"])
             return PowerSGDCommHook(name, state, _powersgd_in_bucket_order, world_size=dist.get_world_size(), gradient_bytes=gradient_bytes(module))
 
