@@ -29,12 +29,13 @@ def job(tmp_path: Path, name: str, mode: str, faults: list[str] = (), **fields) 
     """3 workers, 2 epochs of mnist_5k, batch 32.
 
     Both modes train close to their plateau in 2 epochs, so a run that lost a worker for a while (sync
-    then takes more, smaller steps) still lands near the fault-free accuracy. Async uses momentum 0.3:
-    three asynchronous workers add momentum of their own.
+    then takes more, smaller steps) still lands near the fault-free accuracy. Momentum 0.9 in both
+    modes (async with the default lookahead correction: 95.9-97.0% in 3 fault-free runs, where
+    momentum 0.3 spread wider and lower).
     """
     values = dict(system__num_workers=3, system__aggregation_mode=mode, training__num_epochs=2, training__batch_size=32,
                   training__max_train_samples=None, training__max_test_samples=None,
-                  training__momentum=0.9 if mode == "sync" else 0.3,
+                  training__momentum=0.9,
                   training__checkpoint_interval=25, system__inject_faults=list(faults), **HEARTBEAT)
     values.update(fields)
     return ps_config(tmp_path, name, **values)
