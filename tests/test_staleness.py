@@ -373,9 +373,12 @@ def test_over_a_whole_run_computed_gradients_are_applied_or_still_in_the_residua
     config = ps_config(tmp_path, system__num_workers=2, system__staleness_policy="hard", system__max_staleness=0,
                        system__compression_enabled=compression != "none", system__compression_type="topk",
                        system__compression_ratio=0.05, system__gradient_ledger=True,
-                       training__max_train_samples=256, training__batch_size=16)
+                       training__max_train_samples=512, training__batch_size=16,
+                       # 0.25 s per step: one worker alone would take 8 s, so the other (whose process may
+                       # start seconds later) shares the run and pushes interleave (staleness >= 1)
+                       emulation__step_delay_s=0.25)
     summary = run_local(config)
-    assert summary["pushes_rejected"] > 0 and summary["samples_processed"] == 256
+    assert summary["pushes_rejected"] > 0 and summary["samples_processed"] == 512
     logs = tmp_path / "run" / "logs"
     applied = torch.load(logs / "server" / "gradient_ledger.pt")["applied"]
     workers = [torch.load(logs / f"worker_{k}" / "gradient_ledger.pt") for k in range(2)]
