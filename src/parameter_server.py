@@ -66,6 +66,7 @@ from src.checkpoint import (
 )
 from src.compression import decompress, parse_header
 from src.config import Config, SetupError
+from src.controller import CompressionController
 from src.coordinator import Batch, Member, Membership, MembershipError, WorkPlan
 from src.data import load_dataset
 from src.downlink import Downlink, compressor_from_config
@@ -73,7 +74,6 @@ from src.faults import FaultInjector
 from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.ps_transport import Outgoing, Received, check_float32_bytes, require_auth_token, serialize, split, start_grpc_server, tensor_view
 from src.served_model import layout_mismatch, model_from_layout
-from src.controller import CompressionController
 from src.staleness import StalenessPolicy, server_optimizer
 from src.trainer import evaluate, model_from_config
 
@@ -364,9 +364,8 @@ class ParameterServer:
                 self._maybe_start()
             batches, finished = self._await_work(member, context)
             self.downlink.forget(member.worker_id)  # a pull starts the worker afresh: dense parameters
-            reply = self._reply_bytes(pb.PullReply(version=self.state.version, work=self._work_message(batches, finished),
-                                                           control=self._control),
-                                      member.worker_id)
+            message = pb.PullReply(version=self.state.version, work=self._work_message(batches, finished), control=self._control)
+            reply = self._reply_bytes(message, member.worker_id)
         self._emulate_downlink(member.worker_id, reply)
         return reply
 
