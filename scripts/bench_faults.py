@@ -25,7 +25,6 @@ Progress goes to stderr, the JSON to stdout (``--output`` also writes it to a fi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -41,19 +40,6 @@ SCENARIOS = {
     "worker_hang": ["hang:worker=1@step=15"],
     "server_kill": ["kill:server@version=40"],
 }
-
-
-@contextlib.contextmanager
-def _progress_to_stderr():
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _events(log_dir: Path, *parts: str, kind: str | None = None) -> list[dict]:
@@ -111,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     from src.config import load_config
     from src.coordinator import check_coverage
     from src.ps_launcher import run_local
+    from src.supervisor import stdout_to_stderr
 
     results: dict = {"setup": "3 workers, sync, mnist_5k (4000 train / 1000 test), 2 epochs, batch 32, momentum 0.9, "
                               f"heartbeat interval 0.5 s, timeout {args.heartbeat_timeout} s, checkpoint every 20 versions"}
-    with tempfile.TemporaryDirectory() as tmp, _progress_to_stderr():
+    with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
         def run(name: str, faults: list[str]) -> tuple[dict, Path]:
             log_dir = Path(tmp, name, "logs")
             config = load_config(overrides={

@@ -29,7 +29,6 @@ starts them) on mnist_5k next to the baseline trainer with the same per-step bat
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
@@ -207,27 +206,14 @@ def bench_round_trips(size_mb: float, repeats: int) -> dict:
     }
 
 
-@contextlib.contextmanager
-def _progress_to_stderr():
-    """Send what the runs print (this process and the children it spawns) to stderr: stdout is the JSON."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def bench_training(num_epochs: int, batch_size: int) -> dict:
     from src.config import load_config
     from src.ps_launcher import run_local
+    from src.supervisor import stdout_to_stderr
     from src.trainer import BaselineTrainer
 
     results = {}
-    with tempfile.TemporaryDirectory() as tmp, _progress_to_stderr():
+    with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
         common = {"training.dataset": "mnist_5k", "training.num_epochs": num_epochs, "training.batch_size": batch_size,
                   "training.checkpoint_interval": 10**6}
         for mode in ("sync", "async"):

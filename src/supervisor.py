@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import time
 from typing import Iterable, Iterator
 
@@ -62,3 +64,18 @@ def sigterm_as_keyboard_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send what is printed (by this process and the children it starts) to stderr, e.g. while a
+    benchmark's runs print progress and its stdout is kept for the JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
