@@ -117,7 +117,7 @@ def run_config(config: Config, summary_json: Path) -> dict[str, Any]:
 
         return run_local(config, summary_json=summary_json)
     if architecture == "ddp":
-        from src.ddp_trainer import run_local as run_ddp
+        from src.ddp_launcher import run_local as run_ddp
 
         return run_ddp(config, summary_json=summary_json)
     from src.trainer import BaselineTrainer
