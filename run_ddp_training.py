@@ -5,6 +5,7 @@
     python run_ddp_training.py --dataset synthetic --world-size 2 --num-epochs 1 --num-samples 2048 --optimizer sgd
     python run_ddp_training.py --world-size 2 --allreduce ring                       # explicit ring hook
     python run_ddp_training.py --world-size 2 --compression-enabled --compression-type topk --compression-ratio 0.01
+    python run_ddp_training.py --world-size 2 --compression-enabled --compression-ratio 0.1 --adaptive-compression --eval-interval 20
     python run_ddp_training.py --world-size 2 --resume checkpoints/ddp_cli --num-epochs 4
     python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --inject-fault kill:rank=1@step=30
 
@@ -20,6 +21,10 @@ dies takes the group down and the agent starts it again, up to --max-restarts ti
 (--checkpoint-interval-steps K adds a checkpoint every K steps). --inject-fault kill:rank=R@step=N
 SIGKILLs rank R at its Nth step, in the first attempt only.
 
+Adaptive compression: --adaptive-compression (top-k only, needs --eval-interval K) lets the controller
+of src/controller.py set the top-k Active Fraction at every evaluation; rank 0 decides, the decision
+is broadcast and every rank switches at the same step (src/ddp_control.py).
+
 Outputs: checkpoints in checkpoints/ddp_cli (ddp_final.pt + numbered), logs/ddp_cli/summary.json,
 logs/ddp_cli/ddp_rank_<r>.json, and TensorBoard + events.jsonl under logs/ddp_cli/rank_<r>
 (change with --checkpoint-dir / --log-dir / --summary-json); with --artifacts-dir DIR also
@@ -33,8 +38,8 @@ import os
 import sys
 
 from src.cli import (
-    COMPRESSION_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_fault_tolerance_flags, config_from_args,
-    exit_status, write_artifacts_if_asked,
+    COMPRESSION_FLAGS, CONTROLLER_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_controller_flags,
+    add_fault_tolerance_flags, config_from_args, exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -57,13 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--checkpoint-interval-steps", type=int,
                      help="also checkpoint every N optimizer steps, mid-epoch too (default 0: epoch checkpoints only)")
     add_compression_flags(parser, "compression (DDP comm hook)")
+    add_controller_flags(parser)
     add_fault_tolerance_flags(parser, heartbeats=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**DDP_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS}, forced={"system.architecture": "ddp"})
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**DDP_FLAGS, **COMPRESSION_FLAGS, **CONTROLLER_FLAGS, **FAULT_TOLERANCE_FLAGS},
+                              forced={"system.architecture": "ddp"})
+    system = config.system
+    if system.adaptive_compression and not config.training.eval_interval:
+        parser.error("--adaptive-compression decides at evaluations: give --eval-interval K (training.eval_interval, "
+                     "steps between evaluations)")
+    if system.adaptive_compression and not (system.compression_enabled and system.compression_type == "topk"):
+        parser.error("--adaptive-compression sets top-k's Active Fraction: give --compression-enabled with "
+                     "--compression-type topk (system.compression_enabled, system.compression_type)")
 
     from src.ddp_launcher import launch, torchrun_env  # torch loads after the flags are checked: --help stays fast
     from src.supervisor import LaunchError

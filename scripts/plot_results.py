@@ -320,8 +320,7 @@ def plot_controller(ax, runs: list[Run]) -> None:
             ax.step([t for t, _ in run.controller], [rho for _, rho in run.controller], where="post", marker=".", label=run.name)
             drawn += 1
     if not drawn:
-        _empty(ax, "Controller decisions", "no controller decisions in these runs\n(experiment.controller off, "
-                                           "or the controller is not integrated yet)")
+        _empty(ax, "Controller decisions", "no controller decisions in these runs\n(experiment.controller off)")
         return
     ax.set_xlabel("seconds of training")
     ax.set_ylabel("top-k fraction rho")

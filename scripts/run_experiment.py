@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 from src.config import Config, ConfigError, SetupError, read_config_file, validate_config  # noqa: E402
 
 CONTROLLER_FIELD = "adaptive_compression"
-"""The ``system`` field that turns the adaptive controller on (src/controller.py, integrated by the server)."""
+"""The ``system`` field that turns the adaptive controller on (src/controller.py; the parameter server and DDP feed it)."""
 EXPERIMENT_KEYS = {"name", "controller"}
 DEFAULT_CHECKPOINT_INTERVAL = 1_000_000  # server versions: an experiment keeps only its final checkpoint
 
@@ -80,7 +80,8 @@ def build_config(experiment: Mapping[str, Any], run_data: Mapping[str, Any], run
     """The run's validated config, its outputs under ``run_dir``.
 
     Raises:
-        ExperimentError: the controller is asked for without evaluations to decide at.
+        ExperimentError: the controller is asked for without evaluations to decide at (or, in DDP,
+            without top-k compression).
         ConfigError: a bad config field.
     """
     data = json.loads(json.dumps(run_data))  # a deep copy
@@ -89,12 +90,18 @@ def build_config(experiment: Mapping[str, Any], run_data: Mapping[str, Any], run
     if experiment["controller"]:
         if not training.get("eval_interval"):
             raise ExperimentError("experiment.controller: on decides at evaluations: set training.eval_interval "
-                                  "(server versions between evaluations)")
+                                  "(server versions, or DDP steps, between evaluations)")
         system[CONTROLLER_FIELD] = True
     system["log_dir"] = str(run_dir / "logs")
     system["checkpoint_dir"] = str(run_dir / "checkpoints")
     training.setdefault("checkpoint_interval", DEFAULT_CHECKPOINT_INTERVAL)
     config = validate_config(data)
+    if config.system.architecture == "ddp" and config.system.adaptive_compression:
+        from src.ddp_control import config_problem  # loads torch: only for DDP runs with the controller
+
+        problem = config_problem(config)
+        if problem is not None:
+            raise ExperimentError(problem)
     emulated = config.emulation.model_dump() != type(config.emulation)().model_dump()
     if emulated and config.system.architecture != "parameter_server":
         raise ExperimentError(f"emulation: stragglers and links are emulated in the parameter server only, "
@@ -117,7 +124,7 @@ def run_config(config: Config, summary_json: Path) -> dict[str, Any]:
 
         return run_local(config, summary_json=summary_json)
     if architecture == "ddp":
-        from src.ddp_trainer import run_local as run_ddp
+        from src.ddp_launcher import run_local as run_ddp
 
         return run_ddp(config, summary_json=summary_json)
     from src.trainer import BaselineTrainer

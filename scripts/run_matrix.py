@@ -28,8 +28,8 @@ with error feedback), ``quantization`` (QSGD at ``system.quantization_bits``); t
 
 Resumable: a run whose folder holds a finished summary is skipped; a run that was interrupted (its
 folder exists without one) is removed and redone. Every run's config is checked before the first
-one starts, so a bad level (or ``controller: on`` before the controller is integrated) fails at
-once with one line. Exit status: 0 all runs finished, 1 some run failed (the others still ran),
+one starts, so a bad level (or ``controller: on`` without evaluations, or in DDP without top-k)
+fails at once with one line. Exit status: 0 all runs finished, 1 some run failed (the others still ran),
 2 a bad matrix file.
 """
 

@@ -91,17 +91,37 @@ def add_compression_flags(parser: argparse.ArgumentParser, title: str) -> None:
                        help="drop what compression leaves out instead of carrying it into the next step")
 
 
+CONTROLLER_FLAGS: dict[str, str] = {
+    "adaptive_compression": "system.adaptive_compression",
+    "controller_rho_min": "system.controller_rho_min",
+    "controller_rho_max": "system.controller_rho_max",
+    "controller_rebound_threshold": "system.controller_rebound_threshold",
+}
+
 STALENESS_FLAGS: dict[str, str] = {
     "staleness_policy": "system.staleness_policy",
     "staleness_beta": "system.staleness_beta",
     "max_staleness": "system.max_staleness",
     "async_correction": "system.async_correction",
     "async_step_scale": "system.async_step_scale",
-    "adaptive_compression": "system.adaptive_compression",
-    "controller_rho_min": "system.controller_rho_min",
-    "controller_rho_max": "system.controller_rho_max",
-    "controller_rebound_threshold": "system.controller_rebound_threshold",
+    **CONTROLLER_FLAGS,
 }
+
+
+def _add_controller_arguments(group, adaptive_help: str) -> None:
+    group.add_argument("--adaptive-compression", action="store_const", const=True, help=adaptive_help)
+    group.add_argument("--controller-rho-min", type=float, help="lowest Active Fraction the controller sets (default 0.01)")
+    group.add_argument("--controller-rho-max", type=float, help="highest Active Fraction the controller sets (default 0.5)")
+    group.add_argument("--controller-rebound-threshold", type=float,
+                       help="Loss Rebound (nats) above which the controller compresses less (default 0.05)")
+
+
+def add_controller_flags(parser: argparse.ArgumentParser) -> None:
+    """The adaptive compression controller alone (DDP: no staleness; every rank switches at the same step)."""
+    group = parser.add_argument_group("adaptive compression")
+    _add_controller_arguments(group, "let the controller set the top-k Active Fraction at every evaluation (needs "
+                                     "--eval-interval and top-k compression; every rank switches at the same step; "
+                                     "decisions are 'controller' events)")
 
 
 def add_staleness_flags(parser: argparse.ArgumentParser) -> None:
@@ -118,13 +138,8 @@ def add_staleness_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-step-scale", type=float,
                        help="lookahead: multiplier of each push's step (default: the stability-matched value, "
                             "0.825 for 2 workers, 0.649 for 4)")
-    group.add_argument("--adaptive-compression", action="store_const", const=True,
-                       help="let the controller set the top-k Active Fraction and S_max at every evaluation "
-                            "(needs --eval-interval; decisions are 'controller' events)")
-    group.add_argument("--controller-rho-min", type=float, help="lowest Active Fraction the controller sets (default 0.01)")
-    group.add_argument("--controller-rho-max", type=float, help="highest Active Fraction the controller sets (default 0.5)")
-    group.add_argument("--controller-rebound-threshold", type=float,
-                       help="Loss Rebound (nats) above which the controller compresses less (default 0.05)")
+    _add_controller_arguments(group, "let the controller set the top-k Active Fraction and S_max at every evaluation "
+                                     "(needs --eval-interval; decisions are 'controller' events)")
 
 
 FAULT_TOLERANCE_FLAGS: dict[str, str] = {

@@ -44,20 +44,22 @@ How to tune it: ``system.compression_ratio`` (top-k fraction of each segment; 8 
 entry against 4 per dense entry, so ratio r sends about 2r of the dense bytes),
 ``quantization_bits``, ``warmup_steps`` (plain allreduce, ``default`` or ``ring``, for the first
 steps: early gradients are the most sensitive to compression), ``error_feedback`` (leave it on for
-top-k). :data:`RING_SEGMENT_BYTES` sets the ring's pipelining grain.
+top-k). :data:`RING_SEGMENT_BYTES` sets the ring's pipelining grain. With
+``system.adaptive_compression`` the top-k ratio changes during the run
+(:meth:`CommHook.set_topk_ratio`, on every rank at the same step: see :mod:`src.ddp_control`).
 """
 
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.compression import CompressionPolicy, ErrorFeedback, decompress, policy_from_config
+from src.compression import CompressionPolicy, ErrorFeedback, TopKCompressor, decompress, policy_from_config
 from src.config import SystemConfig
 
 # Tag of the ring's point-to-point messages; each (phase, step, segment) adds its own offset so a
@@ -659,6 +661,26 @@ class CommHook:
         loader = getattr(self.state, "load_state_dict", None)
         if callable(loader):
             loader(saved)
+
+    @property
+    def topk_ratio(self) -> float | None:
+        """The top-k Active Fraction this hook compresses with (``None``: it does not compress with top-k)."""
+        compressor = getattr(getattr(self.state, "policy", None), "compressor", None)
+        return compressor.ratio if isinstance(compressor, TopKCompressor) else None
+
+    def set_topk_ratio(self, ratio: float) -> None:
+        """Compress with top-k ratio ``ratio`` from the next step on (the adaptive controller, :mod:`src.ddp_control`).
+
+        Call it between steps, when no exchange is in flight, and on every rank for the same step:
+        the payloads ``all_gather`` exchanges must be the same size on every rank.
+
+        Raises:
+            ValueError: the hook does not compress with top-k, or ``ratio`` is not in (0, 1].
+        """
+        if self.topk_ratio is None:
+            raise ValueError(f"comm hook {self.name!r} does not compress with top-k: no ratio to set")
+        policy = self.state.policy
+        self.state.policy = replace(policy, compressor=replace(policy.compressor, ratio=ratio))
 
     def set_step(self, step: int) -> None:
         """Start counting steps at ``step`` (a resumed run whose checkpoint has no state for this hook)."""

@@ -17,12 +17,12 @@ the ranks of a restarted attempt continue from the newest checkpoint of this job
 :class:`src.ddp_trainer.JobRecord`). Under torchrun the same happens with torchrun's
 ``--max-restarts``.
 
-What cannot succeed is not retried: the device, backend, dataset and ``--resume`` checkpoint are
-checked here before any rank starts (one ``error:`` line, exit 1), and an expected error inside a
-rank stops the later attempts at once. Ctrl-C or SIGTERM to the launcher: the agent stops every
-rank, and :class:`KeyboardInterrupt` comes out (exit 130). Ranks die at once on SIGINT (a rank
-blocked inside a collective cannot run a Python handler), and the kernel sends them SIGINT if the
-launcher itself dies (``PR_SET_PDEATHSIG``), so no rank outlives it.
+What cannot succeed is not retried: the device, backend, adaptive compression settings, dataset
+and ``--resume`` checkpoint are checked here before any rank starts (one ``error:`` line, exit 1),
+and an expected error inside a rank stops the later attempts at once. Ctrl-C or SIGTERM to the
+launcher: the agent stops every rank, and :class:`KeyboardInterrupt` comes out (exit 130). Ranks
+die at once on SIGINT (a rank blocked inside a collective cannot run a Python handler), and the
+kernel sends them SIGINT if the launcher itself dies (``PR_SET_PDEATHSIG``), so no rank outlives it.
 """
 
 from __future__ import annotations
@@ -70,12 +70,17 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
     """Reject configurations no rank could run, before anything is started.
 
     Raises:
-        SetupError: one line naming the field (device, backend, world size against GPUs).
+        SetupError: one line naming the field (device, backend, world size against GPUs, adaptive
+            compression without evaluations or top-k).
     """
     import torch
 
+    from src.ddp_control import config_problem
     from src.ddp_trainer import rank_device, select_backend
 
+    problem = config_problem(config)
+    if problem is not None:
+        raise SetupError(problem)
     device = rank_device(config.training.device, 0)
     select_backend(config.system.backend, device)
     if device.type == "cuda" and local_world_size > 1:

@@ -20,14 +20,19 @@ Evaluation: after every epoch, and every ``training.eval_interval`` steps when s
 its slice ``r::N`` of the test split and the sums are all-reduced, so every rank knows the accuracy;
 the first evaluation at ``training.target_accuracy`` gives the time to target. Time is a
 :class:`src.trainer.TrainingClock` (from the first training step; evaluation and checkpoints excluded).
+Adaptive compression (``system.adaptive_compression``, top-k only, needs ``training.eval_interval``):
+:mod:`src.ddp_control`: rank 0's controller decides at every evaluation from the eval loss and its
+steps' timings, the decision is broadcast, and every rank switches its hook's top-k ratio at the
+same step (``controller`` events at the top level, ``control_applied`` in every rank's log, the
+summary's ``controller`` entry).
 
 Checkpoints: rank 0 writes the common format as ``checkpoint_<step>.pt`` (numbered by optimizer
 step) every ``checkpoint_interval`` epochs and every ``checkpoint_interval_steps`` steps (mid-epoch
 too), and ``ddp_final.pt``, with every rank's hook state (residuals, step) gathered into
-``extra["comm_hook"]`` and the position inside the epoch in ``extra["epoch_step"]``. ``--resume``
-has rank 0 load the checkpoint and broadcast it (other machines need no copy of the file); a
-mid-epoch checkpoint continues the same epoch at the next batch, so the data order and the hook
-state continue exactly.
+``extra["comm_hook"]``, the position inside the epoch in ``extra["epoch_step"]`` and the adaptive
+controller's state in ``extra["controller"]``. ``--resume`` has rank 0 load the checkpoint and
+broadcast it (other machines need no copy of the file); a mid-epoch checkpoint continues the same
+epoch at the next batch, so the data order, the hook state and the controller continue exactly.
 
 Restarts: when the elastic agent restarts the group after a rank died (``TORCHELASTIC_RESTART_COUNT``
 > 0), rank 0 resumes from the newest checkpoint this job wrote, which :class:`JobRecord` keeps in
@@ -66,6 +71,7 @@ from src.checkpoint import (
 from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
 from src.config import Config, SetupError
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
+from src.ddp_control import RankControl, config_problem
 from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.supervisor import LaunchError
@@ -242,6 +248,9 @@ class DDPTrainer:
         comm_hook: Callable[[nn.Module], CommHook] | None = None,
         job: JobRecord | None = None,
     ):
+        problem = config_problem(config)
+        if problem is not None:
+            raise SetupError(problem)
         self.config = config
         self.ctx = context
         self.job = job or JobRecord()
@@ -256,6 +265,7 @@ class DDPTrainer:
         self.optimizer = optimizer_from_config(config, self.model.parameters())
         self.start_epoch, self.start_index, self.step, self.steps_run = 0, 0, 0, 0
         self.resumed_from: str | None = None
+        self._saved_control: dict[str, Any] | None = None
         self.faults = FaultInjector(config.system.inject_faults, "rank", rank, enabled=context.attempt == 0)
         saved_hook = self._restore(resume) if resume is not None or context.attempt > 0 else None
         device_ids = [context.device.index] if context.device.type == "cuda" else None
@@ -263,6 +273,16 @@ class DDPTrainer:
         self.comm = comm_hook(self.model) if comm_hook is not None else comm_hook_from_config(config.system, self.model, seed=config.training.seed)
         self.comm.register(self.ddp)
         self.hook_note = self._restore_hook(saved_hook)
+        # Adaptive compression (src/ddp_control.py): rank 0's controller decides at evaluations, every
+        # rank sets its hook's top-k ratio from the same step.
+        self.control: RankControl | None = None
+        if config.system.adaptive_compression:
+            if self.comm.topk_ratio is None:
+                raise SetupError(f"system.adaptive_compression sets top-k's Active Fraction: the comm hook {self.comm.name!r} "
+                                 f"does not compress with top-k")
+            self.control = RankControl.for_run(config.system, rank, compression_ratio=self.comm.topk_ratio, saved=self._saved_control)
+            if self.control.compression_ratio != self.comm.topk_ratio:  # resumed: the ratio in effect at the checkpoint
+                self.comm.set_topk_ratio(self.control.compression_ratio)
         # DDP re-buckets after a process's first backward pass; a silent one now makes every
         # training step see the final buckets (the compression units; see src.comm_hooks).
         self.comm.settle_buckets(self.ddp, self.train_set.images[:1].to(context.device))
@@ -313,6 +333,7 @@ class DDPTrainer:
         self.start_epoch, self.step = int(checkpoint["epoch"]), int(checkpoint["step"])
         self.start_index = int(checkpoint["extra"].get("epoch_step", 0))
         self.resumed_from = received["path"]
+        self._saved_control = checkpoint["extra"].get("controller")
         return checkpoint["extra"].get("comm_hook")
 
     def _restore_hook(self, saved: dict[str, Any] | None) -> str | None:
@@ -356,11 +377,16 @@ class DDPTrainer:
         with clock.paused():
             loss, accuracy = self._evaluate()
             (seconds,) = self._all_reduce([clock.seconds], op=dist.ReduceOp.MAX)  # the slowest rank's clock
+            event = None
             if run_log is not None:
-                run_log.scalars("eval", self.step, {"test_loss": loss, "test_accuracy": accuracy}, epoch=epoch)
+                event = run_log.scalars("eval", self.step, {"test_loss": loss, "test_accuracy": accuracy}, epoch=epoch)
                 report_target(target, accuracy, seconds, self.step)
             else:
                 target.observe(accuracy, seconds, self.step)
+            if self.control is not None:
+                decision = self.control.decide(event, self._collective_device())  # collective: rank 0's, broadcast
+                if decision is not None and run_log is not None:
+                    run_log.event("controller", **{k: v for k, v in decision.items() if k != "kind"})
         return loss, accuracy
 
     def _checkpoint(self, path: Path, *, epoch: int, epoch_step: int = 0) -> Path:
@@ -371,7 +397,8 @@ class DDPTrainer:
             checkpoint = checkpoint_of_run(
                 self.config, self.model, self.optimizer, epoch=epoch, step=self.step,
                 extra={"comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states},
-                       "epoch_step": epoch_step, "world_size": self.ctx.world_size},
+                       "epoch_step": epoch_step, "world_size": self.ctx.world_size,
+                       "controller": self.control.state_dict() if self.control is not None else None},
             )
             save_checkpoint(path, checkpoint)
             self.job.checkpoint_written(path)
@@ -405,6 +432,8 @@ class DDPTrainer:
         bar = progress(num_steps - first_index, f"epoch {epoch + 1}/{t.num_epochs}") if rank == 0 else _SilentBar()
         for index in range(first_index, num_steps):
             indices = batches[index]
+            if self.control is not None:
+                self._follow_control(rank_log)
             step_started = time.perf_counter()
             sent_before, hook_before = stats.total_sent, stats.hook_seconds
             dense_before, payload_before = stats.dense_bytes, stats.payload_bytes
@@ -418,6 +447,8 @@ class DDPTrainer:
             self.optimizer.step()
             self.comm.end_step()
             step_time = time.perf_counter() - step_started
+            if self.control is not None:
+                self.control.step_done(step_time, stats.hook_seconds - hook_before)
             samples += len(labels)
             self.step += 1
             self.steps_run += 1
@@ -447,6 +478,15 @@ class DDPTrainer:
             self.faults.reached(self.steps_run)  # a real SIGKILL, after the step and its checkpoint
         bar.close()
         return samples, num_steps - first_index
+
+    def _follow_control(self, rank_log: MetricsLogger) -> None:
+        """Before step ``self.step + 1``: switch the hook's top-k ratio if a decision applies from it (every rank alike)."""
+        previous = self.control.compression_ratio
+        switch = self.control.due(self.step + 1)
+        if switch is not None:
+            self.comm.set_topk_ratio(switch.rho)
+            rank_log.event("control_applied", step=self.step + 1, compression_ratio=switch.rho,
+                           previous_compression_ratio=previous, max_staleness=switch.max_staleness)
 
     def run(self) -> dict[str, Any]:
         """Train, evaluate and checkpoint; returns the run summary (every rank returns the same one)."""
@@ -492,6 +532,7 @@ class DDPTrainer:
                 "restarts": self.ctx.attempt,
                 "resumed_from": self.resumed_from,
                 "clock": TrainingClock.DESCRIPTION,
+                "controller": self.control.summary() if self.control is not None else None,
                 **target.fields(),
             }
             rank_summary, summary = self._summaries(common, samples, clock.seconds, steps_run, time.perf_counter() - started)
