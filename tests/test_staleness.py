@@ -391,10 +391,14 @@ def test_over_a_whole_run_computed_gradients_are_applied_or_still_in_the_residua
         assert all(w["residuals"][n].abs().sum() == 0 for w in workers for n in applied)
 
 
+SPECS_ASYNC_COMMAND = ["--dataset", "mnist_5k", "--num-epochs", "2", "--compression-enabled", "--compression-type", "topk",
+                       "--compression-ratio", "0.1"]
+"""The spec's async command without its worker count and mode (momentum and the correction at their defaults)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("workers", [2])  # 4 workers: not reliable on this protocol (docs/async.md, section 4)
-def test_the_specs_async_command_trains_near_sync(tmp_path, workers):
+def test_the_specs_async_command_trains_near_sync(tmp_path):
     """The spec's async command as written (momentum 0.9 by default), against the same command in sync
     mode: mnist_5k's held-out 1,000 after 2 epochs (docs/async.md, section 4). Async runs depend on
     timing (which push lands first), so the bar is on the mean of two runs; sync is deterministic."""
@@ -402,8 +406,7 @@ def test_the_specs_async_command_trains_near_sync(tmp_path, workers):
 
     from tests.ps_fixtures import run_cli
 
-    command = ["--workers", str(workers), "--dataset", "mnist_5k", "--num-epochs", "2", "--compression-enabled",
-               "--compression-type", "topk", "--compression-ratio", "0.1"]
+    command = ["--workers", "2", *SPECS_ASYNC_COMMAND]
     accuracy = {"sync": [], "async": []}
     for mode in ("sync", "async", "async"):
         folder = tmp_path / f"{mode}{len(accuracy[mode])}"
@@ -412,3 +415,27 @@ def test_the_specs_async_command_trains_near_sync(tmp_path, workers):
         assert result.returncode == 0, result.stderr[-3000:]
         accuracy[mode].append(json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())["final_accuracy"])
     assert sum(accuracy["async"]) / 2 >= accuracy["sync"][0] - 0.02, accuracy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_specs_async_command_with_4_workers_trains_as_well_as_sync_over_seeds(tmp_path):
+    """4 workers: at the spec's settings sync itself is on the edge of stability (one seed in six
+    diverges, the others end between 75% and 85% after a loss spike mid-run; docs/async.md, section
+    4), so one sync run is no reference. Over seeds 0-4 the median async run must be within 2 points
+    of the median sync run; the median is robust to one diverged run on either side."""
+    import json
+    import statistics
+
+    from tests.ps_fixtures import run_cli
+
+    accuracy: dict[str, list[float]] = {"sync": [], "async": []}
+    for seed in range(5):
+        for mode in ("sync", "async"):
+            folder = tmp_path / f"{mode}{seed}"
+            folder.mkdir()
+            result = run_cli(["--workers", "4", *SPECS_ASYNC_COMMAND, "--seed", str(seed), "--aggregation-mode", mode],
+                             cwd=folder, timeout=420)
+            assert result.returncode == 0, result.stderr[-3000:]
+            accuracy[mode].append(json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())["final_accuracy"])
+    assert statistics.median(accuracy["async"]) >= statistics.median(accuracy["sync"]) - 0.02, accuracy
