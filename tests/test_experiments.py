@@ -212,3 +212,21 @@ def test_findings_are_computed_from_the_summaries(tmp_path):
 
     table = plot_results.markdown_table(plot_results.find_runs([f2]))
     assert "| topk_ef__seed-0 | async | none |" in table and "| topk_ef | 1 | 0.9400 |" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_ddp_experiment_runs_through_the_elastic_launcher(tmp_path):
+    """``system.architecture: ddp`` runs real ranks (src.ddp_launcher) and leaves the experiment's folder."""
+    config_file = tmp_path / "ddp.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "training": {**TINY["training"], "momentum": 0.9},
+        "system": {"architecture": "ddp", "num_workers": 2, "compression_enabled": True, "compression_type": "topk",
+                   "compression_ratio": 0.1},
+    }))
+    result = script("run_experiment.py", "--config", str(config_file), "--results-dir", str(tmp_path / "r"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run,) = [p for p in (tmp_path / "r").iterdir() if p.is_dir()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["architecture"] == "ddp" and summary["world_size"] == 2 and summary["samples_processed"] == 64, summary
+    assert json.loads((run / "experiment.json").read_text())["status"] == "finished"
