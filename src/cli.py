@@ -9,6 +9,8 @@ of the runners' exit contract (an expected failure: one ``error:`` line and 1; C
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from typing import Any, Callable, Mapping
 
@@ -267,6 +269,8 @@ def exit_status(
     from src.data import DatasetUnavailableError
 
     describe = {DatasetUnavailableError: str, CheckpointError: str, SetupError: str, **(describe or {})}
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints where every thread is: a stuck run tells why
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         run()
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,9 @@ def test_ctrl_c_stops_every_child(tmp_path):
     process = subprocess.Popen(
         [sys.executable, str(RUNNER), "--workers", "2", "--num-epochs", "50"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # as a terminal starts it: with SIGINT at its default even when this test runs in a background job,
+        # whose commands inherit SIGINT ignored (a runner started that way keeps ignoring Ctrl-C, as it should)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         registered = set()
@@ -97,8 +101,17 @@ def test_ctrl_c_stops_every_child(tmp_path):
                 break
         assert len(registered) == 2, process.stderr.read()
         os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
-        assert process.wait(timeout=60) == 130
-        stderr = process.stderr.read()
+        try:  # keep reading both pipes while waiting: a full pipe would block the runner's last writes
+            _, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            alive = [(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]) for pid in group_members(process.pid)]
+            os.kill(process.pid, signal.SIGUSR1)  # the runner prints every thread's stack (src.cli.exit_status)
+            try:
+                _, stderr = process.communicate(timeout=5)
+            except subprocess.TimeoutExpired as exc:
+                stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)
+            pytest.fail(f"the runner did not exit within 60 s of Ctrl-C; processes left: {alive}; stderr ends:\n{stderr[-6000:]}")
+        assert process.returncode == 130, stderr[-3000:]
         assert "interrupted" in stderr and "Traceback" not in stderr
         deadline = time.monotonic() + 30
         while group_members(process.pid) and time.monotonic() < deadline:
