@@ -270,7 +270,10 @@ def exit_status(
 
     describe = {DatasetUnavailableError: str, CheckpointError: str, SetupError: str, **(describe or {})}
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints where every thread is: a stuck run tells why
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        except (AttributeError, ValueError):  # a stderr without a file descriptor (captured in process): no dump
+            pass
     try:
         run()
     except KeyboardInterrupt:

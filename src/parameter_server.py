@@ -307,6 +307,8 @@ class ParameterServer:
                 member, replaced = self.members.register(worker_id, request.pid)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            # Every incarnation is in the summary's workers, also one killed before its first heartbeat.
+            self._record_stats(member, pb.WorkerStats(), final=False)
             events = []
             if replaced is not None:
                 events += self._fail(replaced, reason="replaced by a new incarnation", silence=None)
