@@ -17,6 +17,12 @@ Several hosts (same token everywhere, from $DTS_AUTH_TOKEN or system.auth_token)
 The server decides the run (dataset, model, epochs, batch size, mode, compression); a worker takes
 only its local settings (--data-dir, --device, --log-dir, TLS files) from its own flags.
 
+Virtual time (one process, the same job on a simulated clock from a cost model: deterministic,
+and 64 workers fit on 2 cores; figures from scripts/calibrate.py):
+
+    python run_parameter_server_training.py --clock virtual --workers 16 --aggregation-mode async \
+        --compute-s 0.02 --server-update-s 0.002 --server-reply-s 0.001 --uplink-mbps 250 --slow-worker 1=4
+
 Outputs: the final summary on the terminal, checkpoints/ps_cli/parameter_server_final.pt (the common
 checkpoint format), logs/ps_cli/summary.json, and events.jsonl + TensorBoard logs under
 logs/ps_cli/server and logs/ps_cli/worker_<k> (change with --checkpoint-dir / --log-dir); with
@@ -30,8 +36,9 @@ import argparse
 import sys
 
 from src.cli import (
-    COMPRESSION_FLAGS, EMULATION_FLAGS, FAULT_TOLERANCE_FLAGS, STALENESS_FLAGS, add_common_flags, add_compression_flags,
-    add_emulation_flags, add_fault_tolerance_flags, add_staleness_flags, config_from_args, exit_status, write_artifacts_if_asked,
+    COMPRESSION_FLAGS, EMULATION_FLAGS, FAULT_TOLERANCE_FLAGS, STALENESS_FLAGS, VIRTUAL_FLAGS, add_common_flags,
+    add_compression_flags, add_emulation_flags, add_fault_tolerance_flags, add_staleness_flags, add_virtual_flags,
+    config_from_args, exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -70,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="versions between dense refreshes of a worker's parameters (default 50)")
     add_fault_tolerance_flags(parser)
     add_emulation_flags(parser)
+    add_virtual_flags(parser)
     add_staleness_flags(parser)
     hosts = parser.add_argument_group("roles, hosts and security")
     hosts.add_argument("--role", choices=("local", "server", "worker"), default="local",
@@ -101,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker" and args.artifacts_dir:
         parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
     config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS,
-                                                                     **EMULATION_FLAGS, **STALENESS_FLAGS},
+                                                                     **EMULATION_FLAGS, **STALENESS_FLAGS, **VIRTUAL_FLAGS},
                               forced={"system.architecture": "parameter_server"})
     if config.system.adaptive_compression and not config.training.eval_interval:
         parser.error("--adaptive-compression decides at evaluations: give --eval-interval K (training.eval_interval, "
                      "server versions between evaluations)")
+    if config.system.clock == "virtual" and args.role != "local":
+        parser.error("--clock virtual simulates the whole job in this process: use it with --role local")
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
 
@@ -130,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
                   f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}")
             return
-        summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json,
-                                                                       resume=resume)
+        if config.system.clock == "virtual":
+            from src.virtual_time import run_virtual
+
+            summary = run_virtual(config, summary_json=args.summary_json, resume=resume)
+        else:
+            summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json,
+                                                                           resume=resume)
         print(format_summary(summary))
         write_artifacts_if_asked(args, config, summary)
 

@@ -208,6 +208,33 @@ def add_emulation_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--downlink-latency-ms", type=float, help="server -> worker latency per message, ms (default 0)")
 
 
+VIRTUAL_FLAGS: dict[str, str] = {
+    "clock": "system.clock",
+    "compute_s": "emulation.compute_s",
+    "compress_s": "emulation.compress_s",
+    "server_update_s": "emulation.server_update_s",
+    "server_reply_s": "emulation.server_reply_s",
+    "server_mbps": "emulation.server_mbps",
+    "restart_s": "emulation.restart_s",
+}
+
+
+def add_virtual_flags(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
+    """``--clock virtual`` and the cost model's figures (``emulation.*``, :mod:`src.cost_model`)."""
+    group = parser.add_argument_group(
+        "virtual time (one process, time from a cost model: deterministic; figures from scripts/calibrate.py)")
+    group.add_argument("--clock", choices=("real", "virtual"),
+                       help="real: processes on the wall clock (default); virtual: simulated time from the cost model")
+    group.add_argument("--compute-s", type=float, help="virtual: seconds of one step's forward/backward per batch")
+    group.add_argument("--compress-s", type=float, help="virtual: seconds of error feedback + compression per push")
+    if server:
+        group.add_argument("--server-update-s", type=float, help="virtual: the server's seconds per push")
+        group.add_argument("--server-reply-s", type=float, help="virtual: the server's seconds per reply")
+        group.add_argument("--server-mbps", type=float,
+                           help="virtual: server NIC bandwidth each way, Mbit/s, shared fairly (default: not limited)")
+    group.add_argument("--restart-s", type=float, help="virtual: seconds a killed process takes to restart")
+
+
 def overrides_from_args(args: argparse.Namespace, flags: Mapping[str, str]) -> dict[str, Any]:
     """Dotted overrides for the flags that were given."""
     return {field: getattr(args, dest) for dest, field in flags.items() if getattr(args, dest, None) is not None}

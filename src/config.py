@@ -237,6 +237,9 @@ class SystemConfig(_Section):
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
+    clock: Literal["real", "virtual"] = "real"
+    """real: processes on the wall clock; virtual: one process on a virtual clock, time from the cost model in
+    ``emulation`` (:mod:`src.virtual_time`): deterministic, and 64 workers fit on 2 cores."""
     allreduce: Literal["default", "ring"] = "default"
     """DDP gradient exchange: the backend's allreduce, or the explicit ring hook."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -400,7 +403,8 @@ def _check_emulated(name: str, value: float | None) -> float | None:
 
 
 _EMULATED_FIELDS = ("slowdown", "step_delay_s", "step_delay_sigma", "uplink_mbps", "downlink_mbps",
-                    "uplink_latency_ms", "downlink_latency_ms")
+                    "uplink_latency_ms", "downlink_latency_ms", "compute_s")
+_COST_FIELDS = ("compress_s", "server_update_s", "server_reply_s", "server_mbps", "restart_s")
 
 
 class WorkerEmulation(_Section):
@@ -413,6 +417,7 @@ class WorkerEmulation(_Section):
     downlink_mbps: float | None = None
     uplink_latency_ms: float | None = None
     downlink_latency_ms: float | None = None
+    compute_s: float | None = None
 
     @field_validator(*_EMULATED_FIELDS)
     @classmethod
@@ -438,8 +443,23 @@ class EmulationConfig(_Section):
     downlink_latency_ms: float = 0.0
     workers: dict[int, WorkerEmulation] = {}
     """Per worker id: ``{1: {slowdown: 4}}`` makes worker 1 four times slower."""
+    # --- the cost model of a virtual-time run (system.clock: virtual; scripts/calibrate.py measures them) ---
+    compute_s: float | None = None
+    """Virtual time: seconds of one step's forward/backward on one batch of ``training.batch_size``
+    (before ``slowdown`` and ``step_delay_s``); per worker in ``workers`` too."""
+    compress_s: float | None = None
+    """Virtual time: seconds a worker spends on error feedback and compression per push (compressed runs)."""
+    server_update_s: float | None = None
+    """Virtual time: the server's seconds per push it takes in (decode, validate, add or apply)."""
+    server_reply_s: float | None = None
+    """Virtual time: the server's seconds per reply it builds (parameters or deltas, serialized)."""
+    server_mbps: float | None = None
+    """Virtual time: the server NIC's bandwidth each way in Mbit/s, shared fairly by concurrent transfers;
+    null = not limited."""
+    restart_s: float | None = None
+    """Virtual time: seconds a killed process takes to start again and register (runs with kill/hang faults)."""
 
-    @field_validator(*_EMULATED_FIELDS)
+    @field_validator(*_EMULATED_FIELDS, *_COST_FIELDS)
     @classmethod
     def _rule(cls, value: float | None, info) -> float | None:
         return _check_emulated(info.field_name, value)

@@ -531,7 +531,8 @@ class DDPTrainer:
                 "steps_this_run": steps_run,
                 "restarts": self.ctx.attempt,
                 "resumed_from": self.resumed_from,
-                "clock": TrainingClock.DESCRIPTION,
+                "clock": "real",
+                "training_clock": TrainingClock.DESCRIPTION,
                 "controller": self.control.summary() if self.control is not None else None,
                 **target.fields(),
             }

@@ -111,16 +111,22 @@ class FaultInjector:
             return self.pending.pop(0)
         return None
 
-    def reached(self, count: int, announce: Callable[[FaultSpec], None] | None = None) -> None:
+    def reached(self, count: int, announce: Callable[[FaultSpec], None] | None = None,
+                fire: Callable[[FaultSpec], None] | None = None) -> None:
         """Call with the step (or version) just reached; signals this process if a fault is due.
 
         Args:
             announce: called with the fault just before the signal (e.g. to write a ``fault_injected``
                 event: the moment of failure, against which detection latency is measured).
+            fire: what the fault does instead of signalling this process (the virtual-time driver
+                kills or hangs a simulated process; :mod:`src.virtual_time`).
         """
         fault = self.due(count)
         if fault is not None:
             if announce is not None:
                 announce(fault)
+            if fire is not None:
+                fire(fault)
+                return
             print(f"fault injection: {fault} (pid {os.getpid()})", file=sys.stderr, flush=True)
             os.kill(os.getpid(), ACTIONS[fault.action])

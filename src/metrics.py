@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 LOG_EVERY_STEPS = 10
 """Training loops mirror a step's scalars to TensorBoard every this many steps (and at epoch ends)."""
@@ -48,14 +48,15 @@ class EventLog:
     line can be split by another thread's write. A killed process loses nothing already written.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time):
         self.path = Path(path)
+        self._clock = clock
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(self.path, "a")
         self._lock = threading.Lock()
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"time": time.time(), "kind": kind, **{k: _jsonable(v) for k, v in fields.items()}}
+        event = {"time": self._clock(), "kind": kind, **{k: _jsonable(v) for k, v in fields.items()}}
         line = json.dumps(event) + "\n"
         with self._lock:
             self._handle.write(line)
@@ -86,12 +87,14 @@ class MetricsLogger:
     Args:
         log_dir: folder for ``events.jsonl`` and the TensorBoard event files.
         tensorboard: set False to write only events (e.g. in benchmarks).
+        clock: the events' ``time`` (default ``time.time``; a virtual-time run passes its clock's).
         fields: added to every event (e.g. ``worker=1``).
     """
 
-    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, **fields: Any):
+    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, clock: Callable[[], float] = time.time,
+                 **fields: Any):
         self.log_dir = Path(log_dir)
-        self.events = EventLog(self.log_dir / "events.jsonl")
+        self.events = EventLog(self.log_dir / "events.jsonl", clock=clock)
         self._fields = fields
         self._writer = None
         if tensorboard:

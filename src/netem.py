@@ -54,6 +54,8 @@ class WorkerConditions:
     downlink_mbps: float | None = None
     uplink_latency_ms: float = 0.0
     downlink_latency_ms: float = 0.0
+    compute_s: float | None = None
+    """A virtual-time run's compute seconds per batch (:mod:`src.virtual_time`); real runs measure it."""
 
     @property
     def active(self) -> bool:

@@ -13,13 +13,8 @@ and :mod:`src.worker` contain only their algorithms:
   Both ends raise the limits instead of chunking: one unary message per pull and per push keeps the
   protocol simple (``scripts/bench_ps.py`` compares it with raw gRPC). The server sizes its receive
   limit from the model, so a client cannot make it buffer gigabytes.
-* **Tensor bytes.** Parameters travel as little-endian float32 ``bytes``, gradients as the
-  compression library's payloads. The messages holding them are ordinary protobuf messages on the
-  wire, but their large ``bytes`` fields are encoded and decoded here rather than by protobuf:
-  :func:`serialize` joins the small fields (serialized by protobuf) with the tensors' bytes in one
-  copy, and :func:`split` hands the large fields back as zero-copy views of the received message.
-  Protobuf's own ``SerializeToString`` of a message holding tens of MB costs about a millisecond per
-  MB here (a growing buffer, then a copy into ``bytes``), several times what gRPC needs to send it.
+* **Tensor bytes.** The messages' bytes are made and read by :mod:`src.wire` (its names are
+  re-exported here): the same bytes on every transport and on the virtual clock.
 * **Counted client.** :class:`ParameterServerClient` serializes requests and parses replies itself,
   so ``bytes_sent`` / ``bytes_received`` are the lengths of the exact serialized messages that went
   through gRPC, and retries a call that failed in transport with the same request (a push keeps its
@@ -33,16 +28,16 @@ import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
-import numpy as np
-import torch
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
+from src.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
+    Outgoing, Received, check_float32_bytes, copy_bytes_into, field_number, serialize, split, tensor_to_bytes, tensor_view,
+)
 
 AUTH_METADATA_KEY = "authorization"
 AUTH_TOKEN_ENV = "DTS_AUTH_TOKEN"
@@ -51,7 +46,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
 # Statuses worth retrying with the same request: the call may not have reached the server.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_FLOAT32_LE = np.dtype("<f4")
 
 
 class AuthTokenMissing(SetupError):
@@ -80,143 +74,6 @@ def split_address(address: str) -> tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``; IPv6 hosts may be bracketed (``[::1]:50051``)."""
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
-
-
-# ----------------------------------------------------------------------------- tensors <-> bytes
-
-
-def tensor_view(tensor: torch.Tensor) -> memoryview:
-    """The tensor's values as little-endian float32 bytes: a view, no copy, for a contiguous CPU float32 tensor."""
-    array = tensor.detach().to("cpu", torch.float32).contiguous().numpy()
-    return memoryview(array.astype(_FLOAT32_LE, copy=False)).cast("B")
-
-
-def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw little-endian float32 bytes of ``tensor`` (one copy)."""
-    return tensor_view(tensor).tobytes()
-
-
-def check_float32_bytes(data, numel: int, what: str) -> None:
-    """Raise ``ValueError`` naming ``what`` unless ``data`` holds exactly ``numel`` float32 values."""
-    if len(data) != 4 * numel:
-        raise ValueError(f"{what}: {len(data)} bytes, expected {4 * numel} ({numel} float32 values)")
-
-
-def copy_bytes_into(tensor: torch.Tensor, data, what: str = "tensor") -> None:
-    """Overwrite ``tensor`` (float32) in place with the float32 values in ``data`` (bytes or a view).
-
-    Raises:
-        ValueError: ``data`` does not hold exactly ``tensor.numel()`` float32 values.
-    """
-    check_float32_bytes(data, tensor.numel(), what)
-    source = np.frombuffer(data, dtype=_FLOAT32_LE)
-    with torch.no_grad():
-        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == torch.float32:
-            np.copyto(tensor.numpy().reshape(-1), source)  # straight from the message, no temporary
-        else:
-            tensor.copy_(torch.from_numpy(source.astype(np.float32)).view_as(tensor))
-
-
-# ----------------------------------------------------------------------------- messages with large bytes fields
-
-
-def field_number(message_type, name: str) -> int:
-    return message_type.DESCRIPTOR.fields_by_name[name].number
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(view: memoryview, position: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if position >= len(view) or shift > 63:
-            raise ValueError("malformed message: truncated or overlong varint")
-        byte = view[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, position
-        shift += 7
-
-
-@dataclass
-class Outgoing:
-    """A message to send plus its large ``repeated bytes`` fields, kept out of protobuf: ``{field name: chunks}``."""
-
-    message: Any
-    large: Mapping[str, Sequence[Any]] = field(default_factory=dict)
-
-
-def serialize(outgoing: "Outgoing | Any") -> bytes:
-    """Protobuf wire bytes of ``outgoing``: its message, then each large field's chunks, in one copy.
-
-    Protobuf parsers merge fields in any order, so this is exactly what the message with those
-    fields set would parse back to.
-    """
-    if not isinstance(outgoing, Outgoing):
-        return outgoing if isinstance(outgoing, bytes) else outgoing.SerializeToString()
-    pieces: list[Any] = [outgoing.message.SerializeToString()]
-    for name, chunks in outgoing.large.items():
-        tag = _varint(field_number(type(outgoing.message), name) << 3 | 2)
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            pieces += [tag, _varint(len(view)), view]
-    return b"".join(pieces)
-
-
-@dataclass
-class Received:
-    """A parsed message whose large ``repeated bytes`` fields are zero-copy views: ``large[field name]``."""
-
-    message: Any
-    large: dict[str, list[memoryview]]
-
-
-def split(data: bytes, message_type, large_fields: Sequence[str]) -> Received:
-    """Parse ``data`` as ``message_type``, handing ``large_fields`` back as views of ``data``.
-
-    Raises:
-        ValueError: the bytes are not a well-formed message (truncated field, bad wire type).
-    """
-    numbers = {field_number(message_type, name): name for name in large_fields}
-    large: dict[str, list[memoryview]] = {name: [] for name in large_fields}
-    view = memoryview(data)
-    small: list[memoryview] = []
-    position = 0
-    while position < len(view):
-        start = position
-        key, position = _read_varint(view, position)
-        wire_type = key & 7
-        if wire_type == 0:
-            _, position = _read_varint(view, position)
-        elif wire_type == 1:
-            position += 8
-        elif wire_type == 5:
-            position += 4
-        elif wire_type == 2:
-            length, position = _read_varint(view, position)
-            if position + length <= len(view) and key >> 3 in numbers:
-                large[numbers[key >> 3]].append(view[position:position + length])
-                position += length
-                continue
-            position += length
-        else:
-            raise ValueError(f"malformed message: unsupported wire type {wire_type}")
-        if position > len(view):
-            raise ValueError("malformed message: a field runs past the end")
-        small.append(view[start:position])
-    try:
-        message = message_type.FromString(b"".join(small))
-    except Exception as exc:  # protobuf's DecodeError
-        raise ValueError(f"malformed message: {exc}") from None
-    return Received(message, large)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -55,6 +55,15 @@ SECTIONS = (
 NOT_RECORDED = "not recorded"
 _NUMERIC_FIELDS = ("final_accuracy", "final_loss", "total_time_s", "throughput_samples_per_s", "samples_processed",
                    "bytes_sent", "bytes_received")
+def _training_clock(summary: dict[str, Any]) -> str:
+    """What a run's training time measures (and, for a virtual-time run, that it was computed, not measured)."""
+    clock = summary.get("clock")
+    if clock not in (None, "real", "virtual"):
+        return clock  # a summary from before the clock field said real or virtual: it held the description
+    described = summary.get("training_clock") or _TRAINING_CLOCKS[summary["architecture"]]
+    return f"{described}; virtual time, from the cost model" if clock == "virtual" else described
+
+
 _TRAINING_CLOCKS = {
     "baseline": "the epoch loops only (evaluation and checkpoints excluded)",
     "parameter_server": "from the first worker's registration to the last worker's finish",
@@ -690,7 +699,7 @@ def build_report(runs: Sequence[Run], *, bench: Mapping[str, Any] | None = None,
             "final_loss": s["final_loss"],
             "total_time_s": s["total_time_s"],
             "train_time_s": s.get("train_time_s"),
-            "clock": s.get("clock") or _TRAINING_CLOCKS[s["architecture"]],
+            "clock": _training_clock(s),
             "throughput_samples_per_s": s["throughput_samples_per_s"],
             "samples_processed": s["samples_processed"],
             "speedup_vs_baseline": throughput / base_throughput if throughput is not None and base_throughput else None,

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from src.ps_transport import check_float32_bytes
+from src.wire import check_float32_bytes
 
 Layout = Sequence[tuple[str, tuple[int, ...]]]
 """``[(dotted name, shape), ...]`` in the module's own order."""

@@ -33,28 +33,45 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 from torch import nn
 
-from src import parameter_server_pb2 as pb
-from src.aggregation import Contribution, SyncRound
 from src.config import Config, SetupError
-from src.coordinator import Batch, Member
-from src.parameter_server import ParameterServer, PushRefused, RunFailed
-from src.ps_transport import Received
+from src.parameter_server import ParameterServer, RunFailed
 from src.served_model import import_factory
+from src.work_source import ClientWork
 
 CLIENT_MODEL = "client"
 """``model_source`` for a model whose layout and initial values come from the first worker."""
 
 
+def model_from_source(config: Config, model_source: str) -> nn.Module | None:
+    """The model ``model_source`` names: ``None`` for ``"client"``, else the factory's module (seeded).
+
+    Raises:
+        SetupError: the factory cannot be imported or does not return an ``nn.Module``.
+    """
+    if model_source == CLIENT_MODEL:
+        return None
+    try:
+        factory = import_factory(model_source)
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+    torch.manual_seed(config.training.seed)
+    built = factory()
+    if not isinstance(built, nn.Module):
+        raise SetupError(f"model factory {model_source!r} returned {type(built).__name__}, not an nn.Module")
+    return built.float()
+
+
 class ClientLoopServer(ParameterServer):
     """A parameter server whose workers run their own training loop on their own data (see the module docstring).
+
+    The gRPC service of :class:`~src.parameter_server.ParameterServer` over the same core, with the
+    workers' own loops as its work source (:class:`~src.work_source.ClientWork`) and no evaluation.
 
     Args:
         config: the run's config: ``system`` (workers, mode, compression, heartbeats, outputs, TLS) and
@@ -62,145 +79,19 @@ class ClientLoopServer(ParameterServer):
         model_source: ``"client"`` (the first worker's model) or ``"package.module:function"``.
         max_message_bytes: the gRPC message limit while the model's size is not known yet.
         **kwargs: as for :class:`~src.parameter_server.ParameterServer` (``token``, ``resume``,
-            ``tensorboard``, ``staleness_policy``, ``clock``, ...).
+            ``tensorboard``, ``staleness_policy``, ``model``, ...).
 
     Raises:
         SetupError: the factory cannot be imported or does not return an ``nn.Module``.
     """
 
     def __init__(self, config: Config, *, model_source: str = CLIENT_MODEL, max_message_bytes: int | None = None,
-                 **kwargs: Any):
+                 model: nn.Module | None = None, **kwargs: Any):
         self.model_source = model_source
-        super().__init__(config, evaluate=False, num_train_samples=0, **kwargs)
-        self.model_label = model_source  # checkpoints name the model by where it came from
-        self.data_label = "client"  # the workers' own data
-        if max_message_bytes is not None and self.state is None:
-            self.max_message_bytes = max_message_bytes
-
-    def _served_model(self, model: nn.Module | None) -> nn.Module | None:
-        if model is not None:
-            return model
-        if self.model_source == CLIENT_MODEL:
-            return None
-        try:
-            factory = import_factory(self.model_source)
-        except ValueError as exc:
-            raise SetupError(str(exc)) from None
-        torch.manual_seed(self.config.training.seed)
-        built = factory()
-        if not isinstance(built, nn.Module):
-            raise SetupError(f"model factory {self.model_source!r} returned {type(built).__name__}, not an nn.Module")
-        return built.float()
-
-    # ------------------------------------------------------------------------- work: the workers' own
-
-    def _work_message(self, batches: list[Batch] | None, finished: bool) -> pb.Work:
-        return pb.Work(finished=finished)  # empty: train on your own next batch
-
-    def _await_work(self, member: Member, context: grpc.ServicerContext) -> tuple[list[Batch] | None, bool]:
-        """async: at once; sync: once ``member`` is expected in the open round and has not pushed to it."""
-        worker = member.worker_id
-        while True:
-            self._check_waiting(member, context)
-            round_ = self._round
-            if self.mode == "async" or (round_ is not None and worker in round_.expected and worker not in round_.arrived):
-                return [], False
-            if self._stopping:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the parameter server is shutting down")
-            self._cond.wait(0.5)
-            if not context.is_active():
-                context.abort(grpc.StatusCode.CANCELLED, "call cancelled while waiting for the barrier")
-
-    def _open_round(self) -> None:
-        """sync: a barrier for the current version among every ready live worker (lock held)."""
-        if not self._started or self._round is not None:
-            return
-        ready = self.members.ready()
-        if ready:
-            self._round = SyncRound(self.state.version, set(ready))
-            self._training_clock_starts()
-        self._check_done()
-
-    def _check_covers(self, request: pb.PushRequest, held: list[Batch]) -> None:
-        if request.batch_ids:
-            raise PushRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"push from worker {request.caller.worker_id} lists batch ids, but on this server "
-                              f"the workers own their data (batch_ids must be empty)")
-
-    def _decode(self, worker_id: int, received: Received) -> Contribution:
-        request = received.message
-        if not received.large["gradients"] and not received.large["buffers"]:
-            if request.num_samples != 0:
-                raise PushRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"push from worker {worker_id} has no gradients but num_samples {request.num_samples} "
-                                  f"(a skipped step has num_samples 0)")
-            return Contribution(worker_id, 0, [], [], request.request_id)  # a skipped step
-        if request.num_samples <= 0:
-            raise PushRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"push from worker {worker_id}: num_samples must be > 0, got {request.num_samples}")
-        return super()._decode(worker_id, received)
-
-    def _add_to_round(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
-        if contribution.gradients:
-            return super()._add_to_round(member, request, contribution)
-        round_ = self._round
-        if round_ is None or request.base_version != round_.version or member.worker_id not in round_.expected \
-                or member.worker_id in round_.arrived:
-            raise PushRefused(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"skipped step of worker {member.worker_id} for version {request.base_version}, which is "
-                              f"not its turn (barrier at version {round_.version if round_ else self.state.version})")
-        round_.drop(member.worker_id)  # this version goes on without it; it is in the next round again
-        reply = self._skipped(member, request)
-        self._maybe_complete_round()
-        return reply
-
-    def _apply_now(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
-        if contribution.gradients:
-            return super()._apply_now(member, request, contribution)
-        return self._skipped(member, request)
-
-    def _skipped(self, member: Member, request: pb.PushRequest) -> pb.PushReply:
-        self.counters["steps_skipped"] += 1
-        self.log.event("push_skipped", worker=member.worker_id, incarnation=member.incarnation,
-                       request_id=request.request_id, base_version=request.base_version, version=self.state.version)
-        return pb.PushReply(accepted=False, reason="skipped step (no gradient)", staleness=0, weight=0.0)
-
-    # ------------------------------------------------------------------------- leaving and the end
-
-    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
-        """A worker leaves whenever its loop is done: out of every barrier from now on."""
-        with self._cond:
-            member = self._member(request.caller, context)
-            stats = self._record_stats(member, request.stats, final=True)
-            self.members.finish(member)
-            if self._round is not None and self._round.drop(member.worker_id):
-                self._maybe_complete_round()
-            self._maybe_start()  # a sync run waiting for everyone may now start without it
-            self._check_done()
-            self._cond.notify_all()
-            version = self.version
-        self.log.event("worker_finished", worker=member.worker_id, incarnation=member.incarnation, version=version, **stats)
-        return pb.FinishReply(version=version)
-
-    def _check_done(self) -> None:
-        """Over when every worker id has registered and none is live any more."""
-        if len(self.members.current) == self.num_workers and not self.members.live():
-            if self._train_ended_wall is None:
-                self._train_ended_wall = time.time()
-            self._done.set()
-            self._cond.notify_all()
-
-    def finalize(self, summary_json: str | Path | None = None) -> dict[str, Any]:
-        """Final checkpoint and run summary (see :meth:`ParameterServer.finalize`).
-
-        Raises:
-            RunFailed: no worker ever sent a model, or a background checkpoint failed.
-        """
-        if self.state is None:
-            raise RunFailed("the run ended before any worker sent its model (Initialize)")
-        summary = super().finalize(summary_json)
-        summary["steps_skipped"] = self.counters["steps_skipped"]
-        return summary
+        served = model if model is not None else model_from_source(config, model_source)
+        super().__init__(config, model=served, serve_without_model=True, evaluate=False,
+                         work=ClientWork(config.system.num_workers), model_label=model_source, data_label="client",
+                         max_message_bytes=max_message_bytes, **kwargs)
 
 
 # ----------------------------------------------------------------------------- command line

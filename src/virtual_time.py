@@ -1,0 +1,620 @@
+"""Virtual time: a parameter-server job in one process, where time is computed by a cost model, not measured.
+
+``run_parameter_server_training.py --clock virtual`` (``system.clock: virtual``) runs the same job
+as a real run: the real server core (:class:`~src.ps_core.ServerCore`: membership, the work plan,
+the barrier and async apply, staleness, the controller, the downlink, de-dup, checkpoints, events,
+the summary) and N simulated workers, each doing the real worker's step
+(:class:`~src.worker_step.WorkerStep`: its real gradient on its real batch at the parameters it
+last received, error feedback, compression, rollback on rejection, local steps). Only *when* things
+happen is simulated, by a discrete-event loop (:mod:`src.event_loop`) over the cost model
+(:mod:`src.cost_model`): a worker's step takes its compute seconds, a message crosses the worker's
+link and the server NIC (shared fairly by concurrent transfers) in its exact serialized bytes, the
+server spends its per-push and per-reply seconds one task at a time. So a run gives the same
+numbers on any machine under any load, and 64 workers fit on two cores: they take turns on one
+compute model, each keeping only its parameter replica and its residuals.
+
+The messages are the real protocol's bytes (:mod:`src.wire`), so byte counts are exact and the core
+cannot tell a simulated worker from a real one. The launcher's part is simulated too:
+``--inject-fault`` kills (``kill``) or stops (``hang``) a simulated worker at its step, or kills the
+server at a version; the server detects silence by the virtual heartbeats, a hung worker declared
+failed is killed, a dead process is restarted after ``emulation.restart_s`` (budget
+``system.max_restarts``), a restarted server resumes from its newest checkpoint and the workers
+register with it again, exactly as :mod:`src.ps_launcher` does for real processes.
+
+Outputs are a real run's (``summary.json`` with ``clock: virtual``, ``events.jsonl`` per role with
+virtual times, TensorBoard, checkpoints), so the report, plots and findings scripts read them as
+they are. Evaluations and checkpoints take no virtual time. The summary lists in
+``wall_time_fields`` the fields that are wall time (they differ between two runs of the same config).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from src import parameter_server_pb2 as pb
+from src.aggregation import RequestLog
+from src.checkpoint import unfinished_run_checkpoint
+from src.config import Config, SetupError
+from src.coordinator import Member
+from src.cost_model import CostModel
+from src.data import load_dataset
+from src.event_loop import EventLoop, SerialServer, SharedLink
+from src.faults import FaultInjector, FaultSpec
+from src.metrics import EventLog, MetricsLogger
+from src.parameter_server import MONITOR_PERIOD_S, planned_work, test_set_for
+from src.ps_core import PushRefused, Refused, ServerCore
+from src.supervisor import LaunchError
+from src.trainer import model_from_config
+from src.wire import Outgoing, serialize, split
+from src.worker_step import WorkerStep, check_layout
+
+MODEL_STATE = ("parameters", "buffers")
+LOST_SESSION = ("NOT_FOUND", "UNAVAILABLE")
+"""Codes that mean the server lost this session (it restarted): register again (as :func:`src.worker_protocol.check_session_lost`)."""
+
+
+class ServerKilled(BaseException):
+    """The simulated server process was killed by an injected fault: whatever it was doing stops."""
+
+
+@dataclass(eq=False)
+class Call:
+    """One call of a worker process that the server has not answered yet."""
+
+    worker: "VirtualWorker"
+    process: int
+    on_reply: Callable[[bytes], None]
+    on_error: Callable[[str, str], None]
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A Pull or Push parked at the server until its worker's work is there (the sync barrier, or none left)."""
+
+    call: Call
+    member: Member
+    push: tuple[int, pb.PushReply] | None = None  # (request id, verdict) for a push
+
+
+class VirtualRun:
+    """One virtual-time job: the server core, the simulated workers and launcher, and the event loop.
+
+    Args:
+        config: the run's config (``emulation`` holds the cost model's figures).
+        resume: continue the server from this checkpoint (file or folder).
+        tensorboard: TensorBoard scalars beside the events (off for benchmarks).
+
+    Raises:
+        SetupError: a figure the cost model needs is missing (names the field and the calibration command).
+    """
+
+    def __init__(self, config: Config, *, resume: str | Path | None = None, tensorboard: bool = True):
+        self.config = config
+        t, system = config.training, config.system
+        self.cost = CostModel(config)
+        self.loop = EventLoop()
+        self.clock = self.loop.clock
+        self.tensorboard = tensorboard
+        self.resume = resume
+        self.train_set = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
+                                      num_samples=t.num_samples, seed=t.seed)
+        self.test_set = test_set_for(config)
+        self.nic_in = SharedLink(self.loop, self.cost.server_bps)
+        self.nic_out = SharedLink(self.loop, self.cost.server_bps)
+        self.cpu = SerialServer(self.loop)
+        self.core: ServerCore | None = None
+        self.server_running = False
+        self.server_epoch = 0  # one per server process: a call sent to an earlier one fails
+        self.open_calls: set[Call] = set()
+        self.waiting: dict[int, Waiter] = {}
+        self.held_for_server: list[Callable[[], None]] = []  # registrations waiting for a server to come up
+        self.downlink_delay_s: Counter[int] = Counter()
+        self.restarts: Counter[str] = Counter()
+        self.launcher_log = EventLog(Path(system.log_dir) / "launcher" / "events.jsonl", clock=self.clock.time)
+        self.compute_model = model_from_config(config)  # every simulated worker computes in it, in turn
+        self.compute_model.train()
+        self.workers = [VirtualWorker(self, k) for k in range(system.num_workers)]
+
+    # ------------------------------------------------------------------------- the run
+
+    def run(self, summary_json: str | Path | None = None) -> dict[str, Any]:
+        """Simulate the job to its end; returns the run summary (also written, as a real run's).
+
+        Raises:
+            LaunchError: the run cannot finish (every worker's restart budget spent, the server's too).
+        """
+        started = time.perf_counter()
+        try:
+            self._start_server(resume=self.resume, faults=True)
+            for worker in self.workers:
+                worker.start(faults=True)
+            finished = self.loop.run(until=lambda: self.core is not None and self.core.done.is_set())
+            if not finished:
+                raise LaunchError(f"the virtual run stalled at virtual time {self.clock.now:.3f} s with nothing left to "
+                                  f"happen (every process dead or waiting)")
+            if self.core.fatal is not None:
+                raise self.core.fatal
+            wall = time.perf_counter() - started
+            return self.core.finalize(summary_json, downlink_delay_s=self._downlink_delays(), extra={
+                "wall_time_s": wall, "wall_time_fields": ["wall_time_s"], "cost_model": self.cost.describe(),
+                "virtual_events": self.loop.processed})
+        finally:
+            for worker in self.workers:
+                worker.close_log()
+            if self.core is not None:
+                self.core.close()
+            self.launcher_log.close()
+
+    def _downlink_delays(self) -> dict[int, float]:
+        """Seconds each worker's replies spent on its emulated downlink (workers with one)."""
+        return {k: self.downlink_delay_s[k] for k, w in enumerate(self.cost.workers) if w.conditions.downlink is not None}
+
+    # ------------------------------------------------------------------------- the server process
+
+    def _start_server(self, *, resume: str | Path | None, faults: bool) -> None:
+        self.core = ServerCore(
+            self.config, work=planned_work(self.config, len(self.train_set)), model=model_from_config(self.config),
+            test_set=self.test_set, tensorboard=self.tensorboard, resume=resume, faults=faults,
+            fire_fault=self._server_fault, clock=self.clock)
+        self.core.serving = True
+        self.server_running = True
+        self.server_epoch += 1
+        self.core.log.event("listening", address="virtual", port=0)
+        self._monitor(self.server_epoch)
+        held, self.held_for_server = self.held_for_server, []
+        for deliver in held:
+            deliver()
+
+    def _monitor(self, epoch: int) -> None:
+        """Failure detection every :data:`MONITOR_PERIOD_S`, as the real server's monitor thread."""
+        if epoch != self.server_epoch or not self.server_running or self.core.done.is_set():
+            return
+        self._serve(lambda: self._publish(self.core.expire()))
+        self.loop.after(MONITOR_PERIOD_S, lambda: self._monitor(epoch))
+
+    def _server_fault(self, fault: FaultSpec) -> None:
+        raise ServerKilled(str(fault))
+
+    def _server_died(self, reason: str) -> None:
+        """The server process is gone: its open calls fail; the launcher restarts it from its newest checkpoint."""
+        self.core.log.close()
+        self.server_running = False
+        self.cpu.reset()
+        self.waiting.clear()
+        for call in list(self.open_calls):
+            self._fail(call, "UNAVAILABLE", "the parameter server went away")
+        attempt = self._spend_restart("server")
+        if attempt is None:
+            raise LaunchError(f"parameter server {reason}; its restart budget (system.max_restarts="
+                              f"{self.config.system.max_restarts}) is spent")
+        checkpoint = unfinished_run_checkpoint(self.config.system.checkpoint_dir, "parameter_server")
+        self.launcher_log.write("server_restarted", attempt=attempt, exit=reason,
+                                resumed_from=str(checkpoint) if checkpoint else None)
+        self.loop.after(self.cost.restart_s, lambda: self._start_server(resume=checkpoint, faults=False))
+
+    def _serve(self, action: Callable[[], None]) -> None:
+        """Run one server action (lock held), then let waiting calls whose work is now there go on."""
+        try:
+            with self.core.lock:
+                action()
+                self._wake()
+        except ServerKilled as killed:
+            self._server_died(f"killed by SIGKILL ({killed})")
+
+    # ------------------------------------------------------------------------- messages
+
+    def call(self, worker: "VirtualWorker", data: bytes, handle: Callable[[Call, bytes], None],
+             on_reply: Callable[[bytes], None], on_error: Callable[[str, str], None], *, wait_for_server: bool = False) -> None:
+        """Send ``data`` from ``worker`` over its uplink and the server NIC; the server ``handle``\\ s it on arrival.
+
+        ``wait_for_server``: a server that is down takes the call when it is up again (gRPC's
+        ``wait_for_ready``, which registration uses); otherwise the call fails UNAVAILABLE.
+        """
+        costs = self.cost.workers[worker.worker_id]
+        call = Call(worker, worker.process, on_reply, on_error)
+        epoch = self.server_epoch
+        sent_at = self.clock.now
+        worker.bytes_sent += len(data)
+
+        def arrived() -> None:
+            worker.uplink_delay_s += self.clock.now - sent_at
+            if self.server_running and (epoch == self.server_epoch or wait_for_server):
+                self.open_calls.add(call)
+                self._serve(lambda: handle(call, data))
+            elif wait_for_server:
+                self.held_for_server.append(lambda: (self.open_calls.add(call), self._serve(lambda: handle(call, data))))
+            else:
+                self._deliver(call, lambda: call.on_error("UNAVAILABLE", "the parameter server is not reachable"))
+
+        self.nic_in.send(8 * len(data), costs.uplink_bps, lambda: self.loop.after(costs.uplink_latency_s, arrived))
+
+    def _reply(self, call: Call, data: bytes) -> None:
+        """Send the server's reply back over the server NIC and the worker's downlink."""
+        self.open_calls.discard(call)
+        worker = call.worker
+        costs = self.cost.workers[worker.worker_id]
+        sent_at = self.clock.now
+
+        def arrived() -> None:
+            self.downlink_delay_s[worker.worker_id] += self.clock.now - sent_at
+            if worker.reachable(call.process):
+                worker.bytes_received += len(data)
+                call.on_reply(data)
+
+        self.nic_out.send(8 * len(data), costs.downlink_bps, lambda: self.loop.after(costs.downlink_latency_s, arrived))
+
+    def _fail(self, call: Call, code: str, message: str) -> None:
+        """The call ends with an error status (a small message: its latency only)."""
+        self.open_calls.discard(call)
+        costs = self.cost.workers[call.worker.worker_id]
+        self.loop.after(costs.downlink_latency_s, lambda: self._deliver(call, lambda: call.on_error(code, message)))
+
+    @staticmethod
+    def _deliver(call: Call, callback: Callable[[], None]) -> None:
+        if call.worker.reachable(call.process):
+            callback()
+
+    # ------------------------------------------------------------------------- the server's side of each call
+
+    def serve_register(self, call: Call, data: bytes) -> None:
+        try:
+            reply, events = self.core.register(pb.RegisterRequest.FromString(data), f"virtual:worker-{call.worker.worker_id}")
+        except Refused as refused:
+            self._fail(call, refused.code, refused.message)
+            return
+        self._reply(call, reply.SerializeToString())
+        self._publish(events)
+
+    def serve_pull(self, call: Call, data: bytes) -> None:
+        try:
+            member = self.core.begin_pull(pb.PullRequest.FromString(data).caller)
+        except Refused as refused:
+            self._fail(call, refused.code, refused.message)
+            return
+        self.waiting[member.worker_id] = Waiter(call, member)
+
+    def serve_push(self, call: Call, data: bytes) -> None:
+        """The push takes ``server_update_s`` of the server's time; its reply follows it at once when its work is there."""
+        self.cpu.submit(self.cost.server_update_s, lambda: self._serve(lambda: self._take_push(call, data)))
+
+    def _take_push(self, call: Call, data: bytes) -> None:
+        core = self.core
+        try:
+            received = split(data, pb.PushRequest, ("gradients", "buffers"))
+        except ValueError as exc:
+            refused = PushRefused("INVALID_ARGUMENT", f"push: {exc}")
+            core.refused(None, 0, refused)
+            self._fail(call, refused.code, refused.message)
+            return
+        request = received.message
+        worker_id, request_id = request.caller.worker_id, request.request_id
+        try:
+            admitted = core.begin_push(request.caller, request)
+            if admitted is RequestLog.IN_PROGRESS:
+                raise RuntimeError(f"worker {worker_id}: a second copy of push {request_id} while the first is handled")
+            if isinstance(admitted, bytes):
+                self._reply(call, admitted)  # a retry: answer again, apply nothing
+                return
+            try:
+                verdict = core.apply_push(admitted, request, core.decode(worker_id, received))
+            except Refused:
+                core.abandon(worker_id, request_id)
+                raise
+        except Refused as refused:
+            if isinstance(refused, PushRefused):
+                core.refused(worker_id, request_id, refused)
+            self._fail(call, refused.code, refused.message)
+            return
+        self.waiting[worker_id] = Waiter(call, admitted, (request_id, verdict))
+        self._wake(first=worker_id)
+
+    def serve_heartbeat(self, call: Call, data: bytes) -> None:
+        request = pb.HeartbeatRequest.FromString(data)
+        try:
+            self._reply(call, self.core.heartbeat(request.caller, request.stats).SerializeToString())
+        except Refused as refused:
+            self._fail(call, refused.code, refused.message)
+
+    def serve_finish(self, call: Call, data: bytes) -> None:
+        request = pb.FinishRequest.FromString(data)
+        try:
+            self._reply(call, self.core.finish(request.caller, request.stats).SerializeToString())
+        except Refused as refused:
+            self._fail(call, refused.code, refused.message)
+
+    def _wake(self, first: int | None = None) -> None:
+        """Every parked call whose work is there now gets its reply built (``server_reply_s`` each, in worker
+        order; ``first``'s right away: the real server builds it under the same lock as the push)."""
+        core = self.core
+        for worker_id in sorted(self.waiting, key=lambda w: (w != first, w)):
+            waiter = self.waiting[worker_id]
+            try:
+                work = core.poll_work(waiter.member)
+            except Refused as refused:
+                del self.waiting[worker_id]
+                if waiter.push is not None:
+                    core.abandon(worker_id, waiter.push[0])
+                self._fail(waiter.call, refused.code, refused.message)
+                continue
+            if work is None:
+                continue
+            del self.waiting[worker_id]
+            self.cpu.submit(self.cost.server_reply_s, lambda w=waiter, work=work: self._serve(lambda: self._build_reply(w, work)),
+                            first=worker_id == first)
+
+    def _build_reply(self, waiter: Waiter, work) -> None:
+        if waiter.push is None:
+            data = self.core.pull_reply(waiter.member, work)
+        else:
+            request_id, verdict = waiter.push
+            data = self.core.push_reply(waiter.member, request_id, verdict, work)
+        self._reply(waiter.call, data)
+
+    # ------------------------------------------------------------------------- the launcher's part
+
+    def _publish(self, events: list) -> None:
+        """The launcher kills a worker the server declared failed while its process still runs (a hang)."""
+        for kind, fields in events:
+            if kind != "worker_failed":
+                continue
+            worker = self.workers[fields["worker"]]
+            if worker.alive and worker.pid == fields["pid"]:
+                self.launcher_log.write("worker_killed", worker=worker.worker_id, pid=worker.pid,
+                                        reason="declared failed by the server while its process was alive (hung)")
+                worker.end("killed by SIGKILL")
+
+    def _spend_restart(self, name: str) -> int | None:
+        used = self.restarts[name]
+        if used >= self.config.system.max_restarts:
+            return None
+        self.restarts[name] = used + 1
+        return used + 1
+
+    def process_ended(self, worker: "VirtualWorker", exit_description: str) -> None:
+        """A worker process ended abnormally: restart it after ``restart_s``, or go on without it."""
+        attempt = self._spend_restart(f"worker-{worker.worker_id}")
+        if attempt is None:
+            self.launcher_log.write("worker_abandoned", worker=worker.worker_id, exit=exit_description)
+            if not any(w.alive for w in self.workers):
+                raise LaunchError(f"every worker has failed and the restart budgets (system.max_restarts="
+                                  f"{self.config.system.max_restarts}) are spent")
+            return
+        self.launcher_log.write("worker_restarted", worker=worker.worker_id, attempt=attempt, exit=exit_description)
+        self.loop.after(self.cost.restart_s, lambda: worker.start(faults=False))
+
+
+class VirtualWorker:
+    """A simulated worker process: the real worker's protocol (:class:`src.worker.Worker`) driven by events.
+
+    Its parameter replica (what the server last sent it) outlives its processes: a restarted process
+    pulls into the same tensors.
+    """
+
+    def __init__(self, run: VirtualRun, worker_id: int):
+        self.run = run
+        self.worker_id = worker_id
+        self.config = run.config
+        self.process = 0
+        self.alive = False
+        self.hung = False
+        model = run.compute_model
+        self.replica = ([torch.zeros_like(p) for p in model.parameters() if p.requires_grad],
+                        [torch.zeros_like(b) for b in model.buffers() if b.is_floating_point()])
+        self.step: WorkerStep | None = None
+        self.log: MetricsLogger | None = None
+        self.caller = pb.Caller(worker_id=worker_id)
+        self.incarnation = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.uplink_delay_s = self.compute_extra_s = 0.0
+        self.started_at = 0.0
+
+    @property
+    def pid(self) -> int:
+        """A process id unique to this worker's process number (what registration reports)."""
+        return (self.worker_id + 1) * 10_000 + self.process
+
+    def reachable(self, process: int) -> bool:
+        """Whether a message for ``process`` still reaches a running, unstopped process."""
+        return self.alive and not self.hung and self.process == process
+
+    def _now(self) -> float:
+        return self.run.clock.now
+
+    # ------------------------------------------------------------------------- life
+
+    def start(self, *, faults: bool) -> None:
+        """A new process of this worker: register, then pull and train."""
+        self.process += 1
+        self.alive, self.hung = True, False
+        self.step = None
+        self.caller = pb.Caller(worker_id=self.worker_id)
+        self.bytes_sent = self.bytes_received = 0
+        self.uplink_delay_s = self.compute_extra_s = 0.0
+        self.started_at = self._now()
+        self.faults = FaultInjector(self.config.system.inject_faults, "worker", self.worker_id, enabled=faults)
+        self._register(0, [], self._first_registration)
+
+    def end(self, exit_description: str | None) -> None:
+        """This process ends (``None``: it finished; otherwise how it died, for the launcher)."""
+        if not self.alive:
+            return
+        self.alive = False
+        self.close_log()
+        if exit_description is not None:
+            self.run.process_ended(self, exit_description)
+
+    def close_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def _fault(self, fault: FaultSpec) -> None:
+        if fault.action == "kill":
+            self.end("killed by SIGKILL")
+        else:
+            self.hung = True  # SIGSTOP: no more steps, no more heartbeats; the server will declare it failed
+
+    # ------------------------------------------------------------------------- calls
+
+    def _call(self, data: bytes, handle, on_reply, on_error=None, *, wait_for_server: bool = False) -> None:
+        self.run.call(self, data, handle, on_reply, on_error or self._failed, wait_for_server=wait_for_server)
+
+    def _failed(self, code: str, message: str) -> None:
+        """A call failed for a reason the real worker does not recover from."""
+        if code == "ABORTED":  # IncarnationRevoked: the process exits 1, the launcher restarts it
+            self.end("exited with status 1")
+            return
+        raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {code}: {message}")
+
+    def _register(self, last_request_id: int, carried: list[pb.Batch], then: Callable[[pb.RegisterReply], None]) -> None:
+        request = pb.RegisterRequest(worker_id=self.worker_id, last_request_id=last_request_id,
+                                     carried_batch_ids=[b.batch_id for b in carried], pid=self.pid)
+
+        def registered(data: bytes) -> None:
+            registration = pb.RegisterReply.FromString(data)
+            self.caller = pb.Caller(worker_id=self.worker_id, session=registration.session)
+            self.incarnation = registration.incarnation
+            then(registration)
+
+        self._call(request.SerializeToString(), self.run.serve_register, registered, wait_for_server=True)
+
+    def _first_registration(self, registration: pb.RegisterReply) -> None:
+        run, config = self.run, self.config
+        check_layout(self.worker_id, config, [(n, p) for n, p in run.compute_model.named_parameters() if p.requires_grad],
+                     registration)
+        self.log = MetricsLogger(Path(config.system.log_dir) / f"worker_{self.worker_id}", tensorboard=run.tensorboard,
+                                 role="worker", worker=self.worker_id, clock=run.clock.time)
+        seed = random.Random(config.training.seed * 1_000_003 + self.worker_id * 1_009 + self.process)
+        self.step = WorkerStep(config, self.worker_id, model=run.compute_model, train_set=run.train_set,
+                               device=torch.device("cpu"), log=self.log, replica=self.replica, faults=self.faults,
+                               fire_fault=self._fault, request_ids=seed.getrandbits(62) or 1)
+        self._heartbeat(self.process)
+        self._pull(first=True)
+
+    def _heartbeat(self, process: int) -> None:
+        """Every ``heartbeat_interval`` from the first registration on, while the process runs (not when stopped)."""
+        if not self.reachable(process):
+            return
+        if self.step is not None:
+            request = pb.HeartbeatRequest(caller=self.caller, stats=self._stats())
+            self._call(request.SerializeToString(), self.run.serve_heartbeat, lambda data: None,
+                       lambda code, message: None)  # a failed heartbeat is ignored, as the real worker's
+        self.run.loop.after(self.config.system.heartbeat_interval, lambda: self._heartbeat(process))
+
+    def _stats(self) -> pb.WorkerStats:
+        return self.step.stats(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+                               total_time_s=self._now() - self.started_at,
+                               emulated_delay_s=self.compute_extra_s + self.uplink_delay_s)
+
+    def _lost_session(self, code: str, message: str, again: Callable[[], None]) -> None:
+        """NOT_FOUND / UNAVAILABLE: the server restarted; register again and go on with ``again``."""
+        if code not in LOST_SESSION:
+            self._failed(code, message)
+            return
+        self._register(0, self.step.carried, lambda registration: again())
+
+    # ------------------------------------------------------------------------- training
+
+    def _pull(self, *, first: bool = False) -> None:
+        def pulled(data: bytes) -> None:
+            received = split(data, pb.PullReply, MODEL_STATE)
+            self.step.load(received)
+            if first:
+                self.log.event("run_start", address="virtual", incarnation=self.incarnation, version=self.step.version)
+            else:
+                self.log.event("rejoined", incarnation=self.incarnation, version=self.step.version)
+            self._work(received)
+
+        request = pb.PullRequest(caller=self.caller)
+        self._call(request.SerializeToString(), self.run.serve_pull, pulled,
+                   lambda code, message: self._lost_session(code, message, lambda: self._pull(first=first)))
+
+    def _work(self, received) -> None:
+        """A reply arrived: finish, or compute the handed batches (their compute seconds from now)."""
+        if received.message.work.finished:
+            self._finish()
+            return
+        batches = list(received.message.work.batches)
+        step_s, extra_s = self.run.cost.step_s(self.worker_id, sum(len(b.indices) for b in batches)) if batches else (0.0, 0.0)
+        process = self.process
+        self.run.loop.after(step_s, lambda: self._computed(process, batches, step_s, extra_s))
+
+    def _computed(self, process: int, batches: list[pb.Batch], step_s: float, extra_s: float) -> None:
+        """The step's compute time has passed: its real gradient and payloads, then the push after ``compress_s``."""
+        if not self.reachable(process):
+            return
+        step = self.step
+        loss, correct, samples = step.compute(batches)
+        self.compute_extra_s += extra_s
+        step.reach_step()
+        if not self.reachable(process):
+            return  # the fault killed or stopped this process before it sent anything
+        payloads = step.encode(batches)
+        compress_s = self.run.cost.compress_s
+        request = step.request(self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s)
+        data = serialize(Outgoing(request, {"gradients": payloads, "buffers": step.buffers_to_send(batches)}))
+        payload_bytes = sum(len(p) for p in payloads)
+        del payloads
+
+        def send() -> None:
+            if not self.reachable(process):
+                return
+            sent_at = self._now()
+            received_before = self.bytes_received
+
+            def replied(reply_data: bytes) -> None:
+                reply = split(reply_data, pb.PushReply, MODEL_STATE + ("parameter_deltas",))
+                step.settle(reply, batches, request, payload_bytes=payload_bytes, loss=loss, correct=correct,
+                            samples=samples, gradient_time_s=step_s, compression_time_s=compress_s,
+                            communication_time_s=self._now() - sent_at, push_bytes=len(data),
+                            reply_bytes=self.bytes_received - received_before, bytes_sent=self.bytes_sent,
+                            bytes_received=self.bytes_received)
+                self._work(reply)
+
+            def failed(code: str, message: str) -> None:
+                if code not in LOST_SESSION:
+                    self._failed(code, message)
+                    return
+
+                def rejoined(registration: pb.RegisterReply) -> None:
+                    step.lost(registration.last_request_applied)
+                    self._pull()
+
+                self._register(request.request_id, step.carried, rejoined)
+
+            self._call(data, self.run.serve_push, replied, failed)
+
+        self.run.loop.after(compress_s, send)
+
+    def _finish(self) -> None:
+        stats = self._stats()
+
+        def finished(data: bytes) -> None:
+            result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
+            self.step.write_ledger(self.config.system.log_dir)
+            self.log.event("run_end", incarnation=self.incarnation, **result)
+            self.end(None)
+
+        request = pb.FinishRequest(caller=self.caller, stats=stats)
+        self._call(request.SerializeToString(), self.run.serve_finish, finished,
+                   lambda code, message: self._lost_session(code, message, self._pull))
+
+
+def run_virtual(config: Config, *, summary_json: str | Path | None = None, resume: str | Path | None = None,
+                tensorboard: bool = True) -> dict[str, Any]:
+    """Run a parameter-server job in virtual time (see the module docstring); returns the run summary.
+
+    Raises:
+        SetupError: the config lacks a figure the cost model needs, or is not a parameter-server run.
+        LaunchError: the run cannot finish.
+    """
+    if config.system.architecture != "parameter_server":
+        raise SetupError(f"system.clock: virtual runs a parameter-server job here, not {config.system.architecture}")
+    return VirtualRun(config, resume=resume, tensorboard=tensorboard).run(summary_json)

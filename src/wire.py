@@ -1,0 +1,162 @@
+"""Message bytes of the parameter-server protocol, shared by every transport and the virtual clock.
+
+The protocol's messages are protobuf messages (``protos/parameter_server.proto``) whose large
+``repeated bytes`` fields (parameters, gradients, buffers) hold tensors. Protobuf's own
+``SerializeToString`` of a message holding tens of MB costs about a millisecond per MB here (a
+growing buffer, then a copy into ``bytes``), several times what the transport needs to send it, so
+the large fields are encoded and decoded here instead: :func:`serialize` joins the small fields
+(serialized by protobuf) with the tensors' bytes in one copy, and :func:`split` hands the large
+fields back as zero-copy views of the received message. The result is exactly the protobuf wire
+format, so any protobuf parser reads it.
+
+Tensors travel as little-endian float32 bytes (:func:`tensor_view`, :func:`copy_bytes_into`),
+gradients as the compression library's payloads. Nothing here knows about gRPC or sockets: the gRPC
+service (:mod:`src.ps_transport`) and the virtual-time driver (:mod:`src.virtual_time`) move the same
+bytes, so their byte counts are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+_FLOAT32_LE = np.dtype("<f4")
+
+# ----------------------------------------------------------------------------- tensors <-> bytes
+
+
+def tensor_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's values as little-endian float32 bytes: a view, no copy, for a contiguous CPU float32 tensor."""
+    array = tensor.detach().to("cpu", torch.float32).contiguous().numpy()
+    return memoryview(array.astype(_FLOAT32_LE, copy=False)).cast("B")
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw little-endian float32 bytes of ``tensor`` (one copy)."""
+    return tensor_view(tensor).tobytes()
+
+
+def check_float32_bytes(data, numel: int, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``data`` holds exactly ``numel`` float32 values."""
+    if len(data) != 4 * numel:
+        raise ValueError(f"{what}: {len(data)} bytes, expected {4 * numel} ({numel} float32 values)")
+
+
+def copy_bytes_into(tensor: torch.Tensor, data, what: str = "tensor") -> None:
+    """Overwrite ``tensor`` (float32) in place with the float32 values in ``data`` (bytes or a view).
+
+    Raises:
+        ValueError: ``data`` does not hold exactly ``tensor.numel()`` float32 values.
+    """
+    check_float32_bytes(data, tensor.numel(), what)
+    source = np.frombuffer(data, dtype=_FLOAT32_LE)
+    with torch.no_grad():
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == torch.float32:
+            np.copyto(tensor.numpy().reshape(-1), source)  # straight from the message, no temporary
+        else:
+            tensor.copy_(torch.from_numpy(source.astype(np.float32)).view_as(tensor))
+
+
+# ----------------------------------------------------------------------------- messages with large bytes fields
+
+
+def field_number(message_type, name: str) -> int:
+    return message_type.DESCRIPTOR.fields_by_name[name].number
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(view: memoryview, position: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if position >= len(view) or shift > 63:
+            raise ValueError("malformed message: truncated or overlong varint")
+        byte = view[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+@dataclass
+class Outgoing:
+    """A message to send plus its large ``repeated bytes`` fields, kept out of protobuf: ``{field name: chunks}``."""
+
+    message: Any
+    large: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+
+
+def serialize(outgoing: "Outgoing | Any") -> bytes:
+    """Protobuf wire bytes of ``outgoing``: its message, then each large field's chunks, in one copy.
+
+    Protobuf parsers merge fields in any order, so this is exactly what the message with those
+    fields set would parse back to.
+    """
+    if not isinstance(outgoing, Outgoing):
+        return outgoing if isinstance(outgoing, bytes) else outgoing.SerializeToString()
+    pieces: list[Any] = [outgoing.message.SerializeToString()]
+    for name, chunks in outgoing.large.items():
+        tag = _varint(field_number(type(outgoing.message), name) << 3 | 2)
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            pieces += [tag, _varint(len(view)), view]
+    return b"".join(pieces)
+
+
+@dataclass
+class Received:
+    """A parsed message whose large ``repeated bytes`` fields are zero-copy views: ``large[field name]``."""
+
+    message: Any
+    large: dict[str, list[memoryview]]
+
+
+def split(data: bytes, message_type, large_fields: Sequence[str]) -> Received:
+    """Parse ``data`` as ``message_type``, handing ``large_fields`` back as views of ``data``.
+
+    Raises:
+        ValueError: the bytes are not a well-formed message (truncated field, bad wire type).
+    """
+    numbers = {field_number(message_type, name): name for name in large_fields}
+    large: dict[str, list[memoryview]] = {name: [] for name in large_fields}
+    view = memoryview(data)
+    small: list[memoryview] = []
+    position = 0
+    while position < len(view):
+        start = position
+        key, position = _read_varint(view, position)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, position = _read_varint(view, position)
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == 2:
+            length, position = _read_varint(view, position)
+            if position + length <= len(view) and key >> 3 in numbers:
+                large[numbers[key >> 3]].append(view[position:position + length])
+                position += length
+                continue
+            position += length
+        else:
+            raise ValueError(f"malformed message: unsupported wire type {wire_type}")
+        if position > len(view):
+            raise ValueError("malformed message: a field runs past the end")
+        small.append(view[start:position])
+    try:
+        message = message_type.FromString(b"".join(small))
+    except Exception as exc:  # protobuf's DecodeError
+        raise ValueError(f"malformed message: {exc}") from None
+    return Received(message, large)

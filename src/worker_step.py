@@ -1,0 +1,271 @@
+"""One parameter-server worker's training state and its step, whoever moves the messages and keeps the time.
+
+:class:`WorkerStep` is what a worker *does* between receiving a reply and sending its next push:
+load the reply's parameters (and follow the controller's top-k Active Fraction), compute the
+gradient of the handed batches (``system.local_steps`` local SGD steps, one per batch), put each
+parameter's gradient through error feedback and the compression policy (the exact wire payloads),
+build the push, and settle the verdict (commit the residuals, or roll them back and carry the
+batches into the next push). Its drivers decide how messages move and what time it is:
+
+* :class:`src.worker.Worker`: a real process; gRPC calls, wall-clock timings, real waits for
+  emulated stragglers and links;
+* :class:`src.virtual_time.VirtualWorker`: a simulated worker of a virtual-time run; the timings
+  come from the cost model. Many of them share one compute model: each keeps only its parameter
+  replica (what the server last sent it) and its error-feedback residuals, and its replica is copied
+  into the shared model before its gradient is computed.
+
+Either way the same code computes the same gradients and payloads from the same replies.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from src import parameter_server_pb2 as pb
+from src.compression import ErrorFeedback, policy_from_config
+from src.config import Config, SetupError
+from src.faults import FaultInjector, FaultSpec
+from src.metrics import LOG_EVERY_STEPS, MetricsLogger
+from src.trainer import forward_backward
+from src.wire import Received, tensor_view
+from src.worker_protocol import controlled_policy, encode_gradients, load_reply, settle_lost_push, settle_push
+
+TOTALS = ("samples", "steps", "gradient_time_s", "compression_time_s", "communication_time_s", "pushes_rejected",
+          "payload_bytes", "dense_bytes", "train_loss", "train_accuracy")
+"""A worker's running totals (reported with every heartbeat and at Finish)."""
+
+
+def worker_generator_seed(training_seed: int, worker_id: int) -> int:
+    """Seed of worker ``worker_id``'s stochastic rounding (quantization)."""
+    return training_seed * 1_000_003 + worker_id
+
+
+def check_layout(worker_id: int, config: Config, named_params: Sequence[tuple[str, nn.Parameter]],
+                 registration: pb.RegisterReply) -> None:
+    """Raise :class:`SetupError` unless the local model's parameters are the server's (names and shapes)."""
+    local_layout = [(n, list(p.shape)) for n, p in named_params]
+    server_layout = [(s.name, list(s.shape)) for s in registration.parameter_specs]
+    if local_layout != server_layout:
+        raise SetupError(f"worker {worker_id}: the local {config.training.model_architecture} does not match the "
+                         f"server's parameters")
+
+
+class WorkerStep:
+    """One incarnation's training state: its parameters, residuals, carried work and totals.
+
+    Args:
+        config: the run's config (as the server sent it, with this worker's local fields).
+        worker_id: the worker's id.
+        model: the module gradients are computed in (the worker's own, or one shared by simulated workers).
+        train_set: the training split (``batch(indices)``).
+        device: where ``model`` lives.
+        log: this worker's event log.
+        replica: ``(parameters, buffers)`` the replies are loaded into when they are not ``model``'s own
+            (a simulated worker's replica); default: ``model``'s trainable parameters and float buffers.
+        faults: this incarnation's injected faults (:meth:`reach_step` fires them).
+        fire_fault: what a due fault does (default: signal this process).
+        request_ids: where request ids start (default: a random 62-bit number, so that a restarted
+            worker's ids do not collide with its predecessor's).
+    """
+
+    def __init__(self, config: Config, worker_id: int, *, model: nn.Module, train_set: Any, device: torch.device,
+                 log: MetricsLogger, replica: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+                 faults: FaultInjector | None = None, fire_fault: Callable[[FaultSpec], None] | None = None,
+                 request_ids: int | None = None):
+        t, system = config.training, config.system
+        self.config = config
+        self.worker_id = worker_id
+        self.model = model
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in self.named_params]
+        self.model_params = [p for _, p in self.named_params]
+        self.model_buffers = [b for _, b in model.named_buffers() if b.is_floating_point()]
+        self.params, self.buffers = replica if replica is not None else (self.model_params, self.model_buffers)
+        self.train_set = train_set
+        self.device = device
+        self.log = log
+        self.learning_rate = t.learning_rate
+        self.dense_bytes_per_step = 4 * sum(p.numel() for p in self.model_params)  # what identity payloads carry
+        self.policy = policy_from_config(system)
+        # Error feedback also holds a rejected push's gradient when compression is off (identity payloads).
+        rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
+        self.feedback = ErrorFeedback() if (self.policy is not None and system.error_feedback) or rejections_possible else None
+        self.generator = torch.Generator().manual_seed(worker_generator_seed(t.seed, worker_id))  # stochastic rounding
+        self.faults = faults or FaultInjector((), "worker", worker_id)
+        self.fire_fault = fire_fault
+        self.request_id = request_ids if request_ids is not None else (random.SystemRandom().getrandbits(62) or 1)
+        self.carried: list[pb.Batch] = []  # batches whose rejected gradient waits in the error feedback
+        self.version = 0
+        self.totals: dict[str, Any] = {name: 0 if name in ("samples", "steps", "pushes_rejected", "payload_bytes",
+                                                           "dense_bytes") else 0.0 for name in TOTALS}
+        self.last_communication_s = 0.0
+        self._epoch = [0.0, 0, 0]  # loss * samples, correct, samples of the running epoch
+        # system.gradient_ledger: the sum of every gradient computed (before error feedback), float64
+        self.ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in self.model_params] if system.gradient_ledger else None
+
+    # ------------------------------------------------------------------------- replies
+
+    def load(self, received: Received) -> int:
+        """Take a pull or push reply's parameters, buffers and control; returns its version."""
+        self.version = load_reply(self.params, self.buffers, received)
+        updated = controlled_policy(self.policy, received.message.control)
+        if updated is not self.policy:  # from the next push on
+            self.log.event("control_applied", step=self.totals["steps"] + 1, compression_ratio=updated.compressor.ratio,
+                           previous_compression_ratio=self.policy.compressor.ratio,
+                           max_staleness=received.message.control.max_staleness)
+            self.policy = updated
+        return self.version
+
+    # ------------------------------------------------------------------------- a step
+
+    def compute(self, batches: Sequence[pb.Batch]) -> tuple[float, int, int]:
+        """Gradients of the handed batches into the model's ``.grad`` (summed; local SGD steps between them).
+
+        Returns the mean loss, the correct count and the samples. The parameters the step started
+        from are what the worker holds afterwards (local steps move only the compute model).
+        """
+        if not batches:
+            return 0.0, 0, 0
+        shared = self.params is not self.model_params
+        if shared:  # a simulated worker: its replica into the shared compute model
+            with torch.no_grad():
+                for param, value in zip(self.model_params, self.params):
+                    param.copy_(value)
+                for buffer, value in zip(self.model_buffers, self.buffers):
+                    buffer.copy_(value)
+        started_from = [p.detach().clone() for p in self.model_params] if len(batches) > 1 and not shared else None
+        summed: list[torch.Tensor] | None = None
+        total_loss, total_correct, total_samples = 0.0, 0, 0
+        for index, batch in enumerate(batches):
+            images, labels = self.train_set.batch(list(batch.indices))
+            self.model.zero_grad(set_to_none=True)
+            loss, correct = forward_backward(self.model, images.to(self.device), labels.to(self.device))
+            total_loss += loss * len(batch.indices)
+            total_correct += correct
+            total_samples += len(batch.indices)
+            if len(batches) == 1:
+                break
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model_params]
+            summed = [g.clone() for g in grads] if summed is None else [s.add_(g) for s, g in zip(summed, grads)]
+            if index + 1 < len(batches):
+                with torch.no_grad():
+                    for p, g in zip(self.model_params, grads):
+                        p.add_(g, alpha=-self.learning_rate)  # a local plain-SGD step
+        if summed is not None:
+            for p, s in zip(self.model_params, summed):
+                p.grad = s
+        if started_from is not None:  # the worker holds what the server sent (a downlink delta adds to it)
+            with torch.no_grad():
+                for p, value in zip(self.model_params, started_from):
+                    p.copy_(value)
+        if self.ledger is not None:
+            for total, p in zip(self.ledger, self.model_params):
+                if p.grad is not None:
+                    total.add_(p.grad.to(torch.float64))
+        return total_loss / max(total_samples, 1), total_correct, total_samples
+
+    def reach_step(self) -> None:
+        """The step's gradient is computed: fire a fault due at this step (before anything is sent)."""
+        self.faults.reached(self.totals["steps"] + 1, fire=self.fire_fault,
+                            announce=lambda fault: self.log.event("fault_injected", fault=str(fault)))
+
+    def encode(self, batches: Sequence[pb.Batch]) -> list[bytes]:
+        """The push's payloads: each gradient through error feedback and compression (no batches: a flush)."""
+        gradients = ((name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in self.named_params)
+        return encode_gradients(gradients, self.policy, self.feedback, self.generator, self.totals["steps"])
+
+    def request(self, caller: pb.Caller, batches: Sequence[pb.Batch], loss: float, correct: int, *,
+                gradient_time_s: float, compression_time_s: float) -> pb.PushRequest:
+        """The push covering the carried and the new batches (a new request id)."""
+        self.request_id += 1
+        covered = self.carried + list(batches)
+        return pb.PushRequest(
+            caller=caller, base_version=self.version, request_id=self.request_id,
+            num_samples=sum(len(b.indices) for b in covered), batch_ids=[b.batch_id for b in covered],
+            metrics=pb.StepMetrics(epoch=batches[-1].epoch if batches else 0, step=self.totals["steps"], loss=loss,
+                                   correct=correct, gradient_time_s=gradient_time_s, compression_time_s=compression_time_s,
+                                   communication_time_s=self.last_communication_s),
+        )
+
+    def buffers_to_send(self, batches: Sequence[pb.Batch]) -> list[memoryview]:
+        """The model's float buffers after the step (none for a flush)."""
+        return [tensor_view(b) for b in self.model_buffers] if batches else []
+
+    def settle(self, reply: Received, batches: Sequence[pb.Batch], request: pb.PushRequest, *, payload_bytes: int,
+               loss: float, correct: int, samples: int, gradient_time_s: float, compression_time_s: float,
+               communication_time_s: float, push_bytes: int, reply_bytes: int, bytes_sent: int, bytes_received: int) -> None:
+        """The push's verdict: commit or roll back the residuals, carry rejected batches, load the reply, count."""
+        accepted = reply.message.accepted
+        settle_push(self.feedback, self.names, accepted=accepted)
+        self.carried = [] if accepted else self.carried + list(batches)
+        totals = self.totals
+        if not accepted:
+            totals["pushes_rejected"] += 1
+        totals["steps"] += 1
+        self.load(reply)  # a new Active Fraction applies from the next step
+        totals["samples"] += samples
+        totals["gradient_time_s"] += gradient_time_s
+        totals["compression_time_s"] += compression_time_s
+        totals["communication_time_s"] += communication_time_s
+        self.last_communication_s = communication_time_s
+        totals["payload_bytes"] += payload_bytes
+        totals["dense_bytes"] += self.dense_bytes_per_step
+        epoch = self._epoch
+        epoch[0] += loss * samples
+        epoch[1] += correct
+        epoch[2] += samples
+        totals["train_loss"] = epoch[0] / max(epoch[2], 1)
+        totals["train_accuracy"] = epoch[1] / max(epoch[2], 1)
+        self.log.event("push", step=totals["steps"], num_samples=samples, batch_ids=list(request.batch_ids),
+                       payload_bytes=payload_bytes, push_bytes=push_bytes, reply_bytes=reply_bytes, accepted=accepted,
+                       staleness=reply.message.staleness, version=self.version)
+        if totals["steps"] % LOG_EVERY_STEPS == 0 or reply.message.work.finished:
+            step_s = gradient_time_s + compression_time_s + communication_time_s
+            self.log.scalars("train", totals["steps"], {
+                "loss": loss,
+                "accuracy": correct / samples if samples else 0.0,
+                "throughput": samples / step_s if step_s > 0 else 0.0,
+                "gradient_time_s": gradient_time_s,
+                "compression_time_s": compression_time_s,
+                "communication_time_s": communication_time_s,
+                "samples_processed": totals["samples"],
+                "bytes_sent": bytes_sent,
+                "bytes_received": bytes_received,
+                "compression_ratio": totals["dense_bytes"] / max(totals["payload_bytes"], 1),
+                "staleness": reply.message.staleness,
+            })
+
+    def lost(self, applied: bool) -> None:
+        """The push's reply was lost with the server's session; on re-registering the server said whether
+        it was applied (keep what it left in the residual; its batches are then done) or not (its samples
+        will be computed again)."""
+        settle_lost_push(self.feedback, self.names, applied=applied, redone=True)
+        if applied:
+            self.carried = []
+
+    # ------------------------------------------------------------------------- the end
+
+    def stats(self, *, bytes_sent: int, bytes_received: int, total_time_s: float, emulated_delay_s: float) -> pb.WorkerStats:
+        """The running totals as the heartbeat and Finish report them."""
+        t = self.totals
+        return pb.WorkerStats(
+            samples=t["samples"], steps=t["steps"], bytes_sent=bytes_sent, bytes_received=bytes_received,
+            gradient_time_s=t["gradient_time_s"], compression_time_s=t["compression_time_s"],
+            communication_time_s=t["communication_time_s"], total_time_s=total_time_s,
+            train_loss=t["train_loss"], train_accuracy=t["train_accuracy"], pushes_rejected=t["pushes_rejected"],
+            payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"], emulated_delay_s=emulated_delay_s,
+        )
+
+    def write_ledger(self, log_dir: str | Path) -> None:
+        """system.gradient_ledger: the gradients computed and the residuals left (``gradient_ledger.pt``)."""
+        if self.ledger is None:
+            return
+        residuals = {n: (self.feedback.residual(n) if self.feedback is not None and self.feedback.residual(n) is not None
+                         else torch.zeros(p.shape)).to(torch.float64) for n, p in self.named_params}
+        torch.save({"computed": dict(zip(self.names, self.ledger)), "residuals": residuals},
+                   Path(log_dir) / f"worker_{self.worker_id}" / "gradient_ledger.pt")
