@@ -92,8 +92,8 @@ def _serve(size_mb: float, token: str, report, stop) -> None:
                                  num_train_samples=BATCH)  # one batch per epoch, 1000 epochs: work for every push
         # Instrumentation: the server's own work per round trip = decode + apply + encode the reply.
         compute: list[float] = []
-        for name in ("_decode", "_apply_now", "_reply_bytes"):
-            setattr(server, name, _timed(getattr(server, name), compute))
+        for name in ("decode", "_apply_now", "_reply_bytes"):
+            setattr(server.core, name, _timed(getattr(server.core, name), compute))
         port = server.start()
         # Random bytes, not bytes(n): a zero-filled buffer reads from the kernel's shared zero page.
         state = {"reply": b""}
