@@ -40,6 +40,7 @@ from typing import Any
 from src.checkpoint import load_latest_good
 from src.config import Config, SetupError, validate_config
 from src.data import load_dataset
+from src.logs import setup_logging
 from src.supervisor import LaunchError
 
 LOCAL_HOST = "127.0.0.1"
@@ -77,10 +78,12 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
 
     from src.ddp_control import config_problem
     from src.ddp_trainer import rank_device, select_backend
+    from src.trackers import require_trackers
 
     problem = config_problem(config)
     if problem is not None:
         raise SetupError(problem)
+    require_trackers(config)
     device = rank_device(config.training.device, 0)
     select_backend(config.system.backend, device)
     if device.type == "cuda" and local_world_size > 1:
@@ -128,8 +131,10 @@ def _elastic_rank(config_data: dict, resume: str | None, summary_json: str, erro
     # cannot run Python's handler.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     env = torchrun_env()
+    config = validate_config(config_data)
+    setup_logging(config.system.log_level)  # a spawned rank starts with logging unconfigured
     try:
-        run_rank(validate_config(config_data), **env, resume=resume, summary_json=summary_json)
+        run_rank(config, **env, resume=resume, summary_json=summary_json)
     except EXPECTED_ERRORS as exc:
         reason = Path(error_dir, f"rank_{env['rank']}.txt")
         if not reason.exists():  # the first attempt's reason; later attempts only repeat it
