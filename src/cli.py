@@ -71,7 +71,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """``--set`` and ``--print-config``: any config field from the command line, and the resolved config."""
     parser.add_argument("--set", dest="assignments", action="append", type=parse_assignment, metavar="FIELD=VALUE",
                         help="set any config field, repeatable, applied after the other flags: "
-                             "--set training.weight_decay=1e-4 --set emulation.workers.1.slowdown=4 (value read as YAML)")
+                             "--set training.weight_decay=1e-4 --set emulation.workers.1.slowdown=4 (value read as YAML; "
+                             "a secret belongs in $DTS_AUTH_TOKEN or the config file, not on a command line others can see)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as YAML (secrets left out) and exit")
 

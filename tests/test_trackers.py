@@ -29,6 +29,14 @@ pytestmark = pytest.mark.timeout(180)
 PROJECT = "dts-tracker-test"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def stop_wandb_service():
+    """wandb runs a service process for its runs in this process; stop it when the module is done."""
+    yield
+    if "wandb" in sys.modules and sys.modules["wandb"] is not None:
+        sys.modules["wandb"].teardown()
+
+
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
     """A baseline run logged to MLflow (SQLite store) and W&B (offline) at once."""
@@ -49,7 +57,10 @@ def tracked_run(tmp_path_factory):
     finally:
         os.chdir(saved_cwd)
         for key, value in saved_env.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     assert status == 0
     return {"root": root, "uri": uri, "logs": logs, "summary": json.loads((logs / "summary.json").read_text()),
             "evals": [(e["step"], e["test_accuracy"]) for e in read_events(logs / "events.jsonl", kind="eval")]}
@@ -133,21 +144,21 @@ def test_wandb_offline_run_holds_the_config_metrics_summary_and_artifacts(tracke
     assert [r.exit.exit_code for r in by_kind["exit"]] == [0]
 
 
-def test_a_restarted_process_continues_the_tracker_run_instead_of_starting_another(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_a_restarted_process_continues_the_tracker_run_instead_of_starting_another(tracked_run, tmp_path):
+    uri, project = tracked_run["uri"], "dts-restart-test"  # the same store (made once), an experiment of its own
     config = load_config(overrides={"metrics.trackers": ["mlflow"], "metrics.mlflow_tracking_uri": uri,
-                                    "metrics.project": PROJECT, "system.log_dir": str(tmp_path / "logs")})
+                                    "metrics.project": project, "system.log_dir": str(tmp_path / "logs")})
     client = MlflowClient(uri)
     for resume in (False, True):  # the first attempt, then its restart (the DDP group's next attempt, a recovered server)
         with MetricsLogger(tmp_path / "logs", tensorboard=False, sinks=open_trackers(config, tmp_path / "logs", resume=resume)) as log:
             log.scalars("train", 10 * (1 + resume), {"loss": 1.0 - resume / 2})
             if resume:
                 log.finish({"final_accuracy": 0.5}, artifacts=[])
-    (run,) = client.search_runs([client.get_experiment_by_name(PROJECT).experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name(project).experiment_id])
     assert run.info.status == "FINISHED" and run.data.metrics["final_accuracy"] == 0.5
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [(10, 1.0), (20, 0.5)]
     open_trackers(config, tmp_path / "logs")[0].close()  # a new training run in the same folder: a new tracker run
-    assert len(client.search_runs([client.get_experiment_by_name(PROJECT).experiment_id])) == 2
+    assert len(client.search_runs([client.get_experiment_by_name(project).experiment_id])) == 2
 
 
 def test_a_missing_extra_is_one_error_line_before_training(tmp_path, monkeypatch, capsys):
