@@ -66,6 +66,7 @@ def tracked_run(tmp_path_factory):
             "evals": [(e["step"], e["test_accuracy"]) for e in read_events(logs / "events.jsonl", kind="eval")]}
 
 
+@pytest.mark.slow  # one training run with both trackers (a few seconds), shared by these three
 def test_mlflow_holds_one_run_with_the_config_metrics_summary_and_artifacts(tracked_run):
     client = MlflowClient(tracked_run["uri"])
     experiment = client.get_experiment_by_name(PROJECT)
@@ -115,6 +116,7 @@ def read_wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.slow  # one training run with both trackers (a few seconds), shared by these three
 def test_wandb_offline_run_holds_the_config_metrics_summary_and_artifacts(tracked_run):
     runs = list((tracked_run["logs"] / "wandb").glob("offline-run-*"))
     assert len(runs) == 1  # one tracker run
@@ -144,6 +146,7 @@ def test_wandb_offline_run_holds_the_config_metrics_summary_and_artifacts(tracke
     assert [r.exit.exit_code for r in by_kind["exit"]] == [0]
 
 
+@pytest.mark.slow  # one training run with both trackers (a few seconds), shared by these three
 def test_a_restarted_process_continues_the_tracker_run_instead_of_starting_another(tracked_run, tmp_path):
     uri, project = tracked_run["uri"], "dts-restart-test"  # the same store (made once), an experiment of its own
     config = load_config(overrides={"metrics.trackers": ["mlflow"], "metrics.mlflow_tracking_uri": uri,
