@@ -13,6 +13,13 @@ or from every run summary and event log under a folder (as many runs of each arc
 
     python generate_performance_report.py --runs-dir logs --output reports/perf_report.json
 
+A run trained with --trace wrote a Chrome trace-event timeline per process (trace.json in each log
+folder); --trace-dir LOG_DIR merges every trace.json under it into perf_report_trace.json beside the
+report (one clock: open it in https://ui.perfetto.dev or chrome://tracing), which the report links:
+
+    python run_ddp_training.py --world-size 2 --trace --artifacts-dir artifacts
+    python generate_performance_report.py --ddp-rank-json artifacts/ddp_rank_*.json --trace-dir logs/ddp_cli
+
 Writes reports/perf_report.json, and beside it perf_report.md, perf_report.html (self-contained: the
 plots are inlined) and the PNG plots in perf_report_plots/. Each JSON's events are read from
 <stem>_events.jsonl beside it (baseline_events.jsonl, ps_events.jsonl, ddp_events.jsonl) when there.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "default: the 'workers' of --ps-json)")
     parser.add_argument("--runs-dir", help="also take every run summary and event log under this folder")
     parser.add_argument("--bench-json", help="benchmarks from scripts/bench_all.py (reports/bench.json)")
+    parser.add_argument("--trace-dir", action="append", default=[], metavar="LOG_DIR",
+                        help="merge every trace.json under this run's log folder (a --trace run) into <stem>_trace.json "
+                             "beside the report, and link it; repeatable")
     parser.add_argument("--target-accuracy", type=float,
                         help="for runs whose summary records no time to target: first eval at or above this, in (0, 1]")
     return parser
@@ -50,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
         parser.error(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
 
-    from src.report import ReportInputError, build_report, read_json, runs_from_dir, runs_from_files, write_report
+    from src.report import (
+        ReportInputError, build_report, merge_run_traces, read_json, runs_from_dir, runs_from_files, write_report,
+    )
 
     try:
         runs = runs_from_files(baseline=args.baseline_json, ps=args.ps_json, ddp_ranks=args.ddp_rank_json,
@@ -62,13 +75,16 @@ def main(argv: list[str] | None = None) -> int:
             bench = read_json(args.bench_json)
             if not isinstance(bench, dict) or not isinstance(bench.get("figures"), list):
                 raise ReportInputError(args.bench_json, "not a benchmark file of scripts/bench_all.py (no 'figures' list)")
+        trace = merge_run_traces(args.trace_dir, Path(args.output)) if args.trace_dir else None
     except ReportInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     inputs = [p for p in (args.baseline_json, args.ps_json, *args.ddp_rank_json, args.worker_metrics_json,
-                          args.runs_dir, args.bench_json) if p]
-    report = build_report(runs, bench=bench, target_accuracy=args.target_accuracy, inputs=inputs)
+                          args.runs_dir, args.bench_json, *args.trace_dir) if p]
+    report = build_report(runs, bench=bench, target_accuracy=args.target_accuracy, inputs=inputs, trace=trace)
     paths = write_report(report, args.output)
+    if trace:
+        print(f"trace: {Path(args.output).parent / trace['file']} ({len(trace['processes'])} processes, {trace['spans']} spans)")
     print(f"report: {paths['json']}\nmarkdown: {paths['markdown']}\nhtml: {paths['html']}\n"
           f"plots: {paths['plot:accuracy_vs_time'].parent}/ ({len(report['plots'])} PNG)")
     for run in report["runs"]:

@@ -2,6 +2,7 @@
 
     python scripts/run_experiment.py --config configs/experiments/smoke.yaml
     python scripts/run_experiment.py --config configs/experiments/smoke.yaml --seed 1 --name smoke_seed1
+    python scripts/run_experiment.py --config configs/experiments/smoke.yaml --set training.weight_decay=1e-4 --print-config
 
 An experiment file is a run config (``training``, ``system``, ``emulation``: see
 configs/example_config.yaml and src/netem.py) plus an ``experiment`` section::
@@ -41,7 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from src.config import Config, ConfigError, SetupError, read_config_file, validate_config  # noqa: E402
+from src.cli import add_config_flags, add_observability_flags, format_config  # noqa: E402
+from src.config import Config, ConfigError, SetupError, apply_assignments, read_config_file, validate_config  # noqa: E402
+from src.logs import setup_logging  # noqa: E402
 
 CONTROLLER_FIELD = "adaptive_compression"
 """The ``system`` field that turns the adaptive controller on (src/controller.py; the parameter server and DDP feed it)."""
@@ -210,14 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", default="results", help="where the run's folder goes (default results)")
     parser.add_argument("--name", help="the run's folder name (default: experiment.name, else the file's name)")
     parser.add_argument("--seed", type=int, help="override training.seed")
+    add_config_flags(parser)
+    add_observability_flags(parser)
     args = parser.parse_args(argv)
     try:
         experiment, run_data = load_experiment_file(args.config)
         if args.name:
             experiment["name"] = args.name
-        if args.seed is not None:
-            run_data.setdefault("training", {})["seed"] = args.seed
-        build_config(experiment, run_data, Path(args.results_dir) / str(experiment["name"]))  # check first
+        flags = {"training.seed": args.seed, "system.trace": args.trace, "system.log_level": args.log_level}
+        run_data = apply_assignments(run_data, {k: v for k, v in flags.items() if v is not None})
+        if args.tracker:
+            listed = (run_data.get("metrics") or {}).get("trackers", ["tensorboard"])
+            run_data = apply_assignments(run_data, {"metrics.trackers": list(dict.fromkeys([*listed, *args.tracker]))})
+        run_data = apply_assignments(run_data, dict(args.assignments or []))
+        config = build_config(experiment, run_data, Path(args.results_dir) / str(experiment["name"]))  # check first
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
@@ -226,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    if args.print_config:
+        print(format_config(config), end="")
+        return 0
+    setup_logging(config.system.log_level)
     from src.cli import exit_status
     from src.metrics import format_summary
     from src.supervisor import LaunchError

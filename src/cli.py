@@ -1,9 +1,13 @@
 """Command-line flags shared by the runners, and how they map onto config fields.
 
-Every flag defaults to ``None`` ("not given"), so the precedence is: flag > ``--config`` file >
-the runner's defaults > the schema's defaults. :func:`config_from_args` turns a bad config into one
-line per problem on stderr and exit status 2, never a traceback; :func:`exit_status` holds the rest
-of the runners' exit contract (an expected failure: one ``error:`` line and 1; Ctrl-C: 130).
+Every flag defaults to ``None`` ("not given"), so the precedence is: ``--set`` > flag > ``--config``
+file > the runner's defaults > the schema's defaults. ``--set dotted.field=value`` (repeatable)
+reaches every config field, nested ones too (``--set emulation.workers.1.slowdown=4``); the value is
+read as YAML (``0.1``, ``true``, ``null``, ``[a, b]``). ``--print-config`` prints the resolved config
+(secrets left out) and exits 0. :func:`config_from_args` turns a bad config into one line per problem
+on stderr and exit status 2, never a traceback, and sets up logging (``--log-level``, :mod:`src.logs`);
+:func:`exit_status` holds the rest of the runners' exit contract (an expected failure: one
+``error:`` line and 1; Ctrl-C: 130).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import signal
 import sys
 from typing import Any, Callable, Mapping
 
-from src.config import DATASET_NAMES, Config, ConfigError, SetupError, load_config
+import yaml
+
+from src.config import DATASET_NAMES, TRACKER_NAMES, Config, ConfigError, SetupError, load_config, nest_path
 
 # flag dest -> dotted config field
 COMMON_FLAGS: dict[str, str] = {
@@ -36,12 +42,59 @@ COMMON_FLAGS: dict[str, str] = {
     "target_accuracy": "training.target_accuracy",
     "checkpoint_dir": "system.checkpoint_dir",
     "log_dir": "system.log_dir",
+    "trace": "system.trace",
+    "log_level": "system.log_level",
 }
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``--set`` argument ``dotted.field=value`` -> ``(field, value read as YAML)``.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``, an empty field name, or a value YAML cannot read.
+    """
+    field, sep, value = text.partition("=")
+    field = field.strip()
+    if not sep or not field:
+        raise argparse.ArgumentTypeError(f"expected dotted.field=value (e.g. training.weight_decay=0.0001), got {text!r}")
+    try:
+        nest_path(field, None)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    try:
+        return field, yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"{field}: value {value!r} is not valid YAML ({' '.join(str(exc).split())})") from None
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """``--set`` and ``--print-config``: any config field from the command line, and the resolved config."""
+    parser.add_argument("--set", dest="assignments", action="append", type=parse_assignment, metavar="FIELD=VALUE",
+                        help="set any config field, repeatable, applied after the other flags: "
+                             "--set training.weight_decay=1e-4 --set emulation.workers.1.slowdown=4 (value read as YAML; "
+                             "a secret belongs in $DTS_AUTH_TOKEN or the config file, not on a command line others can see)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML (secrets left out) and exit")
+
+
+def add_observability_flags(parser: argparse.ArgumentParser) -> None:
+    """Logs, timelines and experiment trackers (``system.log_level``, ``system.trace``, ``metrics.trackers``)."""
+    group = parser.add_argument_group("logs, timelines and trackers")
+    group.add_argument("--log-level", type=str.lower, choices=("debug", "info", "warning", "error"),
+                       help="level of the log lines on stderr, every process of the run (default info)")
+    group.add_argument("--trace", action="store_const", const=True,
+                       help="write a Chrome trace-event timeline, trace.json in each process's log folder "
+                            "(open in ui.perfetto.dev or chrome://tracing; see src/tracing.py)")
+    group.add_argument("--tracker", action="append", choices=TRACKER_NAMES, metavar="NAME",
+                       help="also log the run to this tracker, repeatable: tensorboard, wandb, mlflow "
+                            "(added to metrics.trackers; wandb and mlflow need their extras: pip install -e .[wandb,mlflow])")
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
     """Flags every runner takes (data, model, optimizer, outputs, resume, summary)."""
     parser.add_argument("--config", help="YAML or JSON config file (flags override its values)")
+    add_config_flags(parser)
+    add_observability_flags(parser)
     group = parser.add_argument_group("training")
     group.add_argument("--dataset", choices=DATASET_NAMES, help="dataset (default mnist_5k: bundled, offline)")
     group.add_argument("--data-dir", help="where torchvision datasets live / download to (default ./data)")
@@ -249,19 +302,42 @@ def config_from_args(
 ) -> Config:
     """Load the config for a runner, exiting with status 2 and one line per problem if it is bad.
 
+    Also sets up this process's logging at ``system.log_level``, and with ``--print-config`` prints
+    the resolved config and exits 0.
+
     Args:
         defaults: the runner's defaults below the file (output folders, architecture).
         extra_flags: the runner's own flag -> field mapping, on top of :data:`COMMON_FLAGS`.
         forced: fields the runner fixes whatever the file says (e.g. its architecture).
     """
+    from src.logs import setup_logging
+
     flags = {**COMMON_FLAGS, **(extra_flags or {})}
     overrides = {**overrides_from_args(args, flags), **(forced or {})}
+    assignments = dict(getattr(args, "assignments", None) or [])  # the last --set of a field wins
+    fixed = [field for field in assignments if field in (forced or {})]
+    if fixed:
+        print(f"config error: {fixed[0]}: fixed by this runner to {forced[fixed[0]]!r}, cannot be --set", file=sys.stderr)
+        raise SystemExit(2)
     try:
-        return load_config(args.config, overrides=overrides, defaults=defaults)
+        config = load_config(args.config, overrides=overrides, defaults=defaults, assignments=assignments)
+        trackers = getattr(args, "tracker", None)
+        if trackers:
+            config.metrics.trackers = list(dict.fromkeys([*config.metrics.trackers, *trackers]))
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
         raise SystemExit(2) from None
+    if getattr(args, "print_config", False):
+        print(format_config(config), end="")
+        raise SystemExit(0)
+    setup_logging(config.system.log_level)
+    return config
+
+
+def format_config(config: Config) -> str:
+    """The resolved config as YAML, the way a ``--config`` file reads it (secrets are never dumped)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
 
 
 def write_artifacts_if_asked(args: argparse.Namespace, config: Config, summary: Mapping[str, Any]) -> None:

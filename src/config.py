@@ -1,8 +1,10 @@
 """Run configuration: the ``training`` and ``system`` sections, validated with pydantic v2.
 
-A config comes from three layers, lowest first: the runner's defaults (its output folders), a YAML
-or JSON file (``--config``), then command-line flags. :func:`load_config` merges them and validates
-once, so every rule lives here and every error names its dotted field, the bad value and the rule::
+A config comes from four layers, lowest first: the runner's defaults (its output folders), a YAML
+or JSON file (``--config``), command-line flags, then ``--set dotted.field=value`` assignments (any
+field, nested ones too: ``emulation.workers.1.slowdown=4``). :func:`load_config` merges them and
+validates once, so every rule lives here and every error names its dotted field, the bad value and
+the rule::
 
     system.compression_ratio: must be in (0, 1], got 1.5
 
@@ -243,6 +245,10 @@ class SystemConfig(_Section):
     allreduce: Literal["default", "ring"] = "default"
     """DDP gradient exchange: the backend's allreduce, or the explicit ring hook."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    trace: bool = False
+    """Write a Chrome trace-event timeline, ``trace.json`` in each process's log folder (:mod:`src.tracing`)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Level of the Python log records every process of the run writes to stderr (:mod:`src.logs`)."""
 
     @field_validator("num_workers", "quantization_bucket_size", "local_steps", "downlink_refresh_interval")
     @classmethod
@@ -465,12 +471,50 @@ class EmulationConfig(_Section):
         return _check_emulated(info.field_name, value)
 
 
+# ----------------------------------------------------------------------------- metrics sinks (src/trackers.py)
+
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
+
+
+class MetricsConfig(_Section):
+    """Where a run's metrics go besides ``events.jsonl`` (the source of truth, always written)."""
+
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
+    """``tensorboard``: event files in every process's log folder; ``wandb`` / ``mlflow``: one run in
+    that tracker per training run, logged by the process that owns the run summary (extras
+    ``pip install -e .[wandb]`` / ``.[mlflow]``)."""
+    project: str = "distributed-training-system"
+    """The W&B project and the MLflow experiment the run goes into."""
+    run_name: str | None = None
+    """The tracker run's name; null: ``<architecture>-<YYYYmmdd-HHMMSS>``."""
+    mlflow_tracking_uri: str | None = None
+    """Where MLflow stores runs (``sqlite:///mlflow.db``, ``http://host:5000``); null: $MLFLOW_TRACKING_URI, else MLflow's default."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """W&B mode; null: $WANDB_MODE, else wandb's default. Offline runs land in ``<log_dir>/wandb/`` (``wandb sync`` uploads them)."""
+
+    @field_validator("trackers")
+    @classmethod
+    def _no_repeats(cls, value: list[str]) -> list[str]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"lists {', '.join(repeated)} more than once")
+        return value
+
+    @field_validator("project")
+    @classmethod
+    def _non_empty_name(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be a non-empty name")
+        return value
+
+
 class Config(_Section):
-    """A whole run: ``training`` + ``system`` (+ ``emulation``, off by default)."""
+    """A whole run: ``training`` + ``system`` (+ ``emulation``, off by default; ``metrics``: where metrics go)."""
 
     training: TrainingConfig = TrainingConfig()
     system: SystemConfig = SystemConfig()
     emulation: EmulationConfig = EmulationConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (stored in checkpoints and summaries)."""
@@ -548,10 +592,24 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
 def _nest(dotted: Mapping[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
     for key, value in dotted.items():
-        section, _, field = key.partition(".")
-        if not field:
-            raise ValueError(f"override key {key!r} must be 'section.field'")
-        nested.setdefault(section, {})[field] = value
+        nested = _deep_merge(nested, nest_path(key, value))
+    return nested
+
+
+def nest_path(path: str, value: Any) -> dict[str, Any]:
+    """``"emulation.workers.1.slowdown", 4`` -> ``{"emulation": {"workers": {1: {"slowdown": 4}}}}``.
+
+    All-digit parts become integer keys, as YAML reads ``1:`` (the ids of ``emulation.workers``).
+
+    Raises:
+        ValueError: ``path`` is not ``section.field[.more]`` with non-empty parts.
+    """
+    parts = path.split(".")
+    if len(parts) < 2 or not all(part.strip() for part in parts):
+        raise ValueError(f"{path!r} must be a dotted field name, section.field[.key...] (e.g. training.weight_decay)")
+    nested: Any = value
+    for part in reversed(parts):
+        nested = {int(part) if part.isdigit() else part: nested}
     return nested
 
 
@@ -559,6 +617,7 @@ def load_config(
     path: str | Path | None = None,
     overrides: Mapping[str, Any] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    assignments: Mapping[str, Any] | None = None,
 ) -> Config:
     """Build a validated config from runner defaults, a file and CLI overrides.
 
@@ -567,6 +626,8 @@ def load_config(
         overrides: dotted keys from command-line flags, e.g. ``{"training.batch_size": 32}``;
             ``None`` values are ignored (a flag that was not given).
         defaults: dotted keys the runner sets below the file, e.g. its output folders.
+        assignments: dotted paths of any depth from ``--set``, applied last, in order; ``None`` is
+            a value here (``--set training.max_train_samples=null``).
 
     Raises:
         ConfigError: one line per problem, each naming the dotted field.
@@ -575,4 +636,19 @@ def load_config(
     if path is not None:
         data = _deep_merge(data, read_config_file(path))
     data = _deep_merge(data, _nest({k: v for k, v in (overrides or {}).items() if v is not None}))
-    return validate_config(data)
+    return validate_config(apply_assignments(data, assignments or {}))
+
+
+def apply_assignments(data: Mapping[str, Any], assignments: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (a config dict, not yet validated) with each dotted path of ``assignments`` set, in order.
+
+    Raises:
+        ConfigError: a path that is not ``section.field[.key...]``.
+    """
+    merged = dict(data)
+    for field, value in assignments.items():
+        try:
+            merged = _deep_merge(merged, nest_path(field, value))
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
+    return merged

@@ -37,9 +37,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from src import tracing
 from src.checkpoint import load_latest_good
 from src.config import Config, SetupError, validate_config
 from src.data import load_dataset
+from src.logs import setup_logging
 from src.supervisor import LaunchError
 
 LOCAL_HOST = "127.0.0.1"
@@ -77,10 +79,12 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
 
     from src.ddp_control import config_problem
     from src.ddp_trainer import rank_device, select_backend
+    from src.trackers import require_trackers
 
     problem = config_problem(config)
     if problem is not None:
         raise SetupError(problem)
+    require_trackers(config)
     device = rank_device(config.training.device, 0)
     select_backend(config.system.backend, device)
     if device.type == "cuda" and local_world_size > 1:
@@ -117,6 +121,12 @@ def resolve_resume(config: Config, target: str | Path | None, *, world_size: int
     return str(path)
 
 
+def rank_trace(config: Config, rank: int):
+    """``system.trace``: this rank's timeline, ``<log_dir>/rank_<r>/trace.json`` (:mod:`src.tracing`)."""
+    path = Path(config.system.log_dir) / f"rank_{rank}" / tracing.TRACE_FILE
+    return tracing.trace_to(path, f"rank {rank}", enabled=config.system.trace)
+
+
 # ----------------------------------------------------------------------------- local ranks through the elastic agent
 
 
@@ -128,8 +138,11 @@ def _elastic_rank(config_data: dict, resume: str | None, summary_json: str, erro
     # cannot run Python's handler.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     env = torchrun_env()
+    config = validate_config(config_data)
+    setup_logging(config.system.log_level)  # a spawned rank starts with logging unconfigured
     try:
-        run_rank(validate_config(config_data), **env, resume=resume, summary_json=summary_json)
+        with rank_trace(config, env["rank"]):
+            run_rank(config, **env, resume=resume, summary_json=summary_json)
     except EXPECTED_ERRORS as exc:
         reason = Path(error_dir, f"rank_{env['rank']}.txt")
         if not reason.exists():  # the first attempt's reason; later attempts only repeat it
@@ -228,7 +241,8 @@ def run_torchrun(config: Config, *, world_size_flag: int | None = None, resume: 
         raise SetupError(f"--world-size {world_size_flag} disagrees with torchrun's WORLD_SIZE={env['world_size']}")
     config = validate_config({**config.to_dict(), "system": {**config.to_dict()["system"], "num_workers": env["world_size"]}})
     check_launch(config, local_world_size=env["local_world_size"])
-    return run_rank(config, **env, resume=resume, summary_json=summary_json)
+    with rank_trace(config, env["rank"]):
+        return run_rank(config, **env, resume=resume, summary_json=summary_json)
 
 
 def launch(config: Config, *, world_size_flag: int | None = None, resume: str | Path | None = None,

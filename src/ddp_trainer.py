@@ -75,6 +75,7 @@ from src.ddp_control import RankControl, config_problem
 from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.supervisor import LaunchError
+from src.trackers import open_trackers
 from src.trainer import (
     TrainingClock, checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config, optimizer_from_config,
     progress, report_target,
@@ -83,6 +84,7 @@ from src.trainer import (
 #: Errors a rank reports as one line (anything else is a bug and keeps its traceback). They cannot
 #: succeed on a retry, so the first attempt's is recorded and later attempts stop at once.
 EXPECTED_ERRORS = (DatasetUnavailableError, CheckpointError, SetupError, LaunchError)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -495,8 +497,11 @@ class DDPTrainer:
         started = time.perf_counter()
         clock, target = TrainingClock(), TimeToTarget(t.target_accuracy)
         samples, steps_run = 0, 0
-        rank_log = MetricsLogger(self.log_dir / f"rank_{rank}", rank=rank)
-        run_log = MetricsLogger(self.log_dir) if rank == 0 else None
+        tensorboard = "tensorboard" in self.config.metrics.trackers
+        rank_log = MetricsLogger(self.log_dir / f"rank_{rank}", tensorboard=tensorboard, rank=rank)
+        # Rank 0 owns the run summary, so it alone logs to the trackers; a restarted group continues their runs.
+        run_log = MetricsLogger(self.log_dir, tensorboard=tensorboard,
+                                sinks=open_trackers(self.config, self.log_dir, resume=self.ctx.attempt > 0)) if rank == 0 else None
         try:
             rank_log.event("run_start", pid=os.getpid(), world_size=self.ctx.world_size, backend=self.ctx.backend,
                            device=str(self.ctx.device), threads=torch.get_num_threads(), comm_hook=self.comm.name,
@@ -506,7 +511,7 @@ class DDPTrainer:
                               backend=self.ctx.backend, comm_hook=self.comm.name, resumed_from=self.resumed_from,
                               hook_note=self.hook_note, attempt=self.ctx.attempt)
                 if self.hook_note:
-                    print(f"warning: {self.hook_note}", flush=True)
+                    logger.warning("%s", self.hook_note)
             if self.ctx.attempt > 0:
                 self._log_restart(rank_log, run_log)
             final_loss, final_accuracy = self._evaluate()
@@ -518,7 +523,7 @@ class DDPTrainer:
                 samples, steps_run = samples + epoch_samples, steps_run + epoch_steps
                 final_loss, final_accuracy = self._evaluate_and_log(run_log, epoch + 1, clock, target)
                 if run_log is not None:
-                    print(f"epoch {epoch + 1}/{t.num_epochs}: test accuracy {final_accuracy * 100:.2f}%, test loss {final_loss:.4f}", flush=True)
+                    logger.info("epoch %d/%d: test accuracy %.2f%%, test loss %.4f", epoch + 1, t.num_epochs, final_accuracy * 100, final_loss)
                 if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs or self._step_checkpoint_due():
                     self._numbered_checkpoint(run_log, clock, epoch=epoch + 1, epoch_step=0)
             checkpoint_path = self._checkpoint(final_checkpoint_path(self.checkpoint_dir, "ddp"), epoch=max(t.num_epochs, self.start_epoch))
@@ -542,6 +547,7 @@ class DDPTrainer:
             if run_log is not None:
                 run_log.event("run_end", **summary)
                 write_summary(self.summary_json, summary)
+                run_log.finish(summary, artifacts=[self.summary_json, checkpoint_path])
             self.rank_summary = rank_summary
             return summary
         finally:
@@ -558,7 +564,7 @@ class DDPTrainer:
             run_log.event("rank_restarted", **fields)
             where = f"from {self.resumed_from} (step {self.step})" if self.resumed_from else "from the start (no checkpoint yet)"
             budget = f"/{fields['max_restarts']}" if fields["max_restarts"] is not None else ""
-            print(f"restart {self.ctx.attempt}{budget}: the group continues {where}", flush=True)
+            logger.info("restart %d%s: the group continues %s", self.ctx.attempt, budget, where)
 
     def _description(self) -> dict[str, Any]:
         """What ran: the fields every summary of this run shares."""

@@ -24,12 +24,14 @@ loop makes per step or version.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
-import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
+
+logger = logging.getLogger(__name__)
 
 ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 _TARGET_TRIGGERS = {"worker": ("step",), "server": ("version",), "rank": ("step",)}
@@ -128,5 +130,5 @@ class FaultInjector:
             if fire is not None:
                 fire(fault)
                 return
-            print(f"fault injection: {fault} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            logger.warning("fault injection: %s (pid %d)", fault, os.getpid())  # flushed before the signal
             os.kill(os.getpid(), ACTIONS[fault.action])

@@ -1,9 +1,12 @@
-"""Telemetry: ``events.jsonl`` (the source of truth), TensorBoard scalars drawn from the same events,
-and the run summary JSON every runner writes.
+"""Telemetry: ``events.jsonl`` (the source of truth), sinks fed from the same events (TensorBoard,
+the experiment trackers of :mod:`src.trackers`), and the run summary JSON every runner writes.
 
-An event is one JSON object per line with ``time`` (unix seconds), ``kind`` and its fields. Scalar
-events (:meth:`MetricsLogger.scalars`) are mirrored to TensorBoard as ``<kind>/<name>`` at their
-``step``, so TensorBoard, the report and any controller read the same numbers.
+An event is one JSON object per line with ``time`` (unix seconds), ``kind`` and its fields.
+:class:`MetricsLogger` writes each event, then hands it to its sinks (:class:`MetricsSink`): scalar
+events (:meth:`MetricsLogger.scalars`) go to TensorBoard as ``<kind>/<name>`` at their ``step``, so
+TensorBoard, the trackers, the report and any controller read the same numbers. At the end of a run
+the process that owns the run summary calls :meth:`MetricsLogger.finish` with the summary and the
+files worth keeping (summary, checkpoint), which the trackers store as final metrics and artifacts.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 LOG_EVERY_STEPS = 10
 """Training loops mirror a step's scalars to TensorBoard every this many steps (and at epoch ends)."""
@@ -81,44 +84,91 @@ def read_events(path: str | Path, kind: str | None = None) -> Iterator[dict[str,
                 yield event
 
 
+class MetricsSink:
+    """Where :class:`MetricsLogger` forwards what it writes; every method does nothing by default.
+
+    Called from whichever thread logged the event (the parameter server logs from its RPC threads):
+    a sink that does slow I/O hands the work to a thread of its own (see :mod:`src.trackers`).
+    """
+
+    def event(self, event: Mapping[str, Any]) -> None:
+        """A non-scalar event as written to ``events.jsonl`` (with ``time`` and ``kind``)."""
+
+    def scalars(self, kind: str, step: int, values: Mapping[str, float], event: Mapping[str, Any]) -> None:
+        """A scalar event: ``values`` at ``step``; ``event`` is the whole line written (its other fields)."""
+
+    def finish(self, summary: Mapping[str, Any], artifacts: Sequence[Path]) -> None:
+        """The run is over: its summary and the files to keep."""
+
+    def close(self) -> None:
+        """Flush and release; called once, last."""
+
+
+class TensorBoardSink(MetricsSink):
+    """Scalars as TensorBoard scalars ``<kind>/<name>`` in ``log_dir`` (torch's SummaryWriter)."""
+
+    def __init__(self, log_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def scalars(self, kind: str, step: int, values: Mapping[str, float], event: Mapping[str, Any]) -> None:
+        for name, value in values.items():
+            if value is not None:
+                self._writer.add_scalar(f"{kind}/{name}", float(value), step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsLogger:
-    """Events to ``<log_dir>/events.jsonl`` and their scalars to TensorBoard under ``log_dir``.
+    """Events to ``<log_dir>/events.jsonl``, forwarded to TensorBoard under ``log_dir`` and to ``sinks``.
 
     Args:
         log_dir: folder for ``events.jsonl`` and the TensorBoard event files.
-        tensorboard: set False to write only events (e.g. in benchmarks).
+        tensorboard: set False to write no TensorBoard files (benchmarks; ``metrics.trackers``
+            without ``tensorboard``).
+        sinks: more receivers of the same events (:func:`src.trackers.open_trackers`); closed with
+            this logger.
         clock: the events' ``time`` (default ``time.time``; a virtual-time run passes its clock's).
         fields: added to every event (e.g. ``worker=1``).
     """
 
-    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, clock: Callable[[], float] = time.time,
-                 **fields: Any):
+    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, sinks: Sequence[MetricsSink] = (),
+                 clock: Callable[[], float] = time.time, **fields: Any):
         self.log_dir = Path(log_dir)
         self.events = EventLog(self.log_dir / "events.jsonl", clock=clock)
         self._fields = fields
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self.sinks: list[MetricsSink] = [TensorBoardSink(self.log_dir)] if tensorboard else []
+        self.sinks += sinks
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Record a non-scalar event (run start, checkpoint written, push rejected...)."""
-        return self.events.write(kind, **self._fields, **fields)
-
-    def scalars(self, kind: str, step: int, values: Mapping[str, float], **fields: Any) -> dict[str, Any]:
-        """Record ``values`` at ``step`` as one event and as TensorBoard scalars ``<kind>/<name>``."""
-        event = self.events.write(kind, **self._fields, step=step, **fields, **values)
-        if self._writer is not None:
-            for name, value in values.items():
-                if value is not None:
-                    self._writer.add_scalar(f"{kind}/{name}", float(value), step)
+        event = self.events.write(kind, **self._fields, **fields)
+        for sink in self.sinks:
+            sink.event(event)
         return event
 
+    def scalars(self, kind: str, step: int, values: Mapping[str, float], **fields: Any) -> dict[str, Any]:
+        """Record ``values`` at ``step`` as one event, forwarded to the sinks (TensorBoard: ``<kind>/<name>``)."""
+        event = self.events.write(kind, **self._fields, step=step, **fields, **values)
+        for sink in self.sinks:
+            sink.scalars(kind, step, values, event)
+        return event
+
+    def finish(self, summary: Mapping[str, Any], artifacts: Sequence[str | Path] = ()) -> None:
+        """Hand the run's summary and its files worth keeping (summary JSON, checkpoint) to the sinks.
+
+        Only the process that owns the run summary calls it, once, before :meth:`close`.
+        """
+        existing = [Path(path) for path in artifacts if path is not None and Path(path).is_file()]
+        for sink in self.sinks:
+            sink.finish(summary, existing)
+
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
         self.events.close()
 
     def __enter__(self) -> "MetricsLogger":

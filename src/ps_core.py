@@ -42,6 +42,7 @@ failed write ends the run with an error) and ``parameter_server_final.pt``.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import threading
 from collections import Counter
@@ -69,9 +70,12 @@ from src.faults import FaultInjector, FaultSpec
 from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.served_model import layout_mismatch, model_from_layout
 from src.staleness import StalenessPolicy, server_optimizer
+from src.trackers import open_trackers
 from src.trainer import evaluate
 from src.wire import Outgoing, Received, check_float32_bytes, serialize, split, tensor_view
 from src.work_source import WorkRefused, WorkSource
+
+logger = logging.getLogger(__name__)
 
 MODELLESS_MAX_MESSAGE_BYTES = 1 << 30
 """Message limit of a server that starts without a model (it cannot size the limit from the model)."""
@@ -211,7 +215,9 @@ class ServerCore:
         self._faults = FaultInjector(system.inject_faults, "server", enabled=faults)
         self._fire_fault = fire_fault
         self._background = background or InlineExecutor()
-        self.log = MetricsLogger(Path(system.log_dir) / "server", tensorboard=tensorboard, role="server",
+        self.log = MetricsLogger(Path(system.log_dir) / "server",
+                                 tensorboard=tensorboard and "tensorboard" in config.metrics.trackers,
+                                 sinks=open_trackers(config, system.log_dir, resume=resume is not None), role="server",
                                  clock=clock.time)
         self.resumed_from: Path | None = None
         if resume is not None:
@@ -816,8 +822,8 @@ class ServerCore:
                 self._decide(event)
         if self.target.observe(accuracy, elapsed, version):
             self.log.event("target_reached", version=version, elapsed_s=elapsed, accuracy=accuracy)
-        print(f"epoch {epoch}/{t.num_epochs}: test accuracy {accuracy * 100:.2f}%, test loss {loss:.4f} "
-              f"(server version {version})", flush=True)
+        logger.info("epoch %d/%d: test accuracy %.2f%%, test loss %.4f (server version %d)", epoch, t.num_epochs,
+                    accuracy * 100, loss, version)
         return loss, accuracy
 
     def _decide(self, eval_event: dict[str, Any]) -> None:
@@ -922,7 +928,8 @@ class ServerCore:
         if self.work.owns_data:
             summary["steps_skipped"] = self.counters["steps_skipped"]
         self.log.event("run_end", **{k: v for k, v in summary.items() if k != "workers"})
-        write_summary(summary_json or Path(self.config.system.log_dir) / "summary.json", summary)
+        summary_path = write_summary(summary_json or Path(self.config.system.log_dir) / "summary.json", summary)
+        self.log.finish(summary, artifacts=[summary_path, checkpoint_path])
         return summary
 
     def close(self) -> None:

@@ -27,15 +27,17 @@ a process argument, never on a command line or in a file.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
-import sys
 import threading
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any, Callable
 
+from src import tracing
 from src.config import Config
+from src.logs import setup_logging
 from src.metrics import EventLog
 from src.ps_transport import resolve_auth_token, split_address
 from src.supervisor import LaunchError, children_ignore_sigint, sigterm_as_keyboard_interrupt, stop_processes
@@ -43,6 +45,7 @@ from src.supervisor import LaunchError, children_ignore_sigint, sigterm_as_keybo
 STARTUP_TIMEOUT_S = 600.0  # server start: imports, dataset, model (a torchvision download can be slow)
 STOP_GRACE_S = 5.0
 FATAL_EXIT = 3  # a child's exit status for an error no restart can fix (it sent the message first)
+logger = logging.getLogger(__name__)
 
 
 def _with_address(config: Config, address: str) -> Config:
@@ -98,20 +101,24 @@ def run_server(
     """
     from src.parameter_server import ParameterServer
     from src.ps_transport import reuse_freed_memory
+    from src.trackers import require_trackers
 
+    require_trackers(config)
     reuse_freed_memory()
-    server = ParameterServer(config, token=token, resume=resume, faults=faults, on_event=on_event)
-    try:
-        port = server.start()
-        print(f"parameter server listening on {connect_address(config.system.server_address, port)} "
-              f"({config.system.aggregation_mode}, {config.system.num_workers} workers"
-              f"{', resumed at version ' + str(server.state.version) if resume else ''})", flush=True)
-        if on_listening is not None:
-            on_listening(port)
-        server.wait_until_done()
-        return server.finalize(summary_json)
-    finally:
-        server.stop()
+    trace = Path(config.system.log_dir) / "server" / tracing.TRACE_FILE
+    with tracing.trace_to(trace, "parameter server", enabled=config.system.trace):
+        server = ParameterServer(config, token=token, resume=resume, faults=faults, on_event=on_event)
+        try:
+            port = server.start()
+            logger.info("parameter server listening on %s (%s, %d workers%s)", connect_address(config.system.server_address, port),
+                        config.system.aggregation_mode, config.system.num_workers,
+                        f", resumed at version {server.state.version}" if resume else "")
+            if on_listening is not None:
+                on_listening(port)
+            server.wait_until_done()
+            return server.finalize(summary_json)
+        finally:
+            server.stop()
 
 
 def run_worker(config: Config, worker_id: int, *, token: str | None = None, address: str | None = None,
@@ -121,7 +128,9 @@ def run_worker(config: Config, worker_id: int, *, token: str | None = None, addr
     from src.worker import Worker
 
     reuse_freed_memory()
-    return Worker(config, worker_id, address=address, token=token, faults=faults).run()
+    trace = Path(config.system.log_dir) / f"worker_{worker_id}" / tracing.TRACE_FILE
+    with tracing.trace_to(trace, f"worker {worker_id}", enabled=config.system.trace):
+        return Worker(config, worker_id, address=address, token=token, faults=faults).run()
 
 
 # ----------------------------------------------------------------------------- spawned children
@@ -129,6 +138,7 @@ def run_worker(config: Config, worker_id: int, *, token: str | None = None, addr
 
 def _server_child(config: Config, token: str, summary_json: str | None, num_threads: int | None, report,
                   resume: str | None, faults: bool) -> None:
+    setup_logging(config.system.log_level)  # a spawned process starts with logging unconfigured
     _set_threads(num_threads)
     lock = threading.Lock()  # events come from the server's RPC and monitor threads
 
@@ -149,6 +159,7 @@ def _server_child(config: Config, token: str, summary_json: str | None, num_thre
 
 
 def _worker_child(config: Config, worker_id: int, token: str, num_threads: int | None, report, faults: bool) -> None:
+    setup_logging(config.system.log_level)
     _set_threads(num_threads)
     from src.worker import IncarnationRevoked
 
@@ -158,7 +169,7 @@ def _worker_child(config: Config, worker_id: int, token: str, num_threads: int |
         report.send(("error", f"worker {worker_id}: {exc}"))
         raise SystemExit(FATAL_EXIT) from None
     except IncarnationRevoked as exc:
-        print(f"worker {worker_id}: {exc}", file=sys.stderr, flush=True)
+        logger.error("worker %d: %s", worker_id, exc)
         raise SystemExit(1) from None
 
 
@@ -248,6 +259,9 @@ def run_local(config: Config, *, summary_json: str | Path | None = None, resume:
             or the server failing for good (the message names it).
         KeyboardInterrupt: Ctrl-C or SIGTERM; every child has been stopped.
     """
+    from src.trackers import require_trackers
+
+    require_trackers(config)  # before any process starts: one line, not one per child
     run = _LocalRun(config, summary_json)
     with sigterm_as_keyboard_interrupt():
         try:
@@ -316,9 +330,8 @@ def _server_ended(run: _LocalRun, process) -> None:
         raise LaunchError(f"parameter server {_exit_description(process)}; its restart budget "
                           f"(system.max_restarts={run.max_restarts}) is spent")
     resume = run.newest_checkpoint()
-    print(f"launcher: parameter server {_exit_description(process)}; restarting it "
-          f"({'from ' + resume if resume else 'from scratch: no checkpoint yet'}, restart {attempt}/{run.max_restarts})",
-          file=sys.stderr, flush=True)
+    logger.warning("launcher: parameter server %s; restarting it (%s, restart %d/%d)", _exit_description(process),
+                   f"from {resume}" if resume else "from scratch: no checkpoint yet", attempt, run.max_restarts)
     run.events.write("server_restarted", attempt=attempt, exit=_exit_description(process), resumed_from=resume)
     # Same port: the workers reconnect to the address they know.
     config = _with_address(run.config, connect_address(run.config.system.server_address, run.port))
@@ -329,14 +342,14 @@ def _worker_ended(run: _LocalRun, process) -> None:
     worker_id = int(process.name.rsplit("-", 1)[1])
     attempt = run.spend_restart(process.name)
     if attempt is None:
-        print(f"launcher: {process.name} {_exit_description(process)}; its restart budget is spent, "
-              f"the run goes on without it", file=sys.stderr, flush=True)
+        logger.warning("launcher: %s %s; its restart budget is spent, the run goes on without it",
+                       process.name, _exit_description(process))
         run.events.write("worker_abandoned", worker=worker_id, exit=_exit_description(process))
         if not any(p.exitcode is None for p in run.workers.values()):
             raise LaunchError(f"every worker has failed and the restart budgets (system.max_restarts="
                               f"{run.max_restarts}) are spent")
         return
-    print(f"launcher: {process.name} {_exit_description(process)}; restarting it "
-          f"(restart {attempt}/{run.max_restarts})", file=sys.stderr, flush=True)
+    logger.warning("launcher: %s %s; restarting it (restart %d/%d)", process.name, _exit_description(process),
+                   attempt, run.max_restarts)
     run.events.write("worker_restarted", worker=worker_id, attempt=attempt, exit=_exit_description(process))
     run.start_worker(worker_id, faults=False)

@@ -6,7 +6,10 @@ and :mod:`src.worker` contain only their algorithms:
 * **Auth.** Every RPC carries ``authorization: Bearer <token>`` metadata; the server's
   interceptor refuses anything else with ``UNAUTHENTICATED`` before a handler runs. The token comes
   from ``system.auth_token``, else ``$DTS_AUTH_TOKEN`` (:func:`resolve_auth_token`); the local
-  launcher makes a random one per run.
+  launcher makes a random one per run. The one exception is the standard gRPC health service
+  (``grpc.health.v1.Health``, registered by :func:`start_grpc_server`: ``SERVING`` while the server
+  runs), which a probe (``python -m src.healthcheck``, a container healthcheck, a load balancer)
+  calls without the token: it tells nothing but whether the server is up.
 * **TLS.** ``system.tls_cert_file`` + ``tls_key_file`` make the server speak TLS; a client uses TLS
   when it has ``tls_ca_file`` (or, for a self-signed server, ``tls_cert_file``) to verify against.
 * **Message size.** gRPC refuses messages over 4 MB by default; a resnet18 is ~45 MB of float32.
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
@@ -42,6 +46,8 @@ from src.wire import (  # noqa: F401  (re-exported: the message codec is part of
 AUTH_METADATA_KEY = "authorization"
 AUTH_TOKEN_ENV = "DTS_AUTH_TOKEN"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+"""The health service's methods answer without the auth token (see the module docstring)."""
 # A client accepts whatever its server sends (the server is trusted); 2 GiB is protobuf's ceiling.
 CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
 # Statuses worth retrying with the same request: the call may not have reached the server.
@@ -162,6 +168,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
+            return continuation(handler_call_details)  # says only SERVING or not: no token needed
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY:
                 given = value.encode() if isinstance(value, str) else value
@@ -234,7 +242,9 @@ def start_grpc_server(
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``servicer`` (see :func:`service_handler`) on ``system.server_address``.
 
-    Returns the server and the bound port.
+    Returns the server and the bound port. The server also answers the standard health service
+    (``grpc.health.v1.Health``): ``SERVING`` for the whole server (service ``""``) and for
+    :data:`SERVICE_NAME` from the moment it has started.
 
     Port 0 binds a free port (reported back, for the launcher and tests).
 
@@ -247,6 +257,8 @@ def start_grpc_server(
         options=message_options(max_message_bytes) + keepalive_options(server=True),
     )
     server.add_generic_rpc_handlers([service_handler(servicer)])
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     credentials = server_credentials(system)
     address = system.server_address
     try:
@@ -256,6 +268,8 @@ def start_grpc_server(
     if port == 0:
         raise SetupError(f"system.server_address: cannot bind {address} (in use or not a local address)")
     server.start()
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
 

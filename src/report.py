@@ -50,7 +50,7 @@ PLOTS = ("accuracy_vs_time", "throughput", "time_split", "bytes_per_step", "stal
 SECTIONS = (
     "How the numbers are measured", "Summary", "Accuracy over wall time", "Throughput and speedup",
     "Time to target accuracy", "Where the time goes", "Bytes on the wire", "Staleness", "Faults",
-    "Per worker", "Per rank", "Benchmarks",
+    "Per worker", "Per rank", "Benchmarks", "Timeline",
 )
 NOT_RECORDED = "not recorded"
 _NUMERIC_FIELDS = ("final_accuracy", "final_loss", "total_time_s", "throughput_samples_per_s", "samples_processed",
@@ -668,12 +668,14 @@ def _table_rows(members: Sequence[Mapping[str, Any]], key: str) -> list[dict[str
 
 
 def build_report(runs: Sequence[Run], *, bench: Mapping[str, Any] | None = None, target_accuracy: float | None = None,
-                 inputs: Sequence[str] = ()) -> dict[str, Any]:
+                 inputs: Sequence[str] = (), trace: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The report dict (what the JSON report holds) from ``runs``; pure, no I/O.
 
     Args:
         bench: ``reports/bench.json`` as written by ``scripts/bench_all.py`` (its ``figures`` are tabled).
         target_accuracy: for runs whose summary records no time to target, find it on their eval curve.
+        trace: the merged timeline the report links (``file`` beside the report, and
+            :func:`src.tracing.describe_trace` of its events), or ``None``.
     """
     labels = run_labels(runs)
     baseline_index = next((i for i, r in enumerate(runs) if r.summary["architecture"] == "baseline"), None)
@@ -726,6 +728,7 @@ def build_report(runs: Sequence[Run], *, bench: Mapping[str, Any] | None = None,
         "benchmarks": list(bench.get("figures") or []) if bench else None,
         "benchmark_setup": {k: v for k, v in bench.items() if k != "figures" and k != "results"} if bench else None,
         "plots": {name: f"{name}.png" for name in PLOTS},
+        "trace": dict(trace) if trace else None,
     }
 
 
@@ -881,6 +884,21 @@ def report_blocks(report: Mapping[str, Any], plot_dir: str) -> list[Block]:
                          _fmt(b.get("ratio")) + (f" ({b['ratio_definition']})" if b.get("ratio_definition") else ""),
                          b.get("target_text") or ("none set" if b.get("target") is None else f">= {b['target']}"),
                          "n/a" if b.get("meets_target") is None else _fmt(b["meets_target"])] for b in report["benchmarks"]]))
+
+    blocks += [("h2", SECTIONS[12])]
+    trace = report.get("trace")
+    if not trace:
+        blocks.append(("p", "Timeline " + NOT_RECORDED + " (train with `--trace`, then pass the run's log folder as "
+                            "`--trace-dir`)."))
+    else:
+        blocks.append(("p", f"The run's traces merged on one clock: [{trace['file']}]({trace['file']}) "
+                            f"({len(trace['processes'])} processes, {trace['spans']:,} spans, {_fmt(trace['seconds'], 's')}); "
+                            "open it in https://ui.perfetto.dev or `chrome://tracing`."))
+        blocks.append(("table", ["process", "pid", "spans"],
+                       [[p["name"], p["pid"], p["spans"]] for p in trace["processes"]]))
+        blocks.append(("table", ["span", "count", "total time", "mean"],
+                       [[name, n["count"], _fmt(n["seconds"], "s"), _fmt(n["seconds"] / n["count"] * 1000, "") + " ms"]
+                        for name, n in trace["names"].items()]))
     return blocks
 
 
@@ -945,6 +963,7 @@ def to_markdown(blocks: Sequence[Block]) -> str:
 def _inline_html(text: str) -> str:
     escaped = html.escape(str(text))
     escaped = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", escaped)
+    escaped = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", r'<a href="\2">\1</a>', escaped)  # [text](relative link)
     return re.sub(r"`(.+?)`", r"<code>\1</code>", escaped)
 
 
@@ -974,6 +993,33 @@ def to_html(blocks: Sequence[Block], images: Mapping[str, bytes]) -> str:
                         f"<figcaption>{_inline_html(block[3])}</figcaption></figure>")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Performance report</title>"
             f"<style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def merge_run_traces(trace_dirs: Sequence[str | Path], output: str | Path) -> dict[str, Any]:
+    """Merge every ``trace.json`` under ``trace_dirs`` (a ``--trace`` run's log folders) into
+    ``<output stem>_trace.json`` beside the report; returns what :func:`build_report` links as ``trace``.
+
+    Raises:
+        ReportInputError: a folder without traces, or a file that is not trace-event JSON.
+    """
+    from src.tracing import describe_trace, find_traces, merge_traces, read_trace, write_trace
+
+    paths = []
+    for folder in trace_dirs:
+        found = find_traces(folder)
+        if not found:
+            raise ReportInputError(folder, "no trace.json under it (train with --trace and give its log folder)")
+        paths += found
+    traces = []
+    for path in paths:
+        try:
+            traces.append(read_trace(path))
+        except (ValueError, UnicodeDecodeError):
+            raise ReportInputError(path, "not a trace-event JSON file") from None
+    events = merge_traces(traces)
+    output = Path(output)
+    merged = write_trace(output.parent / f"{output.stem}_trace.json", events)
+    return {"file": merged.name, "sources": [str(path) for path in paths], **describe_trace(events)}
 
 
 def write_report(report: Mapping[str, Any], output: str | Path) -> dict[str, Path]:

@@ -15,6 +15,7 @@ model is evaluated or checkpointed, so throughput and time to target accuracy
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from src import tracing
 from src.checkpoint import (
     KEEP_CHECKPOINTS, check_model_matches, final_checkpoint_path, load_latest_good, make_checkpoint, numbered_path,
     prune_checkpoints, save_checkpoint,
@@ -32,6 +34,9 @@ from src.config import Config, SetupError
 from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.models import build_model
+from src.trackers import open_trackers
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -173,9 +178,9 @@ def eval_due(step: int, interval: int, *, epoch_end: bool) -> bool:
 
 
 def report_target(target: TimeToTarget, accuracy: float, seconds: float, step: int) -> None:
-    """Feed one evaluation to ``target``; print a line the first time the target accuracy is reached."""
+    """Feed one evaluation to ``target``; log a line the first time the target accuracy is reached."""
     if target.observe(accuracy, seconds, step):
-        print(f"target accuracy {target.target * 100:.2f}% reached at step {step}, {seconds:.2f}s into training", flush=True)
+        logger.info("target accuracy %.2f%% reached at step %d, %.2fs into training", target.target * 100, step, seconds)
 
 
 def progress(total: int, description: str):
@@ -217,13 +222,14 @@ class BaselineTrainer:
         self.resumed_from = path
 
     def _checkpoint(self, path: Path, epoch: int) -> Path:
-        checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=epoch, step=self.step)
-        return save_checkpoint(path, checkpoint)
+        with tracing.span("checkpoint", epoch=epoch, step=self.step):
+            checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=epoch, step=self.step)
+            return save_checkpoint(path, checkpoint)
 
     def _evaluate(self, log: MetricsLogger, epoch: int, target: TimeToTarget, clock: TrainingClock,
                   extra: dict[str, float] | None = None) -> tuple[float, float]:
         t = self.config.training
-        with clock.paused():
+        with clock.paused(), tracing.span("evaluate", step=self.step):
             loss, accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
             log.scalars("eval", self.step, {"test_loss": loss, "test_accuracy": accuracy, **(extra or {})}, epoch=epoch)
             report_target(target, accuracy, clock.seconds, self.step)
@@ -236,7 +242,10 @@ class BaselineTrainer:
         samples = 0
         final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
         checkpoint_path = None
-        with MetricsLogger(self.log_dir) as log:
+        system = self.config.system
+        with MetricsLogger(self.log_dir, tensorboard="tensorboard" in self.config.metrics.trackers,
+                           sinks=open_trackers(self.config, self.log_dir)) as log, \
+                tracing.trace_to(self.log_dir / tracing.TRACE_FILE, "baseline", enabled=system.trace):
             log.event("run_start", architecture="baseline", config=self.config.to_dict(),
                       resumed_from=str(self.resumed_from) if self.resumed_from else None)
             self.model.train()
@@ -245,15 +254,18 @@ class BaselineTrainer:
                 num_steps = -(-len(order) // t.batch_size)
                 epoch_loss, epoch_correct, epoch_samples = 0.0, 0, 0
                 # Training time includes our own logging and progress bar, not evaluation or checkpoints.
-                with clock.running(), progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar:
+                with clock.running(), progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar, \
+                        tracing.span("epoch", epoch=epoch + 1):
                     for start in range(0, len(order), t.batch_size):
                         step_started = time.perf_counter()
                         images, labels = self.train_set.batch(order[start : start + t.batch_size])
                         images, labels = images.to(self.device), labels.to(self.device)
                         self.optimizer.zero_grad(set_to_none=True)
-                        loss, correct = forward_backward(self.model, images, labels)
+                        with tracing.span("forward_backward", step=self.step + 1):
+                            loss, correct = forward_backward(self.model, images, labels)
                         gradient_time = time.perf_counter() - step_started
-                        self.optimizer.step()
+                        with tracing.span("optimizer_step", step=self.step + 1):
+                            self.optimizer.step()
                         step_time = time.perf_counter() - step_started
                         batch = len(labels)
                         samples += batch
@@ -278,7 +290,7 @@ class BaselineTrainer:
                     "train_loss": epoch_loss / max(epoch_samples, 1),
                     "train_accuracy": epoch_correct / max(epoch_samples, 1),
                 })
-                print(f"epoch {epoch + 1}/{t.num_epochs}: test accuracy {final_accuracy * 100:.2f}%, test loss {final_loss:.4f}", flush=True)
+                logger.info("epoch %d/%d: test accuracy %.2f%%, test loss %.4f", epoch + 1, t.num_epochs, final_accuracy * 100, final_loss)
                 if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs:
                     written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
                     prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
@@ -307,5 +319,6 @@ class BaselineTrainer:
                 "steps": self.step,
             }
             log.event("run_end", **summary)
-        write_summary(self.summary_json, summary)
+            write_summary(self.summary_json, summary)
+            log.finish(summary, artifacts=[self.summary_json, checkpoint_path])
         return summary

@@ -489,7 +489,8 @@ class VirtualWorker:
         run, config = self.run, self.config
         check_layout(self.worker_id, config, [(n, p) for n, p in run.compute_model.named_parameters() if p.requires_grad],
                      registration)
-        self.log = MetricsLogger(Path(config.system.log_dir) / f"worker_{self.worker_id}", tensorboard=run.tensorboard,
+        self.log = MetricsLogger(Path(config.system.log_dir) / f"worker_{self.worker_id}",
+                                 tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
                                  role="worker", worker=self.worker_id, clock=run.clock.time)
         seed = random.Random(config.training.seed * 1_000_003 + self.worker_id * 1_009 + self.process)
         self.step = WorkerStep(config, self.worker_id, model=run.compute_model, train_set=run.train_set,

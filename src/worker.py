@@ -34,6 +34,7 @@ heartbeat and at Finish, which puts them in the run summary.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ from src.ps_transport import ParameterServerClient, Received, require_auth_token
 from src.trainer import model_from_config, resolve_device
 from src.worker_protocol import Heartbeats, IncarnationRevoked, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.worker_step import WorkerStep, check_layout
+
+logger = logging.getLogger(__name__)
 
 LOCAL_FIELDS = (
     "training.data_dir", "training.device",
@@ -167,15 +170,16 @@ class Worker:
         check_layout(self.worker_id, config, [(n, p) for n, p in model.named_parameters() if p.requires_grad], registration)
         train_set = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
                                  num_samples=t.num_samples, seed=t.seed)
-        with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}", tensorboard=self.tensorboard,
+        with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}",
+                           tensorboard=self.tensorboard and "tensorboard" in config.metrics.trackers,
                            role="worker", worker=self.worker_id) as log:
             step = self.step = WorkerStep(config, self.worker_id, model=model, train_set=train_set, device=device, log=log,
                                           faults=self.faults)
             received = self._pull(step.carried)
             step.load(received)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=step.version)
-            print(f"worker {self.worker_id}: registered with {self.address} as incarnation {self.incarnation} at "
-                  f"version {step.version} ({system.aggregation_mode})", flush=True)
+            logger.info("worker %d: registered with %s as incarnation %d at version %d (%s)", self.worker_id, self.address,
+                        self.incarnation, step.version, system.aggregation_mode)
             model.train()
             while True:
                 if received.message.work.finished:
@@ -219,8 +223,8 @@ class Worker:
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
             step.write_ledger(system.log_dir)
             log.event("run_end", incarnation=self.incarnation, **result)
-        print(f"worker {self.worker_id}: finished at version {step.version}: {step.totals['samples']} samples in "
-              f"{step.totals['steps']} steps", flush=True)
+        logger.info("worker %d: finished at version %d: %d samples in %d steps", self.worker_id, step.version,
+                    step.totals["samples"], step.totals["steps"])
         return {"worker_id": self.worker_id, "incarnation": self.incarnation, **result}
 
     def _push(self, request: pb.PushRequest, payloads: list[bytes], buffers: list) -> Received | bool:
@@ -235,7 +239,7 @@ class Worker:
             self._check_session_lost(exc)
         # The server restarted (our session is unknown there) or is restarting: join again and ask
         # whether the push made it into an update before the server's checkpoint.
-        print(f"worker {self.worker_id}: lost the server's session; registering again", flush=True)
+        logger.warning("worker %d: lost the server's session; registering again", self.worker_id)
         registration = self._register(request.request_id, self.step.carried)
         self.step.lost(registration.last_request_applied)
         return registration.last_request_applied
@@ -251,5 +255,5 @@ class Worker:
                 return self.client.pull(self.caller)
             except grpc.RpcError as exc:
                 self._check_session_lost(exc)
-                print(f"worker {self.worker_id}: lost the server's session; registering again", flush=True)
+                logger.warning("worker %d: lost the server's session; registering again", self.worker_id)
                 self._register(0, carried)

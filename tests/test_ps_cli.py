@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def test_spec_smoke_run_writes_the_spec_outputs(tmp_path):
         assert any(path.name.startswith("events.out.tfevents") for path in worker_logs.iterdir())
         train = list(read_events(worker_logs / "events.jsonl", kind="train"))
         assert train and {"loss", "accuracy", "gradient_time_s", "communication_time_s", "bytes_sent"} <= set(train[-1])
-    assert result.stdout.count("registered with 127.0.0.1:") == 2
+    assert result.stderr.count("registered with 127.0.0.1:") == 2  # a progress line: logged on stderr
 
 
 @pytest.mark.slow
@@ -94,12 +95,13 @@ def test_ctrl_c_stops_every_child(tmp_path):
     )
     try:
         registered = set()
-        for line in process.stdout:  # wait until both workers are training
-            if "registered with" in line:
-                registered.add(line.split(":")[0])
+        for line in process.stderr:  # wait until both workers are training (progress is logged on stderr)
+            found = re.search(r"worker (\d+): registered with", line)
+            if found:
+                registered.add(found.group(1))
             if len(registered) == 2:
                 break
-        assert len(registered) == 2, process.stderr.read()
+        assert len(registered) == 2, process.stdout.read()
         os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         try:  # keep reading both pipes while waiting: a full pipe would block the runner's last writes
             _, stderr = process.communicate(timeout=60)

@@ -5,6 +5,9 @@ never pulled; the containers mount the host's Python packages read-only (docker/
 instead of installing torch into the image, and training_net is internal, so nothing leaves this
 machine. Each run checks that the three services train mnist_5k to completion over training_net
 and that the final checkpoint on the host volume evaluates to the accuracy the server reported.
+The server's container turns healthy by its healthcheck (the standard gRPC health check,
+``python -m src.healthcheck``), which the test waits on, and the workers start on it
+(``depends_on: condition: service_healthy``).
 The plain run also checks that compose refuses to start without DTS_AUTH_TOKEN, that a container
 with a wrong token is refused by the server, and that a worker killed mid-run is restarted by
 docker and registers again; the TLS run (docker/compose.tls.yml), that the server's certificate
@@ -146,6 +149,23 @@ def wait_for_event(compose: Compose, events: Path, condition, what: str, deadlin
     pytest.fail(f"no {what} within {deadline_s}s:\n{compose.logs()}")
 
 
+def wait_until_healthy(compose: Compose, service: str, deadline_s: float) -> dict:
+    """Poll the container's health (its healthcheck's verdict) until it is healthy; returns its inspect data."""
+    container = compose.container(service)
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        state = inspect("container", container)
+        health = state["State"].get("Health")
+        assert health is not None, f"{service} has no healthcheck"
+        if health["Status"] == "healthy":
+            return state
+        if health["Status"] == "unhealthy" or not state["State"]["Running"]:
+            pytest.fail(f"{service} is {health['Status']} (running: {state['State']['Running']}); last probes: "
+                        f"{[entry['Output'] for entry in health['Log'][-3:]]}\n{compose.logs()}")
+        time.sleep(0.5)
+    pytest.fail(f"{service} not healthy within {deadline_s}s:\n{compose.logs()}")
+
+
 def evaluate_checkpoint(path: Path, capsys) -> dict:
     """scripts/evaluate_checkpoint.py on ``path``, in this process (torch is loaded already)."""
     spec = importlib.util.spec_from_file_location("evaluate_checkpoint", ROOT / "scripts" / "evaluate_checkpoint.py")
@@ -182,8 +202,11 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
                 assert refused.returncode != 0 and "set DTS_AUTH_TOKEN" in refused.stderr, refused.stderr
             assert not docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={compose.project}").split()
         compose("up", "-d", "--no-build", "parameter_server")
-        wait_for_event(compose, server_events, lambda e: e["kind"] == "listening", "listening event", deadline_s=180)
-        server_ip = inspect("container", compose.container("parameter_server"))["NetworkSettings"]["Networks"][compose.network]["IPAddress"]
+        server_state = wait_until_healthy(compose, "parameter_server", deadline_s=300)
+        assert server_state["Config"]["Healthcheck"]["Test"][:4] == ["CMD", "python", "-m", "src.healthcheck"]
+        # Healthy means serving: its listening event is written as it starts to serve (right after).
+        wait_for_event(compose, server_events, lambda e: e["kind"] == "listening", "listening event", deadline_s=30)
+        server_ip = server_state["NetworkSettings"]["Networks"][compose.network]["IPAddress"]
         if tls:
             # The server speaks TLS with a certificate valid for the name the workers dial (a
             # plain Python client in a worker's container, so the handshake alone is checked).

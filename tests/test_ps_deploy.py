@@ -54,7 +54,8 @@ def test_compose_services_network_and_volumes(compose):
         assert worker["environment"]["DTS_ROLE"] == "worker"
         assert worker["environment"]["DTS_WORKER_ID"] == str(k)
         assert worker["environment"]["DTS_SERVER_ADDRESS"] == "parameter_server:50051"
-        assert worker["depends_on"] == ["parameter_server"]
+        assert worker["depends_on"] == {"parameter_server": {"condition": "service_healthy"}}  # started once serving
+    assert server["healthcheck"]["test"] == ["CMD", "python", "-m", "src.healthcheck"]
         assert worker["restart"].startswith("on-failure"), "a failed worker is restarted and registers again"
 
 

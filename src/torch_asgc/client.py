@@ -21,9 +21,9 @@ summary); in sync mode the barrier goes on without it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -36,6 +36,8 @@ from src.worker_protocol import Heartbeats, IncarnationRevoked, check_session_lo
 
 if TYPE_CHECKING:
     from .model import DistributedModel
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerClient:
@@ -108,7 +110,7 @@ class WorkerClient:
         try:  # leaving because of an error: do not hide it behind a failed Finish
             self.close()
         except Exception as exc:  # noqa: BLE001
-            print(f"worker {self.worker_id}: could not leave the run cleanly ({exc})", file=sys.stderr)
+            logger.warning("worker %s: could not leave the run cleanly (%s)", self.worker_id, exc)
 
     @property
     def mode(self) -> str:
@@ -154,7 +156,7 @@ class WorkerClient:
             return self.transport.push(request, gradients, buffers)
         except grpc.RpcError as exc:
             check_session_lost(exc, self.worker_id)
-        print(f"worker {self.worker_id}: lost the server's session; registering again", file=sys.stderr, flush=True)
+        logger.warning("worker %s: lost the server's session; registering again", self.worker_id)
         return self._register(request.request_id).last_request_applied
 
     # ------------------------------------------------------------------------- registration
@@ -179,7 +181,7 @@ class WorkerClient:
                 return call()
             except grpc.RpcError as exc:
                 check_session_lost(exc, self.worker_id)
-            print(f"worker {self.worker_id}: lost the server's session; registering again", file=sys.stderr, flush=True)
+            logger.warning("worker %s: lost the server's session; registering again", self.worker_id)
             self._register(0)
 
 

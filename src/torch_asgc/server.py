@@ -32,6 +32,7 @@ From the command line (``python -m torch_asgc.server --help``)::
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from src.config import Config, SetupError
 from src.parameter_server import ParameterServer, RunFailed
 from src.served_model import import_factory
 from src.work_source import ClientWork
+
+logger = logging.getLogger(__name__)
 
 CLIENT_MODEL = "client"
 """``model_source`` for a model whose layout and initial values come from the first worker."""
@@ -117,11 +120,13 @@ DEFAULTS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from src.cli import add_compression_flags
+    from src.cli import add_compression_flags, add_config_flags, add_observability_flags
 
     parser = argparse.ArgumentParser(prog="python -m torch_asgc.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML or JSON config file (flags override its values)")
+    add_config_flags(parser)
+    add_observability_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--server-address", help="host:port to listen on (default 127.0.0.1:50051; port 0: a free port)")
     run.add_argument("--workers", type=int, help="worker ids 0..N-1 (default 2); sync starts when all N have pulled")
@@ -159,16 +164,20 @@ def serve(config: Config, *, model_source: str = CLIENT_MODEL, token: str | None
     Args:
         token: the auth token (default: ``system.auth_token`` or ``$DTS_AUTH_TOKEN``).
     """
+    from src import tracing
+
     server = ClientLoopServer(config, model_source=model_source, token=token, resume=resume)
-    try:
-        port = server.start()
-        host = config.system.server_address.rpartition(":")[0]
-        print(f"parameter server listening on {host}:{port} ({config.system.aggregation_mode}, "
-              f"{config.system.num_workers} workers, model: {model_source})", flush=True)
-        server.wait_until_done()
-        return server.finalize(summary_json)
-    finally:
-        server.stop()
+    with tracing.trace_to(Path(config.system.log_dir) / "server" / tracing.TRACE_FILE, "parameter server",
+                          enabled=config.system.trace):
+        try:
+            port = server.start()
+            host = config.system.server_address.rpartition(":")[0]
+            logger.info("parameter server listening on %s:%d (%s, %d workers, model: %s)", host, port,
+                        config.system.aggregation_mode, config.system.num_workers, model_source)
+            server.wait_until_done()
+            return server.finalize(summary_json)
+        finally:
+            server.stop()
 
 
 def summary_lines(summary: dict[str, Any]) -> str:
