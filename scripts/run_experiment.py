@@ -12,7 +12,8 @@ configs/example_config.yaml and src/netem.py) plus an ``experiment`` section::
       controller: false      # true: the adaptive top-k controller (system.adaptive_compression)
 
 The architecture (``system.architecture``: parameter_server, ddp or baseline), mode, compression,
-emulation and seed all come from the config. What lands in ``<results-dir>/<name>/``:
+emulation, seed and clock (``system.clock``: real processes, or ``virtual``: one process on a simulated
+clock, src/virtual_time.py) all come from the config. What lands in ``<results-dir>/<name>/``:
 
 | file | what |
 |---|---|
@@ -106,9 +107,9 @@ def build_config(experiment: Mapping[str, Any], run_data: Mapping[str, Any], run
         if problem is not None:
             raise ExperimentError(problem)
     emulated = config.emulation.model_dump() != type(config.emulation)().model_dump()
-    if emulated and config.system.architecture != "parameter_server":
+    if emulated and config.system.architecture != "parameter_server" and config.system.clock != "virtual":
         raise ExperimentError(f"emulation: stragglers and links are emulated in the parameter server only, "
-                              f"not in system.architecture {config.system.architecture}")
+                              f"not in system.architecture {config.system.architecture} (or use system.clock: virtual)")
     return config
 
 
@@ -120,8 +121,12 @@ def load_average() -> list[float] | None:
 
 
 def run_config(config: Config, summary_json: Path) -> dict[str, Any]:
-    """Train ``config`` with its architecture's local launcher; returns the run summary."""
+    """Train ``config`` with its architecture's local launcher (or in virtual time); returns the run summary."""
     architecture = config.system.architecture
+    if config.system.clock == "virtual":
+        from src.virtual_time import run_virtual
+
+        return run_virtual(config, summary_json=summary_json)
     if architecture == "parameter_server":
         from src.ps_launcher import run_local
 

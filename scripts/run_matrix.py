@@ -18,6 +18,8 @@ A matrix file holds a base experiment and the axes to vary::
           even: {}                                        #   level name -> dotted overrides
           one_4x_slower: {emulation.workers: {1: {slowdown: 4}}}
         seed: [0, 1, 2]                                   # training.seed
+        clock: [real, virtual]                            # system.clock (virtual: src/virtual_time.py)
+        architecture: [parameter_server, ddp]             # system.architecture
     training: {...}                   # the base experiment: a run config (see run_experiment.py)
     system: {...}
     emulation: {...}
@@ -87,6 +89,19 @@ def _seed(level: Any) -> tuple[str, dict[str, Any]]:
     return f"seed-{level}", {"training.seed": level}
 
 
+def _clock(level: Any) -> tuple[str, dict[str, Any]]:
+    if level not in ("real", "virtual"):
+        raise rx.ExperimentError(f"matrix.axes.clock: must be real or virtual, got {level!r}")
+    return str(level), {"system.clock": level}
+
+
+def _architecture(level: Any) -> tuple[str, dict[str, Any]]:
+    labels = {"parameter_server": "ps", "ddp": "ddp", "baseline": "baseline"}
+    if level not in labels:
+        raise rx.ExperimentError(f"matrix.axes.architecture: must be one of {', '.join(labels)}, got {level!r}")
+    return labels[level], {"system.architecture": level}
+
+
 NAMED_AXES: dict[str, Callable[[Any], tuple[str, dict[str, Any]]]] = {
     "mode": _mode,
     "compression": _compression,
@@ -94,6 +109,8 @@ NAMED_AXES: dict[str, Callable[[Any], tuple[str, dict[str, Any]]]] = {
     "uplink_mbps": _bandwidth("up"),
     "downlink_mbps": _bandwidth("down"),
     "seed": _seed,
+    "clock": _clock,
+    "architecture": _architecture,
 }
 """Axes whose levels are plain values: each maps a level to (its label in run names, dotted overrides)."""
 

@@ -11,7 +11,7 @@ No gRPC and no threads here (the server calls it with its lock held), so it is t
   large-batch gradient, also for short or uneven batches), in worker-id order so sums reproduce.
 * :class:`RequestLog`: every push carries a request id; a retry of a push that was handled gets the
   first reply again and is not applied twice, and a worker that registers again can ask whether its
-  last push was applied. The log is part of the server's checkpoint.
+  last push was applied. Only each worker's newest reply is kept. The log is part of the server's checkpoint.
 
 **Async apply** is one :meth:`ModelState.step` with the staleness policy's weight; the server does it.
 """
@@ -28,7 +28,7 @@ from torch import nn
 from src.staleness import LookaheadMomentum
 
 REMEMBERED_REQUESTS = 64
-"""Requests remembered per worker: far more than one worker can have in flight."""
+"""Request outcomes (applied or not) remembered per worker: far more than one worker can have in flight."""
 
 
 @dataclass
@@ -173,31 +173,40 @@ class SyncRound:
 
 
 class RequestLog:
-    """Request ids per worker: in progress, or handled with their reply (and whether they were applied)."""
+    """Request ids per worker: in progress, or handled with their reply (and whether they were applied).
+
+    Only a worker's newest handled reply is kept (with a resnet18 a reply is ~45 MB): a worker has one
+    push in flight at a time, so a retry is of its newest push. An older request id it sends again is
+    :attr:`SUPERSEDED` (known from its outcome), never applied a second time.
+    """
 
     IN_PROGRESS = object()
+    SUPERSEDED = object()
 
     def __init__(self) -> None:
-        self._entries: dict[int, OrderedDict[int, Any]] = {}
+        self._entries: dict[int, dict[int, Any]] = {}
         self._applied: dict[int, OrderedDict[int, bool]] = {}
 
     def lookup(self, worker: int, request_id: int) -> Any:
-        """The stored reply, :attr:`IN_PROGRESS`, or ``None`` for a request never seen."""
-        return self._entries.get(worker, {}).get(request_id)
+        """The stored reply, :attr:`IN_PROGRESS`, :attr:`SUPERSEDED`, or ``None`` for a request never seen."""
+        found = self._entries.get(worker, {}).get(request_id)
+        if found is None and request_id in self._applied.get(worker, {}):
+            return self.SUPERSEDED
+        return found
 
     def begin(self, worker: int, request_id: int) -> None:
-        self._entries.setdefault(worker, OrderedDict())[request_id] = self.IN_PROGRESS
+        self._entries.setdefault(worker, {})[request_id] = self.IN_PROGRESS
 
     def abandon(self, worker: int, request_id: int) -> None:
         """The request was refused or its worker failed before a reply: a retry is handled afresh."""
         self._entries.get(worker, {}).pop(request_id, None)
 
     def finish(self, worker: int, request_id: int, reply: Any, applied: bool) -> None:
-        entries = self._entries.setdefault(worker, OrderedDict())
+        entries = self._entries.setdefault(worker, {})
+        for older in [rid for rid, value in entries.items() if value is not self.IN_PROGRESS and rid != request_id]:
+            del entries[older]  # its outcome stays in _applied
         entries[request_id] = reply
         self.mark(worker, request_id, applied)
-        while len(entries) > REMEMBERED_REQUESTS:
-            entries.popitem(last=False)
 
     def mark(self, worker: int, request_id: int, applied: bool) -> None:
         """Record whether ``request_id`` ended up in an applied update."""

@@ -60,6 +60,19 @@ def _mlp(shape: InputShape) -> nn.Module:
     )
 
 
+def _wide_mlp(shape: InputShape) -> nn.Module:
+    """~5.8M parameters at 28x28 (23 MB of float32, a resnet18's payload order): a model where communication
+    dominates a step's time (its forward/backward is a few milliseconds)."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(shape.channels * shape.height * shape.width, 4096),
+        nn.ReLU(inplace=True),
+        nn.Linear(4096, 640),
+        nn.ReLU(inplace=True),
+        nn.Linear(640, shape.num_classes),
+    )
+
+
 def _resnet18(shape: InputShape) -> nn.Module:
     from torchvision.models import resnet18
 
@@ -73,6 +86,7 @@ def _resnet18(shape: InputShape) -> nn.Module:
 MODELS: dict[str, Callable[[InputShape], nn.Module]] = {
     "simple_cnn": _simple_cnn,
     "mlp": _mlp,
+    "wide_mlp": _wide_mlp,
     "resnet18": _resnet18,
 }
 

@@ -334,6 +334,9 @@ class ServerCore:
         if request_id == 0:
             raise PushRefused("INVALID_ARGUMENT", "push: request_id must be non-zero (unique per push)")
         remembered = self.requests.lookup(worker_id, request_id)
+        if remembered is RequestLog.SUPERSEDED:
+            raise PushRefused("FAILED_PRECONDITION", f"push {request_id} of worker {worker_id} was handled already "
+                                                     f"and is not its newest push (request ids are unique per push)")
         if remembered is not None:
             return remembered  # IN_PROGRESS, or a retry of a handled push: answer again, apply nothing
         try:

@@ -230,3 +230,21 @@ def test_a_ddp_experiment_runs_through_the_elastic_launcher(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["architecture"] == "ddp" and summary["world_size"] == 2 and summary["samples_processed"] == 64, summary
     assert json.loads((run / "experiment.json").read_text())["status"] == "finished"
+
+
+def test_a_matrix_with_a_virtual_clock_runs_both_clocks_on_the_same_experiment(tmp_path):
+    matrix_file = tmp_path / "clocks.yaml"
+    matrix_file.write_text(yaml.safe_dump({
+        "matrix": {"name": "clocks", "axes": {"clock": ["real", "virtual"]}},
+        **TINY, "emulation": {"uplink_mbps": 200, "compute_s": 0.01, "server_update_s": 0.001, "server_reply_s": 0.001},
+    }))
+    assert [e["name"] for e, _ in run_matrix.expand(yaml.safe_load(matrix_file.read_text()), "x")[1]] == ["real", "virtual"]
+    results = tmp_path / "results"
+    ran = script("run_matrix.py", "--config", str(matrix_file), "--results-dir", str(results))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    real, virtual = (json.loads((results / "clocks" / name / "summary.json").read_text()) for name in ("real", "virtual"))
+    assert real["clock"] == "real" and virtual["clock"] == "virtual" and virtual["wall_time_fields"] == ["wall_time_s", "wall_loop_s"]
+    for summary in (real, virtual):  # the same job either way: every sample in an applied update, once
+        assert summary["samples_processed"] == 64 and summary["pushes_applied"] == 4
+    assert virtual["cost_model"]["compute_s"] == {"0": 0.01}
+    assert (results / "clocks" / "virtual" / "logs" / "worker_0" / "events.jsonl").is_file()
