@@ -38,8 +38,8 @@ import os
 import sys
 
 from src.cli import (
-    COMPRESSION_FLAGS, CONTROLLER_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_controller_flags,
-    add_fault_tolerance_flags, config_from_args, exit_status, write_artifacts_if_asked,
+    AMP_FLAGS, COMPRESSION_FLAGS, CONTROLLER_FLAGS, FAULT_TOLERANCE_FLAGS, add_amp_flag, add_common_flags, add_compression_flags,
+    add_controller_flags, add_fault_tolerance_flags, config_from_args, exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -49,6 +49,7 @@ DDP_FLAGS = {
     "allreduce": "system.allreduce",
     "backend": "system.backend",
     "checkpoint_interval_steps": "training.checkpoint_interval_steps",
+    "collective_timeout": "system.collective_timeout_s",
 }
 
 
@@ -61,16 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="auto: nccl on CUDA, gloo on CPU (default auto)")
     ddp.add_argument("--checkpoint-interval-steps", type=int,
                      help="also checkpoint every N optimizer steps, mid-epoch too (default 0: epoch checkpoints only)")
+    add_amp_flag(parser)
     add_compression_flags(parser, "compression (DDP comm hook)")
     add_controller_flags(parser)
     add_fault_tolerance_flags(parser, heartbeats=False)
+    ddp.add_argument(
+        "--collective-timeout", type=float, metavar="SECONDS",
+        help="a collective waits at most this long for its peers, and a rank silent (no heartbeat) this long is hung: "
+             "either fails the attempt and the group restarts from its newest checkpoint (system.collective_timeout_s, "
+             "default 60)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**DDP_FLAGS, **COMPRESSION_FLAGS, **CONTROLLER_FLAGS, **FAULT_TOLERANCE_FLAGS},
+    config = config_from_args(args, defaults=DEFAULTS,
+                              extra_flags={**DDP_FLAGS, **AMP_FLAGS, **COMPRESSION_FLAGS, **CONTROLLER_FLAGS, **FAULT_TOLERANCE_FLAGS},
                               forced={"system.architecture": "ddp"})
     system = config.system
     if system.adaptive_compression and not config.training.eval_interval:
