@@ -8,6 +8,8 @@
     python run_ddp_training.py --world-size 2 --compression-enabled --compression-ratio 0.1 --adaptive-compression --eval-interval 20
     python run_ddp_training.py --world-size 2 --resume checkpoints/ddp_cli --num-epochs 4
     python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --inject-fault kill:rank=1@step=30
+    python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --collective-timeout 10 --inject-fault hang:rank=1@step=30
+    python run_ddp_training.py --world-size 2 --amp bf16 --compression-enabled --compression-ratio 0.1 --compression-value-dtype bfloat16
 
 Across machines, the same script under torchrun (it reads RANK / WORLD_SIZE / MASTER_ADDR and spawns
 nothing); run on each of the two nodes:
@@ -19,7 +21,9 @@ Fault tolerance: the local launcher is torch's elastic agent (the one torchrun r
 dies takes the group down and the agent starts it again, up to --max-restarts times (torchrun's own
 --max-restarts under torchrun); the new attempt continues from the newest checkpoint of this job
 (--checkpoint-interval-steps K adds a checkpoint every K steps). --inject-fault kill:rank=R@step=N
-SIGKILLs rank R at its Nth step, in the first attempt only.
+SIGKILLs rank R at its Nth step, in the first attempt only (hang:rank=R@step=N SIGSTOPs it). A hung
+rank (no heartbeat for --collective-timeout seconds, default 60) is killed and the attempt ends the
+same way (src/ddp_watchdog.py).
 
 Adaptive compression: --adaptive-compression (top-k only, needs --eval-interval K) lets the controller
 of src/controller.py set the top-k Active Fraction at every evaluation; rank 0 decides, the decision

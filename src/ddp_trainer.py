@@ -34,6 +34,15 @@ controller's state in ``extra["controller"]``. ``--resume`` has rank 0 load the 
 broadcast it (other machines need no copy of the file); a mid-epoch checkpoint continues the same
 epoch at the next batch, so the data order, the hook state and the controller continue exactly.
 
+Mixed precision (``training.amp``): :class:`src.trainer.MixedPrecision` around each step's forward
+pass; under fp16 every rank's GradScaler sees the same averaged gradients and skips the same steps;
+its state is checkpointed in ``extra["grad_scaler"]``. An emulated straggler (``emulation``,
+``slowdown`` / ``step_delay_s`` per rank) waits :class:`src.netem.ComputeDelay` after each backward.
+
+Hung ranks: :func:`run_rank` starts a :class:`src.ddp_watchdog.HangWatchdog` (heartbeats in the
+agent's store) and, once set up, limits every collective to ``system.collective_timeout_s``; a hung
+peer ends the attempt, which the agent then restarts like one whose rank died.
+
 Restarts: when the elastic agent restarts the group after a rank died (``TORCHELASTIC_RESTART_COUNT``
 > 0), rank 0 resumes from the newest checkpoint this job wrote, which :class:`JobRecord` keeps in
 the agent's store (so an older job's checkpoints in the same folder are never taken), and logs

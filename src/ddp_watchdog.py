@@ -198,7 +198,8 @@ class HangWatchdog:
         """A collective failed (timed out): if a peer went silent, handle it as hung (this process then ends).
 
         A peer silent for two intervals or more, while the collective waited T for it, is the one
-        that hung; without one the failure is something else and the caller raises it as usual.
+        that hung; without one (or when that peer's process on this host is gone: it died, which the
+        agent sees by itself) the failure is something else and the caller raises it as usual.
         """
         if self._thread is not None:
             self._stop.set()
@@ -214,9 +215,16 @@ class HangWatchdog:
                         silent = (peer, now - since, value)
         except Exception:
             return None
-        if silent is None:
+        if silent is None or self._gone(silent[2]):
             return None
         return self._handle(silent, "collective timeout")
+
+    def _gone(self, heartbeat: str | None) -> bool:
+        """Whether the process of ``heartbeat`` ran on this host and no longer exists."""
+        if not heartbeat:
+            return False
+        _, pid, host = heartbeat.split(" ", 2)
+        return host == self.host and process_state(int(pid)) in (None, "Z")
 
     def _handle(self, silent: tuple[int, float, str | None], detected_by: str) -> HungPeer:
         peer, silent_s, value = silent

@@ -19,6 +19,7 @@ from src.compression import (
     parse_header, policy_from_config,
 )
 from src.config import ConfigError, SystemConfig, validate_config
+from tests.test_compression import _rewrite_header
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -120,25 +121,15 @@ def test_the_policy_sends_uncompressed_values_in_the_compressors_value_dtype():
     assert parse_header(quantized).value_dtype == torch.float32  # quantization has no value dtype
 
 
-def _rewrite(payload: bytes, **fields) -> bytes:
-    names = ["magic", "version", "kind", "dtype", "bits", "ndim", "value_dtype", "numel", "param"]
-    layout = struct.Struct("<2sBBBBBBQI8I")
-    values = list(layout.unpack_from(payload))
-    for name, value in fields.items():
-        values[names.index(name)] = value
-    body = layout.pack(*values)
-    return body + struct.pack("<I", zlib.crc32(body)) + payload[HEADER_SIZE:]
-
-
 def test_inconsistent_value_dtype_headers_are_refused_by_name():
     topk = build_compressor("topk", ratio=0.1).compress(_randn(100, seed=6))
     with pytest.raises(ValueError, match="unknown value dtype code 3"):  # float64 values: no such thing
-        decompress(_rewrite(topk, value_dtype=3))
+        decompress(_rewrite_header(topk, value_dtype=3))
     with pytest.raises(ValueError, match="bits=32 for torch.bfloat16 values"):
-        decompress(_rewrite(topk, value_dtype=2))
+        decompress(_rewrite_header(topk, value_dtype=2))
     quantized = build_compressor("quantization").compress(_randn(100, seed=6))
     with pytest.raises(ValueError, match="scales are float32"):
-        decompress(_rewrite(quantized, value_dtype=1))
+        decompress(_rewrite_header(quantized, value_dtype=1))
 
 
 def test_bad_value_dtypes_are_named():

@@ -145,6 +145,17 @@ def test_after_a_failed_collective_the_silent_peer_is_the_hung_one(store):
     assert (hung.rank, hung.detected_by) == (1, "collective timeout") and left == [HUNG_PEER_EXIT]
 
 
+def test_a_failed_collective_whose_silent_peer_died_here_is_not_a_hang(store):
+    clock, left = Clock(), []
+    watcher = HangWatchdog(store, 0, 2, TIMEOUT_S, clock=clock, leave=left.append, host="here")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # exited: a crash the agent sees by itself
+    store.set("heartbeat/1", f"4 {child.pid} here")
+    watcher.check()
+    clock.now += 3 * watcher.interval_s
+    assert watcher.collective_failed() is None and left == []
+
+
 def test_a_failed_collective_with_every_peer_beating_is_not_a_hang(store):
     clock, left = Clock(), []
     watcher, peer = _ranks(store, 2, clock, left)
