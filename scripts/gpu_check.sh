@@ -3,8 +3,8 @@
 #
 #   scripts/gpu_check.sh [OUT_DIR]          # default OUT_DIR: a fresh folder under /tmp
 #
-# About 2-3 minutes on one H200 (most of it is starting Python and CUDA in each process), each check
-# bounded by its own timeout. Exit status: the number of failed checks (0: all passed). A line is
+# Sized for under 5 minutes on one H200 (most of it is starting Python and CUDA in each process), each
+# check bounded by its own timeout. Exit status: the number of failed checks (0: all passed). A line is
 #   {"check": NAME, "ok": true|false, "rc": N, "seconds": S, "detail": {...}}
 # plus "tail" (the last lines of its output) and "log" when it failed. Every check's full output is
 # OUT_DIR/<check>.log, its run's outputs OUT_DIR/<check>/.
