@@ -543,8 +543,9 @@ class DDPTrainer:
         samples, steps_run = 0, 0
         rank_log = MetricsLogger(self.log_dir / f"rank_{rank}", rank=rank)
         run_log = MetricsLogger(self.log_dir) if rank == 0 else None
-        reporters = [log.event for log in (rank_log, run_log) if log is not None]
-        for reporter in reporters if self.watchdog is not None else ():
+        # rank_hung events (src.ddp_watchdog) go into this rank's log, and rank 0's into the run's too
+        reporters = [log.event for log in (rank_log, run_log) if log is not None] if self.watchdog is not None else []
+        for reporter in reporters:
             self.watchdog.report_to(reporter)
         try:
             rank_log.event("run_start", pid=os.getpid(), world_size=self.ctx.world_size, backend=self.ctx.backend,
@@ -599,7 +600,7 @@ class DDPTrainer:
                 self.watchdog.collective_failed()
             raise
         finally:
-            for reporter in reporters if self.watchdog is not None else ():
+            for reporter in reporters:
                 self.watchdog.forget(reporter)
             rank_log.close()
             if run_log is not None:
