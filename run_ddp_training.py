@@ -8,6 +8,8 @@
     python run_ddp_training.py --world-size 2 --compression-enabled --compression-ratio 0.1 --adaptive-compression --eval-interval 20
     python run_ddp_training.py --world-size 2 --resume checkpoints/ddp_cli --num-epochs 4
     python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --inject-fault kill:rank=1@step=30
+    python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --collective-timeout 10 --inject-fault hang:rank=1@step=30
+    python run_ddp_training.py --world-size 2 --amp bf16 --compression-enabled --compression-ratio 0.1 --compression-value-dtype bfloat16
 
 Across machines, the same script under torchrun (it reads RANK / WORLD_SIZE / MASTER_ADDR and spawns
 nothing); run on each of the two nodes:
@@ -19,7 +21,9 @@ Fault tolerance: the local launcher is torch's elastic agent (the one torchrun r
 dies takes the group down and the agent starts it again, up to --max-restarts times (torchrun's own
 --max-restarts under torchrun); the new attempt continues from the newest checkpoint of this job
 (--checkpoint-interval-steps K adds a checkpoint every K steps). --inject-fault kill:rank=R@step=N
-SIGKILLs rank R at its Nth step, in the first attempt only.
+SIGKILLs rank R at its Nth step, in the first attempt only (hang:rank=R@step=N SIGSTOPs it). A hung
+rank (no heartbeat for --collective-timeout seconds, default 60) is killed and the attempt ends the
+same way (src/ddp_watchdog.py).
 
 Adaptive compression: --adaptive-compression (top-k only, needs --eval-interval K) lets the controller
 of src/controller.py set the top-k Active Fraction at every evaluation; rank 0 decides, the decision
@@ -38,8 +42,8 @@ import os
 import sys
 
 from src.cli import (
-    COMPRESSION_FLAGS, CONTROLLER_FLAGS, FAULT_TOLERANCE_FLAGS, add_common_flags, add_compression_flags, add_controller_flags,
-    add_fault_tolerance_flags, config_from_args, exit_status, write_artifacts_if_asked,
+    AMP_FLAGS, COMPRESSION_FLAGS, CONTROLLER_FLAGS, FAULT_TOLERANCE_FLAGS, add_amp_flag, add_common_flags, add_compression_flags,
+    add_controller_flags, add_fault_tolerance_flags, config_from_args, exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -49,6 +53,7 @@ DDP_FLAGS = {
     "allreduce": "system.allreduce",
     "backend": "system.backend",
     "checkpoint_interval_steps": "training.checkpoint_interval_steps",
+    "collective_timeout": "system.collective_timeout_s",
 }
 
 
@@ -61,16 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="auto: nccl on CUDA, gloo on CPU (default auto)")
     ddp.add_argument("--checkpoint-interval-steps", type=int,
                      help="also checkpoint every N optimizer steps, mid-epoch too (default 0: epoch checkpoints only)")
+    add_amp_flag(parser)
     add_compression_flags(parser, "compression (DDP comm hook)")
     add_controller_flags(parser)
     add_fault_tolerance_flags(parser, heartbeats=False)
+    ddp.add_argument(
+        "--collective-timeout", type=float, metavar="SECONDS",
+        help="a collective waits at most this long for its peers, and a rank silent (no heartbeat) this long is hung: "
+             "either fails the attempt and the group restarts from its newest checkpoint (system.collective_timeout_s, "
+             "default 60)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**DDP_FLAGS, **COMPRESSION_FLAGS, **CONTROLLER_FLAGS, **FAULT_TOLERANCE_FLAGS},
+    config = config_from_args(args, defaults=DEFAULTS,
+                              extra_flags={**DDP_FLAGS, **AMP_FLAGS, **COMPRESSION_FLAGS, **CONTROLLER_FLAGS, **FAULT_TOLERANCE_FLAGS},
                               forced={"system.architecture": "ddp"})
     system = config.system
     if system.adaptive_compression and not config.training.eval_interval:

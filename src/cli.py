@@ -128,6 +128,7 @@ COMPRESSION_FLAGS: dict[str, str] = {
     "compression_ratio": "system.compression_ratio",
     "quantization_bits": "system.quantization_bits",
     "topk_selection": "system.topk_selection",
+    "compression_value_dtype": "system.compression_value_dtype",
     "warmup_steps": "system.warmup_steps",
     "error_feedback": "system.error_feedback",
 }
@@ -141,9 +142,23 @@ def add_compression_flags(parser: argparse.ArgumentParser, title: str) -> None:
     group.add_argument("--compression-ratio", type=float, help="fraction of entries top-k keeps, in (0, 1] (default 0.01)")
     group.add_argument("--quantization-bits", type=int, choices=(2, 4, 8), help="bits per entry of quantization (default 8)")
     group.add_argument("--topk-selection", choices=("exact", "sampled"), help="top-k selection: same entries, sampled is faster (default sampled)")
+    group.add_argument("--compression-value-dtype", choices=("float32", "bfloat16", "float16"),
+                       help="what top-k's kept values travel in: 4 bytes each, or 2 (6 instead of 8 bytes per kept entry; "
+                            "default float32)")
     group.add_argument("--warmup-steps", type=int, help="uncompressed steps before compression starts (default 0)")
     group.add_argument("--no-error-feedback", dest="error_feedback", action="store_const", const=False,
                        help="drop what compression leaves out instead of carrying it into the next step")
+
+
+AMP_FLAGS: dict[str, str] = {"amp": "training.amp"}
+
+
+def add_amp_flag(parser: argparse.ArgumentParser) -> None:
+    """Mixed precision of the trainers that run the model themselves (baseline, DDP)."""
+    group = parser.add_argument_group("mixed precision")
+    group.add_argument("--amp", choices=("none", "bf16", "fp16"),
+                       help="forward pass under torch.autocast in bfloat16 or float16 (fp16: with a GradScaler); "
+                            "parameters, optimizer and checkpoints stay float32 (training.amp, default none)")
 
 
 CONTROLLER_FLAGS: dict[str, str] = {

@@ -41,7 +41,8 @@ segment are its parameters' residuals side by side), which is also what the para
 worker keeps, so checkpoints read as ``{parameter name: tensor}`` whatever the bucket layout.
 
 How to tune it: ``system.compression_ratio`` (top-k fraction of each segment; 8 bytes per kept
-entry against 4 per dense entry, so ratio r sends about 2r of the dense bytes),
+entry against 4 per dense entry, so ratio r sends about 2r of the dense bytes; 6 bytes, 1.5r, with
+``system.compression_value_dtype`` bfloat16 or float16),
 ``quantization_bits``, ``warmup_steps`` (plain allreduce, ``default`` or ``ring``, for the first
 steps: early gradients are the most sensitive to compression), ``error_feedback`` (leave it on for
 top-k). :data:`RING_SEGMENT_BYTES` sets the ring's pipelining grain. With
@@ -699,6 +700,32 @@ def gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+def compression_comm_hook(policy: CompressionPolicy, model: nn.Module, *, error_feedback: bool = True,
+                          plain_allreduce: str = "default", group=None, seed: int = 0, overlap: bool = True) -> CommHook:
+    """:func:`compression_hook` with ``policy`` for ``model`` (the module DDP wraps), not yet registered.
+
+    Arguments as :class:`CompressionHookState`'s; the hook is named after the policy's compressor.
+    """
+    state = CompressionHookState(
+        policy,
+        param_names={id(p): name for name, p in model.named_parameters()},
+        error_feedback=error_feedback,
+        plain_allreduce=plain_allreduce,
+        group=group,
+        seed=seed,
+        overlap=overlap,
+    )
+    return CommHook(policy.compressor.name, state, compression_hook, state.stats, world_size=_group_size(group),
+                    gradient_bytes=gradient_bytes(model))
+
+
+def ring_comm_hook(model: nn.Module, *, group=None, overlap: bool = True) -> CommHook:
+    """:func:`ring_allreduce_hook` for ``model`` (the module DDP wraps), not yet registered."""
+    state = RingHookState(group=group, overlap=overlap)
+    return CommHook("ring", state, ring_allreduce_hook, state.stats, world_size=_group_size(group),
+                    gradient_bytes=gradient_bytes(model))
+
+
 def comm_hook_from_config(system: SystemConfig, model: nn.Module, *, group=None, seed: int = 0, overlap: bool = True) -> CommHook:
     """The gradient exchange ``system`` asks for, for ``model`` (the module DDP wraps).
 
@@ -707,25 +734,13 @@ def comm_hook_from_config(system: SystemConfig, model: nn.Module, *, group=None,
     Raises:
         ValueError: unknown compression type or allreduce name.
     """
-    world = _group_size(group)
-    common = dict(world_size=world, gradient_bytes=gradient_bytes(model))
     if system.compression_enabled:
-        policy = policy_from_config(system)
-        state = CompressionHookState(
-            policy,
-            param_names={id(p): name for name, p in model.named_parameters()},
-            error_feedback=system.error_feedback,
-            plain_allreduce=system.allreduce,
-            group=group,
-            seed=seed,
-            overlap=overlap,
-        )
-        return CommHook(system.compression_type, state, compression_hook, state.stats, **common)
+        return compression_comm_hook(policy_from_config(system), model, error_feedback=system.error_feedback,
+                                     plain_allreduce=system.allreduce, group=group, seed=seed, overlap=overlap)
     if system.allreduce == "ring":
-        state = RingHookState(group=group, overlap=overlap)
-        return CommHook("ring", state, ring_allreduce_hook, state.stats, **common)
+        return ring_comm_hook(model, group=group, overlap=overlap)
     if system.allreduce == "default":
-        return CommHook("allreduce", **common)
+        return CommHook("allreduce", world_size=_group_size(group), gradient_bytes=gradient_bytes(model))
     raise ValueError(f"system.allreduce: must be one of {sorted(PLAIN_ALLREDUCE)}, got {system.allreduce!r}")
 
 
@@ -738,9 +753,11 @@ __all__ = [
     "RingHookState",
     "bytes_accounting",
     "comm_hook_from_config",
+    "compression_comm_hook",
     "compression_hook",
     "gradient_bytes",
     "ring_allreduce_",
     "ring_allreduce_bytes",
     "ring_allreduce_hook",
+    "ring_comm_hook",
 ]

@@ -20,6 +20,8 @@ Every payload is ``HEADER_SIZE`` (56) bytes of fixed header followed by the comp
 * ``identity``      4 bytes per entry (raw float32): the uncompressed reference.
 * ``topk``          8 bytes per kept entry (float32 value + int32 index),
                     ``k = ceil(ratio * numel)``.
+* identity and top-k with ``value_dtype="bfloat16"`` or ``"float16"``: 2 bytes per value, so
+                    6 bytes per kept top-k entry (0.75x the float32 payload's body).
 * ``quantization``  ``bits / 8`` bytes per entry + one float32 scale per bucket
                     (8 bits: 1 byte per entry, the default).
 
@@ -33,6 +35,11 @@ How to tune it
   sample and then corrects it, so it returns *exactly the same entries* as ``"exact"``
   (``torch.topk``) but ~9x faster at 1M entries and 15-20x at 11M. Use ``"exact"`` only to
   rule it out.
+* ``topk.value_dtype`` / ``identity.value_dtype``: ``"float32"`` (default), ``"bfloat16"`` or
+  ``"float16"``: the precision the values travel in. bfloat16 keeps float32's range (7 mantissa
+  bits: relative rounding error <= 2**-8); float16 has 10 mantissa bits but saturates at +-65504.
+  The rounding error is what :class:`ErrorFeedback` carries into the next step, like the entries
+  top-k drops.
 * ``topk.sample_size``: sample drawn for the threshold estimate (raised automatically so the
   sample holds at least 256 expected top-k hits). Larger is steadier, smaller is cheaper.
 * ``quantization.bits``: 8 (1 B/entry, ~4x), 4 (~8x) or 2 (~16x, ternary). Fewer bits means more
@@ -45,7 +52,8 @@ How to tune it
   pay for itself.
 
 Inputs in float16, bfloat16 or float64 are converted to float32 before compressing (the header
-records the source dtype); :func:`decompress` always returns float32. Bad input -- non-finite
+records the source dtype); :func:`decompress` always returns float32, whatever dtype the values
+travelled in. Bad input -- non-finite
 values, empty tensors, non-floating dtypes, payloads whose header is garbled or disagrees with the
 payload length -- raises ``ValueError`` naming the problem; it never yields a silently wrong tensor.
 """
@@ -70,6 +78,7 @@ import torch
 
 __all__ = [
     "BYTES_PER_IDENTITY_ENTRY",
+    "BYTES_PER_INDEX",
     "BYTES_PER_SCALE",
     "BYTES_PER_TOPK_ENTRY",
     "COMPRESSORS",
@@ -86,6 +95,7 @@ __all__ = [
     "PayloadHeader",
     "QuantizationCompressor",
     "TopKCompressor",
+    "VALUE_DTYPES",
     "build_compressor",
     "decompress",
     "parse_header",
@@ -101,7 +111,9 @@ MAGIC = b"GC"
 FORMAT_VERSION = 1
 MAX_NDIM = 8
 
-# magic, version, kind, source dtype, bits, ndim, reserved, numel, param, shape[MAX_NDIM]
+# magic, version, kind, source dtype, bits, ndim, value dtype, numel, param, shape[MAX_NDIM]
+# The value-dtype byte was "reserved" (always 0) before values could travel in 16 bits; 0 still
+# means float32, so every payload written before reads exactly as it did.
 _HEADER_BODY = struct.Struct(f"<2sBBBBBBQI{MAX_NDIM}I")
 _HEADER_CRC = struct.Struct("<I")
 #: Size in bytes of the fixed header that starts every payload.
@@ -109,11 +121,11 @@ HEADER_SIZE = _HEADER_BODY.size + _HEADER_CRC.size  # 56: keeps the buffers 8-by
 
 BYTES_PER_IDENTITY_ENTRY = 4  # float32
 BYTES_PER_TOPK_ENTRY = 8  # float32 value + int32 index
+BYTES_PER_INDEX = 4  # int32 index of a kept top-k entry
 BYTES_PER_SCALE = 4  # float32 scale per quantization bucket
 
 _UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
-_VALUE_BITS = 32  # the "bits" header field of identity and top-k: float32 values
 
 # Little-endian on the wire whatever the host; these are no-op views on little-endian hosts.
 _F32 = np.dtype("<f4")
@@ -135,6 +147,13 @@ _DTYPE_CODES: Mapping[torch.dtype, int] = types.MappingProxyType(
 _CODE_DTYPES: Mapping[int, torch.dtype] = types.MappingProxyType(
     {code: dtype for dtype, code in _DTYPE_CODES.items()}
 )
+# Dtypes values may travel in (identity and top-k), with the same codes as source dtypes.
+VALUE_DTYPES: Mapping[str, torch.dtype] = types.MappingProxyType(
+    {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+)
+_VALUE_CODES: Mapping[torch.dtype, int] = types.MappingProxyType(
+    {dtype: _DTYPE_CODES[dtype] for dtype in VALUE_DTYPES.values()}
+)
 
 PayloadLike = Union[bytes, bytearray, memoryview, np.ndarray, torch.Tensor]
 
@@ -145,12 +164,15 @@ class PayloadHeader:
 
     Attributes:
         kind: which compressor produced the payload.
-        source_dtype: dtype of the tensor that was compressed (values travel as float32).
-        bits: quantization bits (2/4/8), or 32 for identity and top-k float32 values.
+        source_dtype: dtype of the tensor that was compressed.
+        bits: quantization bits (2/4/8), or the bits of each value of identity and top-k (32 for
+            float32 values, 16 for bfloat16/float16 ones).
         shape: shape of the compressed tensor.
         numel: number of entries of that tensor.
         param: top-k: ``k``; quantization: ``bucket_size``; identity: 0.
         payload_size: total payload length in bytes the header implies (header included).
+        value_dtype: dtype the values travel in (identity, top-k); float32 for quantization,
+            whose scales are float32.
     """
 
     kind: Kind
@@ -160,6 +182,7 @@ class PayloadHeader:
     numel: int
     param: int
     payload_size: int
+    value_dtype: torch.dtype = torch.float32
 
     @property
     def name(self) -> str:
@@ -168,10 +191,10 @@ class PayloadHeader:
 
 
 def _pack_header(kind: Kind, source_dtype: torch.dtype, bits: int, shape: tuple[int, ...],
-                 numel: int, param: int) -> bytes:
+                 numel: int, param: int, value_dtype: torch.dtype = torch.float32) -> bytes:
     dims = list(shape) + [0] * (MAX_NDIM - len(shape))
     body = _HEADER_BODY.pack(MAGIC, FORMAT_VERSION, int(kind), _DTYPE_CODES[source_dtype], bits,
-                             len(shape), 0, numel, param, *dims)
+                             len(shape), _VALUE_CODES[value_dtype], numel, param, *dims)
     return body + _HEADER_CRC.pack(zlib.crc32(body))
 
 
@@ -220,7 +243,7 @@ def _parse_header(buf: memoryview) -> PayloadHeader:
         raise ValueError(f"payload truncated: {size} bytes is shorter than the "
                          f"{HEADER_SIZE}-byte compression header")
     raw = bytes(buf[:HEADER_SIZE])
-    (magic, version, kind_code, dtype_code, bits, ndim, reserved, numel, param,
+    (magic, version, kind_code, dtype_code, bits, ndim, value_code, numel, param,
      *dims) = _HEADER_BODY.unpack_from(raw)
     if magic != MAGIC:
         raise ValueError(f"bad payload magic {magic!r}, expected {MAGIC!r}: "
@@ -238,14 +261,17 @@ def _parse_header(buf: memoryview) -> PayloadHeader:
                          f"{ {k.name.lower(): int(k) for k in Kind} }") from None
     if dtype_code not in _CODE_DTYPES:
         raise ValueError(f"unknown source dtype code {dtype_code} in payload header")
-    if ndim > MAX_NDIM or reserved != 0 or any(dims[ndim:]):
-        raise ValueError(f"malformed payload header: ndim={ndim}, reserved={reserved}, "
-                         f"dims={dims}")
+    if ndim > MAX_NDIM or any(dims[ndim:]):
+        raise ValueError(f"malformed payload header: ndim={ndim}, dims={dims}")
+    value_dtype = _CODE_DTYPES.get(value_code)
+    if value_dtype not in _VALUE_CODES:
+        raise ValueError(f"unknown value dtype code {value_code} in payload header; known: "
+                         f"{ {name: _VALUE_CODES[dtype] for name, dtype in VALUE_DTYPES.items()} }")
     shape = tuple(dims[:ndim])
     if numel == 0 or math.prod(shape) != numel:
         raise ValueError(f"malformed payload header: shape {shape} does not hold numel={numel}")
     cls = _BY_KIND[kind]
-    cls._check_header(bits=bits, numel=numel, param=param)
+    cls._check_header(bits=bits, numel=numel, param=param, value_dtype=value_dtype)
     expected = HEADER_SIZE + cls._body_size(bits=bits, numel=numel, param=param)
     if size != expected:
         problem = "truncated" if size < expected else "extended"
@@ -253,7 +279,8 @@ def _parse_header(buf: memoryview) -> PayloadHeader:
             f"payload {problem}: header describes a {kind.name.lower()} payload of shape {shape} "
             f"({expected} bytes) but got {size} bytes")
     return PayloadHeader(kind=kind, source_dtype=_CODE_DTYPES[dtype_code], bits=bits,
-                         shape=shape, numel=numel, param=param, payload_size=expected)
+                         shape=shape, numel=numel, param=param, payload_size=expected,
+                         value_dtype=value_dtype)
 
 
 def decompress(payload: PayloadLike, *, device: torch.device | str | None = None, copy: bool = True) -> torch.Tensor:
@@ -265,8 +292,8 @@ def decompress(payload: PayloadLike, *, device: torch.device | str | None = None
     Args:
         payload: the bytes produced by ``compress`` (or a 1-D uint8 array/tensor view of them).
         device: where to put the result (default CPU).
-        copy: ``False`` lets an identity payload come back as a read-only view of ``payload``'s
-            float32 values (no copy; the payload must stay alive and nobody may write the tensor):
+        copy: ``False`` lets a float32 identity payload come back as a read-only view of
+            ``payload``'s values (no copy; the payload must stay alive and nobody may write the tensor):
             what a receiver that only reads the gradient, like the parameter server, wants.
 
     Returns:
@@ -278,7 +305,8 @@ def decompress(payload: PayloadLike, *, device: torch.device | str | None = None
     """
     buf = _as_buffer(payload)
     header = _parse_header(buf)
-    if not copy and header.kind == Kind.IDENTITY and sys.byteorder == "little":
+    if (not copy and header.kind == Kind.IDENTITY and header.value_dtype == torch.float32
+            and sys.byteorder == "little"):
         flat = _identity_view(header, buf)
     else:
         flat = _BY_KIND[header.kind]._decode(header, buf)
@@ -314,6 +342,56 @@ def _frombuffer(buf: memoryview, dtype: np.dtype, count: int, offset: int) -> np
     """A writable native-endian copy of ``count`` items of ``dtype`` at ``offset``."""
     return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).astype(
         dtype.newbyteorder("="), copy=True)
+
+
+# -- values in 16 bits ----------------------------------------------------------------------
+
+_F16 = np.dtype("<f2")
+_U16 = np.dtype("<u2")
+_VALUE_LIMITS: Mapping[torch.dtype, float] = types.MappingProxyType(
+    {torch.float16: float(torch.finfo(torch.float16).max), torch.bfloat16: float(torch.finfo(torch.bfloat16).max)}
+)
+
+
+def _value_dtype(value: Any, field: str) -> torch.dtype:
+    """``value`` (a name of :data:`VALUE_DTYPES` or the torch dtype) as a torch dtype."""
+    if isinstance(value, str) and value in VALUE_DTYPES:
+        return VALUE_DTYPES[value]
+    if isinstance(value, torch.dtype) and value in _VALUE_CODES:
+        return value
+    raise ValueError(f"{field} must be one of {list(VALUE_DTYPES)}, got {value!r}")
+
+
+def _encode_values(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """float32 values -> the little-endian array their ``dtype`` puts on the wire.
+
+    Rounding is to nearest, ties to even. Magnitudes beyond the dtype's largest finite value are
+    saturated to it (a float16 gradient of 1e5 travels as 65504), so a send is always finite; error
+    feedback keeps the difference like any other rounding.
+    """
+    if dtype == torch.float32:
+        return values.astype(_F32, copy=False)
+    limit = _VALUE_LIMITS[dtype]
+    clipped = np.clip(values, -limit, limit)
+    if dtype == torch.float16:
+        return clipped.astype(_F16)
+    # numpy has no bfloat16: torch rounds, and its bit pattern goes on the wire.
+    return torch.from_numpy(clipped).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(_U16, copy=False)
+
+
+def _decode_values(buf: memoryview, dtype: torch.dtype, count: int, offset: int) -> np.ndarray:
+    """``count`` values of ``dtype`` at ``offset`` -> a writable native float32 array."""
+    if dtype == torch.float32:
+        return _frombuffer(buf, _F32, count, offset)
+    if dtype == torch.float16:
+        return np.frombuffer(buf, dtype=_F16, count=count, offset=offset).astype(np.float32)
+    # A bfloat16 is the upper half of the float32 with the same value.
+    bits = np.frombuffer(buf, dtype=_U16, count=count, offset=offset).astype(np.uint32) << 16
+    return bits.view(np.float32)
+
+
+def _value_bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,7 +554,7 @@ class Compressor(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def _check_header(cls, *, bits: int, numel: int, param: int) -> None:
+    def _check_header(cls, *, bits: int, numel: int, param: int, value_dtype: torch.dtype) -> None:
         """Raise ValueError when header fields are impossible for this kind."""
         raise NotImplementedError
 
@@ -492,38 +570,53 @@ class Compressor(abc.ABC):
         raise NotImplementedError
 
 
+def _check_value_bits(kind: str, bits: int, value_dtype: torch.dtype) -> None:
+    if bits != _value_bits(value_dtype):
+        raise ValueError(f"malformed {kind} payload header: bits={bits} for {value_dtype} values")
+
+
 @dataclasses.dataclass(frozen=True)
 class IdentityCompressor(Compressor):
-    """Raw float32 (4 bytes per entry + header): the uncompressed reference."""
+    """Every value, uncompressed: 4 bytes per entry (float32, the reference) or 2 (16-bit values).
+
+    Attributes:
+        value_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` (or the torch dtype).
+    """
 
     name: ClassVar[str] = "identity"
     kind: ClassVar[Kind] = Kind.IDENTITY
 
+    value_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        object.__setattr__(self, "value_dtype", _value_dtype(self.value_dtype, "identity.value_dtype"))
+
     def _encode(self, flat, shape, source_dtype, generator):
-        values = flat.cpu().numpy().astype(_F32, copy=False)
+        values = flat.cpu().numpy()
         if not _all_finite(values):
             _raise_non_finite(flat, shape, source_dtype)
-        header = _pack_header(self.kind, source_dtype, _VALUE_BITS, shape, flat.numel(), 0)
-        return _join(header, values)
+        header = _pack_header(self.kind, source_dtype, self._bits(), shape, flat.numel(), 0, self.value_dtype)
+        return _join(header, _encode_values(values, self.value_dtype))
 
     def _bits(self) -> int:
-        return _VALUE_BITS
+        return _value_bits(self.value_dtype)
 
     def _param(self, numel: int) -> int:
         return 0
 
     @classmethod
-    def _check_header(cls, *, bits, numel, param):
-        if bits != _VALUE_BITS or param != 0:
+    def _check_header(cls, *, bits, numel, param, value_dtype):
+        _check_value_bits("identity", bits, value_dtype)
+        if param != 0:
             raise ValueError(f"malformed identity payload header: bits={bits}, param={param}")
 
     @classmethod
     def _body_size(cls, *, bits, numel, param):
-        return BYTES_PER_IDENTITY_ENTRY * numel
+        return bits // 8 * numel
 
     @classmethod
     def _decode(cls, header, buf):
-        values = _frombuffer(buf, _F32, header.numel, HEADER_SIZE)
+        values = _decode_values(buf, header.value_dtype, header.numel, HEADER_SIZE)
         if not _all_finite(values):
             raise ValueError("identity payload holds NaN/Inf values")
         return torch.from_numpy(values)
@@ -675,8 +768,10 @@ def _device_sampled_topk(flat: torch.Tensor, k: int, sample_size: int) -> torch.
 class TopKCompressor(Compressor):
     """Keep the ``ceil(ratio * numel)`` entries of largest magnitude.
 
-    Wire: header + ``k`` float32 values + ``k`` int32 indices (8 bytes per kept entry), indices
-    ascending. Ties in magnitude: the lower index wins, in both selection modes.
+    Wire: header + ``k`` values + ``k`` int32 indices (8 bytes per kept entry with float32
+    values, 6 with 16-bit ones), indices ascending. Ties in magnitude: the lower index wins, in
+    both selection modes. Selection looks at the float32 magnitudes; only the kept values are
+    rounded to ``value_dtype``.
 
     Attributes:
         ratio: fraction of entries kept, in (0, 1]. ``k = ceil(ratio * numel)`` with
@@ -688,6 +783,8 @@ class TopKCompressor(Compressor):
             retried, finally falling back to exact, if fewer than k candidates turn up). Both
             modes return identical payloads; ``"sampled"`` is faster on large tensors.
         sample_size: minimum sample drawn by ``"sampled"`` selection.
+        value_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` (or the torch
+            dtype): what the kept values travel in.
     """
 
     name: ClassVar[str] = "topk"
@@ -696,6 +793,7 @@ class TopKCompressor(Compressor):
     ratio: float = 0.01
     selection: str = "sampled"
     sample_size: int = 65536
+    value_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         ratio = self.ratio
@@ -709,6 +807,7 @@ class TopKCompressor(Compressor):
                 or self.sample_size < 1024):
             raise ValueError(f"topk.sample_size must be an int >= 1024, got {self.sample_size!r}")
         object.__setattr__(self, "ratio", float(ratio))
+        object.__setattr__(self, "value_dtype", _value_dtype(self.value_dtype, "topk.value_dtype"))
 
     def k_for(self, numel: int) -> int:
         """Entries kept for a tensor of ``numel`` entries."""
@@ -740,30 +839,31 @@ class TopKCompressor(Compressor):
                 selected = _device_exact_topk(flat, k)
             kept = flat.index_select(0, selected).cpu().numpy()
             indices = selected.cpu().numpy()
-        header = _pack_header(self.kind, source_dtype, _VALUE_BITS, shape, numel, k)
-        return _join(header, kept.astype(_F32, copy=False), indices.astype(_I32))
+        header = _pack_header(self.kind, source_dtype, self._bits(), shape, numel, k, self.value_dtype)
+        return _join(header, _encode_values(kept, self.value_dtype), indices.astype(_I32))
 
     def _bits(self) -> int:
-        return _VALUE_BITS
+        return _value_bits(self.value_dtype)
 
     def _param(self, numel: int) -> int:
         return self.k_for(numel)
 
     @classmethod
-    def _check_header(cls, *, bits, numel, param):
-        if bits != _VALUE_BITS or not 1 <= param <= numel or numel > _INT32_MAX:
+    def _check_header(cls, *, bits, numel, param, value_dtype):
+        _check_value_bits("topk", bits, value_dtype)
+        if not 1 <= param <= numel or numel > _INT32_MAX:
             raise ValueError(f"malformed topk payload header: bits={bits}, k={param}, "
                              f"numel={numel}")
 
     @classmethod
     def _body_size(cls, *, bits, numel, param):
-        return BYTES_PER_TOPK_ENTRY * param
+        return (bits // 8 + BYTES_PER_INDEX) * param
 
     @classmethod
     def _decode(cls, header, buf):
         k, numel = header.param, header.numel
-        values = _frombuffer(buf, _F32, k, HEADER_SIZE)
-        indices = _frombuffer(buf, _I32, k, HEADER_SIZE + 4 * k)
+        values = _decode_values(buf, header.value_dtype, k, HEADER_SIZE)
+        indices = _frombuffer(buf, _I32, k, HEADER_SIZE + header.bits // 8 * k)
         if not _all_finite(values):
             raise ValueError("topk payload holds NaN/Inf values")
         if indices[0] < 0 or indices[-1] >= numel or (k > 1 and not (np.diff(indices) > 0).all()):
@@ -846,10 +946,10 @@ class QuantizationCompressor(Compressor):
         return self.bucket_size
 
     @classmethod
-    def _check_header(cls, *, bits, numel, param):
-        if bits not in _QUANT_BITS or param == 0:
+    def _check_header(cls, *, bits, numel, param, value_dtype):
+        if bits not in _QUANT_BITS or param == 0 or value_dtype != torch.float32:
             raise ValueError(f"malformed quantization payload header: bits={bits}, "
-                             f"bucket_size={param}")
+                             f"bucket_size={param}, value dtype {value_dtype} (scales are float32)")
 
     @classmethod
     def _body_size(cls, *, bits, numel, param):
@@ -1039,9 +1139,11 @@ class CompressionPolicy:
 
     Identity is used while ``step < warmup_steps`` (dense updates early in training, as PowerSGD
     does) and for tensors the compressor would not shrink enough: the compressor is used only
-    when ``compressor.compression_rate(numel) > min_compression_rate``. With the default 1.0
-    that means "skip only when compressing would not make the payload smaller" (tiny biases,
-    whose 56-byte header dominates). Receivers decode either with :func:`decompress`.
+    when identity's payload is more than ``min_compression_rate`` times the compressor's. With
+    the default 1.0 that means "skip only when compressing would not make the payload smaller"
+    (tiny biases, whose 56-byte header dominates). That identity sends its values in the
+    compressor's ``value_dtype`` (float32 for quantization), so a run that asks for 16-bit values
+    gets them in every payload. Receivers decode either with :func:`decompress`.
 
     Attributes:
         compressor: the compressor used after warm-up.
@@ -1066,12 +1168,19 @@ class CompressionPolicy:
             raise ValueError(f"policy.min_compression_rate must be a finite number >= 0, "
                              f"got {rate!r}")
 
+    @property
+    def identity(self) -> IdentityCompressor:
+        """What goes uncompressed: identity in the compressor's value dtype."""
+        value_dtype = getattr(self.compressor, "value_dtype", torch.float32)
+        return IDENTITY if value_dtype == torch.float32 else IdentityCompressor(value_dtype)
+
     def compressor_for(self, step: int, numel: int) -> Compressor:
         """The compressor to use at ``step`` for a tensor of ``numel`` entries."""
+        identity = self.identity
         if step < self.warmup_steps:
-            return IDENTITY
-        if self.compressor.compression_rate(numel) <= self.min_compression_rate:
-            return IDENTITY
+            return identity
+        if identity.wire_size_for(numel) / self.compressor.wire_size_for(numel) <= self.min_compression_rate:
+            return identity
         return self.compressor
 
     def compress(self, tensor: torch.Tensor, step: int,
@@ -1092,7 +1201,9 @@ class CompressionPolicy:
 
 # Config field names that configure each compressor, read from a ``system`` config section.
 _SETTINGS_FROM_CONFIG: Mapping[str, Any] = types.MappingProxyType({
-    "topk": lambda system: {"ratio": system.compression_ratio, "selection": system.topk_selection},
+    "topk": lambda system: {"ratio": system.compression_ratio, "selection": system.topk_selection,
+                            # a section from before 16-bit values existed reads as float32
+                            "value_dtype": getattr(system, "compression_value_dtype", "float32")},
     "quantization": lambda system: {"bits": system.quantization_bits, "bucket_size": system.quantization_bucket_size},
 })
 
@@ -1101,8 +1212,9 @@ def policy_from_config(system: Any) -> "CompressionPolicy | None":
     """The compression a run's ``system`` config section asks for, or ``None`` when disabled.
 
     ``system`` is read by attribute (``src.config.SystemConfig``: ``compression_enabled``,
-    ``compression_type``, ``compression_ratio``, ``topk_selection``, ``quantization_bits``,
-    ``quantization_bucket_size``, ``warmup_steps``), so this module stays free of the config layer.
+    ``compression_type``, ``compression_ratio``, ``topk_selection``, ``compression_value_dtype``,
+    ``quantization_bits``, ``quantization_bucket_size``, ``warmup_steps``), so this module stays
+    free of the config layer.
 
     Raises:
         ValueError: unknown ``compression_type`` or a bad setting (naming the field).

@@ -77,6 +77,9 @@ class TrainingConfig(_Section):
     """Accuracy in (0, 1] whose first crossing the summary reports as time to target; ``None`` for none."""
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available, else CPU)."""
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    """Mixed precision (baseline and DDP trainers): the forward pass under ``torch.autocast`` in bfloat16
+    or float16 (fp16 with a GradScaler); parameters, optimizer state and checkpoints stay float32."""
 
     @field_validator("batch_size", "num_epochs", "checkpoint_interval", "num_samples", "eval_batch_size")
     @classmethod
@@ -168,6 +171,8 @@ class SystemConfig(_Section):
     quantization_bucket_size: int = 512
     topk_selection: Literal["exact", "sampled"] = "sampled"
     """Same entries either way (sampled corrects its threshold estimate to the exact top-k); sampled is faster."""
+    compression_value_dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", validate_default=True)
+    """What top-k's kept values travel in: 4 bytes each, or 2 (a kept entry is then 6 bytes instead of 8)."""
     error_feedback: bool = True
     """Keep what compression dropped and add it to the next gradient."""
     gradient_ledger: bool = False
@@ -249,6 +254,10 @@ class SystemConfig(_Section):
     """Write a Chrome trace-event timeline, ``trace.json`` in each process's log folder (:mod:`src.tracing`)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Level of the Python log records every process of the run writes to stderr (:mod:`src.logs`)."""
+    collective_timeout_s: float = 60.0
+    """DDP: seconds a collective may wait for its peers (the process group's timeout), and seconds
+    without a rank's heartbeat after which it counts as hung; either fails the attempt, and the
+    elastic agent restarts the group from its newest checkpoint."""
 
     @field_validator("num_workers", "quantization_bucket_size", "local_steps", "downlink_refresh_interval")
     @classmethod
@@ -372,6 +381,20 @@ class SystemConfig(_Section):
         interval = info.data.get("heartbeat_interval")
         if interval is not None and value <= interval:
             raise ValueError(f"must be > system.heartbeat_interval ({interval})")
+        return value
+
+    @field_validator("compression_value_dtype")
+    @classmethod
+    def _values_of_topk(cls, value: str, info) -> str:
+        if value != "float32" and info.data.get("compression_type") == "quantization":
+            raise ValueError("applies to top-k values; quantization sends codes and float32 scales (leave it float32)")
+        return value
+
+    @field_validator("collective_timeout_s")
+    @classmethod
+    def _timeout_positive(cls, value: float) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError("must be a finite number of seconds > 0")
         return value
 
     @field_validator("checkpoint_dir", "log_dir")

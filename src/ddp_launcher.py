@@ -73,18 +73,19 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
 
     Raises:
         SetupError: one line naming the field (device, backend, world size against GPUs, adaptive
-            compression without evaluations or top-k).
+            compression without evaluations or top-k, fp16 with compression, link emulation).
     """
     import torch
 
     from src.ddp_control import config_problem
-    from src.ddp_trainer import rank_device, select_backend
+    from src.ddp_trainer import check_rank_setup, rank_device, select_backend
     from src.trackers import require_trackers
 
     problem = config_problem(config)
     if problem is not None:
         raise SetupError(problem)
     require_trackers(config)
+    check_rank_setup(config, config.system.num_workers)
     device = rank_device(config.training.device, 0)
     select_backend(config.system.backend, device)
     if device.type == "cuda" and local_world_size > 1:
@@ -164,10 +165,17 @@ class _WithoutTraceback(logging.Filter):
 
 def _failure_line(exc: Exception, max_restarts: int) -> str:
     """One line for a job the agent gave up on (no rank reported an expected error)."""
+    from src.ddp_watchdog import HUNG_PEER_EXIT
+
     failures = getattr(exc, "failures", {}) or {}
     parts = []
     for failure in failures.values():
-        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with status {failure.exitcode}"
+        if failure.exitcode == HUNG_PEER_EXIT:
+            how = f"found a peer hung (exit {HUNG_PEER_EXIT}; see the rank_hung events)"
+        elif failure.exitcode < 0:
+            how = f"was killed by {failure.signal_name()}"
+        else:
+            how = f"exited with status {failure.exitcode}"
         parts.append(f"rank {failure.rank} {how}")
     what = "; ".join(parts) or str(exc).strip().splitlines()[0]
     return f"{what} (restarts used up: --max-restarts {max_restarts})"

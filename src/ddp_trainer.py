@@ -34,6 +34,15 @@ controller's state in ``extra["controller"]``. ``--resume`` has rank 0 load the 
 broadcast it (other machines need no copy of the file); a mid-epoch checkpoint continues the same
 epoch at the next batch, so the data order, the hook state and the controller continue exactly.
 
+Mixed precision (``training.amp``): :class:`src.trainer.MixedPrecision` around each step's forward
+pass; under fp16 every rank's GradScaler sees the same averaged gradients and skips the same steps;
+its state is checkpointed in ``extra["grad_scaler"]``. An emulated straggler (``emulation``,
+``slowdown`` / ``step_delay_s`` per rank) waits :class:`src.netem.ComputeDelay` after each backward.
+
+Hung ranks: :func:`run_rank` starts a :class:`src.ddp_watchdog.HangWatchdog` (heartbeats in the
+agent's store) and, once set up, limits every collective to ``system.collective_timeout_s``; a hung
+peer ends the attempt, which the agent then restarts like one whose rank died.
+
 Restarts: when the elastic agent restarts the group after a rank died (``TORCHELASTIC_RESTART_COUNT``
 > 0), rank 0 resumes from the newest checkpoint this job wrote, which :class:`JobRecord` keeps in
 the agent's store (so an older job's checkpoints in the same folder are never taken), and logs
@@ -64,6 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from src import netem
 from src.checkpoint import (
     KEEP_CHECKPOINTS, CheckpointError, check_model_matches, final_checkpoint_path, load_latest_good, numbered_path,
     prune_checkpoints, save_checkpoint,
@@ -72,13 +82,14 @@ from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
 from src.config import Config, SetupError
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
 from src.ddp_control import RankControl, config_problem
+from src.ddp_watchdog import HangWatchdog
 from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.supervisor import LaunchError
 from src.trackers import open_trackers
 from src.trainer import (
-    TrainingClock, checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config, optimizer_from_config,
-    progress, report_target,
+    MixedPrecision, TrainingClock, checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config,
+    optimizer_from_config, progress, report_target,
 )
 
 #: Errors a rank reports as one line (anything else is a bug and keeps its traceback). They cannot
@@ -135,6 +146,27 @@ def threads_per_rank(local_world_size: int) -> int:
     """Intra-op threads for one of ``local_world_size`` ranks sharing this machine's cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_world_size))
+
+
+def check_rank_setup(config: Config, world_size: int) -> None:
+    """Raise :class:`SetupError` for settings no rank can train with (checked before launch and in each rank).
+
+    * ``training.amp: fp16`` with compression: the GradScaler's loss scale changes during the run,
+      so error feedback's residuals would mix gradients of different scales, and an overflowed
+      step's infinite gradients cannot be compressed. bf16 needs no scaler.
+    * ``emulation``: ranks emulate slower compute (``slowdown``, ``step_delay_s``); links are
+      emulated for parameter-server runs only.
+    """
+    system = config.system
+    if config.training.amp == "fp16" and system.compression_enabled:
+        raise SetupError("training.amp: fp16 scales the gradients by a factor that changes during the run, which error "
+                         "feedback's residuals cannot follow; with system.compression_enabled use bf16 (no loss scaling)")
+    netem.check_workers(config.emulation, world_size)
+    for rank in range(world_size):
+        conditions = netem.conditions_for(config.emulation, rank)
+        if conditions.uplink is not None or conditions.downlink is not None:
+            raise SetupError("emulation: DDP ranks emulate slower compute (slowdown, step_delay_s); uplink/downlink "
+                             "bandwidth and latency are emulated for parameter-server runs only")
 
 
 def check_resumable(path: str | Path, checkpoint: dict[str, Any], config: Config, world_size: int) -> None:
@@ -238,6 +270,8 @@ class DDPTrainer:
         summary_json: run summary path (default ``<log_dir>/summary.json``), written by rank 0.
         comm_hook: factory ``(module) -> CommHook`` replacing the config's choice (benchmarks, tests).
         job: the elastic job's shared record (newest checkpoint); default: none.
+        watchdog: this rank's hung-peer watchdog (:mod:`src.ddp_watchdog`), whose ``rank_hung``
+            events go into this run's logs; default: none.
     """
 
     def __init__(
@@ -249,13 +283,16 @@ class DDPTrainer:
         summary_json: str | Path | None = None,
         comm_hook: Callable[[nn.Module], CommHook] | None = None,
         job: JobRecord | None = None,
+        watchdog: HangWatchdog | None = None,
     ):
         problem = config_problem(config)
         if problem is not None:
             raise SetupError(problem)
+        check_rank_setup(config, context.world_size)
         self.config = config
         self.ctx = context
         self.job = job or JobRecord()
+        self.watchdog = watchdog
         self.checkpoint_dir = Path(config.system.checkpoint_dir)
         self.log_dir = Path(config.system.log_dir)
         self.summary_json = Path(summary_json) if summary_json else self.log_dir / "summary.json"
@@ -265,6 +302,10 @@ class DDPTrainer:
         self.test_part = TensorDataset(test_set.info, test_set.images[rank::world].contiguous(), test_set.labels[rank::world].contiguous())
         self.model = model_from_config(config).to(context.device)
         self.optimizer = optimizer_from_config(config, self.model.parameters())
+        self.amp = MixedPrecision(config.training.amp, context.device)
+        # An emulated straggler (emulation.workers[rank]): each step's compute stretched, as a PS worker's.
+        self.compute_delay = netem.ComputeDelay(netem.conditions_for(config.emulation, rank),
+                                                netem.worker_seed(config.training.seed, rank))
         self.start_epoch, self.start_index, self.step, self.steps_run = 0, 0, 0, 0
         self.resumed_from: str | None = None
         self._saved_control: dict[str, Any] | None = None
@@ -336,6 +377,7 @@ class DDPTrainer:
         self.start_index = int(checkpoint["extra"].get("epoch_step", 0))
         self.resumed_from = received["path"]
         self._saved_control = checkpoint["extra"].get("controller")
+        self.amp.load_state_dict(checkpoint["extra"].get("grad_scaler"))
         return checkpoint["extra"].get("comm_hook")
 
     def _restore_hook(self, saved: dict[str, Any] | None) -> str | None:
@@ -400,7 +442,8 @@ class DDPTrainer:
                 self.config, self.model, self.optimizer, epoch=epoch, step=self.step,
                 extra={"comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states},
                        "epoch_step": epoch_step, "world_size": self.ctx.world_size,
-                       "controller": self.control.state_dict() if self.control is not None else None},
+                       "controller": self.control.state_dict() if self.control is not None else None,
+                       "grad_scaler": self.amp.state_dict()},
             )
             save_checkpoint(path, checkpoint)
             self.job.checkpoint_written(path)
@@ -443,10 +486,13 @@ class DDPTrainer:
             images, labels = images.to(device), labels.to(device)
             self.optimizer.zero_grad(set_to_none=True)
             step_samples = min(per_step, num_train - index * per_step)  # all ranks together, this step
-            loss, local_loss, correct = _scaled_loss(self.ddp(images), labels, world, step_samples)
-            loss.backward()
+            with self.amp.autocast():
+                loss, local_loss, correct = _scaled_loss(self.ddp(images), labels, world, step_samples)
+            self.amp.backward(loss)
+            if self.compute_delay.active:
+                self.compute_delay.after_step(time.perf_counter() - step_started)
             gradient_time = time.perf_counter() - step_started
-            self.optimizer.step()
+            self.amp.step(self.optimizer)  # fp16: skipped on every rank alike (the same averaged gradients)
             self.comm.end_step()
             step_time = time.perf_counter() - step_started
             if self.control is not None:
@@ -502,6 +548,10 @@ class DDPTrainer:
         # Rank 0 owns the run summary, so it alone logs to the trackers; a restarted group continues their runs.
         run_log = MetricsLogger(self.log_dir, tensorboard=tensorboard,
                                 sinks=open_trackers(self.config, self.log_dir, resume=self.ctx.attempt > 0)) if rank == 0 else None
+        # rank_hung events (src.ddp_watchdog) go into this rank's log, and rank 0's into the run's too
+        reporters = [log.event for log in (rank_log, run_log) if log is not None] if self.watchdog is not None else []
+        for reporter in reporters:
+            self.watchdog.report_to(reporter)
         try:
             rank_log.event("run_start", pid=os.getpid(), world_size=self.ctx.world_size, backend=self.ctx.backend,
                            device=str(self.ctx.device), threads=torch.get_num_threads(), comm_hook=self.comm.name,
@@ -550,7 +600,15 @@ class DDPTrainer:
                 run_log.finish(summary, artifacts=[self.summary_json, checkpoint_path])
             self.rank_summary = rank_summary
             return summary
+        except RuntimeError:
+            # A collective timed out (or failed) before the watchdog's own verdict: a silent peer is
+            # the hung one (logged here; this process then ends, see src.ddp_watchdog), else re-raise.
+            if self.watchdog is not None:
+                self.watchdog.collective_failed()
+            raise
         finally:
+            for reporter in reporters:
+                self.watchdog.forget(reporter)
             rank_log.close()
             if run_log is not None:
                 run_log.close()
@@ -582,7 +640,9 @@ class DDPTrainer:
             "compression_ratio": system.compression_ratio if compression == "topk" else None,
             "quantization_bits": system.quantization_bits if compression == "quantization" else None,
             "error_feedback": bool(system.compression_enabled and system.error_feedback),
+            "compression_value_dtype": system.compression_value_dtype if compression == "topk" else None,
             "epochs": t.num_epochs,
+            "collective_timeout_s": system.collective_timeout_s,
         }
 
     def _summaries(self, common: dict[str, Any], samples: int, train_time: float, steps_run: int,
@@ -605,6 +665,8 @@ class DDPTrainer:
             "bytes_accounting": stats.accounting(),
             "bytes_sent_per_step": stats.total_sent / steps_run if steps_run else 0.0,
             "communication_time_s": stats.hook_seconds,
+            "emulated_delay_s": self.compute_delay.delay_s,
+            **self.amp.summary(),
         }
         all_samples, measured, received, estimated, estimated_received = totals
         summary = {
@@ -619,6 +681,7 @@ class DDPTrainer:
             "bytes_sent_estimated": int(estimated),
             "bytes_accounting": bytes_accounting(measured, estimated),
             "bytes_sent_per_rank_per_step": (measured + estimated) / (world * steps_run) if steps_run else 0.0,
+            **self.amp.summary(),  # every rank skips the same steps
         }
         return rank_summary, summary
 
@@ -651,6 +714,21 @@ def leave_rank_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+SETUP_TIMEOUT_S = 300.0
+"""What a collective may wait while the group joins and sets up (loading data, restoring a checkpoint,
+DDP's first broadcast), when ranks start unevenly; training collectives wait ``system.collective_timeout_s``."""
+
+
+def _hang_watchdog(job: JobRecord, attempt: int, rank: int, world_size: int, timeout_s: float) -> HangWatchdog | None:
+    """This rank's watchdog over its peers' heartbeats, on its own connection to the agent's store (none without one)."""
+    if job.store is None:
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timedelta(seconds=max(10.0, timeout_s)))
+    return HangWatchdog(dist.PrefixStore(f"attempt_{attempt}/watchdog", client), rank, world_size, timeout_s,
+                        leave=leave_rank_process).start()
+
+
 def run_rank(
     config: Config,
     *,
@@ -664,7 +742,10 @@ def run_rank(
 ) -> dict[str, Any]:
     """Join the process group as ``rank``, train, and leave the group (also on errors).
 
-    The restart attempt comes from ``TORCHELASTIC_RESTART_COUNT`` (set by the elastic agent).
+    The restart attempt comes from ``TORCHELASTIC_RESTART_COUNT`` (set by the elastic agent). Under
+    an elastic agent a :class:`~src.ddp_watchdog.HangWatchdog` watches the peers' heartbeats, and
+    training collectives wait at most ``system.collective_timeout_s``: a hung rank fails the attempt
+    (see :mod:`src.ddp_watchdog`).
 
     Args:
         store: rendezvous store; ``None`` joins through the elastic agent's store (``MASTER_ADDR``/
@@ -681,29 +762,43 @@ def run_rank(
     fatal = job.fatal_error() if attempt > 0 else None
     if fatal is not None:
         raise LaunchError(f"{fatal} (an earlier attempt stopped on this; not retrying)")
+    timeout_s = config.system.collective_timeout_s
+    watchdog = None
     try:
         torch.set_num_threads(threads_per_rank(local_world_size))
         device = rank_device(config.training.device, local_rank)
         backend = select_backend(config.system.backend, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if backend == "nccl":
+            # A timed-out nccl collective then aborts its communicator and ends the process, instead
+            # of leaving the rank blocked on the GPU (the user's own setting wins).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if store is None and job.store is not None:
             # The agent's store outlives an attempt, and env:// would hand every attempt the same
             # keys: a restarted rank would read a dead rank's address and fail to connect. Each
             # attempt gets its own key space.
             store = dist.PrefixStore(f"attempt_{attempt}", job.store)
+        joining = timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S))
         if store is not None:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=joining)
         else:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=joining)
         try:
+            watchdog = _hang_watchdog(job, attempt, rank, world_size, timeout_s)
             context = RankContext(rank, world_size, local_rank, local_world_size, backend, device, attempt)
-            trainer = DDPTrainer(config, context, resume=resume, summary_json=summary_json, job=job)
+            trainer = DDPTrainer(config, context, resume=resume, summary_json=summary_json, job=job, watchdog=watchdog)
             try:
-                return trainer.run()
+                dist.set_timeout(timedelta(seconds=timeout_s))  # set up: from here on a collective waits T at most
+                summary = trainer.run()
             finally:
                 trainer.close()
+            if watchdog is not None:
+                watchdog.stop(finished=True)
+            return summary
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             dist.destroy_process_group()
     except EXPECTED_ERRORS as exc:
         job.record_fatal(str(exc))

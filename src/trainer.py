@@ -10,6 +10,12 @@ resumes exactly from any checkpoint.
 Time is kept by a :class:`TrainingClock`: it starts at the first training step and stops while the
 model is evaluated or checkpointed, so throughput and time to target accuracy
 (:class:`src.metrics.TimeToTarget`) measure training alone; summaries say so in their ``clock`` field.
+
+Mixed precision (``training.amp``, :class:`MixedPrecision`, shared with the DDP trainer): ``bf16``
+runs the forward pass and the loss under ``torch.autocast`` in bfloat16 (float32's range: no loss
+scaling needed); ``fp16`` in float16 with a ``GradScaler``, which skips a step whose gradients
+overflowed and lowers its scale. The parameters, the optimizer's state, the gradients the
+optimizer sees and the checkpoints stay float32; evaluation runs in float32.
 """
 
 from __future__ import annotations
@@ -100,11 +106,84 @@ def checkpoint_of_run(config: Config, model: nn.Module, optimizer: torch.optim.O
     )
 
 
-def forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """One forward and backward pass, leaving gradients in ``.grad``; returns (mean loss, correct)."""
-    logits = model(images)
-    loss = F.cross_entropy(logits, labels)
-    loss.backward()
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""``training.amp`` -> the dtype autocast computes in."""
+
+
+class MixedPrecision:
+    """``training.amp`` for a loop that runs the model itself: autocast, and a GradScaler for fp16.
+
+    ``with amp.autocast():`` around the forward pass and the loss, ``amp.backward(loss)``, then
+    ``amp.step(optimizer)``, which says whether the optimizer stepped (fp16: not when the gradients
+    overflowed). With ``none`` all three are the plain calls. Under DDP every rank holds the same
+    averaged gradients, so every rank's scaler finds the same overflow and skips the same steps.
+
+    Args:
+        mode: ``none``, ``bf16`` or ``fp16``.
+        device: where the model runs (autocast and the scaler are per device type).
+    """
+
+    def __init__(self, mode: str, device: torch.device):
+        if mode != "none" and mode not in AMP_DTYPES:
+            raise ValueError(f"training.amp: must be one of none, {', '.join(AMP_DTYPES)}, got {mode!r}")
+        self.mode = mode
+        self.device_type = torch.device(device).type
+        self.scaler = torch.amp.GradScaler(self.device_type) if mode == "fp16" else None
+        self.skipped_steps = 0
+        """Optimizer steps the scaler skipped (overflowed float16 gradients)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=AMP_DTYPES[self.mode])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` (through the scaler under fp16); False when the scaler skipped it."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # update() lowers the scale exactly when the step found inf/NaN gradients and was skipped.
+        stepped = self.scaler.get_scale() >= scale
+        self.skipped_steps += not stepped
+        return stepped
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The scaler's state (scale, growth tracker) for a checkpoint's ``extra``; ``None`` without one."""
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """Continue from :meth:`state_dict` (nothing to do without a scaler, or without a saved state)."""
+        if self.scaler is not None and saved:
+            self.scaler.load_state_dict(saved)
+
+    def summary(self) -> dict[str, Any]:
+        """``amp`` and ``amp_skipped_steps`` for a run summary."""
+        return {"amp": self.mode, "amp_skipped_steps": self.skipped_steps}
+
+
+def forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                     amp: MixedPrecision | None = None) -> tuple[float, int]:
+    """One forward and backward pass, leaving gradients in ``.grad``; returns (mean loss, correct).
+
+    ``amp``: run the forward under its autocast and scale the loss for the backward (fp16).
+    """
+    with amp.autocast() if amp is not None else contextlib.nullcontext():
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels)
+    if amp is not None:
+        amp.backward(loss)
+    else:
+        loss.backward()
     correct = int((logits.detach().argmax(dim=1) == labels).sum())
     return float(loss.detach()), correct
 
@@ -208,6 +287,7 @@ class BaselineTrainer:
         self.train_set, self.test_set = load_splits(config)
         self.model = model_from_config(config).to(self.device)
         self.optimizer = optimizer_from_config(config, self.model.parameters())
+        self.amp = MixedPrecision(config.training.amp, self.device)
         self.start_epoch, self.step = 0, 0
         self.resumed_from: Path | None = None
         if resume is not None:
@@ -218,12 +298,14 @@ class BaselineTrainer:
         check_model_matches(path, checkpoint, self.config.training.model_architecture)
         self.model.load_state_dict(checkpoint["model_state_dict"])
         self.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+        self.amp.load_state_dict(checkpoint.get("extra", {}).get("grad_scaler"))
         self.start_epoch, self.step = checkpoint["epoch"], checkpoint["step"]
         self.resumed_from = path
 
     def _checkpoint(self, path: Path, epoch: int) -> Path:
+        extra = {"grad_scaler": self.amp.state_dict()} if self.amp.scaler is not None else None
         with tracing.span("checkpoint", epoch=epoch, step=self.step):
-            checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=epoch, step=self.step)
+            checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=epoch, step=self.step, extra=extra)
             return save_checkpoint(path, checkpoint)
 
     def _evaluate(self, log: MetricsLogger, epoch: int, target: TimeToTarget, clock: TrainingClock,
@@ -262,10 +344,10 @@ class BaselineTrainer:
                         images, labels = images.to(self.device), labels.to(self.device)
                         self.optimizer.zero_grad(set_to_none=True)
                         with tracing.span("forward_backward", step=self.step + 1):
-                            loss, correct = forward_backward(self.model, images, labels)
+                            loss, correct = forward_backward(self.model, images, labels, self.amp)
                         gradient_time = time.perf_counter() - step_started
                         with tracing.span("optimizer_step", step=self.step + 1):
-                            self.optimizer.step()
+                            self.amp.step(self.optimizer)
                         step_time = time.perf_counter() - step_started
                         batch = len(labels)
                         samples += batch
@@ -317,6 +399,7 @@ class BaselineTrainer:
                 "checkpoint_path": str(checkpoint_path),
                 "epochs": t.num_epochs,
                 "steps": self.step,
+                **self.amp.summary(),
             }
             log.event("run_end", **summary)
             write_summary(self.summary_json, summary)

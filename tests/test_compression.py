@@ -86,7 +86,7 @@ def _topk_indices(payload: bytes) -> np.ndarray:
 
 def _rewrite_header(payload: bytes, **fields) -> bytes:
     """Change header fields and recompute the checksum, so only the named problem remains."""
-    names = ["magic", "version", "kind", "dtype", "bits", "ndim", "reserved", "numel", "param"]
+    names = ["magic", "version", "kind", "dtype", "bits", "ndim", "value_dtype", "numel", "param"]
     body = comp._HEADER_BODY
     values = list(body.unpack_from(payload))
     for name, value in fields.items():

@@ -39,7 +39,7 @@ def test_defaults_are_valid():
         ("training", "num_epochs", 0, "training.num_epochs: must be > 0, got 0"),
         ("training", "dataset", "imagenet", "training.dataset: must be one of 'mnist', 'fashion_mnist', 'cifar10', 'mnist_5k' or 'synthetic', got 'imagenet'"),
         ("training", "model_architecture", "", "training.model_architecture: must be a non-empty model name, got ''"),
-        ("training", "model_architecture", "vgg99", "training.model_architecture: unknown model (known: mlp, resnet18, simple_cnn), got 'vgg99'"),
+        ("training", "model_architecture", "vgg99", "training.model_architecture: unknown model (known: mlp, resnet18, simple_cnn, wide_mlp), got 'vgg99'"),
         ("training", "checkpoint_interval", 0, "training.checkpoint_interval: must be > 0, got 0"),
         ("training", "momentum", 1.0, "training.momentum: must be in [0, 1), got 1.0"),
         ("training", "weight_decay", -1, "training.weight_decay: must be a finite number >= 0, got -1"),

@@ -13,6 +13,10 @@ dataset, nor the loss (like Horovod's ``DistributedOptimizer`` and PyTorch's DDP
             F.cross_entropy(model(x), y).backward()
             optimizer.step()                                   # compress, push, load the new parameters
 
+Already on ``DistributedDataParallel``? :mod:`torch_asgc.ddp` puts our compressed gradient exchange
+(top-k or quantization with error feedback, 16-bit values) or our ring all-reduce on your DDP model
+in one call: ``register_compression_hook(ddp_model, "topk", ratio=0.01)``.
+
 The server: ``python -m torch_asgc.server`` (:mod:`torch_asgc.server`). Integrations:
 :class:`torch_asgc.plugins.lightning.ASGCStrategy` and
 :class:`torch_asgc.plugins.huggingface.ASGCHFTrainerCallback`. Design and measurements:
@@ -22,11 +26,13 @@ The server: ``python -m torch_asgc.server`` (:mod:`torch_asgc.server`). Integrat
 from src.compression import CompressionPolicy, ErrorFeedback, build_compressor
 from src.worker_protocol import IncarnationRevoked
 
+from . import ddp
 from .client import WorkerClient, connect
+from .ddp import register_compression_hook, register_ring_hook
 from .model import DistributedModel
 from .optim import DistributedOptimizer
 
 __all__ = [
     "CompressionPolicy", "DistributedModel", "DistributedOptimizer", "ErrorFeedback", "IncarnationRevoked",
-    "WorkerClient", "build_compressor", "connect",
+    "WorkerClient", "build_compressor", "connect", "ddp", "register_compression_hook", "register_ring_hook",
 ]
