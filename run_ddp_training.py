@@ -11,6 +11,11 @@
     python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --collective-timeout 10 --inject-fault hang:rank=1@step=30
     python run_ddp_training.py --world-size 2 --amp bf16 --compression-enabled --compression-ratio 0.1 --compression-value-dtype bfloat16
 
+Virtual time (one process, the N ranks computed in turn, each step's exchange costed by the ring
+model on the configured link; deterministic; figures from scripts/calibrate.py --no-server):
+
+    python run_ddp_training.py --clock virtual --world-size 16 --compute-s 0.02 --set emulation.uplink_mbps=1000
+
 Across machines, the same script under torchrun (it reads RANK / WORLD_SIZE / MASTER_ADDR and spawns
 nothing); run on each of the two nodes:
 
@@ -42,8 +47,9 @@ import os
 import sys
 
 from src.cli import (
-    AMP_FLAGS, COMPRESSION_FLAGS, CONTROLLER_FLAGS, FAULT_TOLERANCE_FLAGS, add_amp_flag, add_common_flags, add_compression_flags,
-    add_controller_flags, add_fault_tolerance_flags, config_from_args, exit_status, write_artifacts_if_asked,
+    AMP_FLAGS, COMPRESSION_FLAGS, CONTROLLER_FLAGS, FAULT_TOLERANCE_FLAGS, VIRTUAL_FLAGS, add_amp_flag, add_common_flags,
+    add_compression_flags, add_controller_flags, add_fault_tolerance_flags, add_virtual_flags, config_from_args, exit_status,
+    write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -70,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compression_flags(parser, "compression (DDP comm hook)")
     add_controller_flags(parser)
     add_fault_tolerance_flags(parser, heartbeats=False)
+    add_virtual_flags(parser, server=False)
     ddp.add_argument(
         "--collective-timeout", type=float, metavar="SECONDS",
         help="a collective waits at most this long for its peers, and a rank silent (no heartbeat) this long is hung: "
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_args(args, defaults=DEFAULTS,
-                              extra_flags={**DDP_FLAGS, **AMP_FLAGS, **COMPRESSION_FLAGS, **CONTROLLER_FLAGS, **FAULT_TOLERANCE_FLAGS},
+                              extra_flags={**DDP_FLAGS, **AMP_FLAGS, **COMPRESSION_FLAGS, **CONTROLLER_FLAGS, **FAULT_TOLERANCE_FLAGS,
+                                           **VIRTUAL_FLAGS},
                               forced={"system.architecture": "ddp"})
     system = config.system
     if system.adaptive_compression and not config.training.eval_interval:
@@ -92,10 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--adaptive-compression sets top-k's Active Fraction: give --compression-enabled with "
                      "--compression-type topk (system.compression_enabled, system.compression_type)")
 
+    if system.clock == "virtual" and (args.resume or system.adaptive_compression or config.training.amp != "none"):
+        parser.error("--clock virtual runs DDP without --resume, --adaptive-compression or --amp (not simulated)")
+
     from src.ddp_launcher import launch, torchrun_env  # torch loads after the flags are checked: --help stays fast
     from src.supervisor import LaunchError
 
     def run() -> None:
+        if system.clock == "virtual":
+            from src.virtual_ddp import run_virtual_ddp
+
+            summary = run_virtual_ddp(config, summary_json=args.summary_json)
+            print(format_summary(summary))
+            write_artifacts_if_asked(args, config, summary)
+            return
         summary = launch(config, world_size_flag=args.world_size, resume=args.resume, summary_json=args.summary_json)
         env = torchrun_env()
         if env is None or env["rank"] == 0:

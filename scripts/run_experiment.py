@@ -123,6 +123,10 @@ def load_average() -> list[float] | None:
 def run_config(config: Config, summary_json: Path) -> dict[str, Any]:
     """Train ``config`` with its architecture's local launcher (or in virtual time); returns the run summary."""
     architecture = config.system.architecture
+    if config.system.clock == "virtual" and architecture == "ddp":
+        from src.virtual_ddp import run_virtual_ddp
+
+        return run_virtual_ddp(config, summary_json=summary_json)
     if config.system.clock == "virtual":
         from src.virtual_time import run_virtual
 

@@ -175,9 +175,10 @@ class SyncRound:
 class RequestLog:
     """Request ids per worker: in progress, or handled with their reply (and whether they were applied).
 
-    Only a worker's newest handled reply is kept (with a resnet18 a reply is ~45 MB): a worker has one
-    push in flight at a time, so a retry is of its newest push. An older request id it sends again is
-    :attr:`SUPERSEDED` (known from its outcome), never applied a second time.
+    Only a worker's newest handled reply is kept: a worker has one push in flight at a time, so a retry
+    is of its newest push. An older request id it sends again is :attr:`SUPERSEDED` (known from its
+    outcome), never applied a second time. What a "reply" is, is the server's business (the server
+    keeps the verdict of a dense reply and rebuilds the parameters, not ~45 MB of a resnet18's bytes).
     """
 
     IN_PROGRESS = object()

@@ -547,9 +547,10 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     return _run(state, exchange)
 
 
-def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segments: list[_Segment], step: int,
-                         world: int) -> torch.Tensor:
-    rank = dist.get_rank(state.group)
+def encode_segments(state: CompressionHookState, buffer: torch.Tensor, segments: Sequence[_Segment], step: int,
+                    rank: int) -> tuple[list[bytes], list[list[torch.Tensor]]]:
+    """One rank's payloads for ``buffer``'s segments (error feedback's compensation, then compression), and the
+    compensated parts (:func:`accumulate_payloads` settles the residuals with them)."""
     ef = state.error_feedback
     compensated: list[list[torch.Tensor]] = []
     payloads = []
@@ -564,12 +565,56 @@ def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segm
             flat = torch.cat(parts)
         compensated.append(parts)
         payloads.append(state.policy.compress(flat, step, seed=state._seed(step, rank, segment)))
-    lengths = [len(payload) for payload in payloads]
     # Every rank derives the same lengths from the same segment sizes and step, which is what
     # lets all_gather (equal sizes required) run without exchanging lengths first.
     expected = sum(state.policy.compressor_for(step, segment.numel).wire_size_for(segment.numel) for segment in segments)
-    if sum(lengths) != expected:
-        raise RuntimeError(f"compression_hook: payloads are {sum(lengths)} bytes, expected {expected}")
+    if sum(len(payload) for payload in payloads) != expected:
+        raise RuntimeError(f"compression_hook: payloads are {sum(len(p) for p in payloads)} bytes, expected {expected}")
+    return payloads, compensated
+
+
+def accumulate_payloads(state: CompressionHookState, totals: list[torch.Tensor | None], data, segments: Sequence[_Segment],
+                        lengths: Sequence[int], device: torch.device, *,
+                        compensated: list[list[torch.Tensor]] | None = None) -> None:
+    """Add one rank's decompressed payloads (``data``: their bytes side by side) to ``totals``, segment by segment.
+
+    With ``compensated`` (the payloads are this rank's own), its residuals keep what compression dropped.
+    Called for the ranks in rank order, so every replica sums identically.
+    """
+    ef = state.error_feedback if compensated is not None else None
+    position = 0
+    for index, (segment, length) in enumerate(zip(segments, lengths)):
+        dense = decompress(data[position : position + length]).to(device)
+        position += length
+        if ef is not None:
+            start = 0
+            for piece, part in zip(segment.pieces, compensated[index]):
+                sent = dense[start : start + piece.numel]
+                ef.update(piece.name, part.view(piece.shape), sent.view(piece.shape))
+                ef.commit(piece.name)  # DDP never rejects a send: no rollback copy needed
+                start += piece.numel
+        totals[index] = dense if totals[index] is None else totals[index].add_(dense)
+
+
+def write_average_(buffer: torch.Tensor, segments: Sequence[_Segment], totals: Sequence[torch.Tensor], world: int) -> torch.Tensor:
+    """``buffer``'s segments become the mean of ``totals`` over ``world`` ranks."""
+    for segment, total in zip(segments, totals):
+        total.div_(world)
+        if segment.start is not None:
+            buffer[segment.start : segment.start + segment.numel].copy_(total)
+        else:
+            start = 0
+            for piece in segment.pieces:
+                buffer[piece.offset : piece.offset + piece.numel].copy_(total[start : start + piece.numel])
+                start += piece.numel
+    return buffer
+
+
+def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segments: list[_Segment], step: int,
+                         world: int) -> torch.Tensor:
+    rank = dist.get_rank(state.group)
+    payloads, compensated = encode_segments(state, buffer, segments, step, rank)
+    lengths = [len(payload) for payload in payloads]
     local = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
     comm_device = buffer.device if _uses_nccl(state.group) else torch.device("cpu")
     local = local.to(comm_device)
@@ -581,28 +626,37 @@ def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segm
     data = memoryview(gathered.cpu().numpy())
     totals: list[torch.Tensor | None] = [None] * len(segments)
     for source in range(world):  # fixed rank order: every replica sums identically
-        position = source * local.numel()
-        for index, (segment, length) in enumerate(zip(segments, lengths)):
-            dense = decompress(data[position : position + length]).to(buffer.device)
-            position += length
-            if source == rank and ef is not None:
-                start = 0
-                for piece, part in zip(segment.pieces, compensated[index]):
-                    sent = dense[start : start + piece.numel]
-                    ef.update(piece.name, part.view(piece.shape), sent.view(piece.shape))
-                    ef.commit(piece.name)  # DDP never rejects a send: no rollback copy needed
-                    start += piece.numel
-            totals[index] = dense if totals[index] is None else totals[index].add_(dense)
-    for segment, total in zip(segments, totals):
-        total.div_(world)
-        if segment.start is not None:
-            buffer[segment.start : segment.start + segment.numel].copy_(total)
-        else:
-            start = 0
-            for piece in segment.pieces:
-                buffer[piece.offset : piece.offset + piece.numel].copy_(total[start : start + piece.numel])
-                start += piece.numel
-    return buffer
+        own = source * local.numel()
+        accumulate_payloads(state, totals, data[own : own + local.numel()], segments, lengths, buffer.device,
+                            compensated=compensated if source == rank else None)
+    return write_average_(buffer, segments, totals, world)
+
+
+def rebuilt_buckets(model: nn.Module, sample: torch.Tensor, bucket_cap_mb: float = 25.0) -> list[tuple[str, ...]]:
+    """The buckets DDP rebuilds after its first backward pass, as parameter names in bucket order.
+
+    DDP orders parameters by when their gradients became ready in that pass and cuts buckets at
+    ``dist._DEFAULT_FIRST_BUCKET_BYTES`` then ``bucket_cap_mb``; this runs one backward pass of
+    ``sample`` (in eval mode, gradients zeroed after) to see the same order, and cuts the same way.
+    A virtual-time DDP run (:mod:`src.virtual_ddp`) compresses these units, as the hook learns them.
+    """
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    ready: list[int] = []
+    handles = [p.register_post_accumulate_grad_hook(lambda _p, i=index: ready.append(i)) for index, (_, p) in enumerate(named)]
+    was_training = model.training
+    model.eval()
+    try:
+        model(sample).float().sum().mul(0.0).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+        model.zero_grad(set_to_none=True)
+    order = ready + [i for i in range(len(named)) if i not in ready]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [named[i][1] for i in order], [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)],
+        [False] * len(order), order)
+    return [tuple(named[i][0] for i in bucket) for bucket in buckets]
 
 
 # ----------------------------------------------------------------------------- selection

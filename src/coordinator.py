@@ -190,16 +190,21 @@ class Batch:
 
 
 class _Epoch:
-    """Queues, holders and progress of one epoch."""
+    """Queues, holders and progress of one epoch.
+
+    ``queued`` counts the batches in the queues (kept by every method that adds or takes one): a
+    server polls for work far more often than work changes hands, with many workers and epochs.
+    """
 
     def __init__(self, epoch: int, queues: dict[int, deque[Batch]], total: int):
         self.epoch = epoch
         self.queues = queues
         self.total = total
         self.done = 0
+        self.queued = sum(len(q) for q in queues.values())
 
     def unassigned(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return self.queued
 
 
 class WorkPlan:
@@ -282,6 +287,7 @@ class WorkPlan:
                     taken.append(queues[orphaned[0]].popleft())
                 else:  # steal from the tail of the longest queue: its owner keeps its next batches
                     taken.append(queues[max(queues, key=lambda w: len(queues[w]))].pop())
+            epoch.queued -= 1
         self.held.setdefault(worker, []).extend(taken)
         return taken
 
@@ -328,13 +334,16 @@ class WorkPlan:
         moved = self.held.pop(worker, [])
         for epoch in self.epochs.values():
             moved.extend(epoch.queues[worker])
+            epoch.queued -= len(epoch.queues[worker])
             epoch.queues[worker].clear()
         others = [w for w in live if w != worker]
         recipients: dict[int, list[Batch]] = {}
         for batch in sorted(moved, key=lambda b: b.batch_id):
-            queues = self.epochs[batch.epoch].queues
+            epoch = self.epochs[batch.epoch]
+            queues = epoch.queues
             target = min(others, key=lambda w: (len(queues[w]), w)) if others else worker
             queues[target].append(batch)
+            epoch.queued += 1
             recipients.setdefault(target, []).append(batch)
         for queue in (q for e in self.epochs.values() for q in e.queues.values()):
             if len(queue) > 1:  # keep each queue in batch order: older work first
@@ -351,6 +360,7 @@ class WorkPlan:
                 found = [b for b in queue if b.batch_id in wanted]
                 for batch in found:
                     queue.remove(batch)
+                    epoch.queued -= 1
                     self.held.setdefault(worker, []).append(batch)
                     wanted.discard(batch.batch_id)
         return sorted(wanted)
@@ -389,6 +399,7 @@ class WorkPlan:
             self.epochs[epoch].done = done
         for owner, batch_id, epoch, indices in sorted(state["pending"], key=lambda p: p[1]):
             self.epochs[epoch].queues[owner].append(Batch(batch_id, epoch, tuple(indices)))
+            self.epochs[epoch].queued += 1
         self._next_batch_id = state["next_batch_id"]
         self.held = {}
 

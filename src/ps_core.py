@@ -337,6 +337,12 @@ class ServerCore:
         if remembered is RequestLog.SUPERSEDED:
             raise PushRefused("FAILED_PRECONDITION", f"push {request_id} of worker {worker_id} was handled already "
                                                      f"and is not its newest push (request ids are unique per push)")
+        if isinstance(remembered, pb.PushReply):  # a retry of a handled push, dense replies: the verdict again,
+            again = pb.PushReply()                 # with the parameters as they are now; nothing applied
+            again.CopyFrom(remembered)
+            again.version = self.state.version
+            again.control.CopyFrom(self.control)
+            return self._reply_bytes(again, worker_id)
         if remembered is not None:
             return remembered  # IN_PROGRESS, or a retry of a handled push: answer again, apply nothing
         try:
@@ -400,7 +406,10 @@ class ServerCore:
         verdict.version = self.state.version
         verdict.control.CopyFrom(self.control)
         reply = self._reply_bytes(verdict, member.worker_id)
-        self.requests.finish(member.worker_id, request_id, reply, applied=verdict.accepted)
+        # For a retry: a delta reply only as it was (the worker's copy follows the deltas it got); a dense one
+        # can be rebuilt from the verdict, so a model-sized reply is not kept per worker.
+        self.requests.finish(member.worker_id, request_id, reply if self.downlink.compressor is not None else verdict,
+                             applied=verdict.accepted)
         self.lock.notify_all()
         return reply
 

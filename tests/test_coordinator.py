@@ -178,3 +178,37 @@ def test_coverage_audit_counts_missing_and_twice_applied_samples_and_voids_lost_
     assert bad["examples"] == {"missing": [(0, 2)], "duplicated": [(0, 1)], "unexpected": []}
     twice = check_coverage([{**update(1, 0, [0]), "requests": [[0, 7]]}, {**update(2, 0, [1]), "requests": [[0, 7]]}], 2, 1)
     assert not twice["ok"] and twice["requests_applied_twice"] == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_queued_count_follows_every_change_of_the_queues(mode):
+    """The O(1) ``unassigned`` a polling server relies on equals the queues' length after any sequence of changes."""
+    import random
+
+    chooser = random.Random(7)
+    plan = WorkPlan(200, 4, 8, 3, seed=1, mode=mode)
+    live = [0, 1, 2, 3]
+
+    def check() -> None:
+        for epoch in plan.epochs.values():
+            assert epoch.unassigned() == sum(len(q) for q in epoch.queues.values())
+
+    for _ in range(300):
+        action = chooser.choice(["take", "take", "apply", "fail", "rejoin", "restore"])
+        worker = chooser.choice(range(4))
+        if action == "take":
+            plan.start_round(live, live) if mode == "sync" else plan.next_for(worker, live)
+        elif action == "apply" and plan.holding(worker):
+            plan.applied(worker)
+        elif action == "fail" and len(live) > 1 and worker in live:
+            live.remove(worker)
+            plan.release(worker, live)
+        elif action == "rejoin" and worker not in live:
+            live.append(worker)
+            live.sort()
+            plan.claim(worker, [b.batch_id for q in plan.epochs[max(plan.epochs)].queues.values() for b in list(q)[:1]])
+        elif action == "restore":
+            restored = WorkPlan(200, 4, 8, 3, seed=1, mode=mode)
+            restored.load_state_dict(plan.state_dict())
+            plan = restored
+        check()
