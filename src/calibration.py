@@ -110,7 +110,11 @@ def _server_config(config: Config, tmp: str) -> Config:
 
 
 def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
-    """Median seconds of the server core's work per push and per reply, and of a real gRPC round trip."""
+    """Median seconds of the server core's work per push and per reply, and of a real gRPC round trip.
+
+    The core alone and the gRPC round trips alternate push by push, so a load that comes and goes
+    on the machine weighs on both alike.
+    """
     from src.parameter_server import ParameterServer, planned_work
     from src.ps_core import ServerCore
     from src.ps_transport import ParameterServerClient
@@ -123,40 +127,36 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
         payloads = step.encode([batch])
         buffers = step.buffers_to_send([batch])
         batch_size = run.training.batch_size
-
-        # The core alone: the work a push and its reply cost the server.
         core = ServerCore(run, work=planned_work(run, batch_size), model=model_from_config(run), tensorboard=False)
-        with core.lock:
-            registration, _ = core.register(pb.RegisterRequest(worker_id=0), "calibration")
-            caller = pb.Caller(worker_id=0, session=registration.session)
-            member = core.begin_pull(caller)
-            core.pull_reply(member, core.poll_work(member))
-            update, reply = [], []
-            for request_id in range(1, pushes + WARMUP_STEPS + 1):
-                held = core.work.plan.holding(0)
-                request = pb.PushRequest(caller=caller, base_version=core.version, request_id=request_id,
-                                         num_samples=sum(len(b.indices) for b in held), batch_ids=[b.batch_id for b in held])
-                data = serialize(Outgoing(request, {"gradients": payloads, "buffers": buffers}))
-                started = time.perf_counter()
-                received = split(data, pb.PushRequest, ("gradients", "buffers"))
-                admitted = core.begin_push(caller, received.message)
-                verdict = core.apply_push(admitted, received.message, core.decode(0, received))
-                applied = time.perf_counter()
-                core.push_reply(admitted, request_id, verdict, core.poll_work(admitted))
-                update.append(applied - started)
-                reply.append(time.perf_counter() - applied)
-        core.close()
-
-        # A real gRPC server and client on loopback: the whole round trip.
         server = ParameterServer(run, token="calibration", evaluate=False, tensorboard=False, num_train_samples=batch_size)
-        port = server.start()
-        client = ParameterServerClient(f"127.0.0.1:{port}", token="calibration")
+        client = ParameterServerClient(f"127.0.0.1:{server.start()}", token="calibration")
+        update, reply, trips = [], [], []
         try:
+            with core.lock:
+                registration, _ = core.register(pb.RegisterRequest(worker_id=0), "calibration")
+                core_caller = pb.Caller(worker_id=0, session=registration.session)
+                member = core.begin_pull(core_caller)
+                core.pull_reply(member, core.poll_work(member))
             registration = client.register(0)
             caller = pb.Caller(worker_id=0, session=registration.session)
             received = client.pull(caller)
-            trips = []
             for request_id in range(1, pushes + WARMUP_STEPS + 1):
+                # The core alone: the work a push and its reply cost the server.
+                with core.lock:
+                    held = core.work.plan.holding(0)
+                    request = pb.PushRequest(caller=core_caller, base_version=core.version, request_id=request_id,
+                                             num_samples=sum(len(b.indices) for b in held),
+                                             batch_ids=[b.batch_id for b in held])
+                    data = serialize(Outgoing(request, {"gradients": payloads, "buffers": buffers}))
+                    started = time.perf_counter()
+                    split_request = split(data, pb.PushRequest, ("gradients", "buffers"))
+                    admitted = core.begin_push(core_caller, split_request.message)
+                    verdict = core.apply_push(admitted, split_request.message, core.decode(0, split_request))
+                    applied = time.perf_counter()
+                    core.push_reply(admitted, request_id, verdict, core.poll_work(admitted))
+                    update.append(applied - started)
+                    reply.append(time.perf_counter() - applied)
+                # A real gRPC server and client on loopback: the whole round trip.
                 work = received.message.work
                 request = pb.PushRequest(caller=caller, base_version=received.message.version, request_id=request_id,
                                          num_samples=sum(len(b.indices) for b in work.batches),
@@ -167,12 +167,14 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
         finally:
             client.close()
             server.stop(grace=0)
-        log.close()
+            core.close()
+            log.close()
     core_update = statistics.median(update[WARMUP_STEPS:])
     core_reply = statistics.median(reply[WARMUP_STEPS:])
     round_trip = statistics.median(trips[WARMUP_STEPS:])
-    return {"server_update_s": core_update, "server_reply_s": max(core_reply, round_trip - core_update),
-            "core_reply_s": core_reply, "round_trip_s": round_trip}
+    server_update = min(core_update, round_trip)  # a round trip holds the update: never more than all of it
+    return {"server_update_s": server_update, "server_reply_s": max(core_reply, round_trip - server_update),
+            "core_update_s": core_update, "core_reply_s": core_reply, "round_trip_s": round_trip}
 
 
 def calibrate(config: Config, *, concurrent: int = 1, steps: int = 20, server: bool = True) -> dict[str, Any]:
@@ -187,7 +189,8 @@ def calibrate(config: Config, *, concurrent: int = 1, steps: int = 20, server: b
         measured = measure_server(config, pushes=steps)
         figures["server_update_s"] = measured["server_update_s"]
         figures["server_reply_s"] = measured["server_reply_s"]
-        details.update(core_reply_s=measured["core_reply_s"], round_trip_s=measured["round_trip_s"])
+        details.update(core_update_s=measured["core_update_s"], core_reply_s=measured["core_reply_s"],
+                       round_trip_s=measured["round_trip_s"])
     return {"emulation": figures, "measured": details}
 
 

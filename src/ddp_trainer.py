@@ -85,7 +85,7 @@ from src.ddp_control import RankControl, config_problem
 from src.ddp_watchdog import HangWatchdog
 from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
-from src.supervisor import LaunchError
+from src.supervisor import LaunchError, leave_process
 from src.trackers import open_trackers
 from src.trainer import (
     MixedPrecision, TrainingClock, checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config,
@@ -699,34 +699,9 @@ def leave_rank_process(code: int) -> NoReturn:
 
     Once DDP has run, torch keeps the gloo process group, and its threads, alive after
     ``destroy_process_group`` (measured: its three gloo threads are still there after DDP is
-    deleted and the garbage collected). They are torn down only while the interpreter shuts down,
-    where they can abort the process (``terminate called without an active exception``, SIGABRT)
-    after a run that succeeded; the elastic agent then counts a failed rank. Every output of the
-    run is closed by now (summaries, events, TensorBoard, checkpoints fsynced), so leaving without
-    that teardown loses nothing.
+    deleted and the garbage collected); see :func:`src.supervisor.leave_process`.
     """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
-            pass
-    os._exit(code)
-
-
-SETUP_TIMEOUT_S = 300.0
-"""What a collective may wait while the group joins and sets up (loading data, restoring a checkpoint,
-DDP's first broadcast), when ranks start unevenly; training collectives wait ``system.collective_timeout_s``."""
-
-
-def _hang_watchdog(job: JobRecord, attempt: int, rank: int, world_size: int, timeout_s: float) -> HangWatchdog | None:
-    """This rank's watchdog over its peers' heartbeats, on its own connection to the agent's store (none without one)."""
-    if job.store is None:
-        return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timedelta(seconds=max(10.0, timeout_s)))
-    return HangWatchdog(dist.PrefixStore(f"attempt_{attempt}/watchdog", client), rank, world_size, timeout_s,
-                        leave=leave_rank_process).start()
+    leave_process(code)
 
 
 def run_rank(

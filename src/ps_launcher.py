@@ -40,7 +40,7 @@ from src.config import Config
 from src.logs import setup_logging
 from src.metrics import EventLog
 from src.ps_transport import resolve_auth_token, split_address
-from src.supervisor import LaunchError, children_ignore_sigint, sigterm_as_keyboard_interrupt, stop_processes
+from src.supervisor import LaunchError, children_ignore_sigint, leave_process, sigterm_as_keyboard_interrupt, stop_processes
 
 STARTUP_TIMEOUT_S = 600.0  # server start: imports, dataset, model (a torchvision download can be slow)
 STOP_GRACE_S = 5.0
@@ -156,6 +156,7 @@ def _server_child(config: Config, token: str, summary_json: str | None, num_thre
         send(("error", f"parameter server: {exc}"))
         raise SystemExit(FATAL_EXIT) from None
     send(("summary", summary))
+    leave_process(0)  # done and flushed: native threads must not abort it at shutdown (src.supervisor)
 
 
 def _worker_child(config: Config, worker_id: int, token: str, num_threads: int | None, report, faults: bool) -> None:
@@ -165,6 +166,7 @@ def _worker_child(config: Config, worker_id: int, token: str, num_threads: int |
 
     try:
         run_worker(config, worker_id, token=token, faults=faults)
+        leave_process(0)  # finished and flushed: native threads must not abort it at shutdown (src.supervisor)
     except _expected_errors() as exc:
         report.send(("error", f"worker {worker_id}: {exc}"))
         raise SystemExit(FATAL_EXIT) from None

@@ -16,13 +16,33 @@ import os
 import signal
 import sys
 import time
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NoReturn
 
 STOP_GRACE_S = 5.0
 
 
 class LaunchError(RuntimeError):
     """A process of the run failed; the message names it and why."""
+
+
+def leave_process(code: int) -> NoReturn:
+    """End a child process with ``code`` once its outputs are flushed, skipping interpreter shutdown.
+
+    Native threads that outlive a run (gloo's after DDP, gRPC's and torch's pools) are torn down
+    while the interpreter shuts down, where they can abort a process that has succeeded (``terminate
+    called without an active exception``, SIGABRT); a launcher would then count a failed process and
+    restart it. Every output is closed by the time a run's process returns (summaries, events,
+    TensorBoard, checkpoints fsynced), so leaving without that teardown loses nothing.
+    """
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
+            pass
+    os._exit(code)
 
 
 def stop_processes(processes: Iterable, grace_s: float = STOP_GRACE_S) -> None:

@@ -211,3 +211,39 @@ def test_a_killed_a_hung_worker_and_a_killed_server_are_survived_in_virtual_time
     assert 3.0 - 0.5 <= failed_at - hung_at <= 3.0 + MONITOR_PERIOD_S + 1e-9
     assert summary["faults"]["server_recoveries"] == 1 and summary["faults"]["worker_failures"] >= 2
     assert summary["samples_processed"] == 2000 and summary["final_accuracy"] > 0.5
+
+
+# ----------------------------------------------------------------------------- calibration and fidelity
+
+
+def test_calibration_measures_every_figure_a_config_needs_and_prints_them_as_config_lines(tmp_path):
+    from src.calibration import as_yaml, calibrate
+    from src.config import validate_config
+    import yaml
+
+    config = ps_config(tmp_path, "calibrate", system__compression_enabled=True, system__compression_type="topk",
+                       system__compression_ratio=0.1)
+    result = calibrate(config, steps=3)
+    figures = result["emulation"]
+    assert set(figures) == {"compute_s", "compress_s", "server_update_s", "server_reply_s"}
+    assert all(value > 0 for value in figures.values())
+    assert figures["server_update_s"] <= result["measured"]["round_trip_s"] <= figures["server_update_s"] + figures["server_reply_s"] + 1e-12
+    pasted = yaml.safe_load(as_yaml(result, config, "x.yaml"))  # what a user pastes into a config
+    validated = validate_config({**config.to_dict(), "emulation": pasted["emulation"], "system": {
+        **config.to_dict()["system"], "clock": "virtual"}})
+    CostModel(validated)  # complete: a virtual run of this config can start
+
+
+@pytest.mark.slow
+def test_virtual_time_matches_a_real_run_of_the_same_experiment_calibrated_here(tmp_path):
+    """2 sync workers, one 4x slower (configs/experiments/fidelity_straggler_2.yaml, one epoch): the virtual
+    run's throughput within 15% of the real run's, its accuracy within a point (sync: the same updates)."""
+    from src.config import load_config
+    from src.fidelity import compare
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "experiments" / "fidelity_straggler_2.yaml",
+                         overrides={"training.num_epochs": 1, "training.target_accuracy": None})
+    result = compare(config, tmp_path, seeds=(0,), steps=10)
+    assert result["throughput_samples_per_s_ratio"] == pytest.approx(1.0, abs=0.15), result
+    (real,), (virtual,) = result["real"], result["virtual"]
+    assert real["versions"] == virtual["versions"] and abs(real["final_accuracy"] - virtual["final_accuracy"]) <= 0.01

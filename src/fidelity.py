@@ -1,0 +1,74 @@
+"""How faithful virtual time is: the same experiment on the real clock and on the virtual one, compared.
+
+``scripts/fidelity.py`` runs it; ``docs/virtual_time.md`` holds the measured table. For one
+parameter-server config:
+
+1. calibrate the cost model on this machine (:func:`src.calibration.calibrate`, with as many
+   processes computing at once as the real run has workers, one thread each, as the local launcher
+   gives them);
+2. run the experiment for real (:func:`src.ps_launcher.run_local`: processes, emulated stragglers
+   and links as real waits) for each seed;
+3. run it in virtual time (:func:`src.virtual_time.run_virtual`) with the calibrated figures;
+4. compare throughput, time to target and final accuracy: the virtual figure over the real one's
+   median, and the real runs' spread over seeds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from src.calibration import calibrate
+from src.config import Config, validate_config
+
+
+def with_clock(config: Config, clock: str, figures: dict[str, float], run_dir: Path) -> Config:
+    """``config`` on ``clock`` with the cost model's ``figures``, writing under ``run_dir``."""
+    data = config.to_dict()
+    data["system"].update(clock=clock, log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "checkpoints"))
+    if config.system.auth_token is not None:
+        data["system"]["auth_token"] = config.system.auth_token.get_secret_value()
+    data["emulation"].update(figures)
+    return validate_config(data)
+
+
+def _figures(summary: dict[str, Any]) -> dict[str, Any]:
+    return {"throughput_samples_per_s": summary["throughput_samples_per_s"], "time_to_target_s": summary["time_to_target_s"],
+            "train_time_s": summary["train_time_s"], "final_accuracy": summary["final_accuracy"],
+            "versions": summary["versions"]}
+
+
+def _ratio(virtual: float | None, real: list[float | None]) -> float | None:
+    reached = [r for r in real if r is not None]
+    if virtual is None or not reached:
+        return None
+    return virtual / statistics.median(reached)
+
+
+def compare(config: Config, out_dir: str | Path, *, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 20) -> dict[str, Any]:
+    """Calibrate, run real and virtual per seed (see the module docstring); returns the comparison.
+
+    ``real`` and ``virtual`` list one run's figures per seed; the ratios are virtual / median(real).
+    """
+    from src.ps_launcher import run_local
+    from src.virtual_time import run_virtual
+
+    out_dir = Path(out_dir)
+    measured = calibrate(config, concurrent=config.system.num_workers, steps=steps)
+    figures = measured["emulation"]
+    real, virtual = [], []
+    for seed in seeds:
+        seeded = config.model_copy(update={"training": config.training.model_copy(update={"seed": seed})})
+        real.append(_figures(run_local(with_clock(seeded, "real", {}, out_dir / f"real_seed{seed}"))))
+        virtual.append(_figures(run_virtual(with_clock(seeded, "virtual", figures, out_dir / f"virtual_seed{seed}"),
+                                            tensorboard=False)))
+    result: dict[str, Any] = {"calibration": measured, "real": real, "virtual": virtual}
+    for name in ("throughput_samples_per_s", "time_to_target_s", "train_time_s"):
+        ratios = [_ratio(v[name], [r[name] for r in real]) for v in virtual]
+        known = [r for r in ratios if r is not None]
+        result[f"{name}_ratio"] = statistics.median(known) if known else None
+    accuracies = [r["final_accuracy"] for r in real]
+    result["real_accuracy_range"] = [min(accuracies), max(accuracies)]
+    result["virtual_accuracy_median"] = statistics.median(v["final_accuracy"] for v in virtual)
+    return result
