@@ -110,7 +110,9 @@ def run_server(
         server = ParameterServer(config, token=token, resume=resume, faults=faults, on_event=on_event)
         try:
             port = server.start()
-            logger.info("parameter server listening on %s (%s, %d workers%s)", connect_address(config.system.server_address, port),
+            host, _ = split_address(config.system.server_address)  # as bound: 0.0.0.0 means every interface
+            bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            logger.info("parameter server listening on %s (%s, %d workers%s)", bound,
                         config.system.aggregation_mode, config.system.num_workers,
                         f", resumed at version {server.state.version}" if resume else "")
             if on_listening is not None:
