@@ -29,6 +29,7 @@ QUICK_ARGS = {
     "bench_baseline": ["--repeats", "1", "--epochs", "1"],
     "bench_compression": ["--sizes", "1000000", "--repeats", "3"],
     "bench_ps": ["--sizes-mb", "1", "4", "--repeats", "5"],
+    "bench_virtual": ["--skip-memory"],
     "bench_ddp": ["--repeats", "1", "--hook-repeats", "1", "--epochs", "1",
                   "--cases", "allreduce", "ring", "topk", "powersgd_rank2", "topk_matched"],
 }
@@ -111,7 +112,26 @@ def figures_compression(result: dict) -> list[dict]:
     return rows
 
 
+def figures_virtual(result: dict) -> list[dict]:
+    rows = []
+    for case in ("overhead", "compressed"):
+        entry = result.get(case)
+        if entry:
+            rows.append(_row("bench_virtual", f"virtual-time loop, {entry['workers']} workers, {entry['compression']}",
+                             entry["loop_wall_s"], entry["in_run_compute_s"], "its gradients' forward/backward alone",
+                             "s", entry["in_run_overhead_ratio"], "ours / reference (the driver's overhead)",
+                             1.3 if case == "overhead" else None, higher_is_better=False))
+    memory = result.get("memory")
+    if memory:
+        rows.append(_row("bench_virtual", f"peak RSS, {memory['workers']} workers of {memory['model_mb']} MB",
+                         memory["peak_rss_gb"], memory["target_gb"], "the 8 GB target", "GB",
+                         round(memory["peak_rss_gb"] / memory["target_gb"], 3), "ours / target", 1.0,
+                         higher_is_better=False))
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict], list[dict]]] = {
+    "bench_virtual": figures_virtual,
     "bench_baseline": figures_baseline,
     "bench_ddp": figures_ddp,
     "bench_ps": figures_ps,
