@@ -169,14 +169,14 @@ def _failure_line(exc: Exception, max_restarts: int) -> str:
 
     failures = getattr(exc, "failures", {}) or {}
     parts = []
-    for failure in failures.values():
+    for rank, failure in failures.items():  # keyed by global rank (torch's ProcessFailure has local_rank only)
         if failure.exitcode == HUNG_PEER_EXIT:
             how = f"found a peer hung (exit {HUNG_PEER_EXIT}; see the rank_hung events)"
         elif failure.exitcode < 0:
             how = f"was killed by {failure.signal_name()}"
         else:
             how = f"exited with status {failure.exitcode}"
-        parts.append(f"rank {failure.rank} {how}")
+        parts.append(f"rank {rank} {how}")
     what = "; ".join(parts) or str(exc).strip().splitlines()[0]
     return f"{what} (restarts used up: --max-restarts {max_restarts})"
 

@@ -704,6 +704,21 @@ def leave_rank_process(code: int) -> NoReturn:
     leave_process(code)
 
 
+SETUP_TIMEOUT_S = 300.0
+"""What a collective may wait while the group joins and sets up (loading data, restoring a checkpoint,
+DDP's first broadcast), when ranks start unevenly; training collectives wait ``system.collective_timeout_s``."""
+
+
+def _hang_watchdog(job: JobRecord, attempt: int, rank: int, world_size: int, timeout_s: float) -> HangWatchdog | None:
+    """This rank's watchdog over its peers' heartbeats, on its own connection to the agent's store (none without one)."""
+    if job.store is None:
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timedelta(seconds=max(10.0, timeout_s)))
+    return HangWatchdog(dist.PrefixStore(f"attempt_{attempt}/watchdog", client), rank, world_size, timeout_s,
+                        leave=leave_rank_process).start()
+
+
 def run_rank(
     config: Config,
     *,
