@@ -27,6 +27,8 @@ Both hooks return their future without blocking: the exchange runs on one backgr
 hook (buckets in DDP's order, which is the same on every rank, so collectives match), while the
 backward pass goes on producing the next buckets; DDP waits for the futures before the optimizer
 step. ``overlap=False`` runs the same work inline (the tests check both give identical gradients).
+Each bucket's exchange is a ``hook_exchange`` span (:mod:`src.tracing`) on the thread that runs it;
+how long the backward pass waited for them is measured by :mod:`src.exposed_comm`.
 
 Compression units and exact resume. DDP puts every parameter in one bucket for a process's first
 backward pass and re-buckets by gradient-arrival order from the second one on, so a resumed process
@@ -60,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from src import tracing
 from src.compression import CompressionPolicy, ErrorFeedback, TopKCompressor, decompress, policy_from_config
 from src.config import SystemConfig
 
@@ -323,11 +326,12 @@ class RingHookState:
 def ring_allreduce_hook(state: RingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: average the bucket with :func:`ring_allreduce_`, off the backward pass."""
     buffer = bucket.buffer()
+    step, index = state.step, bucket.index()
     if bucket.is_last():
         state.step += 1
 
     def exchange() -> torch.Tensor:
-        with _timed(state.stats):
+        with _timed(state.stats), tracing.span("hook_exchange", step=step, bucket=index):
             state.stats.measured(*ring_allreduce_(buffer, state.group))
             return buffer.div_(_group_size(state.group))
 
@@ -530,13 +534,13 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
             state.passes += 1
         return _completed(buffer)
     segments = state.segments_for(_pieces(state, bucket))
-    step = state.step
+    step, index = state.step, bucket.index()
     if bucket.is_last():
         state.step += 1
         state.passes += 1
 
     def exchange() -> torch.Tensor:
-        with _timed(state.stats):
+        with _timed(state.stats), tracing.span("hook_exchange", step=step, bucket=index):
             world = _group_size(state.group)
             if step < state.policy.warmup_steps:
                 PLAIN_ALLREDUCE[state.plain_allreduce](buffer, state.group, state.stats)

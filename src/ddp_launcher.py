@@ -125,7 +125,8 @@ def resolve_resume(config: Config, target: str | Path | None, *, world_size: int
 def rank_trace(config: Config, rank: int):
     """``system.trace``: this rank's timeline, ``<log_dir>/rank_<r>/trace.json`` (:mod:`src.tracing`)."""
     path = Path(config.system.log_dir) / f"rank_{rank}" / tracing.TRACE_FILE
-    return tracing.trace_to(path, f"rank {rank}", enabled=config.system.trace)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0  # keep the earlier attempt's trace
+    return tracing.trace_to(path, f"rank {rank}", enabled=config.system.trace, restart=restarted)
 
 
 # ----------------------------------------------------------------------------- local ranks through the elastic agent

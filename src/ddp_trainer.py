@@ -50,6 +50,13 @@ the agent's store (so an older job's checkpoints in the same folder are never ta
 attempt only. An expected error (missing dataset, unusable checkpoint, bad value) is recorded there
 too, so later attempts stop at once instead of repeating a run that cannot succeed.
 
+Exposed communication (:mod:`src.exposed_comm`): each step's wait at the end of the backward pass
+for the gradient exchange, from the last gradient computed to ``backward()``'s return, as
+``exposed_communication_s`` in the train scalars and the summaries (per rank; summed over ranks in
+the run summary). Timeline spans (``--trace``): ``step`` > ``forward_backward`` (>
+``exchange_wait``), ``optimizer_step``; ``evaluate``; ``checkpoint``; and each bucket's
+``hook_exchange`` on the comm hook's thread (:mod:`src.comm_hooks`).
+
 Outputs under ``system.log_dir``: ``summary.json`` (rank 0, whole run), ``ddp_rank_<r>.json`` (per
 rank: samples, time, bytes), and per-rank TensorBoard + ``events.jsonl`` under ``rank_<r>/``; rank 0
 also logs run-level events (eval, checkpoints, restarts) at the top level.
@@ -73,7 +80,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src import netem
+from src import netem, tracing
 from src.checkpoint import (
     KEEP_CHECKPOINTS, CheckpointError, check_model_matches, final_checkpoint_path, load_latest_good, numbered_path,
     prune_checkpoints, save_checkpoint,
@@ -83,6 +90,7 @@ from src.config import Config, SetupError
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
 from src.ddp_control import RankControl, config_problem
 from src.ddp_watchdog import HangWatchdog
+from src.exposed_comm import BackwardWait
 from src.faults import FaultInjector
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.supervisor import LaunchError, leave_process
@@ -329,6 +337,7 @@ class DDPTrainer:
         # DDP re-buckets after a process's first backward pass; a silent one now makes every
         # training step see the final buckets (the compression units; see src.comm_hooks).
         self.comm.settle_buckets(self.ddp, self.train_set.images[:1].to(context.device))
+        self.backward_wait = BackwardWait(self.model)  # exposed communication (src/exposed_comm.py)
 
     def close(self) -> None:
         """Stop the comm hook's exchange thread and let go of DDP (before the group is destroyed).
@@ -338,6 +347,7 @@ class DDPTrainer:
         closer = getattr(self.comm, "close", None)
         if callable(closer):
             closer()
+        self.backward_wait.close()
         self.ddp = self.comm = None
         gc.collect()
 
@@ -418,7 +428,7 @@ class DDPTrainer:
     def _evaluate_and_log(self, run_log: MetricsLogger | None, epoch: int, clock: TrainingClock,
                           target: TimeToTarget) -> tuple[float, float]:
         """Evaluate (collective) with the clock stopped; rank 0 logs it; every rank feeds ``target``."""
-        with clock.paused():
+        with clock.paused(), tracing.span("evaluate", step=self.step):
             loss, accuracy = self._evaluate()
             (seconds,) = self._all_reduce([clock.seconds], op=dist.ReduceOp.MAX)  # the slowest rank's clock
             event = None
@@ -435,18 +445,19 @@ class DDPTrainer:
 
     def _checkpoint(self, path: Path, *, epoch: int, epoch_step: int = 0) -> Path:
         """Write a checkpoint (collective: every rank's hook state is gathered to rank 0)."""
-        states: list[Any] | None = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
-        dist.gather_object(self.comm.state_dict(), states, dst=0)
-        if self.ctx.rank == 0:
-            checkpoint = checkpoint_of_run(
-                self.config, self.model, self.optimizer, epoch=epoch, step=self.step,
-                extra={"comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states},
-                       "epoch_step": epoch_step, "world_size": self.ctx.world_size,
-                       "controller": self.control.state_dict() if self.control is not None else None,
-                       "grad_scaler": self.amp.state_dict()},
-            )
-            save_checkpoint(path, checkpoint)
-            self.job.checkpoint_written(path)
+        with tracing.span("checkpoint", step=self.step):
+            states: list[Any] | None = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
+            dist.gather_object(self.comm.state_dict(), states, dst=0)
+            if self.ctx.rank == 0:
+                checkpoint = checkpoint_of_run(
+                    self.config, self.model, self.optimizer, epoch=epoch, step=self.step,
+                    extra={"comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states},
+                           "epoch_step": epoch_step, "world_size": self.ctx.world_size,
+                           "controller": self.control.state_dict() if self.control is not None else None,
+                           "grad_scaler": self.amp.state_dict()},
+                )
+                save_checkpoint(path, checkpoint)
+                self.job.checkpoint_written(path)
         return path
 
     def _numbered_checkpoint(self, run_log: MetricsLogger | None, clock: TrainingClock, *, epoch: int, epoch_step: int) -> None:
@@ -486,13 +497,17 @@ class DDPTrainer:
             images, labels = images.to(device), labels.to(device)
             self.optimizer.zero_grad(set_to_none=True)
             step_samples = min(per_step, num_train - index * per_step)  # all ranks together, this step
-            with self.amp.autocast():
-                loss, local_loss, correct = _scaled_loss(self.ddp(images), labels, world, step_samples)
-            self.amp.backward(loss)
-            if self.compute_delay.active:
-                self.compute_delay.after_step(time.perf_counter() - step_started)
+            with tracing.span("forward_backward", step=self.step + 1):
+                with self.amp.autocast():
+                    loss, local_loss, correct = _scaled_loss(self.ddp(images), labels, world, step_samples)
+                self.backward_wait.backward_started()
+                self.amp.backward(loss)
+                exposed = self.backward_wait.backward_ended(time.perf_counter())  # DDP's wait for the exchange
+                if self.compute_delay.active:
+                    self.compute_delay.after_step(time.perf_counter() - step_started)
             gradient_time = time.perf_counter() - step_started
-            self.amp.step(self.optimizer)  # fp16: skipped on every rank alike (the same averaged gradients)
+            with tracing.span("optimizer_step", step=self.step + 1):
+                self.amp.step(self.optimizer)  # fp16: skipped on every rank alike (the same averaged gradients)
             self.comm.end_step()
             step_time = time.perf_counter() - step_started
             if self.control is not None:
@@ -500,6 +515,7 @@ class DDPTrainer:
             samples += len(labels)
             self.step += 1
             self.steps_run += 1
+            tracing.record("step", step_started, time.perf_counter(), step=self.step)
             epoch_end = index + 1 == num_steps
             if self.step % LOG_EVERY_STEPS == 0 or epoch_end:
                 compression = {}
@@ -512,6 +528,7 @@ class DDPTrainer:
                     "throughput": len(labels) / step_time,
                     "gradient_time_s": gradient_time,  # forward + backward, the overlapped exchange included
                     "communication_time_s": stats.hook_seconds - hook_before,
+                    "exposed_communication_s": exposed,
                     "step_time_s": step_time,
                     "bytes_sent": stats.total_sent - sent_before,
                     "samples_processed": samples,
@@ -649,7 +666,8 @@ class DDPTrainer:
                    total_time: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """(this rank's summary, the run's summary); collective: every rank must call it."""
         stats, world = self.comm.stats, self.ctx.world_size
-        totals = self._all_reduce([samples, stats.bytes_sent, stats.bytes_received, stats.estimated_bytes_sent, stats.estimated_bytes_received])
+        totals = self._all_reduce([samples, stats.bytes_sent, stats.bytes_received, stats.estimated_bytes_sent,
+                                   stats.estimated_bytes_received, self.backward_wait.total_s])
         (slowest,) = self._all_reduce([train_time], op=dist.ReduceOp.MAX)
         rank_summary = {
             **common,
@@ -665,10 +683,11 @@ class DDPTrainer:
             "bytes_accounting": stats.accounting(),
             "bytes_sent_per_step": stats.total_sent / steps_run if steps_run else 0.0,
             "communication_time_s": stats.hook_seconds,
+            "exposed_communication_s": self.backward_wait.total_s,
             "emulated_delay_s": self.compute_delay.delay_s,
             **self.amp.summary(),
         }
-        all_samples, measured, received, estimated, estimated_received = totals
+        all_samples, measured, received, estimated, estimated_received, exposed = totals
         summary = {
             **common,
             "total_time_s": total_time,
@@ -681,6 +700,7 @@ class DDPTrainer:
             "bytes_sent_estimated": int(estimated),
             "bytes_accounting": bytes_accounting(measured, estimated),
             "bytes_sent_per_rank_per_step": (measured + estimated) / (world * steps_run) if steps_run else 0.0,
+            "exposed_communication_s": exposed,  # all ranks together (src/exposed_comm.py)
             **self.amp.summary(),  # every rank skips the same steps
         }
         return rank_summary, summary

@@ -15,6 +15,10 @@ staleness, the controller, the downlink, de-dup, checkpoints, events and the sum
   a worker with a narrow downlink waits its transfer time (from its exact serialized size) after
   it is built, outside the lock, before it is returned to gRPC.
 
+Timeline spans (``--trace``, :mod:`src.tracing`): ``serve_push`` / ``serve_pull`` per RPC, with
+``barrier_wait`` (the call waiting for its work), ``downlink_wait`` (emulated) and the core's
+``decode``, ``apply``, ``reply``, ``evaluate`` and ``checkpoint`` inside.
+
 Use: :meth:`ParameterServer.start` -> workers train -> :meth:`~ParameterServer.wait_until_done` ->
 :meth:`~ParameterServer.finalize` -> :meth:`~ParameterServer.stop`.
 """
@@ -31,7 +35,7 @@ from typing import Any, Callable, Iterator
 import grpc
 from torch import nn
 
-from src import netem
+from src import netem, tracing
 from src import parameter_server_pb2 as pb
 from src.aggregation import RequestLog
 from src.config import Config
@@ -193,13 +197,17 @@ class ParameterServer:
             return self.core.initialize(data)
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
-        with refusals(context), self.core.lock:
+        with tracing.span("serve_pull", worker=request.caller.worker_id), refusals(context), self.core.lock:
             member = self.core.begin_pull(request.caller)
             reply = self.core.pull_reply(member, self._await_work(member, context))
         self._emulate_downlink(member.worker_id, reply)
         return reply
 
     def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        with tracing.span("serve_push"):
+            return self._serve_push(data, context)
+
+    def _serve_push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
         core = self.core
         with refusals(context):
             try:
@@ -254,13 +262,14 @@ class ParameterServer:
 
     def _await_work(self, member, context: grpc.ServicerContext):
         """Wait (lock held) until ``member`` has work to be told about, or the run is finished."""
-        while True:
-            work = self.core.poll_work(member)
-            if work is not None:
-                return work
-            self.core.lock.wait(WAIT_POLL_S)
-            if not context.is_active():
-                raise Refused("CANCELLED", "call cancelled while waiting for work")
+        with tracing.span("barrier_wait", worker=member.worker_id):
+            while True:
+                work = self.core.poll_work(member)
+                if work is not None:
+                    return work
+                self.core.lock.wait(WAIT_POLL_S)
+                if not context.is_active():
+                    raise Refused("CANCELLED", "call cancelled while waiting for work")
 
     def _watch_heartbeats(self) -> None:
         core = self.core
@@ -282,4 +291,5 @@ class ParameterServer:
         """Wait as long as ``reply`` takes on ``worker``'s emulated downlink (lock not held: links are parallel)."""
         link = self.downlinks.get(worker)
         if link is not None:
-            link.transmit(len(reply))
+            with tracing.span("downlink_wait", bytes=len(reply)):
+                link.transmit(len(reply))

@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from src import netem
+from src import netem, tracing
 from src import parameter_server_pb2 as pb
 from src.aggregation import Contribution, ModelState, RequestLog, SyncRound
 from src.checkpoint import (
@@ -66,6 +66,7 @@ from src.config import Config, SetupError
 from src.controller import CompressionController
 from src.coordinator import Batch, Member, Membership, MembershipError
 from src.downlink import Downlink, compressor_from_config
+from src.exposed_comm import exposed_communication
 from src.faults import FaultInjector, FaultSpec
 from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.served_model import layout_mismatch, model_from_layout
@@ -320,7 +321,8 @@ class ServerCore:
         """The serialized Pull reply: dense parameters (a pull starts the worker afresh) and ``work``."""
         self.downlink.forget(member.worker_id)
         message = pb.PullReply(version=self.state.version, work=self.work.message(*work), control=self.control)
-        return self._reply_bytes(message, member.worker_id)
+        with tracing.span("reply", worker=member.worker_id):
+            return self._reply_bytes(message, member.worker_id)
 
     def begin_push(self, caller: pb.Caller, request: pb.PushRequest) -> Member | bytes | object:
         """Admit a push: its member, or the stored reply of a retried push, or ``RequestLog.IN_PROGRESS``
@@ -354,6 +356,10 @@ class ServerCore:
 
     def decode(self, worker_id: int, received: Received) -> Contribution:
         """Check and decompress a push's tensors (no lock needed); raises :class:`Refused` naming the problem."""
+        with tracing.span("decode", worker=worker_id, request_id=received.message.request_id):
+            return self._decode(worker_id, received)
+
+    def _decode(self, worker_id: int, received: Received) -> Contribution:
         request, payloads, raw_buffers = received.message, received.large["gradients"], received.large["buffers"]
         if self.work.owns_data:
             if not payloads and not raw_buffers:
@@ -395,7 +401,8 @@ class ServerCore:
 
     def apply_push(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
         """Add the decoded push to the barrier (sync) or apply it with its staleness weight (async): the verdict."""
-        verdict = (self._add_to_round if self.mode == "sync" else self._apply_now)(member, request, contribution)
+        with tracing.span("apply", worker=member.worker_id, request_id=request.request_id):
+            verdict = (self._add_to_round if self.mode == "sync" else self._apply_now)(member, request, contribution)
         self.lock.notify_all()
         return verdict
 
@@ -405,7 +412,8 @@ class ServerCore:
         verdict.work.CopyFrom(self.work.message(*work))
         verdict.version = self.state.version
         verdict.control.CopyFrom(self.control)
-        reply = self._reply_bytes(verdict, member.worker_id)
+        with tracing.span("reply", worker=member.worker_id):
+            reply = self._reply_bytes(verdict, member.worker_id)
         # For a retry: a delta reply only as it was (the worker's copy follows the deltas it got); a dense one
         # can be rebuilt from the verdict, so a model-sized reply is not kept per worker.
         self.requests.finish(member.worker_id, request_id, reply if self.downlink.compressor is not None else verdict,
@@ -759,12 +767,13 @@ class ServerCore:
         }
 
     def _checkpoint(self, path: Path, state: dict[str, Any]) -> Path:
-        checkpoint = make_checkpoint(
-            model_state_dict=state["model"], optimizer_state_dict=state["optimizer"],
-            model_architecture=self.model_label, dataset=self.data_label,
-            epoch=state["epochs_done"], step=state["version"], config=self.config.to_dict(), extra=state["extra"],
-        )
-        return save_checkpoint(path, checkpoint)
+        with tracing.span("checkpoint", version=state["version"]):
+            checkpoint = make_checkpoint(
+                model_state_dict=state["model"], optimizer_state_dict=state["optimizer"],
+                model_architecture=self.model_label, dataset=self.data_label,
+                epoch=state["epochs_done"], step=state["version"], config=self.config.to_dict(), extra=state["extra"],
+            )
+            return save_checkpoint(path, checkpoint)
 
     def _write_numbered_checkpoint(self, version: int, state: dict[str, Any]) -> None:
         """Write ``checkpoint_<version>.pt``; a failure is an event and ends the run with an error."""
@@ -826,7 +835,8 @@ class ServerCore:
 
     def _record_eval(self, epoch: int, version: int, model: nn.Module, elapsed: float) -> tuple[float, float]:
         t = self.config.training
-        loss, accuracy = evaluate(model, self.test_set, batch_size=t.eval_batch_size)
+        with tracing.span("evaluate", version=version):
+            loss, accuracy = evaluate(model, self.test_set, batch_size=t.eval_batch_size)
         event = self.log.scalars("eval", version, {"test_loss": loss, "test_accuracy": accuracy}, epoch=epoch,
                                  elapsed_s=elapsed)
         if self.controller is not None:
@@ -880,7 +890,7 @@ class ServerCore:
         t = self.config.training
         with self.lock:
             state = self._checkpoint_state()
-            workers = [self.stats_by_incarnation[i] for i in sorted(self.stats_by_incarnation)]
+            workers = [exposed_communication(self.stats_by_incarnation[i]) for i in sorted(self.stats_by_incarnation)]
         version = state["version"]
         elapsed = self.elapsed() if self._train_ended is None else self._train_ended - (self._train_started or 0.0)
         final_loss, final_accuracy = (self._record_eval(t.num_epochs, version, self.state.model, elapsed)
@@ -927,6 +937,7 @@ class ServerCore:
             "gradient_time_s": sum(w["gradient_time_s"] for w in workers),
             "compression_time_s": sum(w["compression_time_s"] for w in workers),
             "communication_time_s": sum(w["communication_time_s"] for w in workers),
+            "exposed_communication_s": sum(w["exposed_communication_s"] for w in workers),
             "faults": {
                 "worker_failures": self.counters["workers_failed"],
                 "server_recoveries": self.counters["server_recoveries"],

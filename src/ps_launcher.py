@@ -106,7 +106,7 @@ def run_server(
     require_trackers(config)
     reuse_freed_memory()
     trace = Path(config.system.log_dir) / "server" / tracing.TRACE_FILE
-    with tracing.trace_to(trace, "parameter server", enabled=config.system.trace):
+    with tracing.trace_to(trace, "parameter server", enabled=config.system.trace, restart=not faults):
         server = ParameterServer(config, token=token, resume=resume, faults=faults, on_event=on_event)
         try:
             port = server.start()
@@ -131,7 +131,7 @@ def run_worker(config: Config, worker_id: int, *, token: str | None = None, addr
 
     reuse_freed_memory()
     trace = Path(config.system.log_dir) / f"worker_{worker_id}" / tracing.TRACE_FILE
-    with tracing.trace_to(trace, f"worker {worker_id}", enabled=config.system.trace):
+    with tracing.trace_to(trace, f"worker {worker_id}", enabled=config.system.trace, restart=not faults):
         return Worker(config, worker_id, address=address, token=token, faults=faults).run()
 
 

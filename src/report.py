@@ -85,6 +85,13 @@ DEFINITIONS = {
     "time_split": "seconds per worker/rank, mean over workers: gradient (forward + backward), compression "
                   "(error feedback + compress), communication (push and pull round trips, or the comm hook). "
                   "The backend allreduce of DDP overlaps the backward pass and is not separable from it.",
+    "exposed_communication": "seconds per worker/rank, mean over workers, that training stood still waiting for "
+                             "communication (not hidden by computation); its share is of the run's training time. "
+                             "Parameter server: the worker's time blocked on each push's reply (all of its "
+                             "communication time: a worker computes nothing meanwhile; in sync mode it includes the "
+                             "barrier wait). DDP: each step's wait at the end of the backward pass, from the last "
+                             "gradient computed until every bucket's exchange is done (any allreduce, hook or not). "
+                             "Baseline: 0, nothing is communicated. See src/exposed_comm.py.",
     "compression_ratio": "uncompressed gradient bytes / bytes of the payloads actually sent (1 = uncompressed).",
     "accuracy_vs_time": "test accuracy of each evaluation event against seconds since the run's run_start "
                         "event (its main log): process start-up is included, so the curves share one clock.",
@@ -320,7 +327,7 @@ def ddp_summary_from_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]
         "bytes_received": received,
         "bytes_sent_per_rank_per_step": sent / (world * steps) if steps else 0.0,
     })
-    for key in ("bytes_sent_measured", "bytes_sent_estimated"):
+    for key in ("bytes_sent_measured", "bytes_sent_estimated", "exposed_communication_s"):
         if all(key in r for r in ranks):
             summary[key] = sum(r[key] for r in ranks)
     accountings = {r.get("bytes_accounting") for r in ranks}
@@ -563,7 +570,14 @@ def _time_split(run: Run) -> dict[str, Any]:
     recorded = [v for v in per_worker.values() if v is not None]
     total = sum(recorded) if recorded else None
     shares = {key: (value / total if value is not None and total else None) for key, value in per_worker.items()}
-    return {"workers": count, "total_s": totals, "per_worker_s": per_worker, "shares": shares, "note": note}
+    # Exposed communication is a part of the time above (of communication, or for DDP of the backward
+    # pass), so it is not in the shares: its own share is of the training time.
+    exposed = 0.0 if s["architecture"] == "baseline" else _split_value(run, "exposed_communication_s")
+    exposed_per_worker = exposed / count if exposed is not None else None
+    train_time = _number(s.get("train_time_s"))
+    return {"workers": count, "total_s": totals, "per_worker_s": per_worker, "shares": shares, "note": note,
+            "exposed_communication_s": exposed_per_worker,
+            "exposed_share_of_train_time": exposed_per_worker / train_time if exposed_per_worker is not None and train_time else None}
 
 
 def _bytes(run: Run) -> dict[str, Any]:
@@ -806,11 +820,12 @@ def report_blocks(report: Mapping[str, Any], plot_dir: str) -> list[Block]:
                   "-" if r["time_to_target"]["reached"] is False else _fmt(r["time_to_target"]["step"]), r["time_to_target"]["source"] or "no target set"] for r in runs])]
 
     blocks += [("h2", SECTIONS[5])]
-    image("time_split", "Mean seconds per worker/rank in gradient computation, compression and communication")
-    blocks.append(("table", ["run", "workers", "gradient", "compression", "communication", "note"],
+    image("time_split", "Mean seconds per worker/rank in gradient computation, compression and communication, "
+                        "and the communication not hidden by computation (exposed)")
+    blocks.append(("table", ["run", "workers", "gradient", "compression", "communication", "exposed communication", "note"],
                    [[r["label"], r["time_split"]["workers"]]
                     + [_split_cell(r["time_split"], key) for key in ("gradient_time_s", "compression_time_s", "communication_time_s")]
-                    + [r["time_split"]["note"] or ""] for r in runs]))
+                    + [_exposed_cell(r["time_split"]), r["time_split"]["note"] or ""] for r in runs]))
 
     blocks += [("h2", SECTIONS[6])]
     image("bytes_per_step", "Bytes one worker/rank sends and receives per training step (hatched: estimated)")
@@ -917,9 +932,16 @@ def _split_cell(split: Mapping[str, Any], key: str) -> str:
     return f"{value:.3f} s ({share * 100:.0f}%)" if share is not None else f"{value:.3f} s"
 
 
+def _exposed_cell(split: Mapping[str, Any]) -> str:
+    value, share = split["exposed_communication_s"], split["exposed_share_of_train_time"]
+    if value is None:
+        return NOT_RECORDED
+    return f"{value:.3f} s ({share * 100:.0f}% of train time)" if share is not None else f"{value:.3f} s"
+
+
 _MEMBER_FIRST = ("worker_id", "rank", "samples", "samples_processed", "steps", "train_time_s", "total_time_s",
                  "throughput_samples_per_s", "bytes_sent", "bytes_received", "gradient_time_s", "compression_time_s",
-                 "communication_time_s", "pushes_rejected", "train_loss", "train_accuracy")
+                 "communication_time_s", "exposed_communication_s", "pushes_rejected", "train_loss", "train_accuracy")
 _SHARED_RANK_FIELDS = ("architecture", "dataset", "num_workers", "world_size", "backend", "allreduce", "comm_hook",
                        "compression", "compression_ratio", "quantization_bits", "error_feedback", "epochs",
                        "final_accuracy", "final_loss", "checkpoint_path", "steps", "steps_this_run")

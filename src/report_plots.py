@@ -86,8 +86,13 @@ def time_split(ax, report: Mapping[str, Any]) -> None:
     bottoms = [0.0] * len(runs)
     for color_index, (key, name) in enumerate(_SPLIT):
         heights = [r["time_split"]["per_worker_s"][key] or 0.0 for r in runs]
-        ax.bar(positions, heights, bottom=bottoms, label=name, color=_color(color_index))
+        ax.bar([p - 0.12 for p in positions], heights, width=0.55, bottom=bottoms, label=name, color=_color(color_index))
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    # Exposed communication is part of the stack (of communication, or for DDP of the backward pass): beside it.
+    exposed = [r["time_split"].get("exposed_communication_s") or 0.0 for r in runs]
+    ax.bar([p + 0.3 for p in positions], exposed, width=0.2, label="exposed communication (part of the stack)",
+           color="white", edgecolor="#222", hatch="//")
+    bottoms = [max(b, e) for b, e in zip(bottoms, exposed)]
     top = max(bottoms) or 1.0
     for index, run in enumerate(runs):
         missing = [name for key, name in _SPLIT if run["time_split"]["per_worker_s"][key] is None]

@@ -26,13 +26,21 @@ Instrumenting code (the API the trainers, the parameter server, its workers and 
   recording, so a user's own ``torch.profiler.profile()`` run shows the same names. With neither
   tracing nor a profiler on, a span costs one global read and one C call: about 0.3 us here, against
   about 7.5 us for a recorded span (docs/observability.md): leave spans in.
-* Names in use (keep to them so merged traces read alike): ``epoch``, ``forward_backward``,
-  ``optimizer_step``, ``evaluate``, ``checkpoint`` (baseline); for the distributed parts: ``step``,
-  ``compress``, ``push``, ``pull``, ``barrier_wait``, ``decode``, ``apply``, ``hook_exchange``.
+* :func:`record` adds a span from two ``time.perf_counter()`` readings the code already takes, for
+  an interval that no single ``with`` block delimits (a loop iteration with ``continue`` in it, the
+  wait at the end of DDP's backward pass, which a hook on another thread opens). It is not a
+  profiler label.
+* Names in use (keep to them so merged traces read alike), see docs/observability.md for where:
+  ``epoch``, ``step``, ``forward_backward``, ``optimizer_step``, ``evaluate``, ``checkpoint``
+  (every trainer); ``compress``, ``push``, ``pull`` (a parameter-server worker); ``serve_push``,
+  ``serve_pull``, ``decode``, ``apply``, ``barrier_wait``, ``reply``, ``downlink_wait`` (the
+  server); ``hook_exchange``, ``exchange_wait`` (DDP).
 
 Clock: ``ts`` is wall-clock time in microseconds since the Unix epoch, taken as ``perf_counter``
 plus one offset read at the tracer's start, so durations are monotonic and the traces of different
-processes (and machines with synchronized clocks) line up when merged.
+processes (and machines with synchronized clocks) line up when merged. A simulation passes its own
+clock instead (:class:`Tracer`'s ``clock``: the virtual-time run, :mod:`src.virtual_time`, writes
+its simulated processes' spans in virtual seconds, with explicit times, through :meth:`Tracer.complete`).
 
 File format: the JSON array form of the trace-event format, written as spans end (buffered) and
 closed with ``]`` by :func:`trace_to`: the file is valid JSON once the process ends cleanly; a
@@ -49,7 +57,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 TRACE_FILE = "trace.json"
 
@@ -60,12 +68,16 @@ class Tracer:
     Args:
         path: the ``trace.json`` to write (its folder is made).
         process_name: what the timeline calls this process (``baseline``, ``worker 1``, ``rank 0``).
+        pid: the process id in the events (default: this process's; a simulated process has its own).
+        clock: seconds of another clock (a simulation's) that :meth:`now_us` reads instead of the wall clock.
     """
 
-    def __init__(self, path: str | Path, process_name: str):
+    def __init__(self, path: str | Path, process_name: str, *, pid: int | None = None,
+                 clock: Callable[[], float] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.pid = os.getpid()
+        self.pid = os.getpid() if pid is None else pid
+        self._clock = clock
         # wall-clock microseconds = perf_counter microseconds + this offset (one reading of each clock)
         self._offset_us = time.time_ns() / 1000.0 - time.perf_counter_ns() / 1000.0
         self._lock = threading.Lock()
@@ -77,8 +89,15 @@ class Tracer:
         self._write({"ph": "M", "name": "process_name", "pid": self.pid, "tid": 0, "args": {"name": process_name}})
 
     def now_us(self) -> float:
-        """This tracer's clock: wall-clock microseconds since the Unix epoch, monotonic within the process."""
+        """This tracer's clock: wall-clock microseconds since the Unix epoch, monotonic within the process
+        (or the given clock's microseconds)."""
+        if self._clock is not None:
+            return self._clock() * 1e6
         return time.perf_counter_ns() / 1000.0 + self._offset_us
+
+    def perf_counter_us(self, seconds: float) -> float:
+        """A ``time.perf_counter()`` reading on this tracer's (wall) clock, in microseconds."""
+        return seconds * 1e6 + self._offset_us
 
     def _write(self, event: dict[str, Any]) -> None:
         line = json.dumps(event, default=str)
@@ -88,13 +107,16 @@ class Tracer:
             self._handle.write(("\n" if self._first else ",\n") + line)
             self._first = False
 
-    def complete(self, name: str, start_us: float, end_us: float, args: dict[str, Any] | None = None) -> None:
-        """Record one finished span (a complete event) of the calling thread."""
-        tid = threading.get_native_id()
+    def complete(self, name: str, start_us: float, end_us: float, args: dict[str, Any] | None = None, *,
+                 tid: int | None = None, thread_name: str | None = None) -> None:
+        """Record one finished span (a complete event) of the calling thread, or of thread ``tid``
+        (a simulated one, named ``thread_name`` the first time)."""
+        if tid is None:
+            tid, thread_name = threading.get_native_id(), threading.current_thread().name
         if tid not in self._threads:
             self._threads.add(tid)
             self._write({"ph": "M", "name": "thread_name", "pid": self.pid, "tid": tid,
-                         "args": {"name": threading.current_thread().name}})
+                         "args": {"name": thread_name or str(tid)}})
         event = {"ph": "X", "name": name, "ts": round(start_us, 3), "dur": round(end_us - start_us, 3),
                  "pid": self.pid, "tid": tid}
         if args:
@@ -147,14 +169,26 @@ def span(name: str, **args: Any):
     return tracer.span(name, args)
 
 
+def record(name: str, start_s: float, end_s: float, **args: Any) -> None:
+    """Record span ``name`` from two ``time.perf_counter()`` readings of the calling thread (a no-op
+    unless tracing); it nests like a ``with`` block that ran from ``start_s`` to ``end_s``."""
+    tracer = _active
+    if tracer is not None:
+        tracer.complete(name, tracer.perf_counter_us(start_s), tracer.perf_counter_us(end_s), args)
+
+
 def active() -> Tracer | None:
     """This process's tracer, or ``None`` when not tracing."""
     return _active
 
 
 @contextlib.contextmanager
-def trace_to(path: str | Path, process_name: str, *, enabled: bool = True) -> Iterator[Tracer | None]:
+def trace_to(path: str | Path, process_name: str, *, enabled: bool = True, restart: bool = False) -> Iterator[Tracer | None]:
     """Trace this process into ``path`` while the block runs (``enabled=False``: do nothing).
+
+    ``restart``: this process continues an earlier one of the same run (a restarted worker, server
+    or DDP attempt), whose ``path`` is kept: this one writes ``trace.1.json``, ``trace.2.json``, ...
+    beside it (the first name free), which :func:`find_traces` finds too.
 
     Raises:
         RuntimeError: a tracer is already active in this process.
@@ -165,7 +199,12 @@ def trace_to(path: str | Path, process_name: str, *, enabled: bool = True) -> It
         return
     if _active is not None:
         raise RuntimeError(f"already tracing into {_active.path}")
-    tracer = Tracer(path, process_name)
+    path, first, attempt = Path(path), Path(path), 0
+    if restart:
+        while path.exists():
+            attempt += 1
+            path = first.with_name(f"{first.stem}.{attempt}{first.suffix}")
+    tracer = Tracer(path, f"{process_name} (restart {attempt})" if attempt else process_name)
     _active = tracer
     try:
         yield tracer
@@ -197,8 +236,10 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
 
 
 def find_traces(root: str | Path) -> list[Path]:
-    """Every ``trace.json`` under ``root``, in path order."""
-    return sorted(Path(root).rglob(TRACE_FILE))
+    """Every ``trace.json`` under ``root`` (and a restarted process's ``trace.<n>.json``), in path order."""
+    stem, suffix = TRACE_FILE.rsplit(".", 1)
+    found = set(Path(root).rglob(TRACE_FILE)) | set(Path(root).rglob(f"{stem}.[0-9]*.{suffix}"))
+    return sorted(found)
 
 
 def merge_traces(traces: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -22,7 +22,8 @@ failed is killed, a dead process is restarted after ``emulation.restart_s`` (bud
 register with it again, exactly as :mod:`src.ps_launcher` does for real processes.
 
 Outputs are a real run's (``summary.json`` with ``clock: virtual``, ``events.jsonl`` per role with
-virtual times, TensorBoard, checkpoints), so the report, plots and findings scripts read them as
+virtual times, TensorBoard, checkpoints, and with ``system.trace`` a ``trace.json`` per simulated
+process whose spans are in virtual microseconds from 0: :class:`VirtualTimelines`), so the report, plots and findings scripts read them as
 they are. Evaluations and checkpoints take no virtual time. The summary lists in
 ``wall_time_fields`` the fields that are wall time (they differ between two runs of the same config):
 ``wall_time_s`` (set-up and event loop), ``wall_loop_s`` (the event loop alone; the final evaluation
@@ -54,6 +55,7 @@ from src.metrics import EventLog, MetricsLogger
 from src.parameter_server import MONITOR_PERIOD_S, planned_work, test_set_for
 from src.ps_core import PushRefused, Refused, ServerCore
 from src.supervisor import LaunchError
+from src.tracing import TRACE_FILE, Tracer
 from src.trainer import model_from_config
 from src.wire import Outgoing, serialize, split
 from src.worker_step import WorkerStep, check_layout
@@ -84,6 +86,52 @@ class Waiter:
     call: Call
     member: Member
     push: tuple[int, pb.PushReply] | None = None  # (request id, verdict) for a push
+    parked_at: float = 0.0  # virtual seconds
+
+
+class VirtualTimelines:
+    """``system.trace`` on the virtual clock: one ``trace.json`` per simulated process, as a real run's.
+
+    The server's (``server/trace.json``) has its serial CPU's tasks (``apply``: a push's
+    ``server_update_s``, ``reply``: ``server_reply_s``) on one thread and each worker's parked calls
+    (``barrier_wait``) on a thread of their own; each worker's (``worker_<k>/trace.json``) has
+    ``step`` > ``forward_backward``, ``compress``, ``push``. Spans are written with the times the
+    simulation decided (:meth:`src.tracing.Tracer.complete`), so they are the cost model's, not the
+    machine's; the processes get made-up pids (1: server, 2 + k: worker k).
+    """
+
+    SERVER_PID, CPU_THREAD = 1, 1
+
+    def __init__(self, config: Config, clock):
+        self.enabled = config.system.trace
+        self.log_dir = Path(config.system.log_dir)
+        self.clock = clock
+        self._tracers: dict[int, Tracer] = {}
+
+    def _tracer(self, pid: int) -> Tracer:
+        tracer = self._tracers.get(pid)
+        if tracer is None:
+            role, name = ("server", "parameter server") if pid == self.SERVER_PID else (f"worker_{pid - 2}", f"worker {pid - 2}")
+            tracer = self._tracers[pid] = Tracer(self.log_dir / role / TRACE_FILE, f"{name} (virtual time)", pid=pid,
+                                                 clock=lambda: self.clock.now)
+        return tracer
+
+    def server(self, name: str, start_s: float, *, calls_of: int | None = None, **args: Any) -> None:
+        """A server span from ``start_s`` to now: on the CPU thread, or on the thread of worker ``calls_of``'s calls."""
+        if self.enabled:
+            tid, thread = (self.CPU_THREAD, "cpu") if calls_of is None else (2 + calls_of, f"calls of worker {calls_of}")
+            self._tracer(self.SERVER_PID).complete(name, start_s * 1e6, self.clock.now * 1e6, args or None,
+                                                   tid=tid, thread_name=thread)
+
+    def worker(self, worker: int, name: str, start_s: float, end_s: float | None = None, **args: Any) -> None:
+        """A span of worker ``worker`` from ``start_s`` to ``end_s`` (default: now)."""
+        if self.enabled:
+            end_s = self.clock.now if end_s is None else end_s
+            self._tracer(2 + worker).complete(name, start_s * 1e6, end_s * 1e6, args or None, tid=1, thread_name="main")
+
+    def close(self) -> None:
+        for tracer in self._tracers.values():
+            tracer.close()
 
 
 class VirtualRun:
@@ -121,6 +169,7 @@ class VirtualRun:
         self.downlink_delay_s: Counter[int] = Counter()
         self.restarts: Counter[str] = Counter()
         self.compute_wall_s = 0.0  # wall seconds spent computing the workers' gradients (the benchmark's reference)
+        self.timelines = VirtualTimelines(config, self.clock)
         self.launcher_log = EventLog(Path(system.log_dir) / "launcher" / "events.jsonl", clock=self.clock.time)
         self.compute_model = model_from_config(config)  # every simulated worker computes in it, in turn
         self.compute_model.train()
@@ -157,6 +206,7 @@ class VirtualRun:
             if self.core is not None:
                 self.core.close()
             self.launcher_log.close()
+            self.timelines.close()
 
     def _downlink_delays(self) -> dict[int, float]:
         """Seconds each worker's replies spent on its emulated downlink (workers with one)."""
@@ -284,11 +334,15 @@ class VirtualRun:
         except Refused as refused:
             self._fail(call, refused.code, refused.message)
             return
-        self.waiting[member.worker_id] = Waiter(call, member)
+        self.waiting[member.worker_id] = Waiter(call, member, parked_at=self.clock.now)
 
     def serve_push(self, call: Call, data: bytes) -> None:
         """The push takes ``server_update_s`` of the server's time; its reply follows it at once when its work is there."""
-        self.cpu.submit(self.cost.server_update_s, lambda: self._serve(lambda: self._take_push(call, data)))
+        def take() -> None:
+            self.timelines.server("apply", self.clock.now - self.cost.server_update_s, worker=call.worker.worker_id)
+            self._serve(lambda: self._take_push(call, data))
+
+        self.cpu.submit(self.cost.server_update_s, take)
 
     def _take_push(self, call: Call, data: bytes) -> None:
         core = self.core
@@ -318,7 +372,7 @@ class VirtualRun:
                 core.refused(worker_id, request_id, refused)
             self._fail(call, refused.code, refused.message)
             return
-        self.waiting[worker_id] = Waiter(call, admitted, (request_id, verdict))
+        self.waiting[worker_id] = Waiter(call, admitted, (request_id, verdict), parked_at=self.clock.now)
         self._wake(first=worker_id)
 
     def serve_heartbeat(self, call: Call, data: bytes) -> None:
@@ -352,10 +406,12 @@ class VirtualRun:
             if work is None:
                 continue
             del self.waiting[worker_id]
+            self.timelines.server("barrier_wait", waiter.parked_at, calls_of=worker_id, worker=worker_id)
             self.cpu.submit(self.cost.server_reply_s, lambda w=waiter, work=work: self._serve(lambda: self._build_reply(w, work)),
                             first=worker_id == first)
 
     def _build_reply(self, waiter: Waiter, work) -> None:
+        self.timelines.server("reply", self.clock.now - self.cost.server_reply_s, worker=waiter.member.worker_id)
         if waiter.push is None:
             data = self.core.pull_reply(waiter.member, work)
         else:
@@ -420,6 +476,7 @@ class VirtualWorker:
         self.bytes_sent = self.bytes_received = 0
         self.uplink_delay_s = self.compute_extra_s = 0.0
         self.started_at = 0.0
+        self.step_started = 0.0  # virtual seconds: when the step now computing was handed its work
 
     @property
     def pid(self) -> int:
@@ -551,6 +608,7 @@ class VirtualWorker:
         batches = list(received.message.work.batches)
         step_s, extra_s = self.run.cost.step_s(self.worker_id, sum(len(b.indices) for b in batches)) if batches else (0.0, 0.0)
         process = self.process
+        self.step_started = self._now()
         self.run.loop.after(step_s, lambda: self._computed(process, batches, step_s, extra_s))
 
     def _computed(self, process: int, batches: list[pb.Batch], step_s: float, extra_s: float) -> None:
@@ -562,6 +620,7 @@ class VirtualWorker:
         loss, correct, samples = step.compute(batches)
         self.run.compute_wall_s += time.perf_counter() - computing
         self.compute_extra_s += extra_s
+        self.run.timelines.worker(self.worker_id, "forward_backward", self._now() - step_s, step=step.totals["steps"] + 1)
         step.reach_step()
         if not self.reachable(process):
             return  # the fault killed or stopped this process before it sent anything
@@ -571,12 +630,14 @@ class VirtualWorker:
         data = serialize(Outgoing(request, {"gradients": payloads, "buffers": step.buffers_to_send(batches)}))
         payload_bytes = sum(len(p) for p in payloads)
         del payloads
+        step_started = self.step_started
 
         def send() -> None:
             if not self.reachable(process):
                 return
             sent_at = self._now()
             received_before = self.bytes_received
+            self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
 
             def replied(reply_data: bytes) -> None:
                 reply = split(reply_data, pb.PushReply, MODEL_STATE + ("parameter_deltas",))
@@ -585,6 +646,9 @@ class VirtualWorker:
                             communication_time_s=self._now() - sent_at, push_bytes=len(data),
                             reply_bytes=self.bytes_received - received_before, bytes_sent=self.bytes_sent,
                             bytes_received=self.bytes_received)
+                timelines = self.run.timelines
+                timelines.worker(self.worker_id, "push", sent_at, request_id=request.request_id)
+                timelines.worker(self.worker_id, "step", step_started, step=step.totals["steps"])
                 self._work(reply)
 
             def failed(code: str, message: str) -> None:

@@ -25,7 +25,8 @@ makes every message wait its transfer time in the client before it is sent (coun
 communication time); ``emulated_delay_s`` in the totals is the sum of both waits.
 
 Measured per worker: gradient time (forward/backward), compression time, communication time (the
-push round trip, including waiting at the sync barrier), bytes sent and received (the serialized
+push round trip, including waiting at the sync barrier; the worker computes nothing meanwhile, so
+all of it is exposed communication, :mod:`src.exposed_comm`), bytes sent and received (the serialized
 gRPC messages, :class:`~src.ps_transport.ParameterServerClient`), samples, loss and accuracy.
 Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the totals go to the server with each
 heartbeat and at Finish, which puts them in the run summary.
@@ -42,6 +43,7 @@ from typing import Any
 import grpc
 
 from src import parameter_server_pb2 as pb
+from src import tracing
 from src.config import Config, validate_config
 from src.data import load_dataset
 from src.faults import FaultInjector
@@ -196,17 +198,20 @@ class Worker:
                         continue
                 batches = list(received.message.work.batches)
                 step_started = time.perf_counter()
-                loss, correct, samples = step.compute(batches)
-                if batches:
-                    self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
+                with tracing.span("forward_backward", step=step.totals["steps"] + 1, batches=len(batches)):
+                    loss, correct, samples = step.compute(batches)
+                    if batches:
+                        self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
                 computed = time.perf_counter()
                 step.reach_step()
-                payloads = step.encode(batches)  # no batches: a flush of what error feedback carries
+                with tracing.span("compress"):
+                    payloads = step.encode(batches)  # no batches: a flush of what error feedback carries
                 compressed = time.perf_counter()
                 request = step.request(self.caller, batches, loss, correct, gradient_time_s=computed - step_started,
                                        compression_time_s=compressed - computed)
                 sent_before, received_before = self.client.bytes_sent, self.client.bytes_received
-                reply = self._push(request, payloads, step.buffers_to_send(batches))
+                with tracing.span("push", request_id=request.request_id):  # blocked on the reply: exposed communication
+                    reply = self._push(request, payloads, step.buffers_to_send(batches))
                 if not isinstance(reply, Received):  # lost with the server's session: registered again
                     received = self._pull(step.carried)
                     step.load(received)
@@ -219,6 +224,7 @@ class Worker:
                             push_bytes=self.client.bytes_sent - sent_before,
                             reply_bytes=self.client.bytes_received - received_before,
                             bytes_sent=self.client.bytes_sent, bytes_received=self.client.bytes_received)
+                tracing.record("step", step_started, time.perf_counter(), step=step.totals["steps"])
 
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
             step.write_ledger(system.log_dir)
@@ -252,7 +258,8 @@ class Worker:
         """Pull the parameters and work, registering again while the server has lost this session."""
         while True:
             try:
-                return self.client.pull(self.caller)
+                with tracing.span("pull"):
+                    return self.client.pull(self.caller)
             except grpc.RpcError as exc:
                 self._check_session_lost(exc)
                 logger.warning("worker %d: lost the server's session; registering again", self.worker_id)
