@@ -230,6 +230,9 @@ class SystemConfig(_Section):
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
     max_restarts: int = 3
     """Restarts a local launcher grants each failed worker (PS) or the DDP group (elastic agent)."""
+    max_rejoins: int = 3
+    """Times a PS worker process whose incarnation the server revoked (declared failed while it was
+    alive: a partition, a long pause) registers again by itself as a new incarnation; then it exits 1."""
     inject_faults: list[str] = []
     """Faults to inject on purpose (:mod:`src.faults`), e.g. ``kill:worker=1@step=40``, ``kill:server@version=150``."""
     checkpoint_dir: str = "checkpoints"
@@ -282,7 +285,7 @@ class SystemConfig(_Section):
             raise ValueError("must be a finite number >= 0")
         return value
 
-    @field_validator("warmup_steps", "max_restarts", "max_staleness")
+    @field_validator("warmup_steps", "max_restarts", "max_rejoins", "max_staleness")
     @classmethod
     def _non_negative_int(cls, value: int) -> int:
         if value < 0:

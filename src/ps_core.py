@@ -270,8 +270,10 @@ class ServerCore:
         self.lock.notify_all()
         rejoined = any(m.worker_id == worker_id for m in self.members.history[:-1])
         self.log.event("worker_rejoined" if rejoined else "register", worker=worker_id, incarnation=member.incarnation,
-                       peer=peer, version=self.version, last_request_applied=applied,
+                       peer=peer, pid=request.pid, version=self.version, last_request_applied=applied,
                        carried_batches=list(request.carried_batch_ids), carried_unknown=unknown)
+        if rejoined:  # a launcher waiting for a process it saw declared failed learns it came back
+            events.append(("worker_rejoined", {"worker": worker_id, "incarnation": member.incarnation, "pid": request.pid}))
         reply = pb.RegisterReply(
             worker_id=worker_id, incarnation=member.incarnation, session=member.session, version=self.version,
             run_config_json=self.config.model_dump_json(),

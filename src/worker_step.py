@@ -5,7 +5,8 @@ load the reply's parameters (and follow the controller's top-k Active Fraction),
 gradient of the handed batches (``system.local_steps`` local SGD steps, one per batch), put each
 parameter's gradient through error feedback and the compression policy (the exact wire payloads),
 build the push, and settle the verdict (commit the residuals, or roll them back and carry the
-batches into the next push). Its drivers decide how messages move and what time it is:
+batches into the next push), and settle what a registration after a failed call finds (a lost
+session or a revoked incarnation, :meth:`WorkerStep.rejoined`). Its drivers decide how messages move and what time it is:
 
 * :class:`src.worker.Worker`: a real process; gRPC calls, wall-clock timings, real waits for
   emulated stragglers and links;
@@ -33,7 +34,10 @@ from src.faults import FaultInjector, FaultSpec
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
 from src.trainer import forward_backward
 from src.wire import Received, tensor_view
-from src.worker_protocol import controlled_policy, encode_gradients, load_reply, settle_lost_push, settle_push
+from src.worker_protocol import Failure, controlled_policy, encode_gradients, load_reply, settle_lost_push, settle_push
+
+PER_PROCESS_STATS = ("train_loss", "train_accuracy")
+"""WorkerStats fields that describe the process so far; the others count from the incarnation's registration."""
 
 TOTALS = ("samples", "steps", "gradient_time_s", "compression_time_s", "communication_time_s", "pushes_rejected",
           "payload_bytes", "dense_bytes", "train_loss", "train_accuracy")
@@ -104,6 +108,7 @@ class WorkerStep:
         self.totals: dict[str, Any] = {name: 0 if name in ("samples", "steps", "pushes_rejected", "payload_bytes",
                                                            "dense_bytes") else 0.0 for name in TOTALS}
         self.last_communication_s = 0.0
+        self._earlier: dict[str, float] = {}  # what this process reported for its earlier incarnations
         self._epoch = [0.0, 0, 0]  # loss * samples, correct, samples of the running epoch
         # system.gradient_ledger: the sum of every gradient computed (before error feedback), float64
         self.ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in self.model_params] if system.gradient_ledger else None
@@ -240,26 +245,50 @@ class WorkerStep:
                 "staleness": reply.message.staleness,
             })
 
-    def lost(self, applied: bool) -> None:
-        """The push's reply was lost with the server's session; on re-registering the server said whether
-        it was applied (keep what it left in the residual; its batches are then done) or not (its samples
-        will be computed again)."""
-        settle_lost_push(self.feedback, self.names, applied=applied, redone=True)
-        if applied:
+    def carried_to_register(self, failure: Failure) -> list[pb.Batch]:
+        """The batches to tell the server this process still carries when it registers again after ``failure``:
+        its own after a lost session (they stay with it); none after a revocation (the server handed
+        them to the live workers when it failed this incarnation)."""
+        return self.carried if failure == "lost" else []
+
+    def rejoined(self, failure: Failure, *, in_flight: bool, applied: bool) -> None:
+        """Registered again after ``failure`` (:func:`src.worker_protocol.failed_call`).
+
+        ``in_flight``: the reply of a push was lost; the registration says whether the server applied
+        it (commit: its batches are done). Not applied, after a lost session: discard it (the
+        restarted server hands its samples back to this worker, which computes them again); after a
+        revocation: roll it back into the residual (no gradient mass is lost: it goes with the next
+        push), as the gradients of the carried batches stay there, while the batches themselves are
+        no longer this worker's (the server reassigned them; they are not listed again).
+        """
+        if in_flight:
+            settle_lost_push(self.feedback, self.names, applied=applied, redone=failure == "lost")
+        if applied or failure == "revoked":
             self.carried = []
+
+    def begin_incarnation(self, reported: pb.WorkerStats) -> None:
+        """A new incarnation of this process registered: its stats count from here (``reported``: what
+        :meth:`stats` says now, which stays with the earlier incarnations in the run summary)."""
+        # One new dict, assigned at once: the heartbeat thread reads it meanwhile.
+        self._earlier = {field.name: self._earlier.get(field.name, 0) + getattr(reported, field.name)
+                         for field in pb.WorkerStats.DESCRIPTOR.fields if field.name not in PER_PROCESS_STATS}
 
     # ------------------------------------------------------------------------- the end
 
     def stats(self, *, bytes_sent: int, bytes_received: int, total_time_s: float, emulated_delay_s: float) -> pb.WorkerStats:
-        """The running totals as the heartbeat and Finish report them."""
+        """The running totals of this incarnation, as the heartbeat and Finish report them (the
+        arguments count for the process: what earlier incarnations reported is taken off)."""
         t = self.totals
-        return pb.WorkerStats(
+        stats = pb.WorkerStats(
             samples=t["samples"], steps=t["steps"], bytes_sent=bytes_sent, bytes_received=bytes_received,
             gradient_time_s=t["gradient_time_s"], compression_time_s=t["compression_time_s"],
             communication_time_s=t["communication_time_s"], total_time_s=total_time_s,
             train_loss=t["train_loss"], train_accuracy=t["train_accuracy"], pushes_rejected=t["pushes_rejected"],
             payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"], emulated_delay_s=emulated_delay_s,
         )
+        for name, earlier in self._earlier.items():
+            setattr(stats, name, getattr(stats, name) - type(getattr(stats, name))(earlier))
+        return stats
 
     def write_ledger(self, log_dir: str | Path) -> None:
         """system.gradient_ledger: the gradients computed and the residuals left (``gradient_ledger.pt``)."""
