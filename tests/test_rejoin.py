@@ -73,10 +73,10 @@ def events(config, role: str, kind: str | None = None) -> list[dict]:
     return list(read_events(path, kind)) if path.is_file() else []
 
 
-def assert_ledger_balances(log_dir: Path, num_workers: int) -> None:
+def assert_ledger_balances(server_ledger: Path, worker_ledgers: list[Path]) -> None:
     """Every gradient a worker computed was applied by the server or waits in its residual."""
-    applied = torch.load(log_dir / "server" / "gradient_ledger.pt")["applied"]
-    workers = [torch.load(log_dir / f"worker_{k}" / "gradient_ledger.pt") for k in range(num_workers)]
+    applied = torch.load(server_ledger)["applied"]
+    workers = [torch.load(path) for path in worker_ledgers]
     for name, total in applied.items():
         computed = sum(w["computed"][name] for w in workers)
         residuals = sum(w["residuals"][name] for w in workers)
@@ -113,7 +113,8 @@ def test_a_paused_worker_is_failed_rejoins_as_a_new_incarnation_and_pushes_again
     report = check_coverage(server, SAMPLES, 1)
     assert report["ok"], report
     assert summary["samples_processed"] == SAMPLES and summary["faults"]["worker_failures"] == 1
-    assert_ledger_balances(Path(config.system.log_dir), 2)
+    logs = Path(config.system.log_dir)
+    assert_ledger_balances(logs / "server" / "gradient_ledger.pt", [logs / f"worker_{k}" / "gradient_ledger.pt" for k in (0, 1)])
     # Each incarnation reports its own work: the two of worker 1 add up to the process's steps.
     steps = {w["incarnation"]: w["steps"] for w in summary["workers"] if w["worker_id"] == 1}
     assert sorted(steps) == [failed["incarnation"], rejoined["incarnation"]]
@@ -214,3 +215,27 @@ def test_a_library_worker_stopped_past_the_timeout_rejoins_when_continued(tmp_pa
     assert rejoined["pid"] == failed["pid"] == process.pid and rejoined["incarnation"] > failed["incarnation"]
     assert [e for e in server_events("push") if e["incarnation"] == rejoined["incarnation"] and e["accepted"]]
     assert summary["worker_incarnations"] == 2
+
+
+# ----------------------------------------------------------------------------- the local launcher, real processes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_under_the_local_launcher_a_paused_worker_rejoins_and_is_neither_killed_nor_restarted(tmp_path):
+    """A real SIGSTOP for 5 s (a helper sends the SIGCONT) with a 3 s timeout: the server fails worker 1,
+    the launcher gives it its grace instead of killing it, and it rejoins as a new incarnation."""
+    from src.ps_launcher import run_local
+
+    config = ps_config(tmp_path, "local", system__num_workers=2, system__aggregation_mode="sync",
+                       training__max_train_samples=1200, system__heartbeat_interval=0.5, system__heartbeat_timeout=3.0,
+                       emulation__step_delay_s=0.2, system__inject_faults=["pause=5:worker=1@step=5"])
+    summary = run_local(config)
+    launcher = events(config, "launcher")
+    assert [(e["kind"], e["worker"]) for e in launcher] == [("worker_rejoined_by_itself", 1)]
+    server = events(config, "server")
+    (failed,) = [e for e in server if e["kind"] == "worker_failed"]
+    (rejoined,) = [e for e in server if e["kind"] == "worker_rejoined"]
+    assert rejoined["pid"] == failed["pid"] == launcher[0]["pid"] and rejoined["incarnation"] > failed["incarnation"]
+    assert [e for e in server if e["kind"] == "push" and e["incarnation"] == rejoined["incarnation"] and e["accepted"]]
+    assert check_coverage(server, 1200, 1)["ok"] and summary["samples_processed"] == 1200
