@@ -84,6 +84,7 @@ from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_
 from src.ddp_control import RankControl, config_problem
 from src.ddp_watchdog import HangWatchdog
 from src.faults import FaultInjector
+from src.lr_schedule import set_scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.supervisor import LaunchError
 from src.trackers import open_trackers
@@ -492,6 +493,7 @@ class DDPTrainer:
             if self.compute_delay.active:
                 self.compute_delay.after_step(time.perf_counter() - step_started)
             gradient_time = time.perf_counter() - step_started
+            set_scheduled_learning_rate(self.optimizer, t, self.step)  # training.lr_schedule, the same on every rank
             self.amp.step(self.optimizer)  # fp16: skipped on every rank alike (the same averaged gradients)
             self.comm.end_step()
             step_time = time.perf_counter() - step_started

@@ -38,6 +38,7 @@ from src.checkpoint import (
 )
 from src.config import Config, SetupError
 from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
+from src.lr_schedule import set_scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.models import build_model
 from src.trackers import open_trackers
@@ -347,6 +348,7 @@ class BaselineTrainer:
                             loss, correct = forward_backward(self.model, images, labels, self.amp)
                         gradient_time = time.perf_counter() - step_started
                         with tracing.span("optimizer_step", step=self.step + 1):
+                            set_scheduled_learning_rate(self.optimizer, t, self.step)  # training.lr_schedule
                             self.amp.step(self.optimizer)
                         step_time = time.perf_counter() - step_started
                         batch = len(labels)

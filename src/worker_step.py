@@ -31,6 +31,7 @@ from src import parameter_server_pb2 as pb
 from src.compression import ErrorFeedback, policy_from_config
 from src.config import Config, SetupError
 from src.faults import FaultInjector, FaultSpec
+from src.lr_schedule import scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
 from src.trainer import forward_backward
 from src.wire import Received, tensor_view
@@ -93,7 +94,7 @@ class WorkerStep:
         self.train_set = train_set
         self.device = device
         self.log = log
-        self.learning_rate = t.learning_rate
+        self.training = t
         self.dense_bytes_per_step = 4 * sum(p.numel() for p in self.model_params)  # what identity payloads carry
         self.policy = policy_from_config(system)
         # Error feedback also holds a rejected push's gradient when compression is off (identity payloads).
@@ -145,6 +146,7 @@ class WorkerStep:
                     buffer.copy_(value)
         started_from = [p.detach().clone() for p in self.model_params] if len(batches) > 1 and not shared else None
         summed: list[torch.Tensor] | None = None
+        local_lr = scheduled_learning_rate(self.training.lr_schedule, self.training.learning_rate, self.version)
         total_loss, total_correct, total_samples = 0.0, 0, 0
         for index, batch in enumerate(batches):
             images, labels = self.train_set.batch(list(batch.indices))
@@ -160,7 +162,7 @@ class WorkerStep:
             if index + 1 < len(batches):
                 with torch.no_grad():
                     for p, g in zip(self.model_params, grads):
-                        p.add_(g, alpha=-self.learning_rate)  # a local plain-SGD step
+                        p.add_(g, alpha=-local_lr)  # a local plain-SGD step, at the server's rate for this version
         if summed is not None:
             for p, s in zip(self.model_params, summed):
                 p.grad = s
