@@ -154,7 +154,7 @@ AMP_FLAGS: dict[str, str] = {"amp": "training.amp"}
 
 
 def add_amp_flag(parser: argparse.ArgumentParser) -> None:
-    """Mixed precision of the trainers that run the model themselves (baseline, DDP)."""
+    """Mixed precision of the runners that run the model themselves (baseline, DDP, parameter-server workers)."""
     group = parser.add_argument_group("mixed precision")
     group.add_argument("--amp", choices=("none", "bf16", "fp16"),
                        help="forward pass under torch.autocast in bfloat16 or float16 (fp16: with a GradScaler); "

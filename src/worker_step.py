@@ -2,7 +2,9 @@
 
 :class:`WorkerStep` is what a worker *does* between receiving a reply and sending its next push:
 load the reply's parameters (and follow the controller's top-k Active Fraction), compute the
-gradient of the handed batches (``system.local_steps`` local SGD steps, one per batch), put each
+gradient of the handed batches (``system.local_steps`` local SGD steps, one per batch; under
+``training.amp`` in autocast, fp16 unscaled by a GradScaler and an overflowed batch computed again
+at the lowered scale, :meth:`WorkerStep._forward_backward`), put each
 parameter's gradient through error feedback and the compression policy (the exact wire payloads),
 build the push, and settle the verdict (commit the residuals, or roll them back and carry the
 batches into the next push), and settle what a registration after a failed call finds (a lost
@@ -33,9 +35,13 @@ from src.config import Config, SetupError
 from src.faults import FaultInjector, FaultSpec
 from src.lr_schedule import scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
-from src.trainer import forward_backward
+from src.trainer import MixedPrecision, forward_backward
 from src.wire import Received, tensor_view
 from src.worker_protocol import Failure, controlled_policy, encode_gradients, load_reply, settle_lost_push, settle_push
+
+MAX_OVERFLOW_RETRIES = 32
+"""fp16: computations of one batch before its gradient counts as not finite at any scale (GradScaler halves
+the scale at each overflow: 2**16 down to 2**-16)."""
 
 PER_PROCESS_STATS = ("train_loss", "train_accuracy")
 """WorkerStats fields that describe the process so far; the others count from the incarnation's registration."""
@@ -101,6 +107,7 @@ class WorkerStep:
         rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
         self.feedback = ErrorFeedback() if (self.policy is not None and system.error_feedback) or rejections_possible else None
         self.generator = torch.Generator().manual_seed(worker_generator_seed(t.seed, worker_id))  # stochastic rounding
+        self.amp = MixedPrecision(t.amp, device)  # training.amp: autocast; fp16 with its own GradScaler
         self.faults = faults or FaultInjector((), "worker", worker_id)
         self.fire_fault = fire_fault
         self.request_id = request_ids if request_ids is not None else (random.SystemRandom().getrandbits(62) or 1)
@@ -150,8 +157,7 @@ class WorkerStep:
         total_loss, total_correct, total_samples = 0.0, 0, 0
         for index, batch in enumerate(batches):
             images, labels = self.train_set.batch(list(batch.indices))
-            self.model.zero_grad(set_to_none=True)
-            loss, correct = forward_backward(self.model, images.to(self.device), labels.to(self.device))
+            loss, correct = self._forward_backward(batch, images.to(self.device), labels.to(self.device))
             total_loss += loss * len(batch.indices)
             total_correct += correct
             total_samples += len(batch.indices)
@@ -175,6 +181,30 @@ class WorkerStep:
                 if p.grad is not None:
                     total.add_(p.grad.to(torch.float64))
         return total_loss / max(total_samples, 1), total_correct, total_samples
+
+    def _forward_backward(self, batch: pb.Batch, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+        """One batch's true gradient into ``.grad`` (``training.amp``: autocast; fp16 unscaled).
+
+        An fp16 gradient that overflowed is not pushed, as GradScaler skips such a step; but the batch
+        is this worker's to cover (the server plans every sample into exactly one update), so it is
+        computed again at the scale GradScaler lowered, until it is finite: the simplest way that both
+        keeps every sample's gradient and never sends an inf. (The batch-norm statistics of the
+        overflowed pass are undone.)
+        """
+        buffers = [b.clone() for b in self.model_buffers] if self.amp.scaler is not None else None
+        for _ in range(MAX_OVERFLOW_RETRIES):
+            self.model.zero_grad(set_to_none=True)
+            loss, correct = forward_backward(self.model, images, labels, self.amp)
+            if self.amp.unscale(self.model_params):
+                return loss, correct
+            self.log.event("amp_overflow", step=self.totals["steps"] + 1, batch_id=batch.batch_id,
+                           loss_scale=self.amp.scaler.get_scale())
+            with torch.no_grad():
+                for buffer, saved in zip(self.model_buffers, buffers):
+                    buffer.copy_(saved)
+        raise FloatingPointError(f"worker {self.worker_id}: the float16 gradient of batch {batch.batch_id} overflowed "
+                                 f"{MAX_OVERFLOW_RETRIES} times, down to loss scale {self.amp.scaler.get_scale():g} "
+                                 f"(training.amp: fp16; the model may have diverged: try bf16 or a lower learning rate)")
 
     def reach_step(self) -> None:
         """The step's gradient is computed: fire a fault due at this step (before anything is sent)."""
