@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from src.metrics import read_events
+from tests.test_lr_schedule import rates_during
 
 from tests.library_fixtures import (
     HF_SCHEDULE, LIGHTNING_SCHEDULE, LibraryServer, accuracy_of_checkpoint, huggingface_worker, library_config,
@@ -53,12 +54,7 @@ def _framework_rates(framework: str, steps: int) -> list[float]:
 
         scheduler = get_scheduler(HF_SCHEDULE["lr_scheduler_type"], optimizer, num_warmup_steps=HF_SCHEDULE["warmup_steps"],
                                   num_training_steps=steps)
-    rates = []
-    for _ in range(steps):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return rates
+    return rates_during(optimizer, scheduler, steps)
 
 
 @pytest.mark.timeout(240)

@@ -49,6 +49,11 @@ def torch_rates(steps: int, *, kind: str, warmup_steps: int = 0, warmup_start_fa
         scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, main()], milestones=[warmup_steps])
     else:
         scheduler = main()
+    return rates_during(optimizer, scheduler, steps)
+
+
+def rates_during(optimizer, scheduler, steps: int) -> list[float]:
+    """The rate of each of ``steps`` optimizer steps, ``scheduler`` stepped after each as a training loop does."""
     rates = []
     for _ in range(steps):
         rates.append(optimizer.param_groups[0]["lr"])

@@ -116,6 +116,28 @@ def test_server_and_workers_on_separate_hosts(hosts, tmp_path):
     assert (tmp_path / "ckpt" / "parameter_server_final.pt").is_file()
 
 
+def events(path, kind):
+    return list(read_events(path, kind)) if path.is_file() else []
+
+
+def wait_and_read(processes: dict, roles, outputs: dict) -> tuple[dict, dict]:
+    """Wait for the processes of ``roles`` to exit; their exit codes and everything each role printed."""
+    codes = {role: processes[role].wait(timeout=240) for role in roles}
+    text = {}
+    for role, handle in outputs.items():
+        handle.seek(0)
+        text[role] = handle.read()
+    return codes, text
+
+
+def stop(processes: dict, outputs: dict) -> None:
+    for process in processes.values():
+        kill_group(process)
+        process.wait()
+    for handle in outputs.values():
+        handle.close()
+
+
 def wait_for(condition, timeout: float, what: str) -> None:
     import time
 
@@ -139,9 +161,6 @@ def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(
     worker = lambda k: ({"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k), "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
                         ["--log-dir", str(logs / f"worker_host_{k}")])
 
-    def events(path, kind):
-        return list(read_events(path, kind)) if path.is_file() else []
-
     try:
         processes["server"] = start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
                                     ["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "2000",
@@ -158,18 +177,10 @@ def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(
         wait_for(lambda: max(e["version"] for e in events(server_events, "update")) > versions_at_failure + 3, 60,
                  "the run to go on without worker 1")
         processes["worker_1_again"] = start(hosts["worker_1"], *worker(1), outputs["worker_1_again"])
-        codes = {role: processes[role].wait(timeout=240) for role in ("server", "worker_0", "worker_1_again")}
-        text = {}
-        for role, handle in outputs.items():
-            handle.seek(0)
-            text[role] = handle.read()
+        codes, text = wait_and_read(processes, ("server", "worker_0", "worker_1_again"), outputs)
         assert codes == {"server": 0, "worker_0": 0, "worker_1_again": 0}, text
     finally:
-        for process in processes.values():
-            kill_group(process)
-            process.wait()
-        for handle in outputs.values():
-            handle.close()
+        stop(processes, outputs)
 
     failed = events(server_events, "worker_failed")
     assert [e["worker"] for e in failed] == [1] and "silent for" in failed[0]["reason"]
@@ -198,9 +209,6 @@ def test_a_worker_partitioned_for_10s_is_failed_rejoins_by_itself_and_finishes(h
     processes = {}
     outputs = {role: open(tmp_path / f"{role}.out", "w+") for role in hosts}
 
-    def events(path, kind):
-        return list(read_events(path, kind)) if path.is_file() else []
-
     try:
         processes["server"] = start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
                                     ["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "1600",
@@ -223,18 +231,10 @@ def test_a_worker_partitioned_for_10s_is_failed_rejoins_by_itself_and_finishes(h
             time.sleep(max(0.0, 10.0 - (time.monotonic() - cut_at)))  # the partition lasts 10 s (not a condition)
         finally:
             ip("-n", hosts["worker_1"], "link", "set", worker_link(1), "up")
-        codes = {role: process.wait(timeout=240) for role, process in processes.items()}
-        text = {}
-        for role, handle in outputs.items():
-            handle.seek(0)
-            text[role] = handle.read()
+        codes, text = wait_and_read(processes, list(processes), outputs)
         assert codes == {"server": 0, "worker_0": 0, "worker_1": 0}, text
     finally:
-        for process in processes.values():
-            kill_group(process)
-            process.wait()
-        for handle in outputs.values():
-            handle.close()
+        stop(processes, outputs)
 
     (failed,) = events(server_events, "worker_failed")
     (rejoined,) = events(server_events, "worker_rejoined")
