@@ -32,6 +32,7 @@ RUN = dict(system__clock="virtual", system__num_workers=1, system__aggregation_m
            emulation__server_reply_s=0.001)
 
 
+@pytest.mark.slow  # two whole runs (~11 s), like the other runners' accuracy bars (tests/test_ddp_precision.py)
 def test_bf16_workers_train_within_one_point_of_float32(tmp_path):
     """mnist_5k, 2 epochs, one worker x batch 64 (the mlp keeps it to seconds); the server stays float32."""
     summaries = {}
