@@ -36,9 +36,9 @@ import argparse
 import sys
 
 from src.cli import (
-    COMPRESSION_FLAGS, EMULATION_FLAGS, FAULT_TOLERANCE_FLAGS, STALENESS_FLAGS, VIRTUAL_FLAGS, add_common_flags,
-    add_compression_flags, add_emulation_flags, add_fault_tolerance_flags, add_staleness_flags, add_virtual_flags,
-    config_from_args, exit_status, write_artifacts_if_asked,
+    AMP_FLAGS, COMPRESSION_FLAGS, EMULATION_FLAGS, FAULT_TOLERANCE_FLAGS, STALENESS_FLAGS, VIRTUAL_FLAGS, add_amp_flag,
+    add_common_flags, add_compression_flags, add_emulation_flags, add_fault_tolerance_flags, add_staleness_flags,
+    add_virtual_flags, config_from_args, exit_status, write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--aggregation-mode", choices=("sync", "async"), help="sync barrier per version, or apply each push (default sync)")
     ps.add_argument("--local-steps", type=int, help="local SGD steps a worker takes per push (default 1)")
     add_compression_flags(parser, "compression (worker pushes)")
+    add_amp_flag(parser)  # the workers' forward/backward; the server's parameters stay float32
     downlink = parser.add_argument_group("downlink compression (push replies)")
     downlink.add_argument("--downlink-compression", choices=("none", "topk", "quantization"),
                           help="send each worker the change of the parameters since its copy, compressed (default none: dense)")
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker" and args.artifacts_dir:
         parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
     config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS,
-                                                                     **EMULATION_FLAGS, **STALENESS_FLAGS, **VIRTUAL_FLAGS},
+                                                                     **EMULATION_FLAGS, **STALENESS_FLAGS, **VIRTUAL_FLAGS,
+                                                                     **AMP_FLAGS},
                               forced={"system.architecture": "parameter_server"})
     if config.system.adaptive_compression and not config.training.eval_interval:
         parser.error("--adaptive-compression decides at evaluations: give --eval-interval K (training.eval_interval, "

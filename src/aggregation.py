@@ -40,6 +40,8 @@ class Contribution:
     gradients: list[torch.Tensor]
     buffers: list[torch.Tensor] = field(default_factory=list)
     request_id: int = 0
+    learning_rate: float | None = None
+    """The rate the worker's own scheduler set for this step (``None``: none; the server's schedule applies)."""
 
 
 class ModelState:
@@ -79,6 +81,18 @@ class ModelState:
             self.lookahead.lookahead(out=self._sent)
             self._sent_revision = self._revision
         return self._sent
+
+    @property
+    def learning_rate(self) -> float:
+        """The rate the optimizer's next step uses."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The rate of the optimizer's next step (every parameter group; the lookahead point moves with it)."""
+        if lr != self.learning_rate:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self._revision += 1
 
     def forget_worker(self, worker: int) -> None:
         """``worker`` left (finished or failed): its pending momentum no longer counts in the lookahead."""

@@ -154,7 +154,7 @@ AMP_FLAGS: dict[str, str] = {"amp": "training.amp"}
 
 
 def add_amp_flag(parser: argparse.ArgumentParser) -> None:
-    """Mixed precision of the trainers that run the model themselves (baseline, DDP)."""
+    """Mixed precision of the runners that run the model themselves (baseline, DDP, parameter-server workers)."""
     group = parser.add_argument_group("mixed precision")
     group.add_argument("--amp", choices=("none", "bf16", "fp16"),
                        help="forward pass under torch.autocast in bfloat16 or float16 (fp16: with a GradScaler); "
@@ -215,6 +215,7 @@ def add_staleness_flags(parser: argparse.ArgumentParser) -> None:
 FAULT_TOLERANCE_FLAGS: dict[str, str] = {
     "inject_fault": "system.inject_faults",
     "max_restarts": "system.max_restarts",
+    "max_rejoins": "system.max_rejoins",
     "heartbeat_interval": "system.heartbeat_interval",
     "heartbeat_timeout": "system.heartbeat_timeout",
 }
@@ -226,8 +227,12 @@ def add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, heartbeats: bo
     group.add_argument("--max-restarts", type=int, help="restarts granted to each failed worker / the DDP group (default 3)")
     group.add_argument("--inject-fault", action="append", metavar="SPEC",
                        help="inject a real fault, repeatable: kill:worker=1@step=40, hang:worker=0@step=30, "
+                            "pause=8:worker=0@step=30, "
                             "kill:server@version=150, kill:rank=1@step=20 (see src/faults.py)")
     if heartbeats:
+        group.add_argument("--max-rejoins", type=int,
+                           help="times a worker the server declared failed while it was alive (a partition, a long "
+                                "pause) registers again by itself as a new incarnation; then it exits (default 3)")
         group.add_argument("--heartbeat-interval", type=float, help="seconds between a worker's heartbeats (default 1)")
         group.add_argument("--heartbeat-timeout", type=float,
                            help="seconds of silence after which a worker counts as failed (default 5)")

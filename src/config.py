@@ -45,6 +45,68 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LRScheduleConfig(_Section):
+    """``training.lr_schedule``: the learning rate by step, applied by the parameter server's optimizer by
+    version (sync and async; also the library's server) as torch's own schedulers would set it
+    (:mod:`src.lr_schedule`). A resumed server continues it from its checkpoint's version."""
+
+    kind: Literal["constant", "step", "cosine"] = "constant"
+    """constant (training.learning_rate), step (x gamma every step_size steps), cosine (down to min_lr at total_steps)."""
+    warmup_steps: int = 0
+    """Linear warm-up first: from warmup_start_factor x the rate up to it over this many steps (0: none)."""
+    warmup_start_factor: float = 0.1
+    """The warm-up's first rate, as a fraction of training.learning_rate, in (0, 1]."""
+    step_size: int = Field(default=0, validate_default=True)
+    """step: steps between multiplications by gamma, > 0 (after the warm-up)."""
+    gamma: float = 0.1
+    """step: the factor, in (0, 1]."""
+    total_steps: int = Field(default=0, validate_default=True)
+    """cosine: the step at which the rate reaches min_lr, > warmup_steps (the warm-up counts in it)."""
+    min_lr: float = 0.0
+    """cosine: the floor, >= 0."""
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_non_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0 (0 = no warm-up)")
+        return value
+
+    @field_validator("warmup_start_factor", "gamma")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError("must be in (0, 1]")
+        return value
+
+    @field_validator("step_size")
+    @classmethod
+    def _step_size_for_step(cls, value: int, info) -> int:
+        if info.data.get("kind") == "step" and value <= 0:
+            raise ValueError("must be > 0 with kind step (steps between multiplications by gamma)")
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("total_steps")
+    @classmethod
+    def _total_for_cosine(cls, value: int, info) -> int:
+        warmup = info.data.get("warmup_steps") or 0
+        if info.data.get("kind") == "cosine" and value <= warmup:
+            raise ValueError(f"must be > training.lr_schedule.warmup_steps ({warmup}) with kind cosine "
+                             f"(the step at which the rate reaches min_lr)")
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("min_lr")
+    @classmethod
+    def _floor_non_negative(cls, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError("must be a finite number >= 0")
+        return value
+
+
 class TrainingConfig(_Section):
     """What is trained and how: data, model, optimizer, schedule."""
 
@@ -78,8 +140,11 @@ class TrainingConfig(_Section):
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available, else CPU)."""
     amp: Literal["none", "bf16", "fp16"] = "none"
-    """Mixed precision (baseline and DDP trainers): the forward pass under ``torch.autocast`` in bfloat16
-    or float16 (fp16 with a GradScaler); parameters, optimizer state and checkpoints stay float32."""
+    """Mixed precision (baseline and DDP trainers, parameter-server workers): the forward pass under
+    ``torch.autocast`` in bfloat16 or float16 (fp16 with a GradScaler); parameters, optimizer state and
+    checkpoints stay float32."""
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
+    """The learning rate by step (parameter server: by version); see :class:`LRScheduleConfig`."""
 
     @field_validator("batch_size", "num_epochs", "checkpoint_interval", "num_samples", "eval_batch_size")
     @classmethod
@@ -230,6 +295,9 @@ class SystemConfig(_Section):
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
     max_restarts: int = 3
     """Restarts a local launcher grants each failed worker (PS) or the DDP group (elastic agent)."""
+    max_rejoins: int = 3
+    """Times a PS worker process whose incarnation the server revoked (declared failed while it was
+    alive: a partition, a long pause) registers again by itself as a new incarnation; then it exits 1."""
     inject_faults: list[str] = []
     """Faults to inject on purpose (:mod:`src.faults`), e.g. ``kill:worker=1@step=40``, ``kill:server@version=150``."""
     checkpoint_dir: str = "checkpoints"
@@ -282,7 +350,7 @@ class SystemConfig(_Section):
             raise ValueError("must be a finite number >= 0")
         return value
 
-    @field_validator("warmup_steps", "max_restarts", "max_staleness")
+    @field_validator("warmup_steps", "max_restarts", "max_rejoins", "max_staleness")
     @classmethod
     def _non_negative_int(cls, value: int) -> int:
         if value < 0:

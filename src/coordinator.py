@@ -19,7 +19,8 @@ carried after a rejected push) and what it had queued goes back to the queues of
 
 * **sync**: lock-step rounds. A round gives every ready live worker the next batch of its queue;
   the workers that got one are the round's barrier; the round after it starts once that barrier's
-  update is applied. Epoch e+1 starts only when every batch of epoch e is done, so without faults
+  update is applied. A worker that joins mid-epoch (rejoined, restarted) gets an even share of the
+  batches left in the live workers' queues. Epoch e+1 starts only when every batch of epoch e is done, so without faults
   round i of all workers reads exactly positions ``i*N*b .. (i+1)*N*b`` of the permutation: the
   baseline's step i with batch ``N*b``.
 * **async**: on demand. A worker takes from its own queue in the oldest epoch that still has
@@ -68,7 +69,8 @@ class MembershipError(Exception):
 
     * ``unknown``: no such session here (the server restarted, or the worker never registered):
       the worker should register again.
-    * ``revoked``: this incarnation was failed or replaced: the process must stop.
+    * ``revoked``: this incarnation was failed or replaced: it is over (the process may register
+      again as a new incarnation, :mod:`src.worker_protocol`, or stop).
     * ``finished``: this incarnation has finished.
     """
 
@@ -134,12 +136,12 @@ class Membership:
             if older is None:
                 raise MembershipError("unknown", f"worker {worker_id}: unknown session (register again)")
             raise MembershipError("revoked", f"worker {worker_id} incarnation {older.incarnation} was {older.state} "
-                                             f"(incarnation {member.incarnation} is current); this process must stop")
+                                             f"(incarnation {member.incarnation} is current)")
         if member.state == "finished":
             raise MembershipError("finished", f"worker {worker_id} incarnation {member.incarnation} has finished")
         if member.state != "live":
             raise MembershipError("revoked", f"worker {worker_id} incarnation {member.incarnation} was declared "
-                                             f"{member.state}; this process must stop")
+                                             f"{member.state}")
         member.last_seen = self.clock()
         return member
 
@@ -300,6 +302,7 @@ class WorkPlan:
         """
         for epoch in self.epochs.values():
             self._rebalance(epoch, live)
+            self._level(epoch, live)
         handed: dict[int, list[Batch]] = {}
         for worker in ready:
             batches = self._take(worker, live)
@@ -373,6 +376,27 @@ class WorkPlan:
             while epoch.queues[owner]:
                 batch = epoch.queues[owner].popleft()
                 epoch.queues[min(live, key=lambda w: (len(epoch.queues[w]), w))].append(batch)
+
+    def _level(self, epoch: _Epoch, live: list[int]) -> None:
+        """sync: even out the live workers' queues, from the tail of the longest one.
+
+        A worker that joins mid-epoch (it rejoined, or was restarted, after its queue went to the
+        others) gets its share of what is left instead of waiting for the next epoch. The queues of a
+        run without faults differ by at most one batch (uneven shards) and are left as they are.
+        """
+        queues = epoch.queues
+        changed = set()
+        while len(live) > 1:
+            longest = max(live, key=lambda w: (len(queues[w]), -w))
+            shortest = min(live, key=lambda w: (len(queues[w]), w))
+            if len(queues[longest]) - len(queues[shortest]) <= 1:
+                break
+            queues[shortest].append(queues[longest].pop())
+            changed.add(shortest)
+        for worker in changed:  # older work first
+            ordered = sorted(queues[worker], key=lambda b: b.batch_id)
+            queues[worker].clear()
+            queues[worker].extend(ordered)
 
     # ---------------------------------------------------------------- checkpoints
 

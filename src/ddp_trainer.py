@@ -92,6 +92,7 @@ from src.ddp_control import RankControl, config_problem
 from src.ddp_watchdog import HangWatchdog
 from src.exposed_comm import BackwardWait
 from src.faults import FaultInjector
+from src.lr_schedule import set_scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.supervisor import LaunchError, leave_process
 from src.trackers import open_trackers
@@ -506,6 +507,7 @@ class DDPTrainer:
                 if self.compute_delay.active:
                     self.compute_delay.after_step(time.perf_counter() - step_started)
             gradient_time = time.perf_counter() - step_started
+            set_scheduled_learning_rate(self.optimizer, t, self.step)  # training.lr_schedule, the same on every rank
             with tracing.span("optimizer_step", step=self.step + 1):
                 self.amp.step(self.optimizer)  # fp16: skipped on every rank alike (the same averaged gradients)
             self.comm.end_step()

@@ -5,12 +5,16 @@ config as ``system.inject_faults`` (a list of the same strings)::
 
     kill:worker=1@step=40      SIGKILL worker 1 when it reaches its 40th step
     hang:worker=0@step=30      SIGSTOP worker 0 at its 30th step (it stays stopped: a hung process)
+    pause=8:worker=0@step=30   SIGSTOP worker 0 at its 30th step and SIGCONT it 8 s later (a pause that ends)
     kill:server@version=150    SIGKILL the parameter server when its version reaches 150
     kill:rank=1@step=20        SIGKILL DDP rank 1 at its 20th step
 
-Actions: ``kill`` (a real SIGKILL) and ``hang`` (a real SIGSTOP). Targets: ``worker=K`` and
-``server`` (parameter server), ``rank=R`` (DDP). Triggers: ``step`` (a worker's or rank's own
-training steps, counted from 1 within its incarnation) and ``version`` (the server's version).
+Actions: ``kill`` (a real SIGKILL), ``hang`` (a real SIGSTOP) and ``pause=SECONDS`` (a real SIGSTOP,
+then a real SIGCONT from a helper process that many seconds later; workers only: a worker silent for
+longer than ``system.heartbeat_timeout`` is declared failed while alive, and rejoins when it
+continues). Targets: ``worker=K`` and ``server`` (parameter server), ``rank=R`` (DDP). Triggers:
+``step`` (a worker's or rank's own training steps, counted from 1 within its incarnation) and
+``version`` (the server's version).
 
 A fault fires in the first incarnation of its target only: a worker restarted after a kill, a
 server resumed from its checkpoint, or a DDP group restarted by the elastic agent does not fire the
@@ -25,33 +29,40 @@ loop makes per step or version.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import signal
+import subprocess
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "pause": signal.SIGSTOP}
 _TARGET_TRIGGERS = {"worker": ("step",), "server": ("version",), "rank": ("step",)}
-_FORMAT = "ACTION:TARGET@TRIGGER=N, e.g. kill:worker=1@step=40, hang:worker=0@step=30, kill:server@version=150, kill:rank=1@step=20"
-_PATTERN = re.compile(r"^(?P<action>\w+):(?P<target>\w+)(?:=(?P<index>-?\d+))?@(?P<trigger>\w+)=(?P<at>-?\d+)$")
+_FORMAT = ("ACTION:TARGET@TRIGGER=N, e.g. kill:worker=1@step=40, hang:worker=0@step=30, pause=8:worker=0@step=30, "
+           "kill:server@version=150, kill:rank=1@step=20")
+_PATTERN = re.compile(r"^(?P<action>\w+)(?:=(?P<seconds>[^:]*))?:(?P<target>\w+)(?:=(?P<index>-?\d+))?"
+                      r"@(?P<trigger>\w+)=(?P<at>-?\d+)$")
 
 
 @dataclass(frozen=True)
 class FaultSpec:
     """One fault: ``action`` the process ``target`` (number ``index``) when ``trigger`` reaches ``at``."""
 
-    action: Literal["kill", "hang"]
+    action: Literal["kill", "hang", "pause"]
     target: Literal["worker", "server", "rank"]
     index: int | None
     trigger: Literal["step", "version"]
     at: int
+    seconds: float | None = None
+    """How long a ``pause`` lasts (``None`` for the other actions)."""
 
     def __str__(self) -> str:
         who = self.target if self.index is None else f"{self.target}={self.index}"
-        return f"{self.action}:{who}@{self.trigger}={self.at}"
+        action = self.action if self.seconds is None else f"{self.action}={self.seconds:g}"
+        return f"{action}:{who}@{self.trigger}={self.at}"
 
     def targets(self, target: str, index: int | None = None) -> bool:
         """Whether this fault is aimed at ``target`` number ``index`` (``None`` for the server)."""
@@ -67,9 +78,10 @@ def parse_fault(text: str) -> FaultSpec:
     match = _PATTERN.match(text.strip())
     if match is None:
         raise ValueError(f"fault {text!r}: expected {_FORMAT}")
-    action, target, index, trigger, at = match.group("action", "target", "index", "trigger", "at")
+    action, seconds, target, index, trigger, at = match.group("action", "seconds", "target", "index", "trigger", "at")
     if action not in ACTIONS:
         raise ValueError(f"fault {text!r}: unknown action {action!r} (known: {', '.join(ACTIONS)})")
+    duration = _pause_seconds(text, action, seconds, target)
     if target not in _TARGET_TRIGGERS:
         raise ValueError(f"fault {text!r}: unknown target {target!r} (known: worker=K, server, rank=R)")
     if target == "server" and index is not None:
@@ -82,7 +94,24 @@ def parse_fault(text: str) -> FaultSpec:
         raise ValueError(f"fault {text!r}: a {target} fault fires at {_TARGET_TRIGGERS[target][0]}=N, not {trigger}")
     if int(at) < 1:
         raise ValueError(f"fault {text!r}: {trigger} must be >= 1")
-    return FaultSpec(action, target, None if index is None else int(index), trigger, int(at))  # type: ignore[arg-type]
+    return FaultSpec(action, target, None if index is None else int(index), trigger, int(at), duration)  # type: ignore[arg-type]
+
+
+def _pause_seconds(text: str, action: str, seconds: str | None, target: str) -> float | None:
+    """The duration of a ``pause=SECONDS`` (the only action that takes one)."""
+    if action != "pause":
+        if seconds is not None:
+            raise ValueError(f"fault {text!r}: only pause takes a duration (pause=SECONDS:...)")
+        return None
+    if target != "worker":
+        raise ValueError(f"fault {text!r}: pause is for workers (pause=SECONDS:worker=K@step=N)")
+    try:
+        duration = float(seconds) if seconds is not None else math.nan
+    except ValueError:
+        duration = math.nan
+    if not (math.isfinite(duration) and duration > 0):
+        raise ValueError(f"fault {text!r}: pause needs its duration in seconds > 0, e.g. pause=8:worker=0@step=30")
+    return duration
 
 
 def parse_faults(texts: Iterable[str]) -> list[FaultSpec]:
@@ -131,4 +160,8 @@ class FaultInjector:
                 fire(fault)
                 return
             logger.warning("fault injection: %s (pid %d)", fault, os.getpid())  # flushed before the signal
+            if fault.seconds is not None:  # pause: a helper process sends the SIGCONT (a stopped process cannot)
+                subprocess.Popen(["/bin/sh", "-c", f"sleep {fault.seconds:g}; kill -CONT {os.getpid()}"],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
             os.kill(os.getpid(), ACTIONS[fault.action])

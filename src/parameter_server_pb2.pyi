@@ -147,7 +147,7 @@ class StepMetrics(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., gradient_time_s: _Optional[float] = ..., compression_time_s: _Optional[float] = ..., communication_time_s: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics")
+    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics", "learning_rate")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class PushRequest(_message.Message):
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     base_version: int
     request_id: int
@@ -164,7 +165,8 @@ class PushRequest(_message.Message):
     gradients: _containers.RepeatedScalarFieldContainer[bytes]
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
     metrics: StepMetrics
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ...) -> None: ...
+    learning_rate: float
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control")

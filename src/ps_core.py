@@ -17,6 +17,12 @@ train on next and the next work (one call per step). Where work comes from is th
 * **async**: each push is judged by the staleness policy (weight, or reject: the worker then rolls
   its error feedback back and the push's batches stay with it) and applied at once.
 
+Learning rate: the update that makes version ``v + 1`` steps at ``training.lr_schedule``'s rate for
+``v`` (:mod:`src.lr_schedule`; a resumed server continues it), unless its pushes carry the rate of
+the worker's own scheduler (``PushRequest.learning_rate``, the library's DistributedOptimizer): then
+that one (the mean over a sync round's pushes), and a warning says the server's schedule is not
+applied when it has one.
+
 Failures: a worker silent for ``system.heartbeat_timeout`` (:meth:`ServerCore.expire`), or replaced
 by a new incarnation, is failed: it leaves the sync barrier with its not-yet-applied contribution,
 and the work it held goes to the live workers. Calls from a failed incarnation are refused. With
@@ -68,6 +74,7 @@ from src.coordinator import Batch, Member, Membership, MembershipError
 from src.downlink import Downlink, compressor_from_config
 from src.exposed_comm import exposed_communication
 from src.faults import FaultInjector, FaultSpec
+from src.lr_schedule import is_constant, scheduled_learning_rate
 from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.served_model import layout_mismatch, model_from_layout
 from src.staleness import StalenessPolicy, server_optimizer
@@ -208,6 +215,7 @@ class ServerCore:
         self.staleness_histogram: Counter[int] = Counter()
         self.controller_decisions: Counter[str] = Counter()  # by action: hold / compress_less / compress_more
         self._ledger: list[torch.Tensor] | None = None  # system.gradient_ledger: sum of the applied gradients (float64)
+        self._overriding_schedule: set[int] = set()  # workers warned that their own learning rates win
         self.stats_by_incarnation: dict[int, dict[str, Any]] = {}
         self._run_started = clock.time()
         self._train_started: float | None = None
@@ -245,6 +253,7 @@ class ServerCore:
             self.max_message_bytes = min(3 * model_bytes + (4 << 20), 2**31 - 1)
         if self.test_set is not None:
             self._eval_model = copy.deepcopy(model)
+        self._schedule_next_step()
 
     @property
     def version(self) -> int:
@@ -271,8 +280,10 @@ class ServerCore:
         self.lock.notify_all()
         rejoined = any(m.worker_id == worker_id for m in self.members.history[:-1])
         self.log.event("worker_rejoined" if rejoined else "register", worker=worker_id, incarnation=member.incarnation,
-                       peer=peer, version=self.version, last_request_applied=applied,
+                       peer=peer, pid=request.pid, version=self.version, last_request_applied=applied,
                        carried_batches=list(request.carried_batch_ids), carried_unknown=unknown)
+        if rejoined:  # a launcher waiting for a process it saw declared failed learns it came back
+            events.append(("worker_rejoined", {"worker": worker_id, "incarnation": member.incarnation, "pid": request.pid}))
         reply = pb.RegisterReply(
             worker_id=worker_id, incarnation=member.incarnation, session=member.session, version=self.version,
             run_config_json=self.config.model_dump_json(),
@@ -361,6 +372,10 @@ class ServerCore:
 
     def _decode(self, worker_id: int, received: Received) -> Contribution:
         request, payloads, raw_buffers = received.message, received.large["gradients"], received.large["buffers"]
+        learning_rate = request.learning_rate if request.HasField("learning_rate") else None
+        if learning_rate is not None and not (math.isfinite(learning_rate) and learning_rate >= 0):
+            raise PushRefused("INVALID_ARGUMENT", f"push from worker {worker_id}: learning_rate must be a finite "
+                                                  f"number >= 0 (or not set), got {learning_rate}")
         if self.work.owns_data:
             if not payloads and not raw_buffers:
                 if request.num_samples != 0:
@@ -397,10 +412,19 @@ class ServerCore:
                 if not bool(torch.isfinite(values).all()):
                     raise PushRefused("INVALID_ARGUMENT", f"buffer {spec.name}: holds NaN or Inf values")
                 buffers.append(values)
-        return Contribution(worker_id, request.num_samples, gradients, buffers, request.request_id)
+        return Contribution(worker_id, request.num_samples, gradients, buffers, request.request_id,
+                            learning_rate=learning_rate)
 
     def apply_push(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
         """Add the decoded push to the barrier (sync) or apply it with its staleness weight (async): the verdict."""
+        if request.HasField("learning_rate") and member.worker_id not in self._overriding_schedule:
+            self._overriding_schedule.add(member.worker_id)
+            schedule = self.config.training.lr_schedule
+            if not is_constant(schedule):
+                logger.warning("worker %d sends the learning rate of its own scheduler with its pushes: the server "
+                               "applies it, not its training.lr_schedule (%s)", member.worker_id, schedule.kind)
+                self.log.event("lr_schedule_overridden", worker=member.worker_id, learning_rate=request.learning_rate,
+                               schedule=schedule.kind)
         with tracing.span("apply", worker=member.worker_id, request_id=request.request_id):
             verdict = (self._add_to_round if self.mode == "sync" else self._apply_now)(member, request, contribution)
         self.lock.notify_all()
@@ -565,6 +589,7 @@ class ServerCore:
         if round_ is not None and round_.complete():
             contributions = round_.contributions()
             gradients, buffers = self.state.average(contributions)
+            self._set_step_learning_rate(contributions)
             self.state.step(gradients, buffers)
             self._round = None
             self._applied(contributions)
@@ -597,6 +622,7 @@ class ServerCore:
             self.counters["pushes_rejected"] += 1
             return pb.PushReply(accepted=False, staleness=staleness, weight=0.0,
                                 reason=f"rejected by the staleness policy: {reason}")
+        self._set_step_learning_rate([contribution])
         self.state.step(contribution.gradients, contribution.buffers, weight, worker=member.worker_id)
         self._applied([contribution])
         return pb.PushReply(accepted=True, staleness=staleness, weight=weight)
@@ -621,13 +647,30 @@ class ServerCore:
         self.counters["pushes_applied"] += len(contributions)
         version = self.state.version
         self.log.event("update", version=version, requests=[[c.worker, c.request_id] for c in contributions],
-                       samples=samples, num_samples=sum(c.num_samples for c in contributions))
+                       samples=samples, num_samples=sum(c.num_samples for c in contributions),
+                       learning_rate=self.state.learning_rate)
+        if all(c.learning_rate is None for c in contributions):
+            self._schedule_next_step()
         self._after_version(epochs_done)
         self._faults.reached(version, announce=lambda fault: self.log.event("fault_injected", fault=str(fault), version=version),
                              fire=self._fire_fault)
         if self.work.finished() and self._train_ended is None:
             self._train_ended = self.clock.time()
         self._check_done()
+
+    def _set_step_learning_rate(self, contributions: list[Contribution]) -> None:
+        """The rate of the update about to be applied: the one the pushes' own schedulers sent (their mean),
+        else the schedule's (already set for this version)."""
+        sent = [c.learning_rate for c in contributions if c.learning_rate is not None]
+        if sent:
+            self.state.set_learning_rate(sum(sent) / len(sent))
+        else:
+            self._schedule_next_step()
+
+    def _schedule_next_step(self) -> None:
+        """``training.lr_schedule``'s rate for the step from the current version (the lookahead point uses it too)."""
+        t = self.config.training
+        self.state.set_learning_rate(scheduled_learning_rate(t.lr_schedule, t.learning_rate, self.state.version))
 
     def _add_to_ledger(self, gradients: list[torch.Tensor]) -> None:
         if self._ledger is None:
@@ -807,6 +850,7 @@ class ServerCore:
         self.state.model.load_state_dict(checkpoint["model_state_dict"])
         self.state.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
         self.state.version = extra["version"]
+        self._schedule_next_step()  # the schedule goes on from the checkpoint's version
         self.work.load_state_dict(extra["work"])
         self.requests.load_state_dict(extra["requests"])
         self.members.next_incarnation = extra["next_incarnation"]

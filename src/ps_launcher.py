@@ -6,8 +6,14 @@
 
   - A worker that dies (any non-zero exit, a signal) is started again, up to
     ``system.max_restarts`` times per worker id; the new process registers as a new incarnation and
-    gets work. A worker the server declares failed while its process still runs (a hang) is killed
-    first. With its budget spent, the run goes on without that worker (the server reassigns its work).
+    gets work. With its budget spent, the run goes on without that worker (the server reassigns its work).
+  - A worker the server declares failed while its process still runs was silent for
+    ``system.heartbeat_timeout``: hung, or only paused. It gets a heartbeat timeout more to rejoin by
+    itself (:class:`~src.supervisor.RejoinGrace`; a paused process does, as a new incarnation, under
+    ``system.max_rejoins``); one that has not rejoined by then is hung: it is killed, and restarted
+    as above. One revocation ends in a rejoin or in one restart, never both. A worker whose rejoin
+    budget is spent exits 1, and is restarted as above. With ``system.max_rejoins`` 0 a failed live
+    process is killed at once.
   - A server that dies is started again from its newest checkpoint, on the same port, up to
     ``system.max_restarts`` times; the workers register with it again.
   - Faults of ``system.inject_faults`` fire only in first incarnations (a restarted process gets none).
@@ -17,7 +23,7 @@
     SIGINT (the launcher decides), so a Ctrl-C in a terminal does not scatter tracebacks.
 
   Restarts are events in ``<log_dir>/launcher/events.jsonl`` (``worker_restarted``,
-  ``server_restarted``, ``worker_killed``).
+  ``server_restarted``, ``worker_killed``, ``worker_rejoined_by_itself``).
 * :func:`run_server` / :func:`run_worker`: one role in this process, for runs across hosts
   (``--role server`` / ``--role worker``) and containers.
 
@@ -31,6 +37,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any, Callable
@@ -40,7 +47,10 @@ from src.config import Config
 from src.logs import setup_logging
 from src.metrics import EventLog
 from src.ps_transport import resolve_auth_token, split_address
-from src.supervisor import LaunchError, children_ignore_sigint, leave_process, sigterm_as_keyboard_interrupt, stop_processes
+from src.supervisor import (
+    LaunchError, RejoinGrace, children_ignore_sigint, leave_process, rejoin_grace_s, sigterm_as_keyboard_interrupt,
+    stop_processes,
+)
 
 STARTUP_TIMEOUT_S = 600.0  # server start: imports, dataset, model (a torchvision download can be slow)
 STOP_GRACE_S = 5.0
@@ -196,6 +206,7 @@ class _LocalRun:
         self.receivers: list = []
         self.pipe_of: dict[Any, Any] = {}  # process -> the receiving end of its report pipe
         self.port: int | None = None
+        self.revoked = RejoinGrace(rejoin_grace_s(config.system))  # workers failed while alive: hung, or rejoining
         self.events = EventLog(Path(config.system.log_dir) / "launcher" / "events.jsonl")
 
     def processes(self) -> list:
@@ -286,11 +297,16 @@ def run_local(config: Config, *, summary_json: str | Path | None = None, resume:
 
 def _await_message(run: _LocalRun, wanted: str, timeout: float | None):
     """Supervise every child until the server sends ``wanted``; restart what dies (see the module docstring)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        _kill_hung(run)
         watched = {p.sentinel: p for p in run.processes() if p.exitcode is None}
-        ready = connection.wait([*run.receivers, *watched], timeout)
+        wake = [t for t in (deadline, run.revoked.next_deadline()) if t is not None]
+        ready = connection.wait([*run.receivers, *watched], max(0.0, min(wake) - time.monotonic()) if wake else None)
         if not ready:
-            raise LaunchError(f"timed out after {timeout:.0f}s waiting for the parameter server to be {wanted}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LaunchError(f"timed out after {timeout:.0f}s waiting for the parameter server to be {wanted}")
+            continue
         for receive in [r for r in ready if r in run.receivers]:
             found, value = _drain(run, receive, wanted)
             if found:
@@ -321,11 +337,29 @@ def _drain(run: _LocalRun, receive, wanted: str) -> tuple[bool, Any]:
             return True, value
         if kind == "worker_failed":
             process = run.workers.get(value["worker"])
-            if process is not None and process.pid == value["pid"] and process.is_alive():  # failed but running: hung
-                process.kill()
-                run.events.write("worker_killed", worker=value["worker"], pid=process.pid,
-                                 reason="declared failed by the server while its process was alive (hung)")
+            if process is not None and process.pid == value["pid"] and process.is_alive():  # hung, or paused
+                run.revoked.failed(value["worker"], value["pid"], time.monotonic())
+        elif kind == "worker_rejoined" and value["worker"] in run.revoked.waiting:
+            run.revoked.rejoined(value["worker"], value["pid"])
+            if value["worker"] not in run.revoked.waiting:
+                logger.info("launcher: worker %d (pid %d) rejoined by itself as incarnation %d", value["worker"],
+                            value["pid"], value["incarnation"])
+                run.events.write("worker_rejoined_by_itself", worker=value["worker"], pid=value["pid"],
+                                 incarnation=value["incarnation"])
     return False, None
+
+
+def _kill_hung(run: _LocalRun) -> None:
+    """Kill each process declared failed that has not rejoined within its grace (:class:`RejoinGrace`)."""
+    for worker, pid in run.revoked.due(time.monotonic()):
+        process = run.workers.get(worker)
+        if process is not None and process.pid == pid and process.is_alive():
+            process.kill()
+            logger.warning("launcher: worker %d (pid %d) was declared failed and has not rejoined within %.1f s: "
+                           "hung; killed it", worker, pid, run.revoked.grace_s)
+            run.events.write("worker_killed", worker=worker, pid=pid,
+                             reason="declared failed by the server while its process was alive, and it did not "
+                                    "rejoin (hung)")
 
 
 def _server_ended(run: _LocalRun, process) -> None:

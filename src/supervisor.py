@@ -7,6 +7,8 @@
 * :func:`children_ignore_sigint`: start children inside it and they inherit an ignored SIGINT
   through exec, so a terminal's Ctrl-C reaches only the launcher, which decides what to stop.
 * :func:`sigterm_as_keyboard_interrupt`: SIGTERM to the launcher takes the Ctrl-C path.
+* :class:`RejoinGrace`: the parameter-server launchers' policy for a worker the server declared
+  failed while its process still runs (wait for it to rejoin, else it is hung: kill it).
 """
 
 from __future__ import annotations
@@ -43,6 +45,53 @@ def leave_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # closed or broken pipe: nothing left to save
             pass
     os._exit(code)
+
+
+class RejoinGrace:
+    """Which worker processes, declared failed by the server while they still ran, are hung.
+
+    The server cannot tell a hung process (SIGSTOPped, deadlocked) from one that was only silent for a
+    while (a long pause, a partition): both stopped heartbeating. The second kind rejoins by itself
+    as a new incarnation (:mod:`src.worker`, ``system.max_rejoins``) as soon as it runs again. So the
+    launcher gives such a process ``grace_s`` to rejoin: one that did is left alone; one still running
+    without having rejoined is hung, and the launcher kills it (it is then restarted like any worker
+    that died, under ``system.max_restarts``). One revocation thus ends in a rejoin or in a restart,
+    never both. With ``grace_s`` 0 (workers that may not rejoin) a failed live process is hung at once.
+
+    Pure bookkeeping on the caller's clock: :meth:`failed` and :meth:`rejoined` as the server's events
+    arrive, :meth:`due` for the processes whose grace ran out.
+    """
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.waiting: dict[int, tuple[int, float]] = {}
+        """worker id -> (pid of the process declared failed, when its grace ends)."""
+
+    def failed(self, worker: int, pid: int, now: float) -> None:
+        """The server declared ``worker``'s incarnation failed while its process ``pid`` still runs."""
+        self.waiting[worker] = (pid, now + self.grace_s)
+
+    def rejoined(self, worker: int, pid: int) -> None:
+        """Process ``pid`` registered ``worker`` again: it came back by itself."""
+        if self.waiting.get(worker, (None,))[0] == pid:
+            del self.waiting[worker]
+
+    def due(self, now: float) -> list[tuple[int, int]]:
+        """``(worker, pid)`` of every process whose grace has ended without a rejoin (forgotten here)."""
+        ended = [(worker, pid) for worker, (pid, deadline) in self.waiting.items() if deadline <= now]
+        for worker, _ in ended:
+            del self.waiting[worker]
+        return ended
+
+    def next_deadline(self) -> float | None:
+        """When the next grace ends (``None``: none running)."""
+        return min((deadline for _, deadline in self.waiting.values()), default=None)
+
+
+def rejoin_grace_s(system) -> float:
+    """How long a launcher waits for a revoked worker to rejoin: a heartbeat timeout (it is told at its next
+    call, within a step, and a heartbeat interval at most when it waits), or 0 when workers may not rejoin."""
+    return system.heartbeat_timeout if system.max_rejoins > 0 else 0.0
 
 
 def stop_processes(processes: Iterable, grace_s: float = STOP_GRACE_S) -> None:

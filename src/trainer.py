@@ -38,6 +38,7 @@ from src.checkpoint import (
 )
 from src.config import Config, SetupError
 from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
+from src.lr_schedule import set_scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.models import build_model
 from src.trackers import open_trackers
@@ -110,6 +111,16 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """``training.amp`` -> the dtype autocast computes in."""
 
 
+class _NoStep(torch.optim.Optimizer):
+    """A GradScaler's bookkeeping for gradients that are applied elsewhere: its step does nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):  # type: ignore[override]
+        return None
+
+
 class MixedPrecision:
     """``training.amp`` for a loop that runs the model itself: autocast, and a GradScaler for fp16.
 
@@ -117,6 +128,8 @@ class MixedPrecision:
     ``amp.step(optimizer)``, which says whether the optimizer stepped (fp16: not when the gradients
     overflowed). With ``none`` all three are the plain calls. Under DDP every rank holds the same
     averaged gradients, so every rank's scaler finds the same overflow and skips the same steps.
+    A loop whose optimizer steps elsewhere (a parameter-server worker) calls :meth:`unscale` instead
+    of :meth:`step`: the true gradients in ``.grad``, or False when they overflowed.
 
     Args:
         mode: ``none``, ``bf16`` or ``fp16``.
@@ -156,6 +169,22 @@ class MixedPrecision:
         stepped = self.scaler.get_scale() >= scale
         self.skipped_steps += not stepped
         return stepped
+
+    def unscale(self, params: list[torch.Tensor]) -> bool:
+        """Divide the gradients of ``params`` by the loss scale and update the scale, as :meth:`step` does
+        without stepping an optimizer; False when they overflowed (inf/NaN: the scale is lowered and the
+        gradients are not usable). True at once without a scaler (bf16, none)."""
+        if self.scaler is None:
+            return True
+        if getattr(self, "_holder_params", None) is not params:  # one bookkeeping optimizer per parameter list
+            self._holder, self._holder_params = _NoStep(params), params
+        scale = self.scaler.get_scale()
+        self.scaler.unscale_(self._holder)
+        self.scaler.step(self._holder)  # a no-op step; the scaler records the inf check it needs for update()
+        self.scaler.update()
+        finite = self.scaler.get_scale() >= scale  # update() lowers the scale exactly when it found inf/NaN
+        self.skipped_steps += not finite
+        return finite
 
     def state_dict(self) -> dict[str, Any] | None:
         """The scaler's state (scale, growth tracker) for a checkpoint's ``extra``; ``None`` without one."""
@@ -347,6 +376,7 @@ class BaselineTrainer:
                             loss, correct = forward_backward(self.model, images, labels, self.amp)
                         gradient_time = time.perf_counter() - step_started
                         with tracing.span("optimizer_step", step=self.step + 1):
+                            set_scheduled_learning_rate(self.optimizer, t, self.step)  # training.lr_schedule
                             self.amp.step(self.optimizer)
                         step_time = time.perf_counter() - step_started
                         batch = len(labels)

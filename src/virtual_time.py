@@ -15,11 +15,14 @@ compute model, each keeping only its parameter replica and its residuals.
 
 The messages are the real protocol's bytes (:mod:`src.wire`), so byte counts are exact and the core
 cannot tell a simulated worker from a real one. The launcher's part is simulated too:
-``--inject-fault`` kills (``kill``) or stops (``hang``) a simulated worker at its step, or kills the
-server at a version; the server detects silence by the virtual heartbeats, a hung worker declared
-failed is killed, a dead process is restarted after ``emulation.restart_s`` (budget
-``system.max_restarts``), a restarted server resumes from its newest checkpoint and the workers
-register with it again, exactly as :mod:`src.ps_launcher` does for real processes.
+``--inject-fault`` kills (``kill``), stops (``hang``) or pauses (``pause=SECONDS``) a simulated worker
+at its step, or kills the server at a version; the server detects silence by the virtual
+heartbeats; a worker declared failed while it runs gets a heartbeat timeout to rejoin by itself (a
+paused one does, as the real worker, :func:`src.worker_protocol.failed_call`), else it is hung and
+killed (:class:`~src.supervisor.RejoinGrace`); a dead process is restarted after
+``emulation.restart_s`` (budget ``system.max_restarts``), a restarted server resumes from its newest
+checkpoint and the workers register with it again, exactly as :mod:`src.ps_launcher` does for real
+processes.
 
 Outputs are a real run's (``summary.json`` with ``clock: virtual``, ``events.jsonl`` per role with
 virtual times, TensorBoard, checkpoints, and with ``system.trace`` a ``trace.json`` per simulated
@@ -54,15 +57,14 @@ from src.faults import FaultInjector, FaultSpec
 from src.metrics import EventLog, MetricsLogger
 from src.parameter_server import MONITOR_PERIOD_S, planned_work, test_set_for
 from src.ps_core import PushRefused, Refused, ServerCore
-from src.supervisor import LaunchError
+from src.supervisor import LaunchError, RejoinGrace, rejoin_grace_s
 from src.tracing import TRACE_FILE, Tracer
 from src.trainer import model_from_config
 from src.wire import Outgoing, serialize, split
+from src.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
 from src.worker_step import WorkerStep, check_layout
 
 MODEL_STATE = ("parameters", "buffers")
-LOST_SESSION = ("NOT_FOUND", "UNAVAILABLE")
-"""Codes that mean the server lost this session (it restarted): register again (as :func:`src.worker_protocol.check_session_lost`)."""
 
 
 class ServerKilled(BaseException):
@@ -171,6 +173,7 @@ class VirtualRun:
         self.compute_wall_s = 0.0  # wall seconds spent computing the workers' gradients (the benchmark's reference)
         self.timelines = VirtualTimelines(config, self.clock)
         self.launcher_log = EventLog(Path(system.log_dir) / "launcher" / "events.jsonl", clock=self.clock.time)
+        self.revoked = RejoinGrace(rejoin_grace_s(system))  # workers failed while alive: hung, or rejoining
         self.compute_model = model_from_config(config)  # every simulated worker computes in it, in turn
         self.compute_model.train()
         self.workers = [VirtualWorker(self, k) for k in range(system.num_workers)]
@@ -195,6 +198,9 @@ class VirtualRun:
                                   f"happen (every process dead or waiting)")
             if self.core.fatal is not None:
                 raise self.core.fatal
+            # The last Finish replies are still on their way: deliver them (the worker then writes its
+            # run_end and gradient ledger), as a real launcher waits for its workers to exit.
+            self.loop.run(until=lambda: not any(w.finishing for w in self.workers))
             looped = time.perf_counter()
             return self.core.finalize(summary_json, downlink_delay_s=self._downlink_delays(), extra={
                 "wall_time_s": looped - started, "wall_loop_s": looped - looping, "wall_compute_s": self.compute_wall_s,
@@ -422,14 +428,26 @@ class VirtualRun:
     # ------------------------------------------------------------------------- the launcher's part
 
     def _publish(self, events: list) -> None:
-        """The launcher kills a worker the server declared failed while its process still runs (a hang)."""
+        """A worker the server declared failed while its process still runs gets its grace to rejoin; after it, a
+        process that did not is hung and killed (:class:`~src.supervisor.RejoinGrace`, as :mod:`src.ps_launcher`)."""
         for kind, fields in events:
-            if kind != "worker_failed":
-                continue
             worker = self.workers[fields["worker"]]
-            if worker.alive and worker.pid == fields["pid"]:
-                self.launcher_log.write("worker_killed", worker=worker.worker_id, pid=worker.pid,
-                                        reason="declared failed by the server while its process was alive (hung)")
+            if kind == "worker_failed" and worker.alive and worker.pid == fields["pid"]:
+                self.revoked.failed(worker.worker_id, worker.pid, self.clock.now)
+                self.loop.after(self.revoked.grace_s, self._kill_hung)
+            elif kind == "worker_rejoined" and worker.worker_id in self.revoked.waiting:
+                self.revoked.rejoined(worker.worker_id, fields["pid"])
+                if worker.worker_id not in self.revoked.waiting:
+                    self.launcher_log.write("worker_rejoined_by_itself", worker=worker.worker_id, pid=fields["pid"],
+                                            incarnation=fields["incarnation"])
+
+    def _kill_hung(self) -> None:
+        for worker_id, pid in self.revoked.due(self.clock.now):
+            worker = self.workers[worker_id]
+            if worker.alive and worker.pid == pid:
+                self.launcher_log.write("worker_killed", worker=worker_id, pid=pid,
+                                        reason="declared failed by the server while its process was alive, and it "
+                                               "did not rejoin (hung)")
                 worker.end("killed by SIGKILL")
 
     def _spend_restart(self, name: str) -> int | None:
@@ -466,6 +484,11 @@ class VirtualWorker:
         self.process = 0
         self.alive = False
         self.hung = False
+        self.pause_s: float | None = None  # a pause fault: how long until the stopped process runs again
+        self.beating = 0  # the heartbeat chain that is current (a resumed process starts a new one)
+        self.rejoins = Rejoins(worker_id, run.config.system.max_rejoins)
+        self.last_failure: Failure | None = None
+        self.finishing = False  # a Finish is on its way
         model = run.compute_model
         self.replica = ([torch.zeros_like(p) for p in model.parameters() if p.requires_grad],
                         [torch.zeros_like(b) for b in model.buffers() if b.is_floating_point()])
@@ -495,7 +518,8 @@ class VirtualWorker:
     def start(self, *, faults: bool) -> None:
         """A new process of this worker: register, then pull and train."""
         self.process += 1
-        self.alive, self.hung = True, False
+        self.alive, self.hung, self.pause_s = True, False, None
+        self.rejoins = Rejoins(self.worker_id, self.config.system.max_rejoins)  # a new process: a new budget
         self.step = None
         self.caller = pb.Caller(worker_id=self.worker_id)
         self.bytes_sent = self.bytes_received = 0
@@ -508,7 +532,7 @@ class VirtualWorker:
         """This process ends (``None``: it finished; otherwise how it died, for the launcher)."""
         if not self.alive:
             return
-        self.alive = False
+        self.alive = self.finishing = False
         self.close_log()
         if exit_description is not None:
             self.run.process_ended(self, exit_description)
@@ -521,8 +545,17 @@ class VirtualWorker:
     def _fault(self, fault: FaultSpec) -> None:
         if fault.action == "kill":
             self.end("killed by SIGKILL")
-        else:
-            self.hung = True  # SIGSTOP: no more steps, no more heartbeats; the server will declare it failed
+        else:  # SIGSTOP: no more steps, no more heartbeats; the server will declare it failed
+            self.hung = True
+            self.pause_s = fault.seconds  # pause: it runs again that much later (hang: never)
+
+    def _resumed(self, process: int, go_on: Callable[[], None]) -> None:
+        """SIGCONT after a pause: the process goes on where it stopped, heartbeats again (if it still exists)."""
+        if not (self.alive and self.process == process):
+            return  # the launcher killed it meanwhile
+        self.hung, self.pause_s = False, None
+        self._heartbeat(process, self._new_heartbeat_chain())
+        go_on()
 
     # ------------------------------------------------------------------------- calls
 
@@ -531,10 +564,31 @@ class VirtualWorker:
 
     def _failed(self, code: str, message: str) -> None:
         """A call failed for a reason the real worker does not recover from."""
-        if code == "ABORTED":  # IncarnationRevoked: the process exits 1, the launcher restarts it
-            self.end("exited with status 1")
-            return
         raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {code}: {message}")
+
+    def _after_failure(self, code: str, message: str, then: Callable[[], None], *, in_flight: int = 0) -> None:
+        """A call failed: register again after a lost session or a revoked incarnation and go on with ``then``
+        (settling the push ``in_flight``, its request id), as the real worker; a revoked worker whose
+        rejoin budget is spent exits 1; any other failure is the run's error."""
+        try:
+            failure = failed_call(code, message, self.worker_id, self.rejoins)
+        except IncarnationRevoked:
+            self.end("exited with status 1")  # the launcher restarts it
+            return
+        if failure is None:
+            self._failed(code, message)
+            return
+        step = self.step
+        self.last_failure = failure
+        if failure == "revoked":
+            step.begin_incarnation(self._stats())
+
+        def registered(registration: pb.RegisterReply) -> None:
+            applied = bool(in_flight) and registration.last_request_applied
+            step.rejoined(failure, in_flight=bool(in_flight), applied=applied)
+            then()
+
+        self._register(in_flight, step.carried_to_register(failure), registered)
 
     def _register(self, last_request_id: int, carried: list[pb.Batch], then: Callable[[pb.RegisterReply], None]) -> None:
         request = pb.RegisterRequest(worker_id=self.worker_id, last_request_id=last_request_id,
@@ -559,30 +613,27 @@ class VirtualWorker:
         self.step = WorkerStep(config, self.worker_id, model=run.compute_model, train_set=run.train_set,
                                device=torch.device("cpu"), log=self.log, replica=self.replica, faults=self.faults,
                                fire_fault=self._fault, request_ids=seed.getrandbits(62) or 1)
-        self._heartbeat(self.process)
+        self._heartbeat(self.process, self._new_heartbeat_chain())
         self._pull(first=True)
 
-    def _heartbeat(self, process: int) -> None:
+    def _new_heartbeat_chain(self) -> int:
+        self.beating += 1
+        return self.beating
+
+    def _heartbeat(self, process: int, chain: int) -> None:
         """Every ``heartbeat_interval`` from the first registration on, while the process runs (not when stopped)."""
-        if not self.reachable(process):
+        if not self.reachable(process) or chain != self.beating:
             return
         if self.step is not None:
             request = pb.HeartbeatRequest(caller=self.caller, stats=self._stats())
             self._call(request.SerializeToString(), self.run.serve_heartbeat, lambda data: None,
                        lambda code, message: None)  # a failed heartbeat is ignored, as the real worker's
-        self.run.loop.after(self.config.system.heartbeat_interval, lambda: self._heartbeat(process))
+        self.run.loop.after(self.config.system.heartbeat_interval, lambda: self._heartbeat(process, chain))
 
     def _stats(self) -> pb.WorkerStats:
         return self.step.stats(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
                                total_time_s=self._now() - self.started_at,
                                emulated_delay_s=self.compute_extra_s + self.uplink_delay_s)
-
-    def _lost_session(self, code: str, message: str, again: Callable[[], None]) -> None:
-        """NOT_FOUND / UNAVAILABLE: the server restarted; register again and go on with ``again``."""
-        if code not in LOST_SESSION:
-            self._failed(code, message)
-            return
-        self._register(0, self.step.carried, lambda registration: again())
 
     # ------------------------------------------------------------------------- training
 
@@ -593,12 +644,12 @@ class VirtualWorker:
             if first:
                 self.log.event("run_start", address="virtual", incarnation=self.incarnation, version=self.step.version)
             else:
-                self.log.event("rejoined", incarnation=self.incarnation, version=self.step.version)
+                self.log.event("rejoined", incarnation=self.incarnation, version=self.step.version, after=self.last_failure)
             self._work(received)
 
         request = pb.PullRequest(caller=self.caller)
         self._call(request.SerializeToString(), self.run.serve_pull, pulled,
-                   lambda code, message: self._lost_session(code, message, lambda: self._pull(first=first)))
+                   lambda code, message: self._after_failure(code, message, lambda: self._pull(first=first)))
 
     def _work(self, received) -> None:
         """A reply arrived: finish, or compute the handed batches (their compute seconds from now)."""
@@ -622,8 +673,10 @@ class VirtualWorker:
         self.compute_extra_s += extra_s
         self.run.timelines.worker(self.worker_id, "forward_backward", self._now() - step_s, step=step.totals["steps"] + 1)
         step.reach_step()
-        if not self.reachable(process):
+        if not (self.alive and self.process == process) or (self.hung and self.pause_s is None):
             return  # the fault killed or stopped this process before it sent anything
+        # Encoded now, while the shared compute model holds this worker's gradient (a real paused process
+        # encodes once it runs again: the same payloads, since nothing they are made of changes meanwhile).
         payloads = step.encode(batches)
         compress_s = self.run.cost.compress_s
         request = step.request(self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s)
@@ -652,32 +705,32 @@ class VirtualWorker:
                 self._work(reply)
 
             def failed(code: str, message: str) -> None:
-                if code not in LOST_SESSION:
-                    self._failed(code, message)
-                    return
-
-                def rejoined(registration: pb.RegisterReply) -> None:
-                    step.lost(registration.last_request_applied)
-                    self._pull()
-
-                self._register(request.request_id, step.carried, rejoined)
+                self._after_failure(code, message, self._pull, in_flight=request.request_id)
 
             self._call(data, self.run.serve_push, replied, failed)
 
-        self.run.loop.after(compress_s, send)
+        if self.hung:  # paused: the process goes on (compresses, pushes) once it runs again
+            self.run.loop.after(self.pause_s, lambda: self._resumed(process, lambda: self.run.loop.after(compress_s, send)))
+        else:
+            self.run.loop.after(compress_s, send)
 
     def _finish(self) -> None:
         stats = self._stats()
+        self.finishing = True
 
         def finished(data: bytes) -> None:
+            self.finishing = False
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
             self.step.write_ledger(self.config.system.log_dir)
             self.log.event("run_end", incarnation=self.incarnation, **result)
             self.end(None)
 
         request = pb.FinishRequest(caller=self.caller, stats=stats)
-        self._call(request.SerializeToString(), self.run.serve_finish, finished,
-                   lambda code, message: self._lost_session(code, message, self._pull))
+        def failed(code: str, message: str) -> None:
+            self.finishing = False
+            self._after_failure(code, message, self._pull)
+
+        self._call(request.SerializeToString(), self.run.serve_finish, finished, failed)
 
 
 def run_virtual(config: Config, *, summary_json: str | Path | None = None, resume: str | Path | None = None,

@@ -16,8 +16,13 @@ Staying alive: a background thread sends a heartbeat every ``system.heartbeat_in
 worker's running totals. If the server loses this worker's session (it restarted from a checkpoint),
 the worker registers again (gRPC's ``wait_for_ready`` waits out the restart), learns whether its
 last push was applied (commit, or discard: its samples will be redone) and goes on. If the server
-declared this incarnation failed (it was silent too long, or a newer one registered), the process
-stops with :class:`IncarnationRevoked`.
+declared this incarnation failed while the process lived (a partition, a long pause, a hang that
+ended: it was silent for longer than ``system.heartbeat_timeout``), the worker rejoins: it settles
+what it held (a push the server did not apply is rolled back into the residual; the batches it
+carried were handed to others and are not its own any more), registers as a new incarnation and
+goes on, up to ``system.max_rejoins`` times; then it stops with :class:`IncarnationRevoked`. The
+decision is :func:`src.worker_protocol.failed_call`'s and the settling :meth:`WorkerStep.rejoined`'s,
+which the virtual-time worker runs too.
 
 Emulation (:mod:`src.netem`, the run config's ``emulation`` section, learnt from the server): a
 slowed worker waits after each forward/backward (counted as gradient time), and a narrow uplink
@@ -51,7 +56,7 @@ from src.metrics import MetricsLogger
 from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.ps_transport import ParameterServerClient, Received, require_auth_token
 from src.trainer import model_from_config, resolve_device
-from src.worker_protocol import Heartbeats, IncarnationRevoked, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
+from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.worker_step import WorkerStep, check_layout
 
 logger = logging.getLogger(__name__)
@@ -59,7 +64,7 @@ logger = logging.getLogger(__name__)
 LOCAL_FIELDS = (
     "training.data_dir", "training.device",
     "system.log_dir", "system.checkpoint_dir", "system.server_address", "system.inject_faults",
-    "system.tls_cert_file", "system.tls_key_file", "system.tls_ca_file",
+    "system.tls_cert_file", "system.tls_key_file", "system.tls_ca_file", "system.max_rejoins",
 )
 """Fields a worker takes from its own config; everything else comes from the server."""
 
@@ -115,6 +120,8 @@ class Worker:
         self.client: ParameterServerClient | None = None
         self.caller = pb.Caller(worker_id=worker_id)
         self.incarnation = 0
+        self.rejoins = Rejoins(worker_id, config.system.max_rejoins)
+        self.last_failure: Failure | None = None  # what the last re-registration followed
         self.step: WorkerStep | None = None
         self._started = time.perf_counter()
         self.compute_delay: ComputeDelay | None = None  # emulation, set once the run config is known
@@ -137,7 +144,7 @@ class Worker:
 
         Raises:
             grpc.RpcError: the server refused a call (bad auth, bad push) or went away for good.
-            IncarnationRevoked: the server declared this incarnation failed.
+            IncarnationRevoked: the server declared this incarnation failed, and the rejoin budget is spent.
             ValueError: the local model does not match the server's layout.
         """
         self.client = ParameterServerClient(self.address, token=self.token, system=self.local_config.system,
@@ -177,7 +184,7 @@ class Worker:
                            role="worker", worker=self.worker_id) as log:
             step = self.step = WorkerStep(config, self.worker_id, model=model, train_set=train_set, device=device, log=log,
                                           faults=self.faults)
-            received = self._pull(step.carried)
+            received = self._pull()
             step.load(received)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=step.version)
             logger.info("worker %d: registered with %s as incarnation %d at version %d (%s)", self.worker_id, self.address,
@@ -189,12 +196,11 @@ class Worker:
                     try:
                         self.client.finish(self.caller, stats)
                         break
-                    except grpc.RpcError as exc:  # the server restarted before it finished the run: go on
-                        self._check_session_lost(exc)
-                        self._register(0, step.carried)
-                        received = self._pull(step.carried)
+                    except grpc.RpcError as exc:  # the server restarted, or failed us, before we finished: go on
+                        self._rejoin(self._failure(exc), in_flight=0)
+                        received = self._pull()
                         step.load(received)
-                        log.event("rejoined", incarnation=self.incarnation, version=step.version)
+                        log.event("rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure)
                         continue
                 batches = list(received.message.work.batches)
                 step_started = time.perf_counter()
@@ -212,10 +218,10 @@ class Worker:
                 sent_before, received_before = self.client.bytes_sent, self.client.bytes_received
                 with tracing.span("push", request_id=request.request_id):  # blocked on the reply: exposed communication
                     reply = self._push(request, payloads, step.buffers_to_send(batches))
-                if not isinstance(reply, Received):  # lost with the server's session: registered again
-                    received = self._pull(step.carried)
+                if not isinstance(reply, Received):  # lost with the server's session or our incarnation: registered again
+                    received = self._pull()
                     step.load(received)
-                    log.event("rejoined", incarnation=self.incarnation, version=step.version)
+                    log.event("rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure)
                     continue
                 received = reply
                 step.settle(reply, batches, request, payload_bytes=sum(len(p) for p in payloads), loss=loss, correct=correct, samples=samples,
@@ -234,33 +240,46 @@ class Worker:
         return {"worker_id": self.worker_id, "incarnation": self.incarnation, **result}
 
     def _push(self, request: pb.PushRequest, payloads: list[bytes], buffers: list) -> Received | bool:
-        """Push; on a lost session register again. Returns the reply, or (the reply lost) whether the push was applied.
+        """Push; on a lost session or a revoked incarnation register again. Returns the reply, or (the reply
+        lost) whether the push was applied.
 
         Raises:
-            IncarnationRevoked: the server declared this incarnation failed.
+            IncarnationRevoked: the server declared this incarnation failed, and the rejoin budget is spent.
         """
         try:
             return self.client.push(request, payloads, buffers)
         except grpc.RpcError as exc:
-            self._check_session_lost(exc)
-        # The server restarted (our session is unknown there) or is restarting: join again and ask
-        # whether the push made it into an update before the server's checkpoint.
-        logger.warning("worker %d: lost the server's session; registering again", self.worker_id)
-        registration = self._register(request.request_id, self.step.carried)
-        self.step.lost(registration.last_request_applied)
-        return registration.last_request_applied
+            failure = self._failure(exc)
+        # Join again and ask whether the push made it into an update (before the server's checkpoint,
+        # or before it failed this incarnation).
+        return self._rejoin(failure, in_flight=request.request_id)
 
-    def _check_session_lost(self, exc: grpc.RpcError) -> None:
-        """See :func:`src.worker_protocol.check_session_lost`."""
-        check_session_lost(exc, self.worker_id)
+    def _failure(self, exc: grpc.RpcError) -> Failure:
+        """What ``exc`` means (:func:`src.worker_protocol.check_session_lost`); spends a rejoin when revoked."""
+        return check_session_lost(exc, self.worker_id, self.rejoins)
 
-    def _pull(self, carried: list[pb.Batch]) -> Received:
-        """Pull the parameters and work, registering again while the server has lost this session."""
+    def _rejoin(self, failure: Failure, *, in_flight: int) -> bool:
+        """Register again after ``failure``, settling the push ``in_flight`` (its request id; 0: none);
+        returns whether the server had applied that push."""
+        step = self.step
+        self.last_failure = failure
+        if failure == "revoked":
+            step.begin_incarnation(self.stats())
+        else:
+            logger.warning("worker %d: lost the server's session; registering again", self.worker_id)
+        registration = self._register(in_flight, step.carried_to_register(failure))
+        applied = bool(in_flight) and registration.last_request_applied
+        step.rejoined(failure, in_flight=bool(in_flight), applied=applied)
+        if failure == "revoked":
+            logger.info("worker %d: rejoined as incarnation %d at version %d", self.worker_id, self.incarnation,
+                        registration.version)
+        return applied
+
+    def _pull(self) -> Received:
+        """Pull the parameters and work, registering again while the server has lost this session (or revoked it)."""
         while True:
             try:
                 with tracing.span("pull"):
                     return self.client.pull(self.caller)
             except grpc.RpcError as exc:
-                self._check_session_lost(exc)
-                logger.warning("worker %d: lost the server's session; registering again", self.worker_id)
-                self._register(0, carried)
+                self._rejoin(self._failure(exc), in_flight=0)

@@ -14,15 +14,19 @@ where the gradient came from.
 * :func:`controlled_policy`: the top-k Active Fraction the adaptive controller sent in a reply.
 * :func:`load_reply`: put a pull or push reply's parameters (dense, or downlink deltas) and buffers
   into the local tensors.
-* :func:`check_session_lost` and :class:`Heartbeats`: what a failed call means, and the thread that
-  says "alive" every ``heartbeat_interval``.
+* :func:`failed_call` / :func:`check_session_lost` and :class:`Rejoins`: what a failed call means:
+  the server lost this session (it restarted: register again), or it revoked this incarnation
+  (declared it failed while the process was alive: a partition, a long pause; rejoin as a new
+  incarnation, at most ``system.max_rejoins`` times, then stop), or neither (the caller's error).
+* :class:`Heartbeats`: the thread that says "alive" every ``heartbeat_interval``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import grpc
 import torch
@@ -31,23 +35,81 @@ from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, TopKCompressor, decompress
 from src.ps_transport import Received, copy_bytes_into
 
+logger = logging.getLogger(__name__)
+
+LOST_SESSION_CODES = frozenset({"NOT_FOUND", "UNAVAILABLE"})
+"""Status codes of a call the server could not place: it restarted (or is restarting): register again."""
+REVOKED_CODE = "ABORTED"
+"""Status code of a call from an incarnation the server declared failed or replaced."""
+
+Failure = Literal["lost", "revoked"]
+"""What a failed call means for the worker (see :func:`failed_call`)."""
+
 
 class IncarnationRevoked(RuntimeError):
-    """The server declared this incarnation failed (silent too long, or replaced): this process must stop."""
+    """The server declared this incarnation failed (silent too long, or replaced) and this process may not
+    rejoin (no :class:`Rejoins` budget, or it is spent): this process must stop."""
 
 
-def check_session_lost(exc: grpc.RpcError, worker_id: int) -> None:
-    """Return if ``exc`` means the server lost this session (restarted, or restarting); raise otherwise.
+class Rejoins:
+    """A worker process's budget of rejoins after its incarnation was revoked (``system.max_rejoins``).
+
+    A process the server declared failed while it was alive (it was partitioned away, paused, or hung
+    for a while) is otherwise healthy: it registers again as a new incarnation and goes on. The
+    budget keeps a process that keeps being declared failed (a flapping link) from rejoining forever.
+    """
+
+    def __init__(self, worker_id: int | None, max_rejoins: int):
+        self.worker_id = worker_id
+        self.max_rejoins = max_rejoins
+        self.used = 0
+
+    def spend(self, reason: str) -> None:
+        """One rejoin after the revocation ``reason`` (the server's message, which names the worker).
+
+        Raises:
+            IncarnationRevoked: the budget is spent (the message says so, and why the incarnation ended).
+        """
+        if self.used >= self.max_rejoins:
+            spent = (f"rejoined {self.used} time{'s' if self.used != 1 else ''} already" if self.max_rejoins
+                     else "rejoining is off")
+            raise IncarnationRevoked(f"{reason}; {spent} (system.max_rejoins={self.max_rejoins}): this process stops")
+        self.used += 1
+        logger.warning("%s; rejoining as a new incarnation (rejoin %d/%d)", reason, self.used, self.max_rejoins)
+
+
+def failed_call(code: str, message: str, worker_id: int | None, rejoins: Rejoins | None) -> Failure | None:
+    """What a call that failed with status ``code`` (gRPC's name) means for a worker.
+
+    Returns ``"lost"``: the server lost this session (it restarted): register again, the pushes it
+    had applied are known by request id; ``"revoked"``: the server declared this incarnation failed
+    while the process lived: register again as a new incarnation (one rejoin spent), the work it
+    held was handed to others; ``None``: neither (the caller raises its own error).
 
     Raises:
-        IncarnationRevoked: the server declared this incarnation failed.
+        IncarnationRevoked: revoked, and no rejoin is left (or ``rejoins`` is ``None``).
+    """
+    if code == REVOKED_CODE:
+        if rejoins is None:
+            raise IncarnationRevoked(f"worker {worker_id}: {message}")
+        rejoins.spend(message)
+        return "revoked"
+    if code in LOST_SESSION_CODES:
+        return "lost"
+    return None
+
+
+def check_session_lost(exc: grpc.RpcError, worker_id: int | None, rejoins: Rejoins | None = None) -> Failure:
+    """:func:`failed_call` for a gRPC error: what it means, or ``exc`` itself raised for any other failure.
+
+    Raises:
+        IncarnationRevoked: the server declared this incarnation failed, and it may not rejoin.
         grpc.RpcError: ``exc`` itself, for any other failure.
     """
-    code = exc.code()
-    if code == grpc.StatusCode.ABORTED:
-        raise IncarnationRevoked(f"worker {worker_id}: {exc.details()}") from None
-    if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+    failure = failed_call(exc.code().name, exc.details(), worker_id, rejoins)
+    if failure is None:
         raise exc
+    return failure
 
 
 def encode_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], policy: CompressionPolicy | None,
@@ -140,5 +202,5 @@ class Heartbeats(threading.Thread):
         self.stopped.set()
 
 
-__all__ = ["Heartbeats", "IncarnationRevoked", "check_session_lost", "encode_gradients", "load_reply",
-           "settle_lost_push", "settle_push"]
+__all__ = ["Heartbeats", "IncarnationRevoked", "Rejoins", "check_session_lost", "encode_gradients", "failed_call",
+           "load_reply", "settle_lost_push", "settle_push"]

@@ -2,10 +2,13 @@
 
 :class:`WorkerStep` is what a worker *does* between receiving a reply and sending its next push:
 load the reply's parameters (and follow the controller's top-k Active Fraction), compute the
-gradient of the handed batches (``system.local_steps`` local SGD steps, one per batch), put each
+gradient of the handed batches (``system.local_steps`` local SGD steps, one per batch; under
+``training.amp`` in autocast, fp16 unscaled by a GradScaler and an overflowed batch computed again
+at the lowered scale, :meth:`WorkerStep._forward_backward`), put each
 parameter's gradient through error feedback and the compression policy (the exact wire payloads),
 build the push, and settle the verdict (commit the residuals, or roll them back and carry the
-batches into the next push). Its drivers decide how messages move and what time it is:
+batches into the next push), and settle what a registration after a failed call finds (a lost
+session or a revoked incarnation, :meth:`WorkerStep.rejoined`). Its drivers decide how messages move and what time it is:
 
 * :class:`src.worker.Worker`: a real process; gRPC calls, wall-clock timings, real waits for
   emulated stragglers and links;
@@ -30,10 +33,18 @@ from src import parameter_server_pb2 as pb
 from src.compression import ErrorFeedback, policy_from_config
 from src.config import Config, SetupError
 from src.faults import FaultInjector, FaultSpec
+from src.lr_schedule import scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
-from src.trainer import forward_backward
+from src.trainer import MixedPrecision, forward_backward
 from src.wire import Received, tensor_view
-from src.worker_protocol import controlled_policy, encode_gradients, load_reply, settle_lost_push, settle_push
+from src.worker_protocol import Failure, controlled_policy, encode_gradients, load_reply, settle_lost_push, settle_push
+
+MAX_OVERFLOW_RETRIES = 32
+"""fp16: computations of one batch before its gradient counts as not finite at any scale (GradScaler halves
+the scale at each overflow: 2**16 down to 2**-16)."""
+
+PER_PROCESS_STATS = ("train_loss", "train_accuracy")
+"""WorkerStats fields that describe the process so far; the others count from the incarnation's registration."""
 
 TOTALS = ("samples", "steps", "gradient_time_s", "compression_time_s", "communication_time_s", "pushes_rejected",
           "payload_bytes", "dense_bytes", "train_loss", "train_accuracy")
@@ -89,13 +100,14 @@ class WorkerStep:
         self.train_set = train_set
         self.device = device
         self.log = log
-        self.learning_rate = t.learning_rate
+        self.training = t
         self.dense_bytes_per_step = 4 * sum(p.numel() for p in self.model_params)  # what identity payloads carry
         self.policy = policy_from_config(system)
         # Error feedback also holds a rejected push's gradient when compression is off (identity payloads).
         rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
         self.feedback = ErrorFeedback() if (self.policy is not None and system.error_feedback) or rejections_possible else None
         self.generator = torch.Generator().manual_seed(worker_generator_seed(t.seed, worker_id))  # stochastic rounding
+        self.amp = MixedPrecision(t.amp, device)  # training.amp: autocast; fp16 with its own GradScaler
         self.faults = faults or FaultInjector((), "worker", worker_id)
         self.fire_fault = fire_fault
         self.request_id = request_ids if request_ids is not None else (random.SystemRandom().getrandbits(62) or 1)
@@ -104,6 +116,7 @@ class WorkerStep:
         self.totals: dict[str, Any] = {name: 0 if name in ("samples", "steps", "pushes_rejected", "payload_bytes",
                                                            "dense_bytes") else 0.0 for name in TOTALS}
         self.last_communication_s = 0.0
+        self._earlier: dict[str, float] = {}  # what this process reported for its earlier incarnations
         self._epoch = [0.0, 0, 0]  # loss * samples, correct, samples of the running epoch
         # system.gradient_ledger: the sum of every gradient computed (before error feedback), float64
         self.ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in self.model_params] if system.gradient_ledger else None
@@ -140,11 +153,11 @@ class WorkerStep:
                     buffer.copy_(value)
         started_from = [p.detach().clone() for p in self.model_params] if len(batches) > 1 and not shared else None
         summed: list[torch.Tensor] | None = None
+        local_lr = scheduled_learning_rate(self.training.lr_schedule, self.training.learning_rate, self.version)
         total_loss, total_correct, total_samples = 0.0, 0, 0
         for index, batch in enumerate(batches):
             images, labels = self.train_set.batch(list(batch.indices))
-            self.model.zero_grad(set_to_none=True)
-            loss, correct = forward_backward(self.model, images.to(self.device), labels.to(self.device))
+            loss, correct = self._forward_backward(batch, images.to(self.device), labels.to(self.device))
             total_loss += loss * len(batch.indices)
             total_correct += correct
             total_samples += len(batch.indices)
@@ -155,7 +168,7 @@ class WorkerStep:
             if index + 1 < len(batches):
                 with torch.no_grad():
                     for p, g in zip(self.model_params, grads):
-                        p.add_(g, alpha=-self.learning_rate)  # a local plain-SGD step
+                        p.add_(g, alpha=-local_lr)  # a local plain-SGD step, at the server's rate for this version
         if summed is not None:
             for p, s in zip(self.model_params, summed):
                 p.grad = s
@@ -168,6 +181,30 @@ class WorkerStep:
                 if p.grad is not None:
                     total.add_(p.grad.to(torch.float64))
         return total_loss / max(total_samples, 1), total_correct, total_samples
+
+    def _forward_backward(self, batch: pb.Batch, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+        """One batch's true gradient into ``.grad`` (``training.amp``: autocast; fp16 unscaled).
+
+        An fp16 gradient that overflowed is not pushed, as GradScaler skips such a step; but the batch
+        is this worker's to cover (the server plans every sample into exactly one update), so it is
+        computed again at the scale GradScaler lowered, until it is finite: the simplest way that both
+        keeps every sample's gradient and never sends an inf. (The batch-norm statistics of the
+        overflowed pass are undone.)
+        """
+        buffers = [b.clone() for b in self.model_buffers] if self.amp.scaler is not None else None
+        for _ in range(MAX_OVERFLOW_RETRIES):
+            self.model.zero_grad(set_to_none=True)
+            loss, correct = forward_backward(self.model, images, labels, self.amp)
+            if self.amp.unscale(self.model_params):
+                return loss, correct
+            self.log.event("amp_overflow", step=self.totals["steps"] + 1, batch_id=batch.batch_id,
+                           loss_scale=self.amp.scaler.get_scale())
+            with torch.no_grad():
+                for buffer, saved in zip(self.model_buffers, buffers):
+                    buffer.copy_(saved)
+        raise FloatingPointError(f"worker {self.worker_id}: the float16 gradient of batch {batch.batch_id} overflowed "
+                                 f"{MAX_OVERFLOW_RETRIES} times, down to loss scale {self.amp.scaler.get_scale():g} "
+                                 f"(training.amp: fp16; the model may have diverged: try bf16 or a lower learning rate)")
 
     def reach_step(self) -> None:
         """The step's gradient is computed: fire a fault due at this step (before anything is sent)."""
@@ -240,26 +277,50 @@ class WorkerStep:
                 "staleness": reply.message.staleness,
             })
 
-    def lost(self, applied: bool) -> None:
-        """The push's reply was lost with the server's session; on re-registering the server said whether
-        it was applied (keep what it left in the residual; its batches are then done) or not (its samples
-        will be computed again)."""
-        settle_lost_push(self.feedback, self.names, applied=applied, redone=True)
-        if applied:
+    def carried_to_register(self, failure: Failure) -> list[pb.Batch]:
+        """The batches to tell the server this process still carries when it registers again after ``failure``:
+        its own after a lost session (they stay with it); none after a revocation (the server handed
+        them to the live workers when it failed this incarnation)."""
+        return self.carried if failure == "lost" else []
+
+    def rejoined(self, failure: Failure, *, in_flight: bool, applied: bool) -> None:
+        """Registered again after ``failure`` (:func:`src.worker_protocol.failed_call`).
+
+        ``in_flight``: the reply of a push was lost; the registration says whether the server applied
+        it (commit: its batches are done). Not applied, after a lost session: discard it (the
+        restarted server hands its samples back to this worker, which computes them again); after a
+        revocation: roll it back into the residual (no gradient mass is lost: it goes with the next
+        push), as the gradients of the carried batches stay there, while the batches themselves are
+        no longer this worker's (the server reassigned them; they are not listed again).
+        """
+        if in_flight:
+            settle_lost_push(self.feedback, self.names, applied=applied, redone=failure == "lost")
+        if applied or failure == "revoked":
             self.carried = []
+
+    def begin_incarnation(self, reported: pb.WorkerStats) -> None:
+        """A new incarnation of this process registered: its stats count from here (``reported``: what
+        :meth:`stats` says now, which stays with the earlier incarnations in the run summary)."""
+        # One new dict, assigned at once: the heartbeat thread reads it meanwhile.
+        self._earlier = {field.name: self._earlier.get(field.name, 0) + getattr(reported, field.name)
+                         for field in pb.WorkerStats.DESCRIPTOR.fields if field.name not in PER_PROCESS_STATS}
 
     # ------------------------------------------------------------------------- the end
 
     def stats(self, *, bytes_sent: int, bytes_received: int, total_time_s: float, emulated_delay_s: float) -> pb.WorkerStats:
-        """The running totals as the heartbeat and Finish report them."""
+        """The running totals of this incarnation, as the heartbeat and Finish report them (the
+        arguments count for the process: what earlier incarnations reported is taken off)."""
         t = self.totals
-        return pb.WorkerStats(
+        stats = pb.WorkerStats(
             samples=t["samples"], steps=t["steps"], bytes_sent=bytes_sent, bytes_received=bytes_received,
             gradient_time_s=t["gradient_time_s"], compression_time_s=t["compression_time_s"],
             communication_time_s=t["communication_time_s"], total_time_s=total_time_s,
             train_loss=t["train_loss"], train_accuracy=t["train_accuracy"], pushes_rejected=t["pushes_rejected"],
             payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"], emulated_delay_s=emulated_delay_s,
         )
+        for name, earlier in self._earlier.items():
+            setattr(stats, name, getattr(stats, name) - type(getattr(stats, name))(earlier))
+        return stats
 
     def write_ledger(self, log_dir: str | Path) -> None:
         """system.gradient_ledger: the gradients computed and the residuals left (``gradient_ledger.pt``)."""

@@ -166,17 +166,25 @@ def _report_errors(target: Callable[..., None], args: tuple, errors) -> None:
 # ----------------------------------------------------------------------------- framework integrations (worker processes)
 
 
-def worker_shard(worker: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Worker ``worker``'s share of the mnist_5k training set (images, labels)."""
+def worker_shard(worker: int, num_workers: int, max_samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``worker``'s share of the mnist_5k training set (images, labels), of its first ``max_samples``."""
     from src.data import load_dataset
 
-    train_set = load_dataset("mnist_5k", "train")
+    train_set = load_dataset("mnist_5k", "train", max_samples=max_samples)
     indices = make_shards(len(train_set), num_workers, 0, 0)[worker].indices
     return train_set.images[indices], train_set.labels[indices]
 
 
-def lightning_worker(address: str, worker: int, num_workers: int, epochs: int, log_dir: str) -> None:
-    """A LightningModule defined here, trained with ``Trainer(strategy=ASGCStrategy(...))`` on its shard."""
+LIGHTNING_SCHEDULE = dict(step_size=3, gamma=0.5)
+"""The StepLR (stepped every optimizer step) of :func:`lightning_worker` with ``scheduled=True``."""
+HF_SCHEDULE = dict(lr_scheduler_type="cosine", warmup_steps=2)
+"""The Trainer's schedule of :func:`huggingface_worker` with ``scheduled=True`` (else a constant rate)."""
+
+
+def lightning_worker(address: str, worker: int, num_workers: int, epochs: int, log_dir: str,
+                     max_samples: int | None = None, scheduled: bool = False) -> None:
+    """A LightningModule defined here, trained with ``Trainer(strategy=ASGCStrategy(...))`` on its shard
+    (``scheduled``: ``configure_optimizers`` also returns a per-step :data:`LIGHTNING_SCHEDULE`)."""
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -194,9 +202,13 @@ def lightning_worker(address: str, worker: int, num_workers: int, epochs: int, l
             return F.cross_entropy(self.net(images), labels)
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            if not scheduled:
+                return optimizer
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **LIGHTNING_SCHEDULE)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    images, labels = worker_shard(worker, num_workers)
+    images, labels = worker_shard(worker, num_workers, max_samples)
     loader = DataLoader(TensorDataset(images, labels), batch_size=32, shuffle=True,
                         generator=torch.Generator().manual_seed(worker))
     trainer = pl.Trainer(max_epochs=epochs, strategy=ASGCStrategy(address, token=TOKEN, worker_id=worker),
@@ -205,8 +217,10 @@ def lightning_worker(address: str, worker: int, num_workers: int, epochs: int, l
     trainer.fit(LitMLP(), loader)
 
 
-def huggingface_worker(address: str, worker: int, num_workers: int, epochs: int, output_dir: str) -> None:
-    """A tiny ``PreTrainedModel`` defined here, trained by ``transformers.Trainer`` with ASGCHFTrainerCallback."""
+def huggingface_worker(address: str, worker: int, num_workers: int, epochs: int, output_dir: str,
+                       max_samples: int | None = None, scheduled: bool = False) -> None:
+    """A tiny ``PreTrainedModel`` defined here, trained by ``transformers.Trainer`` with ASGCHFTrainerCallback
+    at learning rate 0.05 (the Trainer's rate and schedule reach the server: constant, or :data:`HF_SCHEDULE`)."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -230,10 +244,11 @@ def huggingface_worker(address: str, worker: int, num_workers: int, epochs: int,
             logits = self.net(pixel_values)
             return {"loss": F.cross_entropy(logits, labels), "logits": logits} if labels is not None else {"logits": logits}
 
-    images, labels = worker_shard(worker, num_workers)
+    images, labels = worker_shard(worker, num_workers, max_samples)
     dataset = [{"pixel_values": image, "labels": label} for image, label in zip(images, labels)]
+    schedule = HF_SCHEDULE if scheduled else dict(lr_scheduler_type="constant")
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=32, num_train_epochs=epochs,
-                             report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, seed=worker,
+                             learning_rate=0.05, **schedule, report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, seed=worker,
                              disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=TinyClassifier(TinyConfig()), args=args, train_dataset=dataset,
                       callbacks=[ASGCHFTrainerCallback(address, token=TOKEN, worker_id=worker)])

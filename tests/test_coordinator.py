@@ -212,3 +212,27 @@ def test_the_queued_count_follows_every_change_of_the_queues(mode):
             restored.load_state_dict(plan.state_dict())
             plan = restored
         check()
+
+
+def test_sync_a_worker_back_mid_epoch_gets_its_share_of_what_is_left():
+    """Worker 1 fails after one round (its queue goes to worker 0) and comes back: the next round evens the
+    queues, so it trains again in this epoch; every index still lands once."""
+    plan = WorkPlan(num_samples=80, num_workers=2, batch_size=4, num_epochs=1, seed=2, mode="sync")
+    applied: list[int] = []
+    for worker in plan.start_round([0, 1], [0, 1]):
+        applied += [i for b in plan.applied(worker)[0] for i in b.indices]
+    plan.release(1, [0])  # 9 queued batches of worker 1 go to worker 0: 18 there, none left for 1
+    assert len(plan.start_round([0], [0])[0]) == 1  # a round without it
+    applied += [i for b in plan.applied(0)[0] for i in b.indices]
+    handed = plan.start_round([0, 1], [0, 1])  # worker 1 is back
+    assert set(handed) == {0, 1}
+    queues = plan.epochs[0].queues
+    assert abs(len(queues[0]) - len(queues[1])) <= 1 and len(queues[0]) + len(queues[1]) == 15
+    assert [b.batch_id for b in queues[1]] == sorted(b.batch_id for b in queues[1])
+    while True:
+        for worker in handed:
+            applied += [i for b in plan.applied(worker)[0] for i in b.indices]
+        if plan.finished():
+            break
+        handed = plan.start_round([0, 1], [0, 1])
+    assert sorted(applied) == list(range(80))

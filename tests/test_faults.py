@@ -19,6 +19,8 @@ from src.faults import FaultInjector, FaultSpec, parse_fault
     ("hang:worker=0@step=30", FaultSpec("hang", "worker", 0, "step", 30)),
     ("kill:server@version=150", FaultSpec("kill", "server", None, "version", 150)),
     ("kill:rank=1@step=20", FaultSpec("kill", "rank", 1, "step", 20)),
+    ("pause=8:worker=0@step=30", FaultSpec("pause", "worker", 0, "step", 30, 8.0)),
+    ("pause=2.5:worker=1@step=3", FaultSpec("pause", "worker", 1, "step", 3, 2.5)),
 ])
 def test_parse_round_trips(text, expected):
     assert parse_fault(text) == expected
@@ -34,6 +36,11 @@ def test_parse_round_trips(text, expected):
     ("kill:worker=1@version=3", "a worker fault fires at step=N"),
     ("kill:server@step=3", "a server fault fires at version=N"),
     ("kill:worker=1@step=0", "step must be >= 1"),
+    ("pause:worker=0@step=3", "pause needs its duration in seconds > 0"),
+    ("pause=0:worker=0@step=3", "pause needs its duration in seconds > 0"),
+    ("pause=soon:worker=0@step=3", "pause needs its duration in seconds > 0"),
+    ("hang=3:worker=0@step=3", "only pause takes a duration"),
+    ("pause=3:server@version=3", "pause is for workers"),
 ])
 def test_bad_specs_name_the_problem(text, problem):
     with pytest.raises(ValueError, match=problem):
@@ -95,6 +102,27 @@ def test_hang_is_a_real_sigstop_at_the_step():
         child.send_signal(signal.SIGCONT)
         assert child.stdout.read().split() == ["3", "4", "5", "survived"]
         assert child.wait(30) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_pause_is_a_real_sigstop_and_a_real_sigcont_that_many_seconds_later():
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, "pause=1.5:worker=0@step=2"], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert child.stdout.readline().strip() == "1"
+        assert child.stdout.readline().strip() == "2"
+        stopped_at, state = None, ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and stopped_at is None:
+            state = open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            stopped_at = time.monotonic() if state == "T" else None
+            time.sleep(0.02)
+        assert stopped_at is not None, f"process state {state!r}, expected stopped (T)"
+        assert child.stdout.read().split() == ["3", "4", "5", "survived"]  # nobody here sent SIGCONT
+        assert child.wait(30) == 0 and time.monotonic() - stopped_at >= 1.0
     finally:
         child.kill()
         child.wait()

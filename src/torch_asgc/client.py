@@ -4,8 +4,11 @@ The client registers with the server (a new incarnation with its own session sec
 run's config (mode, compression, heartbeat interval), sends a heartbeat every
 ``system.heartbeat_interval`` from a background thread, and re-registers when the server has lost
 its session (a restarted server; gRPC's ``wait_for_ready`` waits out the restart). Every call after
-registration carries the session, so a late call from a failed incarnation is refused and this
-process learns it must stop (:class:`~src.worker_protocol.IncarnationRevoked`).
+registration carries the session, so a late call from a failed incarnation is refused. A process
+whose incarnation the server declared failed while it was alive (a partition, a long pause) rejoins:
+it registers again as a new incarnation and goes on (a push whose reply it lost is committed or
+rolled back by what the server says, as after a restart), up to ``max_rejoins`` times (default the
+server's ``system.max_rejoins``); then the call raises :class:`~src.worker_protocol.IncarnationRevoked`.
 
 It moves no tensors by itself: :class:`~torch_asgc.model.DistributedModel` pulls and initializes
 through it, :class:`~torch_asgc.optim.DistributedOptimizer` pushes through it. ``close()`` (or the end
@@ -32,7 +35,7 @@ import grpc
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, SystemConfig, validate_config
 from src.ps_transport import AUTH_TOKEN_ENV, ParameterServerClient, Received
-from src.worker_protocol import Heartbeats, IncarnationRevoked, check_session_lost
+from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost
 
 if TYPE_CHECKING:
     from .model import DistributedModel
@@ -52,7 +55,7 @@ class WorkerClient:
     """
 
     def __init__(self, address: str, *, token: str | None = None, worker_id: int | None = None,
-                 tls_ca_file: str | None = None, connect_timeout_s: float = 300.0):
+                 tls_ca_file: str | None = None, connect_timeout_s: float = 300.0, max_rejoins: int | None = None):
         token = token or os.environ.get(AUTH_TOKEN_ENV)
         if not token:
             raise SetupError(f"no auth token: pass token=... to connect() or set ${AUTH_TOKEN_ENV}")
@@ -69,6 +72,8 @@ class WorkerClient:
                                            compression_time_s=0.0, communication_time_s=0.0, payload_bytes=0,
                                            dense_bytes=0, train_loss=0.0)
         self._request_id = secrets.randbits(62) or 1  # random start: a restarted process's ids do not collide
+        self._max_rejoins = max_rejoins
+        self.rejoins: Rejoins | None = None  # set at the first registration (the default is the server's)
         self._heartbeats: Heartbeats | None = None
         self._started = time.perf_counter()
         self.closed = False
@@ -78,6 +83,8 @@ class WorkerClient:
     def open(self) -> "WorkerClient":
         """Register and start heartbeats (:func:`connect` calls it)."""
         self._register(0)
+        self.rejoins = Rejoins(self.worker_id, self.config.system.max_rejoins if self._max_rejoins is None
+                               else self._max_rejoins)
         interval = self.config.system.heartbeat_interval
         self._heartbeats = Heartbeats(lambda: self.transport.heartbeat(self.caller, self.stats(), timeout=2 * interval),
                                       interval, name=f"asgc-worker-{self.worker_id}-heartbeat")
@@ -148,16 +155,15 @@ class WorkerClient:
         server had applied the push (this client has registered again meanwhile).
 
         Raises:
-            IncarnationRevoked: the server declared this incarnation failed.
+            IncarnationRevoked: the server declared this incarnation failed, and the rejoin budget is spent.
             grpc.RpcError: the server refused the push (the message names the problem).
         """
         request.caller.CopyFrom(self.caller)
         try:
             return self.transport.push(request, gradients, buffers)
         except grpc.RpcError as exc:
-            check_session_lost(exc, self.worker_id)
-        logger.warning("worker %s: lost the server's session; registering again", self.worker_id)
-        return self._register(request.request_id).last_request_applied
+            failure = check_session_lost(exc, self.worker_id, self.rejoins)
+        return self._register_after(failure, request.request_id).last_request_applied
 
     # ------------------------------------------------------------------------- registration
 
@@ -174,19 +180,26 @@ class WorkerClient:
             self.model.offer()  # a server restarted before its first checkpoint: it needs the model again
         return reply
 
+    def _register_after(self, failure: Failure, last_request_id: int) -> pb.RegisterReply:
+        if failure == "lost":
+            logger.warning("worker %s: lost the server's session; registering again", self.worker_id)
+        reply = self._register(last_request_id)
+        if failure == "revoked":
+            logger.info("worker %s: rejoined as incarnation %d", self.worker_id, self.incarnation)
+        return reply
+
     def _call_with_rejoin(self, call):
-        """``call()``, registering again while the server has lost this session."""
+        """``call()``, registering again while the server has lost this session or revoked this incarnation."""
         while True:
             try:
                 return call()
             except grpc.RpcError as exc:
-                check_session_lost(exc, self.worker_id)
-            logger.warning("worker %s: lost the server's session; registering again", self.worker_id)
-            self._register(0)
+                failure = check_session_lost(exc, self.worker_id, self.rejoins)
+            self._register_after(failure, 0)
 
 
 def connect(address: str, token: str | None = None, worker_id: int | None = None, *,
-            tls_ca_file: str | None = None, connect_timeout_s: float = 300.0) -> WorkerClient:
+            tls_ca_file: str | None = None, connect_timeout_s: float = 300.0, max_rejoins: int | None = None) -> WorkerClient:
     """Join the parameter-server run at ``address`` as one worker; a context manager (``close()`` on exit).
 
     Args:
@@ -195,6 +208,8 @@ def connect(address: str, token: str | None = None, worker_id: int | None = None
         worker_id: ``0..num_workers-1``; ``None`` lets the server pick the lowest free id.
         tls_ca_file: verify a TLS server against this CA (or its self-signed certificate).
         connect_timeout_s: how long to wait for the server to come up (and to come back after a restart).
+        max_rejoins: times this process registers again by itself after the server declared it failed
+            while it was alive (default: the server's ``system.max_rejoins``).
 
     Raises:
         SetupError: no token.
@@ -202,7 +217,7 @@ def connect(address: str, token: str | None = None, worker_id: int | None = None
             or was not there within ``connect_timeout_s`` (DEADLINE_EXCEEDED).
     """
     client = WorkerClient(address, token=token, worker_id=worker_id, tls_ca_file=tls_ca_file,
-                          connect_timeout_s=connect_timeout_s)
+                          connect_timeout_s=connect_timeout_s, max_rejoins=max_rejoins)
     try:
         return client.open()
     except BaseException:

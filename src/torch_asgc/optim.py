@@ -13,16 +13,24 @@ optimizer; per parameter of the :class:`~torch_asgc.model.DistributedModel` it
    policy: the whole compensated gradient waits in the residual for the next push, no gradient mass
    is lost), then loads the parameters the reply carries into the model.
 
-A push whose reply was lost with the server's session (the server restarted) is committed if the
-server says it had applied it, else rolled back into the residual (the user's loop does not redo
-its samples).
+A push whose reply was lost with the server's session (the server restarted) or with this
+worker's incarnation (the server declared it failed while it was alive; the client rejoined) is
+committed if the server says it had applied it, else rolled back into the residual (the user's loop
+does not redo its samples).
 
 ``zero_grad()`` clears the gradients as the wrapped optimizer does; ``param_groups`` and ``state``
 are the wrapped optimizer's (schedulers and GradScaler work on them); ``state_dict()`` holds the
 wrapped optimizer's state, the error-feedback residuals and the step counts, and
 ``load_state_dict()`` takes it back (or a plain state dict of the wrapped optimizer).
 The wrapped optimizer's hyperparameters are not applied: the server's are (a warning says so when
-they differ).
+they differ), except its learning rate once a scheduler drives it: **schedules reach the server.**
+Each push then carries the wrapped optimizer's current rate (``param_groups[0]["lr"]``, as the
+user's ``torch.optim.lr_scheduler`` -- or Lightning's, or the Hugging Face Trainer's -- set it) and
+the server's optimizer steps with it (``PushRequest.learning_rate``). "Driven by a scheduler" is
+what torch's schedulers leave on the groups they drive (``initial_lr``); ``send_learning_rate=True``
+sends the rate also without one (a loop that sets ``lr`` itself), ``False`` never (the server's
+``training.lr_schedule`` applies). A warning names the mismatch when the server has a schedule of
+its own.
 
 **AMP.** With ``torch.autocast`` and ``GradScaler``, ``scaler.step(optimizer)`` always calls this
 ``step()`` (the optimizer declares ``_step_supports_amp_scaling``) with the scaler's ``grad_scale``
@@ -45,6 +53,7 @@ import torch
 from src import parameter_server_pb2 as pb
 from src.compression import CompressionPolicy, Compressor, ErrorFeedback, policy_from_config
 from src.config import SetupError
+from src.lr_schedule import is_constant
 from src.worker_protocol import encode_gradients, settle_lost_push, settle_push
 
 from .client import WorkerClient
@@ -94,6 +103,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             :class:`~src.compression.CompressionPolicy` (warm-up steps, small-tensor skipping).
         error_feedback: keep what compression leaves out and add it to the next gradient.
         seed: seed of the stochastic rounding of quantization (default ``training.seed`` + worker id).
+        send_learning_rate: push the wrapped optimizer's learning rate with each step, for the server to
+            apply: ``None`` (default) once a torch LR scheduler drives it, ``True`` always, ``False`` never.
 
     Raises:
         SetupError: no DistributedModel on ``client`` yet, or the optimizer holds parameters it does not have.
@@ -102,7 +113,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler calls step() with grad_scale / found_inf set, every iteration
 
     def __init__(self, optimizer: torch.optim.Optimizer, client: WorkerClient, *, compression: Any = None,
-                 error_feedback: bool = True, seed: int | None = None):
+                 error_feedback: bool = True, seed: int | None = None, send_learning_rate: bool | None = None):
         model = client.model
         if model is None:
             raise SetupError("DistributedOptimizer: wrap the model first (DistributedModel(module, client))")
@@ -128,12 +139,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + client.worker_id)
         self.steps = 0
         self.skipped_steps = 0
+        self.send_learning_rate = send_learning_rate
         self._warned_samples = False
+        self._warned_schedule = False
         differences = _differences(optimizer, training)
         if differences:
             warnings.warn("DistributedOptimizer: the server applies its own optimizer "
                           f"({training.optimizer}, lr {training.learning_rate}); the wrapped optimizer differs: "
-                          + "; ".join(differences), stacklevel=2)
+                          + "; ".join(differences) + " (a learning-rate scheduler on it sends its rates to the server)",
+                          stacklevel=2)
 
     # ------------------------------------------------------------------------- the wrapped optimizer's view
 
@@ -245,6 +259,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         totals = self.client.totals
         request = pb.PushRequest(
             base_version=model.version, request_id=self.client.next_request_id(), num_samples=samples,
+            learning_rate=self._learning_rate_to_send(),
             metrics=pb.StepMetrics(step=self.steps, loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else 0.0,
                                    gradient_time_s=computed - started, compression_time_s=compressed - computed,
                                    communication_time_s=totals.get("last_communication_s", 0.0)),
@@ -274,6 +289,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if request.metrics.loss:
             totals["train_loss"] = request.metrics.loss
         return loss
+
+    def _learning_rate_to_send(self) -> float | None:
+        """The wrapped optimizer's current rate, when it goes with the push (see ``send_learning_rate``); ``None``: not."""
+        group = self.wrapped.param_groups[0]
+        send = self.send_learning_rate
+        if send is None:
+            send = "initial_lr" in group  # torch's LRScheduler records it on the groups it drives
+        if not send:
+            return None
+        schedule = self.client.config.training.lr_schedule
+        if not self._warned_schedule and not is_constant(schedule):
+            warnings.warn(f"DistributedOptimizer: the server has a training.lr_schedule ({schedule.kind}); this "
+                          "worker sends its own scheduler's learning rates, which the server applies instead",
+                          stacklevel=3)
+            self._warned_schedule = True
+        return float(group["lr"])
 
     def _skip(self, model) -> None:
         """A step with inf/NaN gradients: push nothing (sync: tell the barrier to go on without us)."""

@@ -11,8 +11,10 @@ worker's initial values when the server has none yet; each step's sample count i
 the model's training forwards, e.g. ``input_ids`` or ``pixel_values``) and puts a
 :class:`~torch_asgc.optim.DistributedOptimizer` inside the Trainer's (accelerate-prepared)
 optimizer, so the Trainer's ``optimizer.step()`` pushes the gradient (after its gradient clipping)
-and loads the server's reply. The server's optimizer and learning rate apply, not the Trainer's
-(``learning_rate``, schedule, AdamW). When training ends the client leaves the run.
+and loads the server's reply. The server's optimizer applies, not the Trainer's (AdamW); the
+Trainer's learning rate and schedule do (``learning_rate``, ``lr_scheduler_type``, warm-up): its
+scheduler drives the wrapped optimizer, whose rate goes with each push and is the one the server
+steps with. When training ends the client leaves the run.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ strategy is Lightning's single-device strategy plus, when fitting starts:
   returns (one optimizer), so Lightning's ``optimizer.step(closure)`` pushes the gradient and loads
   the server's reply (with ``precision="16-mixed"`` Lightning calls ``scaler.step(optimizer)``,
   which takes the optimizer's AMP path; tested with GradScaler directly, not through Lightning).
+  A learning-rate scheduler ``configure_optimizers`` returns drives that optimizer as usual, and its
+  rates reach the server with each push (the server's optimizer steps with them).
 
 Each step's sample count is the training batch's size (Lightning's ``extract_batch_size``). The
 client leaves the run (``close()``) when fitting ends. Validation and checkpoints are Lightning's
