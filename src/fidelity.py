@@ -9,8 +9,10 @@ parameter-server config:
 2. run the experiment for real (:func:`src.ps_launcher.run_local`: processes, emulated stragglers
    and links as real waits) for each seed;
 3. run it in virtual time (:func:`src.virtual_time.run_virtual`) with the calibrated figures;
-4. compare throughput, time to target and final accuracy: the virtual figure over the real one's
-   median, and the real runs' spread over seeds.
+4. compare throughput, time to target and final accuracy seed by seed: a seed gives both runs the
+   same data order, so in sync mode the same updates (the accuracy curves agree point for point) and
+   the ratio virtual / real of each seed isolates the timing; the median over seeds is reported,
+   with the real runs' own spread (the same command run again on this machine).
 """
 
 from __future__ import annotations
@@ -39,17 +41,26 @@ def _figures(summary: dict[str, Any]) -> dict[str, Any]:
             "versions": summary["versions"]}
 
 
-def _ratio(virtual: float | None, real: list[float | None]) -> float | None:
-    reached = [r for r in real if r is not None]
-    if virtual is None or not reached:
+def _paired_ratio(virtual: list[dict[str, Any]], real: list[dict[str, Any]], name: str) -> float | None:
+    """Median over seeds of virtual / real for figure ``name`` (seeds where both have it)."""
+    ratios = [v[name] / r[name] for v, r in zip(virtual, real) if v[name] is not None and r[name]]
+    return statistics.median(ratios) if ratios else None
+
+
+def _spread(real: list[dict[str, Any]], name: str) -> list[float] | None:
+    """The real runs' figure ``name`` relative to their median: how far a re-run here moves it."""
+    values = [r[name] for r in real if r[name] is not None]
+    if not values:
         return None
-    return virtual / statistics.median(reached)
+    middle = statistics.median(values)
+    return [round(min(values) / middle, 3), round(max(values) / middle, 3)]
 
 
 def compare(config: Config, out_dir: str | Path, *, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 20) -> dict[str, Any]:
     """Calibrate, run real and virtual per seed (see the module docstring); returns the comparison.
 
-    ``real`` and ``virtual`` list one run's figures per seed; the ratios are virtual / median(real).
+    ``real`` and ``virtual`` list one run's figures per seed; each ratio is the median over seeds of
+    virtual / real; each ``*_real_spread`` is [min, max] of the real runs over their median.
     """
     from src.ps_launcher import run_local
     from src.virtual_time import run_virtual
@@ -65,9 +76,8 @@ def compare(config: Config, out_dir: str | Path, *, seeds: tuple[int, ...] = (0,
                                             tensorboard=False)))
     result: dict[str, Any] = {"calibration": measured, "real": real, "virtual": virtual}
     for name in ("throughput_samples_per_s", "time_to_target_s", "train_time_s"):
-        ratios = [_ratio(v[name], [r[name] for r in real]) for v in virtual]
-        known = [r for r in ratios if r is not None]
-        result[f"{name}_ratio"] = statistics.median(known) if known else None
+        result[f"{name}_ratio"] = _paired_ratio(virtual, real, name)
+        result[f"{name}_real_spread"] = _spread(real, name)
     accuracies = [r["final_accuracy"] for r in real]
     result["real_accuracy_range"] = [min(accuracies), max(accuracies)]
     result["virtual_accuracy_median"] = statistics.median(v["final_accuracy"] for v in virtual)
