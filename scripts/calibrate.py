@@ -1,6 +1,7 @@
 """Measure the cost-model figures of a virtual-time run on this machine, and print them as config lines.
 
     python scripts/calibrate.py --config configs/ps_sync_mnist.yaml
+    python scripts/calibrate.py --config configs/experiments/virtual_ps_vs_ddp.yaml --set system.compression_enabled=true
     python scripts/calibrate.py --model simple_cnn --dataset mnist_5k --batch-size 64 --concurrent 3
     python scripts/calibrate.py --config CONFIG --json      # one JSON object instead of YAML
 
@@ -16,6 +17,12 @@ import json
 import sys
 
 
+def _assignment(text: str):
+    from src.cli import parse_assignment
+
+    return parse_assignment(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="the run's YAML/JSON config (model, dataset, batch, compression)")
@@ -26,17 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="measured steps and pushes per figure (default 20)")
     parser.add_argument("--no-server", action="store_true", help="only the worker's figures (DDP runs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--set", dest="assignments", action="append", type=_assignment, metavar="FIELD=VALUE",
+                        help="set any config field, repeatable (e.g. --set system.compression_enabled=true)")
     args = parser.parse_args(argv)
     if args.concurrent < 1 or args.steps < 1:
         parser.error("--concurrent and --steps must be >= 1")
 
     from src.calibration import as_yaml, calibrate
     from src.cli import exit_status
-    from src.config import ConfigError, load_config
+    from src.config import ConfigError, config_from_data, read_config_file
 
     overrides = {f"training.{name}": getattr(args, name) for name in ("model_architecture", "dataset", "batch_size")}
     try:
-        config = load_config(args.config, overrides=overrides)
+        data = read_config_file(args.config) if args.config else {}
+        for section in ("experiment", "matrix"):  # an experiment or matrix file: its run sections (the base)
+            data.pop(section, None)
+        config = config_from_data(data, overrides=overrides, assignments=dict(args.assignments or []))
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)

@@ -726,7 +726,13 @@ def load_config(
     data = _nest({k: v for k, v in (defaults or {}).items() if v is not None})
     if path is not None:
         data = _deep_merge(data, read_config_file(path))
-    data = _deep_merge(data, _nest({k: v for k, v in (overrides or {}).items() if v is not None}))
+    return config_from_data(data, overrides=overrides, assignments=assignments)
+
+
+def config_from_data(data: Mapping[str, Any], *, overrides: Mapping[str, Any] | None = None,
+                     assignments: Mapping[str, Any] | None = None) -> Config:
+    """:func:`load_config` for a config already read (e.g. an experiment file's run sections)."""
+    data = _deep_merge(dict(data), _nest({k: v for k, v in (overrides or {}).items() if v is not None}))
     return validate_config(apply_assignments(data, assignments or {}))
 
 
