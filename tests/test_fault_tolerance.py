@@ -73,7 +73,10 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_killed_and_a_hung_worker_are_survived(tmp_path, reference, mode):
-    config = job(tmp_path, "faulty", mode, ["kill:worker=1@step=10", "hang:worker=2@step=20"])
+    # Steps of 0.15 s (an emulated delay) keep the run going past the hung worker's detection (3 s),
+    # the launcher's grace for a rejoin (3 s), its kill and its restart, so both faulted workers rejoin.
+    config = job(tmp_path, "faulty", mode, ["kill:worker=1@step=10", "hang:worker=2@step=20"],
+                 emulation__step_delay_s=0.15)
     summary = run_local(config)
 
     timeout = config.system.heartbeat_timeout
