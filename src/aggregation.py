@@ -69,6 +69,8 @@ class ModelState:
         self._sent = [torch.empty_like(p) for p in self.params] if self.lookahead else self.params
         self._revision = 0  # changes whenever what is sent changes
         self._sent_revision = -1
+        self._frozen: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._frozen_revision = -1
 
     def sent(self) -> list[torch.Tensor]:
         """What workers are sent: the parameters, or the lookahead point (updated once per change).
@@ -79,6 +81,17 @@ class ModelState:
             self.lookahead.lookahead(out=self._sent)
             self._sent_revision = self._revision
         return self._sent
+
+    def frozen(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A copy of what workers are sent and of the buffers, made once per change and never written.
+
+        Replies can go on being sent from it while the next step updates the model in place; every
+        reply of one version shares it (a reply that joins its bytes under the lock needs none).
+        """
+        if self._frozen_revision != self._revision:
+            self._frozen = ([t.detach().clone() for t in self.sent()], [b.detach().clone() for b in self.buffers])
+            self._frozen_revision = self._revision
+        return self._frozen
 
     def forget_worker(self, worker: int) -> None:
         """``worker`` left (finished or failed): its pending momentum no longer counts in the lookahead."""

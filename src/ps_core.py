@@ -72,7 +72,7 @@ from src.served_model import layout_mismatch, model_from_layout
 from src.staleness import StalenessPolicy, server_optimizer
 from src.trackers import open_trackers
 from src.trainer import evaluate
-from src.wire import Outgoing, Received, check_float32_bytes, serialize, split, tensor_view
+from src.wire import Outgoing, Pieces, Received, check_float32_bytes, encode, serialize, split, tensor_view
 from src.work_source import WorkRefused, WorkSource
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,9 @@ class ServerCore:
         fire_fault: what a due server fault does (default: signal this process).
         clock: where time comes from (:mod:`src.clock`).
         background: runs evaluations (default: inline; a real server passes a one-thread pool).
+        reply_views: Pull and Push replies are :class:`~src.wire.Pieces` over a copy of the parameters made
+            once per version (:meth:`ModelState.frozen <src.aggregation.ModelState.frozen>`), for a transport
+            that sends them outside the lock without joining them; default: ``bytes`` joined under the lock.
     """
 
     def __init__(
@@ -162,10 +165,12 @@ class ServerCore:
         fire_fault: Callable[[FaultSpec], None] | None = None,
         clock: Clock = REAL_CLOCK,
         background: Executor | None = None,
+        reply_views: bool = False,
     ):
         self.config = config
         t, system = config.training, config.system
         self.clock = clock
+        self.reply_views = reply_views
         self.mode = system.aggregation_mode
         self.num_workers = system.num_workers
         self.work = work
@@ -238,6 +243,8 @@ class ServerCore:
         # Byte views of what workers are sent, made once: the tensors are updated in place.
         self._param_views = [tensor_view(p) for p in self.state.sent()]
         self._buffer_views = [tensor_view(b) for b in self.state.buffers]
+        self._frozen_source: list[torch.Tensor] | None = None
+        self._frozen_byte_views: tuple[list[memoryview], list[memoryview]] = ([], [])
         if not self.serving:
             model_bytes = 4 * sum(p.numel() for p in self.state.params + self.state.buffers)
             # A push is at most ~2x the model (top-k at ratio 1 sends value + index per entry).
@@ -316,13 +323,13 @@ class ServerCore:
             self._maybe_start()
         return member
 
-    def pull_reply(self, member: Member, work: tuple[list[Batch] | None, bool]) -> bytes:
+    def pull_reply(self, member: Member, work: tuple[list[Batch] | None, bool]) -> bytes | Pieces:
         """The serialized Pull reply: dense parameters (a pull starts the worker afresh) and ``work``."""
         self.downlink.forget(member.worker_id)
         message = pb.PullReply(version=self.state.version, work=self.work.message(*work), control=self.control)
         return self._reply_bytes(message, member.worker_id)
 
-    def begin_push(self, caller: pb.Caller, request: pb.PushRequest) -> Member | bytes | object:
+    def begin_push(self, caller: pb.Caller, request: pb.PushRequest) -> Member | bytes | Pieces | object:
         """Admit a push: its member, or the stored reply of a retried push, or ``RequestLog.IN_PROGRESS``
         while the first copy of this request is still being handled (wait, then call again).
 
@@ -394,7 +401,7 @@ class ServerCore:
         return verdict
 
     def push_reply(self, member: Member, request_id: int, verdict: pb.PushReply,
-                   work: tuple[list[Batch] | None, bool]) -> bytes:
+                   work: tuple[list[Batch] | None, bool]) -> bytes | Pieces:
         """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``."""
         verdict.work.CopyFrom(self.work.message(*work))
         verdict.version = self.state.version
@@ -685,12 +692,25 @@ class ServerCore:
 
     # ------------------------------------------------------------------------- replies
 
-    def _reply_bytes(self, message, worker: int) -> bytes:
-        """``message`` with the current parameters (dense, or a delta for ``worker``) and buffers, serialized."""
+    def _reply_bytes(self, message, worker: int) -> bytes | Pieces:
+        """``message`` with the current parameters (dense, or a delta for ``worker``) and buffers, serialized
+        (``reply_views``: as pieces over this version's frozen copy, which later steps do not write)."""
         self.state.sent()  # the lookahead point of this version, when workers are sent one
         downlink = self.downlink.encode(worker, self.state.version)
-        tensors = {"parameters": self._param_views} if downlink.dense else {"parameter_deltas": downlink.payloads}
-        return serialize(Outgoing(message, {**tensors, "buffers": self._buffer_views}))
+        if self.reply_views:
+            params, buffers = self._frozen_views()
+        else:
+            params, buffers = self._param_views, self._buffer_views
+        tensors = {"parameters": params} if downlink.dense else {"parameter_deltas": downlink.payloads}
+        outgoing = Outgoing(message, {**tensors, "buffers": buffers})
+        return encode(outgoing) if self.reply_views else serialize(outgoing)
+
+    def _frozen_views(self) -> tuple[list[memoryview], list[memoryview]]:
+        params, buffers = self.state.frozen()
+        if self._frozen_source is not params:  # a new version's copy: its byte views, once
+            self._frozen_source = params
+            self._frozen_byte_views = ([tensor_view(p) for p in params], [tensor_view(b) for b in buffers])
+        return self._frozen_byte_views
 
     # ------------------------------------------------------------------------- evaluation, checkpoints
 

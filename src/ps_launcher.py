@@ -110,8 +110,8 @@ def run_server(
         server = ParameterServer(config, token=token, resume=resume, faults=faults, on_event=on_event)
         try:
             port = server.start()
-            logger.info("parameter server listening on %s (%s, %d workers%s)", connect_address(config.system.server_address, port),
-                        config.system.aggregation_mode, config.system.num_workers,
+            logger.info("parameter server listening on %s (%s, %s, %d workers%s)", connect_address(config.system.server_address, port),
+                        config.system.transport, config.system.aggregation_mode, config.system.num_workers,
                         f", resumed at version {server.state.version}" if resume else "")
             if on_listening is not None:
                 on_listening(port)

@@ -22,6 +22,9 @@ and :mod:`src.worker` contain only their algorithms:
   so ``bytes_sent`` / ``bytes_received`` are the lengths of the exact serialized messages that went
   through gRPC, and retries a call that failed in transport with the same request (a push keeps its
   request id, which the server applies at most once).
+* **Choosing a transport.** :func:`make_client` returns this client or the TCP transport's
+  (:mod:`src.tcp_transport`, same interface) for ``system.transport``; the TLS files, token and
+  limits above mean the same on both.
 """
 
 from __future__ import annotations
@@ -131,27 +134,42 @@ def _read(path: str, what: str) -> bytes:
         raise SetupError(f"{what}: cannot read {path} ({exc.strerror})") from None
 
 
-def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None`` (plaintext).
+def server_tls_files(system: SystemConfig) -> tuple[bytes, bytes] | None:
+    """The server's PEM certificate and key when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None``.
 
     Raises:
-        ValueError: only one of the two is set, or a file cannot be read.
+        SetupError: only one of the two is set, or a file cannot be read.
     """
     if bool(system.tls_cert_file) != bool(system.tls_key_file):
         raise SetupError("system.tls_cert_file and system.tls_key_file: set both for TLS, or neither")
     if not system.tls_cert_file:
         return None
-    key = _read(system.tls_key_file, "system.tls_key_file")
-    cert = _read(system.tls_cert_file, "system.tls_cert_file")
+    return _read(system.tls_cert_file, "system.tls_cert_file"), _read(system.tls_key_file, "system.tls_key_file")
+
+
+def client_tls_roots(system: SystemConfig) -> bytes | None:
+    """The PEM a client verifies the server against: ``tls_ca_file``, else ``tls_cert_file``; ``None``: plaintext."""
+    roots_file = system.tls_ca_file or system.tls_cert_file
+    return _read(roots_file, "system.tls_ca_file") if roots_file else None
+
+
+def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None`` (plaintext).
+
+    Raises:
+        SetupError: only one of the two is set, or a file cannot be read.
+    """
+    files = server_tls_files(system)
+    if files is None:
+        return None
+    cert, key = files
     return grpc.ssl_server_credentials([(key, cert)])
 
 
 def channel_credentials(system: SystemConfig) -> grpc.ChannelCredentials | None:
     """TLS credentials verifying the server against ``tls_ca_file`` (else ``tls_cert_file``), or ``None``."""
-    roots_file = system.tls_ca_file or system.tls_cert_file
-    if not roots_file:
-        return None
-    return grpc.ssl_channel_credentials(root_certificates=_read(roots_file, "system.tls_ca_file"))
+    roots = client_tls_roots(system)
+    return grpc.ssl_channel_credentials(root_certificates=roots) if roots is not None else None
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -389,6 +407,10 @@ class ParameterServerClient:
         return self._call("Push", Outgoing(request, {"gradients": gradients, "buffers": buffers}),
                           wait_for_ready=wait_for_ready, timeout=timeout)
 
+    def push_bytes(self, data: bytes, *, timeout: float | None = None) -> Received:
+        """Send ``data`` as a Push message as it is, without a retry (tools and tests of the server's parser)."""
+        return self._call("Push", data, timeout=timeout, retry=False)
+
     def heartbeat(self, caller: pb.Caller, stats: pb.WorkerStats, timeout: float) -> pb.HeartbeatReply:
         """One heartbeat (no retry: the next one follows soon)."""
         return self._call("Heartbeat", pb.HeartbeatRequest(caller=caller, stats=stats), timeout=timeout, retry=False)
@@ -407,3 +429,26 @@ class ParameterServerClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+TRANSPORTS = ("grpc", "tcp")
+
+
+def make_client(address: str, *, transport: str = "grpc", **kwargs: Any):
+    """A client of the parameter server at ``address`` over ``transport`` (``system.transport``).
+
+    Both clients have the same calls, byte counters, uplink emulation and retries, and fail with a
+    :class:`grpc.RpcError` carrying the same status codes (:class:`ParameterServerClient` for gRPC,
+    :class:`src.tcp_transport.TCPParameterServerClient` for TCP). ``kwargs``: as the clients take
+    (``token``, ``system``, ``connect_timeout_s``, ``retries``, ``uplink``).
+
+    Raises:
+        SetupError: an unknown transport.
+    """
+    if transport == "tcp":
+        from src.tcp_transport import TCPParameterServerClient
+
+        return TCPParameterServerClient(address, **kwargs)
+    if transport == "grpc":
+        return ParameterServerClient(address, **kwargs)
+    raise SetupError(f"system.transport: must be one of {', '.join(TRANSPORTS)}, got {transport!r}")

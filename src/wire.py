@@ -10,9 +10,11 @@ fields back as zero-copy views of the received message. The result is exactly th
 format, so any protobuf parser reads it.
 
 Tensors travel as little-endian float32 bytes (:func:`tensor_view`, :func:`copy_bytes_into`),
-gradients as the compression library's payloads. Nothing here knows about gRPC or sockets: the gRPC
-service (:mod:`src.ps_transport`) and the virtual-time driver (:mod:`src.virtual_time`) move the same
-bytes, so their byte counts are the same.
+gradients as the compression library's payloads. :func:`encode` hands the same bytes back unjoined
+(:class:`Pieces`: the tensors' own memory, for a transport that sends a list of buffers). Nothing
+here knows about gRPC or sockets: the gRPC service (:mod:`src.ps_transport`), the TCP transport
+(:mod:`src.tcp_transport`) and the virtual-time driver (:mod:`src.virtual_time`) move the same
+message bytes, so their byte counts differ only by each transport's own framing.
 """
 
 from __future__ import annotations
@@ -97,21 +99,70 @@ class Outgoing:
     large: Mapping[str, Sequence[Any]] = field(default_factory=dict)
 
 
-def serialize(outgoing: "Outgoing | Any") -> bytes:
-    """Protobuf wire bytes of ``outgoing``: its message, then each large field's chunks, in one copy.
+COALESCE_BYTES = 16 << 10
+"""Pieces smaller than this are copied together into one (field tags, lengths, small tensors): a list of a
+few large views and few small pieces is what a gather write (``sendmsg``) and a TLS record layer handle well."""
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A message's wire bytes as buffers in order, not joined: views of tensors stay views.
+
+    What :func:`encode` returns, for a transport that writes a list of buffers (``socket.sendmsg``)
+    and so sends the tensors from their own memory. ``len()`` is the message's size in bytes, the
+    same as ``len(serialize(...))`` of the same message.
+    """
+
+    buffers: tuple[Any, ...]
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.buffers)
+
+
+def encode(outgoing: "Outgoing | Pieces | Any") -> Pieces:
+    """Protobuf wire bytes of ``outgoing`` as :class:`Pieces`: its message, then each large field's chunks,
+    with the chunks' memory referenced, not copied (small pieces are joined, see :data:`COALESCE_BYTES`).
 
     Protobuf parsers merge fields in any order, so this is exactly what the message with those
     fields set would parse back to.
     """
+    if isinstance(outgoing, Pieces):
+        return outgoing
+    if isinstance(outgoing, (bytes, bytearray, memoryview)):
+        return Pieces((outgoing,), memoryview(outgoing).nbytes)
     if not isinstance(outgoing, Outgoing):
-        return outgoing if isinstance(outgoing, bytes) else outgoing.SerializeToString()
-    pieces: list[Any] = [outgoing.message.SerializeToString()]
+        data = outgoing.SerializeToString()
+        return Pieces((data,), len(data))
+    pieces: list[Any] = []
+    small = bytearray(outgoing.message.SerializeToString())
     for name, chunks in outgoing.large.items():
         tag = _varint(field_number(type(outgoing.message), name) << 3 | 2)
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
-            pieces += [tag, _varint(len(view)), view]
-    return b"".join(pieces)
+            small += tag + _varint(len(view))
+            if len(view) < COALESCE_BYTES:
+                small += view
+                continue
+            pieces += [bytes(small), view]
+            small = bytearray()
+    if small or not pieces:
+        pieces.append(bytes(small))
+    return Pieces(tuple(pieces), sum(memoryview(piece).nbytes for piece in pieces))
+
+
+def serialize(outgoing: "Outgoing | Pieces | Any") -> bytes:
+    """Protobuf wire bytes of ``outgoing`` (see :func:`encode`) joined into one ``bytes``: one copy of each chunk."""
+    if isinstance(outgoing, bytes):
+        return outgoing
+    if isinstance(outgoing, Outgoing):
+        return bytes(encode(outgoing))
+    if isinstance(outgoing, Pieces):
+        return bytes(outgoing)
+    return outgoing.SerializeToString()
 
 
 @dataclass
