@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +40,14 @@ class Contribution:
     gradients: list[torch.Tensor]
     buffers: list[torch.Tensor] = field(default_factory=list)
     request_id: int = 0
+
+
+class Frozen(NamedTuple):
+    """One version's frozen copy (:meth:`ModelState.frozen`): a flat float32 buffer and the tensors in it."""
+
+    flat: torch.Tensor
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
 
 
 class ModelState:
@@ -69,7 +77,7 @@ class ModelState:
         self._sent = [torch.empty_like(p) for p in self.params] if self.lookahead else self.params
         self._revision = 0  # changes whenever what is sent changes
         self._sent_revision = -1
-        self._frozen: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._frozen = Frozen(torch.empty(0), [], [])
         self._frozen_revision = -1
 
     def sent(self) -> list[torch.Tensor]:
@@ -82,14 +90,19 @@ class ModelState:
             self._sent_revision = self._revision
         return self._sent
 
-    def frozen(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A copy of what workers are sent and of the buffers, made once per change and never written.
+    def frozen(self) -> "Frozen":
+        """A float32 copy of what workers are sent and of the buffers, made once per change and never written.
 
         Replies can go on being sent from it while the next step updates the model in place; every
-        reply of one version shares it (a reply that joins its bytes under the lock needs none).
+        reply of one version shares it (a reply that joins its bytes under the lock needs none). One
+        flat buffer, filled by one copy kernel: the tensors are views of it, in order.
         """
         if self._frozen_revision != self._revision:
-            self._frozen = ([t.detach().clone() for t in self.sent()], [b.detach().clone() for b in self.buffers])
+            sources = [t.detach().reshape(-1).to(torch.float32) for t in self.sent() + self.buffers]
+            flat = torch.cat(sources) if sources else torch.empty(0)
+            views = list(flat.split([t.numel() for t in sources]))
+            count = len(self.params)
+            self._frozen = Frozen(flat, views[:count], views[count:])
             self._frozen_revision = self._revision
         return self._frozen
 

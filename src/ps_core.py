@@ -375,7 +375,7 @@ class ServerCore:
                 if header.shape != shape:
                     raise ValueError(f"shape {list(header.shape)}, expected {list(shape)}")
                 # copy=False: identity gradients stay read-only views of the message (nothing writes them)
-                gradients.append(decompress(payload, copy=False))  # refuses malformed buffers and NaN/Inf
+                gradients.append(decompress(payload, copy=False, header=header))  # refuses malformed buffers and NaN/Inf
             except ValueError as exc:
                 raise PushRefused("INVALID_ARGUMENT", f"gradient {index} ({spec.name}): {exc}") from None
         buffers = []
@@ -706,10 +706,14 @@ class ServerCore:
         return encode(outgoing) if self.reply_views else serialize(outgoing)
 
     def _frozen_views(self) -> tuple[list[memoryview], list[memoryview]]:
-        params, buffers = self.state.frozen()
-        if self._frozen_source is not params:  # a new version's copy: its byte views, once
-            self._frozen_source = params
-            self._frozen_byte_views = ([tensor_view(p) for p in params], [tensor_view(b) for b in buffers])
+        frozen = self.state.frozen()
+        if self._frozen_source is not frozen.flat:  # a new version's copy: its byte views, once
+            self._frozen_source = frozen.flat
+            view, offset, views = tensor_view(frozen.flat), 0, []
+            for tensor in frozen.params + frozen.buffers:
+                views.append(view[offset:offset + 4 * tensor.numel()])
+                offset += 4 * tensor.numel()
+            self._frozen_byte_views = (views[:len(frozen.params)], views[len(frozen.params):])
         return self._frozen_byte_views
 
     # ------------------------------------------------------------------------- evaluation, checkpoints

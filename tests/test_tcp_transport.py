@@ -169,3 +169,27 @@ def test_a_grpc_client_at_a_tcp_server_is_told_in_one_line(served):
         header, body = read_frame(sock)
     assert STATUS_BY_NUMBER[header.status] == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a frame of this protocol" in body.decode() and "system.transport" in body.decode()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_server_is_rejoined_over_tcp(tmp_path):
+    """Real processes over TCP: the server SIGKILLs itself at version 10; the launcher restarts it from its
+    version-9 checkpoint on the same port, the workers' connections are dead, they reconnect, register
+    again and finish the run with every sample applied once (the lost version's redone)."""
+    from src.coordinator import check_coverage
+    from src.metrics import read_events
+    from src.ps_launcher import run_local
+
+    config = ps_config(tmp_path, system__transport="tcp", system__num_workers=2, system__aggregation_mode="sync",
+                       training__max_train_samples=512, training__checkpoint_interval=3,
+                       system__inject_faults=["kill:server@version=10"], system__heartbeat_interval=0.5,
+                       system__heartbeat_timeout=5.0)
+    summary = run_local(config)
+    events = list(read_events(tmp_path / "run" / "logs" / "server" / "events.jsonl"))
+    recovered = [i for i, e in enumerate(events) if e["kind"] == "server_recovered"]
+    assert len(recovered) == 1 and events[recovered[0]]["version"] == 9 and events[recovered[0]]["versions_lost"] == 1
+    assert {e["worker"] for e in events[recovered[0]:] if e["kind"] == "register"} == {0, 1}  # with the new server
+    coverage = check_coverage(events, 512, 1)
+    assert coverage["ok"] and coverage["voided"] == 1, coverage
+    assert summary["samples_processed"] == 512 and summary["faults"]["server_recoveries"] == 1
