@@ -266,7 +266,8 @@ def _pusher(client, registration):
     caller = pb.Caller(worker_id=registration.worker_id, session=registration.session)
     gradients = [IDENTITY.compress(torch.full(tuple(spec.shape), 1e-6)) for spec in registration.parameter_specs]
     buffers = [tensor_view(torch.zeros(tuple(spec.shape))) for spec in registration.buffer_specs]
-    state = {"reply": client.pull(caller).message, "request_id": 0}
+    # a random start, as the library's client does: a new process's ids must not collide with an earlier one's
+    state = {"reply": client.pull(caller).message, "request_id": secrets.randbits(40)}
 
     def step() -> None:
         state["request_id"] += 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -40,14 +40,6 @@ class Contribution:
     gradients: list[torch.Tensor]
     buffers: list[torch.Tensor] = field(default_factory=list)
     request_id: int = 0
-
-
-class Frozen(NamedTuple):
-    """One version's frozen copy (:meth:`ModelState.frozen`): a flat float32 buffer and the tensors in it."""
-
-    flat: torch.Tensor
-    params: list[torch.Tensor]
-    buffers: list[torch.Tensor]
 
 
 class ModelState:
@@ -77,8 +69,8 @@ class ModelState:
         self._sent = [torch.empty_like(p) for p in self.params] if self.lookahead else self.params
         self._revision = 0  # changes whenever what is sent changes
         self._sent_revision = -1
-        self._frozen = Frozen(torch.empty(0), [], [])
-        self._frozen_revision = -1
+        self.before_change: Callable[[], None] | None = None
+        """Called before the sent tensors or buffers change in place (a transport sending from them copies them)."""
 
     def sent(self) -> list[torch.Tensor]:
         """What workers are sent: the parameters, or the lookahead point (updated once per change).
@@ -90,31 +82,19 @@ class ModelState:
             self._sent_revision = self._revision
         return self._sent
 
-    def frozen(self) -> "Frozen":
-        """A float32 copy of what workers are sent and of the buffers, made once per change and never written.
-
-        Replies can go on being sent from it while the next step updates the model in place; every
-        reply of one version shares it (a reply that joins its bytes under the lock needs none). One
-        flat buffer, filled by one copy kernel: the tensors are views of it, in order.
-        """
-        if self._frozen_revision != self._revision:
-            sources = [t.detach().reshape(-1).to(torch.float32) for t in self.sent() + self.buffers]
-            flat = torch.cat(sources) if sources else torch.empty(0)
-            views = list(flat.split([t.numel() for t in sources]))
-            count = len(self.params)
-            self._frozen = Frozen(flat, views[:count], views[count:])
-            self._frozen_revision = self._revision
-        return self._frozen
-
     def forget_worker(self, worker: int) -> None:
         """``worker`` left (finished or failed): its pending momentum no longer counts in the lookahead."""
         if self.lookahead is not None:
+            if self.before_change is not None:
+                self.before_change()  # the lookahead point, which workers are sent, moves
             self.lookahead.forget_worker(worker)
             self._revision += 1
 
     def step(self, gradients: list[torch.Tensor], buffers: list[torch.Tensor], weight: float = 1.0, *,
              worker: int = 0) -> None:
         """One optimizer step with ``weight * gradients`` (a push of ``worker``) and the new buffer values; version + 1."""
+        if self.before_change is not None:
+            self.before_change()
         if weight != 1.0:  # out of place: the gradients may be read-only views of a message
             gradients = [g * weight for g in gradients]
         for param, gradient in zip(self.params, gradients):

@@ -47,6 +47,7 @@ import math
 import threading
 from collections import Counter
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,7 +73,7 @@ from src.served_model import layout_mismatch, model_from_layout
 from src.staleness import StalenessPolicy, server_optimizer
 from src.trackers import open_trackers
 from src.trainer import evaluate
-from src.wire import Outgoing, Pieces, Received, check_float32_bytes, encode, serialize, split, tensor_view
+from src.wire import Outgoing, Pieces, Received, SharedBuffers, check_float32_bytes, encode, serialize, split, tensor_view
 from src.work_source import WorkRefused, WorkSource
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,14 @@ def _spec(name: str, tensor: torch.Tensor) -> pb.TensorSpec:
     return pb.TensorSpec(name=name, shape=list(tensor.shape))
 
 
+@dataclass
+class _StoredReply:
+    """A push's reply kept for retries when replies are views (``reply_views``): its pieces and its message."""
+
+    pieces: Pieces
+    message: Any
+
+
 class InlineExecutor(Executor):
     """Runs each submitted task at once, in the caller (a simulation's evaluations: no background thread)."""
 
@@ -144,9 +153,11 @@ class ServerCore:
         fire_fault: what a due server fault does (default: signal this process).
         clock: where time comes from (:mod:`src.clock`).
         background: runs evaluations (default: inline; a real server passes a one-thread pool).
-        reply_views: Pull and Push replies are :class:`~src.wire.Pieces` over a copy of the parameters made
-            once per version (:meth:`ModelState.frozen <src.aggregation.ModelState.frozen>`), for a transport
-            that sends them outside the lock without joining them; default: ``bytes`` joined under the lock.
+        reply_views: Pull and Push replies are :class:`~src.wire.Pieces` over the tensors themselves
+            (:class:`~src.wire.SharedBuffers`: copied only if the model changes while a reply is still being
+            sent), for a transport that sends them outside the lock without joining them; each comes with a
+            lease the sender gives back (:meth:`Pieces.release <src.wire.Pieces.release>`). Default: ``bytes``
+            joined under the lock.
     """
 
     def __init__(
@@ -243,8 +254,9 @@ class ServerCore:
         # Byte views of what workers are sent, made once: the tensors are updated in place.
         self._param_views = [tensor_view(p) for p in self.state.sent()]
         self._buffer_views = [tensor_view(b) for b in self.state.buffers]
-        self._frozen_source: list[torch.Tensor] | None = None
-        self._frozen_byte_views: tuple[list[memoryview], list[memoryview]] = ([], [])
+        self._shared: SharedBuffers | None = None  # reply_views: the current version's tensors, once a reply used them
+        if self.reply_views:
+            self.state.before_change = self._release_shared
         if not self.serving:
             model_bytes = 4 * sum(p.numel() for p in self.state.params + self.state.buffers)
             # A push is at most ~2x the model (top-k at ratio 1 sends value + index per entry).
@@ -344,6 +356,8 @@ class ServerCore:
         if remembered is RequestLog.SUPERSEDED:
             raise PushRefused("FAILED_PRECONDITION", f"push {request_id} of worker {worker_id} was handled already "
                                                      f"and is not its newest push (request ids are unique per push)")
+        if isinstance(remembered, _StoredReply):
+            return self._stored_reply(member, remembered)  # a retry of a handled push: answer again, apply nothing
         if remembered is not None:
             return remembered  # IN_PROGRESS, or a retry of a handled push: answer again, apply nothing
         try:
@@ -407,7 +421,8 @@ class ServerCore:
         verdict.version = self.state.version
         verdict.control.CopyFrom(self.control)
         reply = self._reply_bytes(verdict, member.worker_id)
-        self.requests.finish(member.worker_id, request_id, reply, applied=verdict.accepted)
+        stored = _StoredReply(reply, verdict) if self.reply_views else reply  # views: rebuilt if the model moved on
+        self.requests.finish(member.worker_id, request_id, stored, applied=verdict.accepted)
         self.lock.notify_all()
         return reply
 
@@ -694,27 +709,47 @@ class ServerCore:
 
     def _reply_bytes(self, message, worker: int) -> bytes | Pieces:
         """``message`` with the current parameters (dense, or a delta for ``worker``) and buffers, serialized
-        (``reply_views``: as pieces over this version's frozen copy, which later steps do not write)."""
+        (``reply_views``: as pieces over the tensors themselves, with a lease the sender gives back)."""
         self.state.sent()  # the lookahead point of this version, when workers are sent one
         downlink = self.downlink.encode(worker, self.state.version)
         if self.reply_views:
-            params, buffers = self._frozen_views()
+            shared = self._shared_views()
+            params = [shared.ref(i) for i in range(len(self._param_views))]
+            buffers = [shared.ref(len(params) + i) for i in range(len(self._buffer_views))]
         else:
             params, buffers = self._param_views, self._buffer_views
         tensors = {"parameters": params} if downlink.dense else {"parameter_deltas": downlink.payloads}
         outgoing = Outgoing(message, {**tensors, "buffers": buffers})
-        return encode(outgoing) if self.reply_views else serialize(outgoing)
+        if not self.reply_views:
+            return serialize(outgoing)
+        shared.acquire()  # valid: it is the current version's (the lock is held)
+        return encode(outgoing)
 
-    def _frozen_views(self) -> tuple[list[memoryview], list[memoryview]]:
-        frozen = self.state.frozen()
-        if self._frozen_source is not frozen.flat:  # a new version's copy: its byte views, once
-            self._frozen_source = frozen.flat
-            view, offset, views = tensor_view(frozen.flat), 0, []
-            for tensor in frozen.params + frozen.buffers:
-                views.append(view[offset:offset + 4 * tensor.numel()])
-                offset += 4 * tensor.numel()
-            self._frozen_byte_views = (views[:len(frozen.params)], views[len(frozen.params):])
-        return self._frozen_byte_views
+    def _shared_views(self) -> SharedBuffers:
+        """The current version's tensors as :class:`~src.wire.SharedBuffers` (made at its first reply)."""
+        if self._shared is None:
+            self._shared = SharedBuffers(self._param_views + self._buffer_views)
+        return self._shared
+
+    def _release_shared(self) -> None:
+        """The model is about to change: replies still being sent from it get a copy, the rest drop it."""
+        if self._shared is not None:
+            self._shared.before_write()
+            self._shared = None
+
+    def _stored_reply(self, member: Member, remembered: "_StoredReply") -> Pieces:
+        """A retried push's reply again (with a lease); rebuilt with this version's parameters, dense, when the
+        model changed since and no send kept the first one's bytes."""
+        reply = remembered.pieces
+        if reply.shared is None or reply.shared.acquire():
+            return reply
+        message = type(remembered.message)()
+        message.CopyFrom(remembered.message)
+        message.version = self.state.version  # the verdict and the work as answered; the parameters of now
+        self.downlink.forget(member.worker_id)  # dense: what the worker holds is unknown
+        rebuilt = self._reply_bytes(message, member.worker_id)
+        remembered.pieces = rebuilt
+        return rebuilt
 
     # ------------------------------------------------------------------------- evaluation, checkpoints
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import os
+import select
 import socket
 import ssl
 import struct
@@ -177,20 +178,97 @@ def receive_body(sock: socket.socket, length: int) -> memoryview:
 
 
 def send_frame(sock: socket.socket, header: bytes, pieces: Sequence[Any]) -> None:
-    """Write ``header`` then ``pieces`` (buffers, sent from their own memory) as one frame."""
-    views = [memoryview(header)] + [memoryview(piece).cast("B") for piece in pieces if memoryview(piece).nbytes]
+    """Write ``header`` then ``pieces`` (buffers, sent from their own memory) as one frame.
+
+    Pieces that are :class:`~src.wire.SharedRef` (the parameters of a version, which the server may
+    change while they are on the wire) are read with their :class:`~src.wire.SharedBuffers`' lock held,
+    one non-blocking write at a time: the lock is never held while waiting for the peer.
+    """
+    items = [memoryview(header)] + [piece if _is_shared(piece) else memoryview(piece).cast("B") for piece in pieces]
+    items = [item for item in items if item.nbytes]
+    shared = next((item.shared for item in items if _is_shared(item)), None)
+    if shared is not None:
+        _send_shared(sock, items, shared)
+        return
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS: the record layer copies each piece anyway
-        for view in views:
+        for view in items:
             sock.sendall(view)
         return
     first = 0
-    while first < len(views):
-        sent = sock.sendmsg(views[first:first + MAX_IOV])
-        while first < len(views) and sent >= views[first].nbytes:  # drop what went out whole
-            sent -= views[first].nbytes
-            first += 1
-        if sent:
-            views[first] = views[first][sent:]
+    while first < len(items):
+        sent = sock.sendmsg(items[first:first + MAX_IOV])
+        first = _advance(items, first, sent)
+
+
+TLS_CHUNK_BYTES = 1 << 20
+"""Over TLS a shared piece is copied out a chunk at a time under its lock and written outside it."""
+
+
+def _is_shared(item) -> bool:
+    return hasattr(item, "shared") and hasattr(item, "index")  # a src.wire.SharedRef (this module imports no torch)
+
+
+def _advance(items: list, first: int, sent: int) -> int:
+    """Drop what went out whole from ``items[first:]``, trim the partly sent one; returns the new first index."""
+    while first < len(items) and sent >= items[first].nbytes:
+        sent -= items[first].nbytes
+        first += 1
+    if sent:
+        item = items[first]
+        if isinstance(item, _Rest):
+            items[first] = _Rest(item.piece, item.skip + sent)
+        elif _is_shared(item):
+            items[first] = _Rest(item, sent)
+        else:
+            items[first] = item[sent:]
+    return first
+
+
+@dataclass(frozen=True)
+class _Rest:
+    """What is left of a shared piece after ``skip`` of its bytes went out."""
+
+    piece: Any
+    skip: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.piece.nbytes - self.skip
+
+
+def _resolve(item) -> memoryview:
+    """The bytes of a piece (a shared one's now: the caller holds its lock)."""
+    if isinstance(item, _Rest):
+        return item.piece.shared.view(item.piece.index)[item.skip:]
+    return item.shared.view(item.index) if _is_shared(item) else item
+
+
+def _send_shared(sock: socket.socket, items: list, shared) -> None:
+    timeout = sock.gettimeout()
+    tls = isinstance(sock, ssl.SSLSocket)
+    first = 0
+    if not tls:
+        sock.settimeout(0.0)  # writes below never block (the lock is held); waiting is done outside it
+    try:
+        while first < len(items):
+            if tls:
+                with shared.lock:  # copy one chunk out, write it outside the lock
+                    chunk = bytes(_resolve(items[first])[:TLS_CHUNK_BYTES])
+                sock.sendall(chunk)
+                first = _advance(items, first, len(chunk))
+                continue
+            _, writable, _ = select.select([], [sock], [], timeout)
+            if not writable:
+                raise socket.timeout("the peer read nothing within the timeout")
+            with shared.lock:
+                try:
+                    sent = sock.sendmsg([_resolve(item) for item in items[first:first + MAX_IOV]])
+                except BlockingIOError:
+                    sent = 0
+            first = _advance(items, first, sent)
+    finally:
+        if not tls:
+            sock.settimeout(timeout)
 
 
 def send_error(sock: socket.socket, method: Method, call: int, status: grpc.StatusCode, details: str, *,

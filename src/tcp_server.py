@@ -18,8 +18,9 @@ decide differently. What it adds is what a socket server must do itself:
 * **TLS** with ``ssl`` and the config's ``tls_cert_file`` / ``tls_key_file`` (the gRPC transport's files).
 * **Deadlines and cancellation**: a call waiting for work stops (``CANCELLED``) when its caller's
   deadline, sent in the frame, has passed or the caller closed the connection.
-* **Replies** are the core's :class:`~src.wire.Pieces` (views of the version's frozen parameters)
-  and go out in one gather write, outside the lock.
+* **Replies** are the core's :class:`~src.wire.Pieces`: the parameters' own memory
+  (:class:`~src.wire.SharedBuffers`, copied only if the next step comes while a reply is still on the
+  wire), written outside the core's lock in gather writes.
 * **Limits on connections**: at most ``max_connections`` at a time; one more is answered
   ``RESOURCE_EXHAUSTED`` and closed.
 """
@@ -281,7 +282,10 @@ class TCPServer:
                        f"the server failed handling {method.name}: {type(exc).__name__}: {exc}".splitlines()[0])
             return
         pieces = encode(reply)
-        send_frame(sock, pack_header(Kind.REPLY, method, len(pieces), call=header.call), pieces.buffers)
+        try:
+            send_frame(sock, pack_header(Kind.REPLY, method, len(pieces), call=header.call), pieces.buffers)
+        finally:
+            pieces.release()  # the lease on the version's tensors the reply was sent from
 
     def _dispatch(self, method: Method, body, call: _TCPCall) -> Any:
         driver = self.driver

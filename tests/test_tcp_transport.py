@@ -8,6 +8,7 @@ large-batch SGD in tests/test_ps_equivalence.py.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -193,3 +194,58 @@ def test_a_killed_server_is_rejoined_over_tcp(tmp_path):
     coverage = check_coverage(events, 512, 1)
     assert coverage["ok"] and coverage["voided"] == 1, coverage
     assert summary["samples_processed"] == 512 and summary["faults"]["server_recoveries"] == 1
+
+
+def test_replies_are_sent_from_the_parameters_and_a_late_retry_gets_the_current_ones(tmp_path):
+    """Replies over TCP are the parameters' own memory, not copies; a retried push whose first reply was
+    overtaken by another worker's step is answered with the same verdict and work and the current parameters."""
+    from tests.ps_fixtures import identity_gradients
+
+    served = ServedServer(ps_config(tmp_path, system__transport="tcp", system__num_workers=2,
+                                    system__async_correction="none", training__max_train_samples=128), evaluate=False)
+    first, second = served.worker(0), served.worker(1)
+    try:
+        request = first.request(request_id=5, gradients=identity_gradients(served.server, value=1.0))
+        reply = first.push(request)
+        assert not served.server.core._shared.copied  # nothing changed while it was sent: no copy was made
+        second.push()  # the model moves on; nobody is sending version 1 any more
+        retry = first.client.push(request)
+        assert retry.message.version == 2 and retry.message.work == reply.message.work
+        assert retry.message.accepted and served.server.counters["pushes_applied"] == 2  # applied once
+        for sent, param in zip(retry.large["parameters"], served.server.state.params):
+            assert bytes(sent) == param.detach().numpy().tobytes()
+    finally:
+        first.close()
+        second.close()
+        served.close()
+
+
+def test_a_reply_on_the_wire_while_the_model_changes_keeps_its_version():
+    """The sender writes a shared piece a non-blocking chunk at a time: a step that comes while the receiver
+    has read nothing yet swaps in a copy, and the receiver still gets the bytes of the version sent."""
+    import numpy as np
+    import torch
+
+    from src.tcp_frames import send_frame
+    from src.wire import Outgoing, SharedBuffers, encode, split, tensor_view
+
+    tensor = torch.randn(4 << 20)  # 16 MB: more than the socket buffers hold
+    expected = tensor.numpy().tobytes()
+    shared = SharedBuffers([tensor_view(tensor)])
+    reply = encode(Outgoing(pb.PullReply(version=3), {"parameters": [shared.ref(0)]}))
+    assert shared.acquire()
+    writer, reader = socket.socketpair()
+    sending = threading.Thread(target=send_frame, args=(writer, pack_header(Kind.REPLY, Method.PULL, len(reply)), reply.buffers))
+    sending.start()
+    wait_for(lambda: select.select([reader], [], [], 0)[0], 10, "the send to start")
+    assert sending.is_alive()  # 16 MB do not fit in the socket's buffers: the rest waits for the reader
+    shared.before_write()  # the next step, while the reply is on the wire
+    tensor.add_(1.0)
+    header, body = read_frame(reader)
+    sending.join(10)
+    shared.release()
+    writer.close()
+    reader.close()
+    assert shared.copied and header.length == len(reply)
+    assert bytes(split(body, pb.PullReply, ("parameters",)).large["parameters"][0]) == expected
+    assert not np.array_equal(np.frombuffer(expected, dtype=np.float32), tensor.numpy())
