@@ -547,6 +547,22 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     return _run(state, exchange)
 
 
+def _compensate_into(ef: ErrorFeedback, segment: _Segment, grads: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """``grad + residual`` of each piece into its place in ``flat`` (the same sums as ``ef.compensate``);
+    returns the pieces' views of ``flat`` (each piece's compensated gradient, for ``ef.update``)."""
+    views, start = [], 0
+    for piece, grad in zip(segment.pieces, grads):
+        out = flat[start : start + piece.numel]
+        residual = ef.residual(piece.name)
+        if residual is None:
+            out.copy_(grad)
+        else:
+            torch.add(grad, residual.reshape(-1).to(grad.device), out=out)
+        views.append(out)
+        start += piece.numel
+    return views
+
+
 def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segments: list[_Segment], step: int,
                          world: int) -> torch.Tensor:
     rank = dist.get_rank(state.group)
@@ -555,9 +571,9 @@ def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segm
     payloads = []
     for segment in segments:
         parts = [buffer[piece.offset : piece.offset + piece.numel] for piece in segment.pieces]
-        if ef is not None:  # grad + residual, a new tensor per parameter (the residual keeps its shape)
-            parts = [ef.compensate(piece.name, part.view(piece.shape)).view(-1) for piece, part in zip(segment.pieces, parts)]
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if ef is not None:  # grad + residual, written side by side into one new tensor: no per-parameter copies
+            flat = torch.empty(segment.numel, dtype=torch.float32, device=buffer.device)
+            parts = _compensate_into(ef, segment, parts, flat)
         elif segment.start is not None:
             flat = buffer[segment.start : segment.start + segment.numel]
         else:
@@ -580,6 +596,8 @@ def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segm
 
     data = memoryview(gathered.cpu().numpy())
     totals: list[torch.Tensor | None] = [None] * len(segments)
+    # A segment lying side by side in the bucket is summed straight into it (no temporary, no copy back).
+    into = [buffer[s.start : s.start + s.numel] if s.start is not None else None for s in segments]
     for source in range(world):  # fixed rank order: every replica sums identically
         position = source * local.numel()
         for index, (segment, length) in enumerate(zip(segments, lengths)):
@@ -592,12 +610,13 @@ def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segm
                     ef.update(piece.name, part.view(piece.shape), sent.view(piece.shape))
                     ef.commit(piece.name)  # DDP never rejects a send: no rollback copy needed
                     start += piece.numel
-            totals[index] = dense if totals[index] is None else totals[index].add_(dense)
+            if totals[index] is not None:
+                totals[index].add_(dense)
+            else:
+                totals[index] = into[index].copy_(dense) if into[index] is not None else dense
     for segment, total in zip(segments, totals):
         total.div_(world)
-        if segment.start is not None:
-            buffer[segment.start : segment.start + segment.numel].copy_(total)
-        else:
+        if segment.start is None:
             start = 0
             for piece in segment.pieces:
                 buffer[piece.offset : piece.offset + piece.numel].copy_(total[start : start + piece.numel])
