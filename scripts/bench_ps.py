@@ -28,7 +28,7 @@ optimizer), one worker, so each push is decoded, checked and applied before the 
 Median of ``--repeats`` after one warm-up; the PS step and the echoes alternate, so a slow spell of a
 shared machine slows all of them rather than one.
 
-``ceiling``: pushes/s and GB/s into one server from 4, 8 and 16 light clients (threads of one
+``ceiling``: pushes/s and GB/s into one server from 1, 4, 8 and 16 light clients (threads of one
 client process, no compute: a push, its reply, the next push) per transport, on a ~4 MB model in
 async mode; ``saturated_at_clients`` is the fewest clients reaching 90% of the best rate, and
 ``serial_ms_per_push`` the time each push holds the core's lock (its bound: 1000 / that pushes/s).
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", nargs="+", choices=("grpc", "tcp"), default=["grpc", "tcp"])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 45], help="model sizes (>= 40 means resnet18)")
     parser.add_argument("--repeats", type=int, default=20, help="timed round trips per size (median reported)")
-    parser.add_argument("--ceiling-clients", type=int, nargs="+", default=[4, 8, 16], help="light clients per ceiling run")
+    parser.add_argument("--ceiling-clients", type=int, nargs="+", default=[1, 4, 8, 16], help="light clients per ceiling run")
     parser.add_argument("--ceiling-seconds", type=float, default=4.0, help="seconds each ceiling run pushes")
     parser.add_argument("--skip-round-trips", action="store_true")
     parser.add_argument("--skip-ceiling", action="store_true")

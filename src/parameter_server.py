@@ -11,7 +11,9 @@ every transport (``system.transport``):
   class's ``Register``/``Push``/... methods) and binary frames over TCP (:mod:`src.tcp_server`);
 * the waits: a Pull or Push whose work is not there yet (the sync barrier, or nothing unassigned)
   waits on the core's lock, waking every :data:`WAIT_POLL_S` to notice a call whose client went away;
-* push decoding outside the lock, so pushes of different workers decode in parallel;
+* push decoding outside the lock, so pushes of different workers decode in parallel, and replies
+  built as views of the parameters (:class:`~src.wire.SharedBuffers`) that are joined (gRPC) or
+  written to the socket (TCP) outside it;
 * the heartbeat monitor thread (failure detection lands within ``heartbeat_timeout`` + :data:`MONITOR_PERIOD_S`);
 * evaluations on a background thread, off the critical path of the pushes;
 * emulated downlinks (:mod:`src.netem`, the config's ``emulation`` section): a Pull or Push reply to
@@ -42,7 +44,7 @@ from src.coordinator import WorkPlan
 from src.data import load_dataset
 from src.ps_core import PushRefused, Refused, RunFailed, ServerCore, compression_label  # noqa: F401  (re-exported)
 from src.ps_transport import require_auth_token, split, start_grpc_server
-from src.wire import Pieces
+from src.wire import Pieces, serialize
 from src.staleness import StalenessPolicy
 from src.trainer import model_from_config
 from src.work_source import PlannedWork, WorkSource
@@ -81,6 +83,14 @@ class _GrpcCall:
 
     def is_active(self) -> bool:
         return self.context.is_active()
+
+
+def _joined(reply: Pieces) -> bytes:
+    """gRPC sends ``bytes``: the reply's pieces joined (one copy, outside the core's lock), its lease given back."""
+    try:
+        return serialize(reply)
+    finally:
+        reply.release()
 
 
 def planned_work(config: Config, num_train_samples: int | None = None) -> PlannedWork:
@@ -152,7 +162,7 @@ class ParameterServer:
             model_label=model_label, data_label=data_label, test_set=test_set_for(config) if evaluate else None,
             staleness_policy=staleness_policy, tensorboard=tensorboard, resume=resume, faults=faults,
             background=ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background"),
-            reply_views=self.transport == "tcp",  # frames are sent from the tensors' memory, outside the lock
+            reply_views=True,  # replies are built from the tensors' memory and joined or sent outside the lock
         )
         if max_message_bytes is not None and self.core.state is None:
             self.core.max_message_bytes = max_message_bytes
@@ -298,11 +308,11 @@ class ParameterServer:
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
         with refusals(context):
-            return self.handle_pull(request, _GrpcCall(context))
+            return _joined(self.handle_pull(request, _GrpcCall(context)))
 
     def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
         with refusals(context):
-            return self.handle_push(data, _GrpcCall(context))
+            return _joined(self.handle_push(data, _GrpcCall(context)))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         with refusals(context):
