@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK_ARGS = {
     "bench_baseline": ["--repeats", "1", "--epochs", "1"],
     "bench_compression": ["--sizes", "1000000", "--repeats", "3"],
-    "bench_ps": ["--sizes-mb", "1", "4", "--repeats", "5", "--ceiling-clients", "4", "--ceiling-seconds", "2"],
+    "bench_ps": ["--sizes-mb", "1", "4", "--repeats", "5", "--ceiling-clients", "4", "--ceiling-seconds", "2", "--num-epochs", "1", "--training-repeats", "1"],
     "bench_ddp": ["--repeats", "1", "--hook-repeats", "1", "--epochs", "1",
                   "--cases", "allreduce", "ring", "topk", "powersgd_rank2", "topk_matched"],
 }

@@ -1,6 +1,6 @@
 """Benchmark the parameter server at the wire's limit, per transport; prints one JSON object last.
 
-    python scripts/bench_ps.py --output bench_ps.json      # all of it (~4 min on 2 cores)
+    python scripts/bench_ps.py --output bench_ps.json      # all of it (~12 min on 2 cores)
     python scripts/bench_ps.py --skip-training --skip-ceiling  # only the round trips
     python scripts/bench_ps.py --sizes-mb 1 4 --repeats 20 --transports tcp
 
@@ -35,8 +35,8 @@ async mode; ``saturated_at_clients`` is the fewest clients reaching 90% of the b
 
 ``training``: samples/s of a 2-worker sync PS run per transport (processes, as
 ``run_parameter_server_training.py`` starts them), a 2-worker async run over TCP and 2-rank DDP, on
-the same data (mnist_5k, batch 64 per worker/rank, simple_cnn, CPU) in the same run; target PS (TCP)
-sync >= 0.9 of DDP.
+the same data (mnist_5k, batch 64 per worker/rank, simple_cnn, CPU, 2 epochs) in the same run, each
+``--training-repeats`` times in turns (medians); target PS (TCP) sync >= 0.9 of DDP.
 """
 
 from __future__ import annotations
@@ -450,40 +450,50 @@ def bench_ceiling(transport: str, clients: list[int], seconds: float) -> dict:
 # ----------------------------------------------------------------------------- training against DDP
 
 
-def bench_training(num_epochs: int, batch_size: int, transports: list[str]) -> dict:
+def bench_training(num_epochs: int, batch_size: int, transports: list[str], repeats: int) -> dict:
+    """Each run ``repeats`` times, in turns (the order flips every repeat); samples/s are medians."""
     from src.config import load_config
     from src.ddp_launcher import run_local as run_ddp
     from src.ps_launcher import run_local
     from src.supervisor import stdout_to_stderr
 
-    results = {}
+    common = {"training.dataset": "mnist_5k", "training.num_epochs": num_epochs, "training.batch_size": batch_size,
+              "training.checkpoint_interval": 10**6, "system.num_workers": 2}
+    runs = {f"ps_sync_2_workers{'' if t == 'tcp' else '_' + t}": ("sync", t) for t in transports}
+    runs["ps_async_2_workers"] = ("async", transports[-1])
+    runs["ddp_2_ranks"] = ("ddp", None)
+    measured: dict[str, list[dict]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
-        common = {"training.dataset": "mnist_5k", "training.num_epochs": num_epochs, "training.batch_size": batch_size,
-                  "training.checkpoint_interval": 10**6, "system.num_workers": 2}
-        runs = [(f"ps_sync_2_workers{'' if t == 'tcp' else '_' + t}", "sync", t) for t in transports]
-        runs.append(("ps_async_2_workers", "async", transports[-1]))
-        for name, mode, transport in runs:
-            config = load_config(overrides={**common, "system.aggregation_mode": mode, "system.transport": transport,
-                                            "training.momentum": 0.9 if mode == "sync" else 0.5,
-                                            "system.log_dir": f"{tmp}/{name}/logs", "system.checkpoint_dir": f"{tmp}/{name}/ckpt"})
-            summary = run_local(config)
-            results[name] = {"transport": transport, "samples_per_s": round(summary["throughput_samples_per_s"], 1),
-                             "final_accuracy": summary["final_accuracy"],
-                             "communication_time_s": round(summary["communication_time_s"], 2),
-                             "gradient_time_s": round(summary["gradient_time_s"], 2)}
-            log(f"training {name}: {results[name]['samples_per_s']} samples/s")
-        summary = run_ddp(load_config(overrides={**common, "system.architecture": "ddp", "training.momentum": 0.9,
-                                                 "system.log_dir": f"{tmp}/ddp/logs", "system.checkpoint_dir": f"{tmp}/ddp/ckpt"}))
-        results["ddp_2_ranks"] = {"samples_per_s": round(summary["throughput_samples_per_s"], 1),
-                                  "final_accuracy": summary["final_accuracy"]}
-        log(f"training ddp_2_ranks: {results['ddp_2_ranks']['samples_per_s']} samples/s")
+        for repeat in range(repeats):
+            for name in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
+                mode, transport = runs[name]
+                folders = {"system.log_dir": f"{tmp}/{name}_{repeat}/logs", "system.checkpoint_dir": f"{tmp}/{name}_{repeat}/ckpt"}
+                if mode == "ddp":
+                    summary = run_ddp(load_config(overrides={**common, **folders, "system.architecture": "ddp",
+                                                             "training.momentum": 0.9}))
+                else:
+                    summary = run_local(load_config(overrides={**common, **folders, "system.aggregation_mode": mode,
+                                                               "system.transport": transport,
+                                                               "training.momentum": 0.9 if mode == "sync" else 0.5}))
+                measured[name].append(summary)
+                log(f"training {name} (run {repeat + 1}): {summary['throughput_samples_per_s']:.1f} samples/s")
+    results = {}
+    for name, summaries in measured.items():
+        rates = [s["throughput_samples_per_s"] for s in summaries]
+        results[name] = {"samples_per_s": round(statistics.median(rates), 1), "runs": [round(r, 1) for r in rates],
+                         "final_accuracy": summaries[0]["final_accuracy"]}
+        if runs[name][1] is not None:
+            results[name].update(transport=runs[name][1],
+                                 communication_time_s=round(statistics.median(s["communication_time_s"] for s in summaries), 2),
+                                 gradient_time_s=round(statistics.median(s["gradient_time_s"] for s in summaries), 2))
     ddp = results["ddp_2_ranks"]["samples_per_s"]
     for name, run in results.items():
         if name.startswith("ps_"):
             run["ratio_to_ddp"] = round(run["samples_per_s"] / ddp, 3)
     if "ps_sync_2_workers" in results:
         results["ps_sync_2_workers"]["target_ratio_to_ddp"] = 0.9
-    results["setup"] = f"mnist_5k, {num_epochs} epoch(s), batch {batch_size} per worker/rank, simple_cnn, CPU, momentum 0.9 (sync, DDP)"
+    results["setup"] = (f"mnist_5k, {num_epochs} epoch(s), batch {batch_size} per worker/rank, simple_cnn, CPU, momentum 0.9 "
+                        f"(sync, DDP), median of {repeats} runs in turns")
     return results
 
 
@@ -497,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-round-trips", action="store_true")
     parser.add_argument("--skip-ceiling", action="store_true")
     parser.add_argument("--skip-training", action="store_true")
-    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--num-epochs", type=int, default=2, help="epochs of each training run")
+    parser.add_argument("--training-repeats", type=int, default=3, help="runs of each training case (medians)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -511,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_ceiling:
         result["ceiling"] = [bench_ceiling(transport, args.ceiling_clients, args.ceiling_seconds) for transport in args.transports]
     if not args.skip_training:
-        result["training"] = bench_training(args.num_epochs, args.batch_size, args.transports)
+        result["training"] = bench_training(args.num_epochs, args.batch_size, args.transports, args.training_repeats)
     result["load_average_after"] = os.getloadavg()[0]
     text = json.dumps(result, indent=2)
     if args.output:

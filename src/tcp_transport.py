@@ -29,28 +29,26 @@ choose a transport and nothing else (:func:`src.ps_transport.make_client`). The 
 from __future__ import annotations
 
 import itertools
-import os
 import select
 import socket
 import ssl
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
-from src.ps_transport import client_tls_roots, split_address
+from src.ps_transport import ProtocolClient, client_tls_roots, split_address
 from src.tcp_frames import (
     HEADER_BYTES, FrameError, Kind, Method, PeerClosed, TransportError, error_of, pack_header, receive_body,
     receive_header, send_frame,
 )
-from src.wire import Outgoing, Pieces, Received, encode, split
+from src.wire import Pieces, encode, split
 
 CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
 """Largest reply a client reads (the server is trusted; protobuf's ceiling)."""
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 2
 """An idle connection is probed after 30 s and given up after two unanswered probes (gRPC's keepalive
 here is 30 s + 20 s): a vanished host is noticed even by a call waiting at the barrier."""
@@ -117,7 +115,7 @@ class _Connection:
             pass
 
 
-class TCPParameterServerClient:
+class TCPParameterServerClient(ProtocolClient):
     """A worker's (or a tool's) connection to a TCP-transport parameter server, counting the bytes it moves.
 
     Args:
@@ -160,53 +158,6 @@ class TCPParameterServerClient:
         self._lock = threading.Lock()
         self._calls = itertools.count(1)
 
-    # ------------------------------------------------------------------------- the calls
-
-    def register(self, worker_id: int, last_request_id: int = 0, carried_batch_ids: Sequence[int] = (), *,
-                 timeout: float | None = None, any_worker_id: bool = False) -> pb.RegisterReply:
-        """Join the run (again); waits up to ``timeout`` (default ``connect_timeout_s``) for the server.
-
-        Args:
-            last_request_id: the last push this process sent, if it lost its session (the reply says
-                whether it was applied).
-            any_worker_id: let the server pick a free worker id (the reply's ``worker_id``).
-        """
-        request = pb.RegisterRequest(worker_id=worker_id, last_request_id=last_request_id,
-                                     carried_batch_ids=carried_batch_ids, pid=os.getpid(), any_worker_id=any_worker_id)
-        return self._call(Method.REGISTER, request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True,
-                          retry=False)
-
-    def initialize(self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]) -> pb.InitializeReply:
-        """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
-        return self._call(Method.INITIALIZE, Outgoing(request, {"parameters": parameters, "buffers": buffers}))
-
-    def pull(self, caller: pb.Caller) -> Received:
-        """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views)."""
-        return self._call(Method.PULL, pb.PullRequest(caller=caller))
-
-    def push(self, request: pb.PushRequest, gradients: Sequence[Any] = (), buffers: Sequence[Any] = (), *,
-             wait_for_ready: bool = False, timeout: float | None = None) -> Received:
-        """Send one step; the reply (a :class:`~pb.PushReply` and views) carries the next parameters and work.
-
-        A retry resends the same bytes (same request id), which the server applies at most once.
-        """
-        return self._call(Method.PUSH, Outgoing(request, {"gradients": gradients, "buffers": buffers}),
-                          wait_for_ready=wait_for_ready, timeout=timeout)
-
-    def push_bytes(self, data: bytes, *, timeout: float | None = None) -> Received:
-        """Send ``data`` as a Push message as it is, without a retry (tools and tests of the server's parser)."""
-        return self._call(Method.PUSH, data, timeout=timeout, retry=False)
-
-    def heartbeat(self, caller: pb.Caller, stats: pb.WorkerStats, timeout: float) -> pb.HeartbeatReply:
-        """One heartbeat (no retry: the next one follows soon)."""
-        return self._call(Method.HEARTBEAT, pb.HeartbeatRequest(caller=caller, stats=stats), timeout=timeout, retry=False)
-
-    def finish(self, caller: pb.Caller, stats: pb.WorkerStats) -> pb.FinishReply:
-        return self._call(Method.FINISH, pb.FinishRequest(caller=caller, stats=stats))
-
-    def status(self, timeout: float | None = 10.0, wait_for_ready: bool = False) -> pb.StatusReply:
-        return self._call(Method.STATUS, pb.StatusRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
-
     def close(self) -> None:
         """Close every connection; calls after this raise ``ValueError`` (as a closed gRPC channel's do)."""
         with self._lock:
@@ -215,28 +166,11 @@ class TCPParameterServerClient:
         for connection in idle:
             connection.close()
 
-    def __enter__(self) -> "TCPParameterServerClient":
-        return self
+    # ------------------------------------------------------------------------- one attempt of a call
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------------- one call
-
-    def _call(self, method: Method, outgoing, *, timeout: float | None = None, wait_for_ready: bool = False,
-              retry: bool = True):
-        pieces = encode(outgoing)
-        attempt = 0
-        while True:
-            try:
-                return self._attempt(method, pieces, timeout, wait_for_ready)
-            except TransportError as exc:
-                if not retry or exc.code() not in RETRYABLE or attempt >= self.retries:
-                    raise
-                attempt += 1
-                time.sleep(min(0.2 * 2**attempt, 5.0))  # backoff before resending the same request
-
-    def _attempt(self, method: Method, pieces: Pieces, timeout: float | None, wait_for_ready: bool):
+    def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
+        """One frame out, one back (retries are :class:`~src.ps_transport.ProtocolClient`'s)."""
+        method, pieces = Method[name.upper()], encode(request)
         if self.closed:
             raise ValueError("the client is closed")
         deadline = time.monotonic() + timeout if timeout is not None else None

@@ -74,6 +74,30 @@ def attempt(target, body: bytes) -> None:
     assert worker.client.status(timeout=10).version == served.server.state.version  # still serving
 
 
+def mutate(data, body: bytearray, kinds: list[str]) -> None:
+    """Apply one mutation, of a kind drawn from ``kinds``, to ``body`` in place."""
+    from src.tcp_frames import HEADER
+
+    kind = data.draw(st.sampled_from(kinds), label="kind")
+    # drawn from a fixed range: the valid body's length depends on the server's state, and hypothesis
+    # needs the same strategies when it replays an example
+    position = data.draw(st.integers(0, 1 << 22), label="position") % max(len(body), 1)
+    if kind == "header field" and len(body) >= HEADER.size:  # one field of the first frame header: kind .. length
+        offset, size = data.draw(st.sampled_from([(4, 1), (5, 1), (6, 1), (7, 1), (8, 4), (12, 4), (16, 4)]), label="field")
+        body[offset:offset + size] = data.draw(st.integers(0, 256**size - 1), label="value").to_bytes(size, "little")
+    elif kind == "flip" and body:
+        body[position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    elif kind == "truncate":
+        del body[position:]
+    elif kind == "insert":
+        body[position:position] = data.draw(st.binary(min_size=1, max_size=16), label="inserted")
+    elif kind == "delete" and body:
+        del body[position:position + data.draw(st.integers(1, 16), label="deleted")]
+    elif kind == "overwrite" and body:
+        chunk = data.draw(st.binary(min_size=1, max_size=8), label="written")
+        body[position:position + len(chunk)] = chunk
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=st.binary(max_size=512))
 def test_random_bodies_are_refused_cleanly(target, body):
@@ -85,21 +109,7 @@ def test_random_bodies_are_refused_cleanly(target, body):
 def test_mutated_pushes_are_refused_cleanly_or_applied_when_still_valid(target, data):
     body = bytearray(valid_body(target[1]))
     for _ in range(data.draw(st.integers(1, 4), label="mutations")):
-        kind = data.draw(st.sampled_from(["flip", "truncate", "insert", "delete", "overwrite"]), label="kind")
-        # drawn from a fixed range: the valid body's length depends on the server's state, and hypothesis
-        # needs the same strategies when it replays an example
-        position = data.draw(st.integers(0, 1 << 22), label="position") % max(len(body), 1)
-        if kind == "flip" and body:
-            body[position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
-        elif kind == "truncate":
-            del body[position:]
-        elif kind == "insert":
-            body[position:position] = data.draw(st.binary(min_size=1, max_size=16), label="inserted")
-        elif kind == "delete" and body:
-            del body[position:position + data.draw(st.integers(1, 16), label="deleted")]
-        elif kind == "overwrite" and body:
-            chunk = data.draw(st.binary(min_size=1, max_size=8), label="written")
-            body[position:position + len(chunk)] = chunk
+        mutate(data, body, ["flip", "truncate", "insert", "delete", "overwrite"])
     attempt(target, bytes(body))
 
 
@@ -210,25 +220,10 @@ def test_random_bytes_on_a_connection_are_never_a_call(frames_target, data, auth
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_frames_are_refused_cleanly_or_answered_when_still_valid(frames_target, data):
-    from src.tcp_frames import HEADER
-
-    served, worker, frames = frames_target
+    frames = frames_target[2]
     authenticated = data.draw(st.booleans(), label="authenticated")
     names = data.draw(st.lists(st.sampled_from(["hello", "health", "status", "push"]), min_size=1, max_size=3), label="frames")
     body = bytearray(b"".join(frames[name] for name in names))
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        kind = data.draw(st.sampled_from(["header field", "flip", "truncate", "insert", "delete"]), label="kind")
-        position = data.draw(st.integers(0, 1 << 22), label="position") % max(len(body), 1)
-        if kind == "header field" and len(body) >= HEADER.size:  # one field of the first header: kind .. length
-            offset, size = data.draw(st.sampled_from([(4, 1), (5, 1), (6, 1), (7, 1), (8, 4), (12, 4), (16, 4)]), label="field")
-            value = data.draw(st.integers(0, 256**size - 1), label="value")
-            body[offset:offset + size] = value.to_bytes(size, "little")
-        elif kind == "flip" and body:
-            body[position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
-        elif kind == "truncate":
-            del body[position:]
-        elif kind == "insert":
-            body[position:position] = data.draw(st.binary(min_size=1, max_size=16), label="inserted")
-        elif kind == "delete" and body:
-            del body[position:position + data.draw(st.integers(1, 16), label="deleted")]
+        mutate(data, body, ["header field", "flip", "truncate", "insert", "delete"])
     frame_attempt(frames_target, bytes(body), authenticated_prefix=authenticated)

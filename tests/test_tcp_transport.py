@@ -112,7 +112,7 @@ def test_a_call_past_its_deadline_ends_on_both_sides(tmp_path):
             caller = pb.Caller(worker_id=0, session=registration.session)
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as late:
-                client._call(Method.PULL, pb.PullRequest(caller=caller), timeout=1.0, retry=False)
+                client._call("Pull", pb.PullRequest(caller=caller), timeout=1.0, retry=False)
             assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert time.monotonic() - started < 10
             tcp = served.server.transport_server
