@@ -31,6 +31,11 @@ simulation by re-polling after each event). Refusals are :class:`Refused` with a
 like gRPC's (``INVALID_ARGUMENT``, ``ABORTED``, ...), which each transport maps to its own errors.
 Time comes from the injected :class:`~src.clock.Clock`; evaluations run on the injected executor
 (a background thread for real servers, inline in a simulation); injected faults call ``fire_fault``.
+Pull and Push replies are ``bytes`` joined under the lock, or (``reply_views``, the real servers)
+:class:`~src.wire.Pieces` over the parameters' own memory that the transport sends or joins outside
+the lock, copied only if the next step comes while a reply is still being sent
+(:class:`~src.wire.SharedBuffers`); a retried push is then answered with its verdict and work and,
+when the model moved on without keeping the first reply's bytes, the newest parameters.
 
 Outputs under ``system.log_dir/server``: ``events.jsonl`` (register, push, update with the sample
 indices it applied, worker_failed, work_reassigned, eval, checkpoint, ...) and TensorBoard scalars;
