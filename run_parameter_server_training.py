@@ -1,4 +1,4 @@
-"""Parameter-server training: a gRPC server holds the model, N workers push gradients and pull parameters.
+"""Parameter-server training: a server holds the model, N workers push gradients and pull parameters (gRPC or TCP).
 
 One machine (the server and the workers as processes, random auth token per run):
 
@@ -8,7 +8,11 @@ One machine (the server and the workers as processes, random auth token per run)
         --aggregation-mode async --compression-enabled --compression-type topk --compression-ratio 0.1
     python run_parameter_server_training.py --config configs/ps_sync_mnist.yaml --dataset mnist_5k
 
-Several hosts (same token everywhere, from $DTS_AUTH_TOKEN or system.auth_token):
+The binary TCP transport instead of gRPC (same protocol, auth, TLS and results; fewer copies):
+
+    python run_parameter_server_training.py --workers 2 --dataset mnist --transport tcp
+
+Several hosts (same token everywhere, from $DTS_AUTH_TOKEN or system.auth_token; the same --transport):
 
     host A$ python run_parameter_server_training.py --role server --server-address 0.0.0.0:50051 --workers 2 ...
     host B$ python run_parameter_server_training.py --role worker --worker-id 0 --server-address A:50051
@@ -51,6 +55,7 @@ PS_FLAGS = {
     "workers": "system.num_workers",
     "aggregation_mode": "system.aggregation_mode",
     "server_address": "system.server_address",
+    "transport": "system.transport",
     "tls_cert": "system.tls_cert_file",
     "tls_key": "system.tls_key_file",
     "tls_ca": "system.tls_ca_file",
@@ -86,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--server-address", help="host:port the server binds (server, local) or workers connect to "
                                                 "(default 127.0.0.1:0, a free port; only local runs may use port 0)")
     hosts.add_argument("--worker-id", type=int, help="this worker's id, 0..workers-1 (--role worker)")
+    hosts.add_argument("--transport", choices=("grpc", "tcp"),
+                       help="how server and workers talk: grpc (default) or tcp (binary frames over TCP, fewer copies); "
+                            "the same on the server and every worker")
     hosts.add_argument("--tls-cert", help="server certificate (PEM); with --tls-key the server speaks TLS, "
                                           "a worker trusts it when no --tls-ca is given")
     hosts.add_argument("--tls-key", help="server private key (PEM)")

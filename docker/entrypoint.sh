@@ -6,6 +6,8 @@
 #                        worker: where the server is (default parameter_server:50051)
 #   DTS_WORKER_ID        worker: its id, 0..workers-1 (required for workers)
 #   DTS_AUTH_TOKEN       shared secret every RPC carries (read by the Python code itself)
+#   DTS_TRANSPORT        optional: grpc (default) or tcp, passed on as --transport (the same on every
+#                        container; the healthcheck reads it too)
 #   DTS_TLS_CERT, DTS_TLS_KEY, DTS_TLS_CA
 #                        optional PEM files, passed on as --tls-cert, --tls-key, --tls-ca
 #                        (docker/compose.tls.yml sets them)
@@ -28,6 +30,9 @@ if [[ -n "${DTS_PROCESSES_PER_HOST:-}" && -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
 
+transport=()
+[[ -n "${DTS_TRANSPORT:-}" ]] && transport+=(--transport "$DTS_TRANSPORT")
+
 tls=()
 [[ -n "${DTS_TLS_CERT:-}" ]] && tls+=(--tls-cert "$DTS_TLS_CERT")
 [[ -n "${DTS_TLS_KEY:-}" ]] && tls+=(--tls-key "$DTS_TLS_KEY")
@@ -37,7 +42,7 @@ role="${DTS_ROLE:-}"
 case "$role" in
   server)
     exec python run_parameter_server_training.py --role server \
-      --server-address "${DTS_SERVER_ADDRESS:-0.0.0.0:50051}" "${tls[@]}" "$@"
+      --server-address "${DTS_SERVER_ADDRESS:-0.0.0.0:50051}" "${transport[@]}" "${tls[@]}" "$@"
     ;;
   worker)
     if [[ -z "${DTS_WORKER_ID:-}" ]]; then
@@ -45,7 +50,7 @@ case "$role" in
       exit 2
     fi
     exec python run_parameter_server_training.py --role worker --worker-id "$DTS_WORKER_ID" \
-      --server-address "${DTS_SERVER_ADDRESS:-parameter_server:50051}" "${tls[@]}" "$@"
+      --server-address "${DTS_SERVER_ADDRESS:-parameter_server:50051}" "${transport[@]}" "${tls[@]}" "$@"
     ;;
   *)
     echo "entrypoint: DTS_ROLE must be 'server' or 'worker', got '${role}'" >&2

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK_ARGS = {
     "bench_baseline": ["--repeats", "1", "--epochs", "1"],
     "bench_compression": ["--sizes", "1000000", "--repeats", "3"],
-    "bench_ps": ["--sizes-mb", "1", "4", "--repeats", "5"],
+    "bench_ps": ["--sizes-mb", "1", "4", "--repeats", "5", "--ceiling-clients", "4", "--ceiling-seconds", "2", "--num-epochs", "1", "--training-repeats", "1"],
     "bench_virtual": ["--skip-memory"],
     "bench_ddp": ["--repeats", "1", "--hook-repeats", "1", "--epochs", "1",
                   "--cases", "allreduce", "ring", "topk", "powersgd_rank2", "topk_matched"],
@@ -87,16 +87,30 @@ def figures_ddp(result: dict) -> list[dict]:
 
 
 def figures_ps(result: dict) -> list[dict]:
-    rows = [_row("bench_ps", f"push + pull round trip, {trip['model_mb']} MB model", trip["ps_round_trip_ms"],
-                 trip["echo_round_trip_ms"], "raw gRPC bytes echo", "ms", trip["ratio"],
-                 "reference / ours (1 = as fast as gRPC moves the bytes)", None) for trip in result.get("round_trips", [])]
+    rows = []
+    for trip in result.get("round_trips", []):
+        if trip["transport"] == "tcp":
+            reference, name, ratio, target = (trip["raw_tcp_echo_ms"] + trip["optimizer_step_ms"], "raw TCP echo + optimizer step",
+                                              trip["limit_ratio"], trip["target_limit_ratio"])
+        else:
+            reference, name, ratio, target = (trip["grpc_echo_ms"] + trip["optimizer_step_ms"], "raw gRPC echo + optimizer step",
+                                              trip["grpc_limit_ratio"], trip["target_grpc_limit_ratio"])
+        rows.append(_row("bench_ps", f"{trip['transport']} push + reply round trip, {trip['model_mb']} MB model",
+                         trip["ps_round_trip_ms"], round(reference, 3), name, "ms", ratio,
+                         "reference / ours (1 = only moving the bytes and stepping)", target))
+    for ceiling in result.get("ceiling", []):
+        rows.append(_row("bench_ps", f"{ceiling['transport']} pushes/s into one server ({ceiling['model_mb']} MB model, "
+                         f"saturated at {ceiling['saturated_at_clients']} clients)", ceiling["best_pushes_per_s"],
+                         ceiling["serial_bound_pushes_per_s"], "1 / time a push holds the lock", "pushes/s",
+                         round(ceiling["best_pushes_per_s"] / ceiling["serial_bound_pushes_per_s"], 4)
+                         if ceiling["serial_bound_pushes_per_s"] else None, "ours / serial bound", None))
     training = result.get("training") or {}
-    base = (training.get("baseline") or {}).get("samples_per_s")
-    for mode in ("sync", "async"):
-        run = training.get(f"ps_{mode}_2_workers")
-        if run and base:
-            rows.append(_row("bench_ps", f"PS {mode}, 2 workers, samples/s", run["samples_per_s"], base,
-                             "baseline trainer", "samples/s", round(run["samples_per_s"] / base, 4), "ours / reference", None))
+    ddp = (training.get("ddp_2_ranks") or {}).get("samples_per_s")
+    for name, run in training.items():
+        if name.startswith("ps_") and ddp:
+            rows.append(_row("bench_ps", f"PS {name.removeprefix('ps_')} ({run['transport']}), samples/s", run["samples_per_s"], ddp,
+                             "DDP, 2 ranks", "samples/s", round(run["samples_per_s"] / ddp, 4), "ours / reference",
+                             run.get("target_ratio_to_ddp")))
     return rows
 
 

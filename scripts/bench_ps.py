@@ -1,29 +1,42 @@
-"""Benchmark the parameter server's transport and training throughput; prints one JSON object last.
+"""Benchmark the parameter server at the wire's limit, per transport; prints one JSON object last.
 
-    python scripts/bench_ps.py --output bench_ps.json   # all of it (~1 min on 2 cores)
-    python scripts/bench_ps.py --skip-training          # only the round trips
-    python scripts/bench_ps.py --sizes-mb 1 4 --repeats 20
+    python scripts/bench_ps.py --output bench_ps.json      # all of it (~12 min on 2 cores)
+    python scripts/bench_ps.py --skip-training --skip-ceiling  # only the round trips
+    python scripts/bench_ps.py --sizes-mb 1 4 --repeats 20 --transports tcp
 
-The training runs' progress goes to stderr, the JSON to stdout; ``--output`` also writes it to a file.
+Progress goes to stderr, the JSON to stdout; ``--output`` also writes it to a file.
 
-Round trips: for models of ~1, 4, 16 MB (8 float32 tensors) and a resnet18 (~45 MB), one step of
-the protocol (one RPC: a push of identity payloads, every gradient uncompressed, whose reply carries
-the new parameters and the next work) against a raw gRPC bytes echo of the same shape: one call
-carrying plain ``bytes`` of the push's size and returning ``bytes`` of the reply's size (no protobuf,
-no server work; the server returns a ready bytes object). The server runs in its own process, in
-async mode with one worker, so each push is decoded, checked and applied with SGD + momentum before
-the reply is encoded.
+``round_trips``: one entry per transport (``grpc``, ``tcp``) and model (~1, 4, 16 MB of 8 float32
+tensors, and a resnet18 of ~43 MB): one step of the protocol (a push of identity payloads, every
+gradient uncompressed, whose reply carries the new parameters and the next work) against
 
-``ratio`` = echo time / PS time (1.0 = as fast as gRPC moves the bytes); targets: >= 0.7 at 1 MB,
->= 0.8 from 4 MB. ``server_compute_ms`` is the server's own work per push (decompress, checks,
-optimizer step, encoding the new parameters),
-measured inside the server; ``transport_ratio`` = echo / (PS - server compute) isolates what the
-protocol adds on top of gRPC. Median of ``--repeats`` after one warm-up; PS and echo round trips
-alternate, so a slow spell of a shared machine slows both rather than one.
+* ``raw_tcp_echo_ms``: the same bytes over a plain TCP connection in Python (the push's size up,
+  the reply's size down, ``recv_into`` preallocated buffers, no server work): what the wire costs;
+* ``grpc_echo_ms`` (gRPC entries): the same through a raw gRPC bytes echo (no protobuf, no server work);
+* ``optimizer_step_ms``: torch's own SGD-momentum step (fused, as the server's) on the same floats,
+  in the server's process: the work the server must do.
 
-Training: samples/s of 2-worker sync and async runs (processes, as ``run_parameter_server_training.py``
-starts them) on mnist_5k next to the baseline trainer with the same per-step batch (target: sync
->= 0.85 of the baseline). Every throughput counts from the first training step.
+``limit_ratio`` = (``raw_tcp_echo_ms`` + ``optimizer_step_ms``) / ``ps_round_trip_ms``: 1.0 means the
+round trip costs only moving the bytes and stepping. Targets: TCP >= 0.8 from 4 MB, >= 0.6 at 1 MB;
+gRPC ``grpc_limit_ratio`` = (``grpc_echo_ms`` + ``optimizer_step_ms``) / ``ps_round_trip_ms`` >= 0.8.
+``server_ms`` breaks the server's own work per push down (measured inside the server): ``decode``
+(payload checks and views, outside the lock), ``step`` (the optimizer), ``reply`` (building the
+reply: gRPC joins it into one ``bytes``; TCP copies the parameters once per version into the frozen
+copy its frames are sent from), ``locked`` (everything done under the core's lock per push: what
+serializes pushes). The server runs in its own process, async mode (no correction: the plain
+optimizer), one worker, so each push is decoded, checked and applied before the reply is built.
+Median of ``--repeats`` after one warm-up; the PS step and the echoes alternate, so a slow spell of a
+shared machine slows all of them rather than one.
+
+``ceiling``: pushes/s and GB/s into one server from 1, 4, 8 and 16 light clients (threads of one
+client process, no compute: a push, its reply, the next push) per transport, on a ~4 MB model in
+async mode; ``saturated_at_clients`` is the fewest clients reaching 90% of the best rate, and
+``serial_ms_per_push`` the time each push holds the core's lock (its bound: 1000 / that pushes/s).
+
+``training``: samples/s of a 2-worker sync PS run per transport (processes, as
+``run_parameter_server_training.py`` starts them), a 2-worker async run over TCP and 2-rank DDP, on
+the same data (mnist_5k, batch 64 per worker/rank, simple_cnn, CPU, 2 epochs) in the same run, each
+``--training-repeats`` times in turns (medians); target PS (TCP) sync >= 0.9 of DDP.
 """
 
 from __future__ import annotations
@@ -33,9 +46,12 @@ import json
 import multiprocessing
 import os
 import secrets
+import socket
 import statistics
+import struct
 import sys
 import tempfile
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -45,10 +61,17 @@ sys.path.insert(0, str(ROOT))
 
 ECHO_SERVICE = "bench.Echo"
 NUM_TENSORS = 8
+BATCH = 64
+CEILING_MB = 4
+_LENGTH = struct.Struct("<Q")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _model(size_mb: float):
-    """``resnet18`` for 45 MB (the real layout), else 8 equal float32 tensors of ``size_mb`` in all."""
+    """``resnet18`` for >= 40 MB (the real layout), else 8 equal float32 tensors of ``size_mb`` in all."""
     import torch
     from torch import nn
 
@@ -64,72 +87,163 @@ def _model(size_mb: float):
     return model
 
 
-BATCH = 64
-
-
-def _config(tmp: str):
+def _config(tmp: str, transport: str, num_workers: int = 1):
     from src.config import load_config
 
     return load_config(overrides={
-        "system.num_workers": 1, "system.aggregation_mode": "async", "training.checkpoint_interval": 10**9,
+        "system.num_workers": num_workers, "system.aggregation_mode": "async", "system.async_correction": "none",
+        "system.transport": transport, "training.checkpoint_interval": 10**9,
         "training.batch_size": BATCH, "training.num_epochs": 1000,
         "system.log_dir": f"{tmp}/logs", "system.checkpoint_dir": f"{tmp}/ckpt",
     })
 
 
-def _serve(size_mb: float, token: str, report, stop) -> None:
-    """Child process: a parameter server for the model of ``size_mb`` and a raw bytes echo server."""
+# ----------------------------------------------------------------------------- echo servers (the references)
+
+
+def _raw_tcp_echo(listener: socket.socket, reply_size: list[int]) -> None:
+    """Thread: per exchange, read an 8-byte length and that many bytes into a preallocated buffer, send back
+    ``reply_size[0]`` bytes from a preallocated (random) buffer. No server work: the wire's cost."""
+    from src.tcp_transport import tune_socket
+
+    connection, _ = listener.accept()
+    tune_socket(connection)
+    header = bytearray(_LENGTH.size)
+    incoming = bytearray(1)
+    outgoing = b""
+    with connection:
+        while True:
+            if _fill(connection, memoryview(header)) is None:
+                return
+            (size,) = _LENGTH.unpack(header)
+            if len(incoming) < size:
+                incoming = bytearray(size)
+            if _fill(connection, memoryview(incoming)[:size]) is None:
+                return
+            if len(outgoing) != reply_size[0]:
+                outgoing = os.urandom(reply_size[0])  # random: a zero buffer would read the kernel's zero page
+            connection.sendall(outgoing)
+
+
+def _fill(sock: socket.socket, view: memoryview):
+    filled = 0
+    while filled < len(view):
+        count = sock.recv_into(view[filled:])
+        if count == 0:
+            return None
+        filled += count
+    return filled
+
+
+def _grpc_echo(state: dict):
     import grpc
+
+    from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, message_options
+
+    def size(request: bytes, context) -> bytes:
+        state["reply"] = os.urandom(int(request))
+        return b""
+
+    echo = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=message_options(CLIENT_MAX_MESSAGE_BYTES))
+    echo.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(ECHO_SERVICE, {
+        "Size": grpc.unary_unary_rpc_method_handler(size),
+        "Exchange": grpc.unary_unary_rpc_method_handler(lambda request, context: state["reply"]),  # bytes in, bytes out
+    })])
+    port = echo.add_insecure_port("127.0.0.1:0")
+    echo.start()
+    return echo, port
+
+
+# ----------------------------------------------------------------------------- the server's process
+
+
+def _serve(transport: str, size_mb: float, token: str, report, stop) -> None:
+    """Child process: a parameter server for the model of ``size_mb`` over ``transport``, the raw TCP echo
+    and (gRPC) the gRPC echo; reports the reference optimizer step and, at the end, the server's timings."""
     import torch
 
     from src.parameter_server import ParameterServer
-    from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, message_options, reuse_freed_memory
+    from src.ps_transport import reuse_freed_memory
 
     torch.set_num_threads(1)
     reuse_freed_memory()  # as run_server does
     with tempfile.TemporaryDirectory() as tmp:
-        server = ParameterServer(_config(tmp), token=token, model=_model(size_mb), evaluate=False, tensorboard=False,
-                                 num_train_samples=BATCH)  # one batch per epoch, 1000 epochs: work for every push
-        # Instrumentation: the server's own work per round trip = decode + apply + encode the reply.
-        compute: list[float] = []
-        for name in ("decode", "_apply_now", "_reply_bytes"):
-            setattr(server.core, name, _timed(getattr(server.core, name), compute))
+        model = _model(size_mb)
+        step_ms = _optimizer_step_ms(model)
+        server = ParameterServer(_config(tmp, transport), token=token, model=model, evaluate=False, tensorboard=False,
+                                 num_train_samples=BATCH * 1000)  # 1000 batches per epoch, 1000 epochs: work for every push
+        timings = _instrument(server.core)
         port = server.start()
-        # Random bytes, not bytes(n): a zero-filled buffer reads from the kernel's shared zero page.
+        listener = socket.create_server(("127.0.0.1", 0))
+        reply_size = [0]
+        threading.Thread(target=_raw_tcp_echo, args=(listener, reply_size), daemon=True).start()
         state = {"reply": b""}
-
-        def size(request: bytes, context) -> bytes:
-            state["reply"] = os.urandom(int(request))  # what each exchange returns
-            return b""
-
-        echo = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=message_options(CLIENT_MAX_MESSAGE_BYTES))
-        echo.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(ECHO_SERVICE, {
-            "Size": grpc.unary_unary_rpc_method_handler(size),
-            "Exchange": grpc.unary_unary_rpc_method_handler(lambda request, context: state["reply"]),  # bytes in, bytes out
-        })])
-        echo_port = echo.add_insecure_port("127.0.0.1:0")
-        echo.start()
-        report.send((port, echo_port))
+        echo, echo_port = _grpc_echo(state) if transport == "grpc" else (None, None)
+        report.send({"port": port, "raw_port": listener.getsockname()[1], "grpc_port": echo_port, "step_ms": step_ms})
+        reply_size[0] = stop.recv()  # the reply size, once the client knows it
         stop.recv()
-        report.send([sum(compute[i:i + 3]) for i in range(0, len(compute) - 2, 3)])
-        echo.stop(0)
+        report.send(timings)
+        if echo is not None:
+            echo.stop(0)
         server.stop(grace=0)
 
 
-def _timed(method, into: list[float]):
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            into.append(time.perf_counter() - started)
+def _optimizer_step_ms(model) -> float:
+    """Median ms of torch's fused SGD-momentum step on tensors of ``model``'s parameter shapes (the reference)."""
+    import torch
 
-    return timed
+    params = [torch.nn.Parameter(torch.zeros_like(p)) for p in model.parameters()]
+    for param in params:
+        param.grad = torch.full_like(param, 1e-6)
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=True)
+    times = []
+    for _ in range(25):
+        started = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[5:]) * 1e3
+
+
+def _instrument(core) -> dict[str, list[float]]:
+    """Time the core's pieces per push: decode, the optimizer step, building the reply, the locked part."""
+    timings: dict[str, list[float]] = {"decode": [], "step": [], "reply": [], "locked": []}
+
+    def timed(owner, name: str, into: str):
+        method = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                timings[into].append(time.perf_counter() - started)
+
+        setattr(owner, name, wrapper)
+
+    timed(core, "decode", "decode")
+    timed(core.state, "step", "step")
+    timed(core, "_reply_bytes", "reply")
+    apply_push, push_reply = core.apply_push, core.push_reply
+
+    def locked_apply(*args, **kwargs):  # apply_push + push_reply run under one hold of the lock
+        core._held_since = time.perf_counter()
+        return apply_push(*args, **kwargs)
+
+    def locked_reply(*args, **kwargs):
+        try:
+            return push_reply(*args, **kwargs)
+        finally:
+            timings["locked"].append(time.perf_counter() - core._held_since)
+
+    core.apply_push, core.push_reply = locked_apply, locked_reply
+    return timings
+
+
+# ----------------------------------------------------------------------------- round trips
 
 
 def _median_times(calls, repeats: int) -> list[float]:
-    """Median seconds of each of ``calls``, timed in turns (one of each per repeat), so that a slow
-    spell of a shared machine hits all of them alike rather than whichever ran during it."""
+    """Median seconds of each of ``calls``, timed in turns (one of each per repeat)."""
     for call in calls:
         call()  # warm-up: connection, first allocation of big buffers
     times: list[list[float]] = [[] for _ in calls]
@@ -141,121 +255,275 @@ def _median_times(calls, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def bench_round_trips(size_mb: float, repeats: int) -> dict:
-    import grpc
+def _pusher(client, registration):
+    """A function doing one protocol step (push identity gradients, take the reply's next work) on ``client``."""
     import torch
 
     from src import parameter_server_pb2 as pb
     from src.compression import IDENTITY
-    from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, ParameterServerClient, message_options, tensor_view
+    from src.ps_transport import tensor_view
+
+    caller = pb.Caller(worker_id=registration.worker_id, session=registration.session)
+    gradients = [IDENTITY.compress(torch.full(tuple(spec.shape), 1e-6)) for spec in registration.parameter_specs]
+    buffers = [tensor_view(torch.zeros(tuple(spec.shape))) for spec in registration.buffer_specs]
+    # a random start, as the library's client does: a new process's ids must not collide with an earlier one's
+    state = {"reply": client.pull(caller).message, "request_id": secrets.randbits(40)}
+
+    def step() -> None:
+        state["request_id"] += 1
+        batches = state["reply"].work.batches
+        request = pb.PushRequest(caller=caller, base_version=state["reply"].version, request_id=state["request_id"],
+                                 num_samples=sum(len(b.indices) for b in batches) or BATCH,
+                                 batch_ids=[b.batch_id for b in batches])
+        state["reply"] = client.push(request, gradients, buffers).message
+
+    return step
+
+
+def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
+    import grpc
+
+    from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, make_client, message_options
+    from src.tcp_frames import HEADER_BYTES
+    from src.tcp_transport import tune_socket
 
     context = multiprocessing.get_context("spawn")
     token = secrets.token_urlsafe(16)
     report, child_report = context.Pipe(duplex=False)
     stop_child, stop = context.Pipe(duplex=False)
-    server = context.Process(target=_serve, args=(size_mb, token, child_report, stop_child))
+    server = context.Process(target=_serve, args=(transport, size_mb, token, child_report, stop_child))
     server.start()
     try:
-        port, echo_port = report.recv()
-        client = ParameterServerClient(f"127.0.0.1:{port}", token=token)
-        registration = client.register(0)
-        caller = pb.Caller(worker_id=0, session=registration.session)
-        gradients = [IDENTITY.compress(torch.full(tuple(spec.shape), 1e-6)) for spec in registration.parameter_specs]
-        buffers = [tensor_view(torch.zeros(tuple(spec.shape))) for spec in registration.buffer_specs]
-        state = {"reply": client.pull(caller).message, "request_id": 0}
-
-        def step() -> None:
-            state["request_id"] += 1
-            batches = state["reply"].work.batches
-            request = pb.PushRequest(caller=caller, base_version=state["reply"].version, request_id=state["request_id"],
-                                     num_samples=sum(len(b.indices) for b in batches), batch_ids=[b.batch_id for b in batches])
-            state["reply"] = client.push(request, gradients, buffers).message
-
+        ports = report.recv()
+        client = make_client(f"127.0.0.1:{ports['port']}", transport=transport, token=token)
+        step = _pusher(client, client.register(0))
         sent, received = client.bytes_sent, client.bytes_received
         step()
         push_bytes, reply_bytes = client.bytes_sent - sent, client.bytes_received - received
+        framing = HEADER_BYTES if transport == "tcp" else 0
+        stop.send(reply_bytes - framing)  # the echoes move the same message bytes
 
-        channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=message_options(CLIENT_MAX_MESSAGE_BYTES))
-        channel.unary_unary(f"/{ECHO_SERVICE}/Size")(str(reply_bytes).encode())
-        exchange = channel.unary_unary(f"/{ECHO_SERVICE}/Exchange")
-        payload = secrets.token_bytes(push_bytes)
+        raw = socket.create_connection(("127.0.0.1", ports["raw_port"]))
+        tune_socket(raw)
+        payload = secrets.token_bytes(push_bytes - framing)
+        length = _LENGTH.pack(len(payload))
+        incoming = bytearray(reply_bytes - framing)
 
-        def echo() -> None:
-            exchange(payload)
+        def raw_echo() -> None:
+            raw.sendmsg([length, payload])
+            _fill(raw, memoryview(incoming))
 
-        ps_time, echo_time = _median_times([step, echo], repeats)
+        calls = [step, raw_echo]
+        channel = None
+        if ports["grpc_port"] is not None:
+            channel = grpc.insecure_channel(f"127.0.0.1:{ports['grpc_port']}", options=message_options(CLIENT_MAX_MESSAGE_BYTES))
+            channel.unary_unary(f"/{ECHO_SERVICE}/Size")(str(reply_bytes).encode())
+            exchange = channel.unary_unary(f"/{ECHO_SERVICE}/Exchange")
+            calls.append(lambda: exchange(payload))
+        medians = _median_times(calls, repeats)
         client.close()
-        channel.close()
+        raw.close()
+        if channel is not None:
+            channel.close()
         stop.send(None)
-        compute_times = report.recv()
+        timings = report.recv()
     finally:
         server.join(30)
         if server.is_alive():
             server.kill()
-    server_compute = statistics.median(compute_times[-repeats:])
-    return {
-        "model_mb": round(reply_bytes / 2**20, 2),
+    ps_ms, raw_ms = medians[0] * 1e3, medians[1] * 1e3
+    step_ms = ports["step_ms"]
+    server_ms = {name: round(statistics.median(values[-repeats:]) * 1e3, 3) for name, values in timings.items() if values}
+    entry = {
+        "transport": transport,
+        "model_mb": round((reply_bytes - framing) / 2**20, 2),
         "push_bytes": push_bytes,
         "reply_bytes": reply_bytes,
-        "target_ratio": 0.7 if reply_bytes < 2 * 2**20 else 0.8,
-        "ps_round_trip_ms": round(ps_time * 1e3, 2),
-        "echo_round_trip_ms": round(echo_time * 1e3, 2),
-        "ratio": round(echo_time / ps_time, 3),
-        "server_compute_ms": round(server_compute * 1e3, 2),
-        "transport_ratio": round(echo_time / max(ps_time - server_compute, 1e-9), 3),
+        "ps_round_trip_ms": round(ps_ms, 3),
+        "raw_tcp_echo_ms": round(raw_ms, 3),
+        "optimizer_step_ms": round(step_ms, 3),
+        "limit_ratio": round((raw_ms + step_ms) / ps_ms, 3),
+        "server_ms": server_ms,
+    }
+    if transport == "tcp":
+        entry["target_limit_ratio"] = 0.6 if size_mb < 2 else 0.8
+    else:
+        grpc_ms = medians[2] * 1e3
+        entry.update(grpc_echo_ms=round(grpc_ms, 3), grpc_limit_ratio=round((grpc_ms + step_ms) / ps_ms, 3),
+                     target_grpc_limit_ratio=0.8)
+    log(f"round trip {transport} {entry['model_mb']} MB: {entry['ps_round_trip_ms']} ms, raw TCP echo {entry['raw_tcp_echo_ms']} ms, "
+        f"step {entry['optimizer_step_ms']} ms, limit ratio {entry['limit_ratio']}")
+    return entry
+
+
+# ----------------------------------------------------------------------------- one server's ceiling
+
+
+def _ceiling_server(transport: str, num_workers: int, token: str, report, stop) -> None:
+    import torch
+
+    from src.ps_transport import reuse_freed_memory
+    from torch_asgc.server import ClientLoopServer
+
+    torch.set_num_threads(1)
+    reuse_freed_memory()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = _config(tmp, transport, num_workers)
+        server = ClientLoopServer(config, token=token, model=_model(CEILING_MB), tensorboard=False)
+        timings = _instrument(server.core)
+        report.send(server.start())
+        stop.recv()
+        report.send(timings["locked"])
+        server.stop(grace=0)
+
+
+def _ceiling_clients(transport: str, address: str, token: str, num_clients: int, seconds: float, report) -> None:
+    """Client process: ``num_clients`` threads pushing as fast as the server answers, for ``seconds``."""
+    from src.ps_transport import make_client, reuse_freed_memory
+
+    reuse_freed_memory()
+    clients = [make_client(address, transport=transport, token=token) for _ in range(num_clients)]
+    steps = [_pusher(client, client.register(k)) for k, client in enumerate(clients)]
+    for step in steps:
+        step()  # warm-up
+    counts = [0] * num_clients
+    started = time.perf_counter()
+    until = started + seconds
+    bytes_before = sum(c.bytes_sent for c in clients), sum(c.bytes_received for c in clients)
+
+    def run(index: int) -> None:
+        while time.perf_counter() < until:
+            steps[index]()
+            counts[index] += 1
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(num_clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    sent = sum(c.bytes_sent for c in clients) - bytes_before[0]
+    received = sum(c.bytes_received for c in clients) - bytes_before[1]
+    for client in clients:
+        client.close()
+    report.send({"pushes": sum(counts), "seconds": elapsed, "bytes_in": sent, "bytes_out": received})
+
+
+def bench_ceiling(transport: str, clients: list[int], seconds: float) -> dict:
+    context = multiprocessing.get_context("spawn")
+    token = secrets.token_urlsafe(16)
+    report, child_report = context.Pipe(duplex=False)
+    stop_child, stop = context.Pipe(duplex=False)
+    server = context.Process(target=_ceiling_server, args=(transport, max(clients), token, child_report, stop_child))
+    server.start()
+    rows = []
+    try:
+        address = f"127.0.0.1:{report.recv()}"
+        for count in clients:
+            results, child = context.Pipe(duplex=False)
+            process = context.Process(target=_ceiling_clients, args=(transport, address, token, count, seconds, child))
+            process.start()
+            measured = results.recv()
+            process.join(60)
+            rate = measured["pushes"] / measured["seconds"]
+            rows.append({"clients": count, "pushes_per_s": round(rate, 1),
+                         "gb_per_s_in": round(measured["bytes_in"] / measured["seconds"] / 1e9, 3),
+                         "gb_per_s_total": round((measured["bytes_in"] + measured["bytes_out"]) / measured["seconds"] / 1e9, 3)})
+            log(f"ceiling {transport} {count} clients: {rows[-1]['pushes_per_s']} pushes/s, {rows[-1]['gb_per_s_total']} GB/s")
+        stop.send(None)
+        locked = report.recv()
+    finally:
+        server.join(30)
+        if server.is_alive():
+            server.kill()
+    best = max(row["pushes_per_s"] for row in rows)
+    serial_ms = statistics.median(locked) * 1e3 if locked else None
+    return {
+        "transport": transport, "model_mb": CEILING_MB, "mode": "async", "rows": rows,
+        "best_pushes_per_s": best,
+        "saturated_at_clients": next(row["clients"] for row in rows if row["pushes_per_s"] >= 0.9 * best),
+        "serial_ms_per_push": round(serial_ms, 3) if serial_ms else None,
+        "serial_bound_pushes_per_s": round(1e3 / serial_ms, 1) if serial_ms else None,
     }
 
 
-def bench_training(num_epochs: int, batch_size: int) -> dict:
+# ----------------------------------------------------------------------------- training against DDP
+
+
+def bench_training(num_epochs: int, batch_size: int, transports: list[str], repeats: int) -> dict:
+    """Each run ``repeats`` times, in turns (the order flips every repeat); samples/s are medians."""
     from src.config import load_config
+    from src.ddp_launcher import run_local as run_ddp
     from src.ps_launcher import run_local
     from src.supervisor import stdout_to_stderr
-    from src.trainer import BaselineTrainer
 
-    results = {}
+    common = {"training.dataset": "mnist_5k", "training.num_epochs": num_epochs, "training.batch_size": batch_size,
+              "training.checkpoint_interval": 10**6, "system.num_workers": 2}
+    runs = {f"ps_sync_2_workers{'' if t == 'tcp' else '_' + t}": ("sync", t) for t in transports}
+    runs["ps_async_2_workers"] = ("async", transports[-1])
+    runs["ddp_2_ranks"] = ("ddp", None)
+    measured: dict[str, list[dict]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
-        common = {"training.dataset": "mnist_5k", "training.num_epochs": num_epochs, "training.batch_size": batch_size,
-                  "training.checkpoint_interval": 10**6}
-        for mode in ("sync", "async"):
-            config = load_config(overrides={**common, "system.num_workers": 2, "system.aggregation_mode": mode,
-                                            "training.momentum": 0.9 if mode == "sync" else 0.5,
-                                            "system.log_dir": f"{tmp}/{mode}/logs", "system.checkpoint_dir": f"{tmp}/{mode}/ckpt"})
-            summary = run_local(config)
-            results[f"ps_{mode}_2_workers"] = {
-                "samples_per_s": round(summary["throughput_samples_per_s"], 1),
-                "final_accuracy": summary["final_accuracy"],
-                "communication_time_s": round(summary["communication_time_s"], 2),
-                "gradient_time_s": round(summary["gradient_time_s"], 2),
-            }
-        baseline = BaselineTrainer(load_config(overrides={
-            **common, "system.architecture": "baseline", "system.num_workers": 1,
-            "system.log_dir": f"{tmp}/baseline/logs", "system.checkpoint_dir": f"{tmp}/baseline/ckpt"}))
-        summary = baseline.run()
-        results["baseline"] = {"samples_per_s": round(summary["throughput_samples_per_s"], 1),
-                               "final_accuracy": summary["final_accuracy"]}
-    for mode in ("sync", "async"):
-        results[f"ps_{mode}_2_workers"]["ratio_to_baseline"] = round(
-            results[f"ps_{mode}_2_workers"]["samples_per_s"] / results["baseline"]["samples_per_s"], 3)
-    results["ps_sync_2_workers"]["target_ratio"] = 0.85
-    results["setup"] = f"mnist_5k, {num_epochs} epoch(s), batch {batch_size} per worker/step, simple_cnn, CPU"
+        for repeat in range(repeats):
+            for name in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
+                mode, transport = runs[name]
+                folders = {"system.log_dir": f"{tmp}/{name}_{repeat}/logs", "system.checkpoint_dir": f"{tmp}/{name}_{repeat}/ckpt"}
+                if mode == "ddp":
+                    summary = run_ddp(load_config(overrides={**common, **folders, "system.architecture": "ddp",
+                                                             "training.momentum": 0.9}))
+                else:
+                    summary = run_local(load_config(overrides={**common, **folders, "system.aggregation_mode": mode,
+                                                               "system.transport": transport,
+                                                               "training.momentum": 0.9 if mode == "sync" else 0.5}))
+                measured[name].append(summary)
+                log(f"training {name} (run {repeat + 1}): {summary['throughput_samples_per_s']:.1f} samples/s")
+    results = {}
+    for name, summaries in measured.items():
+        rates = [s["throughput_samples_per_s"] for s in summaries]
+        results[name] = {"samples_per_s": round(statistics.median(rates), 1), "runs": [round(r, 1) for r in rates],
+                         "final_accuracy": summaries[0]["final_accuracy"]}
+        if runs[name][1] is not None:
+            results[name].update(transport=runs[name][1],
+                                 communication_time_s=round(statistics.median(s["communication_time_s"] for s in summaries), 2),
+                                 gradient_time_s=round(statistics.median(s["gradient_time_s"] for s in summaries), 2))
+    ddp = results["ddp_2_ranks"]["samples_per_s"]
+    for name, run in results.items():
+        if name.startswith("ps_"):
+            run["ratio_to_ddp"] = round(run["samples_per_s"] / ddp, 3)
+    if "ps_sync_2_workers" in results:
+        results["ps_sync_2_workers"]["target_ratio_to_ddp"] = 0.9
+    results["setup"] = (f"mnist_5k, {num_epochs} epoch(s), batch {batch_size} per worker/rank, simple_cnn, CPU, momentum 0.9 "
+                        f"(sync, DDP), median of {repeats} runs in turns")
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--transports", nargs="+", choices=("grpc", "tcp"), default=["grpc", "tcp"])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 45], help="model sizes (>= 40 means resnet18)")
     parser.add_argument("--repeats", type=int, default=20, help="timed round trips per size (median reported)")
-    parser.add_argument("--skip-training", action="store_true", help="only the round-trip part")
-    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--ceiling-clients", type=int, nargs="+", default=[1, 4, 8, 16], help="light clients per ceiling run")
+    parser.add_argument("--ceiling-seconds", type=float, default=4.0, help="seconds each ceiling run pushes")
+    parser.add_argument("--skip-round-trips", action="store_true")
+    parser.add_argument("--skip-ceiling", action="store_true")
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--num-epochs", type=int, default=2, help="epochs of each training run")
+    parser.add_argument("--training-repeats", type=int, default=3, help="runs of each training case (medians)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     from src.ps_transport import reuse_freed_memory
 
-    reuse_freed_memory()  # the client side, as run_worker does (the echo client shares this process)
-    result = {"machine": f"{os.cpu_count()} CPUs", "round_trips": [bench_round_trips(size, args.repeats) for size in args.sizes_mb]}
+    reuse_freed_memory()  # the client side, as run_worker does (the echo clients share this process)
+    result: dict = {"machine": f"{os.cpu_count()} CPUs", "load_average_before": os.getloadavg()[0]}
+    if not args.skip_round_trips:
+        result["round_trips"] = [bench_round_trips(transport, size, args.repeats)
+                                 for size in args.sizes_mb for transport in args.transports]
+    if not args.skip_ceiling:
+        result["ceiling"] = [bench_ceiling(transport, args.ceiling_clients, args.ceiling_seconds) for transport in args.transports]
     if not args.skip_training:
-        result["training"] = bench_training(args.num_epochs, args.batch_size)
+        result["training"] = bench_training(args.num_epochs, args.batch_size, args.transports, args.training_repeats)
+    result["load_average_after"] = os.getloadavg()[0]
     text = json.dumps(result, indent=2)
     if args.output:
         Path(args.output).write_text(text + "\n")

@@ -20,6 +20,7 @@ A matrix file holds a base experiment and the axes to vary::
         seed: [0, 1, 2]                                   # training.seed
         clock: [real, virtual]                            # system.clock (virtual: src/virtual_time.py)
         architecture: [parameter_server, ddp]             # system.architecture
+        transport: [grpc, tcp]                            # system.transport (parameter server)
     training: {...}                   # the base experiment: a run config (see run_experiment.py)
     system: {...}
     emulation: {...}
@@ -95,6 +96,12 @@ def _clock(level: Any) -> tuple[str, dict[str, Any]]:
     return str(level), {"system.clock": level}
 
 
+def _transport(level: Any) -> tuple[str, dict[str, Any]]:
+    if level not in ("grpc", "tcp"):
+        raise rx.ExperimentError(f"matrix.axes.transport: must be grpc or tcp, got {level!r}")
+    return str(level), {"system.transport": level}
+
+
 def _architecture(level: Any) -> tuple[str, dict[str, Any]]:
     labels = {"parameter_server": "ps", "ddp": "ddp", "baseline": "baseline"}
     if level not in labels:
@@ -111,6 +118,7 @@ NAMED_AXES: dict[str, Callable[[Any], tuple[str, dict[str, Any]]]] = {
     "seed": _seed,
     "clock": _clock,
     "architecture": _architecture,
+    "transport": _transport,
 }
 """Axes whose levels are plain values: each maps a level to (its label in run names, dotted overrides)."""
 

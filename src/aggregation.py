@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -71,6 +71,8 @@ class ModelState:
         self._sent = [torch.empty_like(p) for p in self.params] if self.lookahead else self.params
         self._revision = 0  # changes whenever what is sent changes
         self._sent_revision = -1
+        self.before_change: Callable[[], None] | None = None
+        """Called before the sent tensors or buffers change in place (a transport sending from them copies them)."""
 
     def sent(self) -> list[torch.Tensor]:
         """What workers are sent: the parameters, or the lookahead point (updated once per change).
@@ -97,12 +99,16 @@ class ModelState:
     def forget_worker(self, worker: int) -> None:
         """``worker`` left (finished or failed): its pending momentum no longer counts in the lookahead."""
         if self.lookahead is not None:
+            if self.before_change is not None:
+                self.before_change()  # the lookahead point, which workers are sent, moves
             self.lookahead.forget_worker(worker)
             self._revision += 1
 
     def step(self, gradients: list[torch.Tensor], buffers: list[torch.Tensor], weight: float = 1.0, *,
              worker: int = 0) -> None:
         """One optimizer step with ``weight * gradients`` (a push of ``worker``) and the new buffer values; version + 1."""
+        if self.before_change is not None:
+            self.before_change()
         if weight != 1.0:  # out of place: the gradients may be read-only views of a message
             gradients = [g * weight for g in gradients]
         for param, gradient in zip(self.params, gradients):

@@ -551,6 +551,22 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     return _run(state, exchange)
 
 
+def _compensate_into(ef: ErrorFeedback, segment: _Segment, grads: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """``grad + residual`` of each piece into its place in ``flat`` (the same sums as ``ef.compensate``);
+    returns the pieces' views of ``flat`` (each piece's compensated gradient, for ``ef.update``)."""
+    views, start = [], 0
+    for piece, grad in zip(segment.pieces, grads):
+        out = flat[start : start + piece.numel]
+        residual = ef.residual(piece.name)
+        if residual is None:
+            out.copy_(grad)
+        else:
+            torch.add(grad, residual.reshape(-1).to(grad.device), out=out)
+        views.append(out)
+        start += piece.numel
+    return views
+
+
 def encode_segments(state: CompressionHookState, buffer: torch.Tensor, segments: Sequence[_Segment], step: int,
                     rank: int) -> tuple[list[bytes], list[list[torch.Tensor]]]:
     """One rank's payloads for ``buffer``'s segments (error feedback's compensation, then compression), and the
@@ -560,9 +576,9 @@ def encode_segments(state: CompressionHookState, buffer: torch.Tensor, segments:
     payloads = []
     for segment in segments:
         parts = [buffer[piece.offset : piece.offset + piece.numel] for piece in segment.pieces]
-        if ef is not None:  # grad + residual, a new tensor per parameter (the residual keeps its shape)
-            parts = [ef.compensate(piece.name, part.view(piece.shape)).view(-1) for piece, part in zip(segment.pieces, parts)]
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if ef is not None:  # grad + residual, written side by side into one new tensor: no per-parameter copies
+            flat = torch.empty(segment.numel, dtype=torch.float32, device=buffer.device)
+            parts = _compensate_into(ef, segment, parts, flat)
         elif segment.start is not None:
             flat = buffer[segment.start : segment.start + segment.numel]
         else:
@@ -579,11 +595,14 @@ def encode_segments(state: CompressionHookState, buffer: torch.Tensor, segments:
 
 def accumulate_payloads(state: CompressionHookState, totals: list[torch.Tensor | None], data, segments: Sequence[_Segment],
                         lengths: Sequence[int], device: torch.device, *,
-                        compensated: list[list[torch.Tensor]] | None = None) -> None:
+                        compensated: list[list[torch.Tensor]] | None = None,
+                        into: Sequence[torch.Tensor | None] | None = None) -> None:
     """Add one rank's decompressed payloads (``data``: their bytes side by side) to ``totals``, segment by segment.
 
     With ``compensated`` (the payloads are this rank's own), its residuals keep what compression dropped.
-    Called for the ranks in rank order, so every replica sums identically.
+    With ``into``, a segment's first total is written into its tensor there (the bucket's own slice when the
+    segment lies side by side in it: no temporary, no copy back). Called for the ranks in rank order, so every
+    replica sums identically.
     """
     ef = state.error_feedback if compensated is not None else None
     position = 0
@@ -597,7 +616,12 @@ def accumulate_payloads(state: CompressionHookState, totals: list[torch.Tensor |
                 ef.update(piece.name, part.view(piece.shape), sent.view(piece.shape))
                 ef.commit(piece.name)  # DDP never rejects a send: no rollback copy needed
                 start += piece.numel
-        totals[index] = dense if totals[index] is None else totals[index].add_(dense)
+        if totals[index] is not None:
+            totals[index].add_(dense)
+        elif into is not None and into[index] is not None:
+            totals[index] = into[index].copy_(dense)
+        else:
+            totals[index] = dense
 
 
 def write_average_(buffer: torch.Tensor, segments: Sequence[_Segment], totals: Sequence[torch.Tensor], world: int) -> torch.Tensor:
@@ -605,7 +629,9 @@ def write_average_(buffer: torch.Tensor, segments: Sequence[_Segment], totals: S
     for segment, total in zip(segments, totals):
         total.div_(world)
         if segment.start is not None:
-            buffer[segment.start : segment.start + segment.numel].copy_(total)
+            view = buffer[segment.start : segment.start + segment.numel]
+            if total.data_ptr() != view.data_ptr():  # not already summed in place
+                view.copy_(total)
         else:
             start = 0
             for piece in segment.pieces:
@@ -629,10 +655,12 @@ def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segm
 
     data = memoryview(gathered.cpu().numpy())
     totals: list[torch.Tensor | None] = [None] * len(segments)
+    # A segment lying side by side in the bucket is summed straight into it (no temporary, no copy back).
+    into = [buffer[s.start : s.start + s.numel] if s.start is not None else None for s in segments]
     for source in range(world):  # fixed rank order: every replica sums identically
         own = source * local.numel()
         accumulate_payloads(state, totals, data[own : own + local.numel()], segments, lengths, buffer.device,
-                            compensated=compensated if source == rank else None)
+                            compensated=compensated if source == rank else None, into=into)
     return write_average_(buffer, segments, totals, world)
 
 

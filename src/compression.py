@@ -283,7 +283,8 @@ def _parse_header(buf: memoryview) -> PayloadHeader:
                          value_dtype=value_dtype)
 
 
-def decompress(payload: PayloadLike, *, device: torch.device | str | None = None, copy: bool = True) -> torch.Tensor:
+def decompress(payload: PayloadLike, *, device: torch.device | str | None = None, copy: bool = True,
+               header: PayloadHeader | None = None) -> torch.Tensor:
     """Rebuild the dense float32 tensor from any compressor's payload.
 
     The header names the compressor, so a receiver needs no other information: a push that the
@@ -295,6 +296,8 @@ def decompress(payload: PayloadLike, *, device: torch.device | str | None = None
         copy: ``False`` lets a float32 identity payload come back as a read-only view of
             ``payload``'s values (no copy; the payload must stay alive and nobody may write the tensor):
             what a receiver that only reads the gradient, like the parameter server, wants.
+        header: what :func:`parse_header` returned for this very payload, when the caller checked it
+            first (a receiver bounding the allocation by the header's shape): it is not parsed twice.
 
     Returns:
         A float32 tensor of the compressed tensor's shape; new and writable unless ``copy=False``.
@@ -304,7 +307,8 @@ def decompress(payload: PayloadLike, *, device: torch.device | str | None = None
             (out-of-range indices or codes, non-finite values).
     """
     buf = _as_buffer(payload)
-    header = _parse_header(buf)
+    if header is None:
+        header = _parse_header(buf)
     if (not copy and header.kind == Kind.IDENTITY and header.value_dtype == torch.float32
             and sys.byteorder == "little"):
         flat = _identity_view(header, buf)

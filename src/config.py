@@ -304,6 +304,10 @@ class SystemConfig(_Section):
     log_dir: str = "logs"
     server_address: str = "127.0.0.1:0"
     """Where the parameter server listens / workers connect; port 0 lets the local launcher pick."""
+    transport: Literal["grpc", "tcp"] = "grpc"
+    """How the parameter server and its workers talk: gRPC, or length-prefixed binary frames over TCP
+    (:mod:`src.tcp_transport`: same messages, auth, sessions, TLS and limits, fewer copies). Both ends
+    must use the same one."""
     auth_token: SecretStr | None = Field(default=None, exclude=True, repr=False)
     """Shared secret every RPC carries; ``None`` reads $DTS_AUTH_TOKEN or makes one per local run.
 

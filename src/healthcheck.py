@@ -3,6 +3,10 @@
     python -m src.healthcheck                                  # $DTS_SERVER_ADDRESS or 127.0.0.1:50051
     python -m src.healthcheck --address 10.0.0.5:50051
     python -m src.healthcheck --tls-ca certs/server.crt --server-name parameter_server
+    python -m src.healthcheck --transport tcp                  # a server with system.transport tcp ($DTS_TRANSPORT)
+
+Over the TCP transport (:mod:`src.tcp_frames`) the probe is one HEALTH frame, answered without the
+token with ``SERVING`` as well.
 
 docker-compose.yml runs it as the server container's healthcheck, and the workers start once it
 passes (``depends_on: condition: service_healthy``). The health service answers without the run's
@@ -56,6 +60,21 @@ def check(address: str, *, service: str = "", timeout_s: float = 5.0, tls_ca: st
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def check_tcp(address: str, *, timeout_s: float = 5.0, tls_ca: str | None = None, server_name: str | None = None) -> str:
+    """``SERVING`` from a TCP-transport server at ``address`` (see :func:`src.tcp_frames.health_check`).
+
+    Raises:
+        grpc.RpcError: the server did not answer (a :class:`~src.tcp_frames.TransportError`).
+    """
+    import ssl
+
+    from src.tcp_frames import health_check
+
+    host, _, port = address.rpartition(":")
+    context = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
+    return health_check(host.strip("[]"), int(port), timeout_s=timeout_s, context=context, server_name=server_name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m src.healthcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,10 +86,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="PEM to verify the server's certificate against (default $DTS_TLS_CA, else $DTS_TLS_CERT); "
                              "without one the probe speaks plaintext")
     parser.add_argument("--server-name", help="the name the server's certificate is valid for (TLS)")
+    parser.add_argument("--transport", choices=("grpc", "tcp"), default=os.environ.get("DTS_TRANSPORT") or "grpc",
+                        help="the server's system.transport (default $DTS_TRANSPORT, else grpc)")
     args = parser.parse_args(argv)
     address = probe_address(args.address)
     try:
-        status = check(address, service=args.service, timeout_s=args.timeout, tls_ca=args.tls_ca, server_name=args.server_name)
+        if args.transport == "tcp":
+            status = check_tcp(address, timeout_s=args.timeout, tls_ca=args.tls_ca, server_name=args.server_name)
+        else:
+            status = check(address, service=args.service, timeout_s=args.timeout, tls_ca=args.tls_ca,
+                           server_name=args.server_name)
     except grpc.RpcError as exc:
         print(f"unhealthy: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -1,19 +1,24 @@
-"""The parameter server's gRPC service: a driver of the server core (:mod:`src.ps_core`) over real RPCs.
+"""The parameter server: a driver of the server core (:mod:`src.ps_core`) over real connections.
 
 Everything the server decides (membership, the work plan, the sync barrier and async apply,
 staleness, the controller, the downlink, de-dup, checkpoints, events and the summary) is in
-:class:`~src.ps_core.ServerCore`; this module adds what a real network service needs:
+:class:`~src.ps_core.ServerCore`; this module adds what a real network service needs, once for
+every transport (``system.transport``):
 
-* the RPCs (:func:`~src.ps_transport.service_handler`): each handler takes the core's lock, calls
-  the core, and turns a :class:`~src.ps_core.Refused` into the gRPC status of the same name;
+* the calls (``handle_register``, ``handle_push``, ...): each takes the core's lock, calls the core,
+  and lets a :class:`~src.ps_core.Refused` out for the transport to turn into its own error with the
+  same status name. The transports are thin: gRPC (:func:`~src.ps_transport.service_handler`, this
+  class's ``Register``/``Push``/... methods) and binary frames over TCP (:mod:`src.tcp_server`);
 * the waits: a Pull or Push whose work is not there yet (the sync barrier, or nothing unassigned)
-  waits on the core's lock, waking every :data:`WAIT_POLL_S` to notice a cancelled RPC;
-* push decoding outside the lock, so pushes of different workers decode in parallel;
+  waits on the core's lock, waking every :data:`WAIT_POLL_S` to notice a call whose client went away;
+* push decoding outside the lock, so pushes of different workers decode in parallel, and replies
+  built as views of the parameters (:class:`~src.wire.SharedBuffers`) that are joined (gRPC) or
+  written to the socket (TCP) outside it;
 * the heartbeat monitor thread (failure detection lands within ``heartbeat_timeout`` + :data:`MONITOR_PERIOD_S`);
 * evaluations on a background thread, off the critical path of the pushes;
 * emulated downlinks (:mod:`src.netem`, the config's ``emulation`` section): a Pull or Push reply to
-  a worker with a narrow downlink waits its transfer time (from its exact serialized size) after
-  it is built, outside the lock, before it is returned to gRPC.
+  a worker with a narrow downlink waits its transfer time (from its exact size on the wire, the
+  transport's framing included) after it is built, outside the lock, before it is sent.
 
 Timeline spans (``--trace``, :mod:`src.tracing`): ``serve_push`` / ``serve_pull`` per RPC, with
 ``barrier_wait`` (the call waiting for its work), ``downlink_wait`` (emulated) and the core's
@@ -30,7 +35,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import grpc
 from torch import nn
@@ -43,6 +48,7 @@ from src.coordinator import WorkPlan
 from src.data import load_dataset
 from src.ps_core import PushRefused, Refused, RunFailed, ServerCore, compression_label  # noqa: F401  (re-exported)
 from src.ps_transport import require_auth_token, split, start_grpc_server
+from src.wire import Pieces, serialize
 from src.staleness import StalenessPolicy
 from src.trainer import model_from_config
 from src.work_source import PlannedWork, WorkSource
@@ -58,6 +64,37 @@ def refusals(context: grpc.ServicerContext) -> Iterator[None]:
         yield
     except Refused as refused:
         context.abort(grpc.StatusCode[refused.code], refused.message)
+
+
+class Call(Protocol):
+    """What a transport tells the driver about one call in progress."""
+
+    peer: str
+    """The caller's address, as gRPC writes it (``ipv4:10.0.0.2:51234``)."""
+    framing_bytes: int
+    """The transport's own bytes around a reply message (a frame header), counted on an emulated downlink."""
+
+    def is_active(self) -> bool:
+        """``False`` once the caller went away or its deadline passed: a waiting call stops waiting."""
+
+
+class _GrpcCall:
+    framing_bytes = 0  # gRPC's own framing is not counted (the byte counters count messages)
+
+    def __init__(self, context: grpc.ServicerContext):
+        self.context = context
+        self.peer = context.peer()
+
+    def is_active(self) -> bool:
+        return self.context.is_active()
+
+
+def _joined(reply: Pieces) -> bytes:
+    """gRPC sends ``bytes``: the reply's pieces joined (one copy, outside the core's lock), its lease given back."""
+    try:
+        return serialize(reply)
+    finally:
+        reply.release()
 
 
 def planned_work(config: Config, num_train_samples: int | None = None) -> PlannedWork:
@@ -78,7 +115,7 @@ def test_set_for(config: Config):
 
 
 class ParameterServer:
-    """The gRPC service over a :class:`~src.ps_core.ServerCore` (see the module docstring).
+    """A :class:`~src.ps_core.ServerCore` served over gRPC or TCP (see the module docstring).
 
     Args:
         config: the run's config (mode, workers, optimizer, heartbeats, outputs).
@@ -95,6 +132,7 @@ class ParameterServer:
         work: where work comes from (default: the dataset's plan); see :mod:`src.work_source`.
         model_label, data_label: what checkpoints and summaries call the model and the data.
         max_message_bytes: the message limit while the model's size is not known yet (a server without a model).
+        transport: ``"grpc"`` or ``"tcp"`` (default ``system.transport``).
     """
 
     def __init__(
@@ -115,8 +153,10 @@ class ParameterServer:
         model_label: str | None = None,
         data_label: str | None = None,
         max_message_bytes: int | None = None,
+        transport: str | None = None,
     ):
         self.config = config
+        self.transport = transport or config.system.transport
         self.token = token or require_auth_token(config.system)
         self.on_event = on_event
         if model is None and not serve_without_model:
@@ -126,12 +166,14 @@ class ParameterServer:
             model_label=model_label, data_label=data_label, test_set=test_set_for(config) if evaluate else None,
             staleness_policy=staleness_policy, tensorboard=tensorboard, resume=resume, faults=faults,
             background=ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background"),
+            reply_views=True,  # replies are built from the tensors' memory and joined or sent outside the lock
         )
         if max_message_bytes is not None and self.core.state is None:
             self.core.max_message_bytes = max_message_bytes
         self.downlinks = {k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
                           for k in range(config.system.num_workers)}  # emulated server -> worker links
-        self._grpc_server: grpc.Server | None = None
+        self._stop_serving: Callable[[float], None] | None = None
+        self.transport_server: Any = None  # the grpc.Server or src.tcp_server.TCPServer, once started
         self._monitor: threading.Thread | None = None
         self.port: int | None = None
 
@@ -147,15 +189,26 @@ class ParameterServer:
     # ------------------------------------------------------------------------- lifecycle
 
     def start(self) -> int:
-        """Serve on ``system.server_address`` and start failure detection; returns the bound port."""
+        """Serve on ``system.server_address`` over ``transport`` and start failure detection; returns the bound port."""
         self.core.serving = True
-        self._grpc_server, self.port = start_grpc_server(
-            self, self.config.system, token=self.token, max_message_bytes=self.core.max_message_bytes,
-            max_threads=3 * self.config.system.num_workers + 8,  # per worker: a waiting push, a heartbeat, a spare
-        )
+        system = self.config.system
+        max_calls = 3 * system.num_workers + 8  # per worker: a waiting push, a heartbeat, a spare
+        if self.transport == "tcp":
+            from src.tcp_server import TCPServer
+
+            tcp = TCPServer(self, system, token=self.token, max_message_bytes=self.core.max_message_bytes,
+                            max_connections=max_calls)
+            self.port = tcp.start()
+            self._stop_serving = tcp.stop
+            self.transport_server = tcp
+        else:
+            grpc_server, self.port = start_grpc_server(self, system, token=self.token,
+                                                       max_message_bytes=self.core.max_message_bytes, max_threads=max_calls)
+            self._stop_serving = lambda grace: grpc_server.stop(grace).wait()
+            self.transport_server = grpc_server
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="ps-heartbeat-monitor", daemon=True)
         self._monitor.start()
-        self.core.log.event("listening", address=self.config.system.server_address, port=self.port)
+        self.core.log.event("listening", address=system.server_address, port=self.port, transport=self.transport)
         return self.port
 
     def wait_until_done(self, timeout: float | None = None) -> bool:
@@ -175,82 +228,110 @@ class ParameterServer:
         return self.core.finalize(summary_json, downlink_delay_s=waited)
 
     def stop(self, grace: float = 2.0) -> None:
-        """Stop serving: waiting calls return, then the gRPC server shuts down."""
+        """Stop serving: waiting calls return, then the transport's server shuts down."""
         with self.core.lock:
             self.core.stop()
-        if self._grpc_server is not None:
-            self._grpc_server.stop(grace).wait()
+        if self._stop_serving is not None:
+            self._stop_serving(grace)
         if self._monitor is not None:
             self._monitor.join(5)
         self.core.close()
 
-    # ------------------------------------------------------------------------- RPCs
+    # ------------------------------------------------------------------------- calls (every transport)
 
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        with refusals(context), self.core.lock:
-            reply, events = self.core.register(request, context.peer())
+    def handle_register(self, request: pb.RegisterRequest, peer: str) -> pb.RegisterReply:
+        with self.core.lock:
+            reply, events = self.core.register(request, peer)
         self._publish(events)
         return reply
 
-    def Initialize(self, data: bytes, context: grpc.ServicerContext) -> pb.InitializeReply:
-        with refusals(context), self.core.lock:
+    def handle_initialize(self, data) -> pb.InitializeReply:
+        with self.core.lock:
             return self.core.initialize(data)
 
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
-        with tracing.span("serve_pull", worker=request.caller.worker_id), refusals(context), self.core.lock:
+    def handle_pull(self, request: pb.PullRequest, call: Call) -> bytes | Pieces:
+        with tracing.span("serve_pull", worker=request.caller.worker_id), self.core.lock:
             member = self.core.begin_pull(request.caller)
-            reply = self.core.pull_reply(member, self._await_work(member, context))
-        self._emulate_downlink(member.worker_id, reply)
+            reply = self.core.pull_reply(member, self._await_work(member, call))
+        self._emulate_downlink(member.worker_id, len(reply) + call.framing_bytes)
         return reply
 
-    def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+    def handle_push(self, data, call: Call) -> bytes | Pieces:
         with tracing.span("serve_push"):
-            return self._serve_push(data, context)
+            return self._serve_push(data, call)
 
-    def _serve_push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+    def _serve_push(self, data, call: Call) -> bytes | Pieces:
         core = self.core
-        with refusals(context):
-            try:
-                received = split(data, pb.PushRequest, ("gradients", "buffers"))
-            except ValueError as exc:
-                self._refused(None, 0, PushRefused("INVALID_ARGUMENT", f"push: {exc}"))
-            request = received.message
-            worker_id, request_id = request.caller.worker_id, request.request_id
-            try:
-                with core.lock:
+        try:
+            received = split(data, pb.PushRequest, ("gradients", "buffers"))
+        except ValueError as exc:
+            self._refused(None, 0, PushRefused("INVALID_ARGUMENT", f"push: {exc}"))
+        request = received.message
+        worker_id, request_id = request.caller.worker_id, request.request_id
+        try:
+            with core.lock:
+                admitted = core.begin_push(request.caller, request)
+                while admitted is RequestLog.IN_PROGRESS:
+                    core.lock.wait(WAIT_POLL_S)  # the first copy of this request is still being handled
                     admitted = core.begin_push(request.caller, request)
-                    while admitted is RequestLog.IN_PROGRESS:
-                        core.lock.wait(WAIT_POLL_S)  # the first copy of this request is still being handled
-                        admitted = core.begin_push(request.caller, request)
-                    if isinstance(admitted, bytes):
-                        return admitted  # a retry: answer again, apply nothing
-                    member = admitted
-                try:
-                    contribution = core.decode(worker_id, received)  # outside the lock: workers decode in parallel
-                    with core.lock:
-                        core.member(request.caller)
-                        verdict = core.apply_push(member, request, contribution)
-                        reply = core.push_reply(member, request_id, verdict, self._await_work(member, context))
-                except BaseException:
-                    with core.lock:
-                        core.abandon(worker_id, request_id)
-                    raise
-            except PushRefused as refused:
-                self._refused(worker_id, request_id, refused)
-        self._emulate_downlink(worker_id, reply)
+                if isinstance(admitted, (bytes, Pieces)):
+                    return admitted  # a retry: answer again, apply nothing
+                member = admitted
+            try:
+                contribution = core.decode(worker_id, received)  # outside the lock: workers decode in parallel
+                with core.lock:
+                    core.member(request.caller)
+                    verdict = core.apply_push(member, request, contribution)
+                    reply = core.push_reply(member, request_id, verdict, self._await_work(member, call))
+            except BaseException:
+                with core.lock:
+                    core.abandon(worker_id, request_id)
+                raise
+        except PushRefused as refused:
+            self._refused(worker_id, request_id, refused)
+        self._emulate_downlink(worker_id, len(reply) + call.framing_bytes)
         return reply
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        with refusals(context), self.core.lock:
+    def handle_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        with self.core.lock:
             return self.core.heartbeat(request.caller, request.stats)
 
-    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
-        with refusals(context), self.core.lock:
+    def handle_finish(self, request: pb.FinishRequest) -> pb.FinishReply:
+        with self.core.lock:
             return self.core.finish(request.caller, request.stats)
 
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+    def handle_status(self) -> pb.StatusReply:
         with self.core.lock:
             return self.core.status()
+
+    # ------------------------------------------------------------------------- gRPC methods (src.ps_transport.service_handler)
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        with refusals(context):
+            return self.handle_register(request, context.peer())
+
+    def Initialize(self, data: bytes, context: grpc.ServicerContext) -> pb.InitializeReply:
+        with refusals(context):
+            return self.handle_initialize(data)
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
+        with refusals(context):
+            return _joined(self.handle_pull(request, _GrpcCall(context)))
+
+    def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        with refusals(context):
+            return _joined(self.handle_push(data, _GrpcCall(context)))
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        with refusals(context):
+            return self.handle_heartbeat(request)
+
+    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
+        with refusals(context):
+            return self.handle_finish(request)
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        return self.handle_status()
 
     # ------------------------------------------------------------------------- refusals and waits
 
@@ -260,7 +341,7 @@ class ParameterServer:
             self.core.refused(worker_id, request_id, refused)
         raise refused
 
-    def _await_work(self, member, context: grpc.ServicerContext):
+    def _await_work(self, member, call: Call):
         """Wait (lock held) until ``member`` has work to be told about, or the run is finished."""
         with tracing.span("barrier_wait", worker=member.worker_id):
             while True:
@@ -268,7 +349,7 @@ class ParameterServer:
                 if work is not None:
                     return work
                 self.core.lock.wait(WAIT_POLL_S)
-                if not context.is_active():
+                if not call.is_active():
                     raise Refused("CANCELLED", "call cancelled while waiting for work")
 
     def _watch_heartbeats(self) -> None:
@@ -287,9 +368,9 @@ class ParameterServer:
             for kind, fields in events:
                 self.on_event(kind, fields)
 
-    def _emulate_downlink(self, worker: int, reply: bytes) -> None:
-        """Wait as long as ``reply`` takes on ``worker``'s emulated downlink (lock not held: links are parallel)."""
+    def _emulate_downlink(self, worker: int, nbytes: int) -> None:
+        """Wait as long as a reply of ``nbytes`` takes on ``worker``'s emulated downlink (lock not held: links are parallel)."""
         link = self.downlinks.get(worker)
         if link is not None:
-            with tracing.span("downlink_wait", bytes=len(reply)):
-                link.transmit(len(reply))
+            with tracing.span("downlink_wait", bytes=nbytes):
+                link.transmit(nbytes)

@@ -37,6 +37,11 @@ simulation by re-polling after each event). Refusals are :class:`Refused` with a
 like gRPC's (``INVALID_ARGUMENT``, ``ABORTED``, ...), which each transport maps to its own errors.
 Time comes from the injected :class:`~src.clock.Clock`; evaluations run on the injected executor
 (a background thread for real servers, inline in a simulation); injected faults call ``fire_fault``.
+Pull and Push replies are ``bytes`` joined under the lock, or (``reply_views``, the real servers)
+:class:`~src.wire.Pieces` over the parameters' own memory that the transport sends or joins outside
+the lock, copied only if the next step comes while a reply is still being sent
+(:class:`~src.wire.SharedBuffers`); a retried push is then answered with its verdict and work and,
+when the model moved on without keeping the first reply's bytes, the newest parameters.
 
 Outputs under ``system.log_dir/server``: ``events.jsonl`` (register, push, update with the sample
 indices it applied, worker_failed, work_reassigned, eval, checkpoint, ...) and TensorBoard scalars;
@@ -53,6 +58,7 @@ import math
 import threading
 from collections import Counter
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -80,7 +86,7 @@ from src.served_model import layout_mismatch, model_from_layout
 from src.staleness import StalenessPolicy, server_optimizer
 from src.trackers import open_trackers
 from src.trainer import evaluate
-from src.wire import Outgoing, Received, check_float32_bytes, serialize, split, tensor_view
+from src.wire import Outgoing, Pieces, Received, SharedBuffers, check_float32_bytes, encode, serialize, split, tensor_view
 from src.work_source import WorkRefused, WorkSource
 
 logger = logging.getLogger(__name__)
@@ -123,6 +129,14 @@ def _spec(name: str, tensor: torch.Tensor) -> pb.TensorSpec:
     return pb.TensorSpec(name=name, shape=list(tensor.shape))
 
 
+@dataclass
+class _StoredReply:
+    """A push's reply kept for retries when replies are views (``reply_views``): its pieces and its message."""
+
+    pieces: Pieces
+    message: Any
+
+
 class InlineExecutor(Executor):
     """Runs each submitted task at once, in the caller (a simulation's evaluations: no background thread)."""
 
@@ -152,6 +166,11 @@ class ServerCore:
         fire_fault: what a due server fault does (default: signal this process).
         clock: where time comes from (:mod:`src.clock`).
         background: runs evaluations (default: inline; a real server passes a one-thread pool).
+        reply_views: Pull and Push replies are :class:`~src.wire.Pieces` over the tensors themselves
+            (:class:`~src.wire.SharedBuffers`: copied only if the model changes while a reply is still being
+            sent), for a transport that sends them outside the lock without joining them; each comes with a
+            lease the sender gives back (:meth:`Pieces.release <src.wire.Pieces.release>`). Default: ``bytes``
+            joined under the lock.
     """
 
     def __init__(
@@ -170,10 +189,12 @@ class ServerCore:
         fire_fault: Callable[[FaultSpec], None] | None = None,
         clock: Clock = REAL_CLOCK,
         background: Executor | None = None,
+        reply_views: bool = False,
     ):
         self.config = config
         t, system = config.training, config.system
         self.clock = clock
+        self.reply_views = reply_views
         self.mode = system.aggregation_mode
         self.num_workers = system.num_workers
         self.work = work
@@ -247,6 +268,9 @@ class ServerCore:
         # Byte views of what workers are sent, made once: the tensors are updated in place.
         self._param_views = [tensor_view(p) for p in self.state.sent()]
         self._buffer_views = [tensor_view(b) for b in self.state.buffers]
+        self._shared: SharedBuffers | None = None  # reply_views: the current version's tensors, once a reply used them
+        if self.reply_views:
+            self.state.before_change = self._release_shared
         if not self.serving:
             model_bytes = 4 * sum(p.numel() for p in self.state.params + self.state.buffers)
             # A push is at most ~2x the model (top-k at ratio 1 sends value + index per entry).
@@ -328,14 +352,14 @@ class ServerCore:
             self._maybe_start()
         return member
 
-    def pull_reply(self, member: Member, work: tuple[list[Batch] | None, bool]) -> bytes:
+    def pull_reply(self, member: Member, work: tuple[list[Batch] | None, bool]) -> bytes | Pieces:
         """The serialized Pull reply: dense parameters (a pull starts the worker afresh) and ``work``."""
         self.downlink.forget(member.worker_id)
         message = pb.PullReply(version=self.state.version, work=self.work.message(*work), control=self.control)
         with tracing.span("reply", worker=member.worker_id):
             return self._reply_bytes(message, member.worker_id)
 
-    def begin_push(self, caller: pb.Caller, request: pb.PushRequest) -> Member | bytes | object:
+    def begin_push(self, caller: pb.Caller, request: pb.PushRequest) -> Member | bytes | Pieces | object:
         """Admit a push: its member, or the stored reply of a retried push, or ``RequestLog.IN_PROGRESS``
         while the first copy of this request is still being handled (wait, then call again).
 
@@ -350,12 +374,10 @@ class ServerCore:
         if remembered is RequestLog.SUPERSEDED:
             raise PushRefused("FAILED_PRECONDITION", f"push {request_id} of worker {worker_id} was handled already "
                                                      f"and is not its newest push (request ids are unique per push)")
+        if isinstance(remembered, _StoredReply):  # a retry of a handled push, replies as views
+            return self._stored_reply(member, remembered)
         if isinstance(remembered, pb.PushReply):  # a retry of a handled push, dense replies: the verdict again,
-            again = pb.PushReply()                 # with the parameters as they are now; nothing applied
-            again.CopyFrom(remembered)
-            again.version = self.state.version
-            again.control.CopyFrom(self.control)
-            return self._reply_bytes(again, worker_id)
+            return self._rebuilt_reply(member, remembered)  # with the parameters as they are now
         if remembered is not None:
             return remembered  # IN_PROGRESS, or a retry of a handled push: answer again, apply nothing
         try:
@@ -395,7 +417,7 @@ class ServerCore:
                 if header.shape != shape:
                     raise ValueError(f"shape {list(header.shape)}, expected {list(shape)}")
                 # copy=False: identity gradients stay read-only views of the message (nothing writes them)
-                gradients.append(decompress(payload, copy=False))  # refuses malformed buffers and NaN/Inf
+                gradients.append(decompress(payload, copy=False, header=header))  # refuses malformed buffers and NaN/Inf
             except ValueError as exc:
                 raise PushRefused("INVALID_ARGUMENT", f"gradient {index} ({spec.name}): {exc}") from None
         buffers = []
@@ -431,17 +453,21 @@ class ServerCore:
         return verdict
 
     def push_reply(self, member: Member, request_id: int, verdict: pb.PushReply,
-                   work: tuple[list[Batch] | None, bool]) -> bytes:
+                   work: tuple[list[Batch] | None, bool]) -> bytes | Pieces:
         """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``."""
         verdict.work.CopyFrom(self.work.message(*work))
         verdict.version = self.state.version
         verdict.control.CopyFrom(self.control)
         with tracing.span("reply", worker=member.worker_id):
             reply = self._reply_bytes(verdict, member.worker_id)
-        # For a retry: a delta reply only as it was (the worker's copy follows the deltas it got); a dense one
-        # can be rebuilt from the verdict, so a model-sized reply is not kept per worker.
-        self.requests.finish(member.worker_id, request_id, reply if self.downlink.compressor is not None else verdict,
-                             applied=verdict.accepted)
+        # For a retry: views are kept with their verdict (rebuilt if the model moved on); bytes of a delta reply
+        # only as they were (the worker's copy follows the deltas it got); a dense one is rebuilt from the verdict,
+        # so a model-sized reply is not kept per worker.
+        if self.reply_views:
+            stored = _StoredReply(reply, verdict)
+        else:
+            stored = reply if self.downlink.compressor is not None else verdict
+        self.requests.finish(member.worker_id, request_id, stored, applied=verdict.accepted)
         self.lock.notify_all()
         return reply
 
@@ -745,12 +771,53 @@ class ServerCore:
 
     # ------------------------------------------------------------------------- replies
 
-    def _reply_bytes(self, message, worker: int) -> bytes:
-        """``message`` with the current parameters (dense, or a delta for ``worker``) and buffers, serialized."""
+    def _reply_bytes(self, message, worker: int) -> bytes | Pieces:
+        """``message`` with the current parameters (dense, or a delta for ``worker``) and buffers, serialized
+        (``reply_views``: as pieces over the tensors themselves, with a lease the sender gives back)."""
         self.state.sent()  # the lookahead point of this version, when workers are sent one
         downlink = self.downlink.encode(worker, self.state.version)
-        tensors = {"parameters": self._param_views} if downlink.dense else {"parameter_deltas": downlink.payloads}
-        return serialize(Outgoing(message, {**tensors, "buffers": self._buffer_views}))
+        if self.reply_views:
+            shared = self._shared_views()
+            params = [shared.ref(i) for i in range(len(self._param_views))]
+            buffers = [shared.ref(len(params) + i) for i in range(len(self._buffer_views))]
+        else:
+            params, buffers = self._param_views, self._buffer_views
+        tensors = {"parameters": params} if downlink.dense else {"parameter_deltas": downlink.payloads}
+        outgoing = Outgoing(message, {**tensors, "buffers": buffers})
+        if not self.reply_views:
+            return serialize(outgoing)
+        shared.acquire()  # valid: it is the current version's (the lock is held)
+        return encode(outgoing)
+
+    def _shared_views(self) -> SharedBuffers:
+        """The current version's tensors as :class:`~src.wire.SharedBuffers` (made at its first reply)."""
+        if self._shared is None:
+            self._shared = SharedBuffers(self._param_views + self._buffer_views)
+        return self._shared
+
+    def _release_shared(self) -> None:
+        """The model is about to change: replies still being sent from it get a copy, the rest drop it."""
+        if self._shared is not None:
+            self._shared.before_write()
+            self._shared = None
+
+    def _stored_reply(self, member: Member, remembered: "_StoredReply") -> Pieces:
+        """A retried push's reply again (with a lease); rebuilt when the model changed since and no send kept
+        the first one's bytes."""
+        reply = remembered.pieces
+        if reply.shared is None or reply.shared.acquire():
+            return reply
+        remembered.pieces = self._rebuilt_reply(member, remembered.message)
+        return remembered.pieces
+
+    def _rebuilt_reply(self, member: Member, verdict: pb.PushReply) -> bytes | Pieces:
+        """A handled push's verdict and work as answered, with this version's parameters, dense; nothing applied."""
+        message = pb.PushReply()
+        message.CopyFrom(verdict)
+        message.version = self.state.version
+        message.control.CopyFrom(self.control)
+        self.downlink.forget(member.worker_id)  # dense: what the worker holds is unknown
+        return self._reply_bytes(message, member.worker_id)
 
     # ------------------------------------------------------------------------- evaluation, checkpoints
 

@@ -122,7 +122,7 @@ def run_server(
             port = server.start()
             host, _ = split_address(config.system.server_address)  # as bound: 0.0.0.0 means every interface
             bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            logger.info("parameter server listening on %s (%s, %d workers%s)", bound,
+            logger.info("parameter server listening on %s (%s, %s, %d workers%s)", bound, config.system.transport,
                         config.system.aggregation_mode, config.system.num_workers,
                         f", resumed at version {server.state.version}" if resume else "")
             if on_listening is not None:

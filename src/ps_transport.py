@@ -22,6 +22,9 @@ and :mod:`src.worker` contain only their algorithms:
   so ``bytes_sent`` / ``bytes_received`` are the lengths of the exact serialized messages that went
   through gRPC, and retries a call that failed in transport with the same request (a push keeps its
   request id, which the server applies at most once).
+* **Choosing a transport.** :func:`make_client` returns this client or the TCP transport's
+  (:mod:`src.tcp_transport`, same interface) for ``system.transport``; the TLS files, token and
+  limits above mean the same on both.
 """
 
 from __future__ import annotations
@@ -131,27 +134,42 @@ def _read(path: str, what: str) -> bytes:
         raise SetupError(f"{what}: cannot read {path} ({exc.strerror})") from None
 
 
-def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None`` (plaintext).
+def server_tls_files(system: SystemConfig) -> tuple[bytes, bytes] | None:
+    """The server's PEM certificate and key when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None``.
 
     Raises:
-        ValueError: only one of the two is set, or a file cannot be read.
+        SetupError: only one of the two is set, or a file cannot be read.
     """
     if bool(system.tls_cert_file) != bool(system.tls_key_file):
         raise SetupError("system.tls_cert_file and system.tls_key_file: set both for TLS, or neither")
     if not system.tls_cert_file:
         return None
-    key = _read(system.tls_key_file, "system.tls_key_file")
-    cert = _read(system.tls_cert_file, "system.tls_cert_file")
+    return _read(system.tls_cert_file, "system.tls_cert_file"), _read(system.tls_key_file, "system.tls_key_file")
+
+
+def client_tls_roots(system: SystemConfig) -> bytes | None:
+    """The PEM a client verifies the server against: ``tls_ca_file``, else ``tls_cert_file``; ``None``: plaintext."""
+    roots_file = system.tls_ca_file or system.tls_cert_file
+    return _read(roots_file, "system.tls_ca_file") if roots_file else None
+
+
+def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None`` (plaintext).
+
+    Raises:
+        SetupError: only one of the two is set, or a file cannot be read.
+    """
+    files = server_tls_files(system)
+    if files is None:
+        return None
+    cert, key = files
     return grpc.ssl_server_credentials([(key, cert)])
 
 
 def channel_credentials(system: SystemConfig) -> grpc.ChannelCredentials | None:
     """TLS credentials verifying the server against ``tls_ca_file`` (else ``tls_cert_file``), or ``None``."""
-    roots_file = system.tls_ca_file or system.tls_cert_file
-    if not roots_file:
-        return None
-    return grpc.ssl_channel_credentials(root_certificates=_read(roots_file, "system.tls_ca_file"))
+    roots = client_tls_roots(system)
+    return grpc.ssl_channel_credentials(root_certificates=roots) if roots is not None else None
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -276,7 +294,89 @@ def start_grpc_server(
 # ----------------------------------------------------------------------------- client
 
 
-class ParameterServerClient:
+class ProtocolClient:
+    """The parameter server's calls as a worker (or a tool) makes them, whatever the transport.
+
+    A subclass sends one attempt of a call (:meth:`_attempt`: the call's name, its request message
+    or :class:`~src.wire.Outgoing`, raising a :class:`grpc.RpcError` on failure); this class builds
+    the requests and retries a call that failed in transport (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``)
+    ``retries`` times with backoff, resending the same request (a push keeps its request id, which the
+    server applies at most once). Subclasses set ``retries`` and ``connect_timeout_s``.
+    """
+
+    retries: int
+    connect_timeout_s: float
+
+    def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
+        raise NotImplementedError
+
+    def _call(self, name: str, request, *, timeout: float | None = None, wait_for_ready: bool = False, retry: bool = True):
+        attempt = 0
+        while True:
+            try:
+                return self._attempt(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
+            except grpc.RpcError as exc:
+                if not retry or exc.code() not in RETRYABLE or attempt >= self.retries:
+                    raise
+                attempt += 1
+                time.sleep(min(0.2 * 2**attempt, 5.0))  # backoff before resending the same request
+
+    def register(self, worker_id: int, last_request_id: int = 0, carried_batch_ids: Sequence[int] = (), *,
+                 timeout: float | None = None, any_worker_id: bool = False) -> pb.RegisterReply:
+        """Join the run (again); waits up to ``timeout`` (default ``connect_timeout_s``) for the server.
+
+        Args:
+            last_request_id: the last push this process sent, if it lost its session (the reply says
+                whether it was applied).
+            any_worker_id: let the server pick a free worker id (the reply's ``worker_id``).
+        """
+        request = pb.RegisterRequest(worker_id=worker_id, last_request_id=last_request_id,
+                                     carried_batch_ids=carried_batch_ids, pid=os.getpid(), any_worker_id=any_worker_id)
+        # wait_for_ready: reconnect with backoff until the server accepts or the deadline passes.
+        return self._call("Register", request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True, retry=False)
+
+    def initialize(self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]) -> pb.InitializeReply:
+        """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
+        return self._call("Initialize", Outgoing(request, {"parameters": parameters, "buffers": buffers}))
+
+    def pull(self, caller: pb.Caller) -> Received:
+        """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views)."""
+        return self._call("Pull", pb.PullRequest(caller=caller))
+
+    def push(self, request: pb.PushRequest, gradients: Sequence[Any] = (), buffers: Sequence[Any] = (), *,
+             wait_for_ready: bool = False, timeout: float | None = None) -> Received:
+        """Send one step; the reply (a :class:`~pb.PushReply` and views) carries the next parameters and work.
+
+        A retry resends the same bytes (same request id), which the server applies at most once.
+        """
+        return self._call("Push", Outgoing(request, {"gradients": gradients, "buffers": buffers}),
+                          wait_for_ready=wait_for_ready, timeout=timeout)
+
+    def push_bytes(self, data: bytes, *, timeout: float | None = None) -> Received:
+        """Send ``data`` as a Push message as it is, without a retry (tools and tests of the server's parser)."""
+        return self._call("Push", data, timeout=timeout, retry=False)
+
+    def heartbeat(self, caller: pb.Caller, stats: pb.WorkerStats, timeout: float) -> pb.HeartbeatReply:
+        """One heartbeat (no retry: the next one follows soon)."""
+        return self._call("Heartbeat", pb.HeartbeatRequest(caller=caller, stats=stats), timeout=timeout, retry=False)
+
+    def finish(self, caller: pb.Caller, stats: pb.WorkerStats) -> pb.FinishReply:
+        return self._call("Finish", pb.FinishRequest(caller=caller, stats=stats))
+
+    def status(self, timeout: float | None = 10.0, wait_for_ready: bool = False) -> pb.StatusReply:
+        return self._call("Status", pb.StatusRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ParameterServerClient(ProtocolClient):
     """A worker's (or a tool's) connection to the parameter server, counting the bytes it moves.
 
     Args:
@@ -347,63 +447,31 @@ class ParameterServerClient:
 
         return parse
 
-    def _call(self, name: str, request, *, timeout: float | None = None, wait_for_ready: bool = False, retry: bool = True):
-        attempt = 0
-        while True:
-            try:
-                return self._calls[name](request, metadata=self._metadata, timeout=timeout, wait_for_ready=wait_for_ready)
-            except grpc.RpcError as exc:
-                if not retry or exc.code() not in RETRYABLE or attempt >= self.retries:
-                    raise
-                attempt += 1
-                time.sleep(min(0.2 * 2**attempt, 5.0))  # backoff before resending the same request
-
-    def register(self, worker_id: int, last_request_id: int = 0, carried_batch_ids: Sequence[int] = (), *,
-                 timeout: float | None = None, any_worker_id: bool = False) -> pb.RegisterReply:
-        """Join the run (again); waits up to ``timeout`` (default ``connect_timeout_s``) for the server.
-
-        Args:
-            last_request_id: the last push this process sent, if it lost its session (the reply says
-                whether it was applied).
-            any_worker_id: let the server pick a free worker id (the reply's ``worker_id``).
-        """
-        request = pb.RegisterRequest(worker_id=worker_id, last_request_id=last_request_id,
-                                     carried_batch_ids=carried_batch_ids, pid=os.getpid(), any_worker_id=any_worker_id)
-        # wait_for_ready: gRPC reconnects with its own backoff until the server accepts or the deadline passes.
-        return self._call("Register", request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True, retry=False)
-
-    def initialize(self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]) -> pb.InitializeReply:
-        """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
-        return self._call("Initialize", Outgoing(request, {"parameters": parameters, "buffers": buffers}))
-
-    def pull(self, caller: pb.Caller) -> Received:
-        """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views)."""
-        return self._call("Pull", pb.PullRequest(caller=caller))
-
-    def push(self, request: pb.PushRequest, gradients: Sequence[Any] = (), buffers: Sequence[Any] = (), *,
-             wait_for_ready: bool = False, timeout: float | None = None) -> Received:
-        """Send one step; the reply (a :class:`~pb.PushReply` and views) carries the next parameters and work.
-
-        A retry resends the same bytes (same request id), which the server applies at most once.
-        """
-        return self._call("Push", Outgoing(request, {"gradients": gradients, "buffers": buffers}),
-                          wait_for_ready=wait_for_ready, timeout=timeout)
-
-    def heartbeat(self, caller: pb.Caller, stats: pb.WorkerStats, timeout: float) -> pb.HeartbeatReply:
-        """One heartbeat (no retry: the next one follows soon)."""
-        return self._call("Heartbeat", pb.HeartbeatRequest(caller=caller, stats=stats), timeout=timeout, retry=False)
-
-    def finish(self, caller: pb.Caller, stats: pb.WorkerStats) -> pb.FinishReply:
-        return self._call("Finish", pb.FinishRequest(caller=caller, stats=stats))
-
-    def status(self, timeout: float | None = 10.0, wait_for_ready: bool = False) -> pb.StatusReply:
-        return self._call("Status", pb.StatusRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
+    def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
+        return self._calls[name](request, metadata=self._metadata, timeout=timeout, wait_for_ready=wait_for_ready)
 
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "ParameterServerClient":
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+TRANSPORTS = ("grpc", "tcp")
+
+
+def make_client(address: str, *, transport: str = "grpc", **kwargs: Any):
+    """A client of the parameter server at ``address`` over ``transport`` (``system.transport``).
+
+    Both clients have the same calls, byte counters, uplink emulation and retries, and fail with a
+    :class:`grpc.RpcError` carrying the same status codes (:class:`ParameterServerClient` for gRPC,
+    :class:`src.tcp_transport.TCPParameterServerClient` for TCP). ``kwargs``: as the clients take
+    (``token``, ``system``, ``connect_timeout_s``, ``retries``, ``uplink``).
+
+    Raises:
+        SetupError: an unknown transport.
+    """
+    if transport == "tcp":
+        from src.tcp_transport import TCPParameterServerClient
+
+        return TCPParameterServerClient(address, **kwargs)
+    if transport == "grpc":
+        return ParameterServerClient(address, **kwargs)
+    raise SetupError(f"system.transport: must be one of {', '.join(TRANSPORTS)}, got {transport!r}")

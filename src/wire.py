@@ -10,13 +10,17 @@ fields back as zero-copy views of the received message. The result is exactly th
 format, so any protobuf parser reads it.
 
 Tensors travel as little-endian float32 bytes (:func:`tensor_view`, :func:`copy_bytes_into`),
-gradients as the compression library's payloads. Nothing here knows about gRPC or sockets: the gRPC
-service (:mod:`src.ps_transport`) and the virtual-time driver (:mod:`src.virtual_time`) move the same
-bytes, so their byte counts are the same.
+gradients as the compression library's payloads. :func:`encode` hands the same bytes back unjoined
+(:class:`Pieces`: the tensors' own memory, for a transport that sends a list of buffers). Nothing
+here knows about gRPC or sockets: the gRPC service (:mod:`src.ps_transport`), the TCP transport
+(:mod:`src.tcp_transport`) and the virtual-time driver (:mod:`src.virtual_time`) move the same
+message bytes, so their byte counts differ only by each transport's own framing.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -97,21 +101,152 @@ class Outgoing:
     large: Mapping[str, Sequence[Any]] = field(default_factory=dict)
 
 
-def serialize(outgoing: "Outgoing | Any") -> bytes:
-    """Protobuf wire bytes of ``outgoing``: its message, then each large field's chunks, in one copy.
+COALESCE_BYTES = 16 << 10
+"""Pieces smaller than this are copied together into one (field tags, lengths, small tensors): a list of a
+few large views and few small pieces is what a gather write (``sendmsg``) and a TLS record layer handle well."""
+
+
+class SharedBuffers:
+    """Byte views that messages are sent from while their owner may still change the memory behind them.
+
+    The parameters of a version: replies are sent from the tensors themselves, and the next optimizer
+    step writes them in place. A send in progress holds a lease (:meth:`acquire` / :meth:`release`)
+    and reads the views with :attr:`lock` held, a chunk at a time (:meth:`view`); the owner calls
+    :meth:`before_write` (holding nothing a sender waits for) before it writes. Then, with a lease
+    held, the views are swapped for one copy of their bytes, so the sends go on with the same bytes;
+    with none, the views are dropped without a copy (:attr:`valid` becomes ``False``). So a reply
+    costs no copy unless the model changes while it is on the wire, and a slow receiver never holds
+    the owner up longer than one chunk's write into the kernel.
+    """
+
+    def __init__(self, views: Sequence[memoryview]):
+        self.lock = threading.Lock()
+        self._views = list(views)
+        self.leases = 0
+        self.valid = True
+        self.copied = False
+
+    def ref(self, index: int) -> "SharedRef":
+        return SharedRef(self, index, self._views[index].nbytes)
+
+    def view(self, index: int) -> memoryview:
+        """The bytes of view ``index`` now (the caller holds :attr:`lock` while it reads them)."""
+        if not self.valid:
+            raise RuntimeError("shared buffers read after they were released without a lease")
+        return self._views[index]
+
+    def acquire(self) -> bool:
+        """Take a lease for one send; ``False`` when the views are gone (the model changed with no send holding them)."""
+        with self.lock:
+            if not self.valid:
+                return False
+            self.leases += 1
+            return True
+
+    def release(self) -> None:
+        with self.lock:
+            self.leases -= 1
+
+    def before_write(self) -> None:
+        """The owner is about to change the memory: copy it for the sends holding a lease, or drop it."""
+        with self.lock:
+            if self.leases > 0:
+                copy = memoryview(b"".join(self._views))  # one allocation, one pass
+                offsets = itertools.accumulate((v.nbytes for v in self._views), initial=0)
+                starts = list(offsets)
+                self._views = [copy[a:b] for a, b in zip(starts, starts[1:])]
+                self.copied = True
+            else:
+                self._views = []
+                self.valid = False
+
+
+@dataclass(frozen=True)
+class SharedRef:
+    """A piece of a message that is one of a :class:`SharedBuffers`' views (read when it is sent)."""
+
+    shared: SharedBuffers
+    index: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A message's wire bytes as buffers in order, not joined: views of tensors stay views.
+
+    What :func:`encode` returns, for a transport that writes a list of buffers (``socket.sendmsg``)
+    and so sends the tensors from their own memory. ``len()`` is the message's size in bytes, the
+    same as ``len(serialize(...))`` of the same message. Pieces may be :class:`SharedRef`; ``shared``
+    is then their :class:`SharedBuffers`, on which the builder took a lease that the sender releases
+    (:meth:`release`) once the message is out.
+    """
+
+    buffers: tuple[Any, ...]
+    nbytes: int
+    shared: SharedBuffers | None = None
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        if self.shared is None:
+            return b"".join(self.buffers)
+        with self.shared.lock:
+            return b"".join(self.shared.view(b.index) if isinstance(b, SharedRef) else b for b in self.buffers)
+
+    def release(self) -> None:
+        """The message is sent (or will not be): give back the lease on its shared buffers, if any."""
+        if self.shared is not None:
+            self.shared.release()
+
+
+def encode(outgoing: "Outgoing | Pieces | Any") -> Pieces:
+    """Protobuf wire bytes of ``outgoing`` as :class:`Pieces`: its message, then each large field's chunks,
+    with the chunks' memory referenced, not copied (small pieces are joined, see :data:`COALESCE_BYTES`).
 
     Protobuf parsers merge fields in any order, so this is exactly what the message with those
     fields set would parse back to.
     """
+    if isinstance(outgoing, Pieces):
+        return outgoing
+    if isinstance(outgoing, (bytes, bytearray, memoryview)):
+        return Pieces((outgoing,), memoryview(outgoing).nbytes)
     if not isinstance(outgoing, Outgoing):
-        return outgoing if isinstance(outgoing, bytes) else outgoing.SerializeToString()
-    pieces: list[Any] = [outgoing.message.SerializeToString()]
+        data = outgoing.SerializeToString()
+        return Pieces((data,), len(data))
+    pieces: list[Any] = []
+    shared = None
+    small = bytearray(outgoing.message.SerializeToString())
     for name, chunks in outgoing.large.items():
         tag = _varint(field_number(type(outgoing.message), name) << 3 | 2)
         for chunk in chunks:
+            if isinstance(chunk, SharedRef):  # read when sent: never copied in here
+                small += tag + _varint(chunk.nbytes)
+                pieces += [bytes(small), chunk]
+                small, shared = bytearray(), chunk.shared
+                continue
             view = memoryview(chunk).cast("B")
-            pieces += [tag, _varint(len(view)), view]
-    return b"".join(pieces)
+            small += tag + _varint(len(view))
+            if len(view) < COALESCE_BYTES:
+                small += view
+                continue
+            pieces += [bytes(small), view]
+            small = bytearray()
+    if small or not pieces:
+        pieces.append(bytes(small))
+    nbytes = sum(piece.nbytes if isinstance(piece, SharedRef) else memoryview(piece).nbytes for piece in pieces)
+    return Pieces(tuple(pieces), nbytes, shared)
+
+
+def serialize(outgoing: "Outgoing | Pieces | Any") -> bytes:
+    """Protobuf wire bytes of ``outgoing`` (see :func:`encode`) joined into one ``bytes``: one copy of each chunk."""
+    if isinstance(outgoing, bytes):
+        return outgoing
+    if isinstance(outgoing, Outgoing):
+        return bytes(encode(outgoing))
+    if isinstance(outgoing, Pieces):
+        return bytes(outgoing)
+    return outgoing.SerializeToString()
 
 
 @dataclass

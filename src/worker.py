@@ -14,7 +14,7 @@ into the next push, which lists them too.
 
 Staying alive: a background thread sends a heartbeat every ``system.heartbeat_interval`` with the
 worker's running totals. If the server loses this worker's session (it restarted from a checkpoint),
-the worker registers again (gRPC's ``wait_for_ready`` waits out the restart), learns whether its
+the worker registers again (the client's ``wait_for_ready`` waits out the restart), learns whether its
 last push was applied (commit, or discard: its samples will be redone) and goes on. If the server
 declared this incarnation failed while the process lived (a partition, a long pause, a hang that
 ended: it was silent for longer than ``system.heartbeat_timeout``), the worker rejoins: it settles
@@ -32,7 +32,7 @@ communication time); ``emulated_delay_s`` in the totals is the sum of both waits
 Measured per worker: gradient time (forward/backward), compression time, communication time (the
 push round trip, including waiting at the sync barrier; the worker computes nothing meanwhile, so
 all of it is exposed communication, :mod:`src.exposed_comm`), bytes sent and received (the serialized
-gRPC messages, :class:`~src.ps_transport.ParameterServerClient`), samples, loss and accuracy.
+messages or frames of ``system.transport``, :func:`~src.ps_transport.make_client`), samples, loss and accuracy.
 Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the totals go to the server with each
 heartbeat and at Finish, which puts them in the run summary.
 """
@@ -54,7 +54,7 @@ from src.data import load_dataset
 from src.faults import FaultInjector
 from src.metrics import MetricsLogger
 from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
-from src.ps_transport import ParameterServerClient, Received, require_auth_token
+from src.ps_transport import ParameterServerClient, Received, make_client, require_auth_token
 from src.trainer import model_from_config, resolve_device
 from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.worker_step import WorkerStep, check_layout
@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 LOCAL_FIELDS = (
     "training.data_dir", "training.device",
-    "system.log_dir", "system.checkpoint_dir", "system.server_address", "system.inject_faults",
+    "system.log_dir", "system.checkpoint_dir", "system.server_address", "system.transport", "system.inject_faults",
     "system.tls_cert_file", "system.tls_key_file", "system.tls_ca_file", "system.max_rejoins",
 )
 """Fields a worker takes from its own config; everything else comes from the server."""
@@ -86,7 +86,7 @@ def merge_run_config(local: Config, run_config_json: str) -> Config:
 class Worker:
     """One worker of a parameter-server run; :meth:`run` trains until the server says the run is finished.
 
-    A real process's driver of :class:`~src.worker_step.WorkerStep`: gRPC calls, wall-clock timings,
+    A real process's driver of :class:`~src.worker_step.WorkerStep`: calls over ``system.transport``, wall-clock timings,
     emulated waits, heartbeats, re-registration.
 
     Args:
@@ -147,8 +147,8 @@ class Worker:
             IncarnationRevoked: the server declared this incarnation failed, and the rejoin budget is spent.
             ValueError: the local model does not match the server's layout.
         """
-        self.client = ParameterServerClient(self.address, token=self.token, system=self.local_config.system,
-                                            connect_timeout_s=self.connect_timeout_s)
+        self.client = make_client(self.address, transport=self.local_config.system.transport, token=self.token,
+                                  system=self.local_config.system, connect_timeout_s=self.connect_timeout_s)
         heartbeats = None
         try:
             registration = self._register(0)

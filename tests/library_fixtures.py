@@ -40,6 +40,7 @@ class LibraryServer:
         self.server = ClientLoopServer(config, token=TOKEN, tensorboard=False, **kwargs)
         self.port = self.server.start()
         self.address = f"127.0.0.1:{self.port}"
+        self.url = f"{self.server.transport}://{self.address}"  # what connect() takes, naming the transport
 
     def finish(self, timeout: float = 60.0) -> dict[str, Any]:
         """Wait until every worker has left; the run summary."""

@@ -16,7 +16,7 @@ from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY
 from src.config import Config, load_config
 from src.parameter_server import ParameterServer
-from src.ps_transport import ParameterServerClient
+from src.ps_transport import TRANSPORTS, make_client
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "run_parameter_server_training.py"
@@ -36,16 +36,26 @@ def ps_config(tmp_path: Path, name: str = "run", **fields: Any) -> Config:
     return load_config(overrides=values)
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    """Each transport in turn (``system.transport``), for the tests that must hold on both."""
+    return request.param
+
+
 class ServedServer:
-    """A :class:`ParameterServer` serving on a free loopback port, stopped by :meth:`close`."""
+    """A :class:`ParameterServer` serving on a free loopback port (over the config's ``system.transport``),
+    stopped by :meth:`close`."""
 
     def __init__(self, config: Config, token: str = TOKEN, **kwargs: Any):
         self.server = ParameterServer(config, token=token, tensorboard=False, **kwargs)
+        self.transport = self.server.transport
         self.port = self.server.start()
         self.address = f"127.0.0.1:{self.port}"
 
-    def client(self, token: str | None = TOKEN, **kwargs: Any) -> ParameterServerClient:
-        return ParameterServerClient(self.address, token=token, retries=0, connect_timeout_s=10, **kwargs)
+    def client(self, token: str | None = TOKEN, **kwargs: Any):
+        """A client of this server's transport (no retries, a 10 s connect timeout unless given)."""
+        options = {"retries": 0, "connect_timeout_s": 10, **kwargs}
+        return make_client(self.address, transport=self.transport, token=token, **options)
 
     def worker(self, worker_id: int = 0) -> "RawWorker":
         """A hand-driven worker: registered and holding its first work."""

@@ -158,3 +158,13 @@ def test_every_runner_has_the_flags_in_its_help(capsys):
         assert code == 0
         for flag in ("--set FIELD=VALUE", "--print-config", "--log-level", "--trace", "--tracker NAME"):
             assert flag in out, (name, flag)
+
+
+def test_transport_flag_sets_the_field_and_refuses_an_unknown_one(capsys):
+    main = _runner(RUNNERS["parameter_server"])
+    code, out, _ = exit_of(main, ["--transport", "tcp", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["system"]["transport"] == "tcp"
+    code, _, err = exit_of(main, ["--transport", "udp"], capsys)
+    assert code == 2 and "argument --transport: invalid choice: 'udp' (choose from 'grpc', 'tcp')" in err
+    code, _, err = exit_of(main, ["--set", "system.transport=udp"], capsys)
+    assert code == 2 and "system.transport" in err

@@ -63,11 +63,17 @@ def test_a_matrix_expands_into_every_combination_named_by_its_levels():
     assert config.system.log_dir == f"/tmp/x/{names[-1]}/logs" and config.emulation.workers[1].slowdown == 4
 
 
+def test_the_transport_axis_sets_system_transport():
+    _, runs = run_matrix.expand({"matrix": {"name": "t", "axes": {"transport": ["grpc", "tcp"]}}, **TINY}, "m")
+    assert [(e["name"], data["system"]["transport"]) for e, data in runs] == [("grpc", "grpc"), ("tcp", "tcp")]
+
+
 @pytest.mark.parametrize("axes, expected", [
     ({"compression": ["zip"]}, "matrix.axes.compression: unknown level 'zip'"),
     ({"speed": [1, 2]}, "matrix.axes.speed: unknown axis"),
     ({"seed": ["a"]}, "matrix.axes.seed: seeds must be integers"),
     ({"mode": []}, "matrix.axes.mode: must be a non-empty list"),
+    ({"transport": ["udp"]}, "matrix.axes.transport: must be grpc or tcp, got 'udp'"),
 ])
 def test_bad_axes_are_named(axes, expected):
     with pytest.raises(rx.ExperimentError, match=expected.replace("(", r"\(").replace(")", r"\)")):

@@ -20,6 +20,7 @@ from src.config import SetupError
 from src.served_model import import_factory, model_from_layout
 from src.staleness import StalenessPolicy
 from tests.library_fixtures import TOKEN, LibraryServer, TinyConvNet, library_config, small_mlp
+from tests.ps_fixtures import transport  # noqa: F401  (fixture: each transport)
 from torch_asgc import DistributedModel, DistributedOptimizer, connect
 from torch_asgc.server import ClientLoopServer
 
@@ -56,14 +57,21 @@ def served(tmp_path):
 # ----------------------------------------------------------------------------- client
 
 
-def test_connect_needs_the_right_token(served, monkeypatch):
-    server = served()
+def test_connect_needs_the_right_token(served, monkeypatch, transport):
+    server = served(system__transport=transport)
     monkeypatch.delenv("DTS_AUTH_TOKEN", raising=False)
     with pytest.raises(SetupError, match="no auth token"):
-        connect(server.address)
+        connect(server.url)
     with pytest.raises(grpc.RpcError) as refused:
-        connect(server.address, token="wrong", connect_timeout_s=10)
+        connect(server.url, token="wrong", connect_timeout_s=10)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_connect_names_a_bad_transport():
+    with pytest.raises(SetupError, match="unknown transport 'udp'"):
+        connect("udp://127.0.0.1:1", token=TOKEN)
+    with pytest.raises(SetupError, match="names transport 'tcp', but transport='grpc'"):
+        connect("tcp://127.0.0.1:1", token=TOKEN, transport="grpc")
 
 
 def test_server_assigns_free_worker_ids_and_close_leaves_the_run(served):
@@ -84,9 +92,9 @@ def test_server_assigns_free_worker_ids_and_close_leaves_the_run(served):
 # ----------------------------------------------------------------------------- DistributedModel
 
 
-def test_first_workers_model_is_the_servers_and_others_pull_it(served):
-    server = served(system__num_workers=2)
-    with connect(server.address, token=TOKEN) as a, connect(server.address, token=TOKEN) as b:
+def test_first_workers_model_is_the_servers_and_others_pull_it(served, transport):
+    server = served(system__num_workers=2, system__transport=transport)
+    with connect(server.url, token=TOKEN) as a, connect(server.address, token=TOKEN, transport=transport) as b:
         net_a, net_b = small_mlp(seed=1), small_mlp(seed=2)
         expected = {k: v.clone() for k, v in net_a.state_dict().items()}
         assert a.registration.model_wanted
@@ -239,8 +247,9 @@ def test_rejected_push_rolls_back_and_keeps_the_parameters(served):
         assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 
 
-def test_sync_two_workers_average_by_samples(served):
-    server = served(system__num_workers=2, system__aggregation_mode="sync", training__learning_rate=0.1)
+def test_sync_two_workers_average_by_samples(served, transport):
+    server = served(system__num_workers=2, system__aggregation_mode="sync", training__learning_rate=0.1,
+                    system__transport=transport)
     images, labels = data(48)
     reference = small_mlp(seed=7)
     F.cross_entropy(reference(images), labels).backward()  # one large batch of 48 = 32 + 16
@@ -252,7 +261,7 @@ def test_sync_two_workers_average_by_samples(served):
 
     def worker(k: int) -> None:
         try:
-            with connect(server.address, token=TOKEN, worker_id=k) as client:
+            with connect(server.url, token=TOKEN, worker_id=k) as client:
                 model = DistributedModel(nets[k], client)
                 optimizer = DistributedOptimizer(torch.optim.SGD(nets[k].parameters(), lr=0.1), client,
                                                  compression="none")

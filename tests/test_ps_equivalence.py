@@ -1,6 +1,7 @@
 """Parameter-server contracts against the baseline trainer: sync PS == large-batch SGD, async with 1 worker == SGD.
 
-Server and workers run as separate spawned processes (:func:`run_local`), as a user's run does.
+Server and workers run as separate spawned processes (:func:`run_local`), as a user's run does. The
+2-worker sync run holds over both transports, and the two give the same parameters bit for bit.
 """
 
 from __future__ import annotations
@@ -42,26 +43,39 @@ def assert_same_parameters(expected: dict[str, torch.Tensor], actual: dict[str, 
         torch.testing.assert_close(actual[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize(
-    "num_workers, max_train_samples, momentum",
-    [
-        # 249 = 2 shards of 125 and 124: the last step averages batches of 13 and 12 (sample-weighted).
-        (2, 249, 0.0),
-        # 129 samples over 4 shards of 16-sample steps: shard 0 has 33, the others 32, so workers 1-3
-        # take an empty third step while worker 0 contributes the one remaining sample.
-        pytest.param(4, 129, 0.9, marks=pytest.mark.slow),  # 4 worker processes: ~20 s
-    ],
-)
-def test_sync_matches_large_batch_baseline(tmp_path, num_workers, max_train_samples, momentum):
-    per_worker_batch = 16
-    expected = baseline_parameters(tmp_path, batch_size=num_workers * per_worker_batch,
-                                   max_train_samples=max_train_samples, momentum=momentum)
-    summary, actual = ps_parameters(
-        tmp_path, system__num_workers=num_workers, system__aggregation_mode="sync", training__batch_size=per_worker_batch,
-        training__max_train_samples=max_train_samples, training__momentum=momentum,
-    )
-    assert summary["versions"] == -(-max_train_samples // (num_workers * per_worker_batch))
-    assert summary["samples_processed"] == max_train_samples
+PER_WORKER_BATCH = 16
+
+
+def sync_run(tmp_path, num_workers: int, max_train_samples: int, momentum: float, transport: str = "grpc"):
+    return ps_parameters(tmp_path, system__num_workers=num_workers, system__aggregation_mode="sync",
+                         training__batch_size=PER_WORKER_BATCH, training__max_train_samples=max_train_samples,
+                         training__momentum=momentum, system__transport=transport)
+
+
+def test_sync_over_tcp_is_sync_over_grpc_is_large_batch_sgd(tmp_path):
+    """The same 2-worker sync run over each transport: the large-batch baseline's parameters within its
+    tolerance, and the two transports' bit for bit (same messages, same core).
+
+    249 = 2 shards of 125 and 124: the last step averages batches of 13 and 12 (sample-weighted).
+    """
+    expected = baseline_parameters(tmp_path, batch_size=2 * PER_WORKER_BATCH, max_train_samples=249, momentum=0.0)
+    runs = {transport: sync_run(tmp_path / transport, 2, 249, 0.0, transport) for transport in ("grpc", "tcp")}
+    for summary, actual in runs.values():
+        assert summary["versions"] == 8 and summary["samples_processed"] == 249
+        assert_same_parameters(expected, actual)
+    grpc_params, tcp_params = runs["grpc"][1], runs["tcp"][1]
+    assert tcp_params.keys() == grpc_params.keys()
+    for name, value in grpc_params.items():
+        assert torch.equal(tcp_params[name], value), name
+
+
+@pytest.mark.slow  # 4 worker processes: ~20 s
+def test_sync_with_uneven_shards_matches_large_batch_baseline(tmp_path):
+    # 129 samples over 4 shards of 16-sample steps: shard 0 has 33, the others 32, so workers 1-3
+    # take an empty third step while worker 0 contributes the one remaining sample.
+    expected = baseline_parameters(tmp_path, batch_size=4 * PER_WORKER_BATCH, max_train_samples=129, momentum=0.9)
+    summary, actual = sync_run(tmp_path, 4, 129, 0.9)
+    assert summary["versions"] == 3 and summary["samples_processed"] == 129
     assert_same_parameters(expected, actual)
 
 

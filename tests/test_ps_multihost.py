@@ -2,7 +2,7 @@
 
 Each role runs in its own network namespace with its own address (server 10.77.0.1, workers
 10.77.0.2 and .3) and its own loopback, so the run can only work over the veth links, the way it
-would across machines. Processes are started through docker/entrypoint.sh, as the containers do.
+would across machines. Processes are started through docker/entrypoint.sh, as the containers do (over either transport).
 Needs root and iproute2 (CI runs as root).
 """
 
@@ -81,18 +81,20 @@ def start(namespace: str, environment: dict[str, str], args: list[str], log) -> 
                             env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def test_server_and_workers_on_separate_hosts(hosts, tmp_path):
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_server_and_workers_on_separate_hosts(hosts, tmp_path, transport):
     logs = tmp_path / "logs"
     processes = []
     outputs = {role: open(tmp_path / f"{role}.out", "w+") for role in hosts}
+    chosen = {"DTS_TRANSPORT": transport}  # as docker-compose.yml passes it: the entrypoint adds --transport
     try:
-        processes.append(start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
+        processes.append(start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051", **chosen},
                                ["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "256",
                                 "--max-test-samples", "128", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(logs / "server_host")],
                                outputs["server"]))
         for k in (0, 1):
             processes.append(start(hosts[f"worker_{k}"], {"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k),
-                                                          "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
+                                                          "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051", **chosen},
                                    ["--log-dir", str(logs / f"worker_host_{k}")], outputs[f"worker_{k}"]))
         codes = [process.wait(timeout=240) for process in processes]
         text = {}
@@ -107,7 +109,7 @@ def test_server_and_workers_on_separate_hosts(hosts, tmp_path):
         for handle in outputs.values():
             handle.close()
 
-    assert "Final Accuracy:" in text["server"] and f"listening on {SERVER_IP}:50051" in text["server"]
+    assert "Final Accuracy:" in text["server"] and f"listening on {SERVER_IP}:50051 ({transport}," in text["server"]
     peers = sorted(event["peer"] for event in read_events(logs / "server_host" / "server" / "events.jsonl", kind="register"))
     assert [peer.rsplit(":", 1)[0] for peer in peers] == [f"ipv4:{address}" for address in WORKER_IPS]
     for k in (0, 1):

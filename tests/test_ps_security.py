@@ -1,4 +1,8 @@
-"""Parameter-server security and bad input: auth token, loopback by default, TLS, refused pushes, idempotent retries."""
+"""Parameter-server security and bad input: auth token, loopback by default, TLS, refused pushes, idempotent retries.
+
+Every test holds on both transports (``system.transport`` grpc and tcp): the refusals carry the same
+status codes and name the same problems.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +14,18 @@ import torch
 
 from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
-from src.ps_transport import ParameterServerClient
 from src.metrics import read_events
+from src.ps_transport import TRANSPORTS, make_client
 from src.worker import Worker
-from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config
+from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config, transport  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One async single-worker server shared by the tests that only poke at it with a raw client."""
-    server = ServedServer(ps_config(tmp_path_factory.mktemp("served")), evaluate=False)
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def served(tmp_path_factory, request):
+    """One async single-worker server per transport, shared by the tests that only poke at it with a raw client."""
+    server = ServedServer(ps_config(tmp_path_factory.mktemp("served"), system__transport=request.param), evaluate=False)
     yield server
     server.close()
 
@@ -126,8 +130,8 @@ def bad_pushes(worker):
     ]
 
 
-def test_bad_pushes_are_refused_and_the_server_keeps_serving(tmp_path):
-    served = ServedServer(ps_config(tmp_path), evaluate=False)
+def test_bad_pushes_are_refused_and_the_server_keeps_serving(tmp_path, transport):
+    served = ServedServer(ps_config(tmp_path, system__transport=transport), evaluate=False)
     worker = served.worker(0)
     try:
         before = [p.detach().clone() for p in served.server.state.params]
@@ -156,16 +160,15 @@ def test_bad_pushes_are_refused_and_the_server_keeps_serving(tmp_path):
 ])
 def test_malformed_push_bytes_are_refused(served, data, words):
     with served.client() as client:
-        raw_push = client.channel.unary_unary("/dts.ps.ParameterServer/Push")  # bytes in, bytes out
         with pytest.raises(grpc.RpcError) as refused:
-            raw_push(data, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+            client.push_bytes(data, timeout=10)  # bytes in as they are
         assert client.status().version == 0  # still serving
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in refused.value.details()
 
 
-def test_retried_push_is_applied_once(tmp_path):
-    served = ServedServer(ps_config(tmp_path), evaluate=False)
+def test_retried_push_is_applied_once(tmp_path, transport):
+    served = ServedServer(ps_config(tmp_path, system__transport=transport), evaluate=False)
     worker = served.worker(0)
     try:
         request = worker.request(request_id=5, gradients=identity_gradients(served.server, value=1.0))
@@ -183,9 +186,9 @@ def test_retried_push_is_applied_once(tmp_path):
         served.close()
 
 
-def test_a_replaced_incarnation_is_refused(tmp_path):
+def test_a_replaced_incarnation_is_refused(tmp_path, transport):
     """Registering worker 0 again makes a new incarnation; the old session can push, pull or beat no more."""
-    served = ServedServer(ps_config(tmp_path), evaluate=False)
+    served = ServedServer(ps_config(tmp_path, system__transport=transport), evaluate=False)
     old = served.worker(0)
     try:
         stale = old.request()
@@ -206,9 +209,10 @@ def test_a_replaced_incarnation_is_refused(tmp_path):
         served.close()
 
 
-def test_run_finishes_despite_a_misbehaving_worker(tmp_path):
+def test_run_finishes_despite_a_misbehaving_worker(tmp_path, transport):
     """Worker 1 sends only bad pushes, then stops; worker 0 trains, worker 1's work moves to it, the run completes."""
     config = ps_config(tmp_path, system__num_workers=2, system__aggregation_mode="sync", training__max_train_samples=96,
+                       system__transport=transport,
                        system__heartbeat_interval=0.2, system__heartbeat_timeout=1.0)
     served = ServedServer(config)
     try:
@@ -241,21 +245,21 @@ def test_register_refuses_an_out_of_range_worker_id(served):
     assert "worker_id 3 is out of range 0..0" in refused.value.details()
 
 
-def test_tls(tmp_path):
+def test_tls(tmp_path, transport):
     cert, key = make_self_signed_cert(tmp_path)
-    config = ps_config(tmp_path, system__tls_cert_file=str(cert), system__tls_key_file=str(key))
+    config = ps_config(tmp_path, system__tls_cert_file=str(cert), system__tls_key_file=str(key), system__transport=transport)
     served = ServedServer(config, evaluate=False)
     try:
         with served.client(system=config.system) as client:  # trusts the self-signed cert
             assert client.status().num_workers == 1
-        with ParameterServerClient(served.address, token=TOKEN, retries=0) as plaintext:
+        with make_client(served.address, transport=transport, token=TOKEN, retries=0) as plaintext:
             with pytest.raises(grpc.RpcError) as refused:
                 plaintext.status(timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         (tmp_path / "other").mkdir()
         other_cert, _ = make_self_signed_cert(tmp_path / "other")
         untrusting = config.system.model_copy(update={"tls_ca_file": str(other_cert)})
-        with ParameterServerClient(served.address, token=TOKEN, retries=0, system=untrusting) as client:
+        with make_client(served.address, transport=transport, token=TOKEN, retries=0, system=untrusting) as client:
             with pytest.raises(grpc.RpcError) as refused:
                 client.status(timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # handshake fails: unknown issuer

@@ -7,6 +7,7 @@ import torch
 
 from src import parameter_server_pb2 as pb
 from src.ps_transport import Outgoing, copy_bytes_into, serialize, split, tensor_to_bytes, tensor_view
+from src.wire import encode
 
 
 def full_push(gradients, buffers) -> pb.PushRequest:
@@ -60,3 +61,20 @@ def test_tensor_bytes_round_trip_without_copies_on_the_way_out():
     assert torch.equal(target, tensor)
     with pytest.raises(ValueError, match="parameter 2: 56 bytes, expected 60"):
         copy_bytes_into(target, b"\x00" * 56, "parameter 2")
+
+
+def test_shared_buffers_keep_a_sends_bytes_and_copy_only_when_the_memory_changes_under_it():
+    from src.wire import SharedBuffers
+
+    tensor = torch.arange(6, dtype=torch.float32)
+    before = tensor_to_bytes(tensor)
+    leased = SharedBuffers([tensor_view(tensor)])
+    reply = encode(Outgoing(pb.PullReply(version=1), {"parameters": [leased.ref(0)]}))
+    assert leased.acquire() and reply.shared is leased and len(reply) == len(bytes(reply))
+    leased.before_write()  # a send holds a lease: the bytes are copied before the tensor changes
+    tensor.add_(1.0)
+    assert leased.copied and split(bytes(reply), pb.PullReply, ("parameters",)).large["parameters"][0] == before
+    reply.release()
+    unleased = SharedBuffers([tensor_view(tensor)])
+    unleased.before_write()  # nobody sends from it: dropped, no copy
+    assert not unleased.valid and not unleased.copied and not unleased.acquire()

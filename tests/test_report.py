@@ -199,8 +199,13 @@ BENCH_RESULTS = {
     "bench_baseline": {"trainer_samples_per_s": 2500.0, "plain_loop_samples_per_s": 2450.0, "ratio": 1.0204, "target_ratio": 0.98},
     "bench_compression": {"sizes": {"11000000": {"topk_sampled_0.01": {"compress_ms": 13.0}, "torch_topk_1pct_ms": 80.0,
                                                  "sampled_topk_speedup": {"compress_vs_torch_topk": 6.15}}}},
-    "bench_ps": {"round_trips": [{"model_mb": 1.0, "ps_round_trip_ms": 5.0, "echo_round_trip_ms": 2.8, "ratio": 0.56}],
-                 "training": {"baseline": {"samples_per_s": 2000.0}, "ps_sync_2_workers": {"samples_per_s": 1500.0}}},
+    "bench_ps": {"round_trips": [{"transport": "tcp", "model_mb": 1.0, "ps_round_trip_ms": 1.5, "raw_tcp_echo_ms": 0.6,
+                                  "optimizer_step_ms": 0.2, "limit_ratio": 0.53, "target_limit_ratio": 0.6},
+                                 {"transport": "grpc", "model_mb": 1.0, "ps_round_trip_ms": 5.0, "raw_tcp_echo_ms": 0.6,
+                                  "grpc_echo_ms": 2.8, "optimizer_step_ms": 0.2, "limit_ratio": 0.16, "grpc_limit_ratio": 0.6,
+                                  "target_grpc_limit_ratio": 0.8}],
+                 "training": {"ddp_2_ranks": {"samples_per_s": 2000.0},
+                              "ps_sync_2_workers": {"transport": "tcp", "samples_per_s": 1900.0, "target_ratio_to_ddp": 0.9}}},
     "bench_ddp": {"overhead": {"trainer_samples_per_s": 2700.0, "plain_ddp_samples_per_s": 2750.0, "ratio": 0.9818, "target_ratio": 0.97},
                   "powersgd_vs_topk": {"topk_error_feedback_same_bytes": {"final_accuracy": 0.817, "train_time_s": 3.41},
                                        "powersgd_rank2": {"final_accuracy": 0.819, "train_time_s": 3.64}}},
@@ -213,14 +218,19 @@ BENCH_RESULTS = {
 def test_bench_figures_sit_beside_their_references():
     rows = [row for name, extract in bench_all.FIGURES.items() for row in extract(BENCH_RESULTS[name])]
     by_reference = {row["reference_name"]: row for row in rows}
-    assert set(by_reference) >= {"plain PyTorch loop", "plain DDP loop", "raw gRPC bytes echo",
-                                 "torch.topk (selection alone)", "PowerSGD rank 2", "baseline trainer"}
+    assert set(by_reference) >= {"plain PyTorch loop", "plain DDP loop", "raw TCP echo + optimizer step",
+                                 "raw gRPC echo + optimizer step", "DDP, 2 ranks", "torch.topk (selection alone)",
+                                 "PowerSGD rank 2"}
     assert by_reference["plain PyTorch loop"]["meets_target"] is True and by_reference["plain PyTorch loop"]["target"] == 0.98
     assert by_reference["plain DDP loop"]["meets_target"] is True
     assert by_reference["torch.topk (selection alone)"]["ratio"] == 6.15 and by_reference["torch.topk (selection alone)"]["target"] == 5.0
     assert by_reference["raw gRPC bytes echo"]["target"] is None and by_reference["raw gRPC bytes echo"]["meets_target"] is None
     assert by_reference["its gradients' forward/backward alone"]["meets_target"] is True  # 1.243 <= 1.3, lower is better
     assert by_reference["the 8 GB target"]["meets_target"] is True
+    tcp = by_reference["raw TCP echo + optimizer step"]
+    assert (tcp["reference"], tcp["ratio"], tcp["target"], tcp["meets_target"]) == (0.8, 0.53, 0.6, False)
+    assert by_reference["raw gRPC echo + optimizer step"]["ratio"] == 0.6
+    assert by_reference["DDP, 2 ranks"]["ratio"] == 0.95 and by_reference["DDP, 2 ranks"]["meets_target"] is True
     assert bench_all.last_json_document('progress {not json}\n{"a": {"b": 1}}\n') == {"a": {"b": 1}}
 
 

@@ -3,7 +3,7 @@
 The client registers with the server (a new incarnation with its own session secret), learns the
 run's config (mode, compression, heartbeat interval), sends a heartbeat every
 ``system.heartbeat_interval`` from a background thread, and re-registers when the server has lost
-its session (a restarted server; gRPC's ``wait_for_ready`` waits out the restart). Every call after
+its session (a restarted server; the transport's ``wait_for_ready`` waits out the restart). Every call after
 registration carries the session, so a late call from a failed incarnation is refused. A process
 whose incarnation the server declared failed while it was alive (a partition, a long pause) rejoins:
 it registers again as a new incarnation and goes on (a push whose reply it lost is committed or
@@ -15,7 +15,7 @@ through it, :class:`~torch_asgc.optim.DistributedOptimizer` pushes through it. `
 of a ``with`` block) tells the server this worker is done (``Finish``, with its totals for the run
 summary); in sync mode the barrier goes on without it.
 
-    with connect("127.0.0.1:50051") as client:      # token: $DTS_AUTH_TOKEN
+    with connect("127.0.0.1:50051") as client:      # token: $DTS_AUTH_TOKEN; "tcp://127.0.0.1:50051": TCP transport
         model = DistributedModel(net, client)
         optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client)
         ...                                           # the user's own loop
@@ -34,7 +34,7 @@ import grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, SystemConfig, validate_config
-from src.ps_transport import AUTH_TOKEN_ENV, ParameterServerClient, Received
+from src.ps_transport import AUTH_TOKEN_ENV, TRANSPORTS, Received, make_client
 from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost
 
 if TYPE_CHECKING:
@@ -55,13 +55,15 @@ class WorkerClient:
     """
 
     def __init__(self, address: str, *, token: str | None = None, worker_id: int | None = None,
-                 tls_ca_file: str | None = None, connect_timeout_s: float = 300.0, max_rejoins: int | None = None):
+                 tls_ca_file: str | None = None, connect_timeout_s: float = 300.0, max_rejoins: int | None = None,
+                 transport: str | None = None):
         token = token or os.environ.get(AUTH_TOKEN_ENV)
         if not token:
             raise SetupError(f"no auth token: pass token=... to connect() or set ${AUTH_TOKEN_ENV}")
+        address, transport = transport_of(address, transport)
         self.address = address
-        self.transport = ParameterServerClient(address, token=token, system=SystemConfig(tls_ca_file=tls_ca_file),
-                                               connect_timeout_s=connect_timeout_s)
+        self.transport = make_client(address, transport=transport, token=token, system=SystemConfig(tls_ca_file=tls_ca_file),
+                                     connect_timeout_s=connect_timeout_s)
         self.worker_id = worker_id
         self.incarnation = 0
         self.caller = pb.Caller()
@@ -198,18 +200,37 @@ class WorkerClient:
             self._register_after(failure, 0)
 
 
+def transport_of(address: str, transport: str | None) -> tuple[str, str]:
+    """``(host:port, transport)`` of an address that may name its transport (``tcp://host:port``,
+    ``grpc://host:port``); a plain ``host:port`` uses ``transport`` (default gRPC).
+
+    Raises:
+        SetupError: an unknown scheme, or a scheme and a ``transport`` that disagree.
+    """
+    scheme, separator, rest = address.partition("://")
+    if not separator:
+        return address, transport or "grpc"
+    if scheme not in TRANSPORTS:
+        raise SetupError(f"address {address!r}: unknown transport {scheme!r} (use {' or '.join(f'{t}://' for t in TRANSPORTS)})")
+    if transport is not None and transport != scheme:
+        raise SetupError(f"address {address!r} names transport {scheme!r}, but transport={transport!r}")
+    return rest, scheme
+
+
 def connect(address: str, token: str | None = None, worker_id: int | None = None, *,
-            tls_ca_file: str | None = None, connect_timeout_s: float = 300.0, max_rejoins: int | None = None) -> WorkerClient:
+            tls_ca_file: str | None = None, connect_timeout_s: float = 300.0, max_rejoins: int | None = None,
+            transport: str | None = None) -> WorkerClient:
     """Join the parameter-server run at ``address`` as one worker; a context manager (``close()`` on exit).
 
     Args:
-        address: the server's ``host:port``.
+        address: the server's ``host:port``, or ``tcp://host:port`` / ``grpc://host:port`` naming the transport.
         token: the run's auth token (default ``$DTS_AUTH_TOKEN``).
         worker_id: ``0..num_workers-1``; ``None`` lets the server pick the lowest free id.
         tls_ca_file: verify a TLS server against this CA (or its self-signed certificate).
         connect_timeout_s: how long to wait for the server to come up (and to come back after a restart).
         max_rejoins: times this process registers again by itself after the server declared it failed
             while it was alive (default: the server's ``system.max_rejoins``).
+        transport: ``"grpc"`` (default) or ``"tcp"``: the server's ``system.transport``, when ``address`` names none.
 
     Raises:
         SetupError: no token.
@@ -217,7 +238,7 @@ def connect(address: str, token: str | None = None, worker_id: int | None = None
             or was not there within ``connect_timeout_s`` (DEADLINE_EXCEEDED).
     """
     client = WorkerClient(address, token=token, worker_id=worker_id, tls_ca_file=tls_ca_file,
-                          connect_timeout_s=connect_timeout_s, max_rejoins=max_rejoins)
+                          connect_timeout_s=connect_timeout_s, max_rejoins=max_rejoins, transport=transport)
     try:
         return client.open()
     except BaseException:

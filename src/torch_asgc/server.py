@@ -1,6 +1,6 @@
 """A parameter server for any model and any training loop: the workers own the data, the loop and the loss.
 
-:class:`ClientLoopServer` is our gRPC :class:`~src.parameter_server.ParameterServer` (same auth, TLS,
+:class:`ClientLoopServer` is our :class:`~src.parameter_server.ParameterServer` (gRPC or TCP; same auth, TLS,
 sync and async modes, staleness policy, compression, downlink, checkpoints, events and summary) with
 two differences:
 
@@ -73,14 +73,14 @@ def model_from_source(config: Config, model_source: str) -> nn.Module | None:
 class ClientLoopServer(ParameterServer):
     """A parameter server whose workers run their own training loop on their own data (see the module docstring).
 
-    The gRPC service of :class:`~src.parameter_server.ParameterServer` over the same core, with the
+    The service of :class:`~src.parameter_server.ParameterServer` over the same core, with the
     workers' own loops as its work source (:class:`~src.work_source.ClientWork`) and no evaluation.
 
     Args:
         config: the run's config: ``system`` (workers, mode, compression, heartbeats, outputs, TLS) and
             the optimizer fields of ``training`` (plus ``seed`` and ``checkpoint_interval``).
         model_source: ``"client"`` (the first worker's model) or ``"package.module:function"``.
-        max_message_bytes: the gRPC message limit while the model's size is not known yet.
+        max_message_bytes: the message limit while the model's size is not known yet.
         **kwargs: as for :class:`~src.parameter_server.ParameterServer` (``token``, ``resume``,
             ``tensorboard``, ``staleness_policy``, ``model``, ...).
 
@@ -103,6 +103,7 @@ FLAGS = {
     "workers": "system.num_workers",
     "aggregation_mode": "system.aggregation_mode",
     "server_address": "system.server_address",
+    "transport": "system.transport",
     "tls_cert": "system.tls_cert_file",
     "tls_key": "system.tls_key_file",
     "weight_decay": "training.weight_decay",
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_observability_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--server-address", help="host:port to listen on (default 127.0.0.1:50051; port 0: a free port)")
+    run.add_argument("--transport", choices=("grpc", "tcp"),
+                     help="grpc (default) or tcp (binary frames; workers connect('tcp://host:port'))")
     run.add_argument("--workers", type=int, help="worker ids 0..N-1 (default 2); sync starts when all N have pulled")
     run.add_argument("--aggregation-mode", choices=("sync", "async"), help="barrier per version, or apply each push (default sync)")
     run.add_argument("--model", dest="model_source", default=CLIENT_MODEL,
