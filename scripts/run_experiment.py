@@ -92,9 +92,9 @@ def build_config(experiment: Mapping[str, Any], run_data: Mapping[str, Any], run
     system = data.setdefault("system", {})
     training = data.setdefault("training", {})
     if experiment["controller"]:
-        if not training.get("eval_interval"):
+        if not (training.get("eval_interval") or training.get("eval_every_samples")):
             raise ExperimentError("experiment.controller: on decides at evaluations: set training.eval_interval "
-                                  "(server versions, or DDP steps, between evaluations)")
+                                  "(server versions, or DDP steps, between evaluations) or training.eval_every_samples")
         system[CONTROLLER_FIELD] = True
     system["log_dir"] = str(run_dir / "logs")
     system["checkpoint_dir"] = str(run_dir / "checkpoints")

@@ -181,9 +181,9 @@ class ServerCore:
         # Adaptive compression (src/controller.py): fed this server's push and eval events; its decisions
         # go to the workers in every reply's Control and set the staleness policy's S_max.
         self.controller = CompressionController.from_config(system) if system.adaptive_compression else None
-        if self.controller is not None and test_set is not None and not t.eval_interval:
+        if self.controller is not None and test_set is not None and not (t.eval_interval or t.eval_every_samples):
             raise SetupError("system.adaptive_compression decides at evaluations: set training.eval_interval "
-                             "(server versions between evaluations)")
+                             "(server versions between evaluations) or training.eval_every_samples")
         self.control = pb.Control()
         if self.controller is not None:
             self._set_control(self.controller.rho, self.controller.max_staleness)
