@@ -75,18 +75,24 @@ def estimate(values: Sequence[float | None], **bootstrap) -> Estimate:
     return Estimate(float(np.mean(kept)), low, high, len(kept), kept)
 
 
-def paired_values(a: Mapping[int, float | None], b: Mapping[int, float | None],
-                  kind: Literal["difference", "ratio"] = "difference") -> list[float]:
-    """Per-seed ``b - a`` (or ``b / a``), over the seeds both have a value for, in seed order."""
+def paired_by_seed(a: Mapping[int, float | None], b: Mapping[int, float | None],
+                   kind: Literal["difference", "ratio"] = "ratio") -> dict[int, float]:
+    """``{seed: b - a}`` (or ``b / a``) over the seeds both have a value for (a ratio also needs ``a != 0``)."""
     if kind not in ("difference", "ratio"):
         raise ValueError(f"paired: kind must be difference or ratio, got {kind!r}")
-    out = []
+    out = {}
     for seed in sorted(set(a) & set(b)):
         x, y = a[seed], b[seed]
         if x is None or y is None or (kind == "ratio" and x == 0):
             continue
-        out.append(y - x if kind == "difference" else y / x)
+        out[seed] = y - x if kind == "difference" else y / x
     return out
+
+
+def paired_values(a: Mapping[int, float | None], b: Mapping[int, float | None],
+                  kind: Literal["difference", "ratio"] = "difference") -> list[float]:
+    """Per-seed ``b - a`` (or ``b / a``), over the seeds both have a value for, in seed order."""
+    return list(paired_by_seed(a, b, kind).values())
 
 
 def paired(a: Mapping[int, float | None], b: Mapping[int, float | None],
