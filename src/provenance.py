@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def code_version(root: Path = ROOT) -> dict[str, object]:
     """``{"commit": sha or None, "dirty": bool or None}`` of the git tree at ``root`` (``None``: not a git tree).
 
-    ``dirty`` is whether tracked files under ``src/``, ``scripts/`` or ``configs/`` differ from the commit.
+    ``dirty`` is whether tracked files under ``src/`` (the code a run executes) differ from the commit; the
+    run's config is recorded whole beside it.
     """
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if commit.returncode != 0:
             return {"commit": None, "dirty": None}
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "scripts", "configs"],
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"],
                                 cwd=root, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
