@@ -34,7 +34,8 @@ THRESHOLDS = {
 }
 """The two accuracies whose time to target each matrix reports (both reached by most arms at its size)."""
 MATRICES = tuple(THRESHOLDS)
-BLOCKS = ("summary", "F1", "F3", "F2_F4_F5_F6", "F8_F9_F10", "F7_F11_F12", "provenance")
+REALTIME = {"realtime_f1": (0.65, 0.7), "realtime_f8": (0.8, 0.85)}
+"""Confirmations on the real clock (2-3 seeds, processes and gRPC): their thresholds."""
 
 
 # ----------------------------------------------------------------------------- per-run figures
@@ -102,7 +103,7 @@ class Matrix:
         self.by: dict[str, dict[int, dict[str, Any]]] = {}
         for run in self.runs:
             self.by.setdefault(run["configuration"], {})[run["seed"]] = run
-        self.thresholds = THRESHOLDS.get(self.name, (0.8, 0.9))
+        self.thresholds = {**THRESHOLDS, **REALTIME}.get(self.name, (0.8, 0.9))
 
     @property
     def seeds(self) -> list[int]:
@@ -235,7 +236,7 @@ def f2(matrices: dict[str, Matrix]) -> dict[str, Any]:
 F8_PAIRS = (("lan", "lan_dense", "lan_topk25", "10 Gbit/s", 0.25), ("250", "up250_dense", "up250_topk25", "250 Mbit/s", 0.25),
             ("250_rho10", "up250_dense", "up250_topk10", "250 Mbit/s", 0.1),
             ("250_downlink", "updown250_dense", "updown250_topk25", "250 Mbit/s up and down", 0.25),
-            ("25", "up25_dense", "up25_topk25", "25 Mbit/s", 0.25), ("25_rho10", "up25_dense", "up25_topk10", "25 Mbit/s", 0.1))
+            ("25", "up25_dense", "up25_topk25", "25 Mbit/s", 0.25))
 
 
 def f8(matrices: dict[str, Matrix]) -> dict[str, Any]:
@@ -344,6 +345,39 @@ def f11(matrices: dict[str, Matrix]) -> dict[str, Any]:
     return out
 
 
+def realtime(matrices: dict[str, Matrix]) -> dict[str, Any]:
+    """The real-clock confirmations beside the same arms in virtual time (F1 at 3 workers, F8 at 250 Mbit/s)."""
+    out: dict[str, Any] = {}
+    real, virtual = matrices.get("realtime_f1"), matrices.get("f1_stragglers")
+    if real is not None and virtual is not None:
+        low = real.thresholds[0]
+        out["F1"] = {"seeds": len(real.seeds), "threshold": low, "virtual_seeds": len(virtual.seeds),
+                     "throughput_ratio": {"real": _e(real.paired("sync", "async_plain", throughput, "ratio")),
+                                          "virtual": _e(virtual.paired("sync", "async_plain", throughput, "ratio"))},
+                     "time_to_target_speedup": {"real": _e(real.paired("async_plain", "sync", time_to(low), "ratio")),
+                                                "virtual": _e(virtual.paired("async_plain", "sync", time_to(low), "ratio"))},
+                     "reached": {"real": {"sync": real.reached("sync", time_to(low)),
+                                          "async": real.reached("async_plain", time_to(low))}},
+                     "sync_throughput": {"real": _e(real.estimate("sync", throughput)),
+                                         "virtual": _e(virtual.estimate("sync", throughput))},
+                     "async_throughput": {"real": _e(real.estimate("async_plain", throughput)),
+                                          "virtual": _e(virtual.estimate("async_plain", throughput))}}
+    real, virtual = matrices.get("realtime_f8"), matrices.get("f8_bandwidth")
+    if real is not None and virtual is not None:
+        low = real.thresholds[0]
+        out["F8"] = {"seeds": len(real.seeds), "threshold": low, "virtual_seeds": len(virtual.seeds),
+                     "time_to_target_speedup": {
+                         "real": _e(real.paired("up250_topk25", "up250_dense", time_to(low), "ratio")),
+                         "virtual": _e(virtual.paired("up250_topk25", "up250_dense", time_to(low), "ratio"))},
+                     "reached": {"real": {"dense": real.reached("up250_dense", time_to(low)),
+                                          "compressed": real.reached("up250_topk25", time_to(low))}},
+                     "per_step_ceiling": {"real": _e(real.paired("up250_topk25", "up250_dense", per_step_s, "ratio")),
+                                          "virtual": _e(virtual.paired("up250_topk25", "up250_dense", per_step_s, "ratio"))},
+                     "throughput_ratio": {"real": _e(real.paired("up250_dense", "up250_topk25", throughput, "ratio")),
+                                          "virtual": _e(virtual.paired("up250_dense", "up250_topk25", throughput, "ratio"))}}
+    return out
+
+
 def provenance(matrices: dict[str, Matrix]) -> dict[str, Any]:
     """Per matrix: runs, seeds, commits, clocks, the load average range and the wall seconds the runs took."""
     out = {}
@@ -362,9 +396,9 @@ def provenance(matrices: dict[str, Matrix]) -> dict[str, Any]:
 
 def compute(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Every figure of docs/findings.md from the matrices' records (``{matrix name: record}``)."""
-    matrices = {name: Matrix(record) for name, record in records.items() if name in MATRICES}
+    matrices = {name: Matrix(record) for name, record in records.items() if name in MATRICES or name in REALTIME}
     return {"F1": f1(matrices), "F3": f3(matrices), "F2_F4_F5_F6": f2(matrices), "F8_F9_F10": f8(matrices),
-            "F7_F11_F12": f11(matrices), "provenance": provenance(matrices)}
+            "F7_F11_F12": f11(matrices), "realtime": realtime(matrices), "provenance": provenance(matrices)}
 
 
 # ----------------------------------------------------------------------------- Markdown
@@ -555,6 +589,32 @@ def _render_summary(figures: dict[str, Any]) -> list[str]:
     return _table(["finding", "spec", "measured here (mean [95% interval] over seeds)", "target", "met"], rows)
 
 
+def _render_realtime(r: dict[str, Any]) -> list[str]:
+    rows = []
+    if "F1" in r:
+        f = r["F1"]
+        rows += [[f"F1, 3 workers, one +0.3 s: plain async samples/s over sync", fmt(f["throughput_ratio"]["virtual"], 2, "x"),
+                  fmt(f["throughput_ratio"]["real"], 2, "x")],
+                 ["F1: sync samples/s", fmt(f["sync_throughput"]["virtual"], 0), fmt(f["sync_throughput"]["real"], 0)],
+                 ["F1: plain async samples/s", fmt(f["async_throughput"]["virtual"], 0), fmt(f["async_throughput"]["real"], 0)],
+                 [f"F1: time to {f['threshold']:g}, sync / async (real: reached sync {f['reached']['real']['sync']}, async "
+                  f"{f['reached']['real']['async']})", fmt(f["time_to_target_speedup"]["virtual"], 2, "x"),
+                  fmt(f["time_to_target_speedup"]["real"], 2, "x")]]
+    if "F8" in r:
+        f = r["F8"]
+        rows += [["F8, 250 Mbit/s: per-step ceiling, dense / top-k 0.25", fmt(f["per_step_ceiling"]["virtual"], 2, "x"),
+                  fmt(f["per_step_ceiling"]["real"], 2, "x")],
+                 ["F8: samples/s, top-k 0.25 over dense", fmt(f["throughput_ratio"]["virtual"], 2, "x"),
+                  fmt(f["throughput_ratio"]["real"], 2, "x")],
+                 [f"F8: time to {f['threshold']:g}, dense / top-k (real: reached dense {f['reached']['real']['dense']}, top-k "
+                  f"{f['reached']['real']['compressed']})", fmt(f["time_to_target_speedup"]["virtual"], 2, "x"),
+                  fmt(f["time_to_target_speedup"]["real"], 2, "x")]]
+    if not rows:
+        return ["(not measured)"]
+    seeds = r.get("F1", r.get("F8"))
+    return _table([f"figure", f"virtual time ({seeds['virtual_seeds']} seeds)", f"real time ({seeds['seeds']} seeds)"], rows)
+
+
 def _render_provenance(p: dict[str, Any]) -> list[str]:
     rows = [[name, str(v["runs"]), str(v["configurations"]), str(v["seeds"]), ", ".join(v["clocks"]),
              ", ".join(v["commits"]) + (" (changes)" if v["dirty"] else ""),
@@ -565,7 +625,7 @@ def _render_provenance(p: dict[str, Any]) -> list[str]:
 
 RENDERERS: dict[str, Callable[[Any], list[str]]] = {
     "F1": _render_f1, "F3": _render_f3, "F2_F4_F5_F6": _render_f2, "F8_F9_F10": _render_f8, "F7_F11_F12": _render_f11,
-    "provenance": _render_provenance,
+    "realtime": _render_realtime, "provenance": _render_provenance,
 }
 
 

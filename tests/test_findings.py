@@ -34,6 +34,7 @@ import run_matrix  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 FINDINGS_CONFIGS = sorted((ROOT / "configs" / "experiments").glob("f[0-9]*.yaml"))
+REALTIME_CONFIGS = sorted((ROOT / "configs" / "experiments").glob("realtime_*.yaml"))
 RECORDS = ROOT / "docs" / "findings"
 DOC = ROOT / "docs" / "findings.md"
 COSTS = {"compute_s": 0.01, "server_update_s": 0.002, "server_reply_s": 0.002}
@@ -55,6 +56,14 @@ def test_a_findings_matrix_is_valid_seed_first_with_an_aa_arm_and_eight_seeds(pa
         rx.build_config(experiment, run_data, tmp_path / experiment["name"])  # every run validates
 
 
+@pytest.mark.parametrize("path", REALTIME_CONFIGS, ids=lambda p: p.stem)
+def test_a_realtime_confirmation_is_valid_and_on_the_real_clock(path, tmp_path):
+    data = yaml.safe_load(path.read_text())
+    assert list(data["matrix"]["axes"])[0] == "seed" and data["system"]["clock"] == "real"
+    for experiment, run_data in run_matrix.expand(data, path.stem)[1]:
+        rx.build_config(experiment, run_data, tmp_path / experiment["name"])
+
+
 def test_the_document_holds_exactly_what_the_committed_records_give(tmp_path):
     records = load_records(RECORDS)
     assert set(findings.MATRICES) <= set(records), "a findings matrix has no committed record"
@@ -62,7 +71,9 @@ def test_the_document_holds_exactly_what_the_committed_records_give(tmp_path):
     blocks = findings.render(findings.compute(records))
     text = DOC.read_text()
     assert findings.check_document(text, blocks) == []
-    for record in records.values():
+    assert set(findings.REALTIME) <= set(records), "a real-time confirmation has no committed record"
+    for name in findings.MATRICES:
+        record = records[name]
         assert len({run["seed"] for run in record["runs"]}) >= 8
         assert all(run["experiment"]["clock"] == "virtual" and run["experiment"]["commit"] for run in record["runs"])
     # the script says so too, and fails when a number in a block is not the computed one
