@@ -593,7 +593,7 @@ def _render_realtime(r: dict[str, Any]) -> list[str]:
     rows = []
     if "F1" in r:
         f = r["F1"]
-        rows += [[f"F1, 3 workers, one +0.3 s: plain async samples/s over sync", fmt(f["throughput_ratio"]["virtual"], 2, "x"),
+        rows += [["F1, 3 workers, one +0.3 s: plain async samples/s over sync", fmt(f["throughput_ratio"]["virtual"], 2, "x"),
                   fmt(f["throughput_ratio"]["real"], 2, "x")],
                  ["F1: sync samples/s", fmt(f["sync_throughput"]["virtual"], 0), fmt(f["sync_throughput"]["real"], 0)],
                  ["F1: plain async samples/s", fmt(f["async_throughput"]["virtual"], 0), fmt(f["async_throughput"]["real"], 0)],
@@ -612,7 +612,7 @@ def _render_realtime(r: dict[str, Any]) -> list[str]:
     if not rows:
         return ["(not measured)"]
     seeds = r.get("F1", r.get("F8"))
-    return _table([f"figure", f"virtual time ({seeds['virtual_seeds']} seeds)", f"real time ({seeds['seeds']} seeds)"], rows)
+    return _table(["figure", f"virtual time ({seeds['virtual_seeds']} seeds)", f"real time ({seeds['seeds']} seeds)"], rows)
 
 
 def _render_provenance(p: dict[str, Any]) -> list[str]:
