@@ -30,10 +30,11 @@ from typing import Any, Callable, Iterable
 from src.paired_stats import Estimate, area_under_curve, estimate, first_reaching, paired, paired_by_seed
 
 THRESHOLDS = {
-    "f1_stragglers": (0.85, 0.9), "f1_scaling": (0.85, 0.9), "f2_compression": (0.85, 0.9),
+    "f1_stragglers": (0.85, 0.9), "f1_scaling": (0.6, 0.7), "f2_compression": (0.85, 0.9),
     "f8_bandwidth": (0.8, 0.85), "f11_controller": (0.8, 0.85),
 }
-"""The two accuracies whose time to target each matrix reports (both reached by most arms at its size)."""
+"""The two accuracies whose time to target each matrix reports (both reached by most arms at its size; at 8 and 16
+workers sync takes 42 and 21 averaged steps in its 3 epochs, so its thresholds are lower)."""
 MATRICES = tuple(THRESHOLDS)
 REALTIME = {"realtime_f1": (0.65, 0.7), "realtime_f8": (0.8, 0.85)}
 """Confirmations on the real clock (2-3 seeds, processes and gRPC): their thresholds."""
