@@ -18,7 +18,7 @@ clock, src/virtual_time.py) all come from the config. What lands in ``<results-d
 | file | what |
 |---|---|
 | ``config.yaml`` | the full resolved config (with the experiment section) |
-| ``experiment.json`` | status (running, finished, failed), wall time, load average before and after |
+| ``experiment.json`` | status (running, finished, failed), wall time, load average before and after, clock, the code's commit |
 | ``summary.json`` | the run summary (written last: its presence with status finished means done) |
 | ``logs/`` | ``server/events.jsonl`` (or the trainer's), ``worker_<k>/``, TensorBoard event files |
 | ``checkpoints/`` | the final checkpoint |
@@ -92,9 +92,9 @@ def build_config(experiment: Mapping[str, Any], run_data: Mapping[str, Any], run
     system = data.setdefault("system", {})
     training = data.setdefault("training", {})
     if experiment["controller"]:
-        if not training.get("eval_interval"):
+        if not (training.get("eval_interval") or training.get("eval_every_samples")):
             raise ExperimentError("experiment.controller: on decides at evaluations: set training.eval_interval "
-                                  "(server versions, or DDP steps, between evaluations)")
+                                  "(server versions, or DDP steps, between evaluations) or training.eval_every_samples")
         system[CONTROLLER_FIELD] = True
     system["log_dir"] = str(run_dir / "logs")
     system["checkpoint_dir"] = str(run_dir / "checkpoints")
@@ -190,7 +190,10 @@ def run_experiment(experiment: Mapping[str, Any], run_data: Mapping[str, Any], r
     import yaml
 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
-    status = {"name": experiment["name"], "status": "running", "started": time.time(), "load_average_start": load_average()}
+    from src.provenance import code_version
+
+    status = {"name": experiment["name"], "status": "running", "started": time.time(), "load_average_start": load_average(),
+              "clock": config.system.clock, **code_version()}
     status_path = run_dir / "experiment.json"
     status_path.write_text(json.dumps(status, indent=2) + "\n")
     started = time.perf_counter()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 DATASET_NAMES = ("mnist", "fashion_mnist", "cifar10", "mnist_5k", "synthetic")
 SECRET_FIELDS = ("system.auth_token",)
@@ -135,6 +135,10 @@ class TrainingConfig(_Section):
     eval_batch_size: int = 1000
     eval_interval: int = 0
     """Also evaluate every this many steps (parameter server: server versions); 0 = only at epoch ends."""
+    eval_every_samples: int = 0
+    """Also evaluate each time the samples applied (all workers or ranks together) pass a multiple of this
+    (0 = off): sync and async runs, PS and DDP, are then scored at the same sample counts. Pick a multiple
+    of num_workers x batch_size so every run lands exactly on the counts."""
     target_accuracy: float | None = None
     """Accuracy in (0, 1] whose first crossing the summary reports as time to target; ``None`` for none."""
     device: str = "auto"
@@ -153,7 +157,7 @@ class TrainingConfig(_Section):
             raise ValueError("must be > 0")
         return value
 
-    @field_validator("eval_interval")
+    @field_validator("eval_interval", "eval_every_samples")
     @classmethod
     def _non_negative_interval(cls, value: int) -> int:
         if value < 0:
@@ -290,6 +294,9 @@ class SystemConfig(_Section):
     """Evaluations in a row without a rebound before it compresses more, > 0."""
     controller_communication_share: float = 0.5
     """Communication share of step time, in [0, 1], at or above which communication dominates."""
+    controller_instability_persistence: int = 1
+    """Evaluations in a row with a Loss Rebound above the threshold before it compresses less (hysteresis:
+    a lone bump is held, not acted on), > 0; 1 = act at the first."""
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
@@ -417,7 +424,7 @@ class SystemConfig(_Section):
             raise ValueError("must be a finite number >= 0")
         return value
 
-    @field_validator("controller_rebound_window", "controller_stable_evaluations")
+    @field_validator("controller_rebound_window", "controller_stable_evaluations", "controller_instability_persistence")
     @classmethod
     def _positive_count(cls, value: int) -> int:
         if value <= 0:
@@ -559,11 +566,25 @@ class EmulationConfig(_Section):
     null = not limited."""
     restart_s: float | None = None
     """Virtual time: seconds a killed process takes to start again and register (runs with kill/hang faults)."""
+    uplink_schedule: list[tuple[float, float]] = []
+    """Virtual time: ``[[seconds, mbps], ...]``: from each virtual second on (from the run's start), every
+    worker's uplink is that many Mbit/s (a mid-run link change); before the first entry, ``uplink_mbps``
+    (or the worker's own). A message takes the rate in force when it starts."""
 
     @field_validator(*_EMULATED_FIELDS, *_COST_FIELDS)
     @classmethod
     def _rule(cls, value: float | None, info) -> float | None:
         return _check_emulated(info.field_name, value)
+
+    @field_validator("uplink_schedule")
+    @classmethod
+    def _schedule(cls, value: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        times = [t for t, _ in value]
+        if any(not (math.isfinite(t) and t >= 0) for t in times) or times != sorted(set(times)):
+            raise ValueError("the seconds must be finite, >= 0 and strictly increasing")
+        if any(not (math.isfinite(mbps) and mbps > 0) for _, mbps in value):
+            raise ValueError("every Mbit/s must be a finite number > 0")
+        return value
 
 
 # ----------------------------------------------------------------------------- metrics sinks (src/trackers.py)
@@ -611,6 +632,13 @@ class Config(_Section):
     emulation: EmulationConfig = EmulationConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    @model_validator(mode="after")
+    def _schedule_in_virtual_time(self) -> "Config":
+        if self.emulation.uplink_schedule and self.system.clock != "virtual":
+            raise ValueError("emulation.uplink_schedule: a mid-run link change is modelled in virtual time only "
+                             "(system.clock: virtual)")
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (stored in checkpoints and summaries)."""
         return self.model_dump(mode="json")
@@ -642,6 +670,8 @@ def _describe(error: Mapping[str, Any]) -> str:
         rule = error["msg"]
     if field in SECRET_FIELDS:
         return f"{field}: {rule} (value not shown: it is a secret)"
+    if not error["loc"] and kind == "value_error":
+        return rule  # a rule across sections (Config's own validators): its message names the fields
     return f"{field}: {rule}, got {error.get('input')!r}"
 
 

@@ -10,7 +10,10 @@ The controller reads only events, the same dicts that go to ``events.jsonl`` (de
 * Loss Rebound above ``rebound_threshold``: **compress less and bound staleness tighter**: rho is
   multiplied by ``rho_factor`` (up to ``rho_max``) and S_max halved (down to ``max_staleness_min``).
   The jump that triggered it is then forgotten (the window restarts at the latest loss), so one
-  rebound acts once.
+  rebound acts once. With ``instability_persistence`` N > 1 (hysteresis), it acts only at the N-th
+  unstable evaluation in a row: each earlier one is held (action ``hold_for_persistence``; its jump
+  forgotten the same way, so the next evaluation needs a new rise), and a stable evaluation between
+  them starts the count again.
 * No rebound for ``stable_evaluations`` evaluations in a row **and communication dominating the
   step** (communication time over gradient + compression + communication time, summed over the
   pushes since the previous evaluation, at least ``communication_share``): **compress more**: rho is
@@ -72,6 +75,8 @@ class ControllerSettings:
     """Share of step time spent communicating at or above which communication dominates."""
     rho_factor: float = 2.0
     """rho is multiplied (rebound) or divided (stable, communication-bound) by this."""
+    instability_persistence: int = 1
+    """Unstable evaluations in a row before it compresses less (1: the first acts)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +91,8 @@ class ControllerSettings:
             problems.append(f"rebound_window must be >= 1, got {self.rebound_window}")
         if self.stable_evaluations < 1:
             problems.append(f"stable_evaluations must be >= 1, got {self.stable_evaluations}")
+        if self.instability_persistence < 1:
+            problems.append(f"instability_persistence must be >= 1, got {self.instability_persistence}")
         if not (0 <= self.communication_share <= 1):
             problems.append(f"communication_share must be in [0, 1], got {self.communication_share}")
         if not (math.isfinite(self.rho_factor) and self.rho_factor > 1):
@@ -108,6 +115,7 @@ class ControllerSettings:
             rebound_window=system.controller_rebound_window,
             stable_evaluations=system.controller_stable_evaluations,
             communication_share=system.controller_communication_share,
+            instability_persistence=system.controller_instability_persistence,
         )
 
 
@@ -134,6 +142,7 @@ class CompressionController:
         self._timing = dict.fromkeys(TIMING_FIELDS, 0.0)
         self._timed_pushes = 0
         self._stable_streak = 0
+        self._unstable_streak = 0
 
     @classmethod
     def from_config(cls, system: Any) -> "CompressionController":
@@ -184,13 +193,22 @@ class CompressionController:
             action, reason = "hold", "first evaluation of the window: no Loss Rebound yet"
         elif rebound > s.rebound_threshold:
             self._stable_streak = 0
-            self.rho = min(s.rho_max, self.rho * s.rho_factor)
-            self.max_staleness = max(s.max_staleness_min, self.max_staleness // 2)
-            action = "compress_less"
-            reason = f"Loss Rebound {rebound:.4g} > {s.rebound_threshold:g}: compress less, bound staleness tighter"
+            self._unstable_streak += 1
+            unstable = f"Loss Rebound {rebound:.4g} > {s.rebound_threshold:g}"
+            if self._unstable_streak < s.instability_persistence:
+                action = "hold_for_persistence"
+                reason = (f"{unstable} at {self._unstable_streak} evaluation(s) in a row, need "
+                          f"{s.instability_persistence} (instability_persistence): held")
+            else:
+                self._unstable_streak = 0
+                self.rho = min(s.rho_max, self.rho * s.rho_factor)
+                self.max_staleness = max(s.max_staleness_min, self.max_staleness // 2)
+                action = "compress_less"
+                reason = f"{unstable}: compress less, bound staleness tighter"
             self._losses.clear()
-            self._losses.append(loss)  # this jump has been acted on
+            self._losses.append(loss)  # this jump has been counted
         else:
+            self._unstable_streak = 0
             self._stable_streak += 1
             stable = f"Loss Rebound {rebound:.4g} <= {s.rebound_threshold:g} for {self._stable_streak} evaluation(s)"
             if self._stable_streak < s.stable_evaluations:
@@ -205,7 +223,7 @@ class CompressionController:
                 self.max_staleness = min(s.max_staleness_max, self.max_staleness + 1)
                 action = "compress_more"
                 reason = f"{stable} and communication share {share:.3f} >= {s.communication_share:g}: compress more"
-        if action != "hold" and (self.rho, self.max_staleness) == previous:
+        if action in ("compress_less", "compress_more") and (self.rho, self.max_staleness) == previous:
             action, reason = "hold", f"{reason} (already at the bound)"
         decision = {
             "kind": "controller",
@@ -223,6 +241,7 @@ class CompressionController:
                 "loss_rebound": rebound,
                 "rebound_threshold": s.rebound_threshold,
                 "stable_evaluations": self._stable_streak,
+                "unstable_evaluations": self._unstable_streak,
                 "communication_share": share,
                 "timed_pushes": self._timed_pushes,
                 **{name: self._timing[name] for name in TIMING_FIELDS},
@@ -236,7 +255,7 @@ class CompressionController:
         """Everything a resumed run needs to take the same decisions (plain JSON-able values)."""
         return {"rho": self.rho, "max_staleness": self.max_staleness, "losses": list(self._losses),
                 "timing": dict(self._timing), "timed_pushes": self._timed_pushes,
-                "stable_streak": self._stable_streak,
+                "stable_streak": self._stable_streak, "unstable_streak": self._unstable_streak,
                 "settings": {f.name: getattr(self.settings, f.name) for f in fields(self.settings)}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -246,3 +265,4 @@ class CompressionController:
         self._timing = {name: float(state["timing"][name]) for name in TIMING_FIELDS}
         self._timed_pushes = int(state["timed_pushes"])
         self._stable_streak = int(state["stable_streak"])
+        self._unstable_streak = int(state.get("unstable_streak", 0))  # absent in checkpoints before the knob

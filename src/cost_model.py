@@ -13,7 +13,8 @@ prints the ``emulation:`` lines to paste.
 * **links**: each message of ``n`` serialized bytes (the exact bytes a real run sends) crosses the
   worker's link at ``uplink_mbps`` / ``downlink_mbps`` and the server NIC at ``server_mbps``, which
   concurrent transfers share fairly (:class:`src.event_loop.SharedLink`), then waits the link's
-  latency.
+  latency. ``uplink_schedule`` changes every uplink mid-run (:meth:`CostModel.uplink_bps`): a message
+  crosses at the rate in force when it starts.
 * **the server**: ``server_update_s`` per push it takes in, ``server_reply_s`` per reply it builds,
   one at a time (its lock).
 * **faults**: a killed (or hung, then killed) process takes ``restart_s`` to start again.
@@ -101,9 +102,16 @@ class CostModel:
             self.server_update_s = _required(emulation.server_update_s, "server_update_s", "the server's time per push")
             self.server_reply_s = _required(emulation.server_reply_s, "server_reply_s", "the server's time per reply")
         self.server_bps = _mbps_to_bps(emulation.server_mbps)
+        self.uplink_schedule = [(float(t), float(mbps)) for t, mbps in emulation.uplink_schedule]
         faults = [parse_fault(text) for text in system.inject_faults]
         self.restart_s = (_required(emulation.restart_s, "restart_s", "a faulted process restarts")
                           if faults else (emulation.restart_s or 0.0))
+
+    def uplink_bps(self, worker: int, now_s: float) -> float | None:
+        """Worker ``worker``'s uplink bandwidth at virtual second ``now_s``: the latest ``uplink_schedule``
+        entry at or before it, else its own ``uplink_mbps`` (``None``: not limited)."""
+        scheduled = [mbps for t, mbps in self.uplink_schedule if t <= now_s]
+        return _mbps_to_bps(scheduled[-1]) if scheduled else self.workers[worker].uplink_bps
 
     def step_s(self, worker: int, samples: int) -> tuple[float, float]:
         """Seconds of worker ``worker``'s forward/backward over ``samples`` samples (draws its delay), and the
@@ -120,6 +128,7 @@ class CostModel:
             "compress_s": self.compress_s, "server_update_s": self.server_update_s,
             "server_reply_s": self.server_reply_s, "server_mbps": None if self.server_bps is None else
             self.server_bps / BITS_PER_MEGABIT, "restart_s": self.restart_s,
+            **({"uplink_schedule": [list(entry) for entry in self.uplink_schedule]} if self.uplink_schedule else {}),
         }
 
 

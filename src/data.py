@@ -117,6 +117,12 @@ def _load_torchvision(info: DatasetInfo, split: str, data_dir: str, download: bo
         images_file, labels_file = raw / f"{prefix}-images-idx3-ubyte", raw / f"{prefix}-labels-idx1-ubyte"
         if images_file.is_file() and labels_file.is_file():
             return read_image_file(str(images_file)), read_label_file(str(labels_file)).long()
+    if info.name == "cifar10":
+        # The same for CIFAR-10's python batches (torchvision's class wants every file with its official MD5).
+        folder = Path(data_dir) / "cifar-10-batches-py"
+        names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        if all((folder / name).is_file() for name in names):
+            return _read_cifar_batches([folder / name for name in names])
     try:
         dataset = cls(root=data_dir, train=train, download=False)
     except RuntimeError:
@@ -132,6 +138,19 @@ def _load_torchvision(info: DatasetInfo, split: str, data_dir: str, download: bo
     images = torch.from_numpy(data).permute(0, 3, 1, 2).contiguous() if isinstance(data, np.ndarray) else data
     labels = torch.as_tensor(dataset.targets, dtype=torch.long)
     return images, labels
+
+
+def _read_cifar_batches(paths: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10's python batches (pickled dicts of ``data``: N x 3072 uint8, ``labels``) as ``[N, 3, 32, 32]`` uint8."""
+    import pickle
+
+    images, labels = [], []
+    for path in paths:
+        with open(path, "rb") as handle:
+            batch = pickle.load(handle, encoding="latin1")  # the dataset's own format, read from the user's data_dir
+        images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        labels.extend(batch["labels"])
+    return torch.from_numpy(np.concatenate(images)), torch.tensor(labels, dtype=torch.long)
 
 
 def _missing_message(info: DatasetInfo, data_dir: str) -> str:

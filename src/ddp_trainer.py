@@ -98,7 +98,7 @@ from src.supervisor import LaunchError, leave_process
 from src.trackers import open_trackers
 from src.trainer import (
     MixedPrecision, TrainingClock, checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config,
-    optimizer_from_config, progress, report_target,
+    optimizer_from_config, progress, report_target, samples_due,
 )
 
 #: Errors a rank reports as one line (anything else is a bug and keeps its traceback). They cannot
@@ -537,7 +537,10 @@ class DDPTrainer:
                     **compression,
                 }, epoch=epoch)
             if not epoch_end:  # the epoch's end has its own evaluation and checkpoint
-                if eval_due(self.step, t.eval_interval, epoch_end=False):
+                # all ranks together, from the epoch's start: the same count on every rank (and after a resume)
+                done = epoch * num_train + min((index + 1) * per_step, num_train)
+                if eval_due(self.step, t.eval_interval, epoch_end=False) or \
+                        samples_due(done - step_samples, done, t.eval_every_samples):
                     self._evaluate_and_log(run_log, epoch, clock, target)
                 if self._step_checkpoint_due():
                     self._numbered_checkpoint(run_log, clock, epoch=epoch, epoch_step=index + 1)

@@ -85,7 +85,7 @@ from src.metrics import MetricsLogger, TimeToTarget, read_events, write_summary
 from src.served_model import layout_mismatch, model_from_layout
 from src.staleness import StalenessPolicy, server_optimizer
 from src.trackers import open_trackers
-from src.trainer import evaluate
+from src.trainer import evaluate, samples_due
 from src.wire import Outgoing, Pieces, Received, SharedBuffers, check_float32_bytes, encode, serialize, split, tensor_view
 from src.work_source import WorkRefused, WorkSource
 
@@ -202,9 +202,9 @@ class ServerCore:
         # Adaptive compression (src/controller.py): fed this server's push and eval events; its decisions
         # go to the workers in every reply's Control and set the staleness policy's S_max.
         self.controller = CompressionController.from_config(system) if system.adaptive_compression else None
-        if self.controller is not None and test_set is not None and not t.eval_interval:
+        if self.controller is not None and test_set is not None and not (t.eval_interval or t.eval_every_samples):
             raise SetupError("system.adaptive_compression decides at evaluations: set training.eval_interval "
-                             "(server versions between evaluations)")
+                             "(server versions between evaluations) or training.eval_every_samples")
         self.control = pb.Control()
         if self.controller is not None:
             self._set_control(self.controller.rho, self.controller.max_staleness)
@@ -662,6 +662,7 @@ class ServerCore:
     def _applied(self, contributions: list[Contribution]) -> None:
         """The update just stepped holds everything its contributors held: bookkeeping, events, checkpoints."""
         samples, epochs_done = [], []
+        samples_before = self.counters["samples_applied"]
         for contribution in contributions:
             self.requests.mark(contribution.worker, contribution.request_id, applied=True)  # before a checkpoint below
             if self.config.system.gradient_ledger:
@@ -677,7 +678,7 @@ class ServerCore:
                        learning_rate=self.state.learning_rate)
         if all(c.learning_rate is None for c in contributions):
             self._schedule_next_step()
-        self._after_version(epochs_done)
+        self._after_version(epochs_done, samples_before)
         self._faults.reached(version, announce=lambda fault: self.log.event("fault_injected", fault=str(fault), version=version),
                              fire=self._fire_fault)
         if self.work.finished() and self._train_ended is None:
@@ -821,7 +822,7 @@ class ServerCore:
 
     # ------------------------------------------------------------------------- evaluation, checkpoints
 
-    def _after_version(self, epochs_done: list[int]) -> None:
+    def _after_version(self, epochs_done: list[int], samples_before: int) -> None:
         version = self.state.version
         t = self.config.training
         if version % t.checkpoint_interval == 0:
@@ -831,9 +832,12 @@ class ServerCore:
         evaluate_now = bool(epochs_done) and epochs_done[-1] + 1 < t.num_epochs  # the final evaluation covers the last
         if t.eval_interval and version % t.eval_interval == 0:
             evaluate_now = True
+        samples = self.counters["samples_applied"]
+        if samples_due(samples_before, samples, t.eval_every_samples):  # the same sample counts in sync and async
+            evaluate_now = True
         if self.test_set is not None and evaluate_now:
             epoch = self.work.epochs_done()
-            self._submit(self._evaluate_snapshot, epoch, version, self.state.snapshot(), self.elapsed())
+            self._submit(self._evaluate_snapshot, epoch, version, self.state.snapshot(), self.elapsed(), samples)
 
     def _submit(self, function, *args) -> None:
         self._background.submit(function, *args).add_done_callback(self._background_done)
@@ -940,16 +944,17 @@ class ServerCore:
         self.log.event("server_recovered", checkpoint=str(path), version=self.state.version,
                        versions_lost=max(0, reached - self.state.version))
 
-    def _evaluate_snapshot(self, epoch: int, version: int, state: dict[str, torch.Tensor], elapsed: float) -> None:
+    def _evaluate_snapshot(self, epoch: int, version: int, state: dict[str, torch.Tensor], elapsed: float,
+                           samples: int) -> None:
         self._eval_model.load_state_dict(state)
-        self._record_eval(epoch, version, self._eval_model, elapsed)
+        self._record_eval(epoch, version, self._eval_model, elapsed, samples)
 
-    def _record_eval(self, epoch: int, version: int, model: nn.Module, elapsed: float) -> tuple[float, float]:
+    def _record_eval(self, epoch: int, version: int, model: nn.Module, elapsed: float, samples: int) -> tuple[float, float]:
         t = self.config.training
         with tracing.span("evaluate", version=version):
             loss, accuracy = evaluate(model, self.test_set, batch_size=t.eval_batch_size)
         event = self.log.scalars("eval", version, {"test_loss": loss, "test_accuracy": accuracy}, epoch=epoch,
-                                 elapsed_s=elapsed)
+                                 elapsed_s=elapsed, samples=samples)
         if self.controller is not None:
             with self.lock:
                 self._decide(event)
@@ -1004,7 +1009,8 @@ class ServerCore:
             workers = [exposed_communication(self.stats_by_incarnation[i]) for i in sorted(self.stats_by_incarnation)]
         version = state["version"]
         elapsed = self.elapsed() if self._train_ended is None else self._train_ended - (self._train_started or 0.0)
-        final_loss, final_accuracy = (self._record_eval(t.num_epochs, version, self.state.model, elapsed)
+        final_loss, final_accuracy = (self._record_eval(t.num_epochs, version, self.state.model, elapsed,
+                                                        self.counters["samples_applied"])
                                       if self.test_set is not None else (float("nan"), float("nan")))
         checkpoint_path = self._checkpoint(final_checkpoint_path(self.config.system.checkpoint_dir, "parameter_server"), state)
         if self.config.system.gradient_ledger:

@@ -285,6 +285,12 @@ def eval_due(step: int, interval: int, *, epoch_end: bool) -> bool:
     return epoch_end or (interval > 0 and step % interval == 0)
 
 
+def samples_due(before: int, after: int, every: int) -> bool:
+    """Whether ``training.eval_every_samples`` wants an evaluation once the samples applied went from ``before``
+    to ``after``: a multiple of ``every`` was reached (0: never)."""
+    return every > 0 and after // every > before // every
+
+
 def report_target(target: TimeToTarget, accuracy: float, seconds: float, step: int) -> None:
     """Feed one evaluation to ``target``; log a line the first time the target accuracy is reached."""
     if target.observe(accuracy, seconds, step):

@@ -45,7 +45,9 @@ from src.cost_model import CostModel, all_gather_s, ring_allreduce_s
 from src.data import make_shards, steps_per_epoch
 from src.ddp_trainer import _scaled_loss
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
-from src.trainer import checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config, optimizer_from_config
+from src.trainer import (
+    checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config, optimizer_from_config, samples_due,
+)
 
 
 class VirtualDDP:
@@ -84,6 +86,9 @@ class VirtualDDP:
             self.hook_name = policy.compressor.name
             first = self.states[0]
             self.segments = [[first._segment(self._pieces(bucket))] for bucket in self.bucket_params]
+        if self.cost.uplink_schedule:
+            raise SetupError("emulation.uplink_schedule: a mid-run link change is modelled in the parameter server's "
+                             "virtual time only, not in virtual DDP")
         links = [w.uplink_bps for w in self.cost.workers]
         self.bandwidth_bps = None if any(b is None for b in links) else min(links)
         self.latency_s = max(w.uplink_latency_s for w in self.cost.workers)
@@ -189,10 +194,11 @@ class VirtualDDP:
                         rank_logs[0].scalars("train", self.step, {"loss": loss, "accuracy": accuracy, "step_time_s": seconds,
                                                                   "communication_time_s": exchange,
                                                                   "samples_processed": samples}, epoch=epoch)
-                    if eval_due(self.step, t.eval_interval, epoch_end=index + 1 == num_steps):
+                    if eval_due(self.step, t.eval_interval, epoch_end=index + 1 == num_steps) or \
+                            samples_due(samples - step_count, samples, t.eval_every_samples):
                         final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size)
                         run_log.scalars("eval", self.step, {"test_loss": final_loss, "test_accuracy": final_accuracy},
-                                        epoch=epoch + (index + 1 == num_steps))
+                                        epoch=epoch + (index + 1 == num_steps), samples=samples, elapsed_s=self.clock.now)
                         target.observe(final_accuracy, self.clock.now, self.step)
             checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=t.num_epochs, step=self.step,
                                            extra=self._hook_extra())

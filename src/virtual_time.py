@@ -295,7 +295,8 @@ class VirtualRun:
             else:
                 self._deliver(call, lambda: call.on_error("UNAVAILABLE", "the parameter server is not reachable"))
 
-        self.nic_in.send(8 * len(data), costs.uplink_bps, lambda: self.loop.after(costs.uplink_latency_s, arrived))
+        self.nic_in.send(8 * len(data), self.cost.uplink_bps(worker.worker_id, sent_at),
+                         lambda: self.loop.after(costs.uplink_latency_s, arrived))
 
     def _reply(self, call: Call, data: bytes) -> None:
         """Send the server's reply back over the server NIC and the worker's downlink."""

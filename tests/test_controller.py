@@ -7,6 +7,7 @@ for the same stream (what DDP ranks rely on).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -63,6 +64,32 @@ def test_one_rebound_acts_once():
     decisions = run(controller, [0.60, 0.50, 0.75, 0.74, 0.73], communication=0.1, gradient=0.9)
     assert [d["action"] for d in decisions] == ["hold", "hold", "compress_less", "hold", "hold"]
     assert controller.rho == pytest.approx(0.2)
+
+
+def test_persistence_holds_a_lone_rebound_and_acts_on_one_that_persists():
+    settings = dataclasses.replace(SETTINGS, instability_persistence=2)
+    lone = run(CompressionController(settings), [0.60, 0.50, 0.75, 0.74, 0.73], communication=0.1, gradient=0.9)
+    assert [d["action"] for d in lone] == ["hold", "hold", "hold_for_persistence", "hold", "hold"]
+    assert "need 2 (instability_persistence)" in lone[2]["reason"] and lone[2]["rho"] == pytest.approx(0.1)
+    controller = CompressionController(settings)
+    persisting = run(controller, [0.60, 0.50, 0.75, 0.85], communication=0.1, gradient=0.9)  # a second rise of 0.1
+    assert [d["action"] for d in persisting] == ["hold", "hold", "hold_for_persistence", "compress_less"]
+    assert controller.rho == pytest.approx(0.2) and persisting[-1]["inputs"]["unstable_evaluations"] == 0
+    # a stable evaluation between two rebounds starts the count again
+    broken = run(CompressionController(settings), [0.60, 0.50, 0.75, 0.70, 0.90], communication=0.1, gradient=0.9)
+    assert [d["action"] for d in broken] == ["hold", "hold", "hold_for_persistence", "hold", "hold_for_persistence"]
+    # persistence 1 is the controller without the knob
+    plain = run(CompressionController(SETTINGS), [0.60, 0.50, 0.75, 0.85], communication=0.1, gradient=0.9)
+    assert [d["action"] for d in plain] == ["hold", "hold", "compress_less", "compress_less"]
+
+
+def test_persistence_resumes_mid_count_from_its_state():
+    settings = dataclasses.replace(SETTINGS, instability_persistence=2)
+    controller = CompressionController(settings)
+    run(controller, [0.60, 0.50, 0.75], communication=0.1, gradient=0.9)
+    resumed = CompressionController()
+    resumed.load_state_dict(json.loads(json.dumps(controller.state_dict())))
+    assert run(resumed, [0.85], communication=0.1, gradient=0.9)[0]["action"] == "compress_less"
 
 
 def test_lowers_rho_while_stable_and_communication_dominates():
@@ -188,6 +215,7 @@ def test_settings_from_config_clamp_the_start_into_the_bounds():
     (dict(max_staleness_min=5, max_staleness_max=2), "max_staleness_min <= max_staleness_max"),
     (dict(rebound_window=0), "rebound_window must be >= 1"),
     (dict(rho_factor=1.0), "rho_factor must be a finite number > 1"),
+    (dict(instability_persistence=0), "instability_persistence must be >= 1"),
     (dict(communication_share=1.5), r"communication_share must be in \[0, 1\]"),
 ])
 def test_bad_settings_are_refused(kwargs, message):

@@ -182,40 +182,60 @@ def _fake_run(folder: Path, name: str, seed: int, **summary) -> None:
     (run / "config.yaml").write_text(yaml.safe_dump({"training": {"seed": seed}}))
 
 
-def test_findings_are_computed_from_the_summaries(tmp_path):
-    import findings
+def _record(name: str, runs: list[tuple[str, int, dict]]) -> dict:
+    """A matrix record (src/findings_record.py) of runs given as (configuration, seed, summary fields)."""
+    out = []
+    for configuration, seed, fields in runs:
+        fields = dict(fields)
+        evals = fields.pop("evals", [])
+        workers = [{"worker_id": k, "samples": s, "steps": n, "gradient_time_s": g, "compression_time_s": 0.0,
+                    "communication_time_s": c} for k, (s, n, g, c) in enumerate(fields.pop("workers"))]
+        summary = {"final_accuracy": 0.9, "train_time_s": 8.0, "bytes_sent": 100, "throughput_samples_per_s": 100.0,
+                   "pushes_rejected": 0, **fields, "workers": workers}
+        out.append({"name": f"seed-{seed}__{configuration}", "configuration": configuration, "seed": seed,
+                    "experiment": {"clock": "virtual"}, "config": {}, "summary": summary, "evals": evals,
+                    "controller": [], "applied_max_staleness": 0})
+    return {"matrix": name, "runs": out}
 
-    f1 = tmp_path / "f1_stragglers"
+
+def test_findings_figures_follow_their_definitions():
+    from src import findings
+
     # worker 1 four times slower: rates 100 and 25 samples/s in async -> ideal 125 / (2 x 25) = 2.5
-    _fake_run(f1, "sync__slow__seed-0", 0, aggregation_mode="sync", throughput_samples_per_s=50.0, time_to_target_s=30.0,
-              workers=[(500, 10, 1.0, 9.0), (500, 10, 10.0, 0.0)])
-    _fake_run(f1, "async__slow__seed-0", 0, throughput_samples_per_s=120.0, time_to_target_s=10.0,
-              workers=[(1000, 20, 5.0, 5.0), (250, 5, 10.0, 0.0)])
-    result = findings.f1(f1)
-    assert result["ideal_ratio"]["mean"] == pytest.approx(2.5)
-    assert result["async_over_sync_throughput"]["mean"] == pytest.approx(2.4)
-    assert result["fraction_of_ideal"]["mean"] == pytest.approx(0.96)
-    assert result["time_to_target_speedup"]["mean"] == pytest.approx(3.0) and result["async_reaches_target_sooner"] == [True]
-    assert result["slowest_worker_rate_async_over_sync"]["mean"] == pytest.approx(0.5)  # 25 vs 50 samples/s
+    slow = [(500, 10, 1.0, 9.0), (500, 10, 10.0, 0.0)]
+    f1 = _record("f1_stragglers", [
+        ("sync", 0, {"throughput_samples_per_s": 50.0, "workers": slow, "evals": [[100, 30.0, 0.9, 0.3, 5]]}),
+        ("async_plain", 0, {"throughput_samples_per_s": 120.0, "workers": [(1000, 20, 5.0, 5.0), (250, 5, 10.0, 0.0)],
+                            "evals": [[100, 10.0, 0.9, 0.3, 5]]}),
+        ("sync_aa", 0, {"throughput_samples_per_s": 50.0, "workers": slow})])
+    f8 = _record("f8_bandwidth", [  # per step: dense 10 ms compute + 90 ms comm, top-k 10 + 10 -> ceiling 5
+        ("up25_dense", 0, {"bytes_sent": 1000, "workers": [(100, 10, 0.1, 0.9)], "evals": [[50, 40.0, 0.85, 0.3, 3]]}),
+        ("up25_topk25", 0, {"bytes_sent": 200, "workers": [(100, 10, 0.1, 0.1)], "evals": [[50, 10.0, 0.85, 0.3, 3]]})])
+    f2 = _record("f2_compression", [
+        (f"sgd__{arm}", 0, {"final_accuracy": accuracy, "bytes_sent": sent, "workers": [(100, 10, 0.1, 0.1)]})
+        for arm, accuracy, sent in (("dense", 0.95, 1000), ("dense_aa", 0.95, 1000), ("topk1", 0.90, 20),
+                                    ("topk1_ef", 0.94, 20))])
+    figures = findings.compute({"f1_stragglers": f1, "f8_bandwidth": f8, "f2_compression": f2})
+    plain = figures["F1"]["3"]["async_plain"]
+    assert plain["ideal_ratio"]["mean"] == pytest.approx(2.5) and plain["throughput_ratio"]["mean"] == pytest.approx(2.4)
+    assert plain["fraction_of_ideal"]["mean"] == pytest.approx(0.96)
+    assert plain["time_to_target_speedup"]["0.9"]["mean"] == pytest.approx(3.0)
+    link = figures["F8_F9_F10"]["links"]["25"]
+    assert link["per_step_ceiling"]["mean"] == pytest.approx(5.0) and link["time_to_target_speedup"]["0.8"]["mean"] == pytest.approx(4.0)
+    assert link["fraction_of_ceiling"]["0.8"]["mean"] == pytest.approx(0.8) and link["bytes_ratio"]["mean"] == pytest.approx(0.2)
+    sgd = figures["F2_F4_F5_F6"]["sgd"]
+    assert sgd["topk1_ef"]["bytes_ratio"]["mean"] == pytest.approx(0.02)
+    assert sgd["topk1_ef"]["accuracy_difference"]["mean"] == pytest.approx(-0.01)
+    assert sgd["ef_recovers"]["1"]["mean"] == pytest.approx(0.04)
+    assert findings.verdict(plain["fraction_of_ideal"], 0.9) == "yes" and findings.verdict(plain["ideal_ratio"], 10.0) == "no"
 
-    f8 = tmp_path / "f8_bandwidth"
-    # per step: dense 10 ms compute + 90 ms comm, top-k 10 + 10 -> ceiling 5; time to target 40 s vs 10 s -> 4x
-    _fake_run(f8, "up-25__identity__seed-0", 0, time_to_target_s=40.0, bytes_sent=1000, workers=[(100, 10, 0.1, 0.9)])
-    _fake_run(f8, "up-25__topk_ef__seed-0", 0, time_to_target_s=10.0, bytes_sent=200, workers=[(100, 10, 0.1, 0.1)])
-    link = findings.f8(f8)["links"]["up-25"]
-    assert link["per_step_ceiling"]["mean"] == pytest.approx(5.0) and link["time_to_target_speedup"]["mean"] == pytest.approx(4.0)
-    assert link["fraction_of_ceiling"]["mean"] == pytest.approx(0.8) and link["bytes_sent_ratio"]["mean"] == pytest.approx(0.2)
 
-    f2 = tmp_path / "f2_f6_compression"
-    for name, accuracy, sent in (("identity", 0.95, 1000), ("topk", 0.90, 20), ("topk_ef", 0.94, 20), ("quantization", 0.95, 260)):
-        _fake_run(f2, f"{name}__seed-0", 0, final_accuracy=accuracy, bytes_sent=sent, workers=[(100, 10, 0.1, 0.1)])
-    compression = findings.f2_f6(f2)
-    assert compression["topk_ef"]["bytes_sent_ratio"]["mean"] == pytest.approx(0.02)
-    assert compression["topk_ef"]["accuracy_points_vs_identity"]["mean"] == pytest.approx(-1.0)
-    assert compression["f6_error_feedback_recovers_points"]["mean"] == pytest.approx(4.0)
-
+def test_the_results_table_has_a_row_per_run_and_per_configuration(tmp_path):
     import plot_results
 
+    f2 = tmp_path / "f2"
+    for name, accuracy, sent in (("identity", 0.95, 1000), ("topk_ef", 0.94, 20)):
+        _fake_run(f2, f"{name}__seed-0", 0, final_accuracy=accuracy, bytes_sent=sent, workers=[(100, 10, 0.1, 0.1)])
     table = plot_results.markdown_table(plot_results.find_runs([f2]))
     assert "| topk_ef__seed-0 | async | none |" in table and "| topk_ef | 1 | 0.9400 |" in table
 

@@ -82,3 +82,14 @@ def test_compressed_virtual_ddp_ends_on_the_real_runs_parameters_with_its_bytes(
 def test_faults_are_refused_in_virtual_ddp(tmp_path):
     with pytest.raises(SetupError, match="^system.inject_faults: "):
         run_virtual_ddp(ddp_config(tmp_path, "faulty", system__inject_faults=["kill:rank=1@step=2"]), tensorboard=False)
+
+
+def test_virtual_ddp_evaluates_at_fixed_sample_counts(tmp_path):
+    """training.eval_every_samples: an evaluation each time the ranks' samples together pass a multiple (48 a step here)."""
+    from src.metrics import read_events
+
+    config = ddp_config(tmp_path, "counts", training__eval_every_samples=96, training__max_train_samples=240)
+    run_virtual_ddp(config, tensorboard=False)
+    evals = list(read_events(tmp_path / "counts" / "logs" / "events.jsonl", "eval"))
+    assert [e["samples"] for e in evals] == [96, 192, 240]  # two multiples, then the epoch's end
+    assert all(e["elapsed_s"] > 0 for e in evals)

@@ -1,0 +1,184 @@
+"""The findings: their matrices' configs, the committed results, docs/findings.md, and what feeds them.
+
+Claims: every findings matrix is valid, seed first, with an A/A arm and >= 8 seeds; docs/findings.md
+holds exactly what scripts/findings.py computes from the committed records (a changed number fails
+the check); a matrix run, collected, gives the figures (sync and async scored at the same sample
+counts); a mid-run uplink change slows the pushes after it; Fashion-MNIST and CIFAR-10 files in
+torchvision's layouts train.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from src import findings
+from src.config import ConfigError, validate_config
+from src.cost_model import CostModel
+from src.findings_record import collect_matrix, load_records, write_record
+from src.virtual_time import run_virtual
+from tests.ps_fixtures import ROOT, ps_config
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import findings as findings_script  # noqa: E402  (scripts/findings.py)
+import run_experiment as rx  # noqa: E402
+import run_matrix  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+FINDINGS_CONFIGS = sorted((ROOT / "configs" / "experiments").glob("f[0-9]*.yaml"))
+REALTIME_CONFIGS = sorted((ROOT / "configs" / "experiments").glob("realtime_*.yaml"))
+RECORDS = ROOT / "docs" / "findings"
+DOC = ROOT / "docs" / "findings.md"
+COSTS = {"compute_s": 0.01, "server_update_s": 0.002, "server_reply_s": 0.002}
+
+
+@pytest.mark.parametrize("path", FINDINGS_CONFIGS, ids=lambda p: p.stem)
+def test_a_findings_matrix_is_valid_seed_first_with_an_aa_arm_and_eight_seeds(path, tmp_path):
+    data = yaml.safe_load(path.read_text())
+    axes = data["matrix"]["axes"]
+    assert list(axes)[0] == "seed" and len(axes["seed"]) >= 8  # configurations alternate within each seed
+    arms = next(levels for name, levels in axes.items() if name != "seed" and any(label.endswith("_aa") for label in levels))
+    for label, overrides in arms.items():
+        if label.endswith("_aa"):
+            assert overrides in [v for k, v in arms.items() if k != label]  # the A/A arm repeats another arm exactly
+    assert data["system"]["clock"] == "virtual"
+    name, runs = run_matrix.expand(data, path.stem)
+    assert name == path.stem and [e["name"].split("__")[0] for e, _ in runs[:2]] == ["seed-0", "seed-0"]
+    for experiment, run_data in runs:
+        rx.build_config(experiment, run_data, tmp_path / experiment["name"])  # every run validates
+
+
+@pytest.mark.parametrize("path", REALTIME_CONFIGS, ids=lambda p: p.stem)
+def test_a_realtime_confirmation_is_valid_and_on_the_real_clock(path, tmp_path):
+    data = yaml.safe_load(path.read_text())
+    assert list(data["matrix"]["axes"])[0] == "seed" and data["system"]["clock"] == "real"
+    for experiment, run_data in run_matrix.expand(data, path.stem)[1]:
+        rx.build_config(experiment, run_data, tmp_path / experiment["name"])
+
+
+def test_the_document_holds_exactly_what_the_committed_records_give(tmp_path):
+    records = load_records(RECORDS)
+    assert set(findings.MATRICES) <= set(records), "a findings matrix has no committed record"
+    assert sum(path.stat().st_size for path in RECORDS.glob("*.json")) < 20e6
+    blocks = findings.render(findings.compute(records))
+    text = DOC.read_text()
+    assert findings.check_document(text, blocks) == []
+    assert set(findings.REALTIME) <= set(records), "a real-time confirmation has no committed record"
+    for name in findings.MATRICES:
+        record = records[name]
+        assert len({run["seed"] for run in record["runs"]}) >= 8
+        assert all(run["experiment"]["clock"] == "virtual" and run["experiment"]["commit"] for run in record["runs"])
+    # the script says so too, and fails when a number in a block is not the computed one
+    assert findings_script.main(["--check"]) == 0
+    begin = text.index("<!-- findings:F1 -->")
+    digit = next(i for i in range(begin, len(text)) if text[i].isdigit() and text[i - 1] == " ")
+    changed = tmp_path / "findings.md"
+    changed.write_text(text[:digit] + str((int(text[digit]) + 1) % 10) + text[digit + 1:])
+    assert findings_script.main(["--check", "--doc", str(changed)]) == 1
+    assert findings.check_document("no blocks", blocks)[0].startswith("block summary: missing")
+
+
+def test_the_committed_aa_arms_differ_by_exactly_nothing():
+    figures = findings.compute(load_records(RECORDS))
+    for level in figures["F1"].values():
+        assert level["aa"]["final_accuracy_difference"]["values"] == [0.0] * level["seeds"]
+    assert set(figures["F8_F9_F10"]["aa"]["time_to_target_ratio"]["values"]) <= {1.0}
+    for optimizer in ("sgd", "momentum"):
+        assert set(figures["F2_F4_F5_F6"][optimizer]["aa"]["accuracy_difference"]["values"]) == {0.0}
+
+
+def _tiny_matrix(tmp_path: Path) -> Path:
+    matrix = {
+        "matrix": {"name": "f1_stragglers", "axes": {"seed": [0, 1], "setup": {
+            "sync": {"system.aggregation_mode": "sync"}, "async_plain": {"system.aggregation_mode": "async",
+                                                                        "system.async_correction": "none"},
+            "sync_aa": {"system.aggregation_mode": "sync"}}}},
+        "training": {"dataset": "mnist_5k", "max_train_samples": 96, "max_test_samples": 64, "batch_size": 8,
+                     "num_epochs": 1, "momentum": 0.0, "eval_every_samples": 48, "target_accuracy": 0.2},
+        "system": {"num_workers": 3, "clock": "virtual"},
+        "emulation": {"workers": {1: {"step_delay_s": 0.3}}, **COSTS},
+        "metrics": {"trackers": []},
+    }
+    path = tmp_path / "f1_stragglers.yaml"
+    path.write_text(yaml.safe_dump(matrix, sort_keys=False))
+    return path
+
+
+def test_a_matrix_run_collected_gives_its_figures_at_the_same_sample_counts(tmp_path):
+    assert run_matrix.main(["--config", str(_tiny_matrix(tmp_path)), "--results-dir", str(tmp_path / "results")]) == 0
+    record = collect_matrix(tmp_path / "results" / "f1_stragglers")
+    assert [(r["seed"], r["configuration"]) for r in record["runs"]] == [
+        (0, "sync"), (0, "async_plain"), (0, "sync_aa"), (1, "sync"), (1, "async_plain"), (1, "sync_aa")]  # seed outer
+    counts = {r["configuration"]: [e[0] for e in r["evals"] if e[0] % 48 == 0] for r in record["runs"] if r["seed"] == 0}
+    assert counts["sync"] == counts["async_plain"] == [48, 96, 96]  # every 48 samples, then the final evaluation
+    run = record["runs"][0]
+    assert run["experiment"]["clock"] == "virtual" and len(run["experiment"]["commit"]) == 40
+    assert "log_dir" not in run["config"]["system"] and set(run["summary"]["workers"][0]) >= {"samples", "gradient_time_s"}
+    path = write_record(record, tmp_path / "records")
+    assert path.stat().st_size < 100_000 and json.loads(path.read_text())["runs"][0] == run
+    level = findings.compute(load_records(tmp_path / "records"))["F1"]["3"]
+    plain = level["async_plain"]
+    # worker 1 waits 0.3 s a step, the others ~0.014 s: async is several times faster (12 pushes: end effects)
+    assert plain["throughput_ratio"]["mean"] > 2 and 0.5 < plain["fraction_of_ideal"]["mean"] <= 1.05
+    assert level["aa"]["throughput_ratio"]["values"] == [1.0, 1.0]
+    assert "A/A (sync repeated): samples/s ratio 1.000x" in findings.render(findings.compute({"f1_stragglers": record}))["F1"]
+
+
+def test_the_uplink_schedule_changes_the_link_mid_run_in_virtual_time_only(tmp_path):
+    config = ps_config(tmp_path, "schedule", system__clock="virtual", system__num_workers=2,
+                       emulation__uplink_mbps=250, emulation__uplink_schedule=[[0.05, 25], [2.0, 100]],
+                       **{f"emulation__{k}": v for k, v in COSTS.items()})
+    cost = CostModel(config)
+    assert [cost.uplink_bps(0, t) for t in (0.0, 0.049, 0.05, 1.9, 2.0, 9.0)] == [250e6, 250e6, 25e6, 25e6, 100e6, 100e6]
+    summary = run_virtual(config, tensorboard=False)
+    assert summary["cost_model"]["uplink_schedule"] == [[0.05, 25.0], [2.0, 100.0]]
+    steady = run_virtual(ps_config(tmp_path, "steady", system__clock="virtual", system__num_workers=2,
+                                   emulation__uplink_mbps=250, **{f"emulation__{k}": v for k, v in COSTS.items()}),
+                         tensorboard=False)
+    assert summary["train_time_s"] > steady["train_time_s"] and summary["bytes_sent"] == steady["bytes_sent"]
+    with pytest.raises(ConfigError, match=r"^emulation.uplink_schedule: a mid-run link change is modelled in virtual"):
+        validate_config({"emulation": {"uplink_schedule": [[1.0, 25]]}})
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        validate_config({"system": {"clock": "virtual"}, "emulation": {"uplink_schedule": [[1.0, 25], [1.0, 5]]}})
+
+
+def _fashion_files(root: Path, count: int) -> None:
+    rng = np.random.default_rng(0)
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix in ("train", "t10k"):
+        images = rng.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=count, dtype=np.uint8)
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, count) + labels.tobytes())
+
+
+def _cifar_files(root: Path, count: int) -> None:
+    rng = np.random.default_rng(1)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, size=(count, 3072), dtype=np.uint8),
+                 "labels": [int(x) for x in rng.integers(0, 10, size=count)]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+
+
+@pytest.mark.parametrize("config_name, write_files", [("f1_fashion_mnist", _fashion_files), ("f2_cifar10", _cifar_files)])
+def test_the_spec_datasets_configs_train_on_files_in_torchvision_layouts(tmp_path, config_name, write_files):
+    write_files(tmp_path / "data", 48)
+    data = yaml.safe_load((ROOT / "configs" / "experiments" / f"{config_name}.yaml").read_text())
+    _, runs = run_matrix.expand(data, config_name)
+    experiment, run_data = runs[0]
+    run_data["training"].update(data_dir=str(tmp_path / "data"), max_train_samples=48, num_epochs=1, eval_every_samples=48)
+    run_data["metrics"] = {"trackers": []}
+    summary = run_virtual(rx.build_config(experiment, run_data, tmp_path / "run"), tensorboard=False)
+    assert summary["dataset"] == data["training"]["dataset"] and summary["samples_processed"] == 48
+    assert 0.0 <= summary["final_accuracy"] <= 1.0
