@@ -689,7 +689,7 @@ def check_document(text: str, blocks: dict[str, str]) -> list[str]:
             problems.append(f"block {name}: missing (markers {begin} ... {end})")
             continue
         found = text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
-        if found != expected:
+        if found != expected.strip("\n"):
             problems.append(f"block {name}: differs from what the committed results give")
     return problems
 
