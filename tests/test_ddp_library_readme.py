@@ -1,6 +1,6 @@
-"""The README's "Compressed DDP on your own model" example runs as written: its torchrun command, 2 ranks.
+"""docs/library.md's "Compressed DDP on your own model" example runs as written: its torchrun command, 2 ranks.
 
-The command is run as the README gives it (``torchrun`` is this interpreter's
+The command is run as the page gives it (``torchrun`` is this interpreter's
 ``-m torch.distributed.run``), from a fresh folder holding the example script; the checkout is put
 first on ``PYTHONPATH``, as ``pip install -e .`` would.
 """
@@ -23,7 +23,7 @@ SECTION = "## Compressed DDP on your own model"
 
 
 def readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "library.md").read_text()
     start = text.index(SECTION)
     return text[start:text.index("\n## ", start + 1)]
 

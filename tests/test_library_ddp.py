@@ -1,7 +1,7 @@
 """torch_asgc.ddp on one in-process gloo rank: registration, byte counts, the ratio setter, exact resume, bad input.
 
 The multi-rank behaviour of the same hooks is tests/test_ddp_hooks.py's (3 ranks, against the
-compression API applied by hand) and tests/test_ddp_library_readme.py's (the README example, 2
+compression API applied by hand) and tests/test_ddp_library_readme.py's (docs/library.md's example, 2
 ranks under torchrun).
 """
 

@@ -1,4 +1,4 @@
-"""The README's "Use it in your own training loop" examples run as written: the server command, then
+"""docs/library.md's "Use it in your own training loop" examples run as written: the server command, then
 each example script as two worker processes (only the port is changed, to a free one)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ README_PORT = "50051"
 
 
 def readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "library.md").read_text()
     start = text.index("## Use it in your own training loop")
     return text[start:text.index("\n## ", start + 1)]
 

@@ -128,7 +128,7 @@ class Compose:
 
 
 def make_server_certificate(directory: Path) -> None:
-    """The README's command for the compose cluster's self-signed certificate (name: parameter_server)."""
+    """docs/deployment.md's command for the compose cluster's self-signed certificate (name: parameter_server)."""
     directory.mkdir()
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
                     "-days", "365", "-subj", "/CN=parameter_server", "-addext", "subjectAltName=DNS:parameter_server",

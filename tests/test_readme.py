@@ -1,0 +1,117 @@
+"""README.md stays a true front door: its commands run, its links and the docs' links resolve,
+CI uses its set-up as written, and docs/architecture.md has a line for every module in src/.
+
+A command is checked as far as it can be without training: every distinct ``python SCRIPT`` or
+``python -m MODULE`` in README's bash blocks is run once with ``--help`` (exit 0), one process at a
+time, each under its own timeout.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+HELP_TIMEOUT_S = 60  # one --help imports argparse and a little more; generous for a loaded machine
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def bash_lines(text: str) -> list[str]:
+    """The commands of the text's bash blocks, continuation lines joined, comments dropped."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+            if line:
+                lines.append(line)
+    return lines
+
+
+def python_targets(text: str) -> list[tuple[str, ...]]:
+    """Distinct ``(script,)`` or ``("-m", module)`` of every ``python ...`` command, in order."""
+    targets: dict[tuple[str, ...], None] = {}
+    for line in bash_lines(text):
+        words = shlex.split(line)
+        if not words or words[0] != "python":
+            continue
+        target = ("-m", words[2]) if words[1] == "-m" else (words[1],)
+        targets[target] = None
+    return list(targets)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_readme_commands_run_at_least_as_help():
+    targets = python_targets(README.read_text())
+    scripts = {t[0] for t in targets if t[0] != "-m"}
+    # The guide's front door shows every runner; a parsing slip that finds none must not pass.
+    assert {"run_baseline_training.py", "run_parameter_server_training.py", "run_ddp_training.py"} <= scripts, targets
+    failures = []
+    for target in targets:
+        command = [sys.executable, *target, "--help"]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=HELP_TIMEOUT_S)
+        if result.returncode != 0 or "usage" not in result.stdout.lower():
+            failures.append(f"{' '.join(target)} --help: exit {result.returncode}\n{result.stderr[-1500:]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_every_relative_link_points_at_a_file_and_readme_anchors_exist():
+    problems = []
+    for page in [README, *DOCS]:
+        for target in LINK.findall(re.sub(r"```.*?```", "", page.read_text(), flags=re.S)):
+            if re.match(r"[a-z]+:", target):  # https:, file:, mailto:
+                continue
+            path_part, _, fragment = target.partition("#")
+            linked = (page.parent / path_part).resolve() if path_part else page
+            if not linked.exists():
+                problems.append(f"{page.relative_to(ROOT)}: {target}: no such file")
+            elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
+                problems.append(f"{page.relative_to(ROOT)}: {target}: no heading with that anchor")
+    assert not problems, "\n".join(problems)
+
+
+def test_ci_runs_the_readme_setup_as_written():
+    text = README.read_text()
+    section = text[text.index("## Set-up"):text.index("\n## ", text.index("## Set-up") + 1)]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    setup = block.strip().splitlines()
+    assert len(setup) == 2, setup
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert [line for line in ci if line in setup] == setup, "each README set-up line, in order, as a line of .ci/run"
+    assert not [line for line in ci if "pip install" in line and line not in setup], "CI installs only what README says"
+    assert (ROOT / "requirements.txt").read_text().strip().splitlines()[-1].startswith("-e .[")
+
+
+def test_architecture_page_names_every_module_in_src():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "src").rglob("*.py") if "_pb2" not in p.name)
+    assert len(modules) > 40, modules
+    missing = [m for m in modules if f"`{m}`" not in page]
+    assert not missing, f"docs/architecture.md has no line for: {missing}"
+    assert "`src/parameter_server_pb2.py`" in page  # the generated stubs, one line together
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("```bash\npython a.py --x 1 \\\n    --y 2   # note\npython -m pkg.mod --z\ntorchrun b.py\npython a.py\n```\n",
+     [("a.py",), ("-m", "pkg.mod")]),
+])
+def test_python_targets_are_deduplicated_and_continuations_joined(text, expected):
+    assert python_targets(text) == expected
