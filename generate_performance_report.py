@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
 
     from src.report import (
-        ReportInputError, build_report, merge_run_traces, read_json, runs_from_dir, runs_from_files, write_report,
+        ReportInputError,
+        build_report,
+        merge_run_traces,
+        read_json,
+        runs_from_dir,
+        runs_from_files,
+        write_report,
     )
 
     try:

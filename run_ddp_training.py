@@ -47,8 +47,19 @@ import os
 import sys
 
 from src.cli import (
-    AMP_FLAGS, COMPRESSION_FLAGS, CONTROLLER_FLAGS, FAULT_TOLERANCE_FLAGS, VIRTUAL_FLAGS, add_amp_flag, add_common_flags,
-    add_compression_flags, add_controller_flags, add_fault_tolerance_flags, add_virtual_flags, config_from_args, exit_status,
+    AMP_FLAGS,
+    COMPRESSION_FLAGS,
+    CONTROLLER_FLAGS,
+    FAULT_TOLERANCE_FLAGS,
+    VIRTUAL_FLAGS,
+    add_amp_flag,
+    add_common_flags,
+    add_compression_flags,
+    add_controller_flags,
+    add_fault_tolerance_flags,
+    add_virtual_flags,
+    config_from_args,
+    exit_status,
     write_artifacts_if_asked,
 )
 from src.metrics import format_summary

@@ -40,9 +40,22 @@ import argparse
 import sys
 
 from src.cli import (
-    AMP_FLAGS, COMPRESSION_FLAGS, EMULATION_FLAGS, FAULT_TOLERANCE_FLAGS, STALENESS_FLAGS, VIRTUAL_FLAGS, add_amp_flag,
-    add_common_flags, add_compression_flags, add_emulation_flags, add_fault_tolerance_flags, add_staleness_flags,
-    add_virtual_flags, config_from_args, exit_status, write_artifacts_if_asked,
+    AMP_FLAGS,
+    COMPRESSION_FLAGS,
+    EMULATION_FLAGS,
+    FAULT_TOLERANCE_FLAGS,
+    STALENESS_FLAGS,
+    VIRTUAL_FLAGS,
+    add_amp_flag,
+    add_common_flags,
+    add_compression_flags,
+    add_emulation_flags,
+    add_fault_tolerance_flags,
+    add_staleness_flags,
+    add_virtual_flags,
+    config_from_args,
+    exit_status,
+    write_artifacts_if_asked,
 )
 from src.metrics import format_summary
 
@@ -131,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc  # after flag checks: --help and flag errors stay fast
 
-    from src.ps_launcher import run_local, run_server, run_worker
-    from src.supervisor import LaunchError
     from src.parameter_server import RunFailed
+    from src.ps_launcher import run_local, run_server, run_worker
     from src.ps_transport import AuthTokenMissing
+    from src.supervisor import LaunchError
     from src.worker import IncarnationRevoked
 
     def run() -> None:

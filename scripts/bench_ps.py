@@ -283,9 +283,10 @@ def _pusher(client, registration):
 def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
     import grpc
 
-    from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, make_client, message_options
+    from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, message_options
     from src.tcp_frames import HEADER_BYTES
     from src.tcp_transport import tune_socket
+    from src.transports import make_client
 
     context = multiprocessing.get_context("spawn")
     token = secrets.token_urlsafe(16)
@@ -379,7 +380,8 @@ def _ceiling_server(transport: str, num_workers: int, token: str, report, stop) 
 
 def _ceiling_clients(transport: str, address: str, token: str, num_clients: int, seconds: float, report) -> None:
     """Client process: ``num_clients`` threads pushing as fast as the server answers, for ``seconds``."""
-    from src.ps_transport import make_client, reuse_freed_memory
+    from src.ps_transport import reuse_freed_memory
+    from src.transports import make_client
 
     reuse_freed_memory()
     clients = [make_client(address, transport=transport, token=token) for _ in range(num_clients)]

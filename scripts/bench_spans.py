@@ -77,9 +77,9 @@ def ddp_step_costs(steps: int) -> dict[str, float]:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
+    from src.data import load_dataset
     from src.exposed_comm import BackwardWait
     from src.models import build_model
-    from src.data import load_dataset
 
     torch.set_num_threads(1)
     data = load_dataset("mnist_5k", "train", max_samples=64)

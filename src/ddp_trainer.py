@@ -67,7 +67,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -82,8 +81,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src import netem, tracing
 from src.checkpoint import (
-    KEEP_CHECKPOINTS, CheckpointError, check_model_matches, final_checkpoint_path, load_latest_good, numbered_path,
-    prune_checkpoints, save_checkpoint,
+    KEEP_CHECKPOINTS,
+    CheckpointError,
+    check_model_matches,
+    final_checkpoint_path,
+    load_latest_good,
+    numbered_path,
+    prune_checkpoints,
+    save_checkpoint,
 )
 from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
 from src.config import Config, SetupError
@@ -97,8 +102,17 @@ from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summ
 from src.supervisor import LaunchError, leave_process
 from src.trackers import open_trackers
 from src.trainer import (
-    MixedPrecision, TrainingClock, checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config,
-    optimizer_from_config, progress, report_target, samples_due,
+    MixedPrecision,
+    TrainingClock,
+    checkpoint_of_run,
+    eval_due,
+    evaluate,
+    load_splits,
+    model_from_config,
+    optimizer_from_config,
+    progress,
+    report_target,
+    samples_due,
 )
 
 #: Errors a rank reports as one line (anything else is a bug and keeps its traceback). They cannot

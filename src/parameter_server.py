@@ -48,9 +48,9 @@ from src.coordinator import WorkPlan
 from src.data import load_dataset
 from src.ps_core import PushRefused, Refused, RunFailed, ServerCore, compression_label  # noqa: F401  (re-exported)
 from src.ps_transport import require_auth_token, split, start_grpc_server
-from src.wire import Pieces, serialize
 from src.staleness import StalenessPolicy
 from src.trainer import model_from_config
+from src.wire import Pieces, serialize
 from src.work_source import PlannedWork, WorkSource
 
 WAIT_POLL_S = 0.5  # a waiting call wakes this often to notice a cancelled RPC

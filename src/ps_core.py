@@ -69,8 +69,15 @@ from src import netem, tracing
 from src import parameter_server_pb2 as pb
 from src.aggregation import Contribution, ModelState, RequestLog, SyncRound
 from src.checkpoint import (
-    KEEP_CHECKPOINTS, CheckpointError, check_model_matches, final_checkpoint_path, load_latest_good, make_checkpoint,
-    numbered_path, prune_checkpoints, save_checkpoint,
+    KEEP_CHECKPOINTS,
+    CheckpointError,
+    check_model_matches,
+    final_checkpoint_path,
+    load_latest_good,
+    make_checkpoint,
+    numbered_path,
+    prune_checkpoints,
+    save_checkpoint,
 )
 from src.clock import REAL_CLOCK, Clock
 from src.compression import decompress, parse_header
@@ -86,7 +93,17 @@ from src.served_model import layout_mismatch, model_from_layout
 from src.staleness import StalenessPolicy, server_optimizer
 from src.trackers import open_trackers
 from src.trainer import evaluate, samples_due
-from src.wire import Outgoing, Pieces, Received, SharedBuffers, check_float32_bytes, encode, serialize, split, tensor_view
+from src.wire import (
+    Outgoing,
+    Pieces,
+    Received,
+    SharedBuffers,
+    check_float32_bytes,
+    encode,
+    serialize,
+    split,
+    tensor_view,
+)
 from src.work_source import WorkRefused, WorkSource
 
 logger = logging.getLogger(__name__)

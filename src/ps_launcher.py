@@ -48,7 +48,12 @@ from src.logs import setup_logging
 from src.metrics import EventLog
 from src.ps_transport import resolve_auth_token, split_address
 from src.supervisor import (
-    LaunchError, RejoinGrace, children_ignore_sigint, leave_process, rejoin_grace_s, sigterm_as_keyboard_interrupt,
+    LaunchError,
+    RejoinGrace,
+    children_ignore_sigint,
+    leave_process,
+    rejoin_grace_s,
+    sigterm_as_keyboard_interrupt,
     stop_processes,
 )
 

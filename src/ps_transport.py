@@ -22,9 +22,9 @@ and :mod:`src.worker` contain only their algorithms:
   so ``bytes_sent`` / ``bytes_received`` are the lengths of the exact serialized messages that went
   through gRPC, and retries a call that failed in transport with the same request (a push keeps its
   request id, which the server applies at most once).
-* **Choosing a transport.** :func:`make_client` returns this client or the TCP transport's
-  (:mod:`src.tcp_transport`, same interface) for ``system.transport``; the TLS files, token and
-  limits above mean the same on both.
+* **Choosing a transport.** :func:`src.transports.make_client` returns this client or the TCP
+  transport's (:mod:`src.tcp_transport`, same interface) for ``system.transport``; the TLS files,
+  token and limits above mean the same on both.
 """
 
 from __future__ import annotations
@@ -43,7 +43,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
 from src.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
-    Outgoing, Received, check_float32_bytes, copy_bytes_into, field_number, serialize, split, tensor_to_bytes, tensor_view,
+    Outgoing,
+    Received,
+    check_float32_bytes,
+    copy_bytes_into,
+    field_number,
+    serialize,
+    split,
+    tensor_to_bytes,
+    tensor_view,
 )
 
 AUTH_METADATA_KEY = "authorization"
@@ -452,26 +460,3 @@ class ParameterServerClient(ProtocolClient):
 
     def close(self) -> None:
         self.channel.close()
-
-
-TRANSPORTS = ("grpc", "tcp")
-
-
-def make_client(address: str, *, transport: str = "grpc", **kwargs: Any):
-    """A client of the parameter server at ``address`` over ``transport`` (``system.transport``).
-
-    Both clients have the same calls, byte counters, uplink emulation and retries, and fail with a
-    :class:`grpc.RpcError` carrying the same status codes (:class:`ParameterServerClient` for gRPC,
-    :class:`src.tcp_transport.TCPParameterServerClient` for TCP). ``kwargs``: as the clients take
-    (``token``, ``system``, ``connect_timeout_s``, ``retries``, ``uplink``).
-
-    Raises:
-        SetupError: an unknown transport.
-    """
-    if transport == "tcp":
-        from src.tcp_transport import TCPParameterServerClient
-
-        return TCPParameterServerClient(address, **kwargs)
-    if transport == "grpc":
-        return ParameterServerClient(address, **kwargs)
-    raise SetupError(f"system.transport: must be one of {', '.join(TRANSPORTS)}, got {transport!r}")

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from src.metrics import SUMMARY_FIELDS, write_summary
+from src.report_names import NOT_RECORDED, PLOTS, SECTIONS
 
 REPORT_VERSION = 1
 ARCHITECTURES = ("baseline", "parameter_server", "ddp")
@@ -46,13 +47,6 @@ FAULT_KINDS = (
     "worker_failed", "work_reassigned", "worker_restarted", "worker_rejoined", "server_failed",
     "server_restarted", "server_recovered", "rank_failed", "rank_restarted", "checkpoint_failed",
 )
-PLOTS = ("accuracy_vs_time", "throughput", "time_split", "bytes_per_step", "staleness", "fault_timeline")
-SECTIONS = (
-    "How the numbers are measured", "Summary", "Accuracy over wall time", "Throughput and speedup",
-    "Time to target accuracy", "Where the time goes", "Bytes on the wire", "Staleness", "Faults",
-    "Per worker", "Per rank", "Benchmarks", "Timeline",
-)
-NOT_RECORDED = "not recorded"
 _NUMERIC_FIELDS = ("final_accuracy", "final_loss", "total_time_s", "throughput_samples_per_s", "samples_processed",
                    "bytes_sent", "bytes_received")
 def _training_clock(summary: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """The performance report's plots: PNG files drawn with headless matplotlib from the report dict.
 
-Every plot of :data:`src.report.PLOTS` is always written, so a report has the same files whatever
+Every plot of :data:`src.report_names.PLOTS` is always written, so a report has the same files whatever
 ran; a plot whose data no run recorded says so in its middle instead of being left out. Each
 function reads only the report dict (:func:`src.report.build_report`), so the plots show exactly
 the numbers of the JSON and Markdown reports.
@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # headless: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from src.report import NOT_RECORDED, PLOTS  # noqa: E402
+from src.report_names import NOT_RECORDED, PLOTS  # noqa: E402
 
 _COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 _SPLIT = (("gradient_time_s", "gradient"), ("compression_time_s", "compression"), ("communication_time_s", "communication"))

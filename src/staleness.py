@@ -64,6 +64,8 @@ from typing import Any, Iterable, Literal
 import numpy as np
 import torch
 
+from src.optimizers import optimizer_from_config
+
 POLICIES = ("none", "soft", "hard", "both")
 CORRECTIONS = ("none", "implicit_momentum", "lookahead")
 
@@ -321,8 +323,6 @@ def server_optimizer(config: Any, params: Iterable) -> torch.optim.Optimizer:
     plain optimizers are torch's fused kernels (one pass per tensor; gradients only read, so they
     may be read-only views of a received message).
     """
-    from src.trainer import optimizer_from_config  # the optimizer registry (a floor up, imported when used)
-
     t, system = config.training, config.system
     if system.aggregation_mode == "async" and system.async_correction == "lookahead" and t.optimizer == "sgd":
         return LookaheadMomentum.from_config(config, params)

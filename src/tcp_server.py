@@ -43,8 +43,18 @@ from src.config import SetupError, SystemConfig
 from src.ps_core import Refused
 from src.ps_transport import server_tls_files, split_address
 from src.tcp_frames import (
-    HEADER_BYTES, HELLO_MAX_BYTES, FrameError, Kind, Method, PeerClosed, pack_header, peer_name, receive_body,
-    receive_header, send_error, send_frame,
+    HEADER_BYTES,
+    HELLO_MAX_BYTES,
+    FrameError,
+    Kind,
+    Method,
+    PeerClosed,
+    pack_header,
+    peer_name,
+    receive_body,
+    receive_header,
+    send_error,
+    send_frame,
 )
 from src.tcp_transport import tune_socket
 from src.wire import encode

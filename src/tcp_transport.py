@@ -4,7 +4,7 @@
 (:class:`src.ps_transport.ParameterServerClient`): the same calls, the same messages, the same
 byte counters, emulated uplink and retries, and failures as :class:`~src.tcp_frames.TransportError`
 (a :class:`grpc.RpcError` with the same status codes), so the worker, the library and the tools
-choose a transport and nothing else (:func:`src.ps_transport.make_client`). The frames are
+choose a transport and nothing else (:func:`src.transports.make_client`). The frames are
 :mod:`src.tcp_frames`'; the server is :mod:`src.tcp_server`.
 
 * **Connections.** A call takes an idle connection (one whose server has not closed it) or opens
@@ -42,8 +42,17 @@ from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
 from src.ps_transport import ProtocolClient, client_tls_roots, split_address
 from src.tcp_frames import (
-    HEADER_BYTES, FrameError, Kind, Method, PeerClosed, TransportError, error_of, pack_header, receive_body,
-    receive_header, send_frame,
+    HEADER_BYTES,
+    FrameError,
+    Kind,
+    Method,
+    PeerClosed,
+    TransportError,
+    error_of,
+    pack_header,
+    receive_body,
+    receive_header,
+    send_frame,
 )
 from src.wire import Pieces, encode, split
 

@@ -33,14 +33,21 @@ from torch import nn
 
 from src import tracing
 from src.checkpoint import (
-    KEEP_CHECKPOINTS, check_model_matches, final_checkpoint_path, load_latest_good, make_checkpoint, numbered_path,
-    prune_checkpoints, save_checkpoint,
+    KEEP_CHECKPOINTS,
+    check_model_matches,
+    final_checkpoint_path,
+    load_latest_good,
+    make_checkpoint,
+    numbered_path,
+    prune_checkpoints,
+    save_checkpoint,
 )
 from src.config import Config, SetupError
 from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
 from src.lr_schedule import set_scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.models import build_model
+from src.optimizers import build_optimizer, optimizer_from_config  # noqa: F401  (re-exported: the runners' registry)
 from src.trackers import open_trackers
 
 logger = logging.getLogger(__name__)
@@ -54,27 +61,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SetupError(f"training.device: {name} requested but CUDA is not available")
     return device
-
-
-def build_optimizer(name: str, params, *, learning_rate: float, momentum: float, weight_decay: float,
-                    fused: bool = False) -> torch.optim.Optimizer:
-    """``sgd`` (with momentum) or ``adam`` over ``params``.
-
-    ``fused`` asks for torch's single-kernel implementation (same update rule, one pass over each
-    parameter, gradients only read); it needs floating-point parameters on a device it supports.
-    """
-    options = {"fused": True} if fused else {}
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=learning_rate, momentum=momentum, weight_decay=weight_decay, **options)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=learning_rate, weight_decay=weight_decay, **options)
-    raise ValueError(f"training.optimizer: must be sgd or adam, got {name!r}")
-
-
-def optimizer_from_config(config: Config, params, *, fused: bool = False) -> torch.optim.Optimizer:
-    t = config.training
-    return build_optimizer(t.optimizer, params, learning_rate=t.learning_rate, momentum=t.momentum,
-                           weight_decay=t.weight_decay, fused=fused)
 
 
 def model_from_config(config: Config) -> nn.Module:

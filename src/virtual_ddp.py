@@ -36,7 +36,12 @@ import torch
 from src.checkpoint import final_checkpoint_path, save_checkpoint
 from src.clock import VirtualClock
 from src.comm_hooks import (
-    CompressionHookState, _Piece, accumulate_payloads, encode_segments, rebuilt_buckets, ring_allreduce_bytes,
+    CompressionHookState,
+    _Piece,
+    accumulate_payloads,
+    encode_segments,
+    rebuilt_buckets,
+    ring_allreduce_bytes,
     write_average_,
 )
 from src.compression import policy_from_config
@@ -46,7 +51,13 @@ from src.data import make_shards, steps_per_epoch
 from src.ddp_trainer import _scaled_loss
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.trainer import (
-    checkpoint_of_run, eval_due, evaluate, load_splits, model_from_config, optimizer_from_config, samples_due,
+    checkpoint_of_run,
+    eval_due,
+    evaluate,
+    load_splits,
+    model_from_config,
+    optimizer_from_config,
+    samples_due,
 )
 
 

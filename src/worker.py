@@ -32,7 +32,7 @@ communication time); ``emulated_delay_s`` in the totals is the sum of both waits
 Measured per worker: gradient time (forward/backward), compression time, communication time (the
 push round trip, including waiting at the sync barrier; the worker computes nothing meanwhile, so
 all of it is exposed communication, :mod:`src.exposed_comm`), bytes sent and received (the serialized
-messages or frames of ``system.transport``, :func:`~src.ps_transport.make_client`), samples, loss and accuracy.
+messages or frames of ``system.transport``, :func:`~src.transports.make_client`), samples, loss and accuracy.
 Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the totals go to the server with each
 heartbeat and at Finish, which puts them in the run summary.
 """
@@ -54,8 +54,9 @@ from src.data import load_dataset
 from src.faults import FaultInjector
 from src.metrics import MetricsLogger
 from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
-from src.ps_transport import ParameterServerClient, Received, make_client, require_auth_token
+from src.ps_transport import ParameterServerClient, Received, require_auth_token
 from src.trainer import model_from_config, resolve_device
+from src.transports import make_client
 from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.worker_step import WorkerStep, check_layout
 

@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 import grpc
 import torch
 
-from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, TopKCompressor, decompress
 from src.ps_transport import Received, copy_bytes_into
 

@@ -793,8 +793,8 @@ def test_policy_validation():
 
 
 def test_policy_from_config_builds_what_the_system_section_asks_for():
-    from src.config import SystemConfig
     from src.compression import policy_from_config
+    from src.config import SystemConfig
 
     assert policy_from_config(SystemConfig(compression_enabled=False)) is None
     topk = policy_from_config(SystemConfig(compression_enabled=True, compression_type="topk", compression_ratio=0.1,

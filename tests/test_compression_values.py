@@ -15,8 +15,15 @@ import pytest
 import torch
 
 from src.compression import (
-    HEADER_SIZE, IDENTITY, CompressionPolicy, ErrorFeedback, IdentityCompressor, build_compressor, decompress,
-    parse_header, policy_from_config,
+    HEADER_SIZE,
+    IDENTITY,
+    CompressionPolicy,
+    ErrorFeedback,
+    IdentityCompressor,
+    build_compressor,
+    decompress,
+    parse_header,
+    policy_from_config,
 )
 from src.config import ConfigError, SystemConfig, validate_config
 from tests.test_compression import _rewrite_header

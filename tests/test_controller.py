@@ -235,8 +235,8 @@ def test_decisions_reach_the_workers_payload_sizes(tmp_path):
 
     from src.compression import CompressionPolicy, build_compressor
     from src.metrics import read_events
-    from src.trainer import model_from_config
     from src.ps_launcher import run_local
+    from src.trainer import model_from_config
     from tests.ps_fixtures import ps_config
 
     # Never a rebound, communication always "dominant", one stable evaluation: compress more at every

@@ -27,9 +27,10 @@ from src.virtual_time import run_virtual
 from tests.ps_fixtures import ROOT, ps_config
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import findings as findings_script  # noqa: E402  (scripts/findings.py)
 import run_experiment as rx  # noqa: E402
 import run_matrix  # noqa: E402
+
+import findings as findings_script  # noqa: E402  (scripts/findings.py)
 
 pytestmark = pytest.mark.timeout(120)
 

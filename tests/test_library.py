@@ -356,7 +356,8 @@ def test_huggingface_callback_surface():
 
 def test_server_that_plans_its_own_work_is_named(tmp_path):
     from src.trainer import model_from_config
-    from tests.ps_fixtures import TOKEN as PS_TOKEN, ServedServer, ps_config
+    from tests.ps_fixtures import TOKEN as PS_TOKEN
+    from tests.ps_fixtures import ServedServer, ps_config
 
     config = ps_config(tmp_path)
     served = ServedServer(config, evaluate=False)

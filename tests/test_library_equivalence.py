@@ -18,7 +18,13 @@ from src.data import load_dataset
 from src.ps_launcher import run_local
 from src.trainer import model_from_config
 from tests.library_fixtures import (
-    TOKEN, LibraryServer, equivalence_worker, library_config, plain_loop, run_worker_processes, shard_batches,
+    TOKEN,
+    LibraryServer,
+    equivalence_worker,
+    library_config,
+    plain_loop,
+    run_worker_processes,
+    shard_batches,
 )
 from tests.ps_fixtures import ps_config
 from tests.test_ps_equivalence import assert_same_parameters, baseline_parameters

@@ -14,12 +14,18 @@ import pytest
 import torch
 
 from src.metrics import read_events
-from tests.test_lr_schedule import rates_during
-
 from tests.library_fixtures import (
-    HF_SCHEDULE, LIGHTNING_SCHEDULE, LibraryServer, accuracy_of_checkpoint, huggingface_worker, library_config,
-    lightning_worker, run_worker_processes, small_mlp,
+    HF_SCHEDULE,
+    LIGHTNING_SCHEDULE,
+    LibraryServer,
+    accuracy_of_checkpoint,
+    huggingface_worker,
+    library_config,
+    lightning_worker,
+    run_worker_processes,
+    small_mlp,
 )
+from tests.test_lr_schedule import rates_during
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -9,8 +9,15 @@ import torch
 from src.data import load_dataset
 from src.trainer import evaluate
 from tests.library_fixtures import (
-    TOKEN, LibraryServer, TinyConvNet, accuracy_of_checkpoint, library_config, run_worker_processes,
-    shard_batches, small_mlp, topk_worker,
+    TOKEN,
+    LibraryServer,
+    TinyConvNet,
+    accuracy_of_checkpoint,
+    library_config,
+    run_worker_processes,
+    shard_batches,
+    small_mlp,
+    topk_worker,
 )
 from torch_asgc import DistributedModel, DistributedOptimizer, connect
 

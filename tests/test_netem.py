@@ -21,7 +21,6 @@ from src.config import ConfigError, SetupError, load_config
 from src.metrics import read_events
 from tests.ps_fixtures import ROOT, RUNNER, TOKEN, kill_group, ps_config
 
-
 # ----------------------------------------------------------------------------- arithmetic and config
 
 

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from src.paired_stats import (
-    area_under_curve, bootstrap_ci, estimate, first_reaching, paired, paired_by_seed, paired_values,
+    area_under_curve,
+    bootstrap_ci,
+    estimate,
+    first_reaching,
+    paired,
+    paired_by_seed,
+    paired_values,
 )
 
 

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from src import parameter_server_pb2 as pb
-from src.ps_transport import TRANSPORTS, Outgoing, serialize
+from src.ps_transport import Outgoing, serialize
+from src.transports import TRANSPORTS
 from tests.ps_fixtures import TOKEN, ServedServer, ps_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -15,7 +15,7 @@ import torch
 from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
 from src.metrics import read_events
-from src.ps_transport import TRANSPORTS, make_client
+from src.transports import TRANSPORTS, make_client
 from src.worker import Worker
 from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config, transport  # noqa: F401
 
@@ -106,7 +106,7 @@ def bad_pushes(worker):
     held = list(worker.request().batch_ids)
     other = 1 - worker.caller.worker_id
     samples = worker.request().num_samples
-    invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
     not_found = grpc.StatusCode.NOT_FOUND
     return [
         ("unknown worker", worker.request(caller=pb.Caller(worker_id=7, session=worker.caller.session)), not_found,

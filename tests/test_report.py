@@ -20,7 +20,14 @@ import pytest
 
 import generate_performance_report
 from src.report import (
-    PLOTS, SECTIONS, Run, build_report, ddp_summary_from_ranks, read_event_file, run_labels, select_run_events,
+    PLOTS,
+    SECTIONS,
+    Run,
+    build_report,
+    ddp_summary_from_ranks,
+    read_event_file,
+    run_labels,
+    select_run_events,
 )
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,14 @@ import pytest
 
 from src import parameter_server_pb2 as pb
 from src.tcp_frames import (
-    HEADER_BYTES, HELLO_MAX_BYTES, STATUS_BY_NUMBER, Kind, Method, pack_header, parse_header, receive_body,
+    HEADER_BYTES,
+    HELLO_MAX_BYTES,
+    STATUS_BY_NUMBER,
+    Kind,
+    Method,
+    pack_header,
+    parse_header,
+    receive_body,
 )
 from src.tcp_transport import TCPParameterServerClient
 from src.wire import serialize

@@ -16,14 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from src.config import load_config
 from src.metrics import MetricsLogger, read_events
 from src.trackers import TRACKER_RUNS_FILE, Tracker, TrackerSink, open_trackers, summary_metrics
 from tests.ps_fixtures import ROOT
 from tests.test_config_cli import _runner
-
-from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.timeout(180)
 PROJECT = "dts-tracker-test"

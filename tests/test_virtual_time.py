@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from src.checkpoint import load_checkpoint
-from src.clock import VirtualClock
 from src.config import SetupError
 from src.coordinator import check_coverage
 from src.cost_model import CostModel, all_gather_s, ring_allreduce_s
@@ -217,9 +215,10 @@ def test_a_killed_a_hung_worker_and_a_killed_server_are_survived_in_virtual_time
 
 
 def test_calibration_measures_every_figure_a_config_needs_and_prints_them_as_config_lines(tmp_path):
+    import yaml
+
     from src.calibration import as_yaml, calibrate
     from src.config import validate_config
-    import yaml
 
     config = ps_config(tmp_path, "calibrate", system__compression_enabled=True, system__compression_type="topk",
                        system__compression_ratio=0.1)

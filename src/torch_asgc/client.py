@@ -34,7 +34,8 @@ import grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, SystemConfig, validate_config
-from src.ps_transport import AUTH_TOKEN_ENV, TRANSPORTS, Received, make_client
+from src.ps_transport import AUTH_TOKEN_ENV, Received
+from src.transports import TRANSPORTS, make_client
 from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost
 
 if TYPE_CHECKING:

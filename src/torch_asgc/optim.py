@@ -58,6 +58,7 @@ from src.worker_protocol import encode_gradients, settle_lost_push, settle_push
 
 from .client import WorkerClient
 
+
 def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | None:
     """``None``: what the server's config says; ``"none"``: uncompressed; a compressor or a policy: that.
 
