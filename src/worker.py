@@ -164,8 +164,9 @@ class Worker:
             return self._train(config, registration)
         finally:
             if heartbeats is not None:
-                heartbeats.stopped.set()
-            self.client.close()
+                heartbeats.stop_and_close(self.client.close)
+            else:
+                self.client.close()
 
     def _register(self, last_request_id: int, carried: list[pb.Batch] = ()) -> pb.RegisterReply:
         registration = self.client.register(self.worker_id, last_request_id, [b.batch_id for b in carried])

@@ -200,6 +200,18 @@ class Heartbeats(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
 
+    def stop_and_close(self, close_channel: Callable[[], None]) -> None:
+        """Stop, close the channel (a beat in flight is cancelled), and wait until the thread has ended.
+
+        The wait is what matters: a beat still inside gRPC's C core when the interpreter exits is torn
+        down there and the process aborts ("terminate called without an active exception", SIGABRT),
+        so a worker that trained to the end would exit 134 instead of 0.
+        """
+        self.stop()
+        close_channel()
+        if self.is_alive():
+            self.join()
+
 
 __all__ = ["Heartbeats", "IncarnationRevoked", "Rejoins", "check_session_lost", "encode_gradients", "failed_call",
            "load_reply", "settle_lost_push", "settle_push"]

@@ -167,7 +167,10 @@ def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(
         processes["server"] = start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
                                     ["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "2000",
                                      "--batch-size", "16", "--max-test-samples", "128", "--heartbeat-interval", "0.5",
-                                     "--heartbeat-timeout", "3", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                     # >= 0.1 s a round: worker 0 alone needs over 10 s for the ~110 batches left
+                                     # when worker 1 is failed, so the run outlasts the start of a new worker 1
+                                     # process (python, torch) whatever the machine's speed
+                                     "--heartbeat-timeout", "3", "--step-delay-s", "0.1", "--checkpoint-dir", str(tmp_path / "ckpt"),
                                      "--log-dir", str(logs / "server_host")], outputs["server"])
         for k in (0, 1):
             processes[f"worker_{k}"] = start(hosts[f"worker_{k}"], *worker(k), outputs[f"worker_{k}"])

@@ -107,8 +107,9 @@ class WorkerClient:
             self._call_with_rejoin(lambda: self.transport.finish(self.caller, self.stats()))
         finally:
             if self._heartbeats is not None:
-                self._heartbeats.stop()
-            self.transport.close()
+                self._heartbeats.stop_and_close(self.transport.close)
+            else:
+                self.transport.close()
 
     def __enter__(self) -> "WorkerClient":
         return self
