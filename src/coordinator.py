@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Literal
 
 from src.data import make_shards
 
-MemberState = Literal["live", "failed", "replaced", "finished"]
+MemberState = Literal["live", "awaited", "failed", "replaced", "finished"]
 
 
 # ----------------------------------------------------------------------------- membership
@@ -122,6 +122,23 @@ class Membership:
         self.history.append(member)
         return member, replaced
 
+    def await_(self, worker_id: int, incarnation: int, pid: int) -> Member:
+        """A worker that was live when a restarted server's checkpoint was written (state ``awaited``).
+
+        It is not live (no work, no barrier) until it registers again, which replaces it silently; if it
+        stays silent for the heartbeat timeout, :meth:`expire` fails it like any silent member (a process
+        that hung while the server was down is detected by the restarted server), and it joins the history,
+        so a registration after that is a rejoin.
+        """
+        now = self.clock()
+        member = Member(worker_id, incarnation, self._session_bytes(16), now, now, state="awaited", pid=pid)
+        self.current[worker_id] = member
+        return member
+
+    def awaited(self) -> list[int]:
+        """Ids of workers a restarted server still waits for, ascending."""
+        return sorted(w for w, m in self.current.items() if m.state == "awaited")
+
     def check(self, worker_id: int, session: bytes) -> Member:
         """The live member making a call with ``session``, marked as seen.
 
@@ -157,7 +174,9 @@ class Membership:
         failed = []
         for member in self.current.values():
             silence = now - member.last_seen
-            if member.state == "live" and silence > self.heartbeat_timeout_s:
+            if member.state in ("live", "awaited") and silence > self.heartbeat_timeout_s:
+                if member.state == "awaited":
+                    self.history.append(member)
                 member.state = "failed"
                 failed.append((member, silence))
         return failed

@@ -528,7 +528,7 @@ class ServerCore:
         current = self.members.current
         return pb.StatusReply(
             version=self.version, aggregation_mode=self.mode, num_workers=self.num_workers,
-            registered=sorted(current), finished=sorted(w for w, m in current.items() if m.state == "finished"),
+            registered=sorted(w for w, m in current.items() if m.state != "awaited"), finished=sorted(w for w, m in current.items() if m.state == "finished"),
             pushes_applied=self.counters["pushes_applied"], pushes_rejected=self.counters["pushes_rejected"],
             pushes_refused=self.counters["pushes_refused"], done=self.done.is_set(),
             workers=[pb.WorkerState(worker_id=m.worker_id, incarnation=m.incarnation, state=m.state) for m in self.members.history],
@@ -538,8 +538,11 @@ class ServerCore:
     def expire(self) -> list:
         """Fail every worker silent for longer than ``heartbeat_timeout``; returns the events to publish."""
         events = []
+        awaited = set(self.members.awaited())
         for member, silence in self.members.expire():
-            events += self._fail(member, reason=f"silent for {silence:.2f} s", silence=silence)
+            reason = (f"did not register with the restarted server within {silence:.2f} s"
+                      if member.worker_id in awaited else f"silent for {silence:.2f} s")
+            events += self._fail(member, reason=reason, silence=silence)
         return events
 
     def stop(self) -> None:
@@ -740,7 +743,8 @@ class ServerCore:
     def _maybe_start(self) -> None:
         """sync: the first round starts once every worker id has registered and every live one is ready."""
         ready = self.members.ready()
-        if not self._started and ready and len(self.members.current) == self.num_workers and ready == self.members.live():
+        if (not self._started and ready and len(self.members.current) == self.num_workers and ready == self.members.live()
+                and not self.members.awaited()):
             self._started = True
         if self._started and self.mode == "sync":
             self._open_round()
@@ -885,6 +889,9 @@ class ServerCore:
                 "work": self.work.state_dict(),
                 "requests": self.requests.state_dict(),
                 "next_incarnation": self.members.next_incarnation,
+                # the workers a restarted server waits for (and fails, if they stay silent: a hang while it was down)
+                "live_workers": [[m.worker_id, m.incarnation, m.pid] for m in self.members.current.values()
+                                 if m.state in ("live", "awaited")],
                 "counters": dict(self.counters),
                 "staleness_histogram": {str(k): v for k, v in self.staleness_histogram.items()},
                 "controller": None if self.controller is None else {
@@ -942,6 +949,8 @@ class ServerCore:
         self.work.load_state_dict(extra["work"])
         self.requests.load_state_dict(extra["requests"])
         self.members.next_incarnation = extra["next_incarnation"]
+        for worker_id, incarnation, pid in extra.get("live_workers", []):
+            self.members.await_(worker_id, incarnation, pid)
         self.counters.update(extra["counters"])
         self.staleness_histogram.update({int(k): v for k, v in extra["staleness_histogram"].items()})
         if self.controller is not None and extra.get("controller"):

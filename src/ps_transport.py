@@ -217,6 +217,12 @@ server's side of it, a client pinging during a long barrier wait earns a ``too_m
 KEEPALIVE_TIMEOUT_MS = 20_000
 
 
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+"""A client retries a lost server at least every second (gRPC's default back-off grows to minutes): a
+restarted server waits one heartbeat timeout for the workers of its checkpoint before it fails them."""
+
+
 def keepalive_options(*, server: bool) -> list[tuple[str, int]]:
     """The keepalive settings of one end; the server's admit exactly the client's ping rate."""
     options = [
@@ -327,7 +333,8 @@ class ProtocolClient:
                 if not retry or exc.code() not in RETRYABLE or attempt >= self.retries:
                     raise
                 attempt += 1
-                time.sleep(min(0.2 * 2**attempt, 5.0))  # backoff before resending the same request
+                time.sleep(min(0.2 * 2**attempt, 1.0))  # backoff before resending the same request (a restarted
+                # server is found within a second of coming up: it waits one heartbeat timeout for its workers)
 
     def register(self, worker_id: int, last_request_id: int = 0, carried_batch_ids: Sequence[int] = (), *,
                  timeout: float | None = None, any_worker_id: bool = False) -> pb.RegisterReply:
@@ -407,10 +414,10 @@ class ParameterServerClient(ProtocolClient):
         token: str | None,
         system: SystemConfig | None = None,
         connect_timeout_s: float = 300.0,
-        retries: int = 5,
+        retries: int = 8,
         uplink: Any = None,
     ):
-        options = message_options(CLIENT_MAX_MESSAGE_BYTES) + keepalive_options(server=False)
+        options = message_options(CLIENT_MAX_MESSAGE_BYTES) + keepalive_options(server=False) + RECONNECT_OPTIONS
         credentials = channel_credentials(system) if system is not None else None
         if credentials is not None:
             self.channel = grpc.secure_channel(address, credentials, options=options)

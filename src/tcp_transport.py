@@ -147,7 +147,7 @@ class TCPParameterServerClient(ProtocolClient):
         token: str | None,
         system: SystemConfig | None = None,
         connect_timeout_s: float = 300.0,
-        retries: int = 5,
+        retries: int = 8,
         uplink: Any = None,
     ):
         try:

@@ -178,4 +178,4 @@ class ClientWork(WorkSource):
                               f"their data (batch_ids must be empty)")
 
     def over(self, members: Membership) -> bool:
-        return len(members.current) == self.num_workers and not members.live()
+        return len(members.current) == self.num_workers and not members.live() and not members.awaited()

@@ -36,6 +36,25 @@ def test_sessions_bind_calls_to_one_incarnation():
         members.register(2)
 
 
+def test_a_restarted_server_awaits_the_checkpoints_live_workers_and_fails_the_silent_one():
+    clock = FakeClock()
+    members = Membership(3, heartbeat_timeout_s=5.0, clock=clock, first_incarnation=7)
+    members.await_(0, incarnation=3, pid=100)
+    members.await_(1, incarnation=4, pid=101)
+    assert members.awaited() == [0, 1] and members.live() == [] and members.history == []
+    with pytest.raises(MembershipError) as old:
+        members.check(0, b"\1" * 16)  # the old incarnation's session: unknown here, so it registers again
+    assert old.value.kind == "unknown"
+    back, replaced = members.register(0, pid=100)
+    assert replaced is None and back.incarnation == 7 and members.awaited() == [1] and members.live() == [0]
+    clock.now += 5.5
+    members.check(0, back.session)
+    (failed, silence), = members.expire()
+    assert (failed.worker_id, failed.pid, failed.state, silence) == (1, 101, "failed", 5.5)
+    assert members.awaited() == [] and failed in members.history  # a registration after this is a rejoin
+    assert members.expire() == []
+
+
 def test_silence_past_the_timeout_fails_a_worker_and_calls_count_as_life():
     clock = FakeClock()
     members = Membership(2, heartbeat_timeout_s=5.0, clock=clock)

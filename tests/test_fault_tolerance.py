@@ -47,14 +47,21 @@ def events(config: Config, *parts: str, kind: str | None = None) -> list[dict]:
 
 
 def detection_latencies(config: Config) -> dict[int, float]:
-    """Seconds from each injected worker fault to the server's worker_failed for that worker."""
+    """Seconds from each injected worker fault to the server's worker_failed for that worker.
+
+    A server restarted between the fault and its detection starts the clock again: the restarted server
+    cannot know what the killed one saw, so it detects from when it came up (server_recovered).
+    """
     failed = events(config, "server", kind="worker_failed")
+    recovered = [e["time"] for e in events(config, "server", kind="server_recovered")]
     latencies = {}
     for worker in range(config.system.num_workers):
         for injected in events(config, f"worker_{worker}", kind="fault_injected"):
             after = [e["time"] for e in failed if e["worker"] == worker and e["time"] >= injected["time"]]
             assert after, f"worker {worker}: {injected['fault']} was never detected"
-            latencies[worker] = min(after) - injected["time"]
+            detected = min(after)
+            since = max([injected["time"]] + [t for t in recovered if injected["time"] < t <= detected])
+            latencies[worker] = detected - since
     return latencies
 
 
