@@ -77,7 +77,7 @@ class WorkSource:
         return None
 
     def over(self, members: Membership) -> bool:
-        """The run is over: nothing left to do and no live worker."""
+        """The run is over: nothing left to do and no live or awaited worker."""
         raise NotImplementedError
 
     def epochs_done(self) -> int:
@@ -143,7 +143,9 @@ class PlannedWork(WorkSource):
         return f"the run is not finished (epochs done {self.plan.epochs_done()}/{self.plan.num_epochs})"
 
     def over(self, members: Membership) -> bool:
-        return self.plan.finished() and not members.live()
+        # an awaited worker (a restarted server's, not registered again yet) is settled first: it registers,
+        # or it is failed, which tells the launcher of a process that hung while the server was down
+        return self.plan.finished() and not members.live() and not members.awaited()
 
     def epochs_done(self) -> int:
         return self.plan.epochs_done()
