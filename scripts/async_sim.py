@@ -26,17 +26,14 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from src.compression import ErrorFeedback, decompress, policy_from_config  # noqa: E402
-from src.config import validate_config  # noqa: E402
-from src.data import load_dataset, make_shards, steps_per_epoch  # noqa: E402
-from src.staleness import LookaheadMomentum, StalenessPolicy, compensated_momentum  # noqa: E402
-from src.trainer import evaluate, forward_backward, model_from_config, optimizer_from_config  # noqa: E402
+from src.compression import ErrorFeedback, decompress, policy_from_config
+from src.config import validate_config
+from src.data import load_dataset, make_shards, steps_per_epoch
+from src.staleness import LookaheadMomentum, StalenessPolicy, compensated_momentum
+from src.trainer import evaluate, forward_backward, model_from_config, optimizer_from_config
 
 
 # ---- design-space variants measured in docs/async.md (the one chosen is src.staleness.LookaheadMomentum)

@@ -18,17 +18,14 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from src.config import load_config  # noqa: E402
-from src.data import dataset_info, epoch_permutation, load_dataset  # noqa: E402
-from src.models import build_model  # noqa: E402
-from src.trainer import BaselineTrainer  # noqa: E402
+from src.config import load_config
+from src.data import dataset_info, epoch_permutation, load_dataset
+from src.models import build_model
+from src.trainer import BaselineTrainer
 
 
 def plain_loop(epochs: int, batch_size: int, lr: float, momentum: float, seed: int) -> float:

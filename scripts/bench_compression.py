@@ -20,13 +20,10 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from src.compression import HEADER_SIZE, IDENTITY, build_compressor, decompress  # noqa: E402
+from src.compression import HEADER_SIZE, IDENTITY, build_compressor, decompress
 
 CONFIGS = {
     "identity": {"name": "identity"},

@@ -52,21 +52,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
-from src.comm_hooks import CommHook, comm_hook_from_config, gradient_bytes, ring_allreduce_bytes  # noqa: E402
-from src.compression import CompressionPolicy, build_compressor  # noqa: E402
-from src.config import Config, validate_config  # noqa: E402
-from src.data import make_shards  # noqa: E402
-from src.ddp_trainer import DDPTrainer, RankContext, leave_rank_process, threads_per_rank  # noqa: E402
-from src.trainer import load_splits, model_from_config, optimizer_from_config  # noqa: E402
+from src.comm_hooks import CommHook, comm_hook_from_config, gradient_bytes, ring_allreduce_bytes
+from src.compression import CompressionPolicy, build_compressor
+from src.config import Config, validate_config
+from src.data import make_shards
+from src.ddp_trainer import DDPTrainer, RankContext, leave_rank_process, threads_per_rank
+from src.trainer import load_splits, model_from_config, optimizer_from_config
 
 BEFORE = {"topk_vs_allreduce": 0.78, "ring_vs_allreduce": 0.72, "topk_over_powersgd_train_time": 1.2}
 """The issue's figures before bucketing and overlapping (per-parameter, synchronous hooks)."""

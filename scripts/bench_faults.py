@@ -32,7 +32,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SCENARIOS = {
     "worker_kill": ["kill:worker=1@step=15"],

@@ -19,25 +19,23 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from src import parameter_server_pb2 as pb  # noqa: E402
-from src.compression import CompressionPolicy, ErrorFeedback, build_compressor  # noqa: E402
-from src.config import load_config  # noqa: E402
-from src.data import dataset_info, load_dataset  # noqa: E402
-from src.models import build_model  # noqa: E402
-from src.ps_transport import ParameterServerClient  # noqa: E402
-from src.worker_protocol import encode_gradients, load_reply, settle_push  # noqa: E402
-from torch_asgc import DistributedModel, DistributedOptimizer, connect  # noqa: E402
-from torch_asgc.server import ClientLoopServer  # noqa: E402
+from src import parameter_server_pb2 as pb
+from src.compression import CompressionPolicy, ErrorFeedback, build_compressor
+from src.config import load_config
+from src.data import dataset_info, load_dataset
+from src.models import build_model
+from src.ps_transport import ParameterServerClient
+from src.worker_protocol import encode_gradients, load_reply, settle_push
+from torch_asgc import DistributedModel, DistributedOptimizer, connect
+from torch_asgc.server import ClientLoopServer
 
 TOKEN = "bench-library-token-0123456789"
 TARGET_RATIO = 1.10

@@ -57,7 +57,6 @@ from concurrent import futures
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 ECHO_SERVICE = "bench.Echo"
 NUM_TENSORS = 8

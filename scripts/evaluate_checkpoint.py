@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from src.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from src.config import DATASET_NAMES  # noqa: E402
-from src.data import DatasetUnavailableError, dataset_info, load_dataset  # noqa: E402
-from src.models import build_model  # noqa: E402
-from src.trainer import evaluate  # noqa: E402
+from src.checkpoint import CheckpointError, load_checkpoint
+from src.config import DATASET_NAMES
+from src.data import DatasetUnavailableError, dataset_info, load_dataset
+from src.models import build_model
+from src.trainer import evaluate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,11 +18,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from src import findings  # noqa: E402
-from src.findings_record import collect_matrix, load_records, write_record  # noqa: E402
+from src import findings
+from src.findings_record import collect_matrix, load_records, write_record
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,13 +9,10 @@ folder). See src/trace_plot.py.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from src import tracing  # noqa: E402
-from src.trace_plot import draw_timeline  # noqa: E402
+from src import tracing
+from src.trace_plot import draw_timeline
 
 
 def main(argv: list[str] | None = None) -> int:

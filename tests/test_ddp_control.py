@@ -131,7 +131,7 @@ def test_a_run_without_evaluations_or_top_k_is_refused_naming_the_field(capsys, 
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert exit_.value.code == 2 and "error: --adaptive-compression" in err and field in err
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
-    import run_experiment as rx
+    from src import experiment as rx
 
     experiment, data = rx.split_experiment({"experiment": {"controller": "on"}, "training": {"eval_interval": 4},
                                             "system": {"architecture": "ddp"}}, "x")

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from src import experiment as rx
+from src import matrix as run_matrix
 from tests.ps_fixtures import ROOT, kill_group
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import run_experiment as rx  # noqa: E402  (scripts, not package modules)
-import run_matrix  # noqa: E402
 
 TINY = {
     "training": {"dataset": "mnist_5k", "num_epochs": 1, "batch_size": 16, "max_train_samples": 64,
@@ -230,7 +228,7 @@ def test_findings_figures_follow_their_definitions():
 
 
 def test_the_results_table_has_a_row_per_run_and_per_configuration(tmp_path):
-    import plot_results
+    from scripts import plot_results  # a script: scripts/ is a namespace package under the repository root
 
     f2 = tmp_path / "f2"
     for name, accuracy, sent in (("identity", 0.95, 1000), ("topk_ef", 0.94, 20)):

@@ -12,25 +12,21 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
+from scripts import findings as findings_script  # a script: scripts/ is a namespace package under the root
+from src import experiment as rx
 from src import findings
+from src import matrix as run_matrix
 from src.config import ConfigError, validate_config
 from src.cost_model import CostModel
 from src.findings_record import collect_matrix, load_records, write_record
 from src.virtual_time import run_virtual
 from tests.ps_fixtures import ROOT, ps_config
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import run_experiment as rx  # noqa: E402
-import run_matrix  # noqa: E402
-
-import findings as findings_script  # noqa: E402  (scripts/findings.py)
 
 pytestmark = pytest.mark.timeout(120)
 

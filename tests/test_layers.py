@@ -113,3 +113,16 @@ def test_pure_modules_reach_no_grpc_sockets_or_processes():
         outside = {m for module in reached for m in everything[module]}
         bad = sorted(m for m in outside if any(m == i or m.startswith(i + ".") for i in IMPURE))
         assert not bad, f"{pure} reaches {bad} (through {sorted(reached - {pure})})"
+
+
+def test_no_sys_path_edits_and_no_script_imports_another():
+    """Scripts and tests import the installed ``src`` (``pip install -r requirements.txt``); what scripts
+    share lives in ``src/``, so no script imports another."""
+    files = [p for folder in ("src", "scripts", "tests") for p in (ROOT / folder).rglob("*.py")] + list(ROOT.glob("*.py"))
+    edit = "sys" + ".path."  # spelled apart, so this file does not find itself
+    edits = [str(p.relative_to(ROOT)) for p in files if edit in p.read_text()]
+    assert edits == [], edits
+    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    crossing = sorted(f"{p.name} imports {m}" for p in (ROOT / "scripts").glob("*.py")
+                      for m in _imports(p, f"scripts.{p.stem}") if m.split(".")[0] in scripts or m.startswith("scripts"))
+    assert crossing == [], crossing

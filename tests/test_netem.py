@@ -85,8 +85,7 @@ def test_bad_emulation_fields_are_named(overrides, expected):
 
 
 def test_emulation_flags_map_onto_the_config():
-    sys.path.insert(0, str(ROOT))
-    import run_parameter_server_training as runner
+    import run_parameter_server_training as runner  # the root runner (pytest puts the root on sys.path)
     from src.cli import EMULATION_FLAGS, config_from_args
 
     args = runner.build_parser().parse_args(["--slow-worker", "1=4", "--slow-worker", "0=1.5", "--uplink-mbps", "250",

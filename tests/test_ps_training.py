@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 import torch
 
+from scripts import gen_protos  # a script: scripts/ is a namespace package under the repository root
 from src.checkpoint import load_checkpoint
 from src.metrics import read_events
 from src.ps_launcher import run_local
-from tests.ps_fixtures import ROOT, ps_config
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import gen_protos  # noqa: E402  (a script, not a package module)
+from tests.ps_fixtures import ps_config
 
 CONVERGENCE_RUNS = {
     "identity": dict(system__aggregation_mode="sync"),

@@ -31,8 +31,7 @@ from src.report import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_all  # noqa: E402  (a script, not a package module)
+from scripts import bench_all  # a script: scripts/ is a namespace package under the repository root
 
 SUMMARY = {
     "architecture": "baseline", "dataset": "mnist_5k", "num_workers": 1, "final_accuracy": 0.9, "final_loss": 0.3,
