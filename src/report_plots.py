@@ -1,13 +1,20 @@
-"""The performance report's plots: PNG files drawn with headless matplotlib from the report dict.
+"""Every plot of the project: PNG files drawn with headless matplotlib, for the performance report and the experiments.
 
-Every plot of :data:`src.report_names.PLOTS` is always written, so a report has the same files whatever
-ran; a plot whose data no run recorded says so in its middle instead of being left out. Each
-function reads only the report dict (:func:`src.report.build_report`), so the plots show exactly
-the numbers of the JSON and Markdown reports.
+Two sets share one set-up (headless backend, colours, figure size, the empty plot that says why, the legend):
+
+* the **performance report's** (:func:`draw_all`): every plot of :data:`src.report_names.PLOTS`, drawn
+  from the report dict only (:func:`src.report.build_report`), so the plots show exactly the numbers of
+  the JSON and Markdown reports;
+* the **experiments'** (:func:`write_results`, the command ``scripts/plot_results.py``): every plot of
+  :data:`RESULTS_PLOTS`, drawn from finished runs (:mod:`src.results`), beside their Markdown table.
+
+Every plot of a set is always written, so a folder has the same files whatever ran; a plot whose data
+no run recorded says so in its middle instead of being left out.
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -19,6 +26,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from src.report_names import NOT_RECORDED, PLOTS  # noqa: E402
+from src.results import Run, find_runs, groups_of, markdown_table  # noqa: E402
+
+RESULTS_PLOTS = ("accuracy_vs_time", "accuracy_vs_bytes", "time_to_target", "bytes_per_run", "staleness", "controller")
+"""The experiments' plots (``<name>.png``), written with ``results.md`` by :func:`write_results`."""
 
 _COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 _SPLIT = (("gradient_time_s", "gradient"), ("compression_time_s", "compression"), ("communication_time_s", "communication"))
@@ -37,6 +48,27 @@ def _empty(ax, title: str, reason: str, *, nothing_happened: bool = False) -> No
     ax.set_yticks([])
 
 
+def _legend(ax, drawn: int = 1, *, fontsize: int = 8, loc: str = "best") -> None:
+    """The legend of the ``drawn`` labelled series (none when nothing was drawn)."""
+    if drawn:
+        ax.legend(fontsize=fontsize, loc=loc)
+
+
+def _save(path: Path, draw: Callable[[Any], None], height: float = 4.5) -> Path:
+    """One figure: ``draw`` fills its axes, then it is written to ``path`` as PNG and closed."""
+    figure, ax = plt.subplots(figsize=(8, height), dpi=100)
+    try:
+        draw(ax)
+        figure.tight_layout()
+        figure.savefig(path, format="png")
+    finally:
+        plt.close(figure)
+    return path
+
+
+# ----------------------------------------------------------------------------- the performance report's plots
+
+
 def accuracy_vs_time(ax, report: Mapping[str, Any]) -> None:
     drawn = False
     for index, run in enumerate(report["runs"]):
@@ -53,7 +85,7 @@ def accuracy_vs_time(ax, report: Mapping[str, Any]) -> None:
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Accuracy vs wall time")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax)
 
 
 def throughput(ax, report: Mapping[str, Any]) -> None:
@@ -103,7 +135,7 @@ def time_split(ax, report: Mapping[str, Any]) -> None:
     ax.set_ylabel("seconds per worker / rank (mean)")
     ax.set_title("Where the time goes")
     ax.set_ylim(0, top * 1.45)
-    ax.legend(fontsize=8, loc="upper left")
+    _legend(ax, loc="upper left")
 
 
 def bytes_per_step(ax, report: Mapping[str, Any]) -> None:
@@ -128,7 +160,7 @@ def bytes_per_step(ax, report: Mapping[str, Any]) -> None:
     ax.set_title("Bytes per step (hatched: estimated, backend allreduce)")
     ax.set_ylim(0, max(max((r["bytes"]["sent_per_step"] or 0) for r in runs),
                        max((r["bytes"]["received_per_step"] or 0) for r in runs)) * 1.2 or 1)
-    ax.legend(fontsize=8)
+    _legend(ax)
 
 
 def _short_bytes(value: float) -> str:
@@ -155,7 +187,7 @@ def staleness(ax, report: Mapping[str, Any]) -> None:
     ax.set_xlabel("staleness (server versions behind at arrival)")
     ax.set_ylabel("pushes")
     ax.set_title("Staleness distribution" + (" (async runs)" if all(r["staleness"]["mode"] == "async" for r in runs) else ""))
-    ax.legend(fontsize=8)
+    _legend(ax)
 
 
 def fault_timeline(ax, report: Mapping[str, Any]) -> None:
@@ -184,7 +216,7 @@ def fault_timeline(ax, report: Mapping[str, Any]) -> None:
     ax.set_xlabel("wall time since run start (s)")
     ax.set_title("Fault timeline")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    _legend(ax, fontsize=7)
 
 
 DRAWERS: dict[str, Callable[[Any, Mapping[str, Any]], None]] = {
@@ -202,15 +234,135 @@ def draw_all(report: Mapping[str, Any], directory: str | Path) -> dict[str, Path
     """Draw every plot of ``report`` into ``directory``; returns plot name -> PNG path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    written = {}
-    for name in PLOTS:
-        figure, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-        try:
-            DRAWERS[name](ax, report)
-            figure.tight_layout()
-            path = directory / report["plots"][name]
-            figure.savefig(path, format="png")
-            written[name] = path
-        finally:
-            plt.close(figure)
-    return written
+    return {name: _save(directory / report["plots"][name], lambda ax, draw=DRAWERS[name]: draw(ax, report))
+            for name in PLOTS}
+
+
+# ----------------------------------------------------------------------------- the experiments' plots
+
+
+def plot_accuracy(ax, runs: list[Run], x_index: int, xlabel: str, title: str) -> None:
+    drawn = 0
+    for run in runs:
+        if run.evals:
+            xs = [e[x_index] / (1e6 if x_index == 2 else 1) for e in run.evals]
+            ax.plot(xs, [e[1] for e in run.evals], marker=".", label=run.name)
+            drawn += 1
+    if not drawn:
+        _empty(ax, title, "no evaluation events in these runs")
+        return
+    target = next((r.summary.get("target_accuracy") for r in runs if r.summary.get("target_accuracy")), None)
+    if target:
+        ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    _legend(ax, drawn, fontsize=7)
+
+
+def plot_time_to_target(ax, runs: list[Run]) -> None:
+    groups = groups_of(runs)
+    names = list(groups)
+    if not any(r.summary.get("target_accuracy") for r in runs):
+        _empty(ax, "Time to target accuracy", "no target accuracy set (training.target_accuracy)", nothing_happened=True)
+        return
+    for index, name in enumerate(names):
+        times = [r.summary.get("time_to_target_s") for r in groups[name]]
+        reached = [t for t in times if t is not None]
+        if reached:
+            mean = statistics.mean(reached)
+            ax.bar(index, mean, color="#4c72b0", alpha=0.6)
+            ax.errorbar(index, mean, yerr=[[mean - min(reached)], [max(reached) - mean]], color="black", capsize=4)
+            ax.scatter([index] * len(reached), reached, color="black", s=12, zorder=3)
+        missed = len(times) - len(reached)
+        if missed:
+            ax.text(index, 0, f"{missed} not\nreached", ha="center", va="bottom", fontsize=7, color="#c44e52")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("seconds to target (mean, min-max, seeds)")
+    ax.set_title("Time to target accuracy")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_bytes(ax, runs: list[Run]) -> None:
+    names = [r.name for r in runs]
+    sent = [r.summary.get("bytes_sent", 0) / 1e6 for r in runs]
+    received = [r.summary.get("bytes_received", 0) / 1e6 for r in runs]
+    positions = range(len(runs))
+    ax.barh([p - 0.2 for p in positions], sent, height=0.4, label="sent (uplink)")
+    ax.barh([p + 0.2 for p in positions], received, height=0.4, label="received (downlink)")
+    ax.set_yticks(list(positions), names, fontsize=7)
+    ax.set_xlabel("MB (serialized gRPC messages)")
+    ax.set_title("Bytes per run")
+    ax.grid(axis="x", alpha=0.3)
+    _legend(ax, len(runs), fontsize=7)
+
+
+def plot_staleness(ax, runs: list[Run]) -> None:
+    drawn = 0
+    for run in runs:
+        histogram = {int(k): v for k, v in (run.summary.get("staleness_histogram") or {}).items()}
+        if run.summary.get("aggregation_mode") != "async" or not histogram:
+            continue
+        total = sum(histogram.values())
+        taus = sorted(histogram)
+        ax.plot(taus, [histogram[t] / total for t in taus], marker="o", label=run.name)
+        drawn += 1
+    if not drawn:
+        _empty(ax, "Staleness", "no async runs: sync pushes all have staleness 0", nothing_happened=True)
+        return
+    ax.set_xlabel("staleness tau (server versions)")
+    ax.set_ylabel("fraction of pushes")
+    ax.set_title("Staleness histograms (async runs)")
+    ax.grid(alpha=0.3)
+    _legend(ax, drawn, fontsize=7)
+
+
+def plot_controller(ax, runs: list[Run]) -> None:
+    drawn = 0
+    for run in runs:
+        if run.controller:
+            ax.step([t for t, _ in run.controller], [rho for _, rho in run.controller], where="post", marker=".", label=run.name)
+            drawn += 1
+    if not drawn:
+        _empty(ax, "Controller decisions", "no controller decisions in these runs\n(experiment.controller off)",
+               nothing_happened=True)
+        return
+    ax.set_xlabel("seconds of training")
+    ax.set_ylabel("top-k fraction rho")
+    ax.set_yscale("log")
+    ax.set_title("Controller decisions over time")
+    ax.grid(alpha=0.3)
+    _legend(ax, drawn, fontsize=7)
+
+
+RESULTS_DRAWERS: dict[str, Callable[[Any, list[Run]], None]] = {
+    "accuracy_vs_time": lambda ax, runs: plot_accuracy(ax, runs, 0, "seconds of training", "Test accuracy vs wall time"),
+    "accuracy_vs_bytes": lambda ax, runs: plot_accuracy(ax, runs, 2, "MB moved by the workers (sent + received)",
+                                                        "Test accuracy vs bytes"),
+    "time_to_target": plot_time_to_target,
+    "bytes_per_run": plot_bytes,
+    "staleness": plot_staleness,
+    "controller": plot_controller,
+}
+assert set(RESULTS_DRAWERS) == set(RESULTS_PLOTS), "every plot of the experiments needs a drawer"
+
+
+def write_results(folders: list[Path], out: Path | None = None) -> list[Path]:
+    """The plots and ``results.md`` of the finished runs in ``folders`` (run folders or folders of them), written
+    to ``out`` (default: the first folder's ``plots/``); returns the files written. ``ValueError`` names a folder
+    that is not one, or says that no run in them finished."""
+    missing = [str(p) for p in folders if not p.is_dir()]
+    if missing:
+        raise ValueError(f"not a folder: {', '.join(missing)}")
+    runs = find_runs(folders)
+    if not runs:
+        raise ValueError(f"no finished runs in {', '.join(map(str, folders))}")
+    out = out if out is not None else folders[0] / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    written = [_save(out / f"{name}.png", lambda ax, draw=RESULTS_DRAWERS[name]: draw(ax, runs),
+                     height=max(4.5, 0.35 * len(runs)) if name == "bytes_per_run" else 4.5)
+               for name in RESULTS_PLOTS]
+    table = out / "results.md"
+    table.write_text(markdown_table(runs))
+    return [*written, table]

@@ -228,12 +228,12 @@ def test_findings_figures_follow_their_definitions():
 
 
 def test_the_results_table_has_a_row_per_run_and_per_configuration(tmp_path):
-    from scripts import plot_results  # a script: scripts/ is a namespace package under the repository root
+    from src.results import find_runs, markdown_table
 
     f2 = tmp_path / "f2"
     for name, accuracy, sent in (("identity", 0.95, 1000), ("topk_ef", 0.94, 20)):
         _fake_run(f2, f"{name}__seed-0", 0, final_accuracy=accuracy, bytes_sent=sent, workers=[(100, 10, 0.1, 0.1)])
-    table = plot_results.markdown_table(plot_results.find_runs([f2]))
+    table = markdown_table(find_runs([f2]))
     assert "| topk_ef__seed-0 | async | none |" in table and "| topk_ef | 1 | 0.9400 |" in table
 
 
