@@ -605,8 +605,7 @@ class VirtualWorker:
 
     def _first_registration(self, registration: pb.RegisterReply) -> None:
         run, config = self.run, self.config
-        check_layout(self.worker_id, config, [(n, p) for n, p in run.compute_model.named_parameters() if p.requires_grad],
-                     registration)
+        check_layout(self.worker_id, config, run.compute_model, registration)
         self.log = MetricsLogger(Path(config.system.log_dir) / f"worker_{self.worker_id}",
                                  tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
                                  role="worker", worker=self.worker_id, clock=run.clock.time)

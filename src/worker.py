@@ -178,7 +178,7 @@ class Worker:
         t, system = config.training, config.system
         device = resolve_device(t.device)
         model = model_from_config(config).to(device)
-        check_layout(self.worker_id, config, [(n, p) for n, p in model.named_parameters() if p.requires_grad], registration)
+        check_layout(self.worker_id, config, model, registration)
         train_set = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
                                  num_samples=t.num_samples, seed=t.seed)
         with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}",

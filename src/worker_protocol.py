@@ -4,6 +4,8 @@ Shared by our own :class:`src.worker.Worker` (the server hands it batches) and t
 :mod:`src.torch_asgc` (the user's loop owns the data): the pieces of a step that do not depend on
 where the gradient came from.
 
+* :class:`PushCodec`: a worker's compression state (policy, error-feedback residuals, the
+  stochastic-rounding generator) and what a step does with it: encode, then settle the verdict.
 * :func:`encode_gradients`: per parameter, ``ErrorFeedback.compensate -> policy.compress ->
   ErrorFeedback.update``; the payloads are the exact bytes that go on the wire.
 * :func:`settle_push`: after the reply, commit the residuals (accepted) or roll them back (rejected:
@@ -11,6 +13,8 @@ where the gradient came from.
 * :func:`settle_lost_push`: the reply was lost with the server's session; on re-registering the
   server says whether the push was applied: commit, or (not applied) discard when its samples will
   be computed again, roll back when they will not.
+* :func:`served_tensors`: the module's tensors the server holds (trainable parameters, float buffers).
+* :func:`count_push`: a settled push into a worker's running totals.
 * :func:`controlled_policy`: the top-k Active Fraction the adaptive controller sent in a reply.
 * :func:`load_reply`: put a pull or push reply's parameters (dense, or downlink deltas) and buffers
   into the local tensors.
@@ -111,6 +115,18 @@ def check_session_lost(exc: grpc.RpcError, worker_id: int | None, rejoins: Rejoi
     return failure
 
 
+def served_tensors(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.Tensor]]]:
+    """What the server holds of ``module``: its trainable parameters (``named_parameters()`` order) and its
+    floating-point buffers (batch-norm statistics), named."""
+    return ([(n, p) for n, p in module.named_parameters() if p.requires_grad],
+            [(n, b) for n, b in module.named_buffers() if b.is_floating_point()])
+
+
+def worker_generator_seed(training_seed: int, worker_id: int) -> int:
+    """Seed of worker ``worker_id``'s stochastic rounding (quantization)."""
+    return training_seed * 1_000_003 + worker_id
+
+
 def encode_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], policy: CompressionPolicy | None,
                      feedback: ErrorFeedback | None, generator: torch.Generator | None, step: int) -> list[bytes]:
     """One payload per parameter: compensated by ``feedback`` (if any), compressed by ``policy`` (identity if none)."""
@@ -149,6 +165,58 @@ def settle_lost_push(feedback: ErrorFeedback | None, names: Iterable[str], *, ap
     if feedback is not None:
         for name in names:
             (feedback.commit if applied else feedback.discard if redone else feedback.rollback)(name)
+
+
+class PushCodec:
+    """One worker's way from gradients to push payloads, and back from the push's verdict.
+
+    Holds the compression ``policy`` (``None``: identity payloads), the error-feedback residuals
+    (``feedback``) and the generator of quantization's stochastic rounding; both the PS worker
+    (:class:`src.worker_step.WorkerStep`) and the library's
+    :class:`~torch_asgc.optim.DistributedOptimizer` push through one.
+
+    Args:
+        system: the run's system config (whether the server can reject a push).
+        policy: the compression policy the worker pushes with.
+        error_feedback: keep what compression leaves out for the next gradient.
+        seed: the training seed the rounding generator derives from, with ``worker_id``.
+        worker_id: the worker's id.
+        names: the trainable parameters' names, in push order.
+    """
+
+    def __init__(self, system: Any, policy: CompressionPolicy | None, *, error_feedback: bool, seed: int,
+                 worker_id: int, names: Sequence[str]):
+        self.policy = policy
+        # Error feedback also holds a rejected push's gradient when compression is off (identity payloads).
+        rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
+        self.feedback = ErrorFeedback() if (policy is not None and error_feedback) or rejections_possible else None
+        self.generator = torch.Generator().manual_seed(worker_generator_seed(seed, worker_id))
+        self.names = list(names)
+
+    def encode(self, named_gradients: Iterable[tuple[str, torch.Tensor]], step: int) -> list[bytes]:
+        """The push's payloads (:func:`encode_gradients`); the residuals wait for :meth:`settle`."""
+        return encode_gradients(named_gradients, self.policy, self.feedback, self.generator, step)
+
+    def settle(self, *, accepted: bool) -> None:
+        """The reply's verdict: :func:`settle_push`."""
+        settle_push(self.feedback, self.names, accepted=accepted)
+
+    def settle_lost(self, *, applied: bool, redone: bool) -> None:
+        """The reply was lost, the registration says whether it was ``applied``: :func:`settle_lost_push`."""
+        settle_lost_push(self.feedback, self.names, applied=applied, redone=redone)
+
+
+def count_push(totals: dict[str, Any], *, accepted: bool, samples: int, gradient_time_s: float,
+               compression_time_s: float, communication_time_s: float, payload_bytes: int, dense_bytes: int) -> None:
+    """Add one settled push to a worker's running ``totals`` (steps, samples, rejections, times, bytes)."""
+    totals["steps"] += 1
+    totals["samples"] += samples
+    totals["pushes_rejected"] += 0 if accepted else 1
+    totals["gradient_time_s"] += gradient_time_s
+    totals["compression_time_s"] += compression_time_s
+    totals["communication_time_s"] += communication_time_s
+    totals["payload_bytes"] += payload_bytes
+    totals["dense_bytes"] += dense_bytes
 
 
 def load_reply(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], reply: Received) -> int:
@@ -213,5 +281,6 @@ class Heartbeats(threading.Thread):
             self.join()
 
 
-__all__ = ["Heartbeats", "IncarnationRevoked", "Rejoins", "check_session_lost", "encode_gradients", "failed_call",
-           "load_reply", "settle_lost_push", "settle_push"]
+__all__ = ["Heartbeats", "IncarnationRevoked", "PushCodec", "Rejoins", "check_session_lost", "count_push",
+           "encode_gradients", "failed_call", "load_reply", "served_tensors", "settle_lost_push", "settle_push",
+           "worker_generator_seed"]

@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 from src import parameter_server_pb2 as pb
-from src.compression import ErrorFeedback, policy_from_config
+from src.compression import policy_from_config
 from src.config import Config, SetupError
 from src.faults import FaultInjector, FaultSpec
 from src.lr_schedule import scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
 from src.trainer import MixedPrecision, forward_backward
 from src.wire import Received, tensor_view
-from src.worker_protocol import Failure, controlled_policy, encode_gradients, load_reply, settle_lost_push, settle_push
+from src.worker_protocol import Failure, PushCodec, controlled_policy, count_push, load_reply, served_tensors
 
 MAX_OVERFLOW_RETRIES = 32
 """fp16: computations of one batch before its gradient counts as not finite at any scale (GradScaler halves
@@ -51,15 +51,9 @@ TOTALS = ("samples", "steps", "gradient_time_s", "compression_time_s", "communic
 """A worker's running totals (reported with every heartbeat and at Finish)."""
 
 
-def worker_generator_seed(training_seed: int, worker_id: int) -> int:
-    """Seed of worker ``worker_id``'s stochastic rounding (quantization)."""
-    return training_seed * 1_000_003 + worker_id
-
-
-def check_layout(worker_id: int, config: Config, named_params: Sequence[tuple[str, nn.Parameter]],
-                 registration: pb.RegisterReply) -> None:
+def check_layout(worker_id: int, config: Config, model: nn.Module, registration: pb.RegisterReply) -> None:
     """Raise :class:`SetupError` unless the local model's parameters are the server's (names and shapes)."""
-    local_layout = [(n, list(p.shape)) for n, p in named_params]
+    local_layout = [(n, list(p.shape)) for n, p in served_tensors(model)[0]]
     server_layout = [(s.name, list(s.shape)) for s in registration.parameter_specs]
     if local_layout != server_layout:
         raise SetupError(f"worker {worker_id}: the local {config.training.model_architecture} does not match the "
@@ -92,21 +86,18 @@ class WorkerStep:
         self.config = config
         self.worker_id = worker_id
         self.model = model
-        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.named_params, named_buffers = served_tensors(model)
         self.names = [n for n, _ in self.named_params]
         self.model_params = [p for _, p in self.named_params]
-        self.model_buffers = [b for _, b in model.named_buffers() if b.is_floating_point()]
+        self.model_buffers = [b for _, b in named_buffers]
         self.params, self.buffers = replica if replica is not None else (self.model_params, self.model_buffers)
         self.train_set = train_set
         self.device = device
         self.log = log
         self.training = t
         self.dense_bytes_per_step = 4 * sum(p.numel() for p in self.model_params)  # what identity payloads carry
-        self.policy = policy_from_config(system)
-        # Error feedback also holds a rejected push's gradient when compression is off (identity payloads).
-        rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
-        self.feedback = ErrorFeedback() if (self.policy is not None and system.error_feedback) or rejections_possible else None
-        self.generator = torch.Generator().manual_seed(worker_generator_seed(t.seed, worker_id))  # stochastic rounding
+        self.codec = PushCodec(system, policy_from_config(system), error_feedback=system.error_feedback, seed=t.seed,
+                               worker_id=worker_id, names=self.names)
         self.amp = MixedPrecision(t.amp, device)  # training.amp: autocast; fp16 with its own GradScaler
         self.faults = faults or FaultInjector((), "worker", worker_id)
         self.fire_fault = fire_fault
@@ -126,12 +117,13 @@ class WorkerStep:
     def load(self, received: Received) -> int:
         """Take a pull or push reply's parameters, buffers and control; returns its version."""
         self.version = load_reply(self.params, self.buffers, received)
-        updated = controlled_policy(self.policy, received.message.control)
-        if updated is not self.policy:  # from the next push on
+        codec = self.codec
+        updated = controlled_policy(codec.policy, received.message.control)
+        if updated is not codec.policy:  # from the next push on
             self.log.event("control_applied", step=self.totals["steps"] + 1, compression_ratio=updated.compressor.ratio,
-                           previous_compression_ratio=self.policy.compressor.ratio,
+                           previous_compression_ratio=codec.policy.compressor.ratio,
                            max_staleness=received.message.control.max_staleness)
-            self.policy = updated
+            codec.policy = updated
         return self.version
 
     # ------------------------------------------------------------------------- a step
@@ -214,7 +206,7 @@ class WorkerStep:
     def encode(self, batches: Sequence[pb.Batch]) -> list[bytes]:
         """The push's payloads: each gradient through error feedback and compression (no batches: a flush)."""
         gradients = ((name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in self.named_params)
-        return encode_gradients(gradients, self.policy, self.feedback, self.generator, self.totals["steps"])
+        return self.codec.encode(gradients, self.totals["steps"])
 
     def request(self, caller: pb.Caller, batches: Sequence[pb.Batch], loss: float, correct: int, *,
                 gradient_time_s: float, compression_time_s: float) -> pb.PushRequest:
@@ -238,20 +230,14 @@ class WorkerStep:
                communication_time_s: float, push_bytes: int, reply_bytes: int, bytes_sent: int, bytes_received: int) -> None:
         """The push's verdict: commit or roll back the residuals, carry rejected batches, load the reply, count."""
         accepted = reply.message.accepted
-        settle_push(self.feedback, self.names, accepted=accepted)
+        self.codec.settle(accepted=accepted)
         self.carried = [] if accepted else self.carried + list(batches)
         totals = self.totals
-        if not accepted:
-            totals["pushes_rejected"] += 1
-        totals["steps"] += 1
-        self.load(reply)  # a new Active Fraction applies from the next step
-        totals["samples"] += samples
-        totals["gradient_time_s"] += gradient_time_s
-        totals["compression_time_s"] += compression_time_s
-        totals["communication_time_s"] += communication_time_s
+        count_push(totals, accepted=accepted, samples=samples, gradient_time_s=gradient_time_s,
+                   compression_time_s=compression_time_s, communication_time_s=communication_time_s,
+                   payload_bytes=payload_bytes, dense_bytes=self.dense_bytes_per_step)
         self.last_communication_s = communication_time_s
-        totals["payload_bytes"] += payload_bytes
-        totals["dense_bytes"] += self.dense_bytes_per_step
+        self.load(reply)  # a new Active Fraction applies from the next step
         epoch = self._epoch
         epoch[0] += loss * samples
         epoch[1] += correct
@@ -294,7 +280,7 @@ class WorkerStep:
         no longer this worker's (the server reassigned them; they are not listed again).
         """
         if in_flight:
-            settle_lost_push(self.feedback, self.names, applied=applied, redone=failure == "lost")
+            self.codec.settle_lost(applied=applied, redone=failure == "lost")
         if applied or failure == "revoked":
             self.carried = []
 
@@ -326,7 +312,8 @@ class WorkerStep:
         """system.gradient_ledger: the gradients computed and the residuals left (``gradient_ledger.pt``)."""
         if self.ledger is None:
             return
-        residuals = {n: (self.feedback.residual(n) if self.feedback is not None and self.feedback.residual(n) is not None
+        feedback = self.codec.feedback
+        residuals = {n: (feedback.residual(n) if feedback is not None and feedback.residual(n) is not None
                          else torch.zeros(p.shape)).to(torch.float64) for n, p in self.named_params}
         torch.save({"computed": dict(zip(self.names, self.ledger)), "residuals": residuals},
                    Path(log_dir) / f"worker_{self.worker_id}" / "gradient_ledger.pt")

@@ -227,6 +227,40 @@ def test_topk_error_feedback_sends_less_and_keeps_the_rest(served):
         assert torch.equal(optimizer.feedback.residual("1.weight"), residual) and optimizer.steps == 1
 
 
+def test_library_optimizer_pushes_the_bytes_the_ps_worker_step_encodes(served, tmp_path):
+    """One implementation of a step: for the same config, worker id and gradients, DistributedOptimizer
+    sends the payloads a PS worker's WorkerStep encodes (quantization's stochastic rounding included)
+    and keeps the same residuals."""
+    from src import parameter_server_pb2 as pb
+    from src.metrics import MetricsLogger
+    from src.worker_step import WorkerStep
+
+    server = served(system__compression_enabled=True, system__compression_type="quantization",
+                    system__quantization_bits=2, system__quantization_bucket_size=64)
+    generator = torch.Generator().manual_seed(3)
+    with connect(server.address, token=TOKEN) as client:
+        net, twin = small_mlp(), small_mlp()
+        DistributedModel(net, client)
+        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client)
+        sent = []
+        push = client.push
+        client.push = lambda request, payloads, buffers: (sent.append(list(payloads)), push(request, payloads, buffers))[1]
+        with MetricsLogger(tmp_path / "worker", tensorboard=False) as log:
+            step = WorkerStep(client.config, client.worker_id, model=twin, train_set=None, device=torch.device("cpu"),
+                              log=log)
+            for index in range(2):
+                for p, q in zip(net.parameters(), twin.parameters()):
+                    p.grad = torch.randn(p.shape, generator=generator)
+                    q.grad = p.grad.clone()
+                optimizer.step(num_samples=1)
+                step.totals["steps"] = index
+                assert step.encode([pb.Batch(indices=[0])]) == sent[-1]
+                step.codec.settle(accepted=True)
+        assert len(sent) == 2 and client.totals["pushes_rejected"] == 0
+        for name, _ in twin.named_parameters():
+            assert torch.equal(step.codec.feedback.residual(name), optimizer.feedback.residual(name))
+
+
 def test_rejected_push_rolls_back_and_keeps_the_parameters(served):
     class RejectAll(StalenessPolicy):
         def verdict(self, tau: int) -> tuple[float | None, str]:

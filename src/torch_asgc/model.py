@@ -30,7 +30,7 @@ from src import parameter_server_pb2 as pb
 from src.config import SetupError
 from src.ps_transport import Received, tensor_view
 from src.served_model import layout_mismatch
-from src.worker_protocol import load_reply
+from src.worker_protocol import load_reply, served_tensors
 
 from .client import WorkerClient
 
@@ -62,8 +62,7 @@ class DistributedModel(nn.Module):
             raise SetupError("this client already has a DistributedModel: connect() once per model")
         self.module = module
         self.client = client
-        self.trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.float_buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+        self.trainable, self.float_buffers = served_tensors(module)
         self.version = 0
         self._samples = 0
         self._hook = module.register_forward_pre_hook(self._count, with_kwargs=True) if count_samples else None

@@ -7,7 +7,7 @@ optimizer; per parameter of the :class:`~torch_asgc.model.DistributedModel` it
 
 1. takes the gradient (unscaled first under AMP, see below; zero for a parameter that got none),
 2. adds the error-feedback residual (``compensate``), compresses, keeps what was left out
-   (``update``): :func:`src.worker_protocol.encode_gradients`, the same code our own workers run,
+   (``update``): a :class:`src.worker_protocol.PushCodec`, the same code our own workers run,
 3. pushes the payloads with the Worker Version and the step's sample count, and
 4. on the reply: commits the residuals (accepted) or rolls them back (rejected by the staleness
    policy: the whole compensated gradient waits in the residual for the next push, no gradient mass
@@ -54,7 +54,7 @@ from src import parameter_server_pb2 as pb
 from src.compression import CompressionPolicy, Compressor, ErrorFeedback, policy_from_config
 from src.config import SetupError
 from src.lr_schedule import is_constant
-from src.worker_protocol import encode_gradients, settle_lost_push, settle_push
+from src.worker_protocol import PushCodec, count_push
 
 from .client import WorkerClient
 
@@ -133,11 +133,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if hasattr(self, "_patch_step_function"):
             self._patch_step_function()  # step hooks and profiler labels, as for any optimizer
         system, training = client.config.system, client.config.training
-        self.policy = resolve_compression(compression, system)
-        rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
-        self.feedback = ErrorFeedback() if (self.policy is not None and error_feedback) or rejections_possible else None
-        seed = training.seed if seed is None else seed
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + client.worker_id)
+        self.codec = PushCodec(system, resolve_compression(compression, system), error_feedback=error_feedback,
+                               seed=training.seed if seed is None else seed, worker_id=client.worker_id,
+                               names=model.parameter_names)
         self.steps = 0
         self.skipped_steps = 0
         self.send_learning_rate = send_learning_rate
@@ -149,6 +147,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                           f"({training.optimizer}, lr {training.learning_rate}); the wrapped optimizer differs: "
                           + "; ".join(differences) + " (a learning-rate scheduler on it sends its rates to the server)",
                           stacklevel=2)
+
+    # ------------------------------------------------------------------------- the push's compression state
+
+    @property
+    def policy(self) -> CompressionPolicy | None:
+        return self.codec.policy
+
+    @property
+    def feedback(self) -> ErrorFeedback | None:
+        """The error-feedback residuals (``None``: no error feedback)."""
+        return self.codec.feedback
+
+    @feedback.setter
+    def feedback(self, value: ErrorFeedback | None) -> None:
+        self.codec.feedback = value
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self.codec.generator
 
     # ------------------------------------------------------------------------- the wrapped optimizer's view
 
@@ -255,7 +272,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 gradient = gradient.float() * inverse_scale.to(gradient.device)
             named.append((name, gradient))
         computed = time.perf_counter()
-        payloads = encode_gradients(named, self.policy, self.feedback, self.generator, self.steps)
+        payloads = self.codec.encode(named, self.steps)
         compressed = time.perf_counter()
         totals = self.client.totals
         request = pb.PushRequest(
@@ -266,27 +283,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                    communication_time_s=totals.get("last_communication_s", 0.0)),
         )
         reply = self.client.push(request, payloads, model.buffer_views())
-        names = model.parameter_names
         if isinstance(reply, bool):  # the reply was lost with the server's session; registered again
-            settle_lost_push(self.feedback, names, applied=reply, redone=False)
+            self.codec.settle_lost(applied=reply, redone=False)
             model.sync()
             accepted = reply
         else:
             accepted = reply.message.accepted
-            settle_push(self.feedback, names, accepted=accepted)
+            self.codec.settle(accepted=accepted)
             model.load(reply)
         finished = time.perf_counter()
         self._mark_wrapped_stepped()
         self.steps += 1
-        totals["steps"] += 1
-        totals["samples"] += samples
-        totals["pushes_rejected"] += 0 if accepted else 1
-        totals["gradient_time_s"] += computed - started
-        totals["compression_time_s"] += compressed - computed
-        totals["communication_time_s"] += finished - compressed
+        count_push(totals, accepted=accepted, samples=samples, gradient_time_s=computed - started,
+                   compression_time_s=compressed - computed, communication_time_s=finished - compressed,
+                   payload_bytes=sum(len(p) for p in payloads), dense_bytes=4 * sum(p.numel() for _, p in model.trainable))
         totals["last_communication_s"] = finished - compressed
-        totals["payload_bytes"] += sum(len(p) for p in payloads)
-        totals["dense_bytes"] += 4 * sum(p.numel() for _, p in model.trainable)
         if request.metrics.loss:
             totals["train_loss"] = request.metrics.loss
         return loss
