@@ -35,21 +35,43 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default="reports/perf_report.json",
-                        help="JSON report path; .md, .html and <stem>_plots/ go beside it (default reports/perf_report.json)")
-    parser.add_argument("--baseline-json", help="baseline run summary (artifacts/baseline.json or logs/test_baseline/summary.json)")
-    parser.add_argument("--ps-json", help="parameter-server run summary (artifacts/ps.json or logs/ps_cli/summary.json)")
-    parser.add_argument("--ddp-rank-json", nargs="+", default=[], metavar="PATH",
-                        help="every DDP rank's summary of one run (artifacts/ddp_rank_<r>.json)")
-    parser.add_argument("--worker-metrics-json", help="parameter-server per-worker metrics (artifacts/worker_metrics.json; "
-                                                      "default: the 'workers' of --ps-json)")
+    parser.add_argument(
+        "--output",
+        default="reports/perf_report.json",
+        help="JSON report path; .md, .html and <stem>_plots/ go beside it (default reports/perf_report.json)",
+    )
+    parser.add_argument(
+        "--baseline-json", help="baseline run summary (artifacts/baseline.json or logs/test_baseline/summary.json)"
+    )
+    parser.add_argument(
+        "--ps-json", help="parameter-server run summary (artifacts/ps.json or logs/ps_cli/summary.json)"
+    )
+    parser.add_argument(
+        "--ddp-rank-json",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="every DDP rank's summary of one run (artifacts/ddp_rank_<r>.json)",
+    )
+    parser.add_argument(
+        "--worker-metrics-json",
+        help="parameter-server per-worker metrics (artifacts/worker_metrics.json; default: the 'workers' of --ps-json)",
+    )
     parser.add_argument("--runs-dir", help="also take every run summary and event log under this folder")
     parser.add_argument("--bench-json", help="benchmarks from scripts/bench_all.py (reports/bench.json)")
-    parser.add_argument("--trace-dir", action="append", default=[], metavar="LOG_DIR",
-                        help="merge every trace.json under this run's log folder (a --trace run) into <stem>_trace.json "
-                             "beside the report, and link it; repeatable")
-    parser.add_argument("--target-accuracy", type=float,
-                        help="for runs whose summary records no time to target: first eval at or above this, in (0, 1]")
+    parser.add_argument(
+        "--trace-dir",
+        action="append",
+        default=[],
+        metavar="LOG_DIR",
+        help="merge every trace.json under this run's log folder (a --trace run) into <stem>_trace.json "
+        "beside the report, and link it; repeatable",
+    )
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        help="for runs whose summary records no time to target: first eval at or above this, in (0, 1]",
+    )
     return parser
 
 
@@ -72,31 +94,55 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     try:
-        runs = runs_from_files(baseline=args.baseline_json, ps=args.ps_json, ddp_ranks=args.ddp_rank_json,
-                               worker_metrics=args.worker_metrics_json)
+        runs = runs_from_files(
+            baseline=args.baseline_json,
+            ps=args.ps_json,
+            ddp_ranks=args.ddp_rank_json,
+            worker_metrics=args.worker_metrics_json,
+        )
         if args.runs_dir:
             runs += runs_from_dir(args.runs_dir)
         bench = None
         if args.bench_json:
             bench = read_json(args.bench_json)
             if not isinstance(bench, dict) or not isinstance(bench.get("figures"), list):
-                raise ReportInputError(args.bench_json, "not a benchmark file of scripts/bench_all.py (no 'figures' list)")
+                raise ReportInputError(
+                    args.bench_json, "not a benchmark file of scripts/bench_all.py (no 'figures' list)"
+                )
         trace = merge_run_traces(args.trace_dir, Path(args.output)) if args.trace_dir else None
     except ReportInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    inputs = [p for p in (args.baseline_json, args.ps_json, *args.ddp_rank_json, args.worker_metrics_json,
-                          args.runs_dir, args.bench_json, *args.trace_dir) if p]
+    inputs = [
+        p
+        for p in (
+            args.baseline_json,
+            args.ps_json,
+            *args.ddp_rank_json,
+            args.worker_metrics_json,
+            args.runs_dir,
+            args.bench_json,
+            *args.trace_dir,
+        )
+        if p
+    ]
     report = build_report(runs, bench=bench, target_accuracy=args.target_accuracy, inputs=inputs, trace=trace)
     paths = write_report(report, args.output)
     if trace:
-        print(f"trace: {Path(args.output).parent / trace['file']} ({len(trace['processes'])} processes, {trace['spans']} spans)")
-    print(f"report: {paths['json']}\nmarkdown: {paths['markdown']}\nhtml: {paths['html']}\n"
-          f"plots: {paths['plot:accuracy_vs_time'].parent}/ ({len(report['plots'])} PNG)")
+        print(
+            f"trace: {Path(args.output).parent / trace['file']} ({len(trace['processes'])} processes, {trace['spans']} spans)"
+        )
+    print(
+        f"report: {paths['json']}\nmarkdown: {paths['markdown']}\nhtml: {paths['html']}\n"
+        f"plots: {paths['plot:accuracy_vs_time'].parent}/ ({len(report['plots'])} PNG)"
+    )
     for run in report["runs"]:
         speedup = run["speedup_vs_baseline"]
-        print(f"  {run['label']:<28} accuracy {run['final_accuracy'] * 100 if run['final_accuracy'] is not None else float('nan'):6.2f}%  "
-              f"{run['throughput_samples_per_s']:9.1f} samples/s" + (f"  {speedup:.2f}x baseline" if speedup is not None else ""))
+        print(
+            f"  {run['label']:<28} accuracy {run['final_accuracy'] * 100 if run['final_accuracy'] is not None else float('nan'):6.2f}%  "
+            f"{run['throughput_samples_per_s']:9.1f} samples/s"
+            + (f"  {speedup:.2f}x baseline" if speedup is not None else "")
+        )
     return 0
 
 

@@ -26,8 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     add_common_flags(parser)
     add_amp_flag(parser)
     args = parser.parse_args(argv)
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags=AMP_FLAGS,
-                              forced={"system.architecture": "baseline", "system.num_workers": 1})
+    config = config_from_args(
+        args,
+        defaults=DEFAULTS,
+        extra_flags=AMP_FLAGS,
+        forced={"system.architecture": "baseline", "system.num_workers": 1},
+    )
 
     from src.trainer import BaselineTrainer  # torch import after flag checks keeps --help fast
 

@@ -78,38 +78,67 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(parser)
     ddp = parser.add_argument_group("ddp")
-    ddp.add_argument("--world-size", type=int, help="local ranks to spawn (system.num_workers, default 2); under torchrun its WORLD_SIZE decides")
-    ddp.add_argument("--allreduce", choices=("default", "ring"), help="gradient allreduce: the backend's (default) or the explicit ring hook")
-    ddp.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="auto: nccl on CUDA, gloo on CPU (default auto)")
-    ddp.add_argument("--checkpoint-interval-steps", type=int,
-                     help="also checkpoint every N optimizer steps, mid-epoch too (default 0: epoch checkpoints only)")
+    ddp.add_argument(
+        "--world-size",
+        type=int,
+        help="local ranks to spawn (system.num_workers, default 2); under torchrun its WORLD_SIZE decides",
+    )
+    ddp.add_argument(
+        "--allreduce",
+        choices=("default", "ring"),
+        help="gradient allreduce: the backend's (default) or the explicit ring hook",
+    )
+    ddp.add_argument(
+        "--backend", choices=("auto", "gloo", "nccl"), help="auto: nccl on CUDA, gloo on CPU (default auto)"
+    )
+    ddp.add_argument(
+        "--checkpoint-interval-steps",
+        type=int,
+        help="also checkpoint every N optimizer steps, mid-epoch too (default 0: epoch checkpoints only)",
+    )
     add_amp_flag(parser)
     add_compression_flags(parser, "compression (DDP comm hook)")
     add_controller_flags(parser)
     add_fault_tolerance_flags(parser, heartbeats=False)
     add_virtual_flags(parser, server=False)
     ddp.add_argument(
-        "--collective-timeout", type=float, metavar="SECONDS",
+        "--collective-timeout",
+        type=float,
+        metavar="SECONDS",
         help="a collective waits at most this long for its peers, and a rank silent (no heartbeat) this long is hung: "
-             "either fails the attempt and the group restarts from its newest checkpoint (system.collective_timeout_s, "
-             "default 60)")
+        "either fails the attempt and the group restarts from its newest checkpoint (system.collective_timeout_s, "
+        "default 60)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    config = config_from_args(args, defaults=DEFAULTS,
-                              extra_flags={**DDP_FLAGS, **AMP_FLAGS, **COMPRESSION_FLAGS, **CONTROLLER_FLAGS, **FAULT_TOLERANCE_FLAGS,
-                                           **VIRTUAL_FLAGS},
-                              forced={"system.architecture": "ddp"})
+    config = config_from_args(
+        args,
+        defaults=DEFAULTS,
+        extra_flags={
+            **DDP_FLAGS,
+            **AMP_FLAGS,
+            **COMPRESSION_FLAGS,
+            **CONTROLLER_FLAGS,
+            **FAULT_TOLERANCE_FLAGS,
+            **VIRTUAL_FLAGS,
+        },
+        forced={"system.architecture": "ddp"},
+    )
     system = config.system
     if system.adaptive_compression and not config.training.eval_interval:
-        parser.error("--adaptive-compression decides at evaluations: give --eval-interval K (training.eval_interval, "
-                     "steps between evaluations)")
+        parser.error(
+            "--adaptive-compression decides at evaluations: give --eval-interval K (training.eval_interval, "
+            "steps between evaluations)"
+        )
     if system.adaptive_compression and not (system.compression_enabled and system.compression_type == "topk"):
-        parser.error("--adaptive-compression sets top-k's Active Fraction: give --compression-enabled with "
-                     "--compression-type topk (system.compression_enabled, system.compression_type)")
+        parser.error(
+            "--adaptive-compression sets top-k's Active Fraction: give --compression-enabled with "
+            "--compression-type topk (system.compression_enabled, system.compression_type)"
+        )
 
     if system.clock == "virtual" and (args.resume or system.adaptive_compression or config.training.amp != "none"):
         parser.error("--clock virtual runs DDP without --resume, --adaptive-compression or --amp (not simulated)")

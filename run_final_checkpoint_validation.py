@@ -47,7 +47,11 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent
 RUNS = {  # name -> (runner, architecture, flags for N workers)
     "baseline": ("run_baseline_training.py", "baseline", lambda n: []),
-    "ps_sync": ("run_parameter_server_training.py", "parameter_server", lambda n: ["--workers", str(n), "--aggregation-mode", "sync"]),
+    "ps_sync": (
+        "run_parameter_server_training.py",
+        "parameter_server",
+        lambda n: ["--workers", str(n), "--aggregation-mode", "sync"],
+    ),
     "ddp": ("run_ddp_training.py", "ddp", lambda n: ["--world-size", str(n)]),
 }
 PROPERTY_28_WORKERS = 4
@@ -66,7 +70,10 @@ def resolve_dataset(requested: str, data_dir: str) -> tuple[str, str | None]:
     raw = Path(data_dir) / "MNIST" / "raw"
     if all((raw / name).is_file() for name in MNIST_FILES):
         return "mnist", None
-    return "mnist_5k", f"MNIST files not found under {raw}: using the bundled mnist_5k (scripts/fetch_official_mnist.py writes them)"
+    return (
+        "mnist_5k",
+        f"MNIST files not found under {raw}: using the bundled mnist_5k (scripts/fetch_official_mnist.py writes them)",
+    )
 
 
 def usable_cores() -> int:
@@ -83,8 +90,22 @@ def train_all(args: argparse.Namespace, dataset: str, output: Path, loads: list[
     """
     for folder in ("runs", "artifacts"):
         shutil.rmtree(output / folder, ignore_errors=True)
-    common = ["--dataset", dataset, "--data-dir", args.data_dir, "--num-epochs", str(args.epochs), "--seed", str(args.seed),
-              "--batch-size", str(args.batch_size), "--device", args.device, "--artifacts-dir", str(output / "artifacts")]
+    common = [
+        "--dataset",
+        dataset,
+        "--data-dir",
+        args.data_dir,
+        "--num-epochs",
+        str(args.epochs),
+        "--seed",
+        str(args.seed),
+        "--batch-size",
+        str(args.batch_size),
+        "--device",
+        args.device,
+        "--artifacts-dir",
+        str(output / "artifacts"),
+    ]
     for flag, value in (("--max-train-samples", args.max_train_samples), ("--max-test-samples", args.max_test_samples)):
         if value is not None:
             common += [flag, str(value)]
@@ -92,19 +113,36 @@ def train_all(args: argparse.Namespace, dataset: str, output: Path, loads: list[
     for name, (runner, _, flags) in RUNS.items():
         folder = output / "runs" / name
         folder.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, str(ROOT / runner), *common, *flags(args.workers),
-                   "--log-dir", str(folder / "logs"), "--checkpoint-dir", str(folder / "checkpoints")]
+        command = [
+            sys.executable,
+            str(ROOT / runner),
+            *common,
+            *flags(args.workers),
+            "--log-dir",
+            str(folder / "logs"),
+            "--checkpoint-dir",
+            str(folder / "checkpoints"),
+        ]
         print(f"training {name}: {' '.join(command[1:])}", flush=True)
         started = time.perf_counter()
         with open(folder / "output.txt", "w") as log:
             try:
-                status = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.timeout_s).returncode
+                status = subprocess.run(
+                    command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.timeout_s
+                ).returncode
             except subprocess.TimeoutExpired:
                 status = None
-        failures[name] = None if status == 0 else (
-            f"runner timed out after {args.timeout_s}s" if status is None else f"runner exited with status {status}"
-        ) + ("" if status == 0 else f" (see {folder / 'output.txt'})")
-        print(f"  {name}: {'done' if status == 0 else failures[name]} in {time.perf_counter() - started:.1f}s", flush=True)
+        failures[name] = (
+            None
+            if status == 0
+            else (
+                f"runner timed out after {args.timeout_s}s" if status is None else f"runner exited with status {status}"
+            )
+            + ("" if status == 0 else f" (see {folder / 'output.txt'})")
+        )
+        print(
+            f"  {name}: {'done' if status == 0 else failures[name]} in {time.perf_counter() - started:.1f}s", flush=True
+        )
         loads.append(os.getloadavg()[0])
     return failures
 
@@ -156,8 +194,9 @@ def validate_run(name: str, architecture: str, folder: Path, data_dir: str) -> t
 
     def final_file() -> str:
         recorded = Path(state["summary"]["checkpoint_path"])
-        assert recorded.resolve() == final_path.resolve(), \
+        assert recorded.resolve() == final_path.resolve(), (
             f"summary's checkpoint_path is {recorded}, expected this run's final file {final_path}"
+        )
         assert final_path.is_file(), f"{final_path} does not exist"
         return str(final_path)
 
@@ -165,8 +204,9 @@ def validate_run(name: str, architecture: str, folder: Path, data_dir: str) -> t
         try:
             data = torch.load(final_path, map_location="cpu", weights_only=True)
         except Exception as exc:  # truncated zip, pickle of a forbidden type, not a torch file at all
-            raise AssertionError(f"{final_path} does not load with torch.load(weights_only=True): "
-                                 f"{type(exc).__name__}: {exc}") from None
+            raise AssertionError(
+                f"{final_path} does not load with torch.load(weights_only=True): {type(exc).__name__}: {exc}"
+            ) from None
         assert isinstance(data, dict), f"{final_path} holds a {type(data).__name__}, not a checkpoint dict"
         return "torch.load(weights_only=True) ok"
 
@@ -178,10 +218,13 @@ def validate_run(name: str, architecture: str, folder: Path, data_dir: str) -> t
         checkpoint, s = state["checkpoint"], state["summary"]
         recorded = (checkpoint.get("config") or {}).get("system", {}).get("architecture")
         assert recorded == architecture, f"checkpoint was written by a {recorded!r} run, expected {architecture!r}"
-        assert checkpoint["dataset"] == s["dataset"], f"checkpoint dataset {checkpoint['dataset']!r}, summary {s['dataset']!r}"
+        assert checkpoint["dataset"] == s["dataset"], (
+            f"checkpoint dataset {checkpoint['dataset']!r}, summary {s['dataset']!r}"
+        )
         model = checkpoint["config"].get("training", {}).get("model_architecture")
-        assert checkpoint["model_architecture"] == model, \
+        assert checkpoint["model_architecture"] == model, (
             f"checkpoint model {checkpoint['model_architecture']!r}, its config says {model!r}"
+        )
         return f"{architecture}, {checkpoint['model_architecture']} on {checkpoint['dataset']}"
 
     def rebuild() -> str:
@@ -195,28 +238,52 @@ def validate_run(name: str, architecture: str, folder: Path, data_dir: str) -> t
         checkpoint, s = state["checkpoint"], state["summary"]
         key = "versions" if architecture == "parameter_server" else "steps"
         assert checkpoint["step"] == s.get(key), f"checkpoint step {checkpoint['step']}, summary {key} {s.get(key)}"
-        assert checkpoint["epoch"] == s.get("epochs"), f"checkpoint epoch {checkpoint['epoch']}, summary epochs {s.get('epochs')}"
+        assert checkpoint["epoch"] == s.get("epochs"), (
+            f"checkpoint epoch {checkpoint['epoch']}, summary epochs {s.get('epochs')}"
+        )
         return f"step {checkpoint['step']} ({key}), epoch {checkpoint['epoch']}"
 
     def accuracy() -> str:
         checkpoint, s = state["checkpoint"], state["summary"]
         training = checkpoint["config"].get("training", {})
-        test = load_dataset(checkpoint["dataset"], "test", data_dir=data_dir, max_samples=training.get("max_test_samples"),
-                            num_samples=training.get("num_samples", 2048), seed=training.get("seed", 0))
+        test = load_dataset(
+            checkpoint["dataset"],
+            "test",
+            data_dir=data_dir,
+            max_samples=training.get("max_test_samples"),
+            num_samples=training.get("num_samples", 2048),
+            seed=training.get("seed", 0),
+        )
         loss, measured = evaluate(state["model"], test, batch_size=training.get("eval_batch_size", 1000))
         expected, expected_loss = s["final_accuracy"], s["final_loss"]
         assert expected is not None and expected_loss is not None, "summary records no final accuracy/loss"
-        assert abs(measured - expected) <= 1 / len(test) + 1e-12, \
+        assert abs(measured - expected) <= 1 / len(test) + 1e-12, (
             f"evaluated accuracy {measured:.4f}, summary says {expected:.4f} (tolerance one of {len(test)} test samples)"
-        assert math.isclose(loss, expected_loss, rel_tol=LOSS_RELATIVE_TOLERANCE, abs_tol=1e-6), \
+        )
+        assert math.isclose(loss, expected_loss, rel_tol=LOSS_RELATIVE_TOLERANCE, abs_tol=1e-6), (
             f"evaluated loss {loss:.6f}, summary says {expected_loss:.6f}"
+        )
         return f"accuracy {measured:.4f} (summary {expected:.4f}), loss {loss:.4f} (summary {expected_loss:.4f}) on {len(test)} samples"
 
-    chain = [("summary", summary), ("final_file", final_file), ("weights_only", weights_only),
-             ("strict_loader", strict_loader), ("architecture", architecture_matches), ("rebuild", rebuild),
-             ("step", step), ("accuracy", accuracy)]
-    needs = {"final_file": "summary", "weights_only": "final_file", "strict_loader": "weights_only",
-             "architecture": "strict_loader", "rebuild": "architecture", "step": "strict_loader", "accuracy": "rebuild"}
+    chain = [
+        ("summary", summary),
+        ("final_file", final_file),
+        ("weights_only", weights_only),
+        ("strict_loader", strict_loader),
+        ("architecture", architecture_matches),
+        ("rebuild", rebuild),
+        ("step", step),
+        ("accuracy", accuracy),
+    ]
+    needs = {
+        "final_file": "summary",
+        "weights_only": "final_file",
+        "strict_loader": "weights_only",
+        "architecture": "strict_loader",
+        "rebuild": "architecture",
+        "step": "strict_loader",
+        "accuracy": "rebuild",
+    }
     ok: dict[str, bool] = {}
     for check_name, body in chain:
         before = needs.get(check_name)
@@ -243,17 +310,24 @@ def property_28(workers: int, summaries: dict[str, dict | None], load_average: f
     cores = usable_cores()
     machine = {"cpu_cores": cores, "cuda_devices": _cuda_devices(), "load_average_during_runs": load_average}
     if workers != PROPERTY_28_WORKERS:
-        return {"value": None, "rule": PROPERTY_28_RULE, "speedups": speedups, "machine": machine,
-                "note": f"evaluated only with --workers {PROPERTY_28_WORKERS} (the spec); this run used --workers {workers}"}
+        return {
+            "value": None,
+            "rule": PROPERTY_28_RULE,
+            "speedups": speedups,
+            "machine": machine,
+            "note": f"evaluated only with --workers {PROPERTY_28_WORKERS} (the spec); this run used --workers {workers}",
+        }
     value = all(s is not None and s > 1.0 for s in speedups.values())
     note = "measured on this machine; the rule is not adjusted to it"
     if cores < workers:
         load = f" (1-minute load average up to {load_average:.1f} during the runs)" if load_average is not None else ""
-        note += (f". This machine has {cores} CPU core(s) for {workers} workers (plus the parameter server): the workers "
-                 "take turns on the same cores instead of running side by side, so it cannot show a parallel speedup over "
-                 "the baseline, which uses every core itself; false is the expected outcome here. A true value on such a "
-                 f"machine comes from the baseline running slower than its share, e.g. under other load{load}, not from "
-                 "the workers running in parallel")
+        note += (
+            f". This machine has {cores} CPU core(s) for {workers} workers (plus the parameter server): the workers "
+            "take turns on the same cores instead of running side by side, so it cannot show a parallel speedup over "
+            "the baseline, which uses every core itself; false is the expected outcome here. A true value on such a "
+            f"machine comes from the baseline running slower than its share, e.g. under other load{load}, not from "
+            "the workers running in parallel"
+        )
     return {"value": value, "rule": PROPERTY_28_RULE, "speedups": speedups, "machine": machine, "note": note}
 
 
@@ -272,14 +346,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="epochs of every run (default 2)")
     parser.add_argument("--max-train-samples", type=int, help="use only the first N training samples")
     parser.add_argument("--max-test-samples", type=int, help="evaluate on only the first N test samples")
-    parser.add_argument("--dataset", default="auto", help="auto (mnist when its files are there, else mnist_5k), mnist, mnist_5k, ...")
+    parser.add_argument(
+        "--dataset", default="auto", help="auto (mnist when its files are there, else mnist_5k), mnist, mnist_5k, ..."
+    )
     parser.add_argument("--data-dir", default="./data", help="torchvision datasets folder (default ./data)")
     parser.add_argument("--batch-size", type=int, default=64, help="per worker per step, every run (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="device of every run (default cpu)")
-    parser.add_argument("--output-dir", default="reports/final_validation", help="runs, artifacts, validation.json, report")
+    parser.add_argument(
+        "--output-dir", default="reports/final_validation", help="runs, artifacts, validation.json, report"
+    )
     parser.add_argument("--timeout-s", type=float, default=1800, help="limit per training run (default 1800)")
-    parser.add_argument("--validate-only", action="store_true", help="do not train: validate the runs already in --output-dir")
+    parser.add_argument(
+        "--validate-only", action="store_true", help="do not train: validate the runs already in --output-dir"
+    )
     args = parser.parse_args(argv)
     for flag in ("workers", "epochs", "batch_size", "max_train_samples", "max_test_samples"):
         value = getattr(args, flag)
@@ -308,16 +388,23 @@ def main(argv: list[str] | None = None) -> int:
         if failures[name]:
             checks.results.insert(0, {"check": "training", "ok": False, "detail": failures[name]})
         summaries[name] = summary
-        runs[name] = {"architecture": architecture, "passed": checks.passed, "checks": checks.results,
-                      "checkpoint": str(output / "runs" / name / "checkpoints")}
+        runs[name] = {
+            "architecture": architecture,
+            "passed": checks.passed,
+            "checks": checks.results,
+            "checkpoint": str(output / "runs" / name / "checkpoints"),
+        }
     passed = all(run["passed"] for run in runs.values())
     workers = (summaries.get("ps_sync") or {}).get("num_workers", args.workers)  # --validate-only: what ran
     speedup = property_28(workers, summaries, max(loads) if loads else None)
     report_paths: dict[str, str] = {}
     try:
         report = build_report(runs_from_dir(output / "artifacts"), inputs=[str(output / "artifacts")])
-        report_paths = {k: str(v) for k, v in write_report(report, output / "report" / "perf_report.json").items()
-                        if not k.startswith("plot:")}
+        report_paths = {
+            k: str(v)
+            for k, v in write_report(report, output / "report" / "perf_report.json").items()
+            if not k.startswith("plot:")
+        }
     except ReportInputError as exc:
         report_paths = {"error": str(exc)}
     result = {
@@ -339,11 +426,21 @@ def main(argv: list[str] | None = None) -> int:
         for check in run["checks"]:
             if not check["ok"]:
                 print(f"FAIL {name}: {check['check']}: {check['detail']}", file=sys.stderr)
-        print(f"{name}: {'passed' if run['passed'] else 'FAILED'} ({sum(c['ok'] for c in run['checks'])}/{len(run['checks'])} checks)")
+        print(
+            f"{name}: {'passed' if run['passed'] else 'FAILED'} ({sum(c['ok'] for c in run['checks'])}/{len(run['checks'])} checks)"
+        )
     shown = ", ".join(f"{k} {v:.2f}x" if v is not None else f"{k} not measured" for k, v in speedup["speedups"].items())
-    print(f"speedup_ok_property_28: {json.dumps(speedup['value'])} (speedups over the baseline: {shown}; {speedup['note']})")
-    print(f"validation: {output / 'validation.json'}" + (f"\nreport: {report_paths['markdown']}" if "markdown" in report_paths else
-                                                       f"\nreport not written: {report_paths.get('error')}"))
+    print(
+        f"speedup_ok_property_28: {json.dumps(speedup['value'])} (speedups over the baseline: {shown}; {speedup['note']})"
+    )
+    print(
+        f"validation: {output / 'validation.json'}"
+        + (
+            f"\nreport: {report_paths['markdown']}"
+            if "markdown" in report_paths
+            else f"\nreport not written: {report_paths.get('error')}"
+        )
+    )
     return 0 if passed else 1
 
 

@@ -84,36 +84,64 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_flags(parser)
     ps = parser.add_argument_group("parameter server")
     ps.add_argument("--workers", type=int, help="number of workers (default 2)")
-    ps.add_argument("--aggregation-mode", choices=("sync", "async"), help="sync barrier per version, or apply each push (default sync)")
+    ps.add_argument(
+        "--aggregation-mode",
+        choices=("sync", "async"),
+        help="sync barrier per version, or apply each push (default sync)",
+    )
     ps.add_argument("--local-steps", type=int, help="local SGD steps a worker takes per push (default 1)")
     add_compression_flags(parser, "compression (worker pushes)")
     add_amp_flag(parser)  # the workers' forward/backward; the server's parameters stay float32
     downlink = parser.add_argument_group("downlink compression (push replies)")
-    downlink.add_argument("--downlink-compression", choices=("none", "topk", "quantization"),
-                          help="send each worker the change of the parameters since its copy, compressed (default none: dense)")
-    downlink.add_argument("--downlink-ratio", type=float, help="fraction of entries a top-k downlink delta keeps (default 0.1)")
-    downlink.add_argument("--downlink-refresh-interval", type=int,
-                          help="versions between dense refreshes of a worker's parameters (default 50)")
+    downlink.add_argument(
+        "--downlink-compression",
+        choices=("none", "topk", "quantization"),
+        help="send each worker the change of the parameters since its copy, compressed (default none: dense)",
+    )
+    downlink.add_argument(
+        "--downlink-ratio", type=float, help="fraction of entries a top-k downlink delta keeps (default 0.1)"
+    )
+    downlink.add_argument(
+        "--downlink-refresh-interval",
+        type=int,
+        help="versions between dense refreshes of a worker's parameters (default 50)",
+    )
     add_fault_tolerance_flags(parser)
     add_emulation_flags(parser)
     add_virtual_flags(parser)
     add_staleness_flags(parser)
     hosts = parser.add_argument_group("roles, hosts and security")
-    hosts.add_argument("--role", choices=("local", "server", "worker"), default="local",
-                       help="local: server + workers on this machine (default); server or worker: one role, for several hosts")
-    hosts.add_argument("--server-address", help="host:port the server binds (server, local) or workers connect to "
-                                                "(default 127.0.0.1:0, a free port; only local runs may use port 0)")
+    hosts.add_argument(
+        "--role",
+        choices=("local", "server", "worker"),
+        default="local",
+        help="local: server + workers on this machine (default); server or worker: one role, for several hosts",
+    )
+    hosts.add_argument(
+        "--server-address",
+        help="host:port the server binds (server, local) or workers connect to "
+        "(default 127.0.0.1:0, a free port; only local runs may use port 0)",
+    )
     hosts.add_argument("--worker-id", type=int, help="this worker's id, 0..workers-1 (--role worker)")
-    hosts.add_argument("--transport", choices=("grpc", "tcp"),
-                       help="how server and workers talk: grpc (default) or tcp (binary frames over TCP, fewer copies); "
-                            "the same on the server and every worker")
-    hosts.add_argument("--tls-cert", help="server certificate (PEM); with --tls-key the server speaks TLS, "
-                                          "a worker trusts it when no --tls-ca is given")
+    hosts.add_argument(
+        "--transport",
+        choices=("grpc", "tcp"),
+        help="how server and workers talk: grpc (default) or tcp (binary frames over TCP, fewer copies); "
+        "the same on the server and every worker",
+    )
+    hosts.add_argument(
+        "--tls-cert",
+        help="server certificate (PEM); with --tls-key the server speaks TLS, "
+        "a worker trusts it when no --tls-ca is given",
+    )
     hosts.add_argument("--tls-key", help="server private key (PEM)")
     hosts.add_argument("--tls-ca", help="CA certificate workers verify the server against (PEM)")
-    hosts.add_argument("--resume-unfinished", metavar="DIR",
-                       help="server: continue from the newest checkpoint in DIR if the run there was interrupted "
-                            "(no newer final checkpoint), else start afresh; for restart policies (docker compose)")
+    hosts.add_argument(
+        "--resume-unfinished",
+        metavar="DIR",
+        help="server: continue from the newest checkpoint in DIR if the run there was interrupted "
+        "(no newer final checkpoint), else start afresh; for restart policies (docker compose)",
+    )
     return parser
 
 
@@ -130,13 +158,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--worker-id is only for --role worker")
     if args.role == "worker" and args.artifacts_dir:
         parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**PS_FLAGS, **COMPRESSION_FLAGS, **FAULT_TOLERANCE_FLAGS,
-                                                                     **EMULATION_FLAGS, **STALENESS_FLAGS, **VIRTUAL_FLAGS,
-                                                                     **AMP_FLAGS},
-                              forced={"system.architecture": "parameter_server"})
+    config = config_from_args(
+        args,
+        defaults=DEFAULTS,
+        extra_flags={
+            **PS_FLAGS,
+            **COMPRESSION_FLAGS,
+            **FAULT_TOLERANCE_FLAGS,
+            **EMULATION_FLAGS,
+            **STALENESS_FLAGS,
+            **VIRTUAL_FLAGS,
+            **AMP_FLAGS,
+        },
+        forced={"system.architecture": "parameter_server"},
+    )
     if config.system.adaptive_compression and not config.training.eval_interval:
-        parser.error("--adaptive-compression decides at evaluations: give --eval-interval K (training.eval_interval, "
-                     "server versions between evaluations)")
+        parser.error(
+            "--adaptive-compression decides at evaluations: give --eval-interval K (training.eval_interval, "
+            "server versions between evaluations)"
+        )
     if config.system.clock == "virtual" and args.role != "local":
         parser.error("--clock virtual simulates the whole job in this process: use it with --role local")
     if args.role != "local" and config.system.server_address.endswith(":0"):
@@ -156,30 +196,41 @@ def main(argv: list[str] | None = None) -> int:
             from src.checkpoint import unfinished_run_checkpoint
 
             resume = unfinished_run_checkpoint(args.resume_unfinished, "parameter_server")
-            print(f"resuming the interrupted run from {resume}" if resume else
-                  f"no interrupted run in {args.resume_unfinished}: starting afresh", flush=True)
+            print(
+                f"resuming the interrupted run from {resume}"
+                if resume
+                else f"no interrupted run in {args.resume_unfinished}: starting afresh",
+                flush=True,
+            )
         if args.role == "worker":
             totals = run_worker(config, args.worker_id)
-            print(f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
-                  f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}")
+            print(
+                f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
+                f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}"
+            )
             return
         if config.system.clock == "virtual":
             from src.virtual_time import run_virtual
 
             summary = run_virtual(config, summary_json=args.summary_json, resume=resume)
         else:
-            summary = (run_server if args.role == "server" else run_local)(config, summary_json=args.summary_json,
-                                                                           resume=resume)
+            summary = (run_server if args.role == "server" else run_local)(
+                config, summary_json=args.summary_json, resume=resume
+            )
         print(format_summary(summary))
         write_artifacts_if_asked(args, config, summary)
 
-    return exit_status(run, describe={
-        LaunchError: str,
-        AuthTokenMissing: str,
-        RunFailed: str,
-        IncarnationRevoked: str,
-        grpc.RpcError: lambda exc: f"parameter server call failed: {exc.code().name}: {exc.details()}",
-    }, interrupted="interrupted: stopped the parameter server and its workers")
+    return exit_status(
+        run,
+        describe={
+            LaunchError: str,
+            AuthTokenMissing: str,
+            RunFailed: str,
+            IncarnationRevoked: str,
+            grpc.RpcError: lambda exc: f"parameter server call failed: {exc.code().name}: {exc.details()}",
+        },
+        interrupted="interrupted: stopped the parameter server and its workers",
+    )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ class MomentumVariant:
     (per-push learning rate = lr * lr_scale). ``{"lr_scale": 1/N}`` is :class:`LookaheadMomentum`.
     """
 
-    def __init__(self, params, *, num_workers, lr, momentum, weight_decay=0.0, lookahead=True, per_worker=True, own=True):
+    def __init__(
+        self, params, *, num_workers, lr, momentum, weight_decay=0.0, lookahead=True, per_worker=True, own=True
+    ):
         self.own = own
         self.params = list(params)
         self.n = num_workers if per_worker else 1
@@ -88,8 +90,15 @@ def server_optimizer(config, params):
     return optimizer_from_config(config, params)
 
 
-def simulate(config, *, schedule: str = "uniform", jitter: float = 0.2, slowdown: float = 1.0,
-             sim_seed: int = 0, variant: dict | None = None) -> dict:
+def simulate(
+    config,
+    *,
+    schedule: str = "uniform",
+    jitter: float = 0.2,
+    slowdown: float = 1.0,
+    sim_seed: int = 0,
+    variant: dict | None = None,
+) -> dict:
     """One simulated async run of ``config``; returns final accuracy, loss and the staleness histogram."""
     t, system = config.training, config.system
     n = system.num_workers
@@ -99,10 +108,16 @@ def simulate(config, *, schedule: str = "uniform", jitter: float = 0.2, slowdown
     optimizer = server_optimizer(config, model.parameters())
     other = None  # a design-space variant instead of the server's optimizer
     if variant is not None:
-        other = MomentumVariant(model.parameters(), num_workers=n, lr=t.learning_rate * variant.get("lr_scale", 1.0),
-                                momentum=t.momentum, weight_decay=t.weight_decay,
-                                lookahead=variant.get("lookahead", True), per_worker=variant.get("per_worker", True),
-                                own=variant.get("own", True))
+        other = MomentumVariant(
+            model.parameters(),
+            num_workers=n,
+            lr=t.learning_rate * variant.get("lr_scale", 1.0),
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            lookahead=variant.get("lookahead", True),
+            per_worker=variant.get("per_worker", True),
+            own=variant.get("own", True),
+        )
     losses = []
     staleness_policy = StalenessPolicy.from_config(system)
     replicas = [model_from_config(config) for _ in range(n)]
@@ -184,20 +199,38 @@ def simulate(config, *, schedule: str = "uniform", jitter: float = 0.2, slowdown
             replicas[k].load_state_dict(model.state_dict())
         heapq.heappush(events, (now + duration(k), k))
     loss, accuracy = evaluate(model, test, batch_size=t.eval_batch_size)
-    return {"accuracy": accuracy, "loss": loss, "versions": version, "rejected": rejected,
-            "staleness": dict(sorted(histogram.items())),
-            "loss_trace": [round(sum(losses[i:i + 16]) / len(losses[i:i + 16]), 3) for i in range(0, len(losses), 16)]}
+    return {
+        "accuracy": accuracy,
+        "loss": loss,
+        "versions": version,
+        "rejected": rejected,
+        "staleness": dict(sorted(histogram.items())),
+        "loss_trace": [round(sum(losses[i : i + 16]) / len(losses[i : i + 16]), 3) for i in range(0, len(losses), 16)],
+    }
 
 
 def build_config(args, seed: int):
-    system = {"num_workers": args.workers, "aggregation_mode": "async", "staleness_policy": args.staleness_policy,
-              "async_correction": args.correction,
-              "staleness_beta": args.beta, "max_staleness": args.max_staleness, **json.loads(args.system)}
+    system = {
+        "num_workers": args.workers,
+        "aggregation_mode": "async",
+        "staleness_policy": args.staleness_policy,
+        "async_correction": args.correction,
+        "staleness_beta": args.beta,
+        "max_staleness": args.max_staleness,
+        **json.loads(args.system),
+    }
     if args.compression:
         system.update(compression_enabled=True, compression_type=args.compression, compression_ratio=args.ratio)
-    training = {"dataset": args.dataset, "num_epochs": args.epochs, "momentum": args.momentum,
-                "learning_rate": args.lr, "optimizer": args.optimizer, "seed": seed, "device": "cpu",
-                "weight_decay": args.weight_decay}
+    training = {
+        "dataset": args.dataset,
+        "num_epochs": args.epochs,
+        "momentum": args.momentum,
+        "learning_rate": args.lr,
+        "optimizer": args.optimizer,
+        "seed": seed,
+        "device": "cpu",
+        "weight_decay": args.weight_decay,
+    }
     return validate_config({"training": training, "system": system})
 
 
@@ -220,23 +253,35 @@ def main() -> None:
     parser.add_argument("--jitter", type=float, default=0.2)
     parser.add_argument("--slowdown", type=float, default=1.0, help="worker 0 takes this many times longer")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--correction", choices=("none", "implicit_momentum", "lookahead"), default="lookahead",
-                        help="system.async_correction")
+    parser.add_argument(
+        "--correction",
+        choices=("none", "implicit_momentum", "lookahead"),
+        default="lookahead",
+        help="system.async_correction",
+    )
     parser.add_argument("--variant", default="", help="JSON: a MomentumVariant instead of the server's optimizer")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = []
     for r in range(args.repeats):
         started = time.perf_counter()
-        result = simulate(build_config(args, seed=0), schedule=args.schedule, jitter=args.jitter,
-                          slowdown=args.slowdown, sim_seed=r,
-                          variant=json.loads(args.variant) if args.variant else None)
+        result = simulate(
+            build_config(args, seed=0),
+            schedule=args.schedule,
+            jitter=args.jitter,
+            slowdown=args.slowdown,
+            sim_seed=r,
+            variant=json.loads(args.variant) if args.variant else None,
+        )
         result["seconds"] = round(time.perf_counter() - started, 1)
         results.append(result)
         print(json.dumps(result), file=sys.stderr, flush=True)
     accuracies = [r["accuracy"] for r in results]
-    print(json.dumps({"args": vars(args), "mean": statistics.mean(accuracies), "min": min(accuracies),
-                      "max": max(accuracies)}))
+    print(
+        json.dumps(
+            {"args": vars(args), "mean": statistics.mean(accuracies), "min": min(accuracies), "max": max(accuracies)}
+        )
+    )
 
 
 if __name__ == "__main__":

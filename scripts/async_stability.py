@@ -82,8 +82,14 @@ def main() -> None:
     rows = []
     for n in args.workers:
         for method in ("sync", "plain", "implicit_momentum", "lookahead"):
-            rows.append({"workers": n, "method": method, "largest_stable_lr_times_lam": round(largest_stable_h(args.momentum, n, method), 3),
-                         "progress_per_epoch_vs_sync": round(progress_per_epoch(args.momentum, n, method), 2)})
+            rows.append(
+                {
+                    "workers": n,
+                    "method": method,
+                    "largest_stable_lr_times_lam": round(largest_stable_h(args.momentum, n, method), 3),
+                    "progress_per_epoch_vs_sync": round(progress_per_epoch(args.momentum, n, method), 2),
+                }
+            )
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -91,7 +97,9 @@ def main() -> None:
     print("| N | method | largest stable lr x curvature | progress per epoch vs sync |")
     print("|---|---|---|---|")
     for row in rows:
-        print(f"| {row['workers']} | {row['method']} | {row['largest_stable_lr_times_lam']} | {row['progress_per_epoch_vs_sync']} |")
+        print(
+            f"| {row['workers']} | {row['method']} | {row['largest_stable_lr_times_lam']} | {row['progress_per_epoch_vs_sync']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -84,13 +84,26 @@ def _run_roles(flags: list[str], out: Path, slow_factor: float, timeout_s: float
     stop = threading.Event()
     try:
         with open(out / "server.out", "w") as log:
-            processes.append(subprocess.Popen([sys.executable, str(RUNNER), *flags, *common, "--role", "server"],
-                                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(RUNNER), *flags, *common, "--role", "server"],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         for k in range(workers):
             with open(out / f"worker_{k}.out", "w") as log:
-                processes.append(subprocess.Popen(
-                    [sys.executable, str(RUNNER), "--role", "worker", "--worker-id", str(k), *common],
-                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, str(RUNNER), "--role", "worker", "--worker-id", str(k), *common],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         slowed = threading.Thread(target=_duty_cycle, args=(processes[1], slow_factor, stop), daemon=True)
         slowed.start()
         return processes[0].wait(timeout_s)
@@ -112,16 +125,47 @@ def run_one(name: str, flags_text: str, out: Path, *, slow_factor: float, timeou
         rc = _run_roles(flags, out, slow_factor, timeout_s)
     else:
         with open(out / "run.out", "w") as log:
-            rc = subprocess.run([sys.executable, str(RUNNER), *flags, "--checkpoint-dir", str(out / "ckpt"),
-                                 "--log-dir", str(out / "logs")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout_s).returncode
-    result = {"name": name, "flags": flags_text, "rc": rc, "wall_s": round(time.perf_counter() - started, 1),
-              "load_before": load_before, "slow_factor": slow_factor}
+            rc = subprocess.run(
+                [
+                    sys.executable,
+                    str(RUNNER),
+                    *flags,
+                    "--checkpoint-dir",
+                    str(out / "ckpt"),
+                    "--log-dir",
+                    str(out / "logs"),
+                ],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+            ).returncode
+    result = {
+        "name": name,
+        "flags": flags_text,
+        "rc": rc,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "load_before": load_before,
+        "slow_factor": slow_factor,
+    }
     summary_path = out / "logs" / "summary.json"
     if rc == 0 and summary_path.exists():
         summary = json.loads(summary_path.read_text())
-        result.update({k: summary.get(k) for k in ("final_accuracy", "final_loss", "mean_staleness", "max_staleness",
-                                                   "pushes_applied", "pushes_rejected", "versions", "train_time_s")})
+        result.update(
+            {
+                k: summary.get(k)
+                for k in (
+                    "final_accuracy",
+                    "final_loss",
+                    "mean_staleness",
+                    "max_staleness",
+                    "pushes_applied",
+                    "pushes_rejected",
+                    "versions",
+                    "train_time_s",
+                )
+            }
+        )
         events = out / "logs" / "server" / "events.jsonl"
         pushes = [json.loads(line) for line in events.read_text().splitlines() if '"kind": "push"' in line]
         histogram = Counter(e["staleness"] for e in pushes if e.get("num_samples", 1) > 0)
@@ -130,8 +174,10 @@ def run_one(name: str, flags_text: str, out: Path, *, slow_factor: float, timeou
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| configuration | runs | accuracy mean | min | max | mean staleness | staleness histogram (all runs) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| configuration | runs | accuracy mean | min | max | mean staleness | staleness histogram (all runs) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     by_name: dict[str, list[dict]] = {}
     for r in results:
         by_name.setdefault(r["name"], []).append(r)
@@ -146,16 +192,22 @@ def table(results: list[dict]) -> str:
             histogram.update({int(k): v for k, v in r["staleness_histogram"].items()})
         staleness = statistics.mean(r["mean_staleness"] for r in good)
         shown = ", ".join(f"{k}: {v}" for k, v in sorted(histogram.items()))
-        rows.append(f"| {name} | {len(good)}/{len(runs)} | {statistics.mean(accuracies):.2f} | {min(accuracies):.2f} | "
-                    f"{max(accuracies):.2f} | {staleness:.2f} | {shown} |")
+        rows.append(
+            f"| {name} | {len(good)}/{len(runs)} | {statistics.mean(accuracies):.2f} | {min(accuracies):.2f} | "
+            f"{max(accuracies):.2f} | {staleness:.2f} | {shown} |"
+        )
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for every run's logs and checkpoints (not the repo)")
-    parser.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS", help="a configuration, repeatable")
-    parser.add_argument("--preset", help="the spec's commands on this dataset (mnist_5k, mnist), sync and async, N=2 and 4")
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="NAME=FLAGS", help="a configuration, repeatable"
+    )
+    parser.add_argument(
+        "--preset", help="the spec's commands on this dataset (mnist_5k, mnist), sync and async, N=2 and 4"
+    )
     parser.add_argument("--extra", default="", help="flags added to every preset configuration")
     parser.add_argument("--only", help="run only preset configurations whose name starts with this (sync, async)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -177,8 +229,16 @@ def main() -> None:
             results.append(result)
             results_path.parent.mkdir(parents=True, exist_ok=True)
             results_path.write_text(json.dumps(results, indent=1))
-            print(json.dumps({k: result.get(k) for k in ("name", "rc", "final_accuracy", "mean_staleness", "wall_s", "load_before")}),
-                  file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: result.get(k)
+                        for k in ("name", "rc", "final_accuracy", "mean_staleness", "wall_s", "load_before")
+                    }
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
     print(table([r for r in results if r["name"] in {c[0].strip() for c in configs}]))
 
 

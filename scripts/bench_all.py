@@ -28,10 +28,36 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK_ARGS = {
     "bench_baseline": ["--repeats", "1", "--epochs", "1"],
     "bench_compression": ["--sizes", "1000000", "--repeats", "3"],
-    "bench_ps": ["--sizes-mb", "1", "4", "--repeats", "5", "--ceiling-clients", "4", "--ceiling-seconds", "2", "--num-epochs", "1", "--training-repeats", "1"],
+    "bench_ps": [
+        "--sizes-mb",
+        "1",
+        "4",
+        "--repeats",
+        "5",
+        "--ceiling-clients",
+        "4",
+        "--ceiling-seconds",
+        "2",
+        "--num-epochs",
+        "1",
+        "--training-repeats",
+        "1",
+    ],
     "bench_virtual": ["--skip-memory"],
-    "bench_ddp": ["--repeats", "1", "--hook-repeats", "1", "--epochs", "1",
-                  "--cases", "allreduce", "ring", "topk", "powersgd_rank2", "topk_matched"],
+    "bench_ddp": [
+        "--repeats",
+        "1",
+        "--hook-repeats",
+        "1",
+        "--epochs",
+        "1",
+        "--cases",
+        "allreduce",
+        "ring",
+        "topk",
+        "powersgd_rank2",
+        "topk_matched",
+    ],
 }
 COMPRESSION_TARGET = {"size": 11_000_000, "ratio": 5.0}  # bench_compression: sampled top-k >= 5x torch.topk at 11M
 
@@ -39,7 +65,9 @@ COMPRESSION_TARGET = {"size": 11_000_000, "ratio": 5.0}  # bench_compression: sa
 def last_json_document(text: str) -> Any:
     """The last JSON object printed on stdout (benchmarks print progress before it on some paths)."""
     decoder = json.JSONDecoder()
-    for start in sorted((i for i, ch in enumerate(text) if ch == "{" and (i == 0 or text[i - 1] == "\n")), reverse=True):
+    for start in sorted(
+        (i for i, ch in enumerate(text) if ch == "{" and (i == 0 or text[i - 1] == "\n")), reverse=True
+    ):
         try:
             value, end = decoder.raw_decode(text, start)
         except json.JSONDecodeError:
@@ -49,40 +77,100 @@ def last_json_document(text: str) -> Any:
     raise ValueError("no JSON object at the end of its output")
 
 
-def _row(benchmark: str, figure: str, ours: float | None, reference: float | None, reference_name: str, unit: str,
-         ratio: float | None, ratio_definition: str, target: float | None, *, higher_is_better: bool = True,
-         target_text: str | None = None) -> dict[str, Any]:
+def _row(
+    benchmark: str,
+    figure: str,
+    ours: float | None,
+    reference: float | None,
+    reference_name: str,
+    unit: str,
+    ratio: float | None,
+    ratio_definition: str,
+    target: float | None,
+    *,
+    higher_is_better: bool = True,
+    target_text: str | None = None,
+) -> dict[str, Any]:
     meets = None
     if target is not None and ratio is not None:
         meets = ratio >= target if higher_is_better else ratio <= target
-    return {"benchmark": benchmark, "figure": figure, "ours": ours, "reference": reference,
-            "reference_name": reference_name, "unit": unit, "ratio": ratio, "ratio_definition": ratio_definition,
-            "target": target, "target_text": target_text, "meets_target": meets}
+    return {
+        "benchmark": benchmark,
+        "figure": figure,
+        "ours": ours,
+        "reference": reference,
+        "reference_name": reference_name,
+        "unit": unit,
+        "ratio": ratio,
+        "ratio_definition": ratio_definition,
+        "target": target,
+        "target_text": target_text,
+        "meets_target": meets,
+    }
 
 
 def figures_baseline(result: dict) -> list[dict]:
-    return [_row("bench_baseline", "baseline trainer samples/s", result["trainer_samples_per_s"],
-                 result["plain_loop_samples_per_s"], "plain PyTorch loop", "samples/s", result["ratio"], "ours / reference",
-                 result.get("target_ratio"))]
+    return [
+        _row(
+            "bench_baseline",
+            "baseline trainer samples/s",
+            result["trainer_samples_per_s"],
+            result["plain_loop_samples_per_s"],
+            "plain PyTorch loop",
+            "samples/s",
+            result["ratio"],
+            "ours / reference",
+            result.get("target_ratio"),
+        )
+    ]
 
 
 def figures_ddp(result: dict) -> list[dict]:
     rows = []
     overhead = result.get("overhead")
     if overhead:
-        rows.append(_row("bench_ddp", "DDP trainer samples/s", round(overhead["trainer_samples_per_s"], 1),
-                         round(overhead["plain_ddp_samples_per_s"], 1), "plain DDP loop", "samples/s",
-                         round(overhead["ratio"], 4), "ours / reference", overhead.get("target_ratio")))
+        rows.append(
+            _row(
+                "bench_ddp",
+                "DDP trainer samples/s",
+                round(overhead["trainer_samples_per_s"], 1),
+                round(overhead["plain_ddp_samples_per_s"], 1),
+                "plain DDP loop",
+                "samples/s",
+                round(overhead["ratio"], 4),
+                "ours / reference",
+                overhead.get("target_ratio"),
+            )
+        )
     comparison = result.get("powersgd_vs_topk")
     if comparison:
         topk, powersgd = comparison["topk_error_feedback_same_bytes"], comparison["powersgd_rank2"]
-        rows.append(_row("bench_ddp", "top-k + error feedback accuracy at PowerSGD rank 2's bytes",
-                         topk["final_accuracy"], powersgd["final_accuracy"], "PowerSGD rank 2", "accuracy",
-                         round(topk["final_accuracy"] / powersgd["final_accuracy"], 4) if powersgd["final_accuracy"] else None,
-                         "ours / reference", None))
-        rows.append(_row("bench_ddp", "top-k + error feedback train time at PowerSGD rank 2's bytes",
-                         round(topk["train_time_s"], 3), round(powersgd["train_time_s"], 3), "PowerSGD rank 2", "s",
-                         round(powersgd["train_time_s"] / topk["train_time_s"], 4), "reference / ours (> 1: we are faster)", None))
+        rows.append(
+            _row(
+                "bench_ddp",
+                "top-k + error feedback accuracy at PowerSGD rank 2's bytes",
+                topk["final_accuracy"],
+                powersgd["final_accuracy"],
+                "PowerSGD rank 2",
+                "accuracy",
+                round(topk["final_accuracy"] / powersgd["final_accuracy"], 4) if powersgd["final_accuracy"] else None,
+                "ours / reference",
+                None,
+            )
+        )
+        rows.append(
+            _row(
+                "bench_ddp",
+                "top-k + error feedback train time at PowerSGD rank 2's bytes",
+                round(topk["train_time_s"], 3),
+                round(powersgd["train_time_s"], 3),
+                "PowerSGD rank 2",
+                "s",
+                round(powersgd["train_time_s"] / topk["train_time_s"], 4),
+                "reference / ours (> 1: we are faster)",
+                None,
+            )
+        )
     return rows
 
 
@@ -90,27 +178,66 @@ def figures_ps(result: dict) -> list[dict]:
     rows = []
     for trip in result.get("round_trips", []):
         if trip["transport"] == "tcp":
-            reference, name, ratio, target = (trip["raw_tcp_echo_ms"] + trip["optimizer_step_ms"], "raw TCP echo + optimizer step",
-                                              trip["limit_ratio"], trip["target_limit_ratio"])
+            reference, name, ratio, target = (
+                trip["raw_tcp_echo_ms"] + trip["optimizer_step_ms"],
+                "raw TCP echo + optimizer step",
+                trip["limit_ratio"],
+                trip["target_limit_ratio"],
+            )
         else:
-            reference, name, ratio, target = (trip["grpc_echo_ms"] + trip["optimizer_step_ms"], "raw gRPC echo + optimizer step",
-                                              trip["grpc_limit_ratio"], trip["target_grpc_limit_ratio"])
-        rows.append(_row("bench_ps", f"{trip['transport']} push + reply round trip, {trip['model_mb']} MB model",
-                         trip["ps_round_trip_ms"], round(reference, 3), name, "ms", ratio,
-                         "reference / ours (1 = only moving the bytes and stepping)", target))
+            reference, name, ratio, target = (
+                trip["grpc_echo_ms"] + trip["optimizer_step_ms"],
+                "raw gRPC echo + optimizer step",
+                trip["grpc_limit_ratio"],
+                trip["target_grpc_limit_ratio"],
+            )
+        rows.append(
+            _row(
+                "bench_ps",
+                f"{trip['transport']} push + reply round trip, {trip['model_mb']} MB model",
+                trip["ps_round_trip_ms"],
+                round(reference, 3),
+                name,
+                "ms",
+                ratio,
+                "reference / ours (1 = only moving the bytes and stepping)",
+                target,
+            )
+        )
     for ceiling in result.get("ceiling", []):
-        rows.append(_row("bench_ps", f"{ceiling['transport']} pushes/s into one server ({ceiling['model_mb']} MB model, "
-                         f"saturated at {ceiling['saturated_at_clients']} clients)", ceiling["best_pushes_per_s"],
-                         ceiling["serial_bound_pushes_per_s"], "1 / time a push holds the lock", "pushes/s",
-                         round(ceiling["best_pushes_per_s"] / ceiling["serial_bound_pushes_per_s"], 4)
-                         if ceiling["serial_bound_pushes_per_s"] else None, "ours / serial bound", None))
+        rows.append(
+            _row(
+                "bench_ps",
+                f"{ceiling['transport']} pushes/s into one server ({ceiling['model_mb']} MB model, "
+                f"saturated at {ceiling['saturated_at_clients']} clients)",
+                ceiling["best_pushes_per_s"],
+                ceiling["serial_bound_pushes_per_s"],
+                "1 / time a push holds the lock",
+                "pushes/s",
+                round(ceiling["best_pushes_per_s"] / ceiling["serial_bound_pushes_per_s"], 4)
+                if ceiling["serial_bound_pushes_per_s"]
+                else None,
+                "ours / serial bound",
+                None,
+            )
+        )
     training = result.get("training") or {}
     ddp = (training.get("ddp_2_ranks") or {}).get("samples_per_s")
     for name, run in training.items():
         if name.startswith("ps_") and ddp:
-            rows.append(_row("bench_ps", f"PS {name.removeprefix('ps_')} ({run['transport']}), samples/s", run["samples_per_s"], ddp,
-                             "DDP, 2 ranks", "samples/s", round(run["samples_per_s"] / ddp, 4), "ours / reference",
-                             run.get("target_ratio_to_ddp")))
+            rows.append(
+                _row(
+                    "bench_ps",
+                    f"PS {name.removeprefix('ps_')} ({run['transport']}), samples/s",
+                    run["samples_per_s"],
+                    ddp,
+                    "DDP, 2 ranks",
+                    "samples/s",
+                    round(run["samples_per_s"] / ddp, 4),
+                    "ours / reference",
+                    run.get("target_ratio_to_ddp"),
+                )
+            )
     return rows
 
 
@@ -119,10 +246,20 @@ def figures_compression(result: dict) -> list[dict]:
     for size, entry in sorted(result.get("sizes", {}).items(), key=lambda item: int(item[0])):
         sampled = entry["topk_sampled_0.01"]["compress_ms"]
         target = COMPRESSION_TARGET["ratio"] if int(size) == COMPRESSION_TARGET["size"] else None
-        rows.append(_row("bench_compression", f"sampled top-k 1% compress, {int(size):,} floats", sampled,
-                         entry["torch_topk_1pct_ms"], "torch.topk (selection alone)", "ms",
-                         entry["sampled_topk_speedup"]["compress_vs_torch_topk"], "reference / ours (speedup)", target,
-                         target_text=None if target else "stated for 11M floats only"))
+        rows.append(
+            _row(
+                "bench_compression",
+                f"sampled top-k 1% compress, {int(size):,} floats",
+                sampled,
+                entry["torch_topk_1pct_ms"],
+                "torch.topk (selection alone)",
+                "ms",
+                entry["sampled_topk_speedup"]["compress_vs_torch_topk"],
+                "reference / ours (speedup)",
+                target,
+                target_text=None if target else "stated for 11M floats only",
+            )
+        )
     return rows
 
 
@@ -131,16 +268,36 @@ def figures_virtual(result: dict) -> list[dict]:
     for case in ("overhead", "compressed"):
         entry = result.get(case)
         if entry:
-            rows.append(_row("bench_virtual", f"virtual-time loop, {entry['workers']} workers, {entry['compression']}",
-                             entry["loop_wall_s"], entry["in_run_compute_s"], "its gradients' forward/backward alone",
-                             "s", entry["in_run_overhead_ratio"], "ours / reference (the driver's overhead)",
-                             1.3 if case == "overhead" else None, higher_is_better=False))
+            rows.append(
+                _row(
+                    "bench_virtual",
+                    f"virtual-time loop, {entry['workers']} workers, {entry['compression']}",
+                    entry["loop_wall_s"],
+                    entry["in_run_compute_s"],
+                    "its gradients' forward/backward alone",
+                    "s",
+                    entry["in_run_overhead_ratio"],
+                    "ours / reference (the driver's overhead)",
+                    1.3 if case == "overhead" else None,
+                    higher_is_better=False,
+                )
+            )
     memory = result.get("memory")
     if memory:
-        rows.append(_row("bench_virtual", f"peak RSS, {memory['workers']} workers of {memory['model_mb']} MB",
-                         memory["peak_rss_gb"], memory["target_gb"], "the 8 GB target", "GB",
-                         round(memory["peak_rss_gb"] / memory["target_gb"], 3), "ours / target", 1.0,
-                         higher_is_better=False))
+        rows.append(
+            _row(
+                "bench_virtual",
+                f"peak RSS, {memory['workers']} workers of {memory['model_mb']} MB",
+                memory["peak_rss_gb"],
+                memory["target_gb"],
+                "the 8 GB target",
+                "GB",
+                round(memory["peak_rss_gb"] / memory["target_gb"], 3),
+                "ours / target",
+                1.0,
+                higher_is_better=False,
+            )
+        )
     return rows
 
 
@@ -160,8 +317,13 @@ def discover() -> list[str]:
 def run_one(name: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
     command = [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *extra]
     started = time.perf_counter()
-    entry: dict[str, Any] = {"command": " ".join(["python", f"scripts/{name}.py", *extra]), "returncode": None,
-                             "wall_s": None, "result": None, "error": None}
+    entry: dict[str, Any] = {
+        "command": " ".join(["python", f"scripts/{name}.py", *extra]),
+        "returncode": None,
+        "wall_s": None,
+        "result": None,
+        "error": None,
+    }
     try:
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -169,7 +331,9 @@ def run_one(name: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
         return entry
     entry["returncode"], entry["wall_s"] = done.returncode, round(time.perf_counter() - started, 1)
     if done.returncode != 0:
-        entry["error"] = f"exited with status {done.returncode}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}"
+        entry["error"] = (
+            f"exited with status {done.returncode}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}"
+        )
         return entry
     try:
         entry["result"] = last_json_document(done.stdout)
@@ -180,9 +344,13 @@ def run_one(name: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default="reports/bench.json", help="where to write the results (default reports/bench.json)")
+    parser.add_argument(
+        "--output", default="reports/bench.json", help="where to write the results (default reports/bench.json)"
+    )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these (e.g. bench_ps bench_compression)")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes: a smoke run, not for docs")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repeats and smaller sizes: a smoke run, not for docs"
+    )
     parser.add_argument("--timeout-s", type=float, default=900, help="limit per benchmark (default 900)")
     args = parser.parse_args(argv)
     names = discover()
@@ -200,16 +368,44 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = entry
         if entry["error"]:
             failed.append(name)
-            figures.append({"benchmark": name, "figure": "(benchmark failed)", "error": entry["error"], "ours": None,
-                            "reference": None, "reference_name": "", "unit": "", "ratio": None, "ratio_definition": None,
-                            "target": None, "target_text": entry["error"], "meets_target": None})
+            figures.append(
+                {
+                    "benchmark": name,
+                    "figure": "(benchmark failed)",
+                    "error": entry["error"],
+                    "ours": None,
+                    "reference": None,
+                    "reference_name": "",
+                    "unit": "",
+                    "ratio": None,
+                    "ratio_definition": None,
+                    "target": None,
+                    "target_text": entry["error"],
+                    "meets_target": None,
+                }
+            )
             print(f"{name}: FAILED: {entry['error']}", file=sys.stderr, flush=True)
             continue
         extract = FIGURES.get(name)
-        figures += extract(entry["result"]) if extract else [{
-            "benchmark": name, "figure": "(no reference figure known to bench_all)", "ours": None, "reference": None,
-            "reference_name": "", "unit": "", "ratio": None, "ratio_definition": None, "target": None,
-            "target_text": "see its JSON in results", "meets_target": None}]
+        figures += (
+            extract(entry["result"])
+            if extract
+            else [
+                {
+                    "benchmark": name,
+                    "figure": "(no reference figure known to bench_all)",
+                    "ours": None,
+                    "reference": None,
+                    "reference_name": "",
+                    "unit": "",
+                    "ratio": None,
+                    "ratio_definition": None,
+                    "target": None,
+                    "target_text": "see its JSON in results",
+                    "meets_target": None,
+                }
+            ]
+        )
         print(f"{name}: done in {entry['wall_s']}s", file=sys.stderr, flush=True)
     document = {
         "command": "python scripts/bench_all.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -49,12 +49,18 @@ def plain_loop(epochs: int, batch_size: int, lr: float, momentum: float, seed: i
 
 def trainer_run(epochs: int, batch_size: int, lr: float, momentum: float, seed: int) -> float:
     with tempfile.TemporaryDirectory() as scratch:
-        config = load_config(overrides={
-            "training.num_epochs": epochs, "training.batch_size": batch_size, "training.learning_rate": lr,
-            "training.momentum": momentum, "training.seed": seed,
-            "system.checkpoint_dir": f"{scratch}/ckpt", "system.log_dir": f"{scratch}/logs",
-            "system.architecture": "baseline",
-        })
+        config = load_config(
+            overrides={
+                "training.num_epochs": epochs,
+                "training.batch_size": batch_size,
+                "training.learning_rate": lr,
+                "training.momentum": momentum,
+                "training.seed": seed,
+                "system.checkpoint_dir": f"{scratch}/ckpt",
+                "system.log_dir": f"{scratch}/logs",
+                "system.architecture": "baseline",
+            }
+        )
         summary = BaselineTrainer(config).run()
     return summary["throughput_samples_per_s"]
 
@@ -73,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         plain.append(plain_loop(**common))
     result = {
         "benchmark": "baseline_trainer_vs_plain_loop",
-        "model": "simple_cnn", "dataset": "mnist_5k", "batch_size": args.batch_size, "epochs": args.epochs,
-        "repeats": args.repeats, "threads": torch.get_num_threads(),
+        "model": "simple_cnn",
+        "dataset": "mnist_5k",
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
         "trainer_samples_per_s": round(statistics.median(ours), 1),
         "plain_loop_samples_per_s": round(statistics.median(plain), 1),
         "ratio": round(statistics.median(ours) / statistics.median(plain), 4),

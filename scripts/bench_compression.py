@@ -101,17 +101,14 @@ def main() -> None:
     }
     for numel in args.sizes:
         x = torch.randn(numel, generator=torch.Generator().manual_seed(1234))
-        entry = {name: _bench_compressor(config, x, args.repeats)
-                 for name, config in CONFIGS.items()}
+        entry = {name: _bench_compressor(config, x, args.repeats) for name, config in CONFIGS.items()}
         topk_s = _bench_torch_topk(x, args.repeats)
         sampled = entry["topk_sampled_0.01"]
         entry["torch_topk_1pct_ms"] = _ms(topk_s)
         entry["sampled_topk_speedup"] = {
             "compress_vs_torch_topk": round(topk_s * 1e3 / sampled["compress_ms"], 2),
-            "compress_decompress_vs_torch_topk": round(
-                topk_s * 1e3 / sampled["compress_decompress_ms"], 2),
-            "compress_vs_exact_compress": round(
-                entry["topk_exact_0.01"]["compress_ms"] / sampled["compress_ms"], 2),
+            "compress_decompress_vs_torch_topk": round(topk_s * 1e3 / sampled["compress_decompress_ms"], 2),
+            "compress_vs_exact_compress": round(entry["topk_exact_0.01"]["compress_ms"] / sampled["compress_ms"], 2),
         }
         results["sizes"][str(numel)] = entry
     results["load_average_after"] = [round(v, 2) for v in os.getloadavg()]

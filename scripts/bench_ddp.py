@@ -68,7 +68,16 @@ from src.trainer import load_splits, model_from_config, optimizer_from_config
 
 BEFORE = {"topk_vs_allreduce": 0.78, "ring_vs_allreduce": 0.72, "topk_over_powersgd_train_time": 1.2}
 """The issue's figures before bucketing and overlapping (per-parameter, synchronous hooks)."""
-HOOK_CASES = ("allreduce", "ring", "topk", "quantization_8bit", "quantization_4bit", "powersgd_rank1", "powersgd_rank2", "topk_matched")
+HOOK_CASES = (
+    "allreduce",
+    "ring",
+    "topk",
+    "quantization_8bit",
+    "quantization_4bit",
+    "powersgd_rank1",
+    "powersgd_rank2",
+    "topk_matched",
+)
 DEFAULT_CASES = ("allreduce", "ring", "topk", "quantization_8bit", "quantization_4bit", "powersgd_rank1")
 POWERSGD_MIN_WARMUP = 2
 """Plain steps PowerSGD needs first with error feedback / warm start (its constructor refuses fewer):
@@ -120,7 +129,9 @@ def _recording(hook: CommHook) -> CommHook:
 def _config(base: dict, root: Path, name: str, epochs: int, system: dict | None = None) -> Config:
     data = json.loads(json.dumps(base))
     data["training"]["num_epochs"] = epochs
-    data["system"].update({"checkpoint_dir": str(root / name / "checkpoints"), "log_dir": str(root / name / "logs"), **(system or {})})
+    data["system"].update(
+        {"checkpoint_dir": str(root / name / "checkpoints"), "log_dir": str(root / name / "logs"), **(system or {})}
+    )
     return validate_config(data)
 
 
@@ -178,27 +189,53 @@ def _hook_case(name: str, base: dict, matched_ratio: float | None, warmup_steps:
     if name == "ring":
         return {"allreduce": "ring"}, None
     if name == "topk":
-        return {"compression_enabled": True, "compression_type": "topk", "compression_ratio": 0.1, "topk_selection": "sampled"}, None
+        return {
+            "compression_enabled": True,
+            "compression_type": "topk",
+            "compression_ratio": 0.1,
+            "topk_selection": "sampled",
+        }, None
     if name.startswith("quantization_"):
-        return {"compression_enabled": True, "compression_type": "quantization", "quantization_bits": int(name.split("_")[1][0])}, None
+        return {
+            "compression_enabled": True,
+            "compression_type": "quantization",
+            "quantization_bits": int(name.split("_")[1][0]),
+        }, None
     if name.startswith("powersgd_rank"):
         approximation_rank = int(name.removeprefix("powersgd_rank"))
 
         def factory(module):
-            state = PowerSGDState(process_group=None, matrix_approximation_rank=approximation_rank,
-                                  start_powerSGD_iter=max(warmup_steps, POWERSGD_MIN_WARMUP), use_error_feedback=True, warm_start=True,
-                                  random_seed=base["training"]["seed"])
-            return PowerSGDCommHook(name, state, _powersgd_in_bucket_order, world_size=dist.get_world_size(), gradient_bytes=gradient_bytes(module))
+            state = PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=approximation_rank,
+                start_powerSGD_iter=max(warmup_steps, POWERSGD_MIN_WARMUP),
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=base["training"]["seed"],
+            )
+            return PowerSGDCommHook(
+                name,
+                state,
+                _powersgd_in_bucket_order,
+                world_size=dist.get_world_size(),
+                gradient_bytes=gradient_bytes(module),
+            )
 
         return {}, factory
     if name == "topk_matched":
-        return {"compression_enabled": True, "compression_type": "topk", "compression_ratio": matched_ratio,
-                "topk_selection": "sampled", "warmup_steps": warmup_steps}, None
+        return {
+            "compression_enabled": True,
+            "compression_type": "topk",
+            "compression_ratio": matched_ratio,
+            "topk_selection": "sampled",
+            "warmup_steps": warmup_steps,
+        }, None
     raise ValueError(f"unknown case {name!r} (known: {', '.join(HOOK_CASES)})")
 
 
 def _topk_ratio_for(payload_bytes: int, numels: list[int]) -> float:
     """Largest top-k ratio whose payloads over units of ``numels`` (exact wire sizes) fit in ``payload_bytes``."""
+
     def size(ratio: float) -> int:
         policy = CompressionPolicy(build_compressor("topk", ratio=ratio))
         return sum(policy.compressor_for(0, n).wire_size_for(n) for n in numels)
@@ -216,8 +253,17 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _hook_run(name: str, base: dict, root: Path, rank: int, world: int, epochs: int, matched_ratio: float | None,
-              dense: int, warmup_steps: int) -> dict:
+def _hook_run(
+    name: str,
+    base: dict,
+    root: Path,
+    rank: int,
+    world: int,
+    epochs: int,
+    matched_ratio: float | None,
+    dense: int,
+    warmup_steps: int,
+) -> dict:
     system, factory = _hook_case(name, base, matched_ratio, warmup_steps)
     config = _config(base, root, name, epochs, system)
 
@@ -256,8 +302,17 @@ def _hook_run(name: str, base: dict, root: Path, rank: int, world: int, epochs: 
     }
 
 
-def _hooks(base: dict, root: Path, rank: int, world: int, cases: list[str], epochs: int, repeats: int,
-           warmup_steps: int = 0, units: list[int] | None = None) -> list[dict]:
+def _hooks(
+    base: dict,
+    root: Path,
+    rank: int,
+    world: int,
+    cases: list[str],
+    epochs: int,
+    repeats: int,
+    warmup_steps: int = 0,
+    units: list[int] | None = None,
+) -> list[dict]:
     """Every case ``repeats`` times, interleaved (order flipped every repeat); timings are medians.
 
     ``units``: our compression units' sizes (DDP's buckets), to solve the top-k ratio that matches
@@ -269,7 +324,11 @@ def _hooks(base: dict, root: Path, rank: int, world: int, cases: list[str], epoc
     matched_ratio = None
     for repeat in range(repeats):
         order = cases if repeat % 2 == 0 else cases[::-1]
-        if matched_ratio is None and "topk_matched" in order and order.index("topk_matched") < order.index("powersgd_rank2"):
+        if (
+            matched_ratio is None
+            and "topk_matched" in order
+            and order.index("topk_matched") < order.index("powersgd_rank2")
+        ):
             order = cases  # the first time, PowerSGD must run first: its bytes set the top-k ratio
         for name in order:
             if name == "topk_matched" and matched_ratio is None:
@@ -280,7 +339,9 @@ def _hooks(base: dict, root: Path, rank: int, world: int, cases: list[str], epoc
     results = []
     for name in cases:
         first = dict(runs[name][0])
-        first["accuracy_same_in_every_run"] = all(run["final_accuracy"] == first["final_accuracy"] for run in runs[name])
+        first["accuracy_same_in_every_run"] = all(
+            run["final_accuracy"] == first["final_accuracy"] for run in runs[name]
+        )
         for key in ("samples_per_s", "train_time_s", "total_time_s", "cpu_ms_per_step_per_rank"):
             first[key] = statistics.median(run[key] for run in runs[name])
         first["runs"] = len(runs[name])
@@ -301,7 +362,9 @@ def _comparison(hooks: list[dict]) -> dict | None:
         "topk_ratio": topk["compression_ratio"],
         "bytes_ratio_topk_over_powersgd": topk["bytes_per_compressed_step"] / powersgd["bytes_per_compressed_step"],
         "accuracy_topk_minus_powersgd": topk["final_accuracy"] - powersgd["final_accuracy"],
-        "accuracy_powersgd_minus_allreduce": powersgd["final_accuracy"] - allreduce["final_accuracy"] if allreduce else None,
+        "accuracy_powersgd_minus_allreduce": powersgd["final_accuracy"] - allreduce["final_accuracy"]
+        if allreduce
+        else None,
         "train_time_topk_over_powersgd": topk["train_time_s"] / powersgd["train_time_s"],
     }
 
@@ -313,19 +376,37 @@ def _targets(hooks: list[dict], comparison: dict | None) -> list[dict]:
     for case, key, bound in (("topk", "topk_vs_allreduce", 0.95), ("ring", "ring_vs_allreduce", 0.9)):
         if case in by_case and "allreduce" in by_case:
             ours, reference = by_case[case]["samples_per_s"], by_case["allreduce"]["samples_per_s"]
-            targets.append({"figure": f"{case} hook samples/s over the backend allreduce's", "ours": ours, "reference": reference,
-                            "ratio": ours / reference, "target": f">= {bound}", "met": ours / reference >= bound, "before": BEFORE[key],
-                            # CPU per step hardly moves with other work on the machine: the
-                            # throughput a CPU-bound run can reach, when the wall clock is noisy
-                            "cpu_ratio": by_case["allreduce"]["cpu_ms_per_step_per_rank"] / by_case[case]["cpu_ms_per_step_per_rank"]})
+            targets.append(
+                {
+                    "figure": f"{case} hook samples/s over the backend allreduce's",
+                    "ours": ours,
+                    "reference": reference,
+                    "ratio": ours / reference,
+                    "target": f">= {bound}",
+                    "met": ours / reference >= bound,
+                    "before": BEFORE[key],
+                    # CPU per step hardly moves with other work on the machine: the
+                    # throughput a CPU-bound run can reach, when the wall clock is noisy
+                    "cpu_ratio": by_case["allreduce"]["cpu_ms_per_step_per_rank"]
+                    / by_case[case]["cpu_ms_per_step_per_rank"],
+                }
+            )
     if comparison is not None:
         topk, powersgd = comparison["topk_error_feedback_same_bytes"], comparison["powersgd_rank2"]
         ratio = comparison["train_time_topk_over_powersgd"]
-        targets.append({"figure": "top-k + EF at PowerSGD rank 2's bytes: train time over PowerSGD's", "ours": topk["train_time_s"],
-                        "reference": powersgd["train_time_s"], "ratio": ratio, "target": "< 1 (faster), accuracy not lower",
-                        "met": ratio < 1 and topk["final_accuracy"] >= powersgd["final_accuracy"],
-                        "accuracy_ours": topk["final_accuracy"], "accuracy_reference": powersgd["final_accuracy"],
-                        "before": BEFORE["topk_over_powersgd_train_time"]})
+        targets.append(
+            {
+                "figure": "top-k + EF at PowerSGD rank 2's bytes: train time over PowerSGD's",
+                "ours": topk["train_time_s"],
+                "reference": powersgd["train_time_s"],
+                "ratio": ratio,
+                "target": "< 1 (faster), accuracy not lower",
+                "met": ratio < 1 and topk["final_accuracy"] >= powersgd["final_accuracy"],
+                "accuracy_ours": topk["final_accuracy"],
+                "accuracy_reference": powersgd["final_accuracy"],
+                "before": BEFORE["topk_over_powersgd_train_time"],
+            }
+        )
     return targets
 
 
@@ -340,28 +421,58 @@ def _session(rank: int, world: int, port: int, options: dict, output: str) -> No
     try:
         with tempfile.TemporaryDirectory(prefix="bench_ddp_") as scratch:
             root = Path(scratch) / f"rank_{rank}"  # each rank logs into its own copy; rank 0 checkpoints
-            base = {"training": {"dataset": options["dataset"], "batch_size": options["batch_size"], "seed": 0,
-                                 "model_architecture": options["model"]},
-                    "system": {"architecture": "ddp", "num_workers": world}}
+            base = {
+                "training": {
+                    "dataset": options["dataset"],
+                    "batch_size": options["batch_size"],
+                    "seed": 0,
+                    "model_architecture": options["model"],
+                },
+                "system": {"architecture": "ddp", "num_workers": world},
+            }
             load = os.getloadavg()
-            overhead = _overhead(base, root, rank, world, options["repeats"], options["overhead_epochs"]) if options["overhead"] else None
+            overhead = (
+                _overhead(base, root, rank, world, options["repeats"], options["overhead_epochs"])
+                if options["overhead"]
+                else None
+            )
             hooks = _hooks(base, root, rank, world, options["cases"], options["epochs"], options["hook_repeats"])
             comparison = None
             if options["powersgd"]:
                 peer = {**base, "training": {**base["training"], "batch_size": options["powersgd_batch_size"]}}
                 units = next((r["compression_units"] for r in hooks if r["compression_units"]), None)
-                versus = _hooks(peer, root / "powersgd", rank, world, ["allreduce", "powersgd_rank2", "topk_matched"],
-                                options["epochs"], options["hook_repeats"], options["powersgd_warmup_steps"], units)
+                versus = _hooks(
+                    peer,
+                    root / "powersgd",
+                    rank,
+                    world,
+                    ["allreduce", "powersgd_rank2", "topk_matched"],
+                    options["epochs"],
+                    options["hook_repeats"],
+                    options["powersgd_warmup_steps"],
+                    units,
+                )
                 comparison = _comparison(versus)
             if rank == 0:
                 report = {
-                    "setup": {"dataset": options["dataset"], "model": options["model"], "world_size": world,
-                              "batch_size_per_rank": options["batch_size"], "epochs": options["epochs"], "backend": "gloo",
-                              "powersgd_vs_topk": {"batch_size_per_rank": options["powersgd_batch_size"],
-                                                   "warmup_steps": options["powersgd_warmup_steps"]},
-                              "threads_per_rank": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)),
-                              "torch": torch.__version__, "machine": platform.machine(),
-                              "load_average_before": load[0], "load_average_after": os.getloadavg()[0]},
+                    "setup": {
+                        "dataset": options["dataset"],
+                        "model": options["model"],
+                        "world_size": world,
+                        "batch_size_per_rank": options["batch_size"],
+                        "epochs": options["epochs"],
+                        "backend": "gloo",
+                        "powersgd_vs_topk": {
+                            "batch_size_per_rank": options["powersgd_batch_size"],
+                            "warmup_steps": options["powersgd_warmup_steps"],
+                        },
+                        "threads_per_rank": torch.get_num_threads(),
+                        "cores": len(os.sched_getaffinity(0)),
+                        "torch": torch.__version__,
+                        "machine": platform.machine(),
+                        "load_average_before": load[0],
+                        "load_average_after": os.getloadavg()[0],
+                    },
                     "targets": _targets(hooks, comparison),
                     "overhead": overhead,
                     "hooks": hooks,
@@ -384,16 +495,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-epochs", type=int, default=1, help="epochs of each overhead run")
     parser.add_argument("--hook-repeats", type=int, default=2, help="runs of each hook case (timings are medians)")
     parser.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the overhead section")
-    parser.add_argument("--no-powersgd", dest="powersgd", action="store_false", help="skip PowerSGD against top-k at its bytes")
-    parser.add_argument("--powersgd-batch-size", type=int, default=32, help="per rank, PowerSGD against top-k (default 32)")
-    parser.add_argument("--powersgd-warmup-steps", type=int, default=10, help="plain steps before PowerSGD / top-k compress (default 10)")
-    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=HOOK_CASES,
-                        help="hook cases at --batch-size (default: all but the PowerSGD comparison's own)")
+    parser.add_argument(
+        "--no-powersgd", dest="powersgd", action="store_false", help="skip PowerSGD against top-k at its bytes"
+    )
+    parser.add_argument(
+        "--powersgd-batch-size", type=int, default=32, help="per rank, PowerSGD against top-k (default 32)"
+    )
+    parser.add_argument(
+        "--powersgd-warmup-steps",
+        type=int,
+        default=10,
+        help="plain steps before PowerSGD / top-k compress (default 10)",
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(DEFAULT_CASES),
+        choices=HOOK_CASES,
+        help="hook cases at --batch-size (default: all but the PowerSGD comparison's own)",
+    )
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.world_size < 2:
         parser.error("--world-size must be >= 2 (there is nothing to exchange with one rank)")
-    if "topk_matched" in args.cases and ("powersgd_rank2" not in args.cases or args.cases.index("powersgd_rank2") > args.cases.index("topk_matched")):
+    if "topk_matched" in args.cases and (
+        "powersgd_rank2" not in args.cases or args.cases.index("powersgd_rank2") > args.cases.index("topk_matched")
+    ):
         parser.error("--cases: topk_matched needs powersgd_rank2 before it")
     if args.powersgd and args.world_size < 2:
         parser.error("--world-size must be >= 2")
@@ -402,8 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="bench_ddp_out_") as scratch:
         output = Path(scratch) / "report.json"
-        context = mp.start_processes(_session, args=(args.world_size, store.port, vars(args), str(output)),
-                                     nprocs=args.world_size, join=False, start_method="spawn")
+        context = mp.start_processes(
+            _session,
+            args=(args.world_size, store.port, vars(args), str(output)),
+            nprocs=args.world_size,
+            join=False,
+            start_method="spawn",
+        )
         try:
             while not context.join():
                 pass

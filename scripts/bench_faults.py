@@ -78,7 +78,9 @@ def _analyse(log_dir: Path, fault_time: float | None, window_s: float, heartbeat
         before = [rate for time_, rate in series if time_ < fault_time]
         if before:
             normal = statistics.median(before)
-            back = next((time_ for time_, rate in series if time_ > fault_time + window_s and rate >= 0.9 * normal), None)
+            back = next(
+                (time_ for time_, rate in series if time_ > fault_time + window_s and rate >= 0.9 * normal), None
+            )
             result["throughput_before_samples_per_s"] = round(normal, 1)
             result["time_to_full_throughput_s"] = round(back - fault_time, 2) if back is not None else None
     return result
@@ -97,23 +99,37 @@ def main(argv: list[str] | None = None) -> int:
     from src.ps_launcher import run_local
     from src.supervisor import stdout_to_stderr
 
-    results: dict = {"setup": "3 workers, sync, mnist_5k (4000 train / 1000 test), 2 epochs, batch 32, momentum 0.9, "
-                              f"heartbeat interval 0.5 s, timeout {args.heartbeat_timeout} s, checkpoint every 20 versions"}
+    results: dict = {
+        "setup": "3 workers, sync, mnist_5k (4000 train / 1000 test), 2 epochs, batch 32, momentum 0.9, "
+        f"heartbeat interval 0.5 s, timeout {args.heartbeat_timeout} s, checkpoint every 20 versions"
+    }
     with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
+
         def run(name: str, faults: list[str]) -> tuple[dict, Path]:
             log_dir = Path(tmp, name, "logs")
-            config = load_config(overrides={
-                "training.dataset": "mnist_5k", "training.num_epochs": 2, "training.batch_size": 32,
-                "training.checkpoint_interval": 20, "system.num_workers": 3, "system.aggregation_mode": "sync",
-                "system.heartbeat_interval": 0.5, "system.heartbeat_timeout": args.heartbeat_timeout,
-                "system.inject_faults": faults, "system.log_dir": str(log_dir), "system.checkpoint_dir": f"{tmp}/{name}/ckpt",
-            })
+            config = load_config(
+                overrides={
+                    "training.dataset": "mnist_5k",
+                    "training.num_epochs": 2,
+                    "training.batch_size": 32,
+                    "training.checkpoint_interval": 20,
+                    "system.num_workers": 3,
+                    "system.aggregation_mode": "sync",
+                    "system.heartbeat_interval": 0.5,
+                    "system.heartbeat_timeout": args.heartbeat_timeout,
+                    "system.inject_faults": faults,
+                    "system.log_dir": str(log_dir),
+                    "system.checkpoint_dir": f"{tmp}/{name}/ckpt",
+                }
+            )
             print(f"bench_faults: {name} {faults}", file=sys.stderr, flush=True)
             return run_local(config), log_dir
 
         reference, _ = run("fault_free", [])
-        results["fault_free"] = {"final_accuracy": reference["final_accuracy"],
-                                 "throughput_samples_per_s": round(reference["throughput_samples_per_s"], 1)}
+        results["fault_free"] = {
+            "final_accuracy": reference["final_accuracy"],
+            "throughput_samples_per_s": round(reference["throughput_samples_per_s"], 1),
+        }
         for name in args.scenarios:
             summary, log_dir = run(name, SCENARIOS[name])
             server_fault = _events(log_dir, "server", kind="fault_injected")

@@ -51,21 +51,35 @@ def main() -> None:
     results = {}
     for label, compressor in (("identity", None), ("topk_0.01", build_compressor("topk", ratio=0.01))):
         results[label] = measure(args, compressor)
-    print(json.dumps({
-        "benchmark": "library step vs raw protocol step",
-        "model": args.model, "batch_size": 64, "load_average": os.getloadavg()[0],
-        "target_ratio": TARGET_RATIO, "results": results,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "library step vs raw protocol step",
+                "model": args.model,
+                "batch_size": 64,
+                "load_average": os.getloadavg()[0],
+                "target_ratio": TARGET_RATIO,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 def measure(args, compressor) -> dict:
     out = Path("/tmp") / f"bench_library_{os.getpid()}"
-    config = load_config(overrides={
-        "system.num_workers": 2, "system.aggregation_mode": "async", "system.server_address": "127.0.0.1:0",
-        "system.log_dir": str(out / "logs"), "system.checkpoint_dir": str(out / "ckpt"),
-        "training.checkpoint_interval": 100_000, "training.momentum": 0.0,
-        "system.heartbeat_timeout": 3600.0,  # the raw reference worker sends no heartbeats
-    })
+    config = load_config(
+        overrides={
+            "system.num_workers": 2,
+            "system.aggregation_mode": "async",
+            "system.server_address": "127.0.0.1:0",
+            "system.log_dir": str(out / "logs"),
+            "system.checkpoint_dir": str(out / "ckpt"),
+            "training.checkpoint_interval": 100_000,
+            "training.momentum": 0.0,
+            "system.heartbeat_timeout": 3600.0,  # the raw reference worker sends no heartbeats
+        }
+    )
     server = ClientLoopServer(config, token=TOKEN, tensorboard=False)
     port = server.start()
     address = f"127.0.0.1:{port}"
@@ -76,8 +90,11 @@ def measure(args, compressor) -> dict:
         net = build_model(args.model, dataset_info("mnist_5k"))
         client = connect(address, token=TOKEN, worker_id=0)
         model = DistributedModel(net, client)
-        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.0), client,
-                                         compression=compressor if compressor is not None else "none")
+        optimizer = DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.0),
+            client,
+            compression=compressor if compressor is not None else "none",
+        )
 
         torch.manual_seed(0)
         raw_net = build_model(args.model, dataset_info("mnist_5k"))
@@ -110,8 +127,11 @@ def measure(args, compressor) -> dict:
                 F.cross_entropy(raw_net(images), labels).backward()
                 payloads = encode_gradients(((n, p.grad) for n, p in named), policy, feedback, None, step)
                 request_id += 1
-                reply = raw.push(pb.PushRequest(caller=caller, base_version=version, request_id=request_id,
-                                                num_samples=len(labels)), payloads, [])
+                reply = raw.push(
+                    pb.PushRequest(caller=caller, base_version=version, request_id=request_id, num_samples=len(labels)),
+                    payloads,
+                    [],
+                )
                 settle_push(feedback, names, accepted=reply.message.accepted)
                 version = load_reply(params, [], reply)
                 times.append(time.perf_counter() - started)
@@ -127,9 +147,13 @@ def measure(args, compressor) -> dict:
     finally:
         server.stop(grace=0)
     ours_ms, reference_ms = 1000 * statistics.median(ours), 1000 * statistics.median(reference)
-    return {"library_step_ms": round(ours_ms, 3), "reference_step_ms": round(reference_ms, 3),
-            "ratio": round(ours_ms / reference_ms, 3), "within_target": ours_ms / reference_ms <= TARGET_RATIO,
-            "push_bytes_per_step": int(client.transport.bytes_sent / max(1, client.totals["steps"]))}
+    return {
+        "library_step_ms": round(ours_ms, 3),
+        "reference_step_ms": round(reference_ms, 3),
+        "ratio": round(ours_ms / reference_ms, 3),
+        "within_target": ours_ms / reference_ms <= TARGET_RATIO,
+        "push_bytes_per_step": int(client.transport.bytes_sent / max(1, client.totals["steps"])),
+    }
 
 
 if __name__ == "__main__":

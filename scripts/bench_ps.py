@@ -89,12 +89,19 @@ def _model(size_mb: float):
 def _config(tmp: str, transport: str, num_workers: int = 1):
     from src.config import load_config
 
-    return load_config(overrides={
-        "system.num_workers": num_workers, "system.aggregation_mode": "async", "system.async_correction": "none",
-        "system.transport": transport, "training.checkpoint_interval": 10**9,
-        "training.batch_size": BATCH, "training.num_epochs": 1000,
-        "system.log_dir": f"{tmp}/logs", "system.checkpoint_dir": f"{tmp}/ckpt",
-    })
+    return load_config(
+        overrides={
+            "system.num_workers": num_workers,
+            "system.aggregation_mode": "async",
+            "system.async_correction": "none",
+            "system.transport": transport,
+            "training.checkpoint_interval": 10**9,
+            "training.batch_size": BATCH,
+            "training.num_epochs": 1000,
+            "system.log_dir": f"{tmp}/logs",
+            "system.checkpoint_dir": f"{tmp}/ckpt",
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- echo servers (the references)
@@ -144,10 +151,19 @@ def _grpc_echo(state: dict):
         return b""
 
     echo = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=message_options(CLIENT_MAX_MESSAGE_BYTES))
-    echo.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(ECHO_SERVICE, {
-        "Size": grpc.unary_unary_rpc_method_handler(size),
-        "Exchange": grpc.unary_unary_rpc_method_handler(lambda request, context: state["reply"]),  # bytes in, bytes out
-    })])
+    echo.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                ECHO_SERVICE,
+                {
+                    "Size": grpc.unary_unary_rpc_method_handler(size),
+                    "Exchange": grpc.unary_unary_rpc_method_handler(
+                        lambda request, context: state["reply"]
+                    ),  # bytes in, bytes out
+                },
+            )
+        ]
+    )
     port = echo.add_insecure_port("127.0.0.1:0")
     echo.start()
     return echo, port
@@ -169,8 +185,14 @@ def _serve(transport: str, size_mb: float, token: str, report, stop) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = _model(size_mb)
         step_ms = _optimizer_step_ms(model)
-        server = ParameterServer(_config(tmp, transport), token=token, model=model, evaluate=False, tensorboard=False,
-                                 num_train_samples=BATCH * 1000)  # 1000 batches per epoch, 1000 epochs: work for every push
+        server = ParameterServer(
+            _config(tmp, transport),
+            token=token,
+            model=model,
+            evaluate=False,
+            tensorboard=False,
+            num_train_samples=BATCH * 1000,
+        )  # 1000 batches per epoch, 1000 epochs: work for every push
         timings = _instrument(server.core)
         port = server.start()
         listener = socket.create_server(("127.0.0.1", 0))
@@ -271,9 +293,13 @@ def _pusher(client, registration):
     def step() -> None:
         state["request_id"] += 1
         batches = state["reply"].work.batches
-        request = pb.PushRequest(caller=caller, base_version=state["reply"].version, request_id=state["request_id"],
-                                 num_samples=sum(len(b.indices) for b in batches) or BATCH,
-                                 batch_ids=[b.batch_id for b in batches])
+        request = pb.PushRequest(
+            caller=caller,
+            base_version=state["reply"].version,
+            request_id=state["request_id"],
+            num_samples=sum(len(b.indices) for b in batches) or BATCH,
+            batch_ids=[b.batch_id for b in batches],
+        )
         state["reply"] = client.push(request, gradients, buffers).message
 
     return step
@@ -316,7 +342,9 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
         calls = [step, raw_echo]
         channel = None
         if ports["grpc_port"] is not None:
-            channel = grpc.insecure_channel(f"127.0.0.1:{ports['grpc_port']}", options=message_options(CLIENT_MAX_MESSAGE_BYTES))
+            channel = grpc.insecure_channel(
+                f"127.0.0.1:{ports['grpc_port']}", options=message_options(CLIENT_MAX_MESSAGE_BYTES)
+            )
             channel.unary_unary(f"/{ECHO_SERVICE}/Size")(str(reply_bytes).encode())
             exchange = channel.unary_unary(f"/{ECHO_SERVICE}/Exchange")
             calls.append(lambda: exchange(payload))
@@ -333,7 +361,9 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
             server.kill()
     ps_ms, raw_ms = medians[0] * 1e3, medians[1] * 1e3
     step_ms = ports["step_ms"]
-    server_ms = {name: round(statistics.median(values[-repeats:]) * 1e3, 3) for name, values in timings.items() if values}
+    server_ms = {
+        name: round(statistics.median(values[-repeats:]) * 1e3, 3) for name, values in timings.items() if values
+    }
     entry = {
         "transport": transport,
         "model_mb": round((reply_bytes - framing) / 2**20, 2),
@@ -349,10 +379,15 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
         entry["target_limit_ratio"] = 0.6 if size_mb < 2 else 0.8
     else:
         grpc_ms = medians[2] * 1e3
-        entry.update(grpc_echo_ms=round(grpc_ms, 3), grpc_limit_ratio=round((grpc_ms + step_ms) / ps_ms, 3),
-                     target_grpc_limit_ratio=0.8)
-    log(f"round trip {transport} {entry['model_mb']} MB: {entry['ps_round_trip_ms']} ms, raw TCP echo {entry['raw_tcp_echo_ms']} ms, "
-        f"step {entry['optimizer_step_ms']} ms, limit ratio {entry['limit_ratio']}")
+        entry.update(
+            grpc_echo_ms=round(grpc_ms, 3),
+            grpc_limit_ratio=round((grpc_ms + step_ms) / ps_ms, 3),
+            target_grpc_limit_ratio=0.8,
+        )
+    log(
+        f"round trip {transport} {entry['model_mb']} MB: {entry['ps_round_trip_ms']} ms, raw TCP echo {entry['raw_tcp_echo_ms']} ms, "
+        f"step {entry['optimizer_step_ms']} ms, limit ratio {entry['limit_ratio']}"
+    )
     return entry
 
 
@@ -427,10 +462,19 @@ def bench_ceiling(transport: str, clients: list[int], seconds: float) -> dict:
             measured = results.recv()
             process.join(60)
             rate = measured["pushes"] / measured["seconds"]
-            rows.append({"clients": count, "pushes_per_s": round(rate, 1),
-                         "gb_per_s_in": round(measured["bytes_in"] / measured["seconds"] / 1e9, 3),
-                         "gb_per_s_total": round((measured["bytes_in"] + measured["bytes_out"]) / measured["seconds"] / 1e9, 3)})
-            log(f"ceiling {transport} {count} clients: {rows[-1]['pushes_per_s']} pushes/s, {rows[-1]['gb_per_s_total']} GB/s")
+            rows.append(
+                {
+                    "clients": count,
+                    "pushes_per_s": round(rate, 1),
+                    "gb_per_s_in": round(measured["bytes_in"] / measured["seconds"] / 1e9, 3),
+                    "gb_per_s_total": round(
+                        (measured["bytes_in"] + measured["bytes_out"]) / measured["seconds"] / 1e9, 3
+                    ),
+                }
+            )
+            log(
+                f"ceiling {transport} {count} clients: {rows[-1]['pushes_per_s']} pushes/s, {rows[-1]['gb_per_s_total']} GB/s"
+            )
         stop.send(None)
         locked = report.recv()
     finally:
@@ -440,7 +484,10 @@ def bench_ceiling(transport: str, clients: list[int], seconds: float) -> dict:
     best = max(row["pushes_per_s"] for row in rows)
     serial_ms = statistics.median(locked) * 1e3 if locked else None
     return {
-        "transport": transport, "model_mb": CEILING_MB, "mode": "async", "rows": rows,
+        "transport": transport,
+        "model_mb": CEILING_MB,
+        "mode": "async",
+        "rows": rows,
         "best_pushes_per_s": best,
         "saturated_at_clients": next(row["clients"] for row in rows if row["pushes_per_s"] >= 0.9 * best),
         "serial_ms_per_push": round(serial_ms, 3) if serial_ms else None,
@@ -458,52 +505,82 @@ def bench_training(num_epochs: int, batch_size: int, transports: list[str], repe
     from src.ps_launcher import run_local
     from src.supervisor import stdout_to_stderr
 
-    common = {"training.dataset": "mnist_5k", "training.num_epochs": num_epochs, "training.batch_size": batch_size,
-              "training.checkpoint_interval": 10**6, "system.num_workers": 2}
+    common = {
+        "training.dataset": "mnist_5k",
+        "training.num_epochs": num_epochs,
+        "training.batch_size": batch_size,
+        "training.checkpoint_interval": 10**6,
+        "system.num_workers": 2,
+    }
     runs = {f"ps_sync_2_workers{'' if t == 'tcp' else '_' + t}": ("sync", t) for t in transports}
     runs["ps_async_2_workers"] = ("async", transports[-1])
     runs["ddp_2_ranks"] = ("ddp", None)
     measured: dict[str, list[dict]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
         for repeat in range(repeats):
-            for name in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
+            for name in list(runs) if repeat % 2 == 0 else list(runs)[::-1]:
                 mode, transport = runs[name]
-                folders = {"system.log_dir": f"{tmp}/{name}_{repeat}/logs", "system.checkpoint_dir": f"{tmp}/{name}_{repeat}/ckpt"}
+                folders = {
+                    "system.log_dir": f"{tmp}/{name}_{repeat}/logs",
+                    "system.checkpoint_dir": f"{tmp}/{name}_{repeat}/ckpt",
+                }
                 if mode == "ddp":
-                    summary = run_ddp(load_config(overrides={**common, **folders, "system.architecture": "ddp",
-                                                             "training.momentum": 0.9}))
+                    summary = run_ddp(
+                        load_config(
+                            overrides={**common, **folders, "system.architecture": "ddp", "training.momentum": 0.9}
+                        )
+                    )
                 else:
-                    summary = run_local(load_config(overrides={**common, **folders, "system.aggregation_mode": mode,
-                                                               "system.transport": transport,
-                                                               "training.momentum": 0.9 if mode == "sync" else 0.5}))
+                    summary = run_local(
+                        load_config(
+                            overrides={
+                                **common,
+                                **folders,
+                                "system.aggregation_mode": mode,
+                                "system.transport": transport,
+                                "training.momentum": 0.9 if mode == "sync" else 0.5,
+                            }
+                        )
+                    )
                 measured[name].append(summary)
                 log(f"training {name} (run {repeat + 1}): {summary['throughput_samples_per_s']:.1f} samples/s")
     results = {}
     for name, summaries in measured.items():
         rates = [s["throughput_samples_per_s"] for s in summaries]
-        results[name] = {"samples_per_s": round(statistics.median(rates), 1), "runs": [round(r, 1) for r in rates],
-                         "final_accuracy": summaries[0]["final_accuracy"]}
+        results[name] = {
+            "samples_per_s": round(statistics.median(rates), 1),
+            "runs": [round(r, 1) for r in rates],
+            "final_accuracy": summaries[0]["final_accuracy"],
+        }
         if runs[name][1] is not None:
-            results[name].update(transport=runs[name][1],
-                                 communication_time_s=round(statistics.median(s["communication_time_s"] for s in summaries), 2),
-                                 gradient_time_s=round(statistics.median(s["gradient_time_s"] for s in summaries), 2))
+            results[name].update(
+                transport=runs[name][1],
+                communication_time_s=round(statistics.median(s["communication_time_s"] for s in summaries), 2),
+                gradient_time_s=round(statistics.median(s["gradient_time_s"] for s in summaries), 2),
+            )
     ddp = results["ddp_2_ranks"]["samples_per_s"]
     for name, run in results.items():
         if name.startswith("ps_"):
             run["ratio_to_ddp"] = round(run["samples_per_s"] / ddp, 3)
     if "ps_sync_2_workers" in results:
         results["ps_sync_2_workers"]["target_ratio_to_ddp"] = 0.9
-    results["setup"] = (f"mnist_5k, {num_epochs} epoch(s), batch {batch_size} per worker/rank, simple_cnn, CPU, momentum 0.9 "
-                        f"(sync, DDP), median of {repeats} runs in turns")
+    results["setup"] = (
+        f"mnist_5k, {num_epochs} epoch(s), batch {batch_size} per worker/rank, simple_cnn, CPU, momentum 0.9 "
+        f"(sync, DDP), median of {repeats} runs in turns"
+    )
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transports", nargs="+", choices=("grpc", "tcp"), default=["grpc", "tcp"])
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 45], help="model sizes (>= 40 means resnet18)")
+    parser.add_argument(
+        "--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 45], help="model sizes (>= 40 means resnet18)"
+    )
     parser.add_argument("--repeats", type=int, default=20, help="timed round trips per size (median reported)")
-    parser.add_argument("--ceiling-clients", type=int, nargs="+", default=[1, 4, 8, 16], help="light clients per ceiling run")
+    parser.add_argument(
+        "--ceiling-clients", type=int, nargs="+", default=[1, 4, 8, 16], help="light clients per ceiling run"
+    )
     parser.add_argument("--ceiling-seconds", type=float, default=4.0, help="seconds each ceiling run pushes")
     parser.add_argument("--skip-round-trips", action="store_true")
     parser.add_argument("--skip-ceiling", action="store_true")
@@ -518,10 +595,13 @@ def main(argv: list[str] | None = None) -> int:
     reuse_freed_memory()  # the client side, as run_worker does (the echo clients share this process)
     result: dict = {"machine": f"{os.cpu_count()} CPUs", "load_average_before": os.getloadavg()[0]}
     if not args.skip_round_trips:
-        result["round_trips"] = [bench_round_trips(transport, size, args.repeats)
-                                 for size in args.sizes_mb for transport in args.transports]
+        result["round_trips"] = [
+            bench_round_trips(transport, size, args.repeats) for size in args.sizes_mb for transport in args.transports
+        ]
     if not args.skip_ceiling:
-        result["ceiling"] = [bench_ceiling(transport, args.ceiling_clients, args.ceiling_seconds) for transport in args.transports]
+        result["ceiling"] = [
+            bench_ceiling(transport, args.ceiling_clients, args.ceiling_seconds) for transport in args.transports
+        ]
     if not args.skip_training:
         result["training"] = bench_training(args.num_epochs, args.batch_size, args.transports, args.training_repeats)
     result["load_average_after"] = os.getloadavg()[0]

@@ -107,7 +107,11 @@ def ddp_step_costs(steps: int) -> dict[str, float]:
             dist.destroy_process_group()
     with_wait, without = statistics.median(timings[True]), statistics.median(timings[False])
     parameters = sum(1 for p in module.parameters() if p.requires_grad)
-    return {"ddp_step_ms_with_backward_wait": with_wait, "ddp_step_ms_without": without, "parameters_hooked": parameters}
+    return {
+        "ddp_step_ms_with_backward_wait": with_wait,
+        "ddp_step_ms_without": without,
+        "parameters_hooked": parameters,
+    }
 
 
 def main() -> int:
@@ -115,8 +119,11 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200_000, help="spans timed per measurement")
     parser.add_argument("--steps", type=int, default=100, help="DDP steps timed with and without the measurement, each")
     args = parser.parse_args()
-    figures = {**span_costs(args.calls), "backward_wait_hook_us_per_parameter": hook_cost_us(args.calls // 50),
-               **ddp_step_costs(args.steps)}
+    figures = {
+        **span_costs(args.calls),
+        "backward_wait_hook_us_per_parameter": hook_cost_us(args.calls // 50),
+        **ddp_step_costs(args.steps),
+    }
     print(json.dumps(figures, indent=2))
     return 0
 

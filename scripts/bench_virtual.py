@@ -39,12 +39,22 @@ def _config(tmp: str, **fields):
     from src.config import load_config
 
     values = {
-        "training.dataset": "mnist_5k", "training.batch_size": 64, "training.num_epochs": 4,
-        "training.max_test_samples": 200, "training.checkpoint_interval": 10**9,
-        "system.num_workers": WORKERS, "system.aggregation_mode": "async", "system.clock": "virtual",
-        "system.log_dir": f"{tmp}/logs", "system.checkpoint_dir": f"{tmp}/ckpt", "system.auth_token": "bench",
-        "emulation.compute_s": 0.02, "emulation.server_update_s": 0.001, "emulation.server_reply_s": 0.001,
-        "emulation.uplink_mbps": 250, "emulation.server_mbps": 1000,
+        "training.dataset": "mnist_5k",
+        "training.batch_size": 64,
+        "training.num_epochs": 4,
+        "training.max_test_samples": 200,
+        "training.checkpoint_interval": 10**9,
+        "system.num_workers": WORKERS,
+        "system.aggregation_mode": "async",
+        "system.clock": "virtual",
+        "system.log_dir": f"{tmp}/logs",
+        "system.checkpoint_dir": f"{tmp}/ckpt",
+        "system.auth_token": "bench",
+        "emulation.compute_s": 0.02,
+        "emulation.server_update_s": 0.001,
+        "emulation.server_reply_s": 0.001,
+        "emulation.uplink_mbps": 250,
+        "emulation.server_mbps": 1000,
     }
     values.update(fields)
     return load_config(overrides=values)
@@ -71,8 +81,12 @@ def _gradients_only(config, pushes: int) -> float:
     return time.perf_counter() - started
 
 
-COMPRESSED = {"system.compression_enabled": True, "system.compression_type": "topk", "system.compression_ratio": 0.1,
-              "emulation.compress_s": 0.002}
+COMPRESSED = {
+    "system.compression_enabled": True,
+    "system.compression_type": "topk",
+    "system.compression_ratio": 0.1,
+    "emulation.compress_s": 0.002,
+}
 
 
 def _overhead(report, fields) -> None:
@@ -85,30 +99,54 @@ def _overhead(report, fields) -> None:
         wall = time.perf_counter() - started
         pushes = summary["pushes_applied"] + summary["pushes_rejected"]
         reference = _gradients_only(config, pushes)
-    report.send({"workers": WORKERS, "model": "simple_cnn", "compression": summary["compression"], "pushes": pushes,
-                 "virtual_wall_s": round(wall, 3), "loop_wall_s": round(summary["wall_loop_s"], 3),
-                 "gradients_only_s": round(reference, 3), "overhead_ratio": round(summary["wall_loop_s"] / reference, 3),
-                 "in_run_compute_s": round(summary["wall_compute_s"], 3),
-                 "in_run_overhead_ratio": round(summary["wall_loop_s"] / summary["wall_compute_s"], 3),
-                 "virtual_time_s": round(summary["total_time_s"], 3), "final_accuracy": summary["final_accuracy"],
-                 "events": summary["virtual_events"],
-                 "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)})
+    report.send(
+        {
+            "workers": WORKERS,
+            "model": "simple_cnn",
+            "compression": summary["compression"],
+            "pushes": pushes,
+            "virtual_wall_s": round(wall, 3),
+            "loop_wall_s": round(summary["wall_loop_s"], 3),
+            "gradients_only_s": round(reference, 3),
+            "overhead_ratio": round(summary["wall_loop_s"] / reference, 3),
+            "in_run_compute_s": round(summary["wall_compute_s"], 3),
+            "in_run_overhead_ratio": round(summary["wall_loop_s"] / summary["wall_compute_s"], 3),
+            "virtual_time_s": round(summary["total_time_s"], 3),
+            "final_accuracy": summary["final_accuracy"],
+            "events": summary["virtual_events"],
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        }
+    )
 
 
 def _memory(report, fields) -> None:
     from src.virtual_time import run_virtual
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(tmp, **{"training.model_architecture": "wide_mlp", "training.max_train_samples": WORKERS * 16 * 3,
-                                 "training.max_test_samples": 100})
+        config = _config(
+            tmp,
+            **{
+                "training.model_architecture": "wide_mlp",
+                "training.max_train_samples": WORKERS * 16 * 3,
+                "training.max_test_samples": 100,
+            },
+        )
         started = time.perf_counter()
         summary = run_virtual(config, tensorboard=False)
         wall = time.perf_counter() - started
     model_bytes = 4 * 5_843_850
-    report.send({"workers": WORKERS, "model": "wide_mlp", "model_mb": round(model_bytes / 2**20, 1),
-                 "pushes": summary["pushes_applied"], "virtual_wall_s": round(wall, 3),
-                 "replicas_gb": round(WORKERS * model_bytes / 2**30, 3),
-                 "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3), "target_gb": 8})
+    report.send(
+        {
+            "workers": WORKERS,
+            "model": "wide_mlp",
+            "model_mb": round(model_bytes / 2**20, 1),
+            "pushes": summary["pushes_applied"],
+            "virtual_wall_s": round(wall, 3),
+            "replicas_gb": round(WORKERS * model_bytes / 2**30, 3),
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+            "target_gb": 8,
+        }
+    )
 
 
 def _in_child(target, fields=None) -> dict:

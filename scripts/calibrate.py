@@ -33,8 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="measured steps and pushes per figure (default 20)")
     parser.add_argument("--no-server", action="store_true", help="only the worker's figures (DDP runs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--set", dest="assignments", action="append", type=_assignment, metavar="FIELD=VALUE",
-                        help="set any config field, repeatable (e.g. --set system.compression_enabled=true)")
+    parser.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        type=_assignment,
+        metavar="FIELD=VALUE",
+        help="set any config field, repeatable (e.g. --set system.compression_enabled=true)",
+    )
     args = parser.parse_args(argv)
     if args.concurrent < 1 or args.steps < 1:
         parser.error("--concurrent and --steps must be >= 1")

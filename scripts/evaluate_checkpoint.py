@@ -34,20 +34,38 @@ def main(argv: list[str] | None = None) -> int:
         name = args.dataset or checkpoint["dataset"]
         info, trained_on = dataset_info(name), dataset_info(checkpoint["dataset"])
         if (info.channels, info.height, info.width, info.num_classes) != (
-            trained_on.channels, trained_on.height, trained_on.width, trained_on.num_classes
+            trained_on.channels,
+            trained_on.height,
+            trained_on.width,
+            trained_on.num_classes,
         ):
             raise ValueError(f"--dataset {name}: samples do not fit a model trained on {checkpoint['dataset']}")
         model = build_model(checkpoint["model_architecture"], trained_on)
         model.load_state_dict(checkpoint["model_state_dict"])
         synthetic = checkpoint["config"].get("training", {})
-        test = load_dataset(name, "test", data_dir=args.data_dir, max_samples=args.max_test_samples,
-                            num_samples=synthetic.get("num_samples", 2048), seed=synthetic.get("seed", 0))
+        test = load_dataset(
+            name,
+            "test",
+            data_dir=args.data_dir,
+            max_samples=args.max_test_samples,
+            num_samples=synthetic.get("num_samples", 2048),
+            seed=synthetic.get("seed", 0),
+        )
     except (CheckpointError, DatasetUnavailableError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     loss, accuracy = evaluate(model, test, batch_size=args.batch_size)
-    print(json.dumps({"accuracy": accuracy, "loss": loss, "num_samples": len(test), "dataset": name,
-                      "checkpoint": str(args.checkpoint)}))
+    print(
+        json.dumps(
+            {
+                "accuracy": accuracy,
+                "loss": loss,
+                "num_samples": len(test),
+                "dataset": name,
+                "checkpoint": str(args.checkpoint),
+            }
+        )
+    )
     return 0
 
 

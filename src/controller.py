@@ -83,8 +83,10 @@ class ControllerSettings:
         if not (0 < self.rho_min <= self.rho_max <= 1):
             problems.append(f"need 0 < rho_min <= rho_max <= 1, got rho_min={self.rho_min}, rho_max={self.rho_max}")
         if not (0 <= self.max_staleness_min <= self.max_staleness_max):
-            problems.append(f"need 0 <= max_staleness_min <= max_staleness_max, got "
-                            f"{self.max_staleness_min} and {self.max_staleness_max}")
+            problems.append(
+                f"need 0 <= max_staleness_min <= max_staleness_max, got "
+                f"{self.max_staleness_min} and {self.max_staleness_max}"
+            )
         if not (math.isfinite(self.rebound_threshold) and self.rebound_threshold >= 0):
             problems.append(f"rebound_threshold must be a finite number >= 0, got {self.rebound_threshold}")
         if self.rebound_window < 1:
@@ -108,9 +110,11 @@ class ControllerSettings:
         s_min, s_max = system.controller_max_staleness_min, system.controller_max_staleness_max
         return cls(
             rho_initial=min(max(system.compression_ratio, rho_min), rho_max),
-            rho_min=rho_min, rho_max=rho_max,
+            rho_min=rho_min,
+            rho_max=rho_max,
             max_staleness_initial=min(max(system.max_staleness, s_min), s_max),
-            max_staleness_min=s_min, max_staleness_max=s_max,
+            max_staleness_min=s_min,
+            max_staleness_max=s_max,
             rebound_threshold=system.controller_rebound_threshold,
             rebound_window=system.controller_rebound_window,
             stable_evaluations=system.controller_stable_evaluations,
@@ -197,8 +201,10 @@ class CompressionController:
             unstable = f"Loss Rebound {rebound:.4g} > {s.rebound_threshold:g}"
             if self._unstable_streak < s.instability_persistence:
                 action = "hold_for_persistence"
-                reason = (f"{unstable} at {self._unstable_streak} evaluation(s) in a row, need "
-                          f"{s.instability_persistence} (instability_persistence): held")
+                reason = (
+                    f"{unstable} at {self._unstable_streak} evaluation(s) in a row, need "
+                    f"{s.instability_persistence} (instability_persistence): held"
+                )
             else:
                 self._unstable_streak = 0
                 self.rho = min(s.rho_max, self.rho * s.rho_factor)
@@ -253,10 +259,16 @@ class CompressionController:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to take the same decisions (plain JSON-able values)."""
-        return {"rho": self.rho, "max_staleness": self.max_staleness, "losses": list(self._losses),
-                "timing": dict(self._timing), "timed_pushes": self._timed_pushes,
-                "stable_streak": self._stable_streak, "unstable_streak": self._unstable_streak,
-                "settings": {f.name: getattr(self.settings, f.name) for f in fields(self.settings)}}
+        return {
+            "rho": self.rho,
+            "max_staleness": self.max_staleness,
+            "losses": list(self._losses),
+            "timing": dict(self._timing),
+            "timed_pushes": self._timed_pushes,
+            "stable_streak": self._stable_streak,
+            "unstable_streak": self._unstable_streak,
+            "settings": {f.name: getattr(self.settings, f.name) for f in fields(self.settings)},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.settings = ControllerSettings(**state["settings"])

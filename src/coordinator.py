@@ -90,8 +90,15 @@ class Membership:
         first_incarnation: incarnations are numbered from here (a resumed server continues its count).
     """
 
-    def __init__(self, num_workers: int, heartbeat_timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
-                 first_incarnation: int = 1, session_bytes: Callable[[int], bytes] = secrets.token_bytes):
+    def __init__(
+        self,
+        num_workers: int,
+        heartbeat_timeout_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        first_incarnation: int = 1,
+        session_bytes: Callable[[int], bytes] = secrets.token_bytes,
+    ):
         self.num_workers = num_workers
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
@@ -108,8 +115,10 @@ class Membership:
             ValueError: ``worker_id`` out of range.
         """
         if not 0 <= worker_id < self.num_workers:
-            raise ValueError(f"worker_id {worker_id} is out of range 0..{self.num_workers - 1} "
-                             f"(system.num_workers={self.num_workers})")
+            raise ValueError(
+                f"worker_id {worker_id} is out of range 0..{self.num_workers - 1} "
+                f"(system.num_workers={self.num_workers})"
+            )
         replaced = self.current.get(worker_id)
         if replaced is not None and replaced.state == "live":
             replaced.state = "replaced"
@@ -149,24 +158,32 @@ class Membership:
         if member is None:
             raise MembershipError("unknown", f"worker {worker_id} is not registered here (register again)")
         if not hmac.compare_digest(member.session, session):  # constant time: sessions are secrets
-            older = next((m for m in self.history if m.worker_id == worker_id and hmac.compare_digest(m.session, session)), None)
+            older = next(
+                (m for m in self.history if m.worker_id == worker_id and hmac.compare_digest(m.session, session)), None
+            )
             if older is None:
                 raise MembershipError("unknown", f"worker {worker_id}: unknown session (register again)")
-            raise MembershipError("revoked", f"worker {worker_id} incarnation {older.incarnation} was {older.state} "
-                                             f"(incarnation {member.incarnation} is current)")
+            raise MembershipError(
+                "revoked",
+                f"worker {worker_id} incarnation {older.incarnation} was {older.state} "
+                f"(incarnation {member.incarnation} is current)",
+            )
         if member.state == "finished":
             raise MembershipError("finished", f"worker {worker_id} incarnation {member.incarnation} has finished")
         if member.state != "live":
-            raise MembershipError("revoked", f"worker {worker_id} incarnation {member.incarnation} was declared "
-                                             f"{member.state}")
+            raise MembershipError(
+                "revoked", f"worker {worker_id} incarnation {member.incarnation} was declared {member.state}"
+            )
         member.last_seen = self.clock()
         return member
 
     def verify(self, member: Member) -> None:
         """Raise :class:`MembershipError` if ``member`` is no longer the live incarnation (does not count as a sign of life)."""
         if self.current.get(member.worker_id) is not member or member.state != "live":
-            raise MembershipError("revoked" if member.state != "finished" else "finished",
-                                  f"worker {member.worker_id} incarnation {member.incarnation} was declared {member.state}")
+            raise MembershipError(
+                "revoked" if member.state != "finished" else "finished",
+                f"worker {member.worker_id} incarnation {member.incarnation} was declared {member.state}",
+            )
 
     def expire(self) -> list[tuple[Member, float]]:
         """Fail every live member silent for longer than the timeout; returns them with their silence (s)."""
@@ -241,8 +258,17 @@ class WorkPlan:
         batches_per_step: batches handed out at once (local steps).
     """
 
-    def __init__(self, num_samples: int, num_workers: int, batch_size: int, num_epochs: int, seed: int,
-                 mode: Literal["sync", "async"], *, batches_per_step: int = 1):
+    def __init__(
+        self,
+        num_samples: int,
+        num_workers: int,
+        batch_size: int,
+        num_epochs: int,
+        seed: int,
+        mode: Literal["sync", "async"],
+        *,
+        batches_per_step: int = 1,
+    ):
         self.num_samples, self.num_workers, self.batch_size = num_samples, num_workers, batch_size
         self.num_epochs, self.seed, self.mode, self.batches_per_step = num_epochs, seed, mode, batches_per_step
         self.epochs: dict[int, _Epoch] = {}
@@ -486,8 +512,11 @@ def check_coverage(events: Iterable[dict[str, Any]], num_samples: int, num_epoch
     extra = sorted(seen.keys() - expected)
     return {
         "ok": not missing and not duplicated and not extra and not twice,
-        "missing": len(missing), "duplicated": len(duplicated), "unexpected": len(extra),
+        "missing": len(missing),
+        "duplicated": len(duplicated),
+        "unexpected": len(extra),
         "requests_applied_twice": len(twice),
         "examples": {"missing": missing[:5], "duplicated": duplicated[:5], "unexpected": extra[:5]},
-        "updates": len(updates), "voided": voided,
+        "updates": len(updates),
+        "voided": voided,
     }

@@ -92,11 +92,17 @@ class CostModel:
         self.workers: list[WorkerCosts] = []
         for k in range(system.num_workers):
             conditions = conditions_for(emulation, k)
-            compute_s = _required(conditions.compute_s, "compute_s" if k not in emulation.workers else
-                                  f"compute_s (or emulation.workers.{k}.compute_s)", "seconds per step")
+            compute_s = _required(
+                conditions.compute_s,
+                "compute_s" if k not in emulation.workers else f"compute_s (or emulation.workers.{k}.compute_s)",
+                "seconds per step",
+            )
             self.workers.append(WorkerCosts(conditions, compute_s, ComputeDelay(conditions, worker_seed(t.seed, k))))
-        self.compress_s = (_required(emulation.compress_s, "compress_s", "the run compresses its gradients")
-                           if system.compression_enabled else (emulation.compress_s or 0.0))
+        self.compress_s = (
+            _required(emulation.compress_s, "compress_s", "the run compresses its gradients")
+            if system.compression_enabled
+            else (emulation.compress_s or 0.0)
+        )
         self.server_update_s = self.server_reply_s = 0.0
         if server:
             self.server_update_s = _required(emulation.server_update_s, "server_update_s", "the server's time per push")
@@ -104,8 +110,11 @@ class CostModel:
         self.server_bps = _mbps_to_bps(emulation.server_mbps)
         self.uplink_schedule = [(float(t), float(mbps)) for t, mbps in emulation.uplink_schedule]
         faults = [parse_fault(text) for text in system.inject_faults]
-        self.restart_s = (_required(emulation.restart_s, "restart_s", "a faulted process restarts")
-                          if faults else (emulation.restart_s or 0.0))
+        self.restart_s = (
+            _required(emulation.restart_s, "restart_s", "a faulted process restarts")
+            if faults
+            else (emulation.restart_s or 0.0)
+        )
 
     def uplink_bps(self, worker: int, now_s: float) -> float | None:
         """Worker ``worker``'s uplink bandwidth at virtual second ``now_s``: the latest ``uplink_schedule``
@@ -125,9 +134,11 @@ class CostModel:
         """The figures, for the run summary."""
         return {
             "compute_s": {str(k): w.compute_s for k, w in enumerate(self.workers)},
-            "compress_s": self.compress_s, "server_update_s": self.server_update_s,
-            "server_reply_s": self.server_reply_s, "server_mbps": None if self.server_bps is None else
-            self.server_bps / BITS_PER_MEGABIT, "restart_s": self.restart_s,
+            "compress_s": self.compress_s,
+            "server_update_s": self.server_update_s,
+            "server_reply_s": self.server_reply_s,
+            "server_mbps": None if self.server_bps is None else self.server_bps / BITS_PER_MEGABIT,
+            "restart_s": self.restart_s,
             **({"uplink_schedule": [list(entry) for entry in self.uplink_schedule]} if self.uplink_schedule else {}),
         }
 

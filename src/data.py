@@ -51,8 +51,13 @@ DATASETS: dict[str, DatasetInfo] = {
         "fashion_mnist", channels=1, height=28, width=28, num_classes=10, mean=(0.2860,), std=(0.3530,)
     ),
     "cifar10": DatasetInfo(
-        "cifar10", channels=3, height=32, width=32, num_classes=10,
-        mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616),
+        "cifar10",
+        channels=3,
+        height=32,
+        width=32,
+        num_classes=10,
+        mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616),
     ),
     "synthetic": DatasetInfo("synthetic", channels=1, height=28, width=28, num_classes=10, mean=(0.0,), std=(1.0,)),
 }

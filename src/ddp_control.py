@@ -57,10 +57,14 @@ def config_problem(config: Any) -> str | None:
     if not system.adaptive_compression:
         return None
     if not training.eval_interval:
-        return "system.adaptive_compression decides at evaluations: set training.eval_interval (steps between evaluations)"
+        return (
+            "system.adaptive_compression decides at evaluations: set training.eval_interval (steps between evaluations)"
+        )
     if not system.compression_enabled or system.compression_type != "topk":
-        return ("system.adaptive_compression sets top-k's Active Fraction: in DDP it needs system.compression_enabled: "
-                "true with system.compression_type: topk")
+        return (
+            "system.adaptive_compression sets top-k's Active Fraction: in DDP it needs system.compression_enabled: "
+            "true with system.compression_type: topk"
+        )
     return None
 
 
@@ -84,8 +88,14 @@ class RankControl:
             into its bounds, when it differs from ``compression_ratio``).
     """
 
-    def __init__(self, controller: CompressionController | None, *, compression_ratio: float, max_staleness: int,
-                 pending: Switch | None = None):
+    def __init__(
+        self,
+        controller: CompressionController | None,
+        *,
+        compression_ratio: float,
+        max_staleness: int,
+        pending: Switch | None = None,
+    ):
         self.controller = controller
         self.compression_ratio = float(compression_ratio)
         self.max_staleness = int(max_staleness)
@@ -94,8 +104,9 @@ class RankControl:
         """Decisions by action (the same on every rank: the action is broadcast too)."""
 
     @classmethod
-    def for_run(cls, system: Any, rank: int, *, compression_ratio: float,
-                saved: Mapping[str, Any] | None = None) -> "RankControl":
+    def for_run(
+        cls, system: Any, rank: int, *, compression_ratio: float, saved: Mapping[str, Any] | None = None
+    ) -> "RankControl":
         """The control of ``rank`` in a run whose hook starts at ``compression_ratio``; ``saved``: a checkpoint's
         :meth:`state_dict` to continue from."""
         settings = ControllerSettings.from_config(system)
@@ -104,22 +115,33 @@ class RankControl:
             if controller is not None:
                 controller.load_state_dict(saved["state"])
             pending = saved.get("pending")
-            control = cls(controller, compression_ratio=saved["compression_ratio"], max_staleness=saved["max_staleness"],
-                          pending=Switch(int(pending[0]), float(pending[1]), int(pending[2])) if pending else None)
+            control = cls(
+                controller,
+                compression_ratio=saved["compression_ratio"],
+                max_staleness=saved["max_staleness"],
+                pending=Switch(int(pending[0]), float(pending[1]), int(pending[2])) if pending else None,
+            )
             control.decisions.update(saved["decisions"])
             return control
         start = None
         if settings.rho_initial != compression_ratio:  # compression_ratio outside the controller's bounds
             start = Switch(1, settings.rho_initial, settings.max_staleness_initial)
-        return cls(controller, compression_ratio=compression_ratio, max_staleness=settings.max_staleness_initial, pending=start)
+        return cls(
+            controller, compression_ratio=compression_ratio, max_staleness=settings.max_staleness_initial, pending=start
+        )
 
     # -- the run ---------------------------------------------------------------------------
 
     def step_done(self, step_time_s: float, exchange_s: float) -> None:
         """One training step's timing (rank 0's controller sums them until the next evaluation)."""
         if self.controller is not None:
-            self.controller.observe({"kind": "push", "gradient_time_s": max(0.0, step_time_s - exchange_s),
-                                     "communication_time_s": max(0.0, exchange_s)})
+            self.controller.observe(
+                {
+                    "kind": "push",
+                    "gradient_time_s": max(0.0, step_time_s - exchange_s),
+                    "communication_time_s": max(0.0, exchange_s),
+                }
+            )
 
     def decide(self, eval_event: Mapping[str, Any] | None, device: torch.device) -> dict[str, Any] | None:
         """At an evaluation, on every rank (collective): rank 0 decides and broadcasts; returns rank 0's decision event.
@@ -132,8 +154,16 @@ class RankControl:
         message = torch.zeros(4, dtype=torch.float64, device=device)
         if self.controller is not None:
             decision = self.controller.observe(eval_event)
-            message = torch.tensor([decision["rho"], decision["max_staleness"], decision["apply_from_step"],
-                                    ACTIONS.index(decision["action"])], dtype=torch.float64, device=device)
+            message = torch.tensor(
+                [
+                    decision["rho"],
+                    decision["max_staleness"],
+                    decision["apply_from_step"],
+                    ACTIONS.index(decision["action"]),
+                ],
+                dtype=torch.float64,
+                device=device,
+            )
         dist.broadcast(message, src=0)
         rho, max_staleness, apply_from_step, action = message.tolist()
         self.receive(rho, int(max_staleness), int(apply_from_step), ACTIONS[int(action)])
@@ -163,7 +193,11 @@ class RankControl:
     def summary(self) -> dict[str, Any]:
         """The run summary's ``controller`` entry (the parameter server's shape): the latest decided rho and S_max."""
         rho = self.pending.rho if self.pending is not None else self.compression_ratio
-        return {"decisions": dict(self.decisions), "final_compression_ratio": rho, "final_max_staleness": self.max_staleness}
+        return {
+            "decisions": dict(self.decisions),
+            "final_compression_ratio": rho,
+            "final_max_staleness": self.max_staleness,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's state for a checkpoint's ``extra["controller"]`` (plain values)."""

@@ -90,9 +90,13 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
     select_backend(config.system.backend, device)
     if device.type == "cuda" and local_world_size > 1:
         if config.training.device.startswith("cuda:"):
-            raise SetupError(f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; use cuda or auto")
+            raise SetupError(
+                f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; use cuda or auto"
+            )
         if local_world_size > torch.cuda.device_count():
-            raise SetupError(f"system.num_workers: {local_world_size} local ranks but only {torch.cuda.device_count()} CUDA devices")
+            raise SetupError(
+                f"system.num_workers: {local_world_size} local ranks but only {torch.cuda.device_count()} CUDA devices"
+            )
 
 
 def check_dataset(config: Config) -> None:
@@ -182,7 +186,9 @@ def _failure_line(exc: Exception, max_restarts: int) -> str:
     return f"{what} (restarts used up: --max-restarts {max_restarts})"
 
 
-def run_local(config: Config, *, resume: str | Path | None = None, summary_json: str | Path | None = None) -> dict[str, Any]:
+def run_local(
+    config: Config, *, resume: str | Path | None = None, summary_json: str | Path | None = None
+) -> dict[str, Any]:
     """Run ``system.num_workers`` ranks on this machine under torch's elastic agent.
 
     Returns:
@@ -211,18 +217,29 @@ def run_local(config: Config, *, resume: str | Path | None = None, summary_json:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_WithoutTraceback())
     if _QUIET_RESOURCE_TRACKER not in os.environ.get("PYTHONWARNINGS", ""):
-        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET_RESOURCE_TRACKER]))
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET_RESOURCE_TRACKER])
+        )
     with tempfile.TemporaryDirectory(prefix="ddp_launch_") as scratch:
         error_dir = Path(scratch, "errors")
         error_dir.mkdir()
         launch_config = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"ddp-{uuid.uuid4().hex[:12]}",
-            rdzv_backend="c10d", rdzv_endpoint=f"{LOCAL_HOST}:0", local_addr=LOCAL_HOST,
-            max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=world,
+            run_id=f"ddp-{uuid.uuid4().hex[:12]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"{LOCAL_HOST}:0",
+            local_addr=LOCAL_HOST,
+            max_restarts=max_restarts,
+            monitor_interval=MONITOR_INTERVAL_S,
+            start_method="spawn",
             logs_specs=DefaultLogsSpecs(log_dir=str(Path(scratch, "agent"))),
         )
         try:
-            elastic_launch(launch_config, _elastic_rank)(config.to_dict(), resume_path, str(summary_path), str(error_dir))
+            elastic_launch(launch_config, _elastic_rank)(
+                config.to_dict(), resume_path, str(summary_path), str(error_dir)
+            )
         except SignalException:
             raise KeyboardInterrupt from None
         except ChildFailedError as exc:
@@ -234,8 +251,13 @@ def run_local(config: Config, *, resume: str | Path | None = None, summary_json:
 # ----------------------------------------------------------------------------- one rank of torchrun
 
 
-def run_torchrun(config: Config, *, world_size_flag: int | None = None, resume: str | Path | None = None,
-                 summary_json: str | Path | None = None) -> dict[str, Any]:
+def run_torchrun(
+    config: Config,
+    *,
+    world_size_flag: int | None = None,
+    resume: str | Path | None = None,
+    summary_json: str | Path | None = None,
+) -> dict[str, Any]:
     """Run this process as the rank torchrun assigned it (restarts are torchrun's ``--max-restarts``).
 
     Raises:
@@ -248,14 +270,21 @@ def run_torchrun(config: Config, *, world_size_flag: int | None = None, resume: 
         raise SetupError("not launched by torchrun: RANK, WORLD_SIZE and MASTER_ADDR must be set")
     if world_size_flag is not None and world_size_flag != env["world_size"]:
         raise SetupError(f"--world-size {world_size_flag} disagrees with torchrun's WORLD_SIZE={env['world_size']}")
-    config = validate_config({**config.to_dict(), "system": {**config.to_dict()["system"], "num_workers": env["world_size"]}})
+    config = validate_config(
+        {**config.to_dict(), "system": {**config.to_dict()["system"], "num_workers": env["world_size"]}}
+    )
     check_launch(config, local_world_size=env["local_world_size"])
     with rank_trace(config, env["rank"]):
         return run_rank(config, **env, resume=resume, summary_json=summary_json)
 
 
-def launch(config: Config, *, world_size_flag: int | None = None, resume: str | Path | None = None,
-           summary_json: str | Path | None = None) -> dict[str, Any]:
+def launch(
+    config: Config,
+    *,
+    world_size_flag: int | None = None,
+    resume: str | Path | None = None,
+    summary_json: str | Path | None = None,
+) -> dict[str, Any]:
     """torchrun environment -> be one rank; otherwise start ``system.num_workers`` local ranks."""
     if torchrun_env() is not None:
         return run_torchrun(config, world_size_flag=world_size_flag, resume=resume, summary_json=summary_json)

@@ -182,14 +182,18 @@ def check_rank_setup(config: Config, world_size: int) -> None:
     """
     system = config.system
     if config.training.amp == "fp16" and system.compression_enabled:
-        raise SetupError("training.amp: fp16 scales the gradients by a factor that changes during the run, which error "
-                         "feedback's residuals cannot follow; with system.compression_enabled use bf16 (no loss scaling)")
+        raise SetupError(
+            "training.amp: fp16 scales the gradients by a factor that changes during the run, which error "
+            "feedback's residuals cannot follow; with system.compression_enabled use bf16 (no loss scaling)"
+        )
     netem.check_workers(config.emulation, world_size)
     for rank in range(world_size):
         conditions = netem.conditions_for(config.emulation, rank)
         if conditions.uplink is not None or conditions.downlink is not None:
-            raise SetupError("emulation: DDP ranks emulate slower compute (slowdown, step_delay_s); uplink/downlink "
-                             "bandwidth and latency are emulated for parameter-server runs only")
+            raise SetupError(
+                "emulation: DDP ranks emulate slower compute (slowdown, step_delay_s); uplink/downlink "
+                "bandwidth and latency are emulated for parameter-server runs only"
+            )
 
 
 def check_resumable(path: str | Path, checkpoint: dict[str, Any], config: Config, world_size: int) -> None:
@@ -207,7 +211,8 @@ def check_resumable(path: str | Path, checkpoint: dict[str, Any], config: Config
             raise SetupError(
                 f"--resume {path}: taken {epoch_step} steps into epoch {int(checkpoint['epoch']) + 1} by {saved[0]} ranks "
                 f"x batch {saved[1]}; this run has {here[0]} x {here[1]}, which would read other samples: resume it "
-                f"with the same ranks and batch size, or from an epoch-end checkpoint")
+                f"with the same ranks and batch size, or from an epoch-end checkpoint"
+            )
 
 
 class JobRecord:
@@ -232,8 +237,9 @@ class JobRecord:
     def from_environment(cls) -> "JobRecord":
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return cls(None)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=60))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+        )
         return cls(store)
 
     def _get(self, key: str) -> str | None:
@@ -264,7 +270,9 @@ class JobRecord:
 # ----------------------------------------------------------------------------- the trainer
 
 
-def _scaled_loss(logits: torch.Tensor, labels: torch.Tensor, world_size: int, step_samples: int) -> tuple[torch.Tensor, float, int]:
+def _scaled_loss(
+    logits: torch.Tensor, labels: torch.Tensor, world_size: int, step_samples: int
+) -> tuple[torch.Tensor, float, int]:
     """Loss whose DDP average over ranks is the mean over all ``step_samples`` of the step."""
     total = F.cross_entropy(logits, labels, reduction="sum")
     correct = int((logits.detach().argmax(dim=1) == labels).sum())
@@ -322,13 +330,16 @@ class DDPTrainer:
         self.train_set, test_set = load_splits(config)
         rank, world = context.rank, context.world_size
         # Each rank scores its own slice of the test split; the sums are all-reduced.
-        self.test_part = TensorDataset(test_set.info, test_set.images[rank::world].contiguous(), test_set.labels[rank::world].contiguous())
+        self.test_part = TensorDataset(
+            test_set.info, test_set.images[rank::world].contiguous(), test_set.labels[rank::world].contiguous()
+        )
         self.model = model_from_config(config).to(context.device)
         self.optimizer = optimizer_from_config(config, self.model.parameters())
         self.amp = MixedPrecision(config.training.amp, context.device)
         # An emulated straggler (emulation.workers[rank]): each step's compute stretched, as a PS worker's.
-        self.compute_delay = netem.ComputeDelay(netem.conditions_for(config.emulation, rank),
-                                                netem.worker_seed(config.training.seed, rank))
+        self.compute_delay = netem.ComputeDelay(
+            netem.conditions_for(config.emulation, rank), netem.worker_seed(config.training.seed, rank)
+        )
         self.start_epoch, self.start_index, self.step, self.steps_run = 0, 0, 0, 0
         self.resumed_from: str | None = None
         self._saved_control: dict[str, Any] | None = None
@@ -336,7 +347,11 @@ class DDPTrainer:
         saved_hook = self._restore(resume) if resume is not None or context.attempt > 0 else None
         device_ids = [context.device.index] if context.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
-        self.comm = comm_hook(self.model) if comm_hook is not None else comm_hook_from_config(config.system, self.model, seed=config.training.seed)
+        self.comm = (
+            comm_hook(self.model)
+            if comm_hook is not None
+            else comm_hook_from_config(config.system, self.model, seed=config.training.seed)
+        )
         self.comm.register(self.ddp)
         self.hook_note = self._restore_hook(saved_hook)
         # Adaptive compression (src/ddp_control.py): rank 0's controller decides at evaluations, every
@@ -344,9 +359,13 @@ class DDPTrainer:
         self.control: RankControl | None = None
         if config.system.adaptive_compression:
             if self.comm.topk_ratio is None:
-                raise SetupError(f"system.adaptive_compression sets top-k's Active Fraction: the comm hook {self.comm.name!r} "
-                                 f"does not compress with top-k")
-            self.control = RankControl.for_run(config.system, rank, compression_ratio=self.comm.topk_ratio, saved=self._saved_control)
+                raise SetupError(
+                    f"system.adaptive_compression sets top-k's Active Fraction: the comm hook {self.comm.name!r} "
+                    f"does not compress with top-k"
+                )
+            self.control = RankControl.for_run(
+                config.system, rank, compression_ratio=self.comm.topk_ratio, saved=self._saved_control
+            )
             if self.control.compression_ratio != self.comm.topk_ratio:  # resumed: the ratio in effect at the checkpoint
                 self.comm.set_topk_ratio(self.control.compression_ratio)
         # DDP re-buckets after a process's first backward pass; a silent one now makes every
@@ -436,12 +455,19 @@ class DDPTrainer:
 
     def _evaluate(self) -> tuple[float, float]:
         count = len(self.test_part)
-        loss, accuracy = evaluate(self.model, self.test_part, batch_size=self.config.training.eval_batch_size, device=self.ctx.device) if count else (0.0, 0.0)
+        loss, accuracy = (
+            evaluate(
+                self.model, self.test_part, batch_size=self.config.training.eval_batch_size, device=self.ctx.device
+            )
+            if count
+            else (0.0, 0.0)
+        )
         loss_sum, correct, total = self._all_reduce([loss * count, round(accuracy * count), count])
         return loss_sum / max(total, 1), correct / max(total, 1)
 
-    def _evaluate_and_log(self, run_log: MetricsLogger | None, epoch: int, clock: TrainingClock,
-                          target: TimeToTarget) -> tuple[float, float]:
+    def _evaluate_and_log(
+        self, run_log: MetricsLogger | None, epoch: int, clock: TrainingClock, target: TimeToTarget
+    ) -> tuple[float, float]:
         """Evaluate (collective) with the clock stopped; rank 0 logs it; every rank feeds ``target``."""
         with clock.paused(), tracing.span("evaluate", step=self.step):
             loss, accuracy = self._evaluate()
@@ -465,19 +491,30 @@ class DDPTrainer:
             dist.gather_object(self.comm.state_dict(), states, dst=0)
             if self.ctx.rank == 0:
                 checkpoint = checkpoint_of_run(
-                    self.config, self.model, self.optimizer, epoch=epoch, step=self.step,
-                    extra={"comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states},
-                           "epoch_step": epoch_step, "world_size": self.ctx.world_size,
-                           "controller": self.control.state_dict() if self.control is not None else None,
-                           "grad_scaler": self.amp.state_dict()},
+                    self.config,
+                    self.model,
+                    self.optimizer,
+                    epoch=epoch,
+                    step=self.step,
+                    extra={
+                        "comm_hook": {"name": self.comm.name, "world_size": self.ctx.world_size, "ranks": states},
+                        "epoch_step": epoch_step,
+                        "world_size": self.ctx.world_size,
+                        "controller": self.control.state_dict() if self.control is not None else None,
+                        "grad_scaler": self.amp.state_dict(),
+                    },
                 )
                 save_checkpoint(path, checkpoint)
                 self.job.checkpoint_written(path)
         return path
 
-    def _numbered_checkpoint(self, run_log: MetricsLogger | None, clock: TrainingClock, *, epoch: int, epoch_step: int) -> None:
+    def _numbered_checkpoint(
+        self, run_log: MetricsLogger | None, clock: TrainingClock, *, epoch: int, epoch_step: int
+    ) -> None:
         with clock.paused():
-            written = self._checkpoint(numbered_path(self.checkpoint_dir, self.step), epoch=epoch, epoch_step=epoch_step)
+            written = self._checkpoint(
+                numbered_path(self.checkpoint_dir, self.step), epoch=epoch, epoch_step=epoch_step
+            )
             if run_log is not None:
                 prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
                 run_log.event("checkpoint", path=str(written), epoch=epoch, epoch_step=epoch_step, step=self.step)
@@ -488,8 +525,15 @@ class DDPTrainer:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def _train_epoch(self, epoch: int, first_index: int, rank_log: MetricsLogger, run_log: MetricsLogger | None,
-                     clock: TrainingClock, target: TimeToTarget) -> tuple[int, int]:
+    def _train_epoch(
+        self,
+        epoch: int,
+        first_index: int,
+        rank_log: MetricsLogger,
+        run_log: MetricsLogger | None,
+        clock: TrainingClock,
+        target: TimeToTarget,
+    ) -> tuple[int, int]:
         """Epoch ``epoch`` of this rank's shard from batch ``first_index`` on; returns (samples, steps)."""
         t = self.config.training
         rank, world, device = self.ctx.rank, self.ctx.world_size, self.ctx.device
@@ -538,23 +582,29 @@ class DDPTrainer:
                 if self.config.system.compression_enabled:
                     payload = stats.payload_bytes - payload_before
                     compression["compression_ratio"] = (stats.dense_bytes - dense_before) / payload if payload else None
-                rank_log.scalars("train", self.step, {
-                    "loss": local_loss,
-                    "accuracy": correct / max(len(labels), 1),
-                    "throughput": len(labels) / step_time,
-                    "gradient_time_s": gradient_time,  # forward + backward, the overlapped exchange included
-                    "communication_time_s": stats.hook_seconds - hook_before,
-                    "exposed_communication_s": exposed,
-                    "step_time_s": step_time,
-                    "bytes_sent": stats.total_sent - sent_before,
-                    "samples_processed": samples,
-                    **compression,
-                }, epoch=epoch)
+                rank_log.scalars(
+                    "train",
+                    self.step,
+                    {
+                        "loss": local_loss,
+                        "accuracy": correct / max(len(labels), 1),
+                        "throughput": len(labels) / step_time,
+                        "gradient_time_s": gradient_time,  # forward + backward, the overlapped exchange included
+                        "communication_time_s": stats.hook_seconds - hook_before,
+                        "exposed_communication_s": exposed,
+                        "step_time_s": step_time,
+                        "bytes_sent": stats.total_sent - sent_before,
+                        "samples_processed": samples,
+                        **compression,
+                    },
+                    epoch=epoch,
+                )
             if not epoch_end:  # the epoch's end has its own evaluation and checkpoint
                 # all ranks together, from the epoch's start: the same count on every rank (and after a resume)
                 done = epoch * num_train + min((index + 1) * per_step, num_train)
-                if eval_due(self.step, t.eval_interval, epoch_end=False) or \
-                        samples_due(done - step_samples, done, t.eval_every_samples):
+                if eval_due(self.step, t.eval_interval, epoch_end=False) or samples_due(
+                    done - step_samples, done, t.eval_every_samples
+                ):
                     self._evaluate_and_log(run_log, epoch, clock, target)
                 if self._step_checkpoint_due():
                     self._numbered_checkpoint(run_log, clock, epoch=epoch, epoch_step=index + 1)
@@ -569,8 +619,13 @@ class DDPTrainer:
         switch = self.control.due(self.step + 1)
         if switch is not None:
             self.comm.set_topk_ratio(switch.rho)
-            rank_log.event("control_applied", step=self.step + 1, compression_ratio=switch.rho,
-                           previous_compression_ratio=previous, max_staleness=switch.max_staleness)
+            rank_log.event(
+                "control_applied",
+                step=self.step + 1,
+                compression_ratio=switch.rho,
+                previous_compression_ratio=previous,
+                max_staleness=switch.max_staleness,
+            )
 
     def run(self) -> dict[str, Any]:
         """Train, evaluate and checkpoint; returns the run summary (every rank returns the same one)."""
@@ -582,20 +637,42 @@ class DDPTrainer:
         tensorboard = "tensorboard" in self.config.metrics.trackers
         rank_log = MetricsLogger(self.log_dir / f"rank_{rank}", tensorboard=tensorboard, rank=rank)
         # Rank 0 owns the run summary, so it alone logs to the trackers; a restarted group continues their runs.
-        run_log = MetricsLogger(self.log_dir, tensorboard=tensorboard,
-                                sinks=open_trackers(self.config, self.log_dir, resume=self.ctx.attempt > 0)) if rank == 0 else None
+        run_log = (
+            MetricsLogger(
+                self.log_dir,
+                tensorboard=tensorboard,
+                sinks=open_trackers(self.config, self.log_dir, resume=self.ctx.attempt > 0),
+            )
+            if rank == 0
+            else None
+        )
         # rank_hung events (src.ddp_watchdog) go into this rank's log, and rank 0's into the run's too
         reporters = [log.event for log in (rank_log, run_log) if log is not None] if self.watchdog is not None else []
         for reporter in reporters:
             self.watchdog.report_to(reporter)
         try:
-            rank_log.event("run_start", pid=os.getpid(), world_size=self.ctx.world_size, backend=self.ctx.backend,
-                           device=str(self.ctx.device), threads=torch.get_num_threads(), comm_hook=self.comm.name,
-                           attempt=self.ctx.attempt)
+            rank_log.event(
+                "run_start",
+                pid=os.getpid(),
+                world_size=self.ctx.world_size,
+                backend=self.ctx.backend,
+                device=str(self.ctx.device),
+                threads=torch.get_num_threads(),
+                comm_hook=self.comm.name,
+                attempt=self.ctx.attempt,
+            )
             if run_log is not None:
-                run_log.event("run_start", architecture="ddp", config=self.config.to_dict(), world_size=self.ctx.world_size,
-                              backend=self.ctx.backend, comm_hook=self.comm.name, resumed_from=self.resumed_from,
-                              hook_note=self.hook_note, attempt=self.ctx.attempt)
+                run_log.event(
+                    "run_start",
+                    architecture="ddp",
+                    config=self.config.to_dict(),
+                    world_size=self.ctx.world_size,
+                    backend=self.ctx.backend,
+                    comm_hook=self.comm.name,
+                    resumed_from=self.resumed_from,
+                    hook_note=self.hook_note,
+                    attempt=self.ctx.attempt,
+                )
                 if self.hook_note:
                     logger.warning("%s", self.hook_note)
             if self.ctx.attempt > 0:
@@ -609,10 +686,18 @@ class DDPTrainer:
                 samples, steps_run = samples + epoch_samples, steps_run + epoch_steps
                 final_loss, final_accuracy = self._evaluate_and_log(run_log, epoch + 1, clock, target)
                 if run_log is not None:
-                    logger.info("epoch %d/%d: test accuracy %.2f%%, test loss %.4f", epoch + 1, t.num_epochs, final_accuracy * 100, final_loss)
+                    logger.info(
+                        "epoch %d/%d: test accuracy %.2f%%, test loss %.4f",
+                        epoch + 1,
+                        t.num_epochs,
+                        final_accuracy * 100,
+                        final_loss,
+                    )
                 if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs or self._step_checkpoint_due():
                     self._numbered_checkpoint(run_log, clock, epoch=epoch + 1, epoch_step=0)
-            checkpoint_path = self._checkpoint(final_checkpoint_path(self.checkpoint_dir, "ddp"), epoch=max(t.num_epochs, self.start_epoch))
+            checkpoint_path = self._checkpoint(
+                final_checkpoint_path(self.checkpoint_dir, "ddp"), epoch=max(t.num_epochs, self.start_epoch)
+            )
             common = {
                 **self._description(),
                 "final_accuracy": final_accuracy,
@@ -627,7 +712,9 @@ class DDPTrainer:
                 "controller": self.control.summary() if self.control is not None else None,
                 **target.fields(),
             }
-            rank_summary, summary = self._summaries(common, samples, clock.seconds, steps_run, time.perf_counter() - started)
+            rank_summary, summary = self._summaries(
+                common, samples, clock.seconds, steps_run, time.perf_counter() - started
+            )
             rank_log.event("run_end", **{k: v for k, v in rank_summary.items() if k != "rank"})
             write_summary(self.log_dir / f"ddp_rank_{rank}.json", rank_summary)
             if run_log is not None:
@@ -651,12 +738,22 @@ class DDPTrainer:
 
     def _log_restart(self, rank_log: MetricsLogger, run_log: MetricsLogger | None) -> None:
         """The ``rank_restarted`` event: which attempt this is and where it continues from."""
-        fields = {"attempt": self.ctx.attempt, "max_restarts": _int_env("TORCHELASTIC_MAX_RESTARTS"),
-                  "resumed_from": self.resumed_from, "step": self.step, "epoch": self.start_epoch, "epoch_step": self.start_index}
+        fields = {
+            "attempt": self.ctx.attempt,
+            "max_restarts": _int_env("TORCHELASTIC_MAX_RESTARTS"),
+            "resumed_from": self.resumed_from,
+            "step": self.step,
+            "epoch": self.start_epoch,
+            "epoch_step": self.start_index,
+        }
         rank_log.event("rank_restarted", **fields)
         if run_log is not None:
             run_log.event("rank_restarted", **fields)
-            where = f"from {self.resumed_from} (step {self.step})" if self.resumed_from else "from the start (no checkpoint yet)"
+            where = (
+                f"from {self.resumed_from} (step {self.step})"
+                if self.resumed_from
+                else "from the start (no checkpoint yet)"
+            )
             budget = f"/{fields['max_restarts']}" if fields["max_restarts"] is not None else ""
             logger.info("restart %d%s: the group continues %s", self.ctx.attempt, budget, where)
 
@@ -681,12 +778,21 @@ class DDPTrainer:
             "collective_timeout_s": system.collective_timeout_s,
         }
 
-    def _summaries(self, common: dict[str, Any], samples: int, train_time: float, steps_run: int,
-                   total_time: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _summaries(
+        self, common: dict[str, Any], samples: int, train_time: float, steps_run: int, total_time: float
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(this rank's summary, the run's summary); collective: every rank must call it."""
         stats, world = self.comm.stats, self.ctx.world_size
-        totals = self._all_reduce([samples, stats.bytes_sent, stats.bytes_received, stats.estimated_bytes_sent,
-                                   stats.estimated_bytes_received, self.backward_wait.total_s])
+        totals = self._all_reduce(
+            [
+                samples,
+                stats.bytes_sent,
+                stats.bytes_received,
+                stats.estimated_bytes_sent,
+                stats.estimated_bytes_received,
+                self.backward_wait.total_s,
+            ]
+        )
         (slowest,) = self._all_reduce([train_time], op=dist.ReduceOp.MAX)
         rank_summary = {
             **common,
@@ -752,10 +858,15 @@ def _hang_watchdog(job: JobRecord, attempt: int, rank: int, world_size: int, tim
     """This rank's watchdog over its peers' heartbeats, on its own connection to the agent's store (none without one)."""
     if job.store is None:
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timedelta(seconds=max(10.0, timeout_s)))
-    return HangWatchdog(dist.PrefixStore(f"attempt_{attempt}/watchdog", client), rank, world_size, timeout_s,
-                        leave=leave_rank_process).start()
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=max(10.0, timeout_s)),
+    )
+    return HangWatchdog(
+        dist.PrefixStore(f"attempt_{attempt}/watchdog", client), rank, world_size, timeout_s, leave=leave_rank_process
+    ).start()
 
 
 def run_rank(

@@ -80,8 +80,10 @@ class HungPeer:
     def describe(self, timeout_s: float) -> str:
         where = f" (pid {self.pid} on {self.host})" if self.pid is not None else ""
         what = "killed it (stopped: it could not act on the agent's SIGTERM) and " if self.killed else ""
-        return (f"rank {self.rank}{where} sent no heartbeat for {self.silent_s:.1f}s (--collective-timeout {timeout_s:g}, "
-                f"noticed by {self.detected_by}): hung; {what}failing this attempt so the group restarts from its newest checkpoint")
+        return (
+            f"rank {self.rank}{where} sent no heartbeat for {self.silent_s:.1f}s (--collective-timeout {timeout_s:g}, "
+            f"noticed by {self.detected_by}): hung; {what}failing this attempt so the group restarts from its newest checkpoint"
+        )
 
 
 class HangWatchdog:
@@ -96,9 +98,18 @@ class HangWatchdog:
         host: this machine's name (compared with the peers' to know whether a pid can be signalled).
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, *,
-                 leave: Callable[[int], Any] = os._exit, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] | None = None, host: str | None = None):
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        *,
+        leave: Callable[[int], Any] = os._exit,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] | None = None,
+        host: str | None = None,
+    ):
         self.store = store
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.interval_s = heartbeat_interval(timeout_s)
@@ -111,7 +122,9 @@ class HangWatchdog:
         self._reporters: list[Callable[..., Any]] = []
         now = clock()
         # per peer: (last value read, when it was first read with that value, on our clock)
-        self._seen: dict[int, tuple[str | None, float]] = {peer: (None, now) for peer in range(world_size) if peer != rank}
+        self._seen: dict[int, tuple[str | None, float]] = {
+            peer: (None, now) for peer in range(world_size) if peer != rank
+        }
         self._thread: threading.Thread | None = None
         self.hung: HungPeer | None = None
         self.beat()
@@ -240,8 +253,12 @@ class HangWatchdog:
             except ProcessLookupError:  # gone meanwhile
                 pass
         self.hung = HungPeer(peer, round(silent_s, 3), pid, host, killed, detected_by)
-        fields = {"hung_rank": peer, "by_rank": self.rank, "timeout_s": self.timeout_s, **{
-            k: v for k, v in asdict(self.hung).items() if k != "rank"}}
+        fields = {
+            "hung_rank": peer,
+            "by_rank": self.rank,
+            "timeout_s": self.timeout_s,
+            **{k: v for k, v in asdict(self.hung).items() if k != "rank"},
+        }
         with self._lock:
             reporters = list(self._reporters)
         for reporter in reporters:

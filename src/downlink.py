@@ -59,7 +59,9 @@ def compressor_from_config(system: Any) -> Compressor | None:
     if kind == "topk":
         return build_compressor("topk", ratio=system.downlink_ratio, selection=system.topk_selection)
     if kind == "quantization":
-        return build_compressor("quantization", bits=system.quantization_bits, bucket_size=system.quantization_bucket_size)
+        return build_compressor(
+            "quantization", bits=system.quantization_bits, bucket_size=system.quantization_bucket_size
+        )
     raise ValueError(f"system.downlink_compression: must be none, topk or quantization, got {kind!r}")
 
 
@@ -73,7 +75,9 @@ class Downlink:
         drift_bound: the largest relative distance a delta may leave between a worker and the server.
     """
 
-    def __init__(self, params: list[torch.Tensor], compressor: Compressor | None, *, refresh_interval: int, drift_bound: float):
+    def __init__(
+        self, params: list[torch.Tensor], compressor: Compressor | None, *, refresh_interval: int, drift_bound: float
+    ):
         self.params = params
         self.compressor = compressor
         self.refresh_interval = refresh_interval
@@ -126,7 +130,7 @@ class Downlink:
             payloads.append(payload)
             tensors.append(updated)
             drift_sq += float(torch.sum((current - updated) ** 2))
-            norm_sq += float(torch.sum(current ** 2))
-        if drift_sq > (self.drift_bound ** 2) * max(norm_sq, 1e-30):
+            norm_sq += float(torch.sum(current**2))
+        if drift_sq > (self.drift_bound**2) * max(norm_sq, 1e-30):
             return DownlinkReply(dense=True), replica
         return DownlinkReply(dense=False, payloads=payloads), _Replica(tensors, replica.refreshed_at, history)

@@ -89,8 +89,10 @@ def build_config(experiment: Mapping[str, Any], run_data: Mapping[str, Any], run
     training = data.setdefault("training", {})
     if experiment["controller"]:
         if not (training.get("eval_interval") or training.get("eval_every_samples")):
-            raise ExperimentError("experiment.controller: on decides at evaluations: set training.eval_interval "
-                                  "(server versions, or DDP steps, between evaluations) or training.eval_every_samples")
+            raise ExperimentError(
+                "experiment.controller: on decides at evaluations: set training.eval_interval "
+                "(server versions, or DDP steps, between evaluations) or training.eval_every_samples"
+            )
         system[CONTROLLER_FIELD] = True
     system["log_dir"] = str(run_dir / "logs")
     system["checkpoint_dir"] = str(run_dir / "checkpoints")
@@ -104,8 +106,10 @@ def build_config(experiment: Mapping[str, Any], run_data: Mapping[str, Any], run
             raise ExperimentError(problem)
     emulated = config.emulation.model_dump() != type(config.emulation)().model_dump()
     if emulated and config.system.architecture != "parameter_server" and config.system.clock != "virtual":
-        raise ExperimentError(f"emulation: stragglers and links are emulated in the parameter server only, "
-                              f"not in system.architecture {config.system.architecture} (or use system.clock: virtual)")
+        raise ExperimentError(
+            f"emulation: stragglers and links are emulated in the parameter server only, "
+            f"not in system.architecture {config.system.architecture} (or use system.clock: virtual)"
+        )
     return config
 
 
@@ -171,8 +175,9 @@ def output_to(path: Path):
             os.close(saved[1])
 
 
-def run_experiment(experiment: Mapping[str, Any], run_data: Mapping[str, Any], results_dir: Path, *,
-                   quiet: bool = False) -> dict[str, Any]:
+def run_experiment(
+    experiment: Mapping[str, Any], run_data: Mapping[str, Any], results_dir: Path, *, quiet: bool = False
+) -> dict[str, Any]:
     """Run one experiment into ``results_dir/<name>/`` (an unfinished earlier attempt there is removed first).
 
     Returns the run summary. Raises what the launcher raises (a failed run), after writing status failed.
@@ -188,8 +193,14 @@ def run_experiment(experiment: Mapping[str, Any], run_data: Mapping[str, Any], r
     (run_dir / "config.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
     from src.provenance import code_version
 
-    status = {"name": experiment["name"], "status": "running", "started": time.time(), "load_average_start": load_average(),
-              "clock": config.system.clock, **code_version()}
+    status = {
+        "name": experiment["name"],
+        "status": "running",
+        "started": time.time(),
+        "load_average_start": load_average(),
+        "clock": config.system.clock,
+        **code_version(),
+    }
     status_path = run_dir / "experiment.json"
     status_path.write_text(json.dumps(status, indent=2) + "\n")
     started = time.perf_counter()
@@ -256,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(summary))
         print(f"Results: {Path(args.results_dir) / str(experiment['name'])}")
 
-    return exit_status(run, describe={LaunchError: str, SetupError: str},
-                      interrupted="interrupted: stopped the run (its folder is redone next time)")
+    return exit_status(
+        run,
+        describe={LaunchError: str, SetupError: str},
+        interrupted="interrupted: stopped the run (its folder is redone next time)",
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ class BackwardWait:
         self.total_s = 0.0
         self.last_ready: float | None = None
         """``perf_counter`` when this step's latest gradient was accumulated (``None``: none yet)."""
-        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in module.parameters() if p.requires_grad]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._ready) for p in module.parameters() if p.requires_grad
+        ]
 
     def _ready(self, _parameter: nn.Parameter) -> None:
         self.last_ready = time.perf_counter()  # runs on the autograd thread: one float store, no lock needed

@@ -41,10 +41,14 @@ logger = logging.getLogger(__name__)
 
 ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "pause": signal.SIGSTOP}
 _TARGET_TRIGGERS = {"worker": ("step",), "server": ("version",), "rank": ("step",)}
-_FORMAT = ("ACTION:TARGET@TRIGGER=N, e.g. kill:worker=1@step=40, hang:worker=0@step=30, pause=8:worker=0@step=30, "
-           "kill:server@version=150, kill:rank=1@step=20")
-_PATTERN = re.compile(r"^(?P<action>\w+)(?:=(?P<seconds>[^:]*))?:(?P<target>\w+)(?:=(?P<index>-?\d+))?"
-                      r"@(?P<trigger>\w+)=(?P<at>-?\d+)$")
+_FORMAT = (
+    "ACTION:TARGET@TRIGGER=N, e.g. kill:worker=1@step=40, hang:worker=0@step=30, pause=8:worker=0@step=30, "
+    "kill:server@version=150, kill:rank=1@step=20"
+)
+_PATTERN = re.compile(
+    r"^(?P<action>\w+)(?:=(?P<seconds>[^:]*))?:(?P<target>\w+)(?:=(?P<index>-?\d+))?"
+    r"@(?P<trigger>\w+)=(?P<at>-?\d+)$"
+)
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,9 @@ class FaultInjector:
         enabled: ``False`` for a restarted incarnation, which fires nothing.
     """
 
-    def __init__(self, faults: Iterable[str | FaultSpec], target: str, index: int | None = None, *, enabled: bool = True):
+    def __init__(
+        self, faults: Iterable[str | FaultSpec], target: str, index: int | None = None, *, enabled: bool = True
+    ):
         specs = [parse_fault(f) if isinstance(f, str) else f for f in faults]
         self.pending = sorted((f for f in specs if enabled and f.targets(target, index)), key=lambda f: f.at)
 
@@ -142,8 +148,12 @@ class FaultInjector:
             return self.pending.pop(0)
         return None
 
-    def reached(self, count: int, announce: Callable[[FaultSpec], None] | None = None,
-                fire: Callable[[FaultSpec], None] | None = None) -> None:
+    def reached(
+        self,
+        count: int,
+        announce: Callable[[FaultSpec], None] | None = None,
+        fire: Callable[[FaultSpec], None] | None = None,
+    ) -> None:
         """Call with the step (or version) just reached; signals this process if a fault is due.
 
         Args:
@@ -161,7 +171,11 @@ class FaultInjector:
                 return
             logger.warning("fault injection: %s (pid %d)", fault, os.getpid())  # flushed before the signal
             if fault.seconds is not None:  # pause: a helper process sends the SIGCONT (a stopped process cannot)
-                subprocess.Popen(["/bin/sh", "-c", f"sleep {fault.seconds:g}; kill -CONT {os.getpid()}"],
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 start_new_session=True)
+                subprocess.Popen(
+                    ["/bin/sh", "-c", f"sleep {fault.seconds:g}; kill -CONT {os.getpid()}"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             os.kill(os.getpid(), ACTIONS[fault.action])

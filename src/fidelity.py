@@ -36,9 +36,13 @@ def with_clock(config: Config, clock: str, figures: dict[str, float], run_dir: P
 
 
 def _figures(summary: dict[str, Any]) -> dict[str, Any]:
-    return {"throughput_samples_per_s": summary["throughput_samples_per_s"], "time_to_target_s": summary["time_to_target_s"],
-            "train_time_s": summary["train_time_s"], "final_accuracy": summary["final_accuracy"],
-            "versions": summary["versions"]}
+    return {
+        "throughput_samples_per_s": summary["throughput_samples_per_s"],
+        "time_to_target_s": summary["time_to_target_s"],
+        "train_time_s": summary["train_time_s"],
+        "final_accuracy": summary["final_accuracy"],
+        "versions": summary["versions"],
+    }
 
 
 def _paired_ratio(virtual: list[dict[str, Any]], real: list[dict[str, Any]], name: str) -> float | None:
@@ -56,7 +60,9 @@ def _spread(real: list[dict[str, Any]], name: str) -> list[float] | None:
     return [round(min(values) / middle, 3), round(max(values) / middle, 3)]
 
 
-def compare(config: Config, out_dir: str | Path, *, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 20) -> dict[str, Any]:
+def compare(
+    config: Config, out_dir: str | Path, *, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 20
+) -> dict[str, Any]:
     """Calibrate, run real and virtual per seed (see the module docstring); returns the comparison.
 
     ``real`` and ``virtual`` list one run's figures per seed; each ratio is the median over seeds of
@@ -72,8 +78,11 @@ def compare(config: Config, out_dir: str | Path, *, seeds: tuple[int, ...] = (0,
     for seed in seeds:
         seeded = config.model_copy(update={"training": config.training.model_copy(update={"seed": seed})})
         real.append(_figures(run_local(with_clock(seeded, "real", {}, out_dir / f"real_seed{seed}"))))
-        virtual.append(_figures(run_virtual(with_clock(seeded, "virtual", figures, out_dir / f"virtual_seed{seed}"),
-                                            tensorboard=False)))
+        virtual.append(
+            _figures(
+                run_virtual(with_clock(seeded, "virtual", figures, out_dir / f"virtual_seed{seed}"), tensorboard=False)
+            )
+        )
     result: dict[str, Any] = {"calibration": measured, "real": real, "virtual": virtual}
     for name in ("throughput_samples_per_s", "time_to_target_s", "train_time_s"):
         result[f"{name}_ratio"] = _paired_ratio(virtual, real, name)

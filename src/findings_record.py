@@ -29,8 +29,18 @@ from src.metrics import read_events
 
 SEED_LABEL = re.compile(r"(^|__)seed-\d+(?=__|$)")
 """The seed part of a matrix run's name (``seed-3__sync``): the rest names its configuration."""
-WORKER_FIELDS = ("worker_id", "incarnation", "samples", "steps", "gradient_time_s", "compression_time_s",
-                 "communication_time_s", "bytes_sent", "bytes_received", "pushes_rejected")
+WORKER_FIELDS = (
+    "worker_id",
+    "incarnation",
+    "samples",
+    "steps",
+    "gradient_time_s",
+    "compression_time_s",
+    "communication_time_s",
+    "bytes_sent",
+    "bytes_received",
+    "pushes_rejected",
+)
 PATH_FIELDS = ("log_dir", "checkpoint_dir")
 
 
@@ -58,21 +68,39 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
     for event in read_events(server) if server.is_file() else ():
         kind = event.get("kind")
         if kind == "eval" and event.get("test_accuracy") is not None:
-            evals.append([event.get("samples"), event.get("elapsed_s"), event["test_accuracy"], event.get("test_loss"),
-                          event.get("step")])
+            evals.append(
+                [
+                    event.get("samples"),
+                    event.get("elapsed_s"),
+                    event["test_accuracy"],
+                    event.get("test_loss"),
+                    event.get("step"),
+                ]
+            )
         elif kind == "controller":
             controller.append([event.get("step"), event.get("rho"), event.get("action")])
         elif kind == "push" and event.get("accepted"):
             applied = max(applied, int(event.get("staleness") or 0))
-    return {"name": run_dir.name, "configuration": configuration_of(run_dir.name),
-            "seed": config.get("training", {}).get("seed"), "experiment": experiment, "config": config,
-            "summary": summary, "evals": evals, "controller": controller, "applied_max_staleness": applied}
+    return {
+        "name": run_dir.name,
+        "configuration": configuration_of(run_dir.name),
+        "seed": config.get("training", {}).get("seed"),
+        "experiment": experiment,
+        "config": config,
+        "summary": summary,
+        "evals": evals,
+        "controller": controller,
+        "applied_max_staleness": applied,
+    }
 
 
 def collect_matrix(folder: Path) -> dict[str, Any]:
     """Every finished run of the matrix in ``folder``, in run order (seed, then configuration)."""
-    runs = [record for record in (collect_run(path) for path in sorted(folder.iterdir()) if path.is_dir())
-            if record is not None]
+    runs = [
+        record
+        for record in (collect_run(path) for path in sorted(folder.iterdir()) if path.is_dir())
+        if record is not None
+    ]
     runs.sort(key=lambda r: (r["seed"], r["experiment"].get("started", 0.0)))
     return {"matrix": folder.name, "runs": runs}
 

@@ -42,8 +42,14 @@ def probe_address(address: str) -> str:
     return f"{host}:{port}"
 
 
-def check(address: str, *, service: str = "", timeout_s: float = 5.0, tls_ca: str | None = None,
-          server_name: str | None = None) -> str:
+def check(
+    address: str,
+    *,
+    service: str = "",
+    timeout_s: float = 5.0,
+    tls_ca: str | None = None,
+    server_name: str | None = None,
+) -> str:
     """The health status name (``SERVING``, ``NOT_SERVING``...) of ``service`` at ``address``.
 
     Raises:
@@ -52,15 +58,21 @@ def check(address: str, *, service: str = "", timeout_s: float = 5.0, tls_ca: st
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     if tls_ca:
         with open(tls_ca, "rb") as handle:
-            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=handle.read()), options)
+            channel = grpc.secure_channel(
+                address, grpc.ssl_channel_credentials(root_certificates=handle.read()), options
+            )
     else:
         channel = grpc.insecure_channel(address, options)
     with channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+        )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def check_tcp(address: str, *, timeout_s: float = 5.0, tls_ca: str | None = None, server_name: str | None = None) -> str:
+def check_tcp(
+    address: str, *, timeout_s: float = 5.0, tls_ca: str | None = None, server_name: str | None = None
+) -> str:
     """``SERVING`` from a TCP-transport server at ``address`` (see :func:`src.tcp_frames.health_check`).
 
     Raises:
@@ -76,26 +88,38 @@ def check_tcp(address: str, *, timeout_s: float = 5.0, tls_ca: str | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m src.healthcheck", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", default=os.environ.get("DTS_SERVER_ADDRESS", DEFAULT_ADDRESS),
-                        help="host:port of the server (default $DTS_SERVER_ADDRESS, else 127.0.0.1:50051)")
+    parser = argparse.ArgumentParser(
+        prog="python -m src.healthcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("DTS_SERVER_ADDRESS", DEFAULT_ADDRESS),
+        help="host:port of the server (default $DTS_SERVER_ADDRESS, else 127.0.0.1:50051)",
+    )
     parser.add_argument("--service", default="", help="service name to ask about (default '': the whole server)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
-    parser.add_argument("--tls-ca", default=os.environ.get("DTS_TLS_CA") or os.environ.get("DTS_TLS_CERT") or None,
-                        help="PEM to verify the server's certificate against (default $DTS_TLS_CA, else $DTS_TLS_CERT); "
-                             "without one the probe speaks plaintext")
+    parser.add_argument(
+        "--tls-ca",
+        default=os.environ.get("DTS_TLS_CA") or os.environ.get("DTS_TLS_CERT") or None,
+        help="PEM to verify the server's certificate against (default $DTS_TLS_CA, else $DTS_TLS_CERT); "
+        "without one the probe speaks plaintext",
+    )
     parser.add_argument("--server-name", help="the name the server's certificate is valid for (TLS)")
-    parser.add_argument("--transport", choices=("grpc", "tcp"), default=os.environ.get("DTS_TRANSPORT") or "grpc",
-                        help="the server's system.transport (default $DTS_TRANSPORT, else grpc)")
+    parser.add_argument(
+        "--transport",
+        choices=("grpc", "tcp"),
+        default=os.environ.get("DTS_TRANSPORT") or "grpc",
+        help="the server's system.transport (default $DTS_TRANSPORT, else grpc)",
+    )
     args = parser.parse_args(argv)
     address = probe_address(args.address)
     try:
         if args.transport == "tcp":
             status = check_tcp(address, timeout_s=args.timeout, tls_ca=args.tls_ca, server_name=args.server_name)
         else:
-            status = check(address, service=args.service, timeout_s=args.timeout, tls_ca=args.tls_ca,
-                           server_name=args.server_name)
+            status = check(
+                address, service=args.service, timeout_s=args.timeout, tls_ca=args.tls_ca, server_name=args.server_name
+            )
     except grpc.RpcError as exc:
         print(f"unhealthy: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -59,7 +59,9 @@ COMPRESSION_LEVELS: dict[str, dict[str, Any]] = {
 
 def _compression(level: Any) -> tuple[str, dict[str, Any]]:
     if level not in COMPRESSION_LEVELS:
-        raise rx.ExperimentError(f"matrix.axes.compression: unknown level {level!r} (known: {', '.join(COMPRESSION_LEVELS)})")
+        raise rx.ExperimentError(
+            f"matrix.axes.compression: unknown level {level!r} (known: {', '.join(COMPRESSION_LEVELS)})"
+        )
     return str(level), COMPRESSION_LEVELS[level]
 
 
@@ -131,8 +133,10 @@ def axis_levels(name: str, levels: Any) -> list[tuple[str, dict[str, Any]]]:
             out.append((str(label), dict(overrides or {})))
         return out
     if name not in NAMED_AXES:
-        raise rx.ExperimentError(f"matrix.axes.{name}: unknown axis; give its levels as a mapping "
-                                 f"(level name -> dotted overrides) or use one of {', '.join(NAMED_AXES)}")
+        raise rx.ExperimentError(
+            f"matrix.axes.{name}: unknown axis; give its levels as a mapping "
+            f"(level name -> dotted overrides) or use one of {', '.join(NAMED_AXES)}"
+        )
     if not isinstance(levels, list) or not levels:
         raise rx.ExperimentError(f"matrix.axes.{name}: must be a non-empty list of levels")
     return [NAMED_AXES[name](level) for level in levels]
@@ -148,7 +152,9 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     data[section][field] = copy.deepcopy(value)
 
 
-def expand(matrix_file: Mapping[str, Any], default_name: str) -> tuple[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
+def expand(
+    matrix_file: Mapping[str, Any], default_name: str
+) -> tuple[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
     """``(matrix name, [(experiment section, run config dict)])``: one entry per combination of levels."""
     data = dict(matrix_file)
     matrix = dict(data.pop("matrix", None) or {})
@@ -180,7 +186,10 @@ def expand(matrix_file: Mapping[str, Any], default_name: str) -> tuple[str, list
 
 
 def describe(summary: Mapping[str, Any]) -> str:
-    parts = [f"accuracy {summary['final_accuracy']:.4f}", f"train {summary.get('train_time_s', summary['total_time_s']):.1f} s"]
+    parts = [
+        f"accuracy {summary['final_accuracy']:.4f}",
+        f"train {summary.get('train_time_s', summary['total_time_s']):.1f} s",
+    ]
     if summary.get("target_accuracy") is not None:
         reached = summary.get("time_to_target_s")
         parts.append(f"to {summary['target_accuracy']:g}: {'not reached' if reached is None else f'{reached:.1f} s'}")
@@ -191,7 +200,9 @@ def describe(summary: Mapping[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="matrix file (YAML or JSON)")
-    parser.add_argument("--results-dir", default="results", help="runs go to <results-dir>/<matrix name>/ (default results)")
+    parser.add_argument(
+        "--results-dir", default="results", help="runs go to <results-dir>/<matrix name>/ (default results)"
+    )
     parser.add_argument("--list", action="store_true", help="print the runs the matrix expands into and exit")
     args = parser.parse_args(argv)
     try:
@@ -229,15 +240,19 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             except Exception as exc:  # noqa: BLE001 - one failed run must not stop the grid
                 failed += 1
-                print(f"{prefix}: FAILED after {time.perf_counter() - started:.1f} s{redo}: {type(exc).__name__}: {exc}",
-                      flush=True)
+                print(
+                    f"{prefix}: FAILED after {time.perf_counter() - started:.1f} s{redo}: {type(exc).__name__}: {exc}",
+                    flush=True,
+                )
                 continue
             print(f"{prefix}: done in {time.perf_counter() - started:.1f} s{redo}: {describe(summary)}", flush=True)
     except KeyboardInterrupt:
         print("interrupted: the current run is redone next time", file=sys.stderr)
         return 130
-    print(f"matrix {name}: {total - failed}/{total} runs finished; plots: python scripts/plot_results.py --results {root}",
-          flush=True)
+    print(
+        f"matrix {name}: {total - failed}/{total} runs finished; plots: python scripts/plot_results.py --results {root}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

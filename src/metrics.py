@@ -134,8 +134,15 @@ class MetricsLogger:
         fields: added to every event (e.g. ``worker=1``).
     """
 
-    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, sinks: Sequence[MetricsSink] = (),
-                 clock: Callable[[], float] = time.time, **fields: Any):
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        sinks: Sequence[MetricsSink] = (),
+        clock: Callable[[], float] = time.time,
+        **fields: Any,
+    ):
         self.log_dir = Path(log_dir)
         self.events = EventLog(self.log_dir / "events.jsonl", clock=clock)
         self._fields = fields

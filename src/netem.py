@@ -83,15 +83,20 @@ def check_workers(emulation: EmulationConfig, num_workers: int) -> None:
     """Raise :class:`SetupError` if ``emulation.workers`` names a worker id the run does not have."""
     unknown = sorted(k for k in emulation.workers if not 0 <= k < num_workers)
     if unknown:
-        raise SetupError(f"emulation.workers: worker ids {unknown} are not workers of this run "
-                         f"(system.num_workers={num_workers}: ids 0..{num_workers - 1})")
+        raise SetupError(
+            f"emulation.workers: worker ids {unknown} are not workers of this run "
+            f"(system.num_workers={num_workers}: ids 0..{num_workers - 1})"
+        )
 
 
 def describe(emulation: EmulationConfig, num_workers: int) -> dict[str, Any] | None:
     """What the run summary says about emulation: ``None`` when off, else each emulated worker's conditions."""
     workers = {str(k): conditions_for(emulation, k) for k in range(num_workers)}
-    active = {k: {name: value for name, value in asdict(c).items() if value != getattr(WorkerConditions(), name)}
-              for k, c in workers.items() if c.active}
+    active = {
+        k: {name: value for name, value in asdict(c).items() if value != getattr(WorkerConditions(), name)}
+        for k, c in workers.items()
+        if c.active
+    }
     return {"workers": active} if active else None
 
 

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 
-def build_optimizer(name: str, params, *, learning_rate: float, momentum: float, weight_decay: float,
-                    fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    name: str, params, *, learning_rate: float, momentum: float, weight_decay: float, fused: bool = False
+) -> torch.optim.Optimizer:
     """``sgd`` (with momentum) or ``adam`` over ``params``.
 
     ``fused`` asks for torch's single-kernel implementation (same update rule, one pass over each
@@ -29,5 +30,11 @@ def build_optimizer(name: str, params, *, learning_rate: float, momentum: float,
 def optimizer_from_config(config: Any, params, *, fused: bool = False) -> torch.optim.Optimizer:
     """The run ``config``'s optimizer (``training.optimizer``, its rate, momentum and decay) over ``params``."""
     t = config.training
-    return build_optimizer(t.optimizer, params, learning_rate=t.learning_rate, momentum=t.momentum,
-                           weight_decay=t.weight_decay, fused=fused)
+    return build_optimizer(
+        t.optimizer,
+        params,
+        learning_rate=t.learning_rate,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        fused=fused,
+    )

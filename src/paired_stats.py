@@ -45,8 +45,9 @@ class Estimate:
         return {"mean": self.mean, "low": self.low, "high": self.high, "n": self.n, "values": list(self.values)}
 
 
-def bootstrap_ci(values: Sequence[float], *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
-                 seed: int = 0) -> tuple[float, float]:
+def bootstrap_ci(
+    values: Sequence[float], *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of ``values``.
 
     Raises:
@@ -75,8 +76,9 @@ def estimate(values: Sequence[float | None], **bootstrap) -> Estimate:
     return Estimate(float(np.mean(kept)), low, high, len(kept), kept)
 
 
-def paired_by_seed(a: Mapping[int, float | None], b: Mapping[int, float | None],
-                   kind: Literal["difference", "ratio"] = "ratio") -> dict[int, float]:
+def paired_by_seed(
+    a: Mapping[int, float | None], b: Mapping[int, float | None], kind: Literal["difference", "ratio"] = "ratio"
+) -> dict[int, float]:
     """``{seed: b - a}`` (or ``b / a``) over the seeds both have a value for (a ratio also needs ``a != 0``)."""
     if kind not in ("difference", "ratio"):
         raise ValueError(f"paired: kind must be difference or ratio, got {kind!r}")
@@ -89,14 +91,19 @@ def paired_by_seed(a: Mapping[int, float | None], b: Mapping[int, float | None],
     return out
 
 
-def paired_values(a: Mapping[int, float | None], b: Mapping[int, float | None],
-                  kind: Literal["difference", "ratio"] = "difference") -> list[float]:
+def paired_values(
+    a: Mapping[int, float | None], b: Mapping[int, float | None], kind: Literal["difference", "ratio"] = "difference"
+) -> list[float]:
     """Per-seed ``b - a`` (or ``b / a``), over the seeds both have a value for, in seed order."""
     return list(paired_by_seed(a, b, kind).values())
 
 
-def paired(a: Mapping[int, float | None], b: Mapping[int, float | None],
-           kind: Literal["difference", "ratio"] = "difference", **bootstrap) -> Estimate:
+def paired(
+    a: Mapping[int, float | None],
+    b: Mapping[int, float | None],
+    kind: Literal["difference", "ratio"] = "difference",
+    **bootstrap,
+) -> Estimate:
     """Mean per-seed difference ``b - a`` (or ratio ``b / a``) and its bootstrap interval."""
     return estimate(paired_values(a, b, kind), **bootstrap)
 

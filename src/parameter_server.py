@@ -101,17 +101,35 @@ def planned_work(config: Config, num_train_samples: int | None = None) -> Planne
     """The dataset's work plan for ``config`` (the training set is loaded to size it unless given)."""
     t, system = config.training, config.system
     if num_train_samples is None:
-        num_train_samples = len(load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
-                                             num_samples=t.num_samples, seed=t.seed))
-    return PlannedWork(WorkPlan(num_train_samples, system.num_workers, t.batch_size, t.num_epochs, t.seed,
-                                system.aggregation_mode, batches_per_step=system.local_steps))
+        num_train_samples = len(
+            load_dataset(
+                t.dataset,
+                "train",
+                data_dir=t.data_dir,
+                max_samples=t.max_train_samples,
+                num_samples=t.num_samples,
+                seed=t.seed,
+            )
+        )
+    return PlannedWork(
+        WorkPlan(
+            num_train_samples,
+            system.num_workers,
+            t.batch_size,
+            t.num_epochs,
+            t.seed,
+            system.aggregation_mode,
+            batches_per_step=system.local_steps,
+        )
+    )
 
 
 def test_set_for(config: Config):
     """The test split a server evaluates on."""
     t = config.training
-    return load_dataset(t.dataset, "test", data_dir=t.data_dir, max_samples=t.max_test_samples,
-                        num_samples=t.num_samples, seed=t.seed)
+    return load_dataset(
+        t.dataset, "test", data_dir=t.data_dir, max_samples=t.max_test_samples, num_samples=t.num_samples, seed=t.seed
+    )
 
 
 class ParameterServer:
@@ -162,16 +180,25 @@ class ParameterServer:
         if model is None and not serve_without_model:
             model = model_from_config(config)
         self.core = ServerCore(
-            config, work=work or planned_work(config, num_train_samples), model=model,
-            model_label=model_label, data_label=data_label, test_set=test_set_for(config) if evaluate else None,
-            staleness_policy=staleness_policy, tensorboard=tensorboard, resume=resume, faults=faults,
+            config,
+            work=work or planned_work(config, num_train_samples),
+            model=model,
+            model_label=model_label,
+            data_label=data_label,
+            test_set=test_set_for(config) if evaluate else None,
+            staleness_policy=staleness_policy,
+            tensorboard=tensorboard,
+            resume=resume,
+            faults=faults,
             background=ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background"),
             reply_views=True,  # replies are built from the tensors' memory and joined or sent outside the lock
         )
         if max_message_bytes is not None and self.core.state is None:
             self.core.max_message_bytes = max_message_bytes
-        self.downlinks = {k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
-                          for k in range(config.system.num_workers)}  # emulated server -> worker links
+        self.downlinks = {
+            k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
+            for k in range(config.system.num_workers)
+        }  # emulated server -> worker links
         self._stop_serving: Callable[[float], None] | None = None
         self.transport_server: Any = None  # the grpc.Server or src.tcp_server.TCPServer, once started
         self._monitor: threading.Thread | None = None
@@ -196,14 +223,16 @@ class ParameterServer:
         if self.transport == "tcp":
             from src.tcp_server import TCPServer
 
-            tcp = TCPServer(self, system, token=self.token, max_message_bytes=self.core.max_message_bytes,
-                            max_connections=max_calls)
+            tcp = TCPServer(
+                self, system, token=self.token, max_message_bytes=self.core.max_message_bytes, max_connections=max_calls
+            )
             self.port = tcp.start()
             self._stop_serving = tcp.stop
             self.transport_server = tcp
         else:
-            grpc_server, self.port = start_grpc_server(self, system, token=self.token,
-                                                       max_message_bytes=self.core.max_message_bytes, max_threads=max_calls)
+            grpc_server, self.port = start_grpc_server(
+                self, system, token=self.token, max_message_bytes=self.core.max_message_bytes, max_threads=max_calls
+            )
             self._stop_serving = lambda grace: grpc_server.stop(grace).wait()
             self.transport_server = grpc_server
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="ps-heartbeat-monitor", daemon=True)

@@ -22,8 +22,13 @@ def code_version(root: Path = ROOT) -> dict[str, object]:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if commit.returncode != 0:
             return {"commit": None, "dirty": None}
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"],
-                                cwd=root, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "src"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}

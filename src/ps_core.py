@@ -220,8 +220,10 @@ class ServerCore:
         # go to the workers in every reply's Control and set the staleness policy's S_max.
         self.controller = CompressionController.from_config(system) if system.adaptive_compression else None
         if self.controller is not None and test_set is not None and not (t.eval_interval or t.eval_every_samples):
-            raise SetupError("system.adaptive_compression decides at evaluations: set training.eval_interval "
-                             "(server versions between evaluations) or training.eval_every_samples")
+            raise SetupError(
+                "system.adaptive_compression decides at evaluations: set training.eval_interval "
+                "(server versions between evaluations) or training.eval_every_samples"
+            )
         self.control = pb.Control()
         if self.controller is not None:
             self._set_control(self.controller.rho, self.controller.max_staleness)
@@ -262,15 +264,24 @@ class ServerCore:
         self._faults = FaultInjector(system.inject_faults, "server", enabled=faults)
         self._fire_fault = fire_fault
         self._background = background or InlineExecutor()
-        self.log = MetricsLogger(Path(system.log_dir) / "server",
-                                 tensorboard=tensorboard and "tensorboard" in config.metrics.trackers,
-                                 sinks=open_trackers(config, system.log_dir, resume=resume is not None), role="server",
-                                 clock=clock.time)
+        self.log = MetricsLogger(
+            Path(system.log_dir) / "server",
+            tensorboard=tensorboard and "tensorboard" in config.metrics.trackers,
+            sinks=open_trackers(config, system.log_dir, resume=resume is not None),
+            role="server",
+            clock=clock.time,
+        )
         self.resumed_from: Path | None = None
         if resume is not None:
             self._restore(resume)
-        self.log.event("run_start", architecture="parameter_server", config=config.to_dict(), clock=clock.kind,
-                       resumed_from=str(self.resumed_from) if self.resumed_from else None, version=self.version)
+        self.log.event(
+            "run_start",
+            architecture="parameter_server",
+            config=config.to_dict(),
+            clock=clock.kind,
+            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            version=self.version,
+        )
 
     def _install_model(self, model: nn.Module) -> None:
         """Serve ``model``: its optimizer, specs, downlink and byte views (at construction, or lock held)."""
@@ -280,8 +291,12 @@ class ServerCore:
         self.buffer_specs = [_spec(n, b) for n, b in zip(self.state.buffer_names, self.state.buffers)]
         self._param_shapes = [tuple(p.shape) for p in self.state.params]
         self._buffer_shapes = [tuple(b.shape) for b in self.state.buffers]
-        self.downlink = Downlink(self.state.sent(), compressor_from_config(system),
-                                 refresh_interval=system.downlink_refresh_interval, drift_bound=system.downlink_drift_bound)
+        self.downlink = Downlink(
+            self.state.sent(),
+            compressor_from_config(system),
+            refresh_interval=system.downlink_refresh_interval,
+            drift_bound=system.downlink_drift_bound,
+        )
         # Byte views of what workers are sent, made once: the tensors are updated in place.
         self._param_views = [tensor_view(p) for p in self.state.sent()]
         self._buffer_views = [tensor_view(b) for b in self.state.buffers]
@@ -320,15 +335,30 @@ class ServerCore:
         unknown = self.work.claim(worker_id, request.carried_batch_ids) if not applied else []
         self.lock.notify_all()
         rejoined = any(m.worker_id == worker_id for m in self.members.history[:-1])
-        self.log.event("worker_rejoined" if rejoined else "register", worker=worker_id, incarnation=member.incarnation,
-                       peer=peer, pid=request.pid, version=self.version, last_request_applied=applied,
-                       carried_batches=list(request.carried_batch_ids), carried_unknown=unknown)
+        self.log.event(
+            "worker_rejoined" if rejoined else "register",
+            worker=worker_id,
+            incarnation=member.incarnation,
+            peer=peer,
+            pid=request.pid,
+            version=self.version,
+            last_request_applied=applied,
+            carried_batches=list(request.carried_batch_ids),
+            carried_unknown=unknown,
+        )
         if rejoined:  # a launcher waiting for a process it saw declared failed learns it came back
-            events.append(("worker_rejoined", {"worker": worker_id, "incarnation": member.incarnation, "pid": request.pid}))
+            events.append(
+                ("worker_rejoined", {"worker": worker_id, "incarnation": member.incarnation, "pid": request.pid})
+            )
         reply = pb.RegisterReply(
-            worker_id=worker_id, incarnation=member.incarnation, session=member.session, version=self.version,
+            worker_id=worker_id,
+            incarnation=member.incarnation,
+            session=member.session,
+            version=self.version,
             run_config_json=self.config.model_dump_json(),
-            parameter_specs=self.param_specs, buffer_specs=self.buffer_specs, last_request_applied=applied,
+            parameter_specs=self.param_specs,
+            buffer_specs=self.buffer_specs,
+            last_request_applied=applied,
             model_wanted=self.state is None,
         )
         return reply, events
@@ -340,14 +370,20 @@ class ServerCore:
         except ValueError as exc:
             raise Refused("INVALID_ARGUMENT", f"initialize: {exc}") from None
         request = received.message
-        layout = ([(s.name, tuple(s.shape)) for s in request.parameter_specs],
-                  [(s.name, tuple(s.shape)) for s in request.buffer_specs])
+        layout = (
+            [(s.name, tuple(s.shape)) for s in request.parameter_specs],
+            [(s.name, tuple(s.shape)) for s in request.buffer_specs],
+        )
         member = self.member(request.caller)
         if self.state is not None:  # another worker's model came first, or the server has its own
-            mismatch = layout_mismatch(layout, (self.state.param_names, self._param_shapes),
-                                       (self.state.buffer_names, self._buffer_shapes))
+            mismatch = layout_mismatch(
+                layout, (self.state.param_names, self._param_shapes), (self.state.buffer_names, self._buffer_shapes)
+            )
             if mismatch:
-                raise Refused("FAILED_PRECONDITION", f"worker {member.worker_id}: its model does not match the server's: {mismatch}")
+                raise Refused(
+                    "FAILED_PRECONDITION",
+                    f"worker {member.worker_id}: its model does not match the server's: {mismatch}",
+                )
             return pb.InitializeReply(accepted=False, version=self.state.version)
         try:
             model = model_from_layout(*layout, received.large["parameters"], received.large["buffers"])
@@ -355,9 +391,14 @@ class ServerCore:
             raise Refused("INVALID_ARGUMENT", f"initialize: {exc}") from None
         self._install_model(model)
         self.lock.notify_all()
-        self.log.event("model_initialized", worker=member.worker_id, incarnation=member.incarnation,
-                       parameters=len(layout[0]), buffers=len(layout[1]),
-                       numel=sum(p.numel() for p in self.state.params))
+        self.log.event(
+            "model_initialized",
+            worker=member.worker_id,
+            incarnation=member.incarnation,
+            parameters=len(layout[0]),
+            buffers=len(layout[1]),
+            numel=sum(p.numel() for p in self.state.params),
+        )
         return pb.InitializeReply(accepted=True, version=0)
 
     def begin_pull(self, caller: pb.Caller) -> Member:
@@ -389,8 +430,11 @@ class ServerCore:
             raise PushRefused("INVALID_ARGUMENT", "push: request_id must be non-zero (unique per push)")
         remembered = self.requests.lookup(worker_id, request_id)
         if remembered is RequestLog.SUPERSEDED:
-            raise PushRefused("FAILED_PRECONDITION", f"push {request_id} of worker {worker_id} was handled already "
-                                                     f"and is not its newest push (request ids are unique per push)")
+            raise PushRefused(
+                "FAILED_PRECONDITION",
+                f"push {request_id} of worker {worker_id} was handled already "
+                f"and is not its newest push (request ids are unique per push)",
+            )
         if isinstance(remembered, _StoredReply):  # a retry of a handled push, replies as views
             return self._stored_reply(member, remembered)
         if isinstance(remembered, pb.PushReply):  # a retry of a handled push, dense replies: the verdict again,
@@ -413,20 +457,30 @@ class ServerCore:
         request, payloads, raw_buffers = received.message, received.large["gradients"], received.large["buffers"]
         learning_rate = request.learning_rate if request.HasField("learning_rate") else None
         if learning_rate is not None and not (math.isfinite(learning_rate) and learning_rate >= 0):
-            raise PushRefused("INVALID_ARGUMENT", f"push from worker {worker_id}: learning_rate must be a finite "
-                                                  f"number >= 0 (or not set), got {learning_rate}")
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                f"push from worker {worker_id}: learning_rate must be a finite "
+                f"number >= 0 (or not set), got {learning_rate}",
+            )
         if self.work.owns_data:
             if not payloads and not raw_buffers:
                 if request.num_samples != 0:
-                    raise PushRefused("INVALID_ARGUMENT", f"push from worker {worker_id} has no gradients but num_samples "
-                                                      f"{request.num_samples} (a skipped step has num_samples 0)")
+                    raise PushRefused(
+                        "INVALID_ARGUMENT",
+                        f"push from worker {worker_id} has no gradients but num_samples "
+                        f"{request.num_samples} (a skipped step has num_samples 0)",
+                    )
                 return Contribution(worker_id, 0, [], [], request.request_id)  # a skipped step
             if request.num_samples <= 0:
-                raise PushRefused("INVALID_ARGUMENT", f"push from worker {worker_id}: num_samples must be > 0, "
-                                                  f"got {request.num_samples}")
+                raise PushRefused(
+                    "INVALID_ARGUMENT",
+                    f"push from worker {worker_id}: num_samples must be > 0, got {request.num_samples}",
+                )
         if len(payloads) != len(self.state.params):
-            raise PushRefused("INVALID_ARGUMENT",
-                          f"push carries {len(payloads)} gradients, the model has {len(self.state.params)} parameters")
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                f"push carries {len(payloads)} gradients, the model has {len(self.state.params)} parameters",
+            )
         gradients = []
         for index, (payload, spec, shape) in enumerate(zip(payloads, self.param_specs, self._param_shapes)):
             try:
@@ -434,14 +488,18 @@ class ServerCore:
                 if header.shape != shape:
                     raise ValueError(f"shape {list(header.shape)}, expected {list(shape)}")
                 # copy=False: identity gradients stay read-only views of the message (nothing writes them)
-                gradients.append(decompress(payload, copy=False, header=header))  # refuses malformed buffers and NaN/Inf
+                gradients.append(
+                    decompress(payload, copy=False, header=header)
+                )  # refuses malformed buffers and NaN/Inf
             except ValueError as exc:
                 raise PushRefused("INVALID_ARGUMENT", f"gradient {index} ({spec.name}): {exc}") from None
         buffers = []
         if raw_buffers:
             if len(raw_buffers) != len(self.state.buffers):
-                raise PushRefused("INVALID_ARGUMENT",
-                              f"push carries {len(raw_buffers)} buffers, the model has {len(self.state.buffers)}")
+                raise PushRefused(
+                    "INVALID_ARGUMENT",
+                    f"push carries {len(raw_buffers)} buffers, the model has {len(self.state.buffers)}",
+                )
             for data, spec, shape in zip(raw_buffers, self.buffer_specs, self._buffer_shapes):
                 try:
                     check_float32_bytes(data, math.prod(shape), f"buffer {spec.name}")
@@ -451,8 +509,9 @@ class ServerCore:
                 if not bool(torch.isfinite(values).all()):
                     raise PushRefused("INVALID_ARGUMENT", f"buffer {spec.name}: holds NaN or Inf values")
                 buffers.append(values)
-        return Contribution(worker_id, request.num_samples, gradients, buffers, request.request_id,
-                            learning_rate=learning_rate)
+        return Contribution(
+            worker_id, request.num_samples, gradients, buffers, request.request_id, learning_rate=learning_rate
+        )
 
     def apply_push(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
         """Add the decoded push to the barrier (sync) or apply it with its staleness weight (async): the verdict."""
@@ -460,17 +519,26 @@ class ServerCore:
             self._overriding_schedule.add(member.worker_id)
             schedule = self.config.training.lr_schedule
             if not is_constant(schedule):
-                logger.warning("worker %d sends the learning rate of its own scheduler with its pushes: the server "
-                               "applies it, not its training.lr_schedule (%s)", member.worker_id, schedule.kind)
-                self.log.event("lr_schedule_overridden", worker=member.worker_id, learning_rate=request.learning_rate,
-                               schedule=schedule.kind)
+                logger.warning(
+                    "worker %d sends the learning rate of its own scheduler with its pushes: the server "
+                    "applies it, not its training.lr_schedule (%s)",
+                    member.worker_id,
+                    schedule.kind,
+                )
+                self.log.event(
+                    "lr_schedule_overridden",
+                    worker=member.worker_id,
+                    learning_rate=request.learning_rate,
+                    schedule=schedule.kind,
+                )
         with tracing.span("apply", worker=member.worker_id, request_id=request.request_id):
             verdict = (self._add_to_round if self.mode == "sync" else self._apply_now)(member, request, contribution)
         self.lock.notify_all()
         return verdict
 
-    def push_reply(self, member: Member, request_id: int, verdict: pb.PushReply,
-                   work: tuple[list[Batch] | None, bool]) -> bytes | Pieces:
+    def push_reply(
+        self, member: Member, request_id: int, verdict: pb.PushReply, work: tuple[list[Batch] | None, bool]
+    ) -> bytes | Pieces:
         """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``."""
         verdict.work.CopyFrom(self.work.message(*work))
         verdict.version = self.state.version
@@ -497,7 +565,9 @@ class ServerCore:
     def refused(self, worker_id: int | None, request_id: int, refused: PushRefused) -> None:
         """Count and log a refused push (the driver then refuses the call)."""
         self.counters["pushes_refused"] += 1
-        self.log.event("push_refused", worker=worker_id, request_id=request_id, code=refused.code, reason=refused.message)
+        self.log.event(
+            "push_refused", worker=worker_id, request_id=request_id, code=refused.code, reason=refused.message
+        )
 
     def heartbeat(self, caller: pb.Caller, stats: pb.WorkerStats) -> pb.HeartbeatReply:
         member = self.member(caller)
@@ -520,18 +590,27 @@ class ServerCore:
         self._maybe_start()  # a sync run waiting for everyone may now start without it
         self._check_done()
         self.lock.notify_all()
-        self.log.event("worker_finished", worker=member.worker_id, incarnation=member.incarnation, version=self.version,
-                       **values)
+        self.log.event(
+            "worker_finished", worker=member.worker_id, incarnation=member.incarnation, version=self.version, **values
+        )
         return pb.FinishReply(version=self.version)
 
     def status(self) -> pb.StatusReply:
         current = self.members.current
         return pb.StatusReply(
-            version=self.version, aggregation_mode=self.mode, num_workers=self.num_workers,
-            registered=sorted(w for w, m in current.items() if m.state != "awaited"), finished=sorted(w for w, m in current.items() if m.state == "finished"),
-            pushes_applied=self.counters["pushes_applied"], pushes_rejected=self.counters["pushes_rejected"],
-            pushes_refused=self.counters["pushes_refused"], done=self.done.is_set(),
-            workers=[pb.WorkerState(worker_id=m.worker_id, incarnation=m.incarnation, state=m.state) for m in self.members.history],
+            version=self.version,
+            aggregation_mode=self.mode,
+            num_workers=self.num_workers,
+            registered=sorted(w for w, m in current.items() if m.state != "awaited"),
+            finished=sorted(w for w, m in current.items() if m.state == "finished"),
+            pushes_applied=self.counters["pushes_applied"],
+            pushes_rejected=self.counters["pushes_rejected"],
+            pushes_refused=self.counters["pushes_refused"],
+            done=self.done.is_set(),
+            workers=[
+                pb.WorkerState(worker_id=m.worker_id, incarnation=m.incarnation, state=m.state)
+                for m in self.members.history
+            ],
             epochs_done=self.work.epochs_done(),
         )
 
@@ -540,8 +619,11 @@ class ServerCore:
         events = []
         awaited = set(self.members.awaited())
         for member, silence in self.members.expire():
-            reason = (f"did not register with the restarted server within {silence:.2f} s"
-                      if member.worker_id in awaited else f"silent for {silence:.2f} s")
+            reason = (
+                f"did not register with the restarted server within {silence:.2f} s"
+                if member.worker_id in awaited
+                else f"silent for {silence:.2f} s"
+            )
             events += self._fail(member, reason=reason, silence=silence)
         return events
 
@@ -569,8 +651,9 @@ class ServerCore:
         live = set(self.members.live())
         free = [w for w in range(self.num_workers) if w not in live]
         if not free:
-            raise Refused("RESOURCE_EXHAUSTED", f"all {self.num_workers} worker ids are held by live workers "
-                                                f"(system.num_workers)")
+            raise Refused(
+                "RESOURCE_EXHAUSTED", f"all {self.num_workers} worker ids are held by live workers (system.num_workers)"
+            )
         return free[0]
 
     def poll_work(self, member: Member) -> tuple[list[Batch] | None, bool] | None:
@@ -608,18 +691,27 @@ class ServerCore:
     def _add_to_round(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
         round_ = self._round
         if not contribution.gradients:  # a skipped step (client-owned work): this version goes on without it
-            if round_ is None or request.base_version != round_.version or member.worker_id not in round_.expected \
-                    or member.worker_id in round_.arrived:
-                raise PushRefused("FAILED_PRECONDITION",
-                              f"skipped step of worker {member.worker_id} for version {request.base_version}, which is "
-                              f"not its turn (barrier at version {round_.version if round_ else self.state.version})")
+            if (
+                round_ is None
+                or request.base_version != round_.version
+                or member.worker_id not in round_.expected
+                or member.worker_id in round_.arrived
+            ):
+                raise PushRefused(
+                    "FAILED_PRECONDITION",
+                    f"skipped step of worker {member.worker_id} for version {request.base_version}, which is "
+                    f"not its turn (barrier at version {round_.version if round_ else self.state.version})",
+                )
             round_.drop(member.worker_id)  # it is in the next round again
             reply = self._skipped(member, request)
             self._maybe_complete_round()
             return reply
         if round_ is None or request.base_version != round_.version:
-            raise PushRefused("FAILED_PRECONDITION", f"sync push for version {request.base_version}, but the barrier is at "
-                                                 f"version {round_.version if round_ else self.state.version}")
+            raise PushRefused(
+                "FAILED_PRECONDITION",
+                f"sync push for version {request.base_version}, but the barrier is at "
+                f"version {round_.version if round_ else self.state.version}",
+            )
         try:
             round_.add(contribution)
         except ValueError as exc:
@@ -658,16 +750,19 @@ class ServerCore:
         if not contribution.gradients:
             return self._skipped(member, request)
         if request.base_version > self.state.version:
-            raise PushRefused("INVALID_ARGUMENT",
-                          f"base_version {request.base_version} is ahead of the server's version {self.state.version}")
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                f"base_version {request.base_version} is ahead of the server's version {self.state.version}",
+            )
         staleness = self.state.version - request.base_version
         self.staleness_histogram[staleness] += 1
         weight, reason = self.staleness_policy.verdict(staleness)
         self._log_push(member, request, staleness=staleness, weight=weight, accepted=weight is not None, reason=reason)
         if weight is None:
             self.counters["pushes_rejected"] += 1
-            return pb.PushReply(accepted=False, staleness=staleness, weight=0.0,
-                                reason=f"rejected by the staleness policy: {reason}")
+            return pb.PushReply(
+                accepted=False, staleness=staleness, weight=0.0, reason=f"rejected by the staleness policy: {reason}"
+            )
         self._set_step_learning_rate([contribution])
         self.state.step(contribution.gradients, contribution.buffers, weight, worker=member.worker_id)
         self._applied([contribution])
@@ -675,8 +770,14 @@ class ServerCore:
 
     def _skipped(self, member: Member, request: pb.PushRequest) -> pb.PushReply:
         self.counters["steps_skipped"] += 1
-        self.log.event("push_skipped", worker=member.worker_id, incarnation=member.incarnation,
-                       request_id=request.request_id, base_version=request.base_version, version=self.state.version)
+        self.log.event(
+            "push_skipped",
+            worker=member.worker_id,
+            incarnation=member.incarnation,
+            request_id=request.request_id,
+            base_version=request.base_version,
+            version=self.state.version,
+        )
         return pb.PushReply(accepted=False, reason="skipped step (no gradient)", staleness=0, weight=0.0)
 
     def _applied(self, contributions: list[Contribution]) -> None:
@@ -693,14 +794,22 @@ class ServerCore:
             self.counters["samples_applied"] += contribution.num_samples  # checked to equal its batches' samples
         self.counters["pushes_applied"] += len(contributions)
         version = self.state.version
-        self.log.event("update", version=version, requests=[[c.worker, c.request_id] for c in contributions],
-                       samples=samples, num_samples=sum(c.num_samples for c in contributions),
-                       learning_rate=self.state.learning_rate)
+        self.log.event(
+            "update",
+            version=version,
+            requests=[[c.worker, c.request_id] for c in contributions],
+            samples=samples,
+            num_samples=sum(c.num_samples for c in contributions),
+            learning_rate=self.state.learning_rate,
+        )
         if all(c.learning_rate is None for c in contributions):
             self._schedule_next_step()
         self._after_version(epochs_done, samples_before)
-        self._faults.reached(version, announce=lambda fault: self.log.event("fault_injected", fault=str(fault), version=version),
-                             fire=self._fire_fault)
+        self._faults.reached(
+            version,
+            announce=lambda fault: self.log.event("fault_injected", fault=str(fault), version=version),
+            fire=self._fire_fault,
+        )
         if self.work.finished() and self._train_ended is None:
             self._train_ended = self.clock.time()
         self._check_done()
@@ -725,16 +834,37 @@ class ServerCore:
         for total, gradient in zip(self._ledger, gradients):
             total.add_(gradient.to(torch.float64))
 
-    def _log_push(self, member: Member, request: pb.PushRequest, *, staleness: int, weight: float | None, accepted: bool,
-                  reason: str | None = None) -> None:
+    def _log_push(
+        self,
+        member: Member,
+        request: pb.PushRequest,
+        *,
+        staleness: int,
+        weight: float | None,
+        accepted: bool,
+        reason: str | None = None,
+    ) -> None:
         """The push event: its Staleness, weight and verdict (with the policy's reason), batches and timings."""
         metrics = request.metrics
-        event = self.log.event("push", worker=member.worker_id, incarnation=member.incarnation, request_id=request.request_id,
-                               base_version=request.base_version, version=self.state.version, staleness=staleness,
-                               weight=weight, accepted=accepted, reason=reason, num_samples=request.num_samples,
-                               batch_ids=list(request.batch_ids), epoch=metrics.epoch, loss=metrics.loss,
-                               gradient_time_s=metrics.gradient_time_s, compression_time_s=metrics.compression_time_s,
-                               communication_time_s=metrics.communication_time_s)
+        event = self.log.event(
+            "push",
+            worker=member.worker_id,
+            incarnation=member.incarnation,
+            request_id=request.request_id,
+            base_version=request.base_version,
+            version=self.state.version,
+            staleness=staleness,
+            weight=weight,
+            accepted=accepted,
+            reason=reason,
+            num_samples=request.num_samples,
+            batch_ids=list(request.batch_ids),
+            epoch=metrics.epoch,
+            loss=metrics.loss,
+            gradient_time_s=metrics.gradient_time_s,
+            compression_time_s=metrics.compression_time_s,
+            communication_time_s=metrics.communication_time_s,
+        )
         if self.controller is not None:
             self.controller.observe(event)  # timings only; decisions come at evaluations
 
@@ -743,8 +873,13 @@ class ServerCore:
     def _maybe_start(self) -> None:
         """sync: the first round starts once every worker id has registered and every live one is ready."""
         ready = self.members.ready()
-        if (not self._started and ready and len(self.members.current) == self.num_workers and ready == self.members.live()
-                and not self.members.awaited()):
+        if (
+            not self._started
+            and ready
+            and len(self.members.current) == self.num_workers
+            and ready == self.members.live()
+            and not self.members.awaited()
+        ):
             self._started = True
         if self._started and self.mode == "sync":
             self._open_round()
@@ -764,12 +899,23 @@ class ServerCore:
         if self._round is not None:
             self._round.drop(worker)
         moved = self.work.release(worker, self.members.live())
-        self.log.event("worker_failed", worker=worker, incarnation=member.incarnation, pid=member.pid, reason=reason,
-                       silent_for_s=silence, version=self.version)
+        self.log.event(
+            "worker_failed",
+            worker=worker,
+            incarnation=member.incarnation,
+            pid=member.pid,
+            reason=reason,
+            silent_for_s=silence,
+            version=self.version,
+        )
         if moved:
-            self.log.event("work_reassigned", worker=worker, version=self.version,
-                           batches={str(to): [b.batch_id for b in bs] for to, bs in moved.items()},
-                           samples=sum(len(b.indices) for bs in moved.values() for b in bs))
+            self.log.event(
+                "work_reassigned",
+                worker=worker,
+                version=self.version,
+                batches={str(to): [b.batch_id for b in bs] for to, bs in moved.items()},
+                samples=sum(len(b.indices) for bs in moved.values() for b in bs),
+            )
         if self.mode == "sync" and self.state is not None:
             self._maybe_start()
             self._maybe_complete_round()
@@ -779,8 +925,12 @@ class ServerCore:
 
     def record_stats(self, member: Member, stats: pb.WorkerStats, *, final: bool) -> dict[str, Any]:
         values = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
-        self.stats_by_incarnation[member.incarnation] = {"worker_id": member.worker_id, "incarnation": member.incarnation,
-                                                         "final": final, **values}
+        self.stats_by_incarnation[member.incarnation] = {
+            "worker_id": member.worker_id,
+            "incarnation": member.incarnation,
+            "final": final,
+            **values,
+        }
         return values
 
     def _check_done(self) -> None:
@@ -890,12 +1040,16 @@ class ServerCore:
                 "requests": self.requests.state_dict(),
                 "next_incarnation": self.members.next_incarnation,
                 # the workers a restarted server waits for (and fails, if they stay silent: a hang while it was down)
-                "live_workers": [[m.worker_id, m.incarnation, m.pid] for m in self.members.current.values()
-                                 if m.state in ("live", "awaited")],
+                "live_workers": [
+                    [m.worker_id, m.incarnation, m.pid]
+                    for m in self.members.current.values()
+                    if m.state in ("live", "awaited")
+                ],
                 "counters": dict(self.counters),
                 "staleness_histogram": {str(k): v for k, v in self.staleness_histogram.items()},
-                "controller": None if self.controller is None else {
-                    "state": self.controller.state_dict(), "decisions": dict(self.controller_decisions)},
+                "controller": None
+                if self.controller is None
+                else {"state": self.controller.state_dict(), "decisions": dict(self.controller_decisions)},
                 "stats_by_incarnation": {str(k): dict(v) for k, v in self.stats_by_incarnation.items()},
                 "run_started_wall": self._run_started,
                 "train_started_wall": self._train_started,
@@ -907,9 +1061,14 @@ class ServerCore:
     def _checkpoint(self, path: Path, state: dict[str, Any]) -> Path:
         with tracing.span("checkpoint", version=state["version"]):
             checkpoint = make_checkpoint(
-                model_state_dict=state["model"], optimizer_state_dict=state["optimizer"],
-                model_architecture=self.model_label, dataset=self.data_label,
-                epoch=state["epochs_done"], step=state["version"], config=self.config.to_dict(), extra=state["extra"],
+                model_state_dict=state["model"],
+                optimizer_state_dict=state["optimizer"],
+                model_architecture=self.model_label,
+                dataset=self.data_label,
+                epoch=state["epochs_done"],
+                step=state["version"],
+                config=self.config.to_dict(),
+                extra=state["extra"],
             )
             return save_checkpoint(path, checkpoint)
 
@@ -930,18 +1089,29 @@ class ServerCore:
         """Continue from a checkpoint of this run's server (strictly: it must be one)."""
         path, checkpoint = load_latest_good(target)
         extra = checkpoint["extra"]
-        if "work" not in extra or extra.get("num_workers") != self.num_workers or extra.get("aggregation_mode") != self.mode:
-            raise CheckpointError(f"--resume {path}: not a checkpoint of a {self.mode} parameter-server run with "
-                                  f"{self.num_workers} workers")
+        if (
+            "work" not in extra
+            or extra.get("num_workers") != self.num_workers
+            or extra.get("aggregation_mode") != self.mode
+        ):
+            raise CheckpointError(
+                f"--resume {path}: not a checkpoint of a {self.mode} parameter-server run with "
+                f"{self.num_workers} workers"
+            )
         check_model_matches(path, checkpoint, self.model_label)
         if self.state is None:  # a server that takes its model from a worker: the checkpoint holds it
             layout = extra.get("layout")
             if layout is None:
                 raise CheckpointError(f"--resume {path}: the checkpoint does not record its model's layout")
             state = checkpoint["model_state_dict"]
-            self._install_model(model_from_layout(
-                [(n, tuple(state[n].shape)) for n in layout["parameters"]], [(n, tuple(state[n].shape)) for n in layout["buffers"]],
-                [state[n] for n in layout["parameters"]], [state[n] for n in layout["buffers"]]))
+            self._install_model(
+                model_from_layout(
+                    [(n, tuple(state[n].shape)) for n in layout["parameters"]],
+                    [(n, tuple(state[n].shape)) for n in layout["buffers"]],
+                    [state[n] for n in layout["parameters"]],
+                    [state[n] for n in layout["buffers"]],
+                )
+            )
         self.state.model.load_state_dict(checkpoint["model_state_dict"])
         self.state.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
         self.state.version = extra["version"]
@@ -963,31 +1133,53 @@ class ServerCore:
         self.target.seconds, self.target.step = extra["time_to_target"]
         self.resumed_from = path
         events_path = Path(self.config.system.log_dir) / "server" / "events.jsonl"
-        reached = max((e["version"] for e in read_events(events_path, "update")), default=self.state.version) \
-            if events_path.is_file() else self.state.version
+        reached = (
+            max((e["version"] for e in read_events(events_path, "update")), default=self.state.version)
+            if events_path.is_file()
+            else self.state.version
+        )
         self.counters["server_recoveries"] += 1
         self.counters["versions_lost"] += max(0, reached - self.state.version)
-        self.log.event("server_recovered", checkpoint=str(path), version=self.state.version,
-                       versions_lost=max(0, reached - self.state.version))
+        self.log.event(
+            "server_recovered",
+            checkpoint=str(path),
+            version=self.state.version,
+            versions_lost=max(0, reached - self.state.version),
+        )
 
-    def _evaluate_snapshot(self, epoch: int, version: int, state: dict[str, torch.Tensor], elapsed: float,
-                           samples: int) -> None:
+    def _evaluate_snapshot(
+        self, epoch: int, version: int, state: dict[str, torch.Tensor], elapsed: float, samples: int
+    ) -> None:
         self._eval_model.load_state_dict(state)
         self._record_eval(epoch, version, self._eval_model, elapsed, samples)
 
-    def _record_eval(self, epoch: int, version: int, model: nn.Module, elapsed: float, samples: int) -> tuple[float, float]:
+    def _record_eval(
+        self, epoch: int, version: int, model: nn.Module, elapsed: float, samples: int
+    ) -> tuple[float, float]:
         t = self.config.training
         with tracing.span("evaluate", version=version):
             loss, accuracy = evaluate(model, self.test_set, batch_size=t.eval_batch_size)
-        event = self.log.scalars("eval", version, {"test_loss": loss, "test_accuracy": accuracy}, epoch=epoch,
-                                 elapsed_s=elapsed, samples=samples)
+        event = self.log.scalars(
+            "eval",
+            version,
+            {"test_loss": loss, "test_accuracy": accuracy},
+            epoch=epoch,
+            elapsed_s=elapsed,
+            samples=samples,
+        )
         if self.controller is not None:
             with self.lock:
                 self._decide(event)
         if self.target.observe(accuracy, elapsed, version):
             self.log.event("target_reached", version=version, elapsed_s=elapsed, accuracy=accuracy)
-        logger.info("epoch %d/%d: test accuracy %.2f%%, test loss %.4f (server version %d)", epoch, t.num_epochs,
-                    accuracy * 100, loss, version)
+        logger.info(
+            "epoch %d/%d: test accuracy %.2f%%, test loss %.4f (server version %d)",
+            epoch,
+            t.num_epochs,
+            accuracy * 100,
+            loss,
+            version,
+        )
         return loss, accuracy
 
     def _decide(self, eval_event: dict[str, Any]) -> None:
@@ -1013,8 +1205,13 @@ class ServerCore:
             described["downlink_delay_s"] = {str(k): v for k, v in downlink_delay_s.items()}
         return described
 
-    def finalize(self, summary_json: str | Path | None = None, *, downlink_delay_s: dict[int, float] | None = None,
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def finalize(
+        self,
+        summary_json: str | Path | None = None,
+        *,
+        downlink_delay_s: dict[int, float] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """After the run is over: final evaluation, final checkpoint, run summary (returned and written).
 
         Args:
@@ -1035,13 +1232,21 @@ class ServerCore:
             workers = [exposed_communication(self.stats_by_incarnation[i]) for i in sorted(self.stats_by_incarnation)]
         version = state["version"]
         elapsed = self.elapsed() if self._train_ended is None else self._train_ended - (self._train_started or 0.0)
-        final_loss, final_accuracy = (self._record_eval(t.num_epochs, version, self.state.model, elapsed,
-                                                        self.counters["samples_applied"])
-                                      if self.test_set is not None else (float("nan"), float("nan")))
-        checkpoint_path = self._checkpoint(final_checkpoint_path(self.config.system.checkpoint_dir, "parameter_server"), state)
+        final_loss, final_accuracy = (
+            self._record_eval(t.num_epochs, version, self.state.model, elapsed, self.counters["samples_applied"])
+            if self.test_set is not None
+            else (float("nan"), float("nan"))
+        )
+        checkpoint_path = self._checkpoint(
+            final_checkpoint_path(self.config.system.checkpoint_dir, "parameter_server"), state
+        )
         if self.config.system.gradient_ledger:
-            ledger = dict(zip(self.state.param_names, self._ledger or [torch.zeros(p.shape, dtype=torch.float64)
-                                                                       for p in self.state.params]))
+            ledger = dict(
+                zip(
+                    self.state.param_names,
+                    self._ledger or [torch.zeros(p.shape, dtype=torch.float64) for p in self.state.params],
+                )
+            )
             torch.save({"applied": ledger}, Path(self.config.system.log_dir) / "server" / "gradient_ledger.pt")
         train_time = elapsed
         samples = self.counters["samples_applied"]
@@ -1073,9 +1278,13 @@ class ServerCore:
             "staleness_histogram": {str(k): v for k, v in histogram.items()},
             "mean_staleness": sum(k * v for k, v in histogram.items()) / judged if judged else 0.0,
             "max_staleness": max(histogram, default=0),
-            "controller": None if self.controller is None else {
-                "decisions": dict(self.controller_decisions), "final_compression_ratio": self.control.compression_ratio or None,
-                "final_max_staleness": self.controller.max_staleness},
+            "controller": None
+            if self.controller is None
+            else {
+                "decisions": dict(self.controller_decisions),
+                "final_compression_ratio": self.control.compression_ratio or None,
+                "final_max_staleness": self.controller.max_staleness,
+            },
             **self.target.fields(),
             "gradient_time_s": sum(w["gradient_time_s"] for w in workers),
             "compression_time_s": sum(w["compression_time_s"] for w in workers),

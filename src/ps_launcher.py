@@ -127,9 +127,14 @@ def run_server(
             port = server.start()
             host, _ = split_address(config.system.server_address)  # as bound: 0.0.0.0 means every interface
             bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            logger.info("parameter server listening on %s (%s, %s, %d workers%s)", bound, config.system.transport,
-                        config.system.aggregation_mode, config.system.num_workers,
-                        f", resumed at version {server.state.version}" if resume else "")
+            logger.info(
+                "parameter server listening on %s (%s, %s, %d workers%s)",
+                bound,
+                config.system.transport,
+                config.system.aggregation_mode,
+                config.system.num_workers,
+                f", resumed at version {server.state.version}" if resume else "",
+            )
             if on_listening is not None:
                 on_listening(port)
             server.wait_until_done()
@@ -138,8 +143,9 @@ def run_server(
             server.stop()
 
 
-def run_worker(config: Config, worker_id: int, *, token: str | None = None, address: str | None = None,
-               faults: bool = True) -> dict[str, Any]:
+def run_worker(
+    config: Config, worker_id: int, *, token: str | None = None, address: str | None = None, faults: bool = True
+) -> dict[str, Any]:
     """Train as worker ``worker_id`` of the server at ``address`` (default ``system.server_address``)."""
     from src.ps_transport import reuse_freed_memory
     from src.worker import Worker
@@ -153,8 +159,15 @@ def run_worker(config: Config, worker_id: int, *, token: str | None = None, addr
 # ----------------------------------------------------------------------------- spawned children
 
 
-def _server_child(config: Config, token: str, summary_json: str | None, num_threads: int | None, report,
-                  resume: str | None, faults: bool) -> None:
+def _server_child(
+    config: Config,
+    token: str,
+    summary_json: str | None,
+    num_threads: int | None,
+    report,
+    resume: str | None,
+    faults: bool,
+) -> None:
     setup_logging(config.system.log_level)  # a spawned process starts with logging unconfigured
     _set_threads(num_threads)
     lock = threading.Lock()  # events come from the server's RPC and monitor threads
@@ -166,9 +179,15 @@ def _server_child(config: Config, token: str, summary_json: str | None, num_thre
     from src.parameter_server import RunFailed
 
     try:
-        summary = run_server(config, token=token, summary_json=summary_json, resume=resume, faults=faults,
-                             on_listening=lambda port: send(("listening", port)),
-                             on_event=lambda kind, fields: send((kind, fields)))
+        summary = run_server(
+            config,
+            token=token,
+            summary_json=summary_json,
+            resume=resume,
+            faults=faults,
+            on_listening=lambda port: send(("listening", port)),
+            on_event=lambda kind, fields: send((kind, fields)),
+        )
     except (RunFailed, *_expected_errors()) as exc:  # a restart would fail the same way
         send(("error", f"parameter server: {exc}"))
         raise SystemExit(FATAL_EXIT) from None
@@ -226,8 +245,10 @@ class _LocalRun:
         send = self._pipe()
         with children_ignore_sigint():
             self.server = self.context.Process(
-                target=_server_child, name="parameter-server",
-                args=(config, self.token, self.summary_json, self.num_threads, send, resume, faults))
+                target=_server_child,
+                name="parameter-server",
+                args=(config, self.token, self.summary_json, self.num_threads, send, resume, faults),
+            )
             self.server.start()
         send.close()
         self.pipe_of[self.server] = self.receivers[-1]
@@ -236,8 +257,11 @@ class _LocalRun:
         config = _with_address(self.config, connect_address(self.config.system.server_address, self.port))
         send = self._pipe()
         with children_ignore_sigint():
-            process = self.context.Process(target=_worker_child, name=f"worker-{worker_id}",
-                                           args=(config, worker_id, self.token, self.num_threads, send, faults))
+            process = self.context.Process(
+                target=_worker_child,
+                name=f"worker-{worker_id}",
+                args=(config, worker_id, self.token, self.num_threads, send, faults),
+            )
             process.start()
         send.close()
         self.workers[worker_id] = process
@@ -268,7 +292,9 @@ def _exit_description(process) -> str:
     return f"exited with status {code}"
 
 
-def run_local(config: Config, *, summary_json: str | Path | None = None, resume: str | Path | None = None) -> dict[str, Any]:
+def run_local(
+    config: Config, *, summary_json: str | Path | None = None, resume: str | Path | None = None
+) -> dict[str, Any]:
     """The server and ``system.num_workers`` workers as supervised processes of this machine; returns the run summary.
 
     Args:
@@ -347,10 +373,18 @@ def _drain(run: _LocalRun, receive, wanted: str) -> tuple[bool, Any]:
         elif kind == "worker_rejoined" and value["worker"] in run.revoked.waiting:
             run.revoked.rejoined(value["worker"], value["pid"])
             if value["worker"] not in run.revoked.waiting:
-                logger.info("launcher: worker %d (pid %d) rejoined by itself as incarnation %d", value["worker"],
-                            value["pid"], value["incarnation"])
-                run.events.write("worker_rejoined_by_itself", worker=value["worker"], pid=value["pid"],
-                                 incarnation=value["incarnation"])
+                logger.info(
+                    "launcher: worker %d (pid %d) rejoined by itself as incarnation %d",
+                    value["worker"],
+                    value["pid"],
+                    value["incarnation"],
+                )
+                run.events.write(
+                    "worker_rejoined_by_itself",
+                    worker=value["worker"],
+                    pid=value["pid"],
+                    incarnation=value["incarnation"],
+                )
     return False, None
 
 
@@ -360,21 +394,35 @@ def _kill_hung(run: _LocalRun) -> None:
         process = run.workers.get(worker)
         if process is not None and process.pid == pid and process.is_alive():
             process.kill()
-            logger.warning("launcher: worker %d (pid %d) was declared failed and has not rejoined within %.1f s: "
-                           "hung; killed it", worker, pid, run.revoked.grace_s)
-            run.events.write("worker_killed", worker=worker, pid=pid,
-                             reason="declared failed by the server while its process was alive, and it did not "
-                                    "rejoin (hung)")
+            logger.warning(
+                "launcher: worker %d (pid %d) was declared failed and has not rejoined within %.1f s: hung; killed it",
+                worker,
+                pid,
+                run.revoked.grace_s,
+            )
+            run.events.write(
+                "worker_killed",
+                worker=worker,
+                pid=pid,
+                reason="declared failed by the server while its process was alive, and it did not rejoin (hung)",
+            )
 
 
 def _server_ended(run: _LocalRun, process) -> None:
     attempt = run.spend_restart("server")
     if attempt is None:
-        raise LaunchError(f"parameter server {_exit_description(process)}; its restart budget "
-                          f"(system.max_restarts={run.max_restarts}) is spent")
+        raise LaunchError(
+            f"parameter server {_exit_description(process)}; its restart budget "
+            f"(system.max_restarts={run.max_restarts}) is spent"
+        )
     resume = run.newest_checkpoint()
-    logger.warning("launcher: parameter server %s; restarting it (%s, restart %d/%d)", _exit_description(process),
-                   f"from {resume}" if resume else "from scratch: no checkpoint yet", attempt, run.max_restarts)
+    logger.warning(
+        "launcher: parameter server %s; restarting it (%s, restart %d/%d)",
+        _exit_description(process),
+        f"from {resume}" if resume else "from scratch: no checkpoint yet",
+        attempt,
+        run.max_restarts,
+    )
     run.events.write("server_restarted", attempt=attempt, exit=_exit_description(process), resumed_from=resume)
     # Same port: the workers reconnect to the address they know.
     config = _with_address(run.config, connect_address(run.config.system.server_address, run.port))
@@ -385,14 +433,23 @@ def _worker_ended(run: _LocalRun, process) -> None:
     worker_id = int(process.name.rsplit("-", 1)[1])
     attempt = run.spend_restart(process.name)
     if attempt is None:
-        logger.warning("launcher: %s %s; its restart budget is spent, the run goes on without it",
-                       process.name, _exit_description(process))
+        logger.warning(
+            "launcher: %s %s; its restart budget is spent, the run goes on without it",
+            process.name,
+            _exit_description(process),
+        )
         run.events.write("worker_abandoned", worker=worker_id, exit=_exit_description(process))
         if not any(p.exitcode is None for p in run.workers.values()):
-            raise LaunchError(f"every worker has failed and the restart budgets (system.max_restarts="
-                              f"{run.max_restarts}) are spent")
+            raise LaunchError(
+                f"every worker has failed and the restart budgets (system.max_restarts={run.max_restarts}) are spent"
+            )
         return
-    logger.warning("launcher: %s %s; restarting it (restart %d/%d)", process.name, _exit_description(process),
-                   attempt, run.max_restarts)
+    logger.warning(
+        "launcher: %s %s; restarting it (restart %d/%d)",
+        process.name,
+        _exit_description(process),
+        attempt,
+        run.max_restarts,
+    )
     run.events.write("worker_restarted", worker=worker_id, attempt=attempt, exit=_exit_description(process))
     run.start_worker(worker_id, faults=False)

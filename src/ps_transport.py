@@ -128,8 +128,12 @@ def reuse_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return (bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-            and bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_ARENA_MAX, 1)))
+    return (
+        bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
+        and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+        and bool(mallopt(_M_MMAP_MAX, 0))
+        and bool(mallopt(_M_ARENA_MAX, 1))
+    )
 
 
 # ----------------------------------------------------------------------------- security
@@ -187,9 +191,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"missing or wrong auth token (metadata '{AUTH_METADATA_KEY}: Bearer <token>'; "
-                          f"system.auth_token or ${AUTH_TOKEN_ENV})")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"missing or wrong auth token (metadata '{AUTH_METADATA_KEY}: Bearer <token>'; "
+                f"system.auth_token or ${AUTH_TOKEN_ENV})",
+            )
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -217,8 +223,11 @@ server's side of it, a client pinging during a long barrier wait earns a ``too_m
 KEEPALIVE_TIMEOUT_MS = 20_000
 
 
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                     ("grpc.max_reconnect_backoff_ms", 1000)]
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 """A client retries a lost server at least every second (gRPC's default back-off grows to minutes): a
 restarted server waits one heartbeat timeout for the workers of its checkpoint before it fails them."""
 
@@ -246,6 +255,7 @@ def service_handler(servicer) -> grpc.GenericRpcHandler:
     without protobuf); Push and Initialize receive the raw request bytes so the handler can
     :func:`split` them and refuse a malformed one with INVALID_ARGUMENT.
     """
+
     def unary(method, request_type, reply_type):
         return grpc.unary_unary_rpc_method_handler(
             method,
@@ -253,15 +263,18 @@ def service_handler(servicer) -> grpc.GenericRpcHandler:
             response_serializer=serialize if reply_type is None else reply_type.SerializeToString,
         )
 
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "Register": unary(servicer.Register, pb.RegisterRequest, pb.RegisterReply),
-        "Initialize": unary(servicer.Initialize, None, pb.InitializeReply),
-        "Pull": unary(servicer.Pull, pb.PullRequest, None),
-        "Push": unary(servicer.Push, None, None),
-        "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
-        "Finish": unary(servicer.Finish, pb.FinishRequest, pb.FinishReply),
-        "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Register": unary(servicer.Register, pb.RegisterRequest, pb.RegisterReply),
+            "Initialize": unary(servicer.Initialize, None, pb.InitializeReply),
+            "Pull": unary(servicer.Pull, pb.PullRequest, None),
+            "Push": unary(servicer.Push, None, None),
+            "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+            "Finish": unary(servicer.Finish, pb.FinishRequest, pb.FinishReply),
+            "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
+        },
+    )
 
 
 def start_grpc_server(
@@ -324,7 +337,9 @@ class ProtocolClient:
     def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
         raise NotImplementedError
 
-    def _call(self, name: str, request, *, timeout: float | None = None, wait_for_ready: bool = False, retry: bool = True):
+    def _call(
+        self, name: str, request, *, timeout: float | None = None, wait_for_ready: bool = False, retry: bool = True
+    ):
         attempt = 0
         while True:
             try:
@@ -336,8 +351,15 @@ class ProtocolClient:
                 time.sleep(min(0.2 * 2**attempt, 1.0))  # backoff before resending the same request (a restarted
                 # server is found within a second of coming up: it waits one heartbeat timeout for its workers)
 
-    def register(self, worker_id: int, last_request_id: int = 0, carried_batch_ids: Sequence[int] = (), *,
-                 timeout: float | None = None, any_worker_id: bool = False) -> pb.RegisterReply:
+    def register(
+        self,
+        worker_id: int,
+        last_request_id: int = 0,
+        carried_batch_ids: Sequence[int] = (),
+        *,
+        timeout: float | None = None,
+        any_worker_id: bool = False,
+    ) -> pb.RegisterReply:
         """Join the run (again); waits up to ``timeout`` (default ``connect_timeout_s``) for the server.
 
         Args:
@@ -345,12 +367,21 @@ class ProtocolClient:
                 whether it was applied).
             any_worker_id: let the server pick a free worker id (the reply's ``worker_id``).
         """
-        request = pb.RegisterRequest(worker_id=worker_id, last_request_id=last_request_id,
-                                     carried_batch_ids=carried_batch_ids, pid=os.getpid(), any_worker_id=any_worker_id)
+        request = pb.RegisterRequest(
+            worker_id=worker_id,
+            last_request_id=last_request_id,
+            carried_batch_ids=carried_batch_ids,
+            pid=os.getpid(),
+            any_worker_id=any_worker_id,
+        )
         # wait_for_ready: reconnect with backoff until the server accepts or the deadline passes.
-        return self._call("Register", request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True, retry=False)
+        return self._call(
+            "Register", request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True, retry=False
+        )
 
-    def initialize(self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]) -> pb.InitializeReply:
+    def initialize(
+        self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]
+    ) -> pb.InitializeReply:
         """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
         return self._call("Initialize", Outgoing(request, {"parameters": parameters, "buffers": buffers}))
 
@@ -358,14 +389,25 @@ class ProtocolClient:
         """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views)."""
         return self._call("Pull", pb.PullRequest(caller=caller))
 
-    def push(self, request: pb.PushRequest, gradients: Sequence[Any] = (), buffers: Sequence[Any] = (), *,
-             wait_for_ready: bool = False, timeout: float | None = None) -> Received:
+    def push(
+        self,
+        request: pb.PushRequest,
+        gradients: Sequence[Any] = (),
+        buffers: Sequence[Any] = (),
+        *,
+        wait_for_ready: bool = False,
+        timeout: float | None = None,
+    ) -> Received:
         """Send one step; the reply (a :class:`~pb.PushReply` and views) carries the next parameters and work.
 
         A retry resends the same bytes (same request id), which the server applies at most once.
         """
-        return self._call("Push", Outgoing(request, {"gradients": gradients, "buffers": buffers}),
-                          wait_for_ready=wait_for_ready, timeout=timeout)
+        return self._call(
+            "Push",
+            Outgoing(request, {"gradients": gradients, "buffers": buffers}),
+            wait_for_ready=wait_for_ready,
+            timeout=timeout,
+        )
 
     def push_bytes(self, data: bytes, *, timeout: float | None = None) -> Received:
         """Send ``data`` as a Push message as it is, without a retry (tools and tests of the server's parser)."""
@@ -439,10 +481,13 @@ class ParameterServerClient(ProtocolClient):
                 response_deserializer=self._parser(reply_type, large_fields),
             )
             for name, reply_type, large_fields in (
-                ("Register", pb.RegisterReply, None), ("Initialize", pb.InitializeReply, None),
+                ("Register", pb.RegisterReply, None),
+                ("Initialize", pb.InitializeReply, None),
                 ("Pull", pb.PullReply, model_state),
-                ("Push", pb.PushReply, model_state + ("parameter_deltas",)), ("Heartbeat", pb.HeartbeatReply, None),
-                ("Finish", pb.FinishReply, None), ("Status", pb.StatusReply, None),
+                ("Push", pb.PushReply, model_state + ("parameter_deltas",)),
+                ("Heartbeat", pb.HeartbeatReply, None),
+                ("Finish", pb.FinishReply, None),
+                ("Status", pb.StatusReply, None),
             )
         }
 

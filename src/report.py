@@ -44,11 +44,28 @@ ARTIFACT_NAMES = {"baseline": "baseline", "parameter_server": "ps", "ddp": "ddp"
 WORKER_METRICS_NAME = "worker_metrics.json"
 EVENTS_SUFFIX = "_events.jsonl"
 FAULT_KINDS = (
-    "worker_failed", "work_reassigned", "worker_restarted", "worker_rejoined", "server_failed",
-    "server_restarted", "server_recovered", "rank_failed", "rank_restarted", "checkpoint_failed",
+    "worker_failed",
+    "work_reassigned",
+    "worker_restarted",
+    "worker_rejoined",
+    "server_failed",
+    "server_restarted",
+    "server_recovered",
+    "rank_failed",
+    "rank_restarted",
+    "checkpoint_failed",
 )
-_NUMERIC_FIELDS = ("final_accuracy", "final_loss", "total_time_s", "throughput_samples_per_s", "samples_processed",
-                   "bytes_sent", "bytes_received")
+_NUMERIC_FIELDS = (
+    "final_accuracy",
+    "final_loss",
+    "total_time_s",
+    "throughput_samples_per_s",
+    "samples_processed",
+    "bytes_sent",
+    "bytes_received",
+)
+
+
 def _training_clock(summary: dict[str, Any]) -> str:
     """What a run's training time measures (and, for a virtual-time run, that it was computed, not measured)."""
     clock = summary.get("clock")
@@ -65,33 +82,33 @@ _TRAINING_CLOCKS = {
 }
 DEFINITIONS = {
     "throughput": "training samples processed by all workers/ranks together (each sample counted once, by "
-                  "whoever computed its gradient) divided by the run's training time (train_time_s, the "
-                  "training clock of the summary). The same figure every runner prints.",
+    "whoever computed its gradient) divided by the run's training time (train_time_s, the "
+    "training clock of the summary). The same figure every runner prints.",
     "speedup": "throughput over the baseline run's throughput in this report (with the same data and epochs "
-               "this equals baseline train time / train time).",
+    "this equals baseline train time / train time).",
     "bytes": "every byte a worker or rank put on the wire (sent) or took off it (received), summed over all "
-             "workers/ranks of the run. Parameter server: the serialized gRPC messages (pushes up, parameters "
-             "down). DDP: the gradient exchange; measured from what the ring and compression hooks send, "
-             "estimated as 2(N-1)/N x gradient bytes per rank for the backend's own allreduce (its traffic "
-             "cannot be seen), which the table marks 'estimated'. Baseline: nothing crosses a wire.",
+    "workers/ranks of the run. Parameter server: the serialized gRPC messages (pushes up, parameters "
+    "down). DDP: the gradient exchange; measured from what the ring and compression hooks send, "
+    "estimated as 2(N-1)/N x gradient bytes per rank for the backend's own allreduce (its traffic "
+    "cannot be seen), which the table marks 'estimated'. Baseline: nothing crosses a wire.",
     "bytes_per_step": "bytes one worker/rank sends (receives) for one training step on its batch: total bytes / "
-                      "(steps of all workers or ranks together).",
+    "(steps of all workers or ranks together).",
     "time_split": "seconds per worker/rank, mean over workers: gradient (forward + backward), compression "
-                  "(error feedback + compress), communication (push and pull round trips, or the comm hook). "
-                  "The backend allreduce of DDP overlaps the backward pass and is not separable from it.",
+    "(error feedback + compress), communication (push and pull round trips, or the comm hook). "
+    "The backend allreduce of DDP overlaps the backward pass and is not separable from it.",
     "exposed_communication": "seconds per worker/rank, mean over workers, that training stood still waiting for "
-                             "communication (not hidden by computation); its share is of the run's training time. "
-                             "Parameter server: the worker's time blocked on each push's reply (all of its "
-                             "communication time: a worker computes nothing meanwhile; in sync mode it includes the "
-                             "barrier wait). DDP: each step's wait at the end of the backward pass, from the last "
-                             "gradient computed until every bucket's exchange is done (any allreduce, hook or not). "
-                             "Baseline: 0, nothing is communicated. See src/exposed_comm.py.",
+    "communication (not hidden by computation); its share is of the run's training time. "
+    "Parameter server: the worker's time blocked on each push's reply (all of its "
+    "communication time: a worker computes nothing meanwhile; in sync mode it includes the "
+    "barrier wait). DDP: each step's wait at the end of the backward pass, from the last "
+    "gradient computed until every bucket's exchange is done (any allreduce, hook or not). "
+    "Baseline: 0, nothing is communicated. See src/exposed_comm.py.",
     "compression_ratio": "uncompressed gradient bytes / bytes of the payloads actually sent (1 = uncompressed).",
     "accuracy_vs_time": "test accuracy of each evaluation event against seconds since the run's run_start "
-                        "event (its main log): process start-up is included, so the curves share one clock.",
+    "event (its main log): process start-up is included, so the curves share one clock.",
     "time_to_target": "the summary's own time to target accuracy (seconds on its training clock) when it "
-                      "records one; otherwise the first evaluation at or above --target-accuracy on the "
-                      "accuracy-vs-wall-time curve.",
+    "records one; otherwise the first evaluation at or above --target-accuracy on the "
+    "accuracy-vs-wall-time curve.",
     "staleness": "server version at arrival minus the version the worker computed on, per push.",
 }
 
@@ -153,12 +170,17 @@ def check_summary(path: str | Path, data: Any, expected: str | None = None, *, r
         raise ReportInputError(path, f"not a run summary (a JSON {type(data).__name__}, expected an object)")
     architecture = data.get("architecture")
     if architecture not in ARCHITECTURES:
-        raise ReportInputError(path, f"not a run summary of this project (architecture {architecture!r}, "
-                                     f"expected one of {', '.join(ARCHITECTURES)})")
+        raise ReportInputError(
+            path,
+            f"not a run summary of this project (architecture {architecture!r}, "
+            f"expected one of {', '.join(ARCHITECTURES)})",
+        )
     if expected is not None and architecture != expected:
         raise ReportInputError(path, f"architecture is {architecture!r}, expected {expected!r}")
     if rank and "rank" not in data:
-        raise ReportInputError(path, "a run summary, not a per-rank summary (no 'rank' field; ranks are ddp_rank_<r>.json)")
+        raise ReportInputError(
+            path, "a run summary, not a per-rank summary (no 'rank' field; ranks are ddp_rank_<r>.json)"
+        )
     if not rank and "rank" in data:
         raise ReportInputError(path, f"a per-rank summary (rank {data['rank']}), not a run summary")
     missing = [name for name in SUMMARY_FIELDS if name not in data]
@@ -191,11 +213,15 @@ def load_rank_summaries(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     for path, data in ranks.values():
         for key in ("world_size", "steps", "epochs", "checkpoint_path"):
             if data.get(key) != first.get(key):
-                raise ReportInputError(path, f"from another run than {first_path} ({key} {data.get(key)!r} vs {first.get(key)!r})")
+                raise ReportInputError(
+                    path, f"from another run than {first_path} ({key} {data.get(key)!r} vs {first.get(key)!r})"
+                )
     missing = sorted(set(range(world)) - set(ranks))
     if missing:
-        raise ReportInputError(first_path, f"ranks {', '.join(map(str, missing))} of this {world}-rank run are missing "
-                                           "(pass every ddp_rank_<r>.json)")
+        raise ReportInputError(
+            first_path,
+            f"ranks {', '.join(map(str, missing))} of this {world}-rank run are missing (pass every ddp_rank_<r>.json)",
+        )
     return [ranks[r][1] for r in sorted(ranks)]
 
 
@@ -240,8 +266,12 @@ def read_event_file(path: str | Path, source: str | None = None) -> list[dict[st
             if torn_tail:
                 continue
             raise ReportInputError(path, f"line {number} is not JSON (expected one event per line)") from None
-        if not isinstance(event, dict) or not isinstance(event.get("kind"), str) \
-                or isinstance(event.get("time"), bool) or not isinstance(event.get("time"), (int, float)):
+        if (
+            not isinstance(event, dict)
+            or not isinstance(event.get("kind"), str)
+            or isinstance(event.get("time"), bool)
+            or not isinstance(event.get("time"), (int, float))
+        ):
             raise ReportInputError(path, f"line {number} is not an event (needs numeric 'time' and string 'kind')")
         if source is not None:
             event = {**event, "source": source}
@@ -313,14 +343,16 @@ def ddp_summary_from_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]
     sent, received = sum(r["bytes_sent"] for r in ranks), sum(r["bytes_received"] for r in ranks)
     world, steps = len(ranks), first.get("steps_this_run", first.get("steps"))
     summary = {k: v for k, v in first.items() if k not in ("rank", "bytes_sent_per_step", "communication_time_s")}
-    summary.update({
-        "train_time_s": slowest,
-        "throughput_samples_per_s": samples / slowest if slowest else 0.0,
-        "samples_processed": samples,
-        "bytes_sent": sent,
-        "bytes_received": received,
-        "bytes_sent_per_rank_per_step": sent / (world * steps) if steps else 0.0,
-    })
+    summary.update(
+        {
+            "train_time_s": slowest,
+            "throughput_samples_per_s": samples / slowest if slowest else 0.0,
+            "samples_processed": samples,
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "bytes_sent_per_rank_per_step": sent / (world * steps) if steps else 0.0,
+        }
+    )
     for key in ("bytes_sent_measured", "bytes_sent_estimated", "exposed_communication_s"):
         if all(key in r for r in ranks):
             summary[key] = sum(r[key] for r in ranks)
@@ -353,14 +385,19 @@ def runs_from_files(
         runs.append(Run(load_summary(baseline, "baseline"), str(baseline), events=_events_beside(Path(baseline))))
     if ps is not None:
         summary = load_summary(ps, "parameter_server")
-        workers = load_worker_metrics(worker_metrics) if worker_metrics is not None else list(summary.get("workers") or [])
+        workers = (
+            load_worker_metrics(worker_metrics) if worker_metrics is not None else list(summary.get("workers") or [])
+        )
         runs.append(Run(summary, str(ps), workers=workers, events=_events_beside(Path(ps))))
     elif worker_metrics is not None:
         raise ReportInputError(worker_metrics, "per-worker metrics need the parameter server's summary too (--ps-json)")
     if ddp_ranks:
         ranks = load_rank_summaries(ddp_ranks)
-        runs.append(Run(ddp_summary_from_ranks(ranks), str(ddp_ranks[0]), ranks=ranks,
-                        events=_events_beside(Path(ddp_ranks[0]))))
+        runs.append(
+            Run(
+                ddp_summary_from_ranks(ranks), str(ddp_ranks[0]), ranks=ranks, events=_events_beside(Path(ddp_ranks[0]))
+            )
+        )
     for run in runs:
         run.main_source = _main_source(run.events)
     return runs
@@ -410,7 +447,9 @@ def runs_from_dir(root: str | Path) -> list[Run]:
     if not runs:
         raise ReportInputError(root, "no run summaries found (summary.json, baseline.json, ps.json, ddp_rank_<r>.json)")
     _attach_dir_events(root, run_dirs)
-    return sorted(runs, key=lambda run: ARCHITECTURES.index(run.summary["architecture"]))  # stable: path order within one
+    return sorted(
+        runs, key=lambda run: ARCHITECTURES.index(run.summary["architecture"])
+    )  # stable: path order within one
 
 
 def _attach_dir_events(root: Path, run_dirs: dict[Path, list[Run]]) -> None:
@@ -486,7 +525,11 @@ def _describe(summary: Mapping[str, Any]) -> str:
         parts = ["ddp", "ring" if summary.get("allreduce") == "ring" else "allreduce"]
     if compression != "none":
         ratio = summary.get("compression_ratio")
-        parts.append(f"{compression}({ratio:g})" if architecture == "ddp" and isinstance(ratio, (int, float)) else str(compression))
+        parts.append(
+            f"{compression}({ratio:g})"
+            if architecture == "ddp" and isinstance(ratio, (int, float))
+            else str(compression)
+        )
     return " ".join(parts)
 
 
@@ -523,23 +566,38 @@ def _accuracy_curve(run: Run) -> list[dict[str, Any]]:
     for event in _main_events(run, "eval"):
         if _number(event.get("test_accuracy")) is None:
             continue
-        curve.append({"seconds": event["time"] - start, "accuracy": event["test_accuracy"],
-                      "loss": event.get("test_loss"), "step": event.get("step"), "epoch": event.get("epoch")})
+        curve.append(
+            {
+                "seconds": event["time"] - start,
+                "accuracy": event["test_accuracy"],
+                "loss": event.get("test_loss"),
+                "step": event.get("step"),
+                "epoch": event.get("epoch"),
+            }
+        )
     return curve
 
 
 def _time_to_target(run: Run, curve: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
     s = run.summary
     if s.get("target_accuracy") is not None:
-        return {"target_accuracy": s["target_accuracy"], "seconds": s.get("time_to_target_s"),
-                "step": s.get("time_to_target_step"), "source": "summary (training clock)",
-                "reached": s.get("time_to_target_s") is not None}
+        return {
+            "target_accuracy": s["target_accuracy"],
+            "seconds": s.get("time_to_target_s"),
+            "step": s.get("time_to_target_step"),
+            "source": "summary (training clock)",
+            "reached": s.get("time_to_target_s") is not None,
+        }
     if target is None:
         return {"target_accuracy": None, "seconds": None, "step": None, "source": None, "reached": None}
     hit = next((point for point in curve if point["accuracy"] >= target), None)
-    return {"target_accuracy": target, "seconds": hit["seconds"] if hit else None, "step": hit["step"] if hit else None,
-            "source": "eval events (seconds since run_start)" if curve else None,
-            "reached": (hit is not None) if curve else None}
+    return {
+        "target_accuracy": target,
+        "seconds": hit["seconds"] if hit else None,
+        "step": hit["step"] if hit else None,
+        "source": "eval events (seconds since run_start)" if curve else None,
+        "reached": (hit is not None) if curve else None,
+    }
 
 
 def _split_value(run: Run, key: str) -> float | None:
@@ -557,9 +615,15 @@ def _time_split(run: Run) -> dict[str, Any]:
     count = len(run.workers) or len(run.ranks) or int(s.get("num_workers") or 1)
     totals = {key: _split_value(run, key) for key in ("gradient_time_s", "compression_time_s", "communication_time_s")}
     note = None
-    if s["architecture"] == "ddp" and s.get("comm_hook", "allreduce") == "allreduce" and s.get("bytes_accounting") == "estimated":
+    if (
+        s["architecture"] == "ddp"
+        and s.get("comm_hook", "allreduce") == "allreduce"
+        and s.get("bytes_accounting") == "estimated"
+    ):
         totals["communication_time_s"] = None  # the hook timer reads 0: the backend's allreduce runs unseen
-        note = "backend allreduce: overlapped with the backward pass, not separable (inside gradient time when recorded)"
+        note = (
+            "backend allreduce: overlapped with the backward pass, not separable (inside gradient time when recorded)"
+        )
     per_worker = {key: (value / count if value is not None else None) for key, value in totals.items()}
     recorded = [v for v in per_worker.values() if v is not None]
     total = sum(recorded) if recorded else None
@@ -569,9 +633,17 @@ def _time_split(run: Run) -> dict[str, Any]:
     exposed = 0.0 if s["architecture"] == "baseline" else _split_value(run, "exposed_communication_s")
     exposed_per_worker = exposed / count if exposed is not None else None
     train_time = _number(s.get("train_time_s"))
-    return {"workers": count, "total_s": totals, "per_worker_s": per_worker, "shares": shares, "note": note,
-            "exposed_communication_s": exposed_per_worker,
-            "exposed_share_of_train_time": exposed_per_worker / train_time if exposed_per_worker is not None and train_time else None}
+    return {
+        "workers": count,
+        "total_s": totals,
+        "per_worker_s": per_worker,
+        "shares": shares,
+        "note": note,
+        "exposed_communication_s": exposed_per_worker,
+        "exposed_share_of_train_time": exposed_per_worker / train_time
+        if exposed_per_worker is not None and train_time
+        else None,
+    }
 
 
 def _bytes(run: Run) -> dict[str, Any]:
@@ -595,11 +667,15 @@ def _bytes(run: Run) -> dict[str, Any]:
     per_step_sent = s.get("bytes_sent_per_rank_per_step") if architecture == "ddp" else None
     if per_step_sent is None and steps:
         per_step_sent = sent / steps
-    notes = {"estimated": "estimate: 2(N-1)/N x gradient bytes per rank for the backend allreduce",
-             "mixed": "partly estimated (backend allreduce steps) and partly measured (hook payloads)"}
+    notes = {
+        "estimated": "estimate: 2(N-1)/N x gradient bytes per rank for the backend allreduce",
+        "mixed": "partly estimated (backend allreduce steps) and partly measured (hook payloads)",
+    }
     return {
-        "sent": sent, "received": received,
-        "uplink": s.get("uplink_bytes"), "downlink": s.get("downlink_bytes"),
+        "sent": sent,
+        "received": received,
+        "uplink": s.get("uplink_bytes"),
+        "downlink": s.get("downlink_bytes"),
         "worker_steps": steps,
         "sent_per_step": per_step_sent,
         "received_per_step": received / steps if steps else None,
@@ -615,13 +691,19 @@ def _compression_ratio(run: Run) -> dict[str, Any]:
         if _number(s.get(key)) is not None:
             return {"value": s[key], "source": f"summary ({key})"}
     if (s.get("compression") or "none") == "none":
-        return {"value": 1.0 if s["architecture"] != "baseline" else None, "source": "uncompressed" if s["architecture"] != "baseline" else None}
+        return {
+            "value": 1.0 if s["architecture"] != "baseline" else None,
+            "source": "uncompressed" if s["architecture"] != "baseline" else None,
+        }
     last: dict[str, float] = {}
     for event in run.events:  # workers log their cumulative ratio in their train events
         if event["kind"] == "train" and _number(event.get("compression_ratio")) is not None:
             last[event.get("source", "")] = float(event["compression_ratio"])
     if last:
-        return {"value": sum(last.values()) / len(last), "source": "workers' train events (mean of their cumulative ratios)"}
+        return {
+            "value": sum(last.values()) / len(last),
+            "source": "workers' train events (mean of their cumulative ratios)",
+        }
     return {"value": None, "source": None}
 
 
@@ -638,45 +720,87 @@ def _staleness(run: Run) -> dict[str, Any] | None:
         histogram, source = (counts, "server push events") if counts else (None, None)
     if histogram is not None:
         histogram = {str(k): int(v) for k, v in sorted(histogram.items(), key=lambda item: int(item[0]))}
-    return {"mode": s.get("aggregation_mode"), "histogram": histogram, "source": source,
-            "mean": s.get("mean_staleness"), "max": s.get("max_staleness"), "pushes_rejected": s.get("pushes_rejected")}
+    return {
+        "mode": s.get("aggregation_mode"),
+        "histogram": histogram,
+        "source": source,
+        "mean": s.get("mean_staleness"),
+        "max": s.get("max_staleness"),
+        "pushes_rejected": s.get("pushes_rejected"),
+    }
 
 
 def _faults(run: Run) -> dict[str, Any]:
     start = _run_start_time(run)
     events = [e for e in run.events if e["kind"] in FAULT_KINDS]
-    timeline = [{"seconds": e["time"] - start, "kind": e["kind"],
-                 **{k: v for k, v in e.items() if k not in ("time", "kind", "config")}} for e in events]
+    timeline = [
+        {
+            "seconds": e["time"] - start,
+            "kind": e["kind"],
+            **{k: v for k, v in e.items() if k not in ("time", "kind", "config")},
+        }
+        for e in events
+    ]
     # The server cannot know when a process died, only how long it had been silent when it was failed:
     # that silence is an upper bound of the detection latency (the fault came at or after its last sign of life).
-    detections = [{"worker": e.get("worker"), "seconds": e.get("detection_latency_s", e.get("silent_for_s"))}
-                  for e in events if e["kind"] == "worker_failed"
-                  and _number(e.get("detection_latency_s", e.get("silent_for_s"))) is not None]
+    detections = [
+        {"worker": e.get("worker"), "seconds": e.get("detection_latency_s", e.get("silent_for_s"))}
+        for e in events
+        if e["kind"] == "worker_failed" and _number(e.get("detection_latency_s", e.get("silent_for_s"))) is not None
+    ]
     recoveries = []
     for failed in (e for e in events if e["kind"] in ("worker_failed", "rank_failed", "server_failed")):
         who = "worker" if failed["kind"] == "worker_failed" else ("rank" if failed["kind"] == "rank_failed" else None)
         back_kinds = {"worker": ("worker_rejoined",), "rank": ("rank_restarted",), None: ("server_recovered",)}[who]
-        back = next((e for e in events if e["kind"] in back_kinds and e["time"] >= failed["time"]
-                     and (who is None or e.get(who) == failed.get(who))), None)
+        back = next(
+            (
+                e
+                for e in events
+                if e["kind"] in back_kinds
+                and e["time"] >= failed["time"]
+                and (who is None or e.get(who) == failed.get(who))
+            ),
+            None,
+        )
         if back is not None:
-            recoveries.append({"who": f"{who} {failed.get(who)}" if who else "server", "from": failed["kind"],
-                               "to": back["kind"], "seconds": back["time"] - failed["time"]})
+            recoveries.append(
+                {
+                    "who": f"{who} {failed.get(who)}" if who else "server",
+                    "from": failed["kind"],
+                    "to": back["kind"],
+                    "seconds": back["time"] - failed["time"],
+                }
+            )
     for event in events:  # recoveries the event states itself (e.g. a server restarted from its checkpoint)
         for key in ("recovery_s", "recovery_time_s", "downtime_s"):
             if _number(event.get(key)) is not None:
                 recoveries.append({"who": event["kind"], "from": None, "to": event["kind"], "seconds": event[key]})
     versions_lost = [e["versions_lost"] for e in events if e["kind"] == "server_recovered" and "versions_lost" in e]
-    return {"counts": run.summary.get("faults"), "timeline": timeline, "detection": detections,
-            "recovery": recoveries, "versions_lost": versions_lost, "happened": bool(events) or bool(
-                isinstance(run.summary.get("faults"), dict) and any(_number(v) for v in run.summary["faults"].values()))}
+    return {
+        "counts": run.summary.get("faults"),
+        "timeline": timeline,
+        "detection": detections,
+        "recovery": recoveries,
+        "versions_lost": versions_lost,
+        "happened": bool(events)
+        or bool(
+            isinstance(run.summary.get("faults"), dict) and any(_number(v) for v in run.summary["faults"].values())
+        ),
+    }
 
 
 def _table_rows(members: Sequence[Mapping[str, Any]], key: str) -> list[dict[str, Any]]:
     return sorted((dict(m) for m in members), key=lambda m: (m.get(key) is None, m.get(key)))
 
 
-def build_report(runs: Sequence[Run], *, bench: Mapping[str, Any] | None = None, target_accuracy: float | None = None,
-                 inputs: Sequence[str] = (), trace: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def build_report(
+    runs: Sequence[Run],
+    *,
+    bench: Mapping[str, Any] | None = None,
+    target_accuracy: float | None = None,
+    inputs: Sequence[str] = (),
+    trace: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The report dict (what the JSON report holds) from ``runs``; pure, no I/O.
 
     Args:
@@ -694,38 +818,42 @@ def build_report(runs: Sequence[Run], *, bench: Mapping[str, Any] | None = None,
         s = run.summary
         throughput = _number(s["throughput_samples_per_s"])
         curve = _accuracy_curve(run)
-        entries.append({
-            "label": label,
-            "origin": run.origin,
-            "architecture": s["architecture"],
-            "aggregation_mode": s.get("aggregation_mode"),
-            "compression": s.get("compression"),
-            "comm_hook": s.get("comm_hook"),
-            "dataset": s["dataset"],
-            "num_workers": s["num_workers"],
-            "epochs": s.get("epochs"),
-            "steps": s.get("versions", s.get("steps")),
-            "final_accuracy": s["final_accuracy"],
-            "final_loss": s["final_loss"],
-            "total_time_s": s["total_time_s"],
-            "train_time_s": s.get("train_time_s"),
-            "clock": _training_clock(s),
-            "throughput_samples_per_s": s["throughput_samples_per_s"],
-            "samples_processed": s["samples_processed"],
-            "speedup_vs_baseline": throughput / base_throughput if throughput is not None and base_throughput else None,
-            "time_to_target": _time_to_target(run, curve, target_accuracy),
-            "time_split": _time_split(run),
-            "bytes": _bytes(run),
-            "compression_ratio": _compression_ratio(run),
-            "staleness": _staleness(run),
-            "faults": _faults(run),
-            "emulation": s.get("emulation"),
-            "accuracy_curve": curve,
-            "events_recorded": bool(run.events),
-            "per_worker": _table_rows(run.workers, "worker_id"),
-            "per_rank": _table_rows(run.ranks, "rank"),
-            "checkpoint_path": s["checkpoint_path"],
-        })
+        entries.append(
+            {
+                "label": label,
+                "origin": run.origin,
+                "architecture": s["architecture"],
+                "aggregation_mode": s.get("aggregation_mode"),
+                "compression": s.get("compression"),
+                "comm_hook": s.get("comm_hook"),
+                "dataset": s["dataset"],
+                "num_workers": s["num_workers"],
+                "epochs": s.get("epochs"),
+                "steps": s.get("versions", s.get("steps")),
+                "final_accuracy": s["final_accuracy"],
+                "final_loss": s["final_loss"],
+                "total_time_s": s["total_time_s"],
+                "train_time_s": s.get("train_time_s"),
+                "clock": _training_clock(s),
+                "throughput_samples_per_s": s["throughput_samples_per_s"],
+                "samples_processed": s["samples_processed"],
+                "speedup_vs_baseline": throughput / base_throughput
+                if throughput is not None and base_throughput
+                else None,
+                "time_to_target": _time_to_target(run, curve, target_accuracy),
+                "time_split": _time_split(run),
+                "bytes": _bytes(run),
+                "compression_ratio": _compression_ratio(run),
+                "staleness": _staleness(run),
+                "faults": _faults(run),
+                "emulation": s.get("emulation"),
+                "accuracy_curve": curve,
+                "events_recorded": bool(run.events),
+                "per_worker": _table_rows(run.workers, "worker_id"),
+                "per_rank": _table_rows(run.ranks, "rank"),
+                "checkpoint_path": s["checkpoint_path"],
+            }
+        )
     return {
         "report_version": REPORT_VERSION,
         "generated_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -772,75 +900,214 @@ Block = tuple  # ("h1"|"h2"|"h3"|"p"|"ul"|"table"|"image", ...)
 def report_blocks(report: Mapping[str, Any], plot_dir: str) -> list[Block]:
     """The report as a list of blocks both renderers share (headings, paragraphs, lists, tables, images)."""
     runs = report["runs"]
-    blocks: list[Block] = [("h1", "Performance report"),
-                           ("p", f"Generated {report['generated_at']} from {len(runs)} run(s): "
-                                 + ", ".join(f"{r['label']} ({r['origin']})" for r in runs) + ".")]
+    blocks: list[Block] = [
+        ("h1", "Performance report"),
+        (
+            "p",
+            f"Generated {report['generated_at']} from {len(runs)} run(s): "
+            + ", ".join(f"{r['label']} ({r['origin']})" for r in runs)
+            + ".",
+        ),
+    ]
 
     def image(name: str, caption: str) -> None:
         blocks.append(("image", f"{plot_dir}/{report['plots'][name]}", name, caption))
 
-    blocks += [("h2", SECTIONS[0]), ("ul", [f"**{k.replace('_', ' ')}**: {v}" for k, v in report["definitions"].items()])]
+    blocks += [
+        ("h2", SECTIONS[0]),
+        ("ul", [f"**{k.replace('_', ' ')}**: {v}" for k, v in report["definitions"].items()]),
+    ]
 
-    blocks += [("h2", SECTIONS[1]), ("table",
-        ["run", "architecture", "workers", "dataset", "epochs", "final accuracy", "final loss", "total time",
-         "train time", "throughput (samples/s)", "speedup vs baseline"],
-        [[r["label"], r["architecture"], r["num_workers"], r["dataset"], r["epochs"], _fmt(r["final_accuracy"], "pct"),
-          _fmt(r["final_loss"]), _fmt(r["total_time_s"], "s"), _fmt(r["train_time_s"], "s"),
-          _fmt(r["throughput_samples_per_s"], "rate"),
-          _fmt(r["speedup_vs_baseline"], "x") if report["baseline"] else "no baseline run"] for r in runs])]
+    blocks += [
+        ("h2", SECTIONS[1]),
+        (
+            "table",
+            [
+                "run",
+                "architecture",
+                "workers",
+                "dataset",
+                "epochs",
+                "final accuracy",
+                "final loss",
+                "total time",
+                "train time",
+                "throughput (samples/s)",
+                "speedup vs baseline",
+            ],
+            [
+                [
+                    r["label"],
+                    r["architecture"],
+                    r["num_workers"],
+                    r["dataset"],
+                    r["epochs"],
+                    _fmt(r["final_accuracy"], "pct"),
+                    _fmt(r["final_loss"]),
+                    _fmt(r["total_time_s"], "s"),
+                    _fmt(r["train_time_s"], "s"),
+                    _fmt(r["throughput_samples_per_s"], "rate"),
+                    _fmt(r["speedup_vs_baseline"], "x") if report["baseline"] else "no baseline run",
+                ]
+                for r in runs
+            ],
+        ),
+    ]
     blocks.append(("p", "Training clocks: " + "; ".join(f"{r['label']}: {r['clock']}" for r in runs) + "."))
     emulated = [r for r in runs if r["emulation"]]
     if emulated:  # slowed workers or links: the times above are not this machine's own
-        blocks.append(("p", "Emulated conditions: " + "; ".join(
-            f"{r['label']}: {json.dumps(r['emulation'], sort_keys=True)}" for r in emulated) + "."))
+        blocks.append(
+            (
+                "p",
+                "Emulated conditions: "
+                + "; ".join(f"{r['label']}: {json.dumps(r['emulation'], sort_keys=True)}" for r in emulated)
+                + ".",
+            )
+        )
 
     blocks += [("h2", SECTIONS[2])]
     image("accuracy_vs_time", "Test accuracy against seconds since each run's start")
-    blocks.append(("table", ["run", "evaluations", "first", "last"],
-                   [[r["label"], len(r["accuracy_curve"]),
-                     _point(r["accuracy_curve"][0]) if r["accuracy_curve"] else NOT_RECORDED,
-                     _point(r["accuracy_curve"][-1]) if r["accuracy_curve"] else
-                     (NOT_RECORDED + " (no event log)" if not r["events_recorded"] else NOT_RECORDED)] for r in runs]))
+    blocks.append(
+        (
+            "table",
+            ["run", "evaluations", "first", "last"],
+            [
+                [
+                    r["label"],
+                    len(r["accuracy_curve"]),
+                    _point(r["accuracy_curve"][0]) if r["accuracy_curve"] else NOT_RECORDED,
+                    _point(r["accuracy_curve"][-1])
+                    if r["accuracy_curve"]
+                    else (NOT_RECORDED + " (no event log)" if not r["events_recorded"] else NOT_RECORDED),
+                ]
+                for r in runs
+            ],
+        )
+    )
 
     blocks += [("h2", SECTIONS[3])]
     image("throughput", "Samples per second of training time; the dashed line is the baseline")
-    blocks.append(("table", ["run", "samples processed", "train time", "throughput (samples/s)", "speedup vs baseline"],
-                   [[r["label"], _fmt(r["samples_processed"]), _fmt(r["train_time_s"], "s"),
-                     _fmt(r["throughput_samples_per_s"], "rate"), _fmt(r["speedup_vs_baseline"], "x")] for r in runs]))
+    blocks.append(
+        (
+            "table",
+            ["run", "samples processed", "train time", "throughput (samples/s)", "speedup vs baseline"],
+            [
+                [
+                    r["label"],
+                    _fmt(r["samples_processed"]),
+                    _fmt(r["train_time_s"], "s"),
+                    _fmt(r["throughput_samples_per_s"], "rate"),
+                    _fmt(r["speedup_vs_baseline"], "x"),
+                ]
+                for r in runs
+            ],
+        )
+    )
 
-    blocks += [("h2", SECTIONS[4]), ("table", ["run", "target", "time to target", "step", "source"],
-                [[r["label"], _fmt(r["time_to_target"]["target_accuracy"], "pct"),
-                  ("not reached" if r["time_to_target"]["reached"] is False else _fmt(r["time_to_target"]["seconds"], "s")),
-                  "-" if r["time_to_target"]["reached"] is False else _fmt(r["time_to_target"]["step"]), r["time_to_target"]["source"] or "no target set"] for r in runs])]
+    blocks += [
+        ("h2", SECTIONS[4]),
+        (
+            "table",
+            ["run", "target", "time to target", "step", "source"],
+            [
+                [
+                    r["label"],
+                    _fmt(r["time_to_target"]["target_accuracy"], "pct"),
+                    (
+                        "not reached"
+                        if r["time_to_target"]["reached"] is False
+                        else _fmt(r["time_to_target"]["seconds"], "s")
+                    ),
+                    "-" if r["time_to_target"]["reached"] is False else _fmt(r["time_to_target"]["step"]),
+                    r["time_to_target"]["source"] or "no target set",
+                ]
+                for r in runs
+            ],
+        ),
+    ]
 
     blocks += [("h2", SECTIONS[5])]
-    image("time_split", "Mean seconds per worker/rank in gradient computation, compression and communication, "
-                        "and the communication not hidden by computation (exposed)")
-    blocks.append(("table", ["run", "workers", "gradient", "compression", "communication", "exposed communication", "note"],
-                   [[r["label"], r["time_split"]["workers"]]
-                    + [_split_cell(r["time_split"], key) for key in ("gradient_time_s", "compression_time_s", "communication_time_s")]
-                    + [_exposed_cell(r["time_split"]), r["time_split"]["note"] or ""] for r in runs]))
+    image(
+        "time_split",
+        "Mean seconds per worker/rank in gradient computation, compression and communication, "
+        "and the communication not hidden by computation (exposed)",
+    )
+    blocks.append(
+        (
+            "table",
+            ["run", "workers", "gradient", "compression", "communication", "exposed communication", "note"],
+            [
+                [r["label"], r["time_split"]["workers"]]
+                + [
+                    _split_cell(r["time_split"], key)
+                    for key in ("gradient_time_s", "compression_time_s", "communication_time_s")
+                ]
+                + [_exposed_cell(r["time_split"]), r["time_split"]["note"] or ""]
+                for r in runs
+            ],
+        )
+    )
 
     blocks += [("h2", SECTIONS[6])]
     image("bytes_per_step", "Bytes one worker/rank sends and receives per training step (hatched: estimated)")
-    blocks.append(("table", ["run", "bytes sent", "bytes received", "uplink", "downlink", "sent per step",
-                             "received per step", "compression ratio", "accounting"],
-                   [[r["label"], _fmt(r["bytes"]["sent"], "bytes"), _fmt(r["bytes"]["received"], "bytes"),
-                     _fmt(r["bytes"]["uplink"], "bytes"), _fmt(r["bytes"]["downlink"], "bytes"),
-                     _fmt(r["bytes"]["sent_per_step"], "bytes"), _fmt(r["bytes"]["received_per_step"], "bytes"),
-                     _fmt(r["compression_ratio"]["value"], "x") if r["compression_ratio"]["value"] is not None else
-                     ("n/a" if r["architecture"] == "baseline" else NOT_RECORDED),
-                     r["bytes"]["accounting"] + (f" ({r['bytes']['note']})" if r["bytes"]["note"] else "")] for r in runs]))
+    blocks.append(
+        (
+            "table",
+            [
+                "run",
+                "bytes sent",
+                "bytes received",
+                "uplink",
+                "downlink",
+                "sent per step",
+                "received per step",
+                "compression ratio",
+                "accounting",
+            ],
+            [
+                [
+                    r["label"],
+                    _fmt(r["bytes"]["sent"], "bytes"),
+                    _fmt(r["bytes"]["received"], "bytes"),
+                    _fmt(r["bytes"]["uplink"], "bytes"),
+                    _fmt(r["bytes"]["downlink"], "bytes"),
+                    _fmt(r["bytes"]["sent_per_step"], "bytes"),
+                    _fmt(r["bytes"]["received_per_step"], "bytes"),
+                    _fmt(r["compression_ratio"]["value"], "x")
+                    if r["compression_ratio"]["value"] is not None
+                    else ("n/a" if r["architecture"] == "baseline" else NOT_RECORDED),
+                    r["bytes"]["accounting"] + (f" ({r['bytes']['note']})" if r["bytes"]["note"] else ""),
+                ]
+                for r in runs
+            ],
+        )
+    )
 
     blocks += [("h2", SECTIONS[7])]
     stale = [r for r in runs if r["staleness"] is not None]
     image("staleness", "Pushes by staleness (versions behind at arrival), per parameter-server run")
-    blocks.append(("table", ["run", "mode", "mean", "max", "pushes rejected", "histogram (staleness: pushes)", "source"],
-                   [[r["label"], r["staleness"]["mode"], _fmt(r["staleness"]["mean"]), _fmt(r["staleness"]["max"]),
-                     _fmt(r["staleness"]["pushes_rejected"]),
-                     ", ".join(f"{k}: {v}" for k, v in r["staleness"]["histogram"].items()) if r["staleness"]["histogram"] else NOT_RECORDED,
-                     r["staleness"]["source"] or ""] for r in stale]) if stale else
-                  ("p", "No parameter-server run: staleness not recorded."))
+    blocks.append(
+        (
+            "table",
+            ["run", "mode", "mean", "max", "pushes rejected", "histogram (staleness: pushes)", "source"],
+            [
+                [
+                    r["label"],
+                    r["staleness"]["mode"],
+                    _fmt(r["staleness"]["mean"]),
+                    _fmt(r["staleness"]["max"]),
+                    _fmt(r["staleness"]["pushes_rejected"]),
+                    ", ".join(f"{k}: {v}" for k, v in r["staleness"]["histogram"].items())
+                    if r["staleness"]["histogram"]
+                    else NOT_RECORDED,
+                    r["staleness"]["source"] or "",
+                ]
+                for r in stale
+            ],
+        )
+        if stale
+        else ("p", "No parameter-server run: staleness not recorded.")
+    )
 
     blocks += [("h2", SECTIONS[8])]
     image("fault_timeline", "Fault events against seconds since each run's start")
@@ -851,19 +1118,44 @@ def report_blocks(report: Mapping[str, Any], plot_dir: str) -> list[Block]:
         f = r["faults"]
         blocks.append(("h3", r["label"]))
         if f["counts"]:
-            blocks.append(("p", "Counts from the summary: " + ", ".join(f"{k} {v}" for k, v in f["counts"].items()) + "."))
-        blocks.append(("table", ["worker", "detection latency (at most: silence before the failure was declared)"],
-                       [[d["worker"], _fmt(d["seconds"], "s")] for d in f["detection"]])
-                      if f["detection"] else ("p", "Detection latency: " + NOT_RECORDED + "."))
-        blocks.append(("table", ["who", "from", "to", "recovery time"],
-                       [[x["who"], x["from"] or "", x["to"], _fmt(x["seconds"], "s")] for x in f["recovery"]])
-                      if f["recovery"] else ("p", "Recovery time: " + NOT_RECORDED + "."))
+            blocks.append(
+                ("p", "Counts from the summary: " + ", ".join(f"{k} {v}" for k, v in f["counts"].items()) + ".")
+            )
+        blocks.append(
+            (
+                "table",
+                ["worker", "detection latency (at most: silence before the failure was declared)"],
+                [[d["worker"], _fmt(d["seconds"], "s")] for d in f["detection"]],
+            )
+            if f["detection"]
+            else ("p", "Detection latency: " + NOT_RECORDED + ".")
+        )
+        blocks.append(
+            (
+                "table",
+                ["who", "from", "to", "recovery time"],
+                [[x["who"], x["from"] or "", x["to"], _fmt(x["seconds"], "s")] for x in f["recovery"]],
+            )
+            if f["recovery"]
+            else ("p", "Recovery time: " + NOT_RECORDED + ".")
+        )
         if f["versions_lost"]:
             blocks.append(("p", "Server versions lost to recovery: " + ", ".join(map(str, f["versions_lost"])) + "."))
         if f["timeline"]:
-            blocks.append(("table", ["time", "event", "details"],
-                           [[_fmt(e["seconds"], "s"), e["kind"],
-                             ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("seconds", "kind"))] for e in f["timeline"]]))
+            blocks.append(
+                (
+                    "table",
+                    ["time", "event", "details"],
+                    [
+                        [
+                            _fmt(e["seconds"], "s"),
+                            e["kind"],
+                            ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("seconds", "kind")),
+                        ]
+                        for e in f["timeline"]
+                    ],
+                )
+            )
 
     blocks += [("h2", SECTIONS[9])]
     with_workers = [r for r in runs if r["per_worker"]]
@@ -881,33 +1173,75 @@ def report_blocks(report: Mapping[str, Any], plot_dir: str) -> list[Block]:
 
     blocks += [("h2", SECTIONS[11])]
     if report["benchmarks"] is None:
-        blocks.append(("p", "Benchmarks " + NOT_RECORDED + " (run `python scripts/bench_all.py` and pass "
-                            "`--bench-json reports/bench.json`)."))
+        blocks.append(
+            (
+                "p",
+                "Benchmarks " + NOT_RECORDED + " (run `python scripts/bench_all.py` and pass "
+                "`--bench-json reports/bench.json`).",
+            )
+        )
     else:
         setup = report.get("benchmark_setup") or {}
         if setup:
-            blocks.append(("p", "Measured " + ", ".join(f"{k}: {v}" for k, v in setup.items() if not isinstance(v, (dict, list))) + "."))
-        blocks.append(("table", ["benchmark", "figure", "ours", "reference", "ratio", "target", "meets target"],
-                       [[b.get("benchmark", ""), b.get("figure", ""), _with_unit(b.get("ours"), b.get("unit")),
-                         f"{_with_unit(b.get('reference'), b.get('unit'))} ({b.get('reference_name', '')})",
-                         _fmt(b.get("ratio")) + (f" ({b['ratio_definition']})" if b.get("ratio_definition") else ""),
-                         b.get("target_text") or ("none set" if b.get("target") is None else f">= {b['target']}"),
-                         "n/a" if b.get("meets_target") is None else _fmt(b["meets_target"])] for b in report["benchmarks"]]))
+            blocks.append(
+                (
+                    "p",
+                    "Measured "
+                    + ", ".join(f"{k}: {v}" for k, v in setup.items() if not isinstance(v, (dict, list)))
+                    + ".",
+                )
+            )
+        blocks.append(
+            (
+                "table",
+                ["benchmark", "figure", "ours", "reference", "ratio", "target", "meets target"],
+                [
+                    [
+                        b.get("benchmark", ""),
+                        b.get("figure", ""),
+                        _with_unit(b.get("ours"), b.get("unit")),
+                        f"{_with_unit(b.get('reference'), b.get('unit'))} ({b.get('reference_name', '')})",
+                        _fmt(b.get("ratio")) + (f" ({b['ratio_definition']})" if b.get("ratio_definition") else ""),
+                        b.get("target_text") or ("none set" if b.get("target") is None else f">= {b['target']}"),
+                        "n/a" if b.get("meets_target") is None else _fmt(b["meets_target"]),
+                    ]
+                    for b in report["benchmarks"]
+                ],
+            )
+        )
 
     blocks += [("h2", SECTIONS[12])]
     trace = report.get("trace")
     if not trace:
-        blocks.append(("p", "Timeline " + NOT_RECORDED + " (train with `--trace`, then pass the run's log folder as "
-                            "`--trace-dir`)."))
+        blocks.append(
+            (
+                "p",
+                "Timeline " + NOT_RECORDED + " (train with `--trace`, then pass the run's log folder as "
+                "`--trace-dir`).",
+            )
+        )
     else:
-        blocks.append(("p", f"The run's traces merged on one clock: [{trace['file']}]({trace['file']}) "
-                            f"({len(trace['processes'])} processes, {trace['spans']:,} spans, {_fmt(trace['seconds'], 's')}); "
-                            "open it in https://ui.perfetto.dev or `chrome://tracing`."))
-        blocks.append(("table", ["process", "pid", "spans"],
-                       [[p["name"], p["pid"], p["spans"]] for p in trace["processes"]]))
-        blocks.append(("table", ["span", "count", "total time", "mean"],
-                       [[name, n["count"], _fmt(n["seconds"], "s"), _fmt(n["seconds"] / n["count"] * 1000, "") + " ms"]
-                        for name, n in trace["names"].items()]))
+        blocks.append(
+            (
+                "p",
+                f"The run's traces merged on one clock: [{trace['file']}]({trace['file']}) "
+                f"({len(trace['processes'])} processes, {trace['spans']:,} spans, {_fmt(trace['seconds'], 's')}); "
+                "open it in https://ui.perfetto.dev or `chrome://tracing`.",
+            )
+        )
+        blocks.append(
+            ("table", ["process", "pid", "spans"], [[p["name"], p["pid"], p["spans"]] for p in trace["processes"]])
+        )
+        blocks.append(
+            (
+                "table",
+                ["span", "count", "total time", "mean"],
+                [
+                    [name, n["count"], _fmt(n["seconds"], "s"), _fmt(n["seconds"] / n["count"] * 1000, "") + " ms"]
+                    for name, n in trace["names"].items()
+                ],
+            )
+        )
     return blocks
 
 
@@ -933,22 +1267,69 @@ def _exposed_cell(split: Mapping[str, Any]) -> str:
     return f"{value:.3f} s ({share * 100:.0f}% of train time)" if share is not None else f"{value:.3f} s"
 
 
-_MEMBER_FIRST = ("worker_id", "rank", "samples", "samples_processed", "steps", "train_time_s", "total_time_s",
-                 "throughput_samples_per_s", "bytes_sent", "bytes_received", "gradient_time_s", "compression_time_s",
-                 "communication_time_s", "exposed_communication_s", "pushes_rejected", "train_loss", "train_accuracy")
-_SHARED_RANK_FIELDS = ("architecture", "dataset", "num_workers", "world_size", "backend", "allreduce", "comm_hook",
-                       "compression", "compression_ratio", "quantization_bits", "error_feedback", "epochs",
-                       "final_accuracy", "final_loss", "checkpoint_path", "steps", "steps_this_run")
+_MEMBER_FIRST = (
+    "worker_id",
+    "rank",
+    "samples",
+    "samples_processed",
+    "steps",
+    "train_time_s",
+    "total_time_s",
+    "throughput_samples_per_s",
+    "bytes_sent",
+    "bytes_received",
+    "gradient_time_s",
+    "compression_time_s",
+    "communication_time_s",
+    "exposed_communication_s",
+    "pushes_rejected",
+    "train_loss",
+    "train_accuracy",
+)
+_SHARED_RANK_FIELDS = (
+    "architecture",
+    "dataset",
+    "num_workers",
+    "world_size",
+    "backend",
+    "allreduce",
+    "comm_hook",
+    "compression",
+    "compression_ratio",
+    "quantization_bits",
+    "error_feedback",
+    "epochs",
+    "final_accuracy",
+    "final_loss",
+    "checkpoint_path",
+    "steps",
+    "steps_this_run",
+)
 
 
 def _member_table(members: Sequence[Mapping[str, Any]], key: str) -> Block:
     """One row per worker/rank; scalar columns only (the run's shared fields are in the summary)."""
     skip = _SHARED_RANK_FIELDS if key == "rank" else ()
     columns = [c for c in _MEMBER_FIRST if any(c in m for m in members) and c not in skip]
-    columns += sorted({c for m in members for c, v in m.items()
-                       if c not in columns and c not in skip and not isinstance(v, (dict, list))})
-    return ("table", columns, [[_fmt(m.get(c), "bytes" if c.startswith("bytes") and isinstance(m.get(c), (int, float)) else "")
-                                for c in columns] for m in members])
+    columns += sorted(
+        {
+            c
+            for m in members
+            for c, v in m.items()
+            if c not in columns and c not in skip and not isinstance(v, (dict, list))
+        }
+    )
+    return (
+        "table",
+        columns,
+        [
+            [
+                _fmt(m.get(c), "bytes" if c.startswith("bytes") and isinstance(m.get(c), (int, float)) else "")
+                for c in columns
+            ]
+            for m in members
+        ],
+    )
 
 
 def _md_cell(value: Any) -> str:
@@ -1005,10 +1386,14 @@ def to_html(blocks: Sequence[Block], images: Mapping[str, bytes]) -> str:
             body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
         elif kind == "image":
             data = base64.b64encode(images[block[2]]).decode("ascii")
-            body.append(f'<figure><img alt="{html.escape(block[3])}" src="data:image/png;base64,{data}">'
-                        f"<figcaption>{_inline_html(block[3])}</figcaption></figure>")
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Performance report</title>"
-            f"<style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+            body.append(
+                f'<figure><img alt="{html.escape(block[3])}" src="data:image/png;base64,{data}">'
+                f"<figcaption>{_inline_html(block[3])}</figcaption></figure>"
+            )
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Performance report</title>"
+        f"<style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
 
 
 def merge_run_traces(trace_dirs: Sequence[str | Path], output: str | Path) -> dict[str, Any]:

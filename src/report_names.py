@@ -3,8 +3,18 @@ the plots every report writes, its sections in order, and the words for a figure
 
 PLOTS = ("accuracy_vs_time", "throughput", "time_split", "bytes_per_step", "staleness", "fault_timeline")
 SECTIONS = (
-    "How the numbers are measured", "Summary", "Accuracy over wall time", "Throughput and speedup",
-    "Time to target accuracy", "Where the time goes", "Bytes on the wire", "Staleness", "Faults",
-    "Per worker", "Per rank", "Benchmarks", "Timeline",
+    "How the numbers are measured",
+    "Summary",
+    "Accuracy over wall time",
+    "Throughput and speedup",
+    "Time to target accuracy",
+    "Where the time goes",
+    "Bytes on the wire",
+    "Staleness",
+    "Faults",
+    "Per worker",
+    "Per rank",
+    "Benchmarks",
+    "Timeline",
 )
 NOT_RECORDED = "not recorded"

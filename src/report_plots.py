@@ -32,7 +32,11 @@ RESULTS_PLOTS = ("accuracy_vs_time", "accuracy_vs_bytes", "time_to_target", "byt
 """The experiments' plots (``<name>.png``), written with ``results.md`` by :func:`write_results`."""
 
 _COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-_SPLIT = (("gradient_time_s", "gradient"), ("compression_time_s", "compression"), ("communication_time_s", "communication"))
+_SPLIT = (
+    ("gradient_time_s", "gradient"),
+    ("compression_time_s", "compression"),
+    ("communication_time_s", "communication"),
+)
 
 
 def _color(index: int) -> str:
@@ -118,19 +122,34 @@ def time_split(ax, report: Mapping[str, Any]) -> None:
     bottoms = [0.0] * len(runs)
     for color_index, (key, name) in enumerate(_SPLIT):
         heights = [r["time_split"]["per_worker_s"][key] or 0.0 for r in runs]
-        ax.bar([p - 0.12 for p in positions], heights, width=0.55, bottom=bottoms, label=name, color=_color(color_index))
+        ax.bar(
+            [p - 0.12 for p in positions], heights, width=0.55, bottom=bottoms, label=name, color=_color(color_index)
+        )
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     # Exposed communication is part of the stack (of communication, or for DDP of the backward pass): beside it.
     exposed = [r["time_split"].get("exposed_communication_s") or 0.0 for r in runs]
-    ax.bar([p + 0.3 for p in positions], exposed, width=0.2, label="exposed communication (part of the stack)",
-           color="white", edgecolor="#222", hatch="//")
+    ax.bar(
+        [p + 0.3 for p in positions],
+        exposed,
+        width=0.2,
+        label="exposed communication (part of the stack)",
+        color="white",
+        edgecolor="#222",
+        hatch="//",
+    )
     bottoms = [max(b, e) for b, e in zip(bottoms, exposed)]
     top = max(bottoms) or 1.0
     for index, run in enumerate(runs):
         missing = [name for key, name in _SPLIT if run["time_split"]["per_worker_s"][key] is None]
         if missing:
-            ax.annotate("not recorded:\n" + "\n".join(missing), (index, bottoms[index] + top * 0.02), ha="center",
-                        va="bottom", fontsize=7, color="#666")
+            ax.annotate(
+                "not recorded:\n" + "\n".join(missing),
+                (index, bottoms[index] + top * 0.02),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="#666",
+            )
     ax.set_xticks(list(positions), [r["label"] for r in runs], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("seconds per worker / rank (mean)")
     ax.set_title("Where the time goes")
@@ -144,22 +163,40 @@ def bytes_per_step(ax, report: Mapping[str, Any]) -> None:
         _empty(ax, "Bytes per step", "no bytes or step counts in the summaries")
         return
     width = 0.38
-    for offset, key, name, color in ((-width / 2, "sent_per_step", "sent", _color(0)),
-                                     (width / 2, "received_per_step", "received", _color(1))):
+    for offset, key, name, color in (
+        (-width / 2, "sent_per_step", "sent", _color(0)),
+        (width / 2, "received_per_step", "received", _color(1)),
+    ):
         values = [r["bytes"][key] or 0.0 for r in runs]
-        bars = ax.bar([i + offset for i in range(len(runs))], values, width, label=name, color=color,
-                      hatch=None, edgecolor="white")
+        bars = ax.bar(
+            [i + offset for i in range(len(runs))],
+            values,
+            width,
+            label=name,
+            color=color,
+            hatch=None,
+            edgecolor="white",
+        )
         for bar, run, value in zip(bars, runs, values):
             if run["bytes"]["estimated"]:
                 bar.set_hatch("//")
                 bar.set_edgecolor("#333")
-            ax.annotate(_short_bytes(value), (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                _short_bytes(value), (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=7
+            )
     ax.set_xticks(range(len(runs)), [r["label"] for r in runs], rotation=20, ha="right", fontsize=8)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: _short_bytes(value)))
     ax.set_ylabel("bytes per worker step")
     ax.set_title("Bytes per step (hatched: estimated, backend allreduce)")
-    ax.set_ylim(0, max(max((r["bytes"]["sent_per_step"] or 0) for r in runs),
-                       max((r["bytes"]["received_per_step"] or 0) for r in runs)) * 1.2 or 1)
+    ax.set_ylim(
+        0,
+        max(
+            max((r["bytes"]["sent_per_step"] or 0) for r in runs),
+            max((r["bytes"]["received_per_step"] or 0) for r in runs),
+        )
+        * 1.2
+        or 1,
+    )
     _legend(ax)
 
 
@@ -181,12 +218,19 @@ def staleness(ax, report: Mapping[str, Any]) -> None:
     width = 0.8 / len(runs)
     for index, run in enumerate(runs):
         histogram = run["staleness"]["histogram"]
-        ax.bar([k + (index - (len(runs) - 1) / 2) * width for k in keys], [histogram.get(str(k), 0) for k in keys], width,
-               label=run["label"], color=_color(report["runs"].index(run)))
+        ax.bar(
+            [k + (index - (len(runs) - 1) / 2) * width for k in keys],
+            [histogram.get(str(k), 0) for k in keys],
+            width,
+            label=run["label"],
+            color=_color(report["runs"].index(run)),
+        )
     ax.set_xticks(keys)
     ax.set_xlabel("staleness (server versions behind at arrival)")
     ax.set_ylabel("pushes")
-    ax.set_title("Staleness distribution" + (" (async runs)" if all(r["staleness"]["mode"] == "async" for r in runs) else ""))
+    ax.set_title(
+        "Staleness distribution" + (" (async runs)" if all(r["staleness"]["mode"] == "async" for r in runs) else "")
+    )
     _legend(ax)
 
 
@@ -209,8 +253,16 @@ def fault_timeline(ax, report: Mapping[str, Any]) -> None:
         points = [(t, lanes.index(lane)) for lane, t, k in rows if k == kind]
         ax.scatter([t for t, _ in points], [y for _, y in points], label=kind, color=_color(index), s=50, zorder=3)
     for index, (lane, start, end) in enumerate(silences):
-        ax.hlines(lanes.index(lane), start, end, color="#999", linewidth=8, alpha=0.4, zorder=2,
-                  label="until detected (detection latency)" if index == 0 else None)
+        ax.hlines(
+            lanes.index(lane),
+            start,
+            end,
+            color="#999",
+            linewidth=8,
+            alpha=0.4,
+            zorder=2,
+            label="until detected (detection latency)" if index == 0 else None,
+        )
     ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
     ax.set_ylim(-0.6, len(lanes) - 0.4)
     ax.set_xlabel("wall time since run start (s)")
@@ -234,8 +286,10 @@ def draw_all(report: Mapping[str, Any], directory: str | Path) -> dict[str, Path
     """Draw every plot of ``report`` into ``directory``; returns plot name -> PNG path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return {name: _save(directory / report["plots"][name], lambda ax, draw=DRAWERS[name]: draw(ax, report))
-            for name in PLOTS}
+    return {
+        name: _save(directory / report["plots"][name], lambda ax, draw=DRAWERS[name]: draw(ax, report))
+        for name in PLOTS
+    }
 
 
 # ----------------------------------------------------------------------------- the experiments' plots
@@ -265,7 +319,9 @@ def plot_time_to_target(ax, runs: list[Run]) -> None:
     groups = groups_of(runs)
     names = list(groups)
     if not any(r.summary.get("target_accuracy") for r in runs):
-        _empty(ax, "Time to target accuracy", "no target accuracy set (training.target_accuracy)", nothing_happened=True)
+        _empty(
+            ax, "Time to target accuracy", "no target accuracy set (training.target_accuracy)", nothing_happened=True
+        )
         return
     for index, name in enumerate(names):
         times = [r.summary.get("time_to_target_s") for r in groups[name]]
@@ -322,11 +378,21 @@ def plot_controller(ax, runs: list[Run]) -> None:
     drawn = 0
     for run in runs:
         if run.controller:
-            ax.step([t for t, _ in run.controller], [rho for _, rho in run.controller], where="post", marker=".", label=run.name)
+            ax.step(
+                [t for t, _ in run.controller],
+                [rho for _, rho in run.controller],
+                where="post",
+                marker=".",
+                label=run.name,
+            )
             drawn += 1
     if not drawn:
-        _empty(ax, "Controller decisions", "no controller decisions in these runs\n(experiment.controller off)",
-               nothing_happened=True)
+        _empty(
+            ax,
+            "Controller decisions",
+            "no controller decisions in these runs\n(experiment.controller off)",
+            nothing_happened=True,
+        )
         return
     ax.set_xlabel("seconds of training")
     ax.set_ylabel("top-k fraction rho")
@@ -337,9 +403,12 @@ def plot_controller(ax, runs: list[Run]) -> None:
 
 
 RESULTS_DRAWERS: dict[str, Callable[[Any, list[Run]], None]] = {
-    "accuracy_vs_time": lambda ax, runs: plot_accuracy(ax, runs, 0, "seconds of training", "Test accuracy vs wall time"),
-    "accuracy_vs_bytes": lambda ax, runs: plot_accuracy(ax, runs, 2, "MB moved by the workers (sent + received)",
-                                                        "Test accuracy vs bytes"),
+    "accuracy_vs_time": lambda ax, runs: plot_accuracy(
+        ax, runs, 0, "seconds of training", "Test accuracy vs wall time"
+    ),
+    "accuracy_vs_bytes": lambda ax, runs: plot_accuracy(
+        ax, runs, 2, "MB moved by the workers (sent + received)", "Test accuracy vs bytes"
+    ),
     "time_to_target": plot_time_to_target,
     "bytes_per_run": plot_bytes,
     "staleness": plot_staleness,
@@ -360,9 +429,14 @@ def write_results(folders: list[Path], out: Path | None = None) -> list[Path]:
         raise ValueError(f"no finished runs in {', '.join(map(str, folders))}")
     out = out if out is not None else folders[0] / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    written = [_save(out / f"{name}.png", lambda ax, draw=RESULTS_DRAWERS[name]: draw(ax, runs),
-                     height=max(4.5, 0.35 * len(runs)) if name == "bytes_per_run" else 4.5)
-               for name in RESULTS_PLOTS]
+    written = [
+        _save(
+            out / f"{name}.png",
+            lambda ax, draw=RESULTS_DRAWERS[name]: draw(ax, runs),
+            height=max(4.5, 0.35 * len(runs)) if name == "bytes_per_run" else 4.5,
+        )
+        for name in RESULTS_PLOTS
+    ]
     table = out / "results.md"
     table.write_text(markdown_table(runs))
     return [*written, table]

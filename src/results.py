@@ -64,9 +64,12 @@ def load_run(path: Path) -> Run | None:
     logs = path / "logs"
     server = logs / "server" / "events.jsonl"
     # bytes moved over time: every worker push (its request and reply), by wall time
-    moves = sorted((e["time"], e.get("push_bytes", 0) + e.get("reply_bytes", 0))
-                   for worker_log in sorted(logs.glob("worker_*/events.jsonl"))
-                   for e in _events(worker_log) if e.get("kind") == "push")
+    moves = sorted(
+        (e["time"], e.get("push_bytes", 0) + e.get("reply_bytes", 0))
+        for worker_log in sorted(logs.glob("worker_*/events.jsonl"))
+        for e in _events(worker_log)
+        if e.get("kind") == "push"
+    )
     update_time = {e["version"]: e["time"] for e in _events(server) if e.get("kind") == "update"}
     train_start = None
     eval_sources = [server] if server.is_file() else sorted(logs.glob("**/events.jsonl"))
@@ -94,7 +97,9 @@ def find_runs(folders: Iterable[Path]) -> list[Run]:
     """Finished runs in ``folders`` (run folders, or folders of run folders)."""
     runs = []
     for folder in folders:
-        candidates = [folder] if (folder / "summary.json").is_file() else sorted(p for p in folder.iterdir() if p.is_dir())
+        candidates = (
+            [folder] if (folder / "summary.json").is_file() else sorted(p for p in folder.iterdir() if p.is_dir())
+        )
         for candidate in candidates:
             run = load_run(candidate)
             if run is not None:
@@ -137,8 +142,13 @@ def describe_emulation(summary: dict[str, Any]) -> str:
         return "none"
     parts = []
     for worker, conditions in sorted(emulation.get("workers", {}).items()):
-        parts.append(f"w{worker}: " + " ".join(f"{k.replace('_mbps', '')}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}"
-                                              for k, v in sorted(conditions.items())))
+        parts.append(
+            f"w{worker}: "
+            + " ".join(
+                f"{k.replace('_mbps', '')}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}"
+                for k, v in sorted(conditions.items())
+            )
+        )
     return "; ".join(parts)
 
 
@@ -168,34 +178,69 @@ def groups_of(runs: list[Run]) -> dict[str, list[Run]]:
 
 def markdown_table(runs: list[Run]) -> str:
     """Every run, then every configuration over its seeds."""
-    lines = ["# Results", "", f"{len(runs)} runs. Times are wall seconds of training (emulated waits included); "
-             "bytes are the workers' serialized gRPC messages.", "", "## Runs", "",
-             "| run | mode | compression | emulation | seed | final accuracy | train s | target | time to target s "
-             "| sent MB | received MB | samples/s | mean staleness | compute ms/step | comm ms/step | ideal async/sync |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Results",
+        "",
+        f"{len(runs)} runs. Times are wall seconds of training (emulated waits included); "
+        "bytes are the workers' serialized gRPC messages.",
+        "",
+        "## Runs",
+        "",
+        "| run | mode | compression | emulation | seed | final accuracy | train s | target | time to target s "
+        "| sent MB | received MB | samples/s | mean staleness | compute ms/step | comm ms/step | ideal async/sync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
         s = run.summary
         profile = step_profile(s)
-        lines.append("| " + " | ".join([
-            run.name, str(s.get("aggregation_mode", s.get("architecture", "-"))), str(s.get("compression", "-")),
-            describe_emulation(s), _fmt(run.seed), _fmt(s.get("final_accuracy"), 4), _fmt(s.get("train_time_s", s.get("total_time_s")), 1),
-            _fmt(s.get("target_accuracy")), _fmt(s.get("time_to_target_s"), 1), _fmt(s.get("bytes_sent", 0) / 1e6, 1),
-            _fmt(s.get("bytes_received", 0) / 1e6, 1), _fmt(s.get("throughput_samples_per_s"), 1), _fmt(s.get("mean_staleness")),
-            _fmt(profile["compute_s"] * 1000 if profile["compute_s"] is not None else None, 1),
-            _fmt(profile["communication_s"] * 1000 if profile["communication_s"] is not None else None, 1),
-            _fmt(profile["ideal_async_over_sync"]),
-        ]) + " |")
-    lines += ["", "## Configurations (mean ± std over seeds)", "",
-              "| configuration | seeds | final accuracy | train s | time to target s (reached/runs) | sent MB | samples/s |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    run.name,
+                    str(s.get("aggregation_mode", s.get("architecture", "-"))),
+                    str(s.get("compression", "-")),
+                    describe_emulation(s),
+                    _fmt(run.seed),
+                    _fmt(s.get("final_accuracy"), 4),
+                    _fmt(s.get("train_time_s", s.get("total_time_s")), 1),
+                    _fmt(s.get("target_accuracy")),
+                    _fmt(s.get("time_to_target_s"), 1),
+                    _fmt(s.get("bytes_sent", 0) / 1e6, 1),
+                    _fmt(s.get("bytes_received", 0) / 1e6, 1),
+                    _fmt(s.get("throughput_samples_per_s"), 1),
+                    _fmt(s.get("mean_staleness")),
+                    _fmt(profile["compute_s"] * 1000 if profile["compute_s"] is not None else None, 1),
+                    _fmt(profile["communication_s"] * 1000 if profile["communication_s"] is not None else None, 1),
+                    _fmt(profile["ideal_async_over_sync"]),
+                ]
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "## Configurations (mean ± std over seeds)",
+        "",
+        "| configuration | seeds | final accuracy | train s | time to target s (reached/runs) | sent MB | samples/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for group, members in groups_of(runs).items():
         reached = [r.summary["time_to_target_s"] for r in members if r.summary.get("time_to_target_s") is not None]
-        lines.append("| " + " | ".join([
-            group, str(len(members)),
-            _mean_std([r.summary["final_accuracy"] for r in members if r.summary.get("final_accuracy") is not None], 4),
-            _mean_std([r.summary.get("train_time_s", r.summary["total_time_s"]) for r in members], 1),
-            f"{_mean_std(reached, 1)} ({len(reached)}/{len(members)})",
-            _mean_std([r.summary.get("bytes_sent", 0) / 1e6 for r in members], 1),
-            _mean_std([r.summary.get("throughput_samples_per_s", 0.0) for r in members], 1),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    group,
+                    str(len(members)),
+                    _mean_std(
+                        [r.summary["final_accuracy"] for r in members if r.summary.get("final_accuracy") is not None], 4
+                    ),
+                    _mean_std([r.summary.get("train_time_s", r.summary["total_time_s"]) for r in members], 1),
+                    f"{_mean_std(reached, 1)} ({len(reached)}/{len(members)})",
+                    _mean_std([r.summary.get("bytes_sent", 0) / 1e6 for r in members], 1),
+                    _mean_std([r.summary.get("throughput_samples_per_s", 0.0) for r in members], 1),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"

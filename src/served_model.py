@@ -77,14 +77,19 @@ def _as_tensor(value: Any, shape: tuple[int, ...], what: str) -> torch.Tensor:
         tensor = value.detach().to("cpu", torch.float32).clone()
     else:
         check_float32_bytes(value, math.prod(shape), what)  # before allocating anything
-        tensor = torch.frombuffer(bytearray(value), dtype=torch.float32).view(shape) if math.prod(shape) else torch.zeros(shape)
+        tensor = (
+            torch.frombuffer(bytearray(value), dtype=torch.float32).view(shape)
+            if math.prod(shape)
+            else torch.zeros(shape)
+        )
     if not bool(torch.isfinite(tensor).all()):
         raise ValueError(f"{what}: holds NaN or Inf values")
     return tensor
 
 
-def model_from_layout(parameters: Layout, buffers: Layout, parameter_values: Sequence[Any],
-                      buffer_values: Sequence[Any]) -> nn.Module:
+def model_from_layout(
+    parameters: Layout, buffers: Layout, parameter_values: Sequence[Any], buffer_values: Sequence[Any]
+) -> nn.Module:
     """A module holding exactly these parameters and buffers, by name and in order.
 
     Args:
@@ -98,8 +103,10 @@ def model_from_layout(parameters: Layout, buffers: Layout, parameter_values: Seq
     _check_layout(parameters, "parameter")
     _check_layout(buffers, "buffer")
     if len(parameter_values) != len(parameters) or len(buffer_values) != len(buffers):
-        raise ValueError(f"{len(parameter_values)} parameter and {len(buffer_values)} buffer values for "
-                         f"{len(parameters)} parameters and {len(buffers)} buffers")
+        raise ValueError(
+            f"{len(parameter_values)} parameter and {len(buffer_values)} buffer values for "
+            f"{len(parameters)} parameters and {len(buffers)} buffers"
+        )
     param_names, buffer_names = [n for n, _ in parameters], [n for n, _ in buffers]
     by_params, by_buffers = _children_by_module(param_names), _children_by_module(buffer_names)
     root = nn.Module()
@@ -129,8 +136,11 @@ def model_from_layout(parameters: Layout, buffers: Layout, parameter_values: Seq
     return root
 
 
-def layout_mismatch(layout: tuple[Layout, Layout], parameters: tuple[Sequence[str], Sequence[tuple[int, ...]]],
-                    buffers: tuple[Sequence[str], Sequence[tuple[int, ...]]]) -> str | None:
+def layout_mismatch(
+    layout: tuple[Layout, Layout],
+    parameters: tuple[Sequence[str], Sequence[tuple[int, ...]]],
+    buffers: tuple[Sequence[str], Sequence[tuple[int, ...]]],
+) -> str | None:
     """The first difference between ``layout`` (params, buffers) and a served model's names and shapes, or ``None``."""
     for what, given, (names, shapes) in (("parameter", layout[0], parameters), ("buffer", layout[1], buffers)):
         served = list(zip(names, (tuple(s) for s in shapes)))

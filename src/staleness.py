@@ -146,7 +146,7 @@ def _lookahead_round_map(h: float, momentum: float, num_workers: int) -> np.ndar
     for k in range(n):
         buffer = momentum * rows[v0 + k] + h * rows[p0 + k]
         position = rows[x_row] - step * buffer
-        others = rows[v0:v0 + n].sum(axis=0) - rows[v0 + k]
+        others = rows[v0 : v0 + n].sum(axis=0) - rows[v0 + k]
         rows[v0 + k] = buffer
         rows[x_row] = position
         rows[p0 + k] = position - step * momentum * (others + buffer)
@@ -223,8 +223,16 @@ class LookaheadMomentum(torch.optim.Optimizer):
             group's momentum and ``num_workers``.
     """
 
-    def __init__(self, params: Iterable, *, num_workers: int, lr: float, momentum: float = 0.9,
-                 weight_decay: float = 0.0, step_scale: float | None = None):
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        num_workers: int,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        step_scale: float | None = None,
+    ):
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if not (math.isfinite(lr) and lr > 0):
@@ -246,13 +254,21 @@ class LookaheadMomentum(torch.optim.Optimizer):
         """From a run config (``training.learning_rate``, ``momentum``, ``weight_decay``, ``system.num_workers``,
         ``system.async_step_scale``)."""
         t = config.training
-        return cls(params, num_workers=config.system.num_workers, lr=t.learning_rate, momentum=t.momentum,
-                   weight_decay=t.weight_decay, step_scale=config.system.async_step_scale)
+        return cls(
+            params,
+            num_workers=config.system.num_workers,
+            lr=t.learning_rate,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            step_scale=config.system.async_step_scale,
+        )
 
     def _state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.state[param]
         if not state:
-            state["momentum_buffers"] = torch.zeros((self.num_workers, *param.shape), dtype=param.dtype, device=param.device)
+            state["momentum_buffers"] = torch.zeros(
+                (self.num_workers, *param.shape), dtype=param.dtype, device=param.device
+            )
             state["momentum_sum"] = torch.zeros_like(param)
         return state
 

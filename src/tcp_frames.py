@@ -124,10 +124,26 @@ class Header:
         return bool(self.flags & CLOSING)
 
 
-def pack_header(kind: Kind, method: Method, length: int, *, call: int = 0, status: grpc.StatusCode | None = None,
-                deadline_ms: int = 0, closing: bool = False) -> bytes:
-    return HEADER.pack(MAGIC, kind, method, status.value[0] if status is not None else 0, CLOSING if closing else 0,
-                       call & 0xFFFFFFFF, min(max(deadline_ms, 0), 0xFFFFFFFF), length)
+def pack_header(
+    kind: Kind,
+    method: Method,
+    length: int,
+    *,
+    call: int = 0,
+    status: grpc.StatusCode | None = None,
+    deadline_ms: int = 0,
+    closing: bool = False,
+) -> bytes:
+    return HEADER.pack(
+        MAGIC,
+        kind,
+        method,
+        status.value[0] if status is not None else 0,
+        CLOSING if closing else 0,
+        call & 0xFFFFFFFF,
+        min(max(deadline_ms, 0), 0xFFFFFFFF),
+        length,
+    )
 
 
 def parse_header(data) -> Header:
@@ -138,9 +154,11 @@ def parse_header(data) -> Header:
     """
     magic, kind, method, status, flags, call, deadline_ms, length = HEADER.unpack(data)
     if magic != MAGIC:
-        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"not a frame of this protocol: magic {bytes(magic)!r}, expected {MAGIC!r} "
-                         f"(a client of another transport? system.transport must match on both ends)")
+        raise FrameError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"not a frame of this protocol: magic {bytes(magic)!r}, expected {MAGIC!r} "
+            f"(a client of another transport? system.transport must match on both ends)",
+        )
     try:
         return Header(Kind(kind), Method(method), status, flags, call, deadline_ms, length)
     except ValueError:
@@ -196,7 +214,7 @@ def send_frame(sock: socket.socket, header: bytes, pieces: Sequence[Any]) -> Non
         return
     first = 0
     while first < len(items):
-        sent = sock.sendmsg(items[first:first + MAX_IOV])
+        sent = sock.sendmsg(items[first : first + MAX_IOV])
         first = _advance(items, first, sent)
 
 
@@ -239,7 +257,7 @@ class _Rest:
 def _resolve(item) -> memoryview:
     """The bytes of a piece (a shared one's now: the caller holds its lock)."""
     if isinstance(item, _Rest):
-        return item.piece.shared.view(item.piece.index)[item.skip:]
+        return item.piece.shared.view(item.piece.index)[item.skip :]
     return item.shared.view(item.index) if _is_shared(item) else item
 
 
@@ -262,7 +280,7 @@ def _send_shared(sock: socket.socket, items: list, shared) -> None:
                 raise socket.timeout("the peer read nothing within the timeout")
             with shared.lock:
                 try:
-                    sent = sock.sendmsg([_resolve(item) for item in items[first:first + MAX_IOV]])
+                    sent = sock.sendmsg([_resolve(item) for item in items[first : first + MAX_IOV]])
                 except BlockingIOError:
                     sent = 0
             first = _advance(items, first, sent)
@@ -271,8 +289,9 @@ def _send_shared(sock: socket.socket, items: list, shared) -> None:
             sock.settimeout(timeout)
 
 
-def send_error(sock: socket.socket, method: Method, call: int, status: grpc.StatusCode, details: str, *,
-               closing: bool = False) -> int:
+def send_error(
+    sock: socket.socket, method: Method, call: int, status: grpc.StatusCode, details: str, *, closing: bool = False
+) -> int:
     """Write an ERROR frame; returns its size."""
     body = details.encode("utf-8", "replace")
     send_frame(sock, pack_header(Kind.ERROR, method, len(body), call=call, status=status, closing=closing), [body])
@@ -291,8 +310,9 @@ def peer_name(address: tuple) -> str:
     return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
-def health_check(host: str, port: int, *, timeout_s: float, context: ssl.SSLContext | None = None,
-                 server_name: str | None = None) -> str:
+def health_check(
+    host: str, port: int, *, timeout_s: float, context: ssl.SSLContext | None = None, server_name: str | None = None
+) -> str:
     """Ask a TCP-transport server whether it serves (no auth token needed); returns ``SERVING``.
 
     Raises:

@@ -135,8 +135,9 @@ class TCPServer:
         """Listen on ``system.server_address`` (port 0: a free one); returns the bound port."""
         host, port = split_address(self.address)
         try:
-            family, kind, proto, _, bound = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                               flags=socket.AI_PASSIVE)[0]
+            family, kind, proto, _, bound = socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
             listener = socket.socket(family, kind, proto)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server takes its port back
             listener.bind(bound)
@@ -199,15 +200,22 @@ class TCPServer:
             if full:
                 self._refuse_connection(sock)
                 continue
-            threading.Thread(target=self._serve, args=(sock, peer_name(address)), name="ps-tcp-connection",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(sock, peer_name(address)), name="ps-tcp-connection", daemon=True
+            ).start()
 
     def _refuse_connection(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(1.0)
             if self._tls is None:  # over TLS the client could not read a plaintext frame
-                send_error(sock, Method.HELLO, 0, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"the server serves {self.max_connections} connections at a time", closing=True)
+                send_error(
+                    sock,
+                    Method.HELLO,
+                    0,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the server serves {self.max_connections} connections at a time",
+                    closing=True,
+                )
         except OSError:
             pass
         finally:
@@ -237,13 +245,16 @@ class TCPServer:
                 header = receive_header(sock, header_buffer)
                 limit = self._limit(header.method, authenticated)
                 if header.kind != Kind.REQUEST:
-                    raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"a client sends requests, not {header.kind.name}")
+                    raise FrameError(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"a client sends requests, not {header.kind.name}"
+                    )
                 if not authenticated and header.method not in (Method.HELLO, Method.HEALTH):
                     raise FrameError(grpc.StatusCode.UNAUTHENTICATED, _NO_TOKEN)
                 if header.length > limit:
-                    raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"{header.method.name} frame of {header.length} bytes exceeds the limit of {limit} "
-                                     f"bytes")
+                    raise FrameError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{header.method.name} frame of {header.length} bytes exceeds the limit of {limit} bytes",
+                    )
             except PeerClosed:
                 return
             except FrameError as refused:
@@ -257,7 +268,9 @@ class TCPServer:
             try:
                 if header.method == Method.HELLO:
                     if not hmac.compare_digest(bytes(body), self._token):  # constant time: no timing oracle
-                        send_error(sock, Method.HELLO, header.call, grpc.StatusCode.UNAUTHENTICATED, _NO_TOKEN, closing=True)
+                        send_error(
+                            sock, Method.HELLO, header.call, grpc.StatusCode.UNAUTHENTICATED, _NO_TOKEN, closing=True
+                        )
                         return
                     authenticated = True
                     send_frame(sock, pack_header(Kind.REPLY, Method.HELLO, 0, call=header.call), [])
@@ -288,8 +301,13 @@ class TCPServer:
             return
         except Exception as exc:  # a bug: the client gets one line, the log the traceback
             logger.exception("tcp %s call from %s failed", method.name, call.peer)
-            send_error(sock, method, header.call, grpc.StatusCode.INTERNAL,
-                       f"the server failed handling {method.name}: {type(exc).__name__}: {exc}".splitlines()[0])
+            send_error(
+                sock,
+                method,
+                header.call,
+                grpc.StatusCode.INTERNAL,
+                f"the server failed handling {method.name}: {type(exc).__name__}: {exc}".splitlines()[0],
+            )
             return
         pieces = encode(reply)
         try:
@@ -319,10 +337,16 @@ class TCPServer:
         return driver.handle_finish(request)
 
 
-_REQUESTS = {Method.REGISTER: pb.RegisterRequest, Method.PULL: pb.PullRequest, Method.HEARTBEAT: pb.HeartbeatRequest,
-             Method.FINISH: pb.FinishRequest}
-_NO_TOKEN = ("missing or wrong auth token (the connection's first frame must be a HELLO carrying system.auth_token "
-             "or $DTS_AUTH_TOKEN)")
+_REQUESTS = {
+    Method.REGISTER: pb.RegisterRequest,
+    Method.PULL: pb.PullRequest,
+    Method.HEARTBEAT: pb.HeartbeatRequest,
+    Method.FINISH: pb.FinishRequest,
+}
+_NO_TOKEN = (
+    "missing or wrong auth token (the connection's first frame must be a HELLO carrying system.auth_token "
+    "or $DTS_AUTH_TOKEN)"
+)
 
 
 def _echoed(header_buffer: bytearray) -> tuple[Method, int]:

@@ -190,8 +190,11 @@ class TCPParameterServerClient(ProtocolClient):
         reply_header, body = self._exchange(connection, header, pieces, deadline)
         if reply_header.call != call or reply_header.method != method:
             connection.close()
-            raise TransportError(grpc.StatusCode.INTERNAL, f"the server answered call {reply_header.call} "
-                                                           f"({reply_header.method.name}) to call {call} ({method.name})")
+            raise TransportError(
+                grpc.StatusCode.INTERNAL,
+                f"the server answered call {reply_header.call} "
+                f"({reply_header.method.name}) to call {call} ({method.name})",
+            )
         self._release(connection, reply_header.closing)
         if reply_header.kind == Kind.ERROR:
             raise error_of(reply_header, body)
@@ -220,7 +223,9 @@ class TCPParameterServerClient(ProtocolClient):
             body = receive_body(sock, reply_header.length)
         except socket.timeout:
             connection.close()
-            raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply from {self.address} before the deadline") from None
+            raise TransportError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply from {self.address} before the deadline"
+            ) from None
         except FrameError as exc:
             connection.close()
             raise TransportError(grpc.StatusCode.UNAVAILABLE, f"bad frame from {self.address}: {exc.message}") from None
@@ -249,9 +254,10 @@ class TCPParameterServerClient(ProtocolClient):
                 left = _remaining(deadline)
                 if not waiting or (left is not None and left <= backoff):
                     if waiting:
-                        raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                             f"{self.address} did not accept a connection before the deadline "
-                                             f"({exc.details()})") from None
+                        raise TransportError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{self.address} did not accept a connection before the deadline ({exc.details()})",
+                        ) from None
                     raise
                 time.sleep(backoff)  # the server is (re)starting: try again until the deadline
                 backoff = min(2 * backoff, 1.0)
@@ -263,13 +269,17 @@ class TCPParameterServerClient(ProtocolClient):
         except socket.timeout:
             raise TransportError(grpc.StatusCode.UNAVAILABLE, f"connecting to {self.address} timed out") from None
         except OSError as exc:
-            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.address}: {exc.strerror or exc}") from None
+            raise TransportError(
+                grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.address}: {exc.strerror or exc}"
+            ) from None
         try:
             tune_socket(raw)
             sock = self._tls.wrap_socket(raw, server_hostname=self._host) if self._tls is not None else raw
         except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
             raw.close()
-            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"TLS handshake with {self.address} failed: {exc}") from None
+            raise TransportError(
+                grpc.StatusCode.UNAVAILABLE, f"TLS handshake with {self.address} failed: {exc}"
+            ) from None
         connection = _Connection(sock)
         if self._token is not None:
             self._hello(connection, deadline)

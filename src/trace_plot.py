@@ -26,8 +26,14 @@ def lanes(events: Iterable[dict[str, Any]]) -> list[tuple[str, list[tuple[dict[s
     """``[(lane name, [(span, depth), ...]), ...]``: one lane per (pid, tid), ordered by process then thread
     name; a span's depth is how many spans of its thread contain it."""
     events = list(events)
-    processes = {e["pid"]: str(e["args"]["name"]) for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): str(e["args"]["name"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    processes = {
+        e["pid"]: str(e["args"]["name"]) for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    threads = {
+        (e["pid"], e["tid"]): str(e["args"]["name"])
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     by_thread: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for event in events:
         if event.get("ph") == "X":
@@ -45,8 +51,14 @@ def lanes(events: Iterable[dict[str, Any]]) -> list[tuple[str, list[tuple[dict[s
     return result
 
 
-def draw_timeline(events: Iterable[dict[str, Any]], path: str | Path, *, start_s: float = 0.0,
-                  seconds: float | None = None, title: str = "Timeline") -> Path:
+def draw_timeline(
+    events: Iterable[dict[str, Any]],
+    path: str | Path,
+    *,
+    start_s: float = 0.0,
+    seconds: float | None = None,
+    title: str = "Timeline",
+) -> Path:
     """Draw the spans of ``events`` (a trace's, :func:`src.tracing.read_trace`) into the PNG ``path``.
 
     Raises:
@@ -59,8 +71,10 @@ def draw_timeline(events: Iterable[dict[str, Any]], path: str | Path, *, start_s
     origin = min(s["ts"] for s in spans) / 1e6
     window_start = origin + start_s
     window_end = window_start + seconds if seconds is not None else max(s["ts"] + s["dur"] for s in spans) / 1e6
-    visible = [(name, [(s, d) for s, d in placed if s["ts"] / 1e6 < window_end and (s["ts"] + s["dur"]) / 1e6 > window_start])
-               for name, placed in rows]
+    visible = [
+        (name, [(s, d) for s, d in placed if s["ts"] / 1e6 < window_end and (s["ts"] + s["dur"]) / 1e6 > window_start])
+        for name, placed in rows
+    ]
     visible = [(name, placed) for name, placed in visible if placed]
     if not visible:
         raise ValueError(f"no span between {start_s:g} s and {start_s + (seconds or 0):g} s of the trace")
@@ -74,8 +88,15 @@ def draw_timeline(events: Iterable[dict[str, Any]], path: str | Path, *, start_s
             for span, depth in placed:
                 begin = max(span["ts"] / 1e6, window_start) - window_start
                 end = min((span["ts"] + span["dur"]) / 1e6, window_end) - window_start
-                ax.barh(base + depth + 0.4, max(end - begin, 1e-6), left=begin, height=0.8, color=color[span["name"]],
-                        edgecolor="white", linewidth=0.4)  # white edges keep back-to-back spans apart
+                ax.barh(
+                    base + depth + 0.4,
+                    max(end - begin, 1e-6),
+                    left=begin,
+                    height=0.8,
+                    color=color[span["name"]],
+                    edgecolor="white",
+                    linewidth=0.4,
+                )  # white edges keep back-to-back spans apart
             ticks.append((base + height / 2, name))
             base += height + 0.25
             ax.axhline(base - 0.125, color="#ddd", linewidth=0.6)
@@ -85,8 +106,13 @@ def draw_timeline(events: Iterable[dict[str, Any]], path: str | Path, *, start_s
         ax.set_xlabel(f"seconds (from {start_s:g} s after the trace's first span)")
         ax.set_title(title)
         ax.grid(axis="x", alpha=0.3)
-        ax.legend(handles=[Patch(color=color[n], label=n) for n in names], fontsize=7, loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0), frameon=False)
+        ax.legend(
+            handles=[Patch(color=color[n], label=n) for n in names],
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
+            frameon=False,
+        )
         figure.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

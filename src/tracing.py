@@ -72,8 +72,9 @@ class Tracer:
         clock: seconds of another clock (a simulation's) that :meth:`now_us` reads instead of the wall clock.
     """
 
-    def __init__(self, path: str | Path, process_name: str, *, pid: int | None = None,
-                 clock: Callable[[], float] | None = None):
+    def __init__(
+        self, path: str | Path, process_name: str, *, pid: int | None = None, clock: Callable[[], float] | None = None
+    ):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.pid = os.getpid() if pid is None else pid
@@ -107,18 +108,39 @@ class Tracer:
             self._handle.write(("\n" if self._first else ",\n") + line)
             self._first = False
 
-    def complete(self, name: str, start_us: float, end_us: float, args: dict[str, Any] | None = None, *,
-                 tid: int | None = None, thread_name: str | None = None) -> None:
+    def complete(
+        self,
+        name: str,
+        start_us: float,
+        end_us: float,
+        args: dict[str, Any] | None = None,
+        *,
+        tid: int | None = None,
+        thread_name: str | None = None,
+    ) -> None:
         """Record one finished span (a complete event) of the calling thread, or of thread ``tid``
         (a simulated one, named ``thread_name`` the first time)."""
         if tid is None:
             tid, thread_name = threading.get_native_id(), threading.current_thread().name
         if tid not in self._threads:
             self._threads.add(tid)
-            self._write({"ph": "M", "name": "thread_name", "pid": self.pid, "tid": tid,
-                         "args": {"name": thread_name or str(tid)}})
-        event = {"ph": "X", "name": name, "ts": round(start_us, 3), "dur": round(end_us - start_us, 3),
-                 "pid": self.pid, "tid": tid}
+            self._write(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": self.pid,
+                    "tid": tid,
+                    "args": {"name": thread_name or str(tid)},
+                }
+            )
+        event = {
+            "ph": "X",
+            "name": name,
+            "ts": round(start_us, 3),
+            "dur": round(end_us - start_us, 3),
+            "pid": self.pid,
+            "tid": tid,
+        }
         if args:
             event["args"] = args
         self._write(event)
@@ -183,7 +205,9 @@ def active() -> Tracer | None:
 
 
 @contextlib.contextmanager
-def trace_to(path: str | Path, process_name: str, *, enabled: bool = True, restart: bool = False) -> Iterator[Tracer | None]:
+def trace_to(
+    path: str | Path, process_name: str, *, enabled: bool = True, restart: bool = False
+) -> Iterator[Tracer | None]:
     """Trace this process into ``path`` while the block runs (``enabled=False``: do nothing).
 
     ``restart``: this process continues an earlier one of the same run (a restarted worker, server

@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 TRACKER_RUNS_FILE = "tracker_runs.json"
 """In the run's log folder: ``{tracker name: run id}``, so a restarted process continues its run."""
 EVENT_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "push": ("version", ("staleness", "weight", "loss", "gradient_time_s", "compression_time_s",
-                         "communication_time_s", "num_samples")),
+    "push": (
+        "version",
+        ("staleness", "weight", "loss", "gradient_time_s", "compression_time_s", "communication_time_s", "num_samples"),
+    ),
 }
 """Non-scalar events whose numbers are metrics too: kind -> (the field that is their step, the fields)."""
 
@@ -117,8 +119,9 @@ class MLflowTracker(Tracker):
             return cls(client, run_id)
         experiment = client.get_experiment_by_name(config.metrics.project)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.metrics.project)
-        run = client.create_run(experiment_id, run_name=run_name,
-                                tags={"architecture": config.system.architecture, "log_dir": str(log_dir)})
+        run = client.create_run(
+            experiment_id, run_name=run_name, tags={"architecture": config.system.architecture, "log_dir": str(log_dir)}
+        )
         return cls(client, run.info.run_id)
 
     def log_params(self, params: Mapping[str, str], nested: Mapping[str, Any]) -> None:
@@ -167,9 +170,16 @@ class WandbTracker(Tracker):
         log_dir.mkdir(parents=True, exist_ok=True)
         # No console capture (the runner's stdout is its result), no system sampling, no git or code upload.
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False)
-        run = wandb.init(project=config.metrics.project, name=run_name, dir=str(log_dir), mode=config.metrics.wandb_mode,
-                         id=run_id, resume="allow" if run_id else None, settings=settings,
-                         tags=[config.system.architecture])
+        run = wandb.init(
+            project=config.metrics.project,
+            name=run_name,
+            dir=str(log_dir),
+            mode=config.metrics.wandb_mode,
+            id=run_id,
+            resume="allow" if run_id else None,
+            settings=settings,
+            tags=[config.system.architecture],
+        )
         run.define_metric(cls.STEP)
         run.define_metric("*", step_metric=cls.STEP)
         return cls(run)
@@ -220,7 +230,9 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_params(config: Config) -> dict[str, str]:
     """The resolved config as tracker parameters: dotted names, values as text (lists as JSON)."""
-    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in flatten(config.to_dict()).items()}
+    return {
+        key: value if isinstance(value, str) else json.dumps(value) for key, value in flatten(config.to_dict()).items()
+    }
 
 
 def _number(value: Any) -> float | None:
@@ -286,8 +298,11 @@ class TrackerSink(MetricsSink):
     # --- MetricsSink (any thread): only enqueue
     def scalars(self, kind: str, step: int, values: Mapping[str, float], event: Mapping[str, Any]) -> None:
         prefix, at = _prefix(event), event.get("time", time.time())
-        metrics = [(f"{prefix}{kind}/{name}", number, step, at)
-                   for name, value in values.items() if (number := _number(value)) is not None]
+        metrics = [
+            (f"{prefix}{kind}/{name}", number, step, at)
+            for name, value in values.items()
+            if (number := _number(value)) is not None
+        ]
         if metrics:
             self._queue.put(("metrics", metrics))
 
@@ -297,8 +312,11 @@ class TrackerSink(MetricsSink):
             return
         step_field, fields = wanted
         step, prefix, at = event.get(step_field), _prefix(event), event.get("time", time.time())
-        metrics = [(f"{prefix}{event['kind']}/{name}", number, step, at)
-                   for name in fields if (number := _number(event.get(name))) is not None]
+        metrics = [
+            (f"{prefix}{event['kind']}/{name}", number, step, at)
+            for name in fields
+            if (number := _number(event.get(name))) is not None
+        ]
         if metrics:
             self._queue.put(("metrics", metrics))
 
@@ -347,8 +365,12 @@ class TrackerSink(MetricsSink):
     def _warn(self, exc: Exception) -> None:
         if not self._failed:
             self._failed = True
-            logger.warning("%s tracker: %s: %s (the run goes on; later failures of this tracker are not shown)",
-                           self.tracker.name, type(exc).__name__, " ".join(str(exc).split())[:300])
+            logger.warning(
+                "%s tracker: %s: %s (the run goes on; later failures of this tracker are not shown)",
+                self.tracker.name,
+                type(exc).__name__,
+                " ".join(str(exc).split())[:300],
+            )
 
 
 # ----------------------------------------------------------------------------- opening
@@ -372,8 +394,10 @@ def require_trackers(config: Config) -> None:
         try:
             importlib.import_module(package)
         except ImportError:
-            raise SetupError(f"metrics.trackers: {name} needs the {package} package: pip install -e '.[{name}]' "
-                             f"(or pip install {package})") from None
+            raise SetupError(
+                f"metrics.trackers: {name} needs the {package} package: pip install -e '.[{name}]' "
+                f"(or pip install {package})"
+            ) from None
 
 
 def open_trackers(config: Config, log_dir: str | Path, *, resume: bool = False) -> list[TrackerSink]:

@@ -78,8 +78,15 @@ def load_splits(config: Config) -> tuple[TensorDataset, TensorDataset]:
     return train, test
 
 
-def checkpoint_of_run(config: Config, model: nn.Module, optimizer: torch.optim.Optimizer, *, epoch: int, step: int,
-                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def checkpoint_of_run(
+    config: Config,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    epoch: int,
+    step: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The common checkpoint dict for ``model`` and ``optimizer`` in a run of ``config``."""
     return make_checkpoint(
         model_state_dict=model.state_dict(),
@@ -186,8 +193,9 @@ class MixedPrecision:
         return {"amp": self.mode, "amp_skipped_steps": self.skipped_steps}
 
 
-def forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                     amp: MixedPrecision | None = None) -> tuple[float, int]:
+def forward_backward(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, amp: MixedPrecision | None = None
+) -> tuple[float, int]:
     """One forward and backward pass, leaving gradients in ``.grad``; returns (mean loss, correct).
 
     ``amp``: run the forward under its autocast and scale the loss for the backward (fp16).
@@ -204,7 +212,9 @@ def forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tenso
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: TensorDataset, *, batch_size: int = 1000, device: torch.device | str = "cpu") -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, dataset: TensorDataset, *, batch_size: int = 1000, device: torch.device | str = "cpu"
+) -> tuple[float, float]:
     """Mean cross-entropy loss and accuracy of ``model`` on all of ``dataset``."""
     was_training = model.training
     model.eval()
@@ -280,7 +290,9 @@ def samples_due(before: int, after: int, every: int) -> bool:
 def report_target(target: TimeToTarget, accuracy: float, seconds: float, step: int) -> None:
     """Feed one evaluation to ``target``; log a line the first time the target accuracy is reached."""
     if target.observe(accuracy, seconds, step):
-        logger.info("target accuracy %.2f%% reached at step %d, %.2fs into training", target.target * 100, step, seconds)
+        logger.info(
+            "target accuracy %.2f%% reached at step %d, %.2fs into training", target.target * 100, step, seconds
+        )
 
 
 def progress(total: int, description: str):
@@ -326,11 +338,19 @@ class BaselineTrainer:
     def _checkpoint(self, path: Path, epoch: int) -> Path:
         extra = {"grad_scaler": self.amp.state_dict()} if self.amp.scaler is not None else None
         with tracing.span("checkpoint", epoch=epoch, step=self.step):
-            checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=epoch, step=self.step, extra=extra)
+            checkpoint = checkpoint_of_run(
+                self.config, self.model, self.optimizer, epoch=epoch, step=self.step, extra=extra
+            )
             return save_checkpoint(path, checkpoint)
 
-    def _evaluate(self, log: MetricsLogger, epoch: int, target: TimeToTarget, clock: TrainingClock,
-                  extra: dict[str, float] | None = None) -> tuple[float, float]:
+    def _evaluate(
+        self,
+        log: MetricsLogger,
+        epoch: int,
+        target: TimeToTarget,
+        clock: TrainingClock,
+        extra: dict[str, float] | None = None,
+    ) -> tuple[float, float]:
         t = self.config.training
         with clock.paused(), tracing.span("evaluate", step=self.step):
             loss, accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
@@ -343,22 +363,36 @@ class BaselineTrainer:
         started = time.perf_counter()
         clock, target = TrainingClock(), TimeToTarget(t.target_accuracy)
         samples = 0
-        final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device)
+        final_loss, final_accuracy = evaluate(
+            self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device
+        )
         checkpoint_path = None
         system = self.config.system
-        with MetricsLogger(self.log_dir, tensorboard="tensorboard" in self.config.metrics.trackers,
-                           sinks=open_trackers(self.config, self.log_dir)) as log, \
-                tracing.trace_to(self.log_dir / tracing.TRACE_FILE, "baseline", enabled=system.trace):
-            log.event("run_start", architecture="baseline", config=self.config.to_dict(),
-                      resumed_from=str(self.resumed_from) if self.resumed_from else None)
+        with (
+            MetricsLogger(
+                self.log_dir,
+                tensorboard="tensorboard" in self.config.metrics.trackers,
+                sinks=open_trackers(self.config, self.log_dir),
+            ) as log,
+            tracing.trace_to(self.log_dir / tracing.TRACE_FILE, "baseline", enabled=system.trace),
+        ):
+            log.event(
+                "run_start",
+                architecture="baseline",
+                config=self.config.to_dict(),
+                resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            )
             self.model.train()
             for epoch in range(self.start_epoch, t.num_epochs):
                 order = epoch_permutation(len(self.train_set), epoch, t.seed)
                 num_steps = -(-len(order) // t.batch_size)
                 epoch_loss, epoch_correct, epoch_samples = 0.0, 0, 0
                 # Training time includes our own logging and progress bar, not evaluation or checkpoints.
-                with clock.running(), progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar, \
-                        tracing.span("epoch", epoch=epoch + 1):
+                with (
+                    clock.running(),
+                    progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar,
+                    tracing.span("epoch", epoch=epoch + 1),
+                ):
                     for start in range(0, len(order), t.batch_size):
                         step_started = time.perf_counter()
                         images, labels = self.train_set.batch(order[start : start + t.batch_size])
@@ -379,27 +413,46 @@ class BaselineTrainer:
                         epoch_samples += batch
                         last_step = start + t.batch_size >= len(order)
                         if self.step % LOG_EVERY_STEPS == 0 or last_step:
-                            log.scalars("train", self.step, {
-                                "loss": loss,
-                                "accuracy": correct / batch,
-                                "throughput": batch / step_time,
-                                "gradient_time_s": gradient_time,
-                                "samples_processed": samples,
-                            }, epoch=epoch)
+                            log.scalars(
+                                "train",
+                                self.step,
+                                {
+                                    "loss": loss,
+                                    "accuracy": correct / batch,
+                                    "throughput": batch / step_time,
+                                    "gradient_time_s": gradient_time,
+                                    "samples_processed": samples,
+                                },
+                                epoch=epoch,
+                            )
                         if not last_step and eval_due(self.step, t.eval_interval, epoch_end=False):
                             self._evaluate(log, epoch, target, clock)
                         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
                         bar.update()
-                final_loss, final_accuracy = self._evaluate(log, epoch + 1, target, clock, {
-                    "train_loss": epoch_loss / max(epoch_samples, 1),
-                    "train_accuracy": epoch_correct / max(epoch_samples, 1),
-                })
-                logger.info("epoch %d/%d: test accuracy %.2f%%, test loss %.4f", epoch + 1, t.num_epochs, final_accuracy * 100, final_loss)
+                final_loss, final_accuracy = self._evaluate(
+                    log,
+                    epoch + 1,
+                    target,
+                    clock,
+                    {
+                        "train_loss": epoch_loss / max(epoch_samples, 1),
+                        "train_accuracy": epoch_correct / max(epoch_samples, 1),
+                    },
+                )
+                logger.info(
+                    "epoch %d/%d: test accuracy %.2f%%, test loss %.4f",
+                    epoch + 1,
+                    t.num_epochs,
+                    final_accuracy * 100,
+                    final_loss,
+                )
                 if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs:
                     written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
                     prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
                     log.event("checkpoint", path=str(written), epoch=epoch + 1, step=self.step)
-            checkpoint_path = self._checkpoint(final_checkpoint_path(self.checkpoint_dir, "baseline"), max(t.num_epochs, self.start_epoch))
+            checkpoint_path = self._checkpoint(
+                final_checkpoint_path(self.checkpoint_dir, "baseline"), max(t.num_epochs, self.start_epoch)
+            )
             total_time = time.perf_counter() - started
             train_time = clock.seconds
             summary = {

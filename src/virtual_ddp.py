@@ -71,8 +71,10 @@ class VirtualDDP:
     def __init__(self, config: Config, *, tensorboard: bool = True):
         system, t = config.system, config.training
         if system.inject_faults:
-            raise SetupError("system.inject_faults: faults are simulated in virtual time for the parameter server only; "
-                             "run DDP faults on the real clock")
+            raise SetupError(
+                "system.inject_faults: faults are simulated in virtual time for the parameter server only; "
+                "run DDP faults on the real clock"
+            )
         self.config = config
         self.cost = CostModel(config, server=False)
         self.clock = VirtualClock()
@@ -91,15 +93,25 @@ class VirtualDDP:
         if system.compression_enabled:
             policy = policy_from_config(system)
             names = {id(p): n for n, p in self.model.named_parameters()}
-            self.states = [CompressionHookState(policy, param_names=names, error_feedback=system.error_feedback,
-                                                plain_allreduce=system.allreduce, seed=t.seed, overlap=False)
-                           for _ in range(self.world)]
+            self.states = [
+                CompressionHookState(
+                    policy,
+                    param_names=names,
+                    error_feedback=system.error_feedback,
+                    plain_allreduce=system.allreduce,
+                    seed=t.seed,
+                    overlap=False,
+                )
+                for _ in range(self.world)
+            ]
             self.hook_name = policy.compressor.name
             first = self.states[0]
             self.segments = [[first._segment(self._pieces(bucket))] for bucket in self.bucket_params]
         if self.cost.uplink_schedule:
-            raise SetupError("emulation.uplink_schedule: a mid-run link change is modelled in the parameter server's "
-                             "virtual time only, not in virtual DDP")
+            raise SetupError(
+                "emulation.uplink_schedule: a mid-run link change is modelled in the parameter server's "
+                "virtual time only, not in virtual DDP"
+            )
         links = [w.uplink_bps for w in self.cost.workers]
         self.bandwidth_bps = None if any(b is None for b in links) else min(links)
         self.latency_s = max(w.uplink_latency_s for w in self.cost.workers)
@@ -119,8 +131,10 @@ class VirtualDDP:
 
     def _bucket_gradients(self) -> list[torch.Tensor]:
         """This rank's gradients, one flat tensor per bucket in DDP's order."""
-        return [torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-                for params in self.bucket_params]
+        return [
+            torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            for params in self.bucket_params
+        ]
 
     def _train_step(self, rank_batches: list[list[int]], step_samples: int) -> tuple[float, float, int, int]:
         """One synchronous step of every rank; returns (mean loss of rank 0's batch, its accuracy, samples, payload bytes)."""
@@ -140,14 +154,24 @@ class VirtualDDP:
                 if compressing:
                     state = self.states[rank]
                     payloads, compensated = encode_segments(state, buffer, self.segments[index], step, rank)
-                    accumulate_payloads(state, totals[index], b"".join(payloads), self.segments[index],
-                                        [len(p) for p in payloads], buffer.device, compensated=compensated)
+                    accumulate_payloads(
+                        state,
+                        totals[index],
+                        b"".join(payloads),
+                        self.segments[index],
+                        [len(p) for p in payloads],
+                        buffer.device,
+                        compensated=compensated,
+                    )
                     payload_bytes += sum(len(p) for p in payloads) if rank == 0 else 0
                 else:
                     totals[index][0] = buffer if totals[index][0] is None else totals[index][0].add_(buffer)
         for index, params in enumerate(self.bucket_params):  # the mean, back into the gradients
-            mean = totals[index][0].div_(self.world) if not compressing else \
-                write_average_(torch.empty_like(totals[index][0]), self.segments[index], totals[index], self.world)
+            mean = (
+                totals[index][0].div_(self.world)
+                if not compressing
+                else write_average_(torch.empty_like(totals[index][0]), self.segments[index], totals[index], self.world)
+            )
             offset = 0
             for param in params:
                 param.grad = mean[offset : offset + param.numel()].view_as(param).clone()
@@ -159,12 +183,15 @@ class VirtualDDP:
         self.step += 1
         return first_loss, first_correct / max(first_count, 1), sum(len(b) for b in rank_batches), payload_bytes
 
-    def _step_seconds(self, rank_batches: list[list[int]], payload_bytes: int, compressing: bool) -> tuple[float, float]:
+    def _step_seconds(
+        self, rank_batches: list[list[int]], payload_bytes: int, compressing: bool
+    ) -> tuple[float, float]:
         """(the step's virtual seconds, its exchange's): the slowest rank's compute, then the exchange."""
         compute = max(self.cost.step_s(rank, len(batch))[0] for rank, batch in enumerate(rank_batches))
         if compressing:
-            exchange = self.cost.compress_s + all_gather_s(self.world, [payload_bytes] * self.world, self.bandwidth_bps,
-                                                          self.latency_s)
+            exchange = self.cost.compress_s + all_gather_s(
+                self.world, [payload_bytes] * self.world, self.bandwidth_bps, self.latency_s
+            )
             self.bytes_sent_per_rank += (self.world - 1) * payload_bytes
         else:
             exchange = ring_allreduce_s(self.world, self.gradient_bytes, self.bandwidth_bps, self.latency_s)
@@ -180,18 +207,29 @@ class VirtualDDP:
         started = time.perf_counter()
         target = TimeToTarget(t.target_accuracy)
         run_log = MetricsLogger(log_dir, tensorboard=self.tensorboard, clock=self.clock.time)
-        rank_logs = [MetricsLogger(log_dir / f"rank_{r}", tensorboard=False, rank=r, clock=self.clock.time)
-                     for r in range(self.world)]
+        rank_logs = [
+            MetricsLogger(log_dir / f"rank_{r}", tensorboard=False, rank=r, clock=self.clock.time)
+            for r in range(self.world)
+        ]
         try:
-            run_log.event("run_start", architecture="ddp", config=self.config.to_dict(), world_size=self.world,
-                          backend="virtual", comm_hook=self.hook_name, clock="virtual")
+            run_log.event(
+                "run_start",
+                architecture="ddp",
+                config=self.config.to_dict(),
+                world_size=self.world,
+                backend="virtual",
+                comm_hook=self.hook_name,
+                clock="virtual",
+            )
             num_train = len(self.train_set)
             per_step = t.batch_size * self.world
             num_steps = steps_per_epoch(num_train, self.world, t.batch_size)
             samples = 0
             final_loss = final_accuracy = float("nan")
             for epoch in range(t.num_epochs):
-                shards = [list(shard.batches(t.batch_size)) for shard in make_shards(num_train, self.world, epoch, t.seed)]
+                shards = [
+                    list(shard.batches(t.batch_size)) for shard in make_shards(num_train, self.world, epoch, t.seed)
+                ]
                 for index in range(num_steps):
                     rank_batches = [shard[index] if index < len(shard) else [] for shard in shards]
                     step_samples = min(per_step, num_train - index * per_step)
@@ -202,20 +240,38 @@ class VirtualDDP:
                     self.exchange_s += exchange
                     samples += step_count
                     if self.step % LOG_EVERY_STEPS == 0 or index + 1 == num_steps:
-                        rank_logs[0].scalars("train", self.step, {"loss": loss, "accuracy": accuracy, "step_time_s": seconds,
-                                                                  "communication_time_s": exchange,
-                                                                  "samples_processed": samples}, epoch=epoch)
-                    if eval_due(self.step, t.eval_interval, epoch_end=index + 1 == num_steps) or \
-                            samples_due(samples - step_count, samples, t.eval_every_samples):
+                        rank_logs[0].scalars(
+                            "train",
+                            self.step,
+                            {
+                                "loss": loss,
+                                "accuracy": accuracy,
+                                "step_time_s": seconds,
+                                "communication_time_s": exchange,
+                                "samples_processed": samples,
+                            },
+                            epoch=epoch,
+                        )
+                    if eval_due(self.step, t.eval_interval, epoch_end=index + 1 == num_steps) or samples_due(
+                        samples - step_count, samples, t.eval_every_samples
+                    ):
                         final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size)
-                        run_log.scalars("eval", self.step, {"test_loss": final_loss, "test_accuracy": final_accuracy},
-                                        epoch=epoch + (index + 1 == num_steps), samples=samples, elapsed_s=self.clock.now)
+                        run_log.scalars(
+                            "eval",
+                            self.step,
+                            {"test_loss": final_loss, "test_accuracy": final_accuracy},
+                            epoch=epoch + (index + 1 == num_steps),
+                            samples=samples,
+                            elapsed_s=self.clock.now,
+                        )
                         target.observe(final_accuracy, self.clock.now, self.step)
-            checkpoint = checkpoint_of_run(self.config, self.model, self.optimizer, epoch=t.num_epochs, step=self.step,
-                                           extra=self._hook_extra())
+            checkpoint = checkpoint_of_run(
+                self.config, self.model, self.optimizer, epoch=t.num_epochs, step=self.step, extra=self._hook_extra()
+            )
             checkpoint_path = save_checkpoint(final_checkpoint_path(checkpoint_dir, "ddp"), checkpoint)
-            summary = self._summary(final_loss, final_accuracy, samples, str(checkpoint_path), target,
-                                    time.perf_counter() - started)
+            summary = self._summary(
+                final_loss, final_accuracy, samples, str(checkpoint_path), target, time.perf_counter() - started
+            )
             run_log.event("run_end", **summary)
             write_summary(summary_path, summary)
             run_log.finish(summary, artifacts=[summary_path, checkpoint_path])
@@ -227,37 +283,67 @@ class VirtualDDP:
 
     def _hook_extra(self) -> dict[str, Any]:
         ranks = [state.state_dict() for state in self.states] if self.states is not None else [{}] * self.world
-        return {"comm_hook": {"name": self.hook_name, "world_size": self.world, "ranks": ranks}, "epoch_step": 0,
-                "world_size": self.world}
+        return {
+            "comm_hook": {"name": self.hook_name, "world_size": self.world, "ranks": ranks},
+            "epoch_step": 0,
+            "world_size": self.world,
+        }
 
-    def _summary(self, final_loss: float, final_accuracy: float, samples: int, checkpoint_path: str, target: TimeToTarget,
-                 wall_s: float) -> dict[str, Any]:
+    def _summary(
+        self,
+        final_loss: float,
+        final_accuracy: float,
+        samples: int,
+        checkpoint_path: str,
+        target: TimeToTarget,
+        wall_s: float,
+    ) -> dict[str, Any]:
         t, system = self.config.training, self.config.system
         compression = system.compression_type if system.compression_enabled else "none"
         train_time = self.clock.now
         total = self.bytes_sent_per_rank * self.world
         return {
-            "architecture": "ddp", "dataset": t.dataset, "num_workers": self.world, "world_size": self.world,
-            "backend": "virtual", "allreduce": system.allreduce, "comm_hook": self.hook_name, "compression": compression,
+            "architecture": "ddp",
+            "dataset": t.dataset,
+            "num_workers": self.world,
+            "world_size": self.world,
+            "backend": "virtual",
+            "allreduce": system.allreduce,
+            "comm_hook": self.hook_name,
+            "compression": compression,
             "compression_ratio": system.compression_ratio if compression == "topk" else None,
             "quantization_bits": system.quantization_bits if compression == "quantization" else None,
-            "error_feedback": bool(system.compression_enabled and system.error_feedback), "epochs": t.num_epochs,
-            "final_accuracy": final_accuracy, "final_loss": final_loss, "checkpoint_path": checkpoint_path,
-            "steps": self.step, "steps_this_run": self.step, "restarts": 0, "resumed_from": None,
-            "clock": "virtual", "training_clock": "the slowest rank's steps, exchanges included (virtual time)",
+            "error_feedback": bool(system.compression_enabled and system.error_feedback),
+            "epochs": t.num_epochs,
+            "final_accuracy": final_accuracy,
+            "final_loss": final_loss,
+            "checkpoint_path": checkpoint_path,
+            "steps": self.step,
+            "steps_this_run": self.step,
+            "restarts": 0,
+            "resumed_from": None,
+            "clock": "virtual",
+            "training_clock": "the slowest rank's steps, exchanges included (virtual time)",
             **target.fields(),
-            "total_time_s": train_time, "train_time_s": train_time,
+            "total_time_s": train_time,
+            "train_time_s": train_time,
             "throughput_samples_per_s": samples / train_time if train_time > 0 else 0.0,
-            "samples_processed": samples, "bytes_sent": total, "bytes_received": total,
+            "samples_processed": samples,
+            "bytes_sent": total,
+            "bytes_received": total,
             "bytes_sent_measured": total if self.states is not None else 0,
             "bytes_sent_estimated": 0 if self.states is not None else total,
             "bytes_accounting": "measured" if self.states is not None else "estimated",
             "bytes_sent_per_rank_per_step": self.bytes_sent_per_rank / self.step if self.step else 0.0,
             "communication_time_s": self.exchange_s,
-            "cost_model": self.cost.describe(), "wall_time_s": wall_s, "wall_time_fields": ["wall_time_s"],
+            "cost_model": self.cost.describe(),
+            "wall_time_s": wall_s,
+            "wall_time_fields": ["wall_time_s"],
         }
 
 
-def run_virtual_ddp(config: Config, *, summary_json: str | Path | None = None, tensorboard: bool = True) -> dict[str, Any]:
+def run_virtual_ddp(
+    config: Config, *, summary_json: str | Path | None = None, tensorboard: bool = True
+) -> dict[str, Any]:
     """Run a DDP job in virtual time (see the module docstring); returns the run summary."""
     return VirtualDDP(config, tensorboard=tensorboard).run(summary_json)

@@ -113,17 +113,23 @@ class VirtualTimelines:
     def _tracer(self, pid: int) -> Tracer:
         tracer = self._tracers.get(pid)
         if tracer is None:
-            role, name = ("server", "parameter server") if pid == self.SERVER_PID else (f"worker_{pid - 2}", f"worker {pid - 2}")
-            tracer = self._tracers[pid] = Tracer(self.log_dir / role / TRACE_FILE, f"{name} (virtual time)", pid=pid,
-                                                 clock=lambda: self.clock.now)
+            role, name = (
+                ("server", "parameter server") if pid == self.SERVER_PID else (f"worker_{pid - 2}", f"worker {pid - 2}")
+            )
+            tracer = self._tracers[pid] = Tracer(
+                self.log_dir / role / TRACE_FILE, f"{name} (virtual time)", pid=pid, clock=lambda: self.clock.now
+            )
         return tracer
 
     def server(self, name: str, start_s: float, *, calls_of: int | None = None, **args: Any) -> None:
         """A server span from ``start_s`` to now: on the CPU thread, or on the thread of worker ``calls_of``'s calls."""
         if self.enabled:
-            tid, thread = (self.CPU_THREAD, "cpu") if calls_of is None else (2 + calls_of, f"calls of worker {calls_of}")
-            self._tracer(self.SERVER_PID).complete(name, start_s * 1e6, self.clock.now * 1e6, args or None,
-                                                   tid=tid, thread_name=thread)
+            tid, thread = (
+                (self.CPU_THREAD, "cpu") if calls_of is None else (2 + calls_of, f"calls of worker {calls_of}")
+            )
+            self._tracer(self.SERVER_PID).complete(
+                name, start_s * 1e6, self.clock.now * 1e6, args or None, tid=tid, thread_name=thread
+            )
 
     def worker(self, worker: int, name: str, start_s: float, end_s: float | None = None, **args: Any) -> None:
         """A span of worker ``worker`` from ``start_s`` to ``end_s`` (default: now)."""
@@ -156,8 +162,14 @@ class VirtualRun:
         self.clock = self.loop.clock
         self.tensorboard = tensorboard
         self.resume = resume
-        self.train_set = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
-                                      num_samples=t.num_samples, seed=t.seed)
+        self.train_set = load_dataset(
+            t.dataset,
+            "train",
+            data_dir=t.data_dir,
+            max_samples=t.max_train_samples,
+            num_samples=t.num_samples,
+            seed=t.seed,
+        )
         self.test_set = test_set_for(config)
         self.nic_in = SharedLink(self.loop, self.cost.server_bps)
         self.nic_out = SharedLink(self.loop, self.cost.server_bps)
@@ -194,18 +206,28 @@ class VirtualRun:
             looping = time.perf_counter()
             finished = self.loop.run(until=lambda: self.core is not None and self.core.done.is_set())
             if not finished:
-                raise LaunchError(f"the virtual run stalled at virtual time {self.clock.now:.3f} s with nothing left to "
-                                  f"happen (every process dead or waiting)")
+                raise LaunchError(
+                    f"the virtual run stalled at virtual time {self.clock.now:.3f} s with nothing left to "
+                    f"happen (every process dead or waiting)"
+                )
             if self.core.fatal is not None:
                 raise self.core.fatal
             # The last Finish replies are still on their way: deliver them (the worker then writes its
             # run_end and gradient ledger), as a real launcher waits for its workers to exit.
             self.loop.run(until=lambda: not any(w.finishing for w in self.workers))
             looped = time.perf_counter()
-            return self.core.finalize(summary_json, downlink_delay_s=self._downlink_delays(), extra={
-                "wall_time_s": looped - started, "wall_loop_s": looped - looping, "wall_compute_s": self.compute_wall_s,
-                "wall_time_fields": ["wall_time_s", "wall_loop_s", "wall_compute_s"], "cost_model": self.cost.describe(),
-                "virtual_events": self.loop.processed})
+            return self.core.finalize(
+                summary_json,
+                downlink_delay_s=self._downlink_delays(),
+                extra={
+                    "wall_time_s": looped - started,
+                    "wall_loop_s": looped - looping,
+                    "wall_compute_s": self.compute_wall_s,
+                    "wall_time_fields": ["wall_time_s", "wall_loop_s", "wall_compute_s"],
+                    "cost_model": self.cost.describe(),
+                    "virtual_events": self.loop.processed,
+                },
+            )
         finally:
             for worker in self.workers:
                 worker.close_log()
@@ -216,15 +238,24 @@ class VirtualRun:
 
     def _downlink_delays(self) -> dict[int, float]:
         """Seconds each worker's replies spent on its emulated downlink (workers with one)."""
-        return {k: self.downlink_delay_s[k] for k, w in enumerate(self.cost.workers) if w.conditions.downlink is not None}
+        return {
+            k: self.downlink_delay_s[k] for k, w in enumerate(self.cost.workers) if w.conditions.downlink is not None
+        }
 
     # ------------------------------------------------------------------------- the server process
 
     def _start_server(self, *, resume: str | Path | None, faults: bool) -> None:
         self.core = ServerCore(
-            self.config, work=planned_work(self.config, len(self.train_set)), model=model_from_config(self.config),
-            test_set=self.test_set, tensorboard=self.tensorboard, resume=resume, faults=faults,
-            fire_fault=self._server_fault, clock=self.clock)
+            self.config,
+            work=planned_work(self.config, len(self.train_set)),
+            model=model_from_config(self.config),
+            test_set=self.test_set,
+            tensorboard=self.tensorboard,
+            resume=resume,
+            faults=faults,
+            fire_fault=self._server_fault,
+            clock=self.clock,
+        )
         self.core.serving = True
         self.server_running = True
         self.server_epoch += 1
@@ -254,11 +285,14 @@ class VirtualRun:
             self._fail(call, "UNAVAILABLE", "the parameter server went away")
         attempt = self._spend_restart("server")
         if attempt is None:
-            raise LaunchError(f"parameter server {reason}; its restart budget (system.max_restarts="
-                              f"{self.config.system.max_restarts}) is spent")
+            raise LaunchError(
+                f"parameter server {reason}; its restart budget (system.max_restarts="
+                f"{self.config.system.max_restarts}) is spent"
+            )
         checkpoint = unfinished_run_checkpoint(self.config.system.checkpoint_dir, "parameter_server")
-        self.launcher_log.write("server_restarted", attempt=attempt, exit=reason,
-                                resumed_from=str(checkpoint) if checkpoint else None)
+        self.launcher_log.write(
+            "server_restarted", attempt=attempt, exit=reason, resumed_from=str(checkpoint) if checkpoint else None
+        )
         self.loop.after(self.cost.restart_s, lambda: self._start_server(resume=checkpoint, faults=False))
 
     def _serve(self, action: Callable[[], None]) -> None:
@@ -272,8 +306,16 @@ class VirtualRun:
 
     # ------------------------------------------------------------------------- messages
 
-    def call(self, worker: "VirtualWorker", data: bytes, handle: Callable[[Call, bytes], None],
-             on_reply: Callable[[bytes], None], on_error: Callable[[str, str], None], *, wait_for_server: bool = False) -> None:
+    def call(
+        self,
+        worker: "VirtualWorker",
+        data: bytes,
+        handle: Callable[[Call, bytes], None],
+        on_reply: Callable[[bytes], None],
+        on_error: Callable[[str, str], None],
+        *,
+        wait_for_server: bool = False,
+    ) -> None:
         """Send ``data`` from ``worker`` over its uplink and the server NIC; the server ``handle``\\ s it on arrival.
 
         ``wait_for_server``: a server that is down takes the call when it is up again (gRPC's
@@ -291,12 +333,17 @@ class VirtualRun:
                 self.open_calls.add(call)
                 self._serve(lambda: handle(call, data))
             elif wait_for_server:
-                self.held_for_server.append(lambda: (self.open_calls.add(call), self._serve(lambda: handle(call, data))))
+                self.held_for_server.append(
+                    lambda: (self.open_calls.add(call), self._serve(lambda: handle(call, data)))
+                )
             else:
                 self._deliver(call, lambda: call.on_error("UNAVAILABLE", "the parameter server is not reachable"))
 
-        self.nic_in.send(8 * len(data), self.cost.uplink_bps(worker.worker_id, sent_at),
-                         lambda: self.loop.after(costs.uplink_latency_s, arrived))
+        self.nic_in.send(
+            8 * len(data),
+            self.cost.uplink_bps(worker.worker_id, sent_at),
+            lambda: self.loop.after(costs.uplink_latency_s, arrived),
+        )
 
     def _reply(self, call: Call, data: bytes) -> None:
         """Send the server's reply back over the server NIC and the worker's downlink."""
@@ -328,7 +375,9 @@ class VirtualRun:
 
     def serve_register(self, call: Call, data: bytes) -> None:
         try:
-            reply, events = self.core.register(pb.RegisterRequest.FromString(data), f"virtual:worker-{call.worker.worker_id}")
+            reply, events = self.core.register(
+                pb.RegisterRequest.FromString(data), f"virtual:worker-{call.worker.worker_id}"
+            )
         except Refused as refused:
             self._fail(call, refused.code, refused.message)
             return
@@ -345,6 +394,7 @@ class VirtualRun:
 
     def serve_push(self, call: Call, data: bytes) -> None:
         """The push takes ``server_update_s`` of the server's time; its reply follows it at once when its work is there."""
+
         def take() -> None:
             self.timelines.server("apply", self.clock.now - self.cost.server_update_s, worker=call.worker.worker_id)
             self._serve(lambda: self._take_push(call, data))
@@ -414,8 +464,11 @@ class VirtualRun:
                 continue
             del self.waiting[worker_id]
             self.timelines.server("barrier_wait", waiter.parked_at, calls_of=worker_id, worker=worker_id)
-            self.cpu.submit(self.cost.server_reply_s, lambda w=waiter, work=work: self._serve(lambda: self._build_reply(w, work)),
-                            first=worker_id == first)
+            self.cpu.submit(
+                self.cost.server_reply_s,
+                lambda w=waiter, work=work: self._serve(lambda: self._build_reply(w, work)),
+                first=worker_id == first,
+            )
 
     def _build_reply(self, waiter: Waiter, work) -> None:
         self.timelines.server("reply", self.clock.now - self.cost.server_reply_s, worker=waiter.member.worker_id)
@@ -439,16 +492,23 @@ class VirtualRun:
             elif kind == "worker_rejoined" and worker.worker_id in self.revoked.waiting:
                 self.revoked.rejoined(worker.worker_id, fields["pid"])
                 if worker.worker_id not in self.revoked.waiting:
-                    self.launcher_log.write("worker_rejoined_by_itself", worker=worker.worker_id, pid=fields["pid"],
-                                            incarnation=fields["incarnation"])
+                    self.launcher_log.write(
+                        "worker_rejoined_by_itself",
+                        worker=worker.worker_id,
+                        pid=fields["pid"],
+                        incarnation=fields["incarnation"],
+                    )
 
     def _kill_hung(self) -> None:
         for worker_id, pid in self.revoked.due(self.clock.now):
             worker = self.workers[worker_id]
             if worker.alive and worker.pid == pid:
-                self.launcher_log.write("worker_killed", worker=worker_id, pid=pid,
-                                        reason="declared failed by the server while its process was alive, and it "
-                                               "did not rejoin (hung)")
+                self.launcher_log.write(
+                    "worker_killed",
+                    worker=worker_id,
+                    pid=pid,
+                    reason="declared failed by the server while its process was alive, and it did not rejoin (hung)",
+                )
                 worker.end("killed by SIGKILL")
 
     def _spend_restart(self, name: str) -> int | None:
@@ -464,8 +524,10 @@ class VirtualRun:
         if attempt is None:
             self.launcher_log.write("worker_abandoned", worker=worker.worker_id, exit=exit_description)
             if not any(w.alive for w in self.workers):
-                raise LaunchError(f"every worker has failed and the restart budgets (system.max_restarts="
-                                  f"{self.config.system.max_restarts}) are spent")
+                raise LaunchError(
+                    f"every worker has failed and the restart budgets (system.max_restarts="
+                    f"{self.config.system.max_restarts}) are spent"
+                )
             return
         self.launcher_log.write("worker_restarted", worker=worker.worker_id, attempt=attempt, exit=exit_description)
         self.loop.after(self.cost.restart_s, lambda: worker.start(faults=False))
@@ -491,8 +553,10 @@ class VirtualWorker:
         self.last_failure: Failure | None = None
         self.finishing = False  # a Finish is on its way
         model = run.compute_model
-        self.replica = ([torch.zeros_like(p) for p in model.parameters() if p.requires_grad],
-                        [torch.zeros_like(b) for b in model.buffers() if b.is_floating_point()])
+        self.replica = (
+            [torch.zeros_like(p) for p in model.parameters() if p.requires_grad],
+            [torch.zeros_like(b) for b in model.buffers() if b.is_floating_point()],
+        )
         self.step: WorkerStep | None = None
         self.log: MetricsLogger | None = None
         self.caller = pb.Caller(worker_id=worker_id)
@@ -591,9 +655,15 @@ class VirtualWorker:
 
         self._register(in_flight, step.carried_to_register(failure), registered)
 
-    def _register(self, last_request_id: int, carried: list[pb.Batch], then: Callable[[pb.RegisterReply], None]) -> None:
-        request = pb.RegisterRequest(worker_id=self.worker_id, last_request_id=last_request_id,
-                                     carried_batch_ids=[b.batch_id for b in carried], pid=self.pid)
+    def _register(
+        self, last_request_id: int, carried: list[pb.Batch], then: Callable[[pb.RegisterReply], None]
+    ) -> None:
+        request = pb.RegisterRequest(
+            worker_id=self.worker_id,
+            last_request_id=last_request_id,
+            carried_batch_ids=[b.batch_id for b in carried],
+            pid=self.pid,
+        )
 
         def registered(data: bytes) -> None:
             registration = pb.RegisterReply.FromString(data)
@@ -606,13 +676,26 @@ class VirtualWorker:
     def _first_registration(self, registration: pb.RegisterReply) -> None:
         run, config = self.run, self.config
         check_layout(self.worker_id, config, run.compute_model, registration)
-        self.log = MetricsLogger(Path(config.system.log_dir) / f"worker_{self.worker_id}",
-                                 tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
-                                 role="worker", worker=self.worker_id, clock=run.clock.time)
+        self.log = MetricsLogger(
+            Path(config.system.log_dir) / f"worker_{self.worker_id}",
+            tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
+            role="worker",
+            worker=self.worker_id,
+            clock=run.clock.time,
+        )
         seed = random.Random(config.training.seed * 1_000_003 + self.worker_id * 1_009 + self.process)
-        self.step = WorkerStep(config, self.worker_id, model=run.compute_model, train_set=run.train_set,
-                               device=torch.device("cpu"), log=self.log, replica=self.replica, faults=self.faults,
-                               fire_fault=self._fault, request_ids=seed.getrandbits(62) or 1)
+        self.step = WorkerStep(
+            config,
+            self.worker_id,
+            model=run.compute_model,
+            train_set=run.train_set,
+            device=torch.device("cpu"),
+            log=self.log,
+            replica=self.replica,
+            faults=self.faults,
+            fire_fault=self._fault,
+            request_ids=seed.getrandbits(62) or 1,
+        )
         self._heartbeat(self.process, self._new_heartbeat_chain())
         self._pull(first=True)
 
@@ -626,14 +709,18 @@ class VirtualWorker:
             return
         if self.step is not None:
             request = pb.HeartbeatRequest(caller=self.caller, stats=self._stats())
-            self._call(request.SerializeToString(), self.run.serve_heartbeat, lambda data: None,
-                       lambda code, message: None)  # a failed heartbeat is ignored, as the real worker's
+            self._call(
+                request.SerializeToString(), self.run.serve_heartbeat, lambda data: None, lambda code, message: None
+            )  # a failed heartbeat is ignored, as the real worker's
         self.run.loop.after(self.config.system.heartbeat_interval, lambda: self._heartbeat(process, chain))
 
     def _stats(self) -> pb.WorkerStats:
-        return self.step.stats(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
-                               total_time_s=self._now() - self.started_at,
-                               emulated_delay_s=self.compute_extra_s + self.uplink_delay_s)
+        return self.step.stats(
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            total_time_s=self._now() - self.started_at,
+            emulated_delay_s=self.compute_extra_s + self.uplink_delay_s,
+        )
 
     # ------------------------------------------------------------------------- training
 
@@ -644,12 +731,18 @@ class VirtualWorker:
             if first:
                 self.log.event("run_start", address="virtual", incarnation=self.incarnation, version=self.step.version)
             else:
-                self.log.event("rejoined", incarnation=self.incarnation, version=self.step.version, after=self.last_failure)
+                self.log.event(
+                    "rejoined", incarnation=self.incarnation, version=self.step.version, after=self.last_failure
+                )
             self._work(received)
 
         request = pb.PullRequest(caller=self.caller)
-        self._call(request.SerializeToString(), self.run.serve_pull, pulled,
-                   lambda code, message: self._after_failure(code, message, lambda: self._pull(first=first)))
+        self._call(
+            request.SerializeToString(),
+            self.run.serve_pull,
+            pulled,
+            lambda code, message: self._after_failure(code, message, lambda: self._pull(first=first)),
+        )
 
     def _work(self, received) -> None:
         """A reply arrived: finish, or compute the handed batches (their compute seconds from now)."""
@@ -657,7 +750,9 @@ class VirtualWorker:
             self._finish()
             return
         batches = list(received.message.work.batches)
-        step_s, extra_s = self.run.cost.step_s(self.worker_id, sum(len(b.indices) for b in batches)) if batches else (0.0, 0.0)
+        step_s, extra_s = (
+            self.run.cost.step_s(self.worker_id, sum(len(b.indices) for b in batches)) if batches else (0.0, 0.0)
+        )
         process = self.process
         self.step_started = self._now()
         self.run.loop.after(step_s, lambda: self._computed(process, batches, step_s, extra_s))
@@ -671,7 +766,9 @@ class VirtualWorker:
         loss, correct, samples = step.compute(batches)
         self.run.compute_wall_s += time.perf_counter() - computing
         self.compute_extra_s += extra_s
-        self.run.timelines.worker(self.worker_id, "forward_backward", self._now() - step_s, step=step.totals["steps"] + 1)
+        self.run.timelines.worker(
+            self.worker_id, "forward_backward", self._now() - step_s, step=step.totals["steps"] + 1
+        )
         step.reach_step()
         if not (self.alive and self.process == process) or (self.hung and self.pause_s is None):
             return  # the fault killed or stopped this process before it sent anything
@@ -679,7 +776,9 @@ class VirtualWorker:
         # encodes once it runs again: the same payloads, since nothing they are made of changes meanwhile).
         payloads = step.encode(batches)
         compress_s = self.run.cost.compress_s
-        request = step.request(self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s)
+        request = step.request(
+            self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
+        )
         data = serialize(Outgoing(request, {"gradients": payloads, "buffers": step.buffers_to_send(batches)}))
         payload_bytes = sum(len(p) for p in payloads)
         del payloads
@@ -694,11 +793,22 @@ class VirtualWorker:
 
             def replied(reply_data: bytes) -> None:
                 reply = split(reply_data, pb.PushReply, MODEL_STATE + ("parameter_deltas",))
-                step.settle(reply, batches, request, payload_bytes=payload_bytes, loss=loss, correct=correct,
-                            samples=samples, gradient_time_s=step_s, compression_time_s=compress_s,
-                            communication_time_s=self._now() - sent_at, push_bytes=len(data),
-                            reply_bytes=self.bytes_received - received_before, bytes_sent=self.bytes_sent,
-                            bytes_received=self.bytes_received)
+                step.settle(
+                    reply,
+                    batches,
+                    request,
+                    payload_bytes=payload_bytes,
+                    loss=loss,
+                    correct=correct,
+                    samples=samples,
+                    gradient_time_s=step_s,
+                    compression_time_s=compress_s,
+                    communication_time_s=self._now() - sent_at,
+                    push_bytes=len(data),
+                    reply_bytes=self.bytes_received - received_before,
+                    bytes_sent=self.bytes_sent,
+                    bytes_received=self.bytes_received,
+                )
                 timelines = self.run.timelines
                 timelines.worker(self.worker_id, "push", sent_at, request_id=request.request_id)
                 timelines.worker(self.worker_id, "step", step_started, step=step.totals["steps"])
@@ -710,7 +820,9 @@ class VirtualWorker:
             self._call(data, self.run.serve_push, replied, failed)
 
         if self.hung:  # paused: the process goes on (compresses, pushes) once it runs again
-            self.run.loop.after(self.pause_s, lambda: self._resumed(process, lambda: self.run.loop.after(compress_s, send)))
+            self.run.loop.after(
+                self.pause_s, lambda: self._resumed(process, lambda: self.run.loop.after(compress_s, send))
+            )
         else:
             self.run.loop.after(compress_s, send)
 
@@ -726,6 +838,7 @@ class VirtualWorker:
             self.end(None)
 
         request = pb.FinishRequest(caller=self.caller, stats=stats)
+
         def failed(code: str, message: str) -> None:
             self.finishing = False
             self._after_failure(code, message, self._pull)
@@ -733,8 +846,13 @@ class VirtualWorker:
         self._call(request.SerializeToString(), self.run.serve_finish, finished, failed)
 
 
-def run_virtual(config: Config, *, summary_json: str | Path | None = None, resume: str | Path | None = None,
-                tensorboard: bool = True) -> dict[str, Any]:
+def run_virtual(
+    config: Config,
+    *,
+    summary_json: str | Path | None = None,
+    resume: str | Path | None = None,
+    tensorboard: bool = True,
+) -> dict[str, Any]:
     """Run a parameter-server job in virtual time (see the module docstring); returns the run summary.
 
     Raises:

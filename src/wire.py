@@ -281,7 +281,7 @@ def split(data: bytes, message_type, large_fields: Sequence[str]) -> Received:
         elif wire_type == 2:
             length, position = _read_varint(view, position)
             if position + length <= len(view) and key >> 3 in numbers:
-                large[numbers[key >> 3]].append(view[position:position + length])
+                large[numbers[key >> 3]].append(view[position : position + length])
                 position += length
                 continue
             position += length

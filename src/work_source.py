@@ -98,8 +98,11 @@ class PlannedWork(WorkSource):
 
     def message(self, batches: list[Batch] | None, finished: bool) -> pb.Work:
         """New batches to train on; none and not finished means: push what error feedback carries."""
-        return pb.Work(finished=finished, flush=not finished and not batches,
-                       batches=[pb.Batch(batch_id=b.batch_id, epoch=b.epoch, indices=b.indices) for b in batches or ()])
+        return pb.Work(
+            finished=finished,
+            flush=not finished and not batches,
+            batches=[pb.Batch(batch_id=b.batch_id, epoch=b.epoch, indices=b.indices) for b in batches or ()],
+        )
 
     def start_round(self, ready: list[int], live: list[int]) -> dict[int, list[Batch]]:
         return self.plan.start_round(ready, live)
@@ -116,14 +119,19 @@ class PlannedWork(WorkSource):
         held = self.plan.holding(worker)
         expected = sorted(b.batch_id for b in held)
         if not held:
-            raise WorkRefused(f"push from worker {worker}, which holds no work (pushes only answer work handed out)",
-                              code="FAILED_PRECONDITION")
+            raise WorkRefused(
+                f"push from worker {worker}, which holds no work (pushes only answer work handed out)",
+                code="FAILED_PRECONDITION",
+            )
         if sorted(request.batch_ids) != expected:
-            raise WorkRefused(f"push from worker {worker} covers batches {sorted(request.batch_ids)}, but it holds {expected}")
+            raise WorkRefused(
+                f"push from worker {worker} covers batches {sorted(request.batch_ids)}, but it holds {expected}"
+            )
         samples = sum(len(b.indices) for b in held)
         if request.num_samples != samples:
-            raise WorkRefused(f"push from worker {worker}: num_samples {request.num_samples}, but its batches hold "
-                              f"{samples} samples")
+            raise WorkRefused(
+                f"push from worker {worker}: num_samples {request.num_samples}, but its batches hold {samples} samples"
+            )
 
     def claim(self, worker: int, batch_ids: Iterable[int]) -> list[int]:
         return self.plan.claim(worker, batch_ids)
@@ -176,8 +184,10 @@ class ClientWork(WorkSource):
 
     def check_covers(self, worker: int, request: pb.PushRequest) -> None:
         if request.batch_ids:
-            raise WorkRefused(f"push from worker {worker} lists batch ids, but on this server the workers own "
-                              f"their data (batch_ids must be empty)")
+            raise WorkRefused(
+                f"push from worker {worker} lists batch ids, but on this server the workers own "
+                f"their data (batch_ids must be empty)"
+            )
 
     def over(self, members: Membership) -> bool:
         return len(members.current) == self.num_workers and not members.live() and not members.awaited()

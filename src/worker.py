@@ -63,9 +63,17 @@ from src.worker_step import WorkerStep, check_layout
 logger = logging.getLogger(__name__)
 
 LOCAL_FIELDS = (
-    "training.data_dir", "training.device",
-    "system.log_dir", "system.checkpoint_dir", "system.server_address", "system.transport", "system.inject_faults",
-    "system.tls_cert_file", "system.tls_key_file", "system.tls_ca_file", "system.max_rejoins",
+    "training.data_dir",
+    "training.device",
+    "system.log_dir",
+    "system.checkpoint_dir",
+    "system.server_address",
+    "system.transport",
+    "system.inject_faults",
+    "system.tls_cert_file",
+    "system.tls_key_file",
+    "system.tls_ca_file",
+    "system.max_rejoins",
 )
 """Fields a worker takes from its own config; everything else comes from the server."""
 
@@ -137,8 +145,12 @@ class Worker:
         client, step = self.client, self.step
         if step is None:
             return pb.WorkerStats(total_time_s=time.perf_counter() - self._started)
-        return step.stats(bytes_sent=client.bytes_sent if client else 0, bytes_received=client.bytes_received if client else 0,
-                          total_time_s=time.perf_counter() - self._started, emulated_delay_s=self.emulated_delay_s())
+        return step.stats(
+            bytes_sent=client.bytes_sent if client else 0,
+            bytes_received=client.bytes_received if client else 0,
+            total_time_s=time.perf_counter() - self._started,
+            emulated_delay_s=self.emulated_delay_s(),
+        )
 
     def run(self) -> dict[str, Any]:
         """Register, train on whatever the server hands out until it says finished, finish; returns the totals.
@@ -148,8 +160,13 @@ class Worker:
             IncarnationRevoked: the server declared this incarnation failed, and the rejoin budget is spent.
             ValueError: the local model does not match the server's layout.
         """
-        self.client = make_client(self.address, transport=self.local_config.system.transport, token=self.token,
-                                  system=self.local_config.system, connect_timeout_s=self.connect_timeout_s)
+        self.client = make_client(
+            self.address,
+            transport=self.local_config.system.transport,
+            token=self.token,
+            system=self.local_config.system,
+            connect_timeout_s=self.connect_timeout_s,
+        )
         heartbeats = None
         try:
             registration = self._register(0)
@@ -158,8 +175,11 @@ class Worker:
             self.client.uplink = link_or_none(conditions.uplink)
             self.compute_delay = ComputeDelay(conditions, worker_seed(config.training.seed, self.worker_id))
             interval = config.system.heartbeat_interval
-            heartbeats = Heartbeats(lambda: self.client.heartbeat(self.caller, self.stats(), timeout=interval * 2), interval,
-                                    name=f"worker-{self.worker_id}-heartbeat")
+            heartbeats = Heartbeats(
+                lambda: self.client.heartbeat(self.caller, self.stats(), timeout=interval * 2),
+                interval,
+                name=f"worker-{self.worker_id}-heartbeat",
+            )
             heartbeats.start()
             return self._train(config, registration)
         finally:
@@ -179,18 +199,34 @@ class Worker:
         device = resolve_device(t.device)
         model = model_from_config(config).to(device)
         check_layout(self.worker_id, config, model, registration)
-        train_set = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples,
-                                 num_samples=t.num_samples, seed=t.seed)
-        with MetricsLogger(Path(system.log_dir) / f"worker_{self.worker_id}",
-                           tensorboard=self.tensorboard and "tensorboard" in config.metrics.trackers,
-                           role="worker", worker=self.worker_id) as log:
-            step = self.step = WorkerStep(config, self.worker_id, model=model, train_set=train_set, device=device, log=log,
-                                          faults=self.faults)
+        train_set = load_dataset(
+            t.dataset,
+            "train",
+            data_dir=t.data_dir,
+            max_samples=t.max_train_samples,
+            num_samples=t.num_samples,
+            seed=t.seed,
+        )
+        with MetricsLogger(
+            Path(system.log_dir) / f"worker_{self.worker_id}",
+            tensorboard=self.tensorboard and "tensorboard" in config.metrics.trackers,
+            role="worker",
+            worker=self.worker_id,
+        ) as log:
+            step = self.step = WorkerStep(
+                config, self.worker_id, model=model, train_set=train_set, device=device, log=log, faults=self.faults
+            )
             received = self._pull()
             step.load(received)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=step.version)
-            logger.info("worker %d: registered with %s as incarnation %d at version %d (%s)", self.worker_id, self.address,
-                        self.incarnation, step.version, system.aggregation_mode)
+            logger.info(
+                "worker %d: registered with %s as incarnation %d at version %d (%s)",
+                self.worker_id,
+                self.address,
+                self.incarnation,
+                step.version,
+                system.aggregation_mode,
+            )
             model.train()
             while True:
                 if received.message.work.finished:
@@ -202,7 +238,9 @@ class Worker:
                         self._rejoin(self._failure(exc), in_flight=0)
                         received = self._pull()
                         step.load(received)
-                        log.event("rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure)
+                        log.event(
+                            "rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure
+                        )
                         continue
                 batches = list(received.message.work.batches)
                 step_started = time.perf_counter()
@@ -215,30 +253,53 @@ class Worker:
                 with tracing.span("compress"):
                     payloads = step.encode(batches)  # no batches: a flush of what error feedback carries
                 compressed = time.perf_counter()
-                request = step.request(self.caller, batches, loss, correct, gradient_time_s=computed - step_started,
-                                       compression_time_s=compressed - computed)
+                request = step.request(
+                    self.caller,
+                    batches,
+                    loss,
+                    correct,
+                    gradient_time_s=computed - step_started,
+                    compression_time_s=compressed - computed,
+                )
                 sent_before, received_before = self.client.bytes_sent, self.client.bytes_received
                 with tracing.span("push", request_id=request.request_id):  # blocked on the reply: exposed communication
                     reply = self._push(request, payloads, step.buffers_to_send(batches))
-                if not isinstance(reply, Received):  # lost with the server's session or our incarnation: registered again
+                if not isinstance(
+                    reply, Received
+                ):  # lost with the server's session or our incarnation: registered again
                     received = self._pull()
                     step.load(received)
                     log.event("rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure)
                     continue
                 received = reply
-                step.settle(reply, batches, request, payload_bytes=sum(len(p) for p in payloads), loss=loss, correct=correct, samples=samples,
-                            gradient_time_s=computed - step_started, compression_time_s=compressed - computed,
-                            communication_time_s=time.perf_counter() - compressed,
-                            push_bytes=self.client.bytes_sent - sent_before,
-                            reply_bytes=self.client.bytes_received - received_before,
-                            bytes_sent=self.client.bytes_sent, bytes_received=self.client.bytes_received)
+                step.settle(
+                    reply,
+                    batches,
+                    request,
+                    payload_bytes=sum(len(p) for p in payloads),
+                    loss=loss,
+                    correct=correct,
+                    samples=samples,
+                    gradient_time_s=computed - step_started,
+                    compression_time_s=compressed - computed,
+                    communication_time_s=time.perf_counter() - compressed,
+                    push_bytes=self.client.bytes_sent - sent_before,
+                    reply_bytes=self.client.bytes_received - received_before,
+                    bytes_sent=self.client.bytes_sent,
+                    bytes_received=self.client.bytes_received,
+                )
                 tracing.record("step", step_started, time.perf_counter(), step=step.totals["steps"])
 
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
             step.write_ledger(system.log_dir)
             log.event("run_end", incarnation=self.incarnation, **result)
-        logger.info("worker %d: finished at version %d: %d samples in %d steps", self.worker_id, step.version,
-                    step.totals["samples"], step.totals["steps"])
+        logger.info(
+            "worker %d: finished at version %d: %d samples in %d steps",
+            self.worker_id,
+            step.version,
+            step.totals["samples"],
+            step.totals["steps"],
+        )
         return {"worker_id": self.worker_id, "incarnation": self.incarnation, **result}
 
     def _push(self, request: pb.PushRequest, payloads: list[bytes], buffers: list) -> Received | bool:
@@ -273,8 +334,12 @@ class Worker:
         applied = bool(in_flight) and registration.last_request_applied
         step.rejoined(failure, in_flight=bool(in_flight), applied=applied)
         if failure == "revoked":
-            logger.info("worker %d: rejoined as incarnation %d at version %d", self.worker_id, self.incarnation,
-                        registration.version)
+            logger.info(
+                "worker %d: rejoined as incarnation %d at version %d",
+                self.worker_id,
+                self.incarnation,
+                registration.version,
+            )
         return applied
 
     def _pull(self) -> Received:

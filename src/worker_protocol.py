@@ -74,8 +74,11 @@ class Rejoins:
             IncarnationRevoked: the budget is spent (the message says so, and why the incarnation ended).
         """
         if self.used >= self.max_rejoins:
-            spent = (f"rejoined {self.used} time{'s' if self.used != 1 else ''} already" if self.max_rejoins
-                     else "rejoining is off")
+            spent = (
+                f"rejoined {self.used} time{'s' if self.used != 1 else ''} already"
+                if self.max_rejoins
+                else "rejoining is off"
+            )
             raise IncarnationRevoked(f"{reason}; {spent} (system.max_rejoins={self.max_rejoins}): this process stops")
         self.used += 1
         logger.warning("%s; rejoining as a new incarnation (rejoin %d/%d)", reason, self.used, self.max_rejoins)
@@ -115,11 +118,15 @@ def check_session_lost(exc: grpc.RpcError, worker_id: int | None, rejoins: Rejoi
     return failure
 
 
-def served_tensors(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.Tensor]]]:
+def served_tensors(
+    module: torch.nn.Module,
+) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.Tensor]]]:
     """What the server holds of ``module``: its trainable parameters (``named_parameters()`` order) and its
     floating-point buffers (batch-norm statistics), named."""
-    return ([(n, p) for n, p in module.named_parameters() if p.requires_grad],
-            [(n, b) for n, b in module.named_buffers() if b.is_floating_point()])
+    return (
+        [(n, p) for n, p in module.named_parameters() if p.requires_grad],
+        [(n, b) for n, b in module.named_buffers() if b.is_floating_point()],
+    )
 
 
 def worker_generator_seed(training_seed: int, worker_id: int) -> int:
@@ -127,13 +134,20 @@ def worker_generator_seed(training_seed: int, worker_id: int) -> int:
     return training_seed * 1_000_003 + worker_id
 
 
-def encode_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], policy: CompressionPolicy | None,
-                     feedback: ErrorFeedback | None, generator: torch.Generator | None, step: int) -> list[bytes]:
+def encode_gradients(
+    named_gradients: Iterable[tuple[str, torch.Tensor]],
+    policy: CompressionPolicy | None,
+    feedback: ErrorFeedback | None,
+    generator: torch.Generator | None,
+    step: int,
+) -> list[bytes]:
     """One payload per parameter: compensated by ``feedback`` (if any), compressed by ``policy`` (identity if none)."""
     payloads = []
     for name, gradient in named_gradients:
         compensated = feedback.compensate(name, gradient) if feedback is not None else gradient
-        payload = policy.compress(compensated, step, generator) if policy is not None else IDENTITY.compress(compensated)
+        payload = (
+            policy.compress(compensated, step, generator) if policy is not None else IDENTITY.compress(compensated)
+        )
         if feedback is not None:
             feedback.update(name, compensated, payload)
         payloads.append(payload)
@@ -147,7 +161,12 @@ def controlled_policy(policy: CompressionPolicy | None, control: Any) -> Compres
     with top-k, or when the ratio is already the policy's. Used from the worker's next step.
     """
     rho = control.compression_ratio
-    if policy is None or rho <= 0 or not isinstance(policy.compressor, TopKCompressor) or policy.compressor.ratio == rho:
+    if (
+        policy is None
+        or rho <= 0
+        or not isinstance(policy.compressor, TopKCompressor)
+        or policy.compressor.ratio == rho
+    ):
         return policy
     return dataclasses.replace(policy, compressor=dataclasses.replace(policy.compressor, ratio=rho))
 
@@ -184,8 +203,16 @@ class PushCodec:
         names: the trainable parameters' names, in push order.
     """
 
-    def __init__(self, system: Any, policy: CompressionPolicy | None, *, error_feedback: bool, seed: int,
-                 worker_id: int, names: Sequence[str]):
+    def __init__(
+        self,
+        system: Any,
+        policy: CompressionPolicy | None,
+        *,
+        error_feedback: bool,
+        seed: int,
+        worker_id: int,
+        names: Sequence[str],
+    ):
         self.policy = policy
         # Error feedback also holds a rejected push's gradient when compression is off (identity payloads).
         rejections_possible = system.aggregation_mode == "async" and system.staleness_policy in ("hard", "both")
@@ -206,8 +233,17 @@ class PushCodec:
         settle_lost_push(self.feedback, self.names, applied=applied, redone=redone)
 
 
-def count_push(totals: dict[str, Any], *, accepted: bool, samples: int, gradient_time_s: float,
-               compression_time_s: float, communication_time_s: float, payload_bytes: int, dense_bytes: int) -> None:
+def count_push(
+    totals: dict[str, Any],
+    *,
+    accepted: bool,
+    samples: int,
+    gradient_time_s: float,
+    compression_time_s: float,
+    communication_time_s: float,
+    payload_bytes: int,
+    dense_bytes: int,
+) -> None:
     """Add one settled push to a worker's running ``totals`` (steps, samples, rejections, times, bytes)."""
     totals["steps"] += 1
     totals["samples"] += samples
@@ -229,12 +265,16 @@ def load_reply(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], 
     deltas = reply.large.get("parameter_deltas") or []
     sent_params, sent_buffers = deltas or reply.large["parameters"], reply.large["buffers"]
     if len(sent_params) != len(params) or len(sent_buffers) != len(buffers):
-        raise ValueError(f"server sent {len(sent_params)} parameters and {len(sent_buffers)} buffers, "
-                         f"the local model has {len(params)} and {len(buffers)}")
+        raise ValueError(
+            f"server sent {len(sent_params)} parameters and {len(sent_buffers)} buffers, "
+            f"the local model has {len(params)} and {len(buffers)}"
+        )
     if deltas:
         with torch.no_grad():
             for param, payload in zip(params, deltas):
-                param.add_(decompress(payload, device=param.device).view_as(param).to(param.dtype))  # the server's replica does the same
+                param.add_(
+                    decompress(payload, device=param.device).view_as(param).to(param.dtype)
+                )  # the server's replica does the same
     else:
         for index, (param, data) in enumerate(zip(params, sent_params)):
             copy_bytes_into(param.data, data, f"parameter {index}")
@@ -281,6 +321,18 @@ class Heartbeats(threading.Thread):
             self.join()
 
 
-__all__ = ["Heartbeats", "IncarnationRevoked", "PushCodec", "Rejoins", "check_session_lost", "count_push",
-           "encode_gradients", "failed_call", "load_reply", "served_tensors", "settle_lost_push", "settle_push",
-           "worker_generator_seed"]
+__all__ = [
+    "Heartbeats",
+    "IncarnationRevoked",
+    "PushCodec",
+    "Rejoins",
+    "check_session_lost",
+    "count_push",
+    "encode_gradients",
+    "failed_call",
+    "load_reply",
+    "served_tensors",
+    "settle_lost_push",
+    "settle_push",
+    "worker_generator_seed",
+]

@@ -46,8 +46,18 @@ the scale at each overflow: 2**16 down to 2**-16)."""
 PER_PROCESS_STATS = ("train_loss", "train_accuracy")
 """WorkerStats fields that describe the process so far; the others count from the incarnation's registration."""
 
-TOTALS = ("samples", "steps", "gradient_time_s", "compression_time_s", "communication_time_s", "pushes_rejected",
-          "payload_bytes", "dense_bytes", "train_loss", "train_accuracy")
+TOTALS = (
+    "samples",
+    "steps",
+    "gradient_time_s",
+    "compression_time_s",
+    "communication_time_s",
+    "pushes_rejected",
+    "payload_bytes",
+    "dense_bytes",
+    "train_loss",
+    "train_accuracy",
+)
 """A worker's running totals (reported with every heartbeat and at Finish)."""
 
 
@@ -56,8 +66,9 @@ def check_layout(worker_id: int, config: Config, model: nn.Module, registration:
     local_layout = [(n, list(p.shape)) for n, p in served_tensors(model)[0]]
     server_layout = [(s.name, list(s.shape)) for s in registration.parameter_specs]
     if local_layout != server_layout:
-        raise SetupError(f"worker {worker_id}: the local {config.training.model_architecture} does not match the "
-                         f"server's parameters")
+        raise SetupError(
+            f"worker {worker_id}: the local {config.training.model_architecture} does not match the server's parameters"
+        )
 
 
 class WorkerStep:
@@ -78,10 +89,20 @@ class WorkerStep:
             worker's ids do not collide with its predecessor's).
     """
 
-    def __init__(self, config: Config, worker_id: int, *, model: nn.Module, train_set: Any, device: torch.device,
-                 log: MetricsLogger, replica: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-                 faults: FaultInjector | None = None, fire_fault: Callable[[FaultSpec], None] | None = None,
-                 request_ids: int | None = None):
+    def __init__(
+        self,
+        config: Config,
+        worker_id: int,
+        *,
+        model: nn.Module,
+        train_set: Any,
+        device: torch.device,
+        log: MetricsLogger,
+        replica: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+        faults: FaultInjector | None = None,
+        fire_fault: Callable[[FaultSpec], None] | None = None,
+        request_ids: int | None = None,
+    ):
         t, system = config.training, config.system
         self.config = config
         self.worker_id = worker_id
@@ -96,21 +117,31 @@ class WorkerStep:
         self.log = log
         self.training = t
         self.dense_bytes_per_step = 4 * sum(p.numel() for p in self.model_params)  # what identity payloads carry
-        self.codec = PushCodec(system, policy_from_config(system), error_feedback=system.error_feedback, seed=t.seed,
-                               worker_id=worker_id, names=self.names)
+        self.codec = PushCodec(
+            system,
+            policy_from_config(system),
+            error_feedback=system.error_feedback,
+            seed=t.seed,
+            worker_id=worker_id,
+            names=self.names,
+        )
         self.amp = MixedPrecision(t.amp, device)  # training.amp: autocast; fp16 with its own GradScaler
         self.faults = faults or FaultInjector((), "worker", worker_id)
         self.fire_fault = fire_fault
         self.request_id = request_ids if request_ids is not None else (random.SystemRandom().getrandbits(62) or 1)
         self.carried: list[pb.Batch] = []  # batches whose rejected gradient waits in the error feedback
         self.version = 0
-        self.totals: dict[str, Any] = {name: 0 if name in ("samples", "steps", "pushes_rejected", "payload_bytes",
-                                                           "dense_bytes") else 0.0 for name in TOTALS}
+        self.totals: dict[str, Any] = {
+            name: 0 if name in ("samples", "steps", "pushes_rejected", "payload_bytes", "dense_bytes") else 0.0
+            for name in TOTALS
+        }
         self.last_communication_s = 0.0
         self._earlier: dict[str, float] = {}  # what this process reported for its earlier incarnations
         self._epoch = [0.0, 0, 0]  # loss * samples, correct, samples of the running epoch
         # system.gradient_ledger: the sum of every gradient computed (before error feedback), float64
-        self.ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in self.model_params] if system.gradient_ledger else None
+        self.ledger = (
+            [torch.zeros(p.shape, dtype=torch.float64) for p in self.model_params] if system.gradient_ledger else None
+        )
 
     # ------------------------------------------------------------------------- replies
 
@@ -120,9 +151,13 @@ class WorkerStep:
         codec = self.codec
         updated = controlled_policy(codec.policy, received.message.control)
         if updated is not codec.policy:  # from the next push on
-            self.log.event("control_applied", step=self.totals["steps"] + 1, compression_ratio=updated.compressor.ratio,
-                           previous_compression_ratio=codec.policy.compressor.ratio,
-                           max_staleness=received.message.control.max_staleness)
+            self.log.event(
+                "control_applied",
+                step=self.totals["steps"] + 1,
+                compression_ratio=updated.compressor.ratio,
+                previous_compression_ratio=codec.policy.compressor.ratio,
+                max_staleness=received.message.control.max_staleness,
+            )
             codec.policy = updated
         return self.version
 
@@ -189,53 +224,103 @@ class WorkerStep:
             loss, correct = forward_backward(self.model, images, labels, self.amp)
             if self.amp.unscale(self.model_params):
                 return loss, correct
-            self.log.event("amp_overflow", step=self.totals["steps"] + 1, batch_id=batch.batch_id,
-                           loss_scale=self.amp.scaler.get_scale())
+            self.log.event(
+                "amp_overflow",
+                step=self.totals["steps"] + 1,
+                batch_id=batch.batch_id,
+                loss_scale=self.amp.scaler.get_scale(),
+            )
             with torch.no_grad():
                 for buffer, saved in zip(self.model_buffers, buffers):
                     buffer.copy_(saved)
-        raise FloatingPointError(f"worker {self.worker_id}: the float16 gradient of batch {batch.batch_id} overflowed "
-                                 f"{MAX_OVERFLOW_RETRIES} times, down to loss scale {self.amp.scaler.get_scale():g} "
-                                 f"(training.amp: fp16; the model may have diverged: try bf16 or a lower learning rate)")
+        raise FloatingPointError(
+            f"worker {self.worker_id}: the float16 gradient of batch {batch.batch_id} overflowed "
+            f"{MAX_OVERFLOW_RETRIES} times, down to loss scale {self.amp.scaler.get_scale():g} "
+            f"(training.amp: fp16; the model may have diverged: try bf16 or a lower learning rate)"
+        )
 
     def reach_step(self) -> None:
         """The step's gradient is computed: fire a fault due at this step (before anything is sent)."""
-        self.faults.reached(self.totals["steps"] + 1, fire=self.fire_fault,
-                            announce=lambda fault: self.log.event("fault_injected", fault=str(fault)))
+        self.faults.reached(
+            self.totals["steps"] + 1,
+            fire=self.fire_fault,
+            announce=lambda fault: self.log.event("fault_injected", fault=str(fault)),
+        )
 
     def encode(self, batches: Sequence[pb.Batch]) -> list[bytes]:
         """The push's payloads: each gradient through error feedback and compression (no batches: a flush)."""
-        gradients = ((name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in self.named_params)
+        gradients = (
+            (name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in self.named_params
+        )
         return self.codec.encode(gradients, self.totals["steps"])
 
-    def request(self, caller: pb.Caller, batches: Sequence[pb.Batch], loss: float, correct: int, *,
-                gradient_time_s: float, compression_time_s: float) -> pb.PushRequest:
+    def request(
+        self,
+        caller: pb.Caller,
+        batches: Sequence[pb.Batch],
+        loss: float,
+        correct: int,
+        *,
+        gradient_time_s: float,
+        compression_time_s: float,
+    ) -> pb.PushRequest:
         """The push covering the carried and the new batches (a new request id)."""
         self.request_id += 1
         covered = self.carried + list(batches)
         return pb.PushRequest(
-            caller=caller, base_version=self.version, request_id=self.request_id,
-            num_samples=sum(len(b.indices) for b in covered), batch_ids=[b.batch_id for b in covered],
-            metrics=pb.StepMetrics(epoch=batches[-1].epoch if batches else 0, step=self.totals["steps"], loss=loss,
-                                   correct=correct, gradient_time_s=gradient_time_s, compression_time_s=compression_time_s,
-                                   communication_time_s=self.last_communication_s),
+            caller=caller,
+            base_version=self.version,
+            request_id=self.request_id,
+            num_samples=sum(len(b.indices) for b in covered),
+            batch_ids=[b.batch_id for b in covered],
+            metrics=pb.StepMetrics(
+                epoch=batches[-1].epoch if batches else 0,
+                step=self.totals["steps"],
+                loss=loss,
+                correct=correct,
+                gradient_time_s=gradient_time_s,
+                compression_time_s=compression_time_s,
+                communication_time_s=self.last_communication_s,
+            ),
         )
 
     def buffers_to_send(self, batches: Sequence[pb.Batch]) -> list[memoryview]:
         """The model's float buffers after the step (none for a flush)."""
         return [tensor_view(b) for b in self.model_buffers] if batches else []
 
-    def settle(self, reply: Received, batches: Sequence[pb.Batch], request: pb.PushRequest, *, payload_bytes: int,
-               loss: float, correct: int, samples: int, gradient_time_s: float, compression_time_s: float,
-               communication_time_s: float, push_bytes: int, reply_bytes: int, bytes_sent: int, bytes_received: int) -> None:
+    def settle(
+        self,
+        reply: Received,
+        batches: Sequence[pb.Batch],
+        request: pb.PushRequest,
+        *,
+        payload_bytes: int,
+        loss: float,
+        correct: int,
+        samples: int,
+        gradient_time_s: float,
+        compression_time_s: float,
+        communication_time_s: float,
+        push_bytes: int,
+        reply_bytes: int,
+        bytes_sent: int,
+        bytes_received: int,
+    ) -> None:
         """The push's verdict: commit or roll back the residuals, carry rejected batches, load the reply, count."""
         accepted = reply.message.accepted
         self.codec.settle(accepted=accepted)
         self.carried = [] if accepted else self.carried + list(batches)
         totals = self.totals
-        count_push(totals, accepted=accepted, samples=samples, gradient_time_s=gradient_time_s,
-                   compression_time_s=compression_time_s, communication_time_s=communication_time_s,
-                   payload_bytes=payload_bytes, dense_bytes=self.dense_bytes_per_step)
+        count_push(
+            totals,
+            accepted=accepted,
+            samples=samples,
+            gradient_time_s=gradient_time_s,
+            compression_time_s=compression_time_s,
+            communication_time_s=communication_time_s,
+            payload_bytes=payload_bytes,
+            dense_bytes=self.dense_bytes_per_step,
+        )
         self.last_communication_s = communication_time_s
         self.load(reply)  # a new Active Fraction applies from the next step
         epoch = self._epoch
@@ -244,24 +329,37 @@ class WorkerStep:
         epoch[2] += samples
         totals["train_loss"] = epoch[0] / max(epoch[2], 1)
         totals["train_accuracy"] = epoch[1] / max(epoch[2], 1)
-        self.log.event("push", step=totals["steps"], num_samples=samples, batch_ids=list(request.batch_ids),
-                       payload_bytes=payload_bytes, push_bytes=push_bytes, reply_bytes=reply_bytes, accepted=accepted,
-                       staleness=reply.message.staleness, version=self.version)
+        self.log.event(
+            "push",
+            step=totals["steps"],
+            num_samples=samples,
+            batch_ids=list(request.batch_ids),
+            payload_bytes=payload_bytes,
+            push_bytes=push_bytes,
+            reply_bytes=reply_bytes,
+            accepted=accepted,
+            staleness=reply.message.staleness,
+            version=self.version,
+        )
         if totals["steps"] % LOG_EVERY_STEPS == 0 or reply.message.work.finished:
             step_s = gradient_time_s + compression_time_s + communication_time_s
-            self.log.scalars("train", totals["steps"], {
-                "loss": loss,
-                "accuracy": correct / samples if samples else 0.0,
-                "throughput": samples / step_s if step_s > 0 else 0.0,
-                "gradient_time_s": gradient_time_s,
-                "compression_time_s": compression_time_s,
-                "communication_time_s": communication_time_s,
-                "samples_processed": totals["samples"],
-                "bytes_sent": bytes_sent,
-                "bytes_received": bytes_received,
-                "compression_ratio": totals["dense_bytes"] / max(totals["payload_bytes"], 1),
-                "staleness": reply.message.staleness,
-            })
+            self.log.scalars(
+                "train",
+                totals["steps"],
+                {
+                    "loss": loss,
+                    "accuracy": correct / samples if samples else 0.0,
+                    "throughput": samples / step_s if step_s > 0 else 0.0,
+                    "gradient_time_s": gradient_time_s,
+                    "compression_time_s": compression_time_s,
+                    "communication_time_s": communication_time_s,
+                    "samples_processed": totals["samples"],
+                    "bytes_sent": bytes_sent,
+                    "bytes_received": bytes_received,
+                    "compression_ratio": totals["dense_bytes"] / max(totals["payload_bytes"], 1),
+                    "staleness": reply.message.staleness,
+                },
+            )
 
     def carried_to_register(self, failure: Failure) -> list[pb.Batch]:
         """The batches to tell the server this process still carries when it registers again after ``failure``:
@@ -288,21 +386,35 @@ class WorkerStep:
         """A new incarnation of this process registered: its stats count from here (``reported``: what
         :meth:`stats` says now, which stays with the earlier incarnations in the run summary)."""
         # One new dict, assigned at once: the heartbeat thread reads it meanwhile.
-        self._earlier = {field.name: self._earlier.get(field.name, 0) + getattr(reported, field.name)
-                         for field in pb.WorkerStats.DESCRIPTOR.fields if field.name not in PER_PROCESS_STATS}
+        self._earlier = {
+            field.name: self._earlier.get(field.name, 0) + getattr(reported, field.name)
+            for field in pb.WorkerStats.DESCRIPTOR.fields
+            if field.name not in PER_PROCESS_STATS
+        }
 
     # ------------------------------------------------------------------------- the end
 
-    def stats(self, *, bytes_sent: int, bytes_received: int, total_time_s: float, emulated_delay_s: float) -> pb.WorkerStats:
+    def stats(
+        self, *, bytes_sent: int, bytes_received: int, total_time_s: float, emulated_delay_s: float
+    ) -> pb.WorkerStats:
         """The running totals of this incarnation, as the heartbeat and Finish report them (the
         arguments count for the process: what earlier incarnations reported is taken off)."""
         t = self.totals
         stats = pb.WorkerStats(
-            samples=t["samples"], steps=t["steps"], bytes_sent=bytes_sent, bytes_received=bytes_received,
-            gradient_time_s=t["gradient_time_s"], compression_time_s=t["compression_time_s"],
-            communication_time_s=t["communication_time_s"], total_time_s=total_time_s,
-            train_loss=t["train_loss"], train_accuracy=t["train_accuracy"], pushes_rejected=t["pushes_rejected"],
-            payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"], emulated_delay_s=emulated_delay_s,
+            samples=t["samples"],
+            steps=t["steps"],
+            bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
+            gradient_time_s=t["gradient_time_s"],
+            compression_time_s=t["compression_time_s"],
+            communication_time_s=t["communication_time_s"],
+            total_time_s=total_time_s,
+            train_loss=t["train_loss"],
+            train_accuracy=t["train_accuracy"],
+            pushes_rejected=t["pushes_rejected"],
+            payload_bytes=t["payload_bytes"],
+            dense_bytes=t["dense_bytes"],
+            emulated_delay_s=emulated_delay_s,
         )
         for name, earlier in self._earlier.items():
             setattr(stats, name, getattr(stats, name) - type(getattr(stats, name))(earlier))
@@ -313,7 +425,15 @@ class WorkerStep:
         if self.ledger is None:
             return
         feedback = self.codec.feedback
-        residuals = {n: (feedback.residual(n) if feedback is not None and feedback.residual(n) is not None
-                         else torch.zeros(p.shape)).to(torch.float64) for n, p in self.named_params}
-        torch.save({"computed": dict(zip(self.names, self.ledger)), "residuals": residuals},
-                   Path(log_dir) / f"worker_{self.worker_id}" / "gradient_ledger.pt")
+        residuals = {
+            n: (
+                feedback.residual(n)
+                if feedback is not None and feedback.residual(n) is not None
+                else torch.zeros(p.shape)
+            ).to(torch.float64)
+            for n, p in self.named_params
+        }
+        torch.save(
+            {"computed": dict(zip(self.names, self.ledger)), "residuals": residuals},
+            Path(log_dir) / f"worker_{self.worker_id}" / "gradient_ledger.pt",
+        )

@@ -49,8 +49,9 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = SPAWN_TIMEOUT_S) ->
     """
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.start_processes(_rank_entry, args=(fn, world_size, store.port, *args), nprocs=world_size, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(
+        _rank_entry, args=(fn, world_size, store.port, *args), nprocs=world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -96,7 +97,9 @@ def _tcp_counts() -> tuple[int, int, int]:
             except OSError:  # a listening socket, or one being torn down
                 continue
             if len(info) < _TCP_BYTES_RETRANS_AT + 8:
-                raise RuntimeError(f"kernel's tcp_info is {len(info)} bytes: too old to count bytes sent (needs Linux >= 4.19)")
+                raise RuntimeError(
+                    f"kernel's tcp_info is {len(info)} bytes: too old to count bytes sent (needs Linux >= 4.19)"
+                )
             (received_now,) = struct.unpack_from("<Q", info, _TCP_BYTES_RECEIVED_AT)
             sent_now, retransmitted = struct.unpack_from("<QQ", info, _TCP_BYTES_SENT_AT)
             sent += sent_now - retransmitted
@@ -152,7 +155,9 @@ class StepBytes:
 
         def close_window():
             end_step()
-            self.steps.append({"claimed": hook.stats.total_sent - opened["claimed"], "measured": tcp_bytes()[0] - opened["sent"]})
+            self.steps.append(
+                {"claimed": hook.stats.total_sent - opened["claimed"], "measured": tcp_bytes()[0] - opened["sent"]}
+            )
 
         hook.end_step = close_window
         return hook
@@ -185,8 +190,14 @@ class NodeResult:
         return f"--- {name}: {how}\n[stdout]\n{self.stdout[-3000:]}\n[stderr]\n{self.stderr[-6000:]}"
 
 
-def run_together(commands: list[list[str]], *, cwd: Path, env: dict | None = None, timeout: float = SPAWN_TIMEOUT_S,
-                 peer_grace_s: float = 60.0) -> list[NodeResult]:
+def run_together(
+    commands: list[list[str]],
+    *,
+    cwd: Path,
+    env: dict | None = None,
+    timeout: float = SPAWN_TIMEOUT_S,
+    peer_grace_s: float = 60.0,
+) -> list[NodeResult]:
     """Run ``commands`` side by side (e.g. the nodes of one torchrun job) and return each one's outcome.
 
     Outputs go to files, so no pipe fills up and every process's output is kept whatever the order
@@ -200,7 +211,9 @@ def run_together(commands: list[list[str]], *, cwd: Path, env: dict | None = Non
     try:
         for command, (out, err) in zip(commands, logs):
             with open(out, "w") as stdout, open(err, "w") as stderr:
-                processes.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True))
+                processes.append(
+                    subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+                )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             codes = [process.poll() for process in processes]
@@ -220,5 +233,7 @@ def run_together(commands: list[list[str]], *, cwd: Path, env: dict | None = Non
                     os.killpg(process.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-    return [NodeResult(process.returncode, process.pid in killed, out.read_text(), err.read_text())
-            for process, (out, err) in zip(processes, logs)]
+    return [
+        NodeResult(process.returncode, process.pid in killed, out.read_text(), err.read_text())
+        for process, (out, err) in zip(processes, logs)
+    ]

@@ -25,9 +25,14 @@ TOKEN = "library-test-token-0123456789"
 def library_config(tmp_path: Path, name: str = "run", **fields: Any) -> Config:
     """A small client-loop server config writing under ``tmp_path/name``; ``a__b`` keys mean ``a.b``."""
     values = {
-        "training.learning_rate": 0.05, "training.momentum": 0.0, "training.checkpoint_interval": 1000,
-        "system.num_workers": 1, "system.aggregation_mode": "async", "system.server_address": "127.0.0.1:0",
-        "system.checkpoint_dir": str(tmp_path / name / "ckpt"), "system.log_dir": str(tmp_path / name / "logs"),
+        "training.learning_rate": 0.05,
+        "training.momentum": 0.0,
+        "training.checkpoint_interval": 1000,
+        "system.num_workers": 1,
+        "system.aggregation_mode": "async",
+        "system.server_address": "127.0.0.1:0",
+        "system.checkpoint_dir": str(tmp_path / name / "ckpt"),
+        "system.log_dir": str(tmp_path / name / "logs"),
     }
     values.update({key.replace("__", "."): value for key, value in fields.items()})
     return load_config(overrides=values)
@@ -82,7 +87,9 @@ def small_mlp(seed: int = 0, hidden: int = 64) -> nn.Module:
 # ----------------------------------------------------------------------------- user loops (in a worker process or here)
 
 
-def shard_batches(num_samples: int, num_workers: int, worker: int, epoch: int, seed: int, batch_size: int) -> list[list[int]]:
+def shard_batches(
+    num_samples: int, num_workers: int, worker: int, epoch: int, seed: int, batch_size: int
+) -> list[list[int]]:
     """The batches our own PS worker ``worker`` would be handed in ``epoch`` (the same data order)."""
     return list(make_shards(num_samples, num_workers, epoch, seed)[worker].batches(batch_size))
 
@@ -110,9 +117,16 @@ def equivalence_worker(address: str, worker: int, num_workers: int, config_dict:
     net = model_from_config(config)  # the same initial values as the PS runner's server
     with connect(address, token=TOKEN, worker_id=worker) as client:
         model = DistributedModel(net, client)
-        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=t.learning_rate, momentum=t.momentum), client)
+        optimizer = DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=t.learning_rate, momentum=t.momentum), client
+        )
         for epoch in range(t.num_epochs):
-            plain_loop(model, optimizer, train_set, shard_batches(len(train_set), num_workers, worker, epoch, t.seed, t.batch_size))
+            plain_loop(
+                model,
+                optimizer,
+                train_set,
+                shard_batches(len(train_set), num_workers, worker, epoch, t.seed, t.batch_size),
+            )
 
 
 def topk_worker(address: str, worker: int, num_workers: int, epochs: int, ratio: float) -> None:
@@ -126,8 +140,12 @@ def topk_worker(address: str, worker: int, num_workers: int, epochs: int, ratio:
     net = TinyConvNet()
     with connect(address, token=TOKEN, worker_id=worker) as client:
         model = DistributedModel(net, client)
-        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.5), client,
-                                         compression=build_compressor("topk", ratio=ratio), error_feedback=True)
+        optimizer = DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.5),
+            client,
+            compression=build_compressor("topk", ratio=ratio),
+            error_feedback=True,
+        )
         for epoch in range(epochs):
             plain_loop(model, optimizer, train_set, shard_batches(len(train_set), num_workers, worker, epoch, 0, 32))
 
@@ -136,8 +154,10 @@ def run_worker_processes(target: Callable[..., None], args_per_worker: list[tupl
     """Run ``target(*args)`` in one spawned process per entry; fail naming the first that did not exit 0."""
     context = multiprocessing.get_context("spawn")
     errors = context.Queue()
-    processes = [context.Process(target=_report_errors, args=(target, args, errors), name=f"library-worker-{k}")
-                 for k, args in enumerate(args_per_worker)]
+    processes = [
+        context.Process(target=_report_errors, args=(target, args, errors), name=f"library-worker-{k}")
+        for k, args in enumerate(args_per_worker)
+    ]
     try:
         for process in processes:
             process.start()
@@ -182,8 +202,15 @@ HF_SCHEDULE = dict(lr_scheduler_type="cosine", warmup_steps=2)
 """The Trainer's schedule of :func:`huggingface_worker` with ``scheduled=True`` (else a constant rate)."""
 
 
-def lightning_worker(address: str, worker: int, num_workers: int, epochs: int, log_dir: str,
-                     max_samples: int | None = None, scheduled: bool = False) -> None:
+def lightning_worker(
+    address: str,
+    worker: int,
+    num_workers: int,
+    epochs: int,
+    log_dir: str,
+    max_samples: int | None = None,
+    scheduled: bool = False,
+) -> None:
     """A LightningModule defined here, trained with ``Trainer(strategy=ASGCStrategy(...))`` on its shard
     (``scheduled``: ``configure_optimizers`` also returns a per-step :data:`LIGHTNING_SCHEDULE`)."""
     import pytorch_lightning as pl
@@ -210,16 +237,31 @@ def lightning_worker(address: str, worker: int, num_workers: int, epochs: int, l
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     images, labels = worker_shard(worker, num_workers, max_samples)
-    loader = DataLoader(TensorDataset(images, labels), batch_size=32, shuffle=True,
-                        generator=torch.Generator().manual_seed(worker))
-    trainer = pl.Trainer(max_epochs=epochs, strategy=ASGCStrategy(address, token=TOKEN, worker_id=worker),
-                         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=log_dir)
+    loader = DataLoader(
+        TensorDataset(images, labels), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(worker)
+    )
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        strategy=ASGCStrategy(address, token=TOKEN, worker_id=worker),
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=log_dir,
+    )
     trainer.fit(LitMLP(), loader)
 
 
-def huggingface_worker(address: str, worker: int, num_workers: int, epochs: int, output_dir: str,
-                       max_samples: int | None = None, scheduled: bool = False) -> None:
+def huggingface_worker(
+    address: str,
+    worker: int,
+    num_workers: int,
+    epochs: int,
+    output_dir: str,
+    max_samples: int | None = None,
+    scheduled: bool = False,
+) -> None:
     """A tiny ``PreTrainedModel`` defined here, trained by ``transformers.Trainer`` with ASGCHFTrainerCallback
     at learning rate 0.05 (the Trainer's rate and schedule reach the server: constant, or :data:`HF_SCHEDULE`)."""
     import os
@@ -243,16 +285,35 @@ def huggingface_worker(address: str, worker: int, num_workers: int, epochs: int,
 
         def forward(self, pixel_values, labels=None):
             logits = self.net(pixel_values)
-            return {"loss": F.cross_entropy(logits, labels), "logits": logits} if labels is not None else {"logits": logits}
+            return (
+                {"loss": F.cross_entropy(logits, labels), "logits": logits}
+                if labels is not None
+                else {"logits": logits}
+            )
 
     images, labels = worker_shard(worker, num_workers, max_samples)
     dataset = [{"pixel_values": image, "labels": label} for image, label in zip(images, labels)]
     schedule = HF_SCHEDULE if scheduled else dict(lr_scheduler_type="constant")
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=32, num_train_epochs=epochs,
-                             learning_rate=0.05, **schedule, report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, seed=worker,
-                             disable_tqdm=True, dataloader_num_workers=0)
-    trainer = Trainer(model=TinyClassifier(TinyConfig()), args=args, train_dataset=dataset,
-                      callbacks=[ASGCHFTrainerCallback(address, token=TOKEN, worker_id=worker)])
+    args = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=32,
+        num_train_epochs=epochs,
+        learning_rate=0.05,
+        **schedule,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        seed=worker,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=TinyClassifier(TinyConfig()),
+        args=args,
+        train_dataset=dataset,
+        callbacks=[ASGCHFTrainerCallback(address, token=TOKEN, worker_id=worker)],
+    )
     trainer.train()
 
 
@@ -263,5 +324,5 @@ def accuracy_of_checkpoint(path: str, module: nn.Module, prefix: str = "") -> fl
     from src.trainer import evaluate
 
     state = load_checkpoint(path)["model_state_dict"]
-    module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=False)
+    module.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=False)
     return evaluate(module, load_dataset("mnist_5k", "test"))[1]

@@ -26,11 +26,17 @@ TOKEN = "test-token-0123456789"
 def ps_config(tmp_path: Path, name: str = "run", **fields: Any) -> Config:
     """A small PS config writing under ``tmp_path/name``; ``fields`` are dotted overrides with ``__`` for ``.``."""
     values = {
-        "training.dataset": "mnist_5k", "training.batch_size": 16, "training.num_epochs": 1,
-        "training.max_train_samples": 64, "training.max_test_samples": 64, "training.learning_rate": 0.05,
+        "training.dataset": "mnist_5k",
+        "training.batch_size": 16,
+        "training.num_epochs": 1,
+        "training.max_train_samples": 64,
+        "training.max_test_samples": 64,
+        "training.learning_rate": 0.05,
         "training.checkpoint_interval": 1000,
-        "system.num_workers": 1, "system.aggregation_mode": "async",
-        "system.checkpoint_dir": str(tmp_path / name / "ckpt"), "system.log_dir": str(tmp_path / name / "logs"),
+        "system.num_workers": 1,
+        "system.aggregation_mode": "async",
+        "system.checkpoint_dir": str(tmp_path / name / "ckpt"),
+        "system.log_dir": str(tmp_path / name / "logs"),
     }
     values.update({key.replace("__", "."): value for key, value in fields.items()})
     return load_config(overrides=values)
@@ -85,9 +91,14 @@ class RawWorker:
     def request(self, **fields: Any) -> pb.PushRequest:
         """A valid push of the held work (every field overridable); gradients are identity zeros by default."""
         batches = self.carried + list(self.work.batches)
-        values = dict(caller=self.caller, base_version=self.version, request_id=self.next_request_id,
-                      num_samples=sum(len(b.indices) for b in batches), batch_ids=[b.batch_id for b in batches],
-                      gradients=identity_gradients(self.served.server))
+        values = dict(
+            caller=self.caller,
+            base_version=self.version,
+            request_id=self.next_request_id,
+            num_samples=sum(len(b.indices) for b in batches),
+            batch_ids=[b.batch_id for b in batches],
+            gradients=identity_gradients(self.served.server),
+        )
         values.update(fields)
         return pb.PushRequest(**values)
 
@@ -114,18 +125,46 @@ def make_self_signed_cert(directory: Path) -> tuple[Path, Path]:
     """A throwaway certificate for 127.0.0.1/localhost and its key, made with the openssl CLI."""
     cert, key = directory / "server.crt", directory / "server.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     return cert, key
 
 
-def run_cli(args: list[str], *, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run the PS runner to completion; kills its whole process group if it overruns."""
-    process = subprocess.Popen([sys.executable, str(RUNNER), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    process = subprocess.Popen(
+        [sys.executable, str(RUNNER), *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -155,7 +194,7 @@ def group_members(pgid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry.name))
     return members

@@ -30,7 +30,17 @@ import pytest
 TOOLS = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
 PARTITION = "dts"
 START_TIMEOUT_S = 60.0
-FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+FINISHED_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def slurm_unavailable() -> str | None:
@@ -66,7 +76,9 @@ def _node_hardware() -> str:
     """``CPUs=.. Boards=.. SocketsPerBoard=.. CoresPerSocket=.. ThreadsPerCore=..`` as slurmd sees this machine."""
     found = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
     fields = dict(re.findall(r"(\w+)=(\S+)", found.splitlines()[0]))
-    return " ".join(f"{key}={fields[key]}" for key in ("CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore"))
+    return " ".join(
+        f"{key}={fields[key]}" for key in ("CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore")
+    )
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -93,7 +105,9 @@ class SlurmCluster:
         self.logs = self.root / "log"
         self.daemons: list[tuple[str, subprocess.Popen]] = []
         # None of this shell's Slurm or DTS_* settings (a job makes its own auth token).
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DTS_"))} | {"SLURM_CONF": str(self.conf)}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DTS_"))} | {
+            "SLURM_CONF": str(self.conf)
+        }
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -112,47 +126,58 @@ class SlurmCluster:
             os.chown(path, munge.pw_uid, munge.pw_gid)
         (self.root / "plugstack.conf").write_text("")  # not the host's /etc/slurm/plugstack.conf
         r = self.root
-        self.conf.write_text("\n".join([
-            "ClusterName=dtstest",
-            f"SlurmctldHost={self.host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
-            f"StateSaveLocation={r}/state",
-            f"SlurmdSpoolDir={r}/spool",
-            f"SlurmctldPidFile={r}/slurmctld.pid",
-            f"SlurmdPidFile={r}/slurmd.pid",
-            f"SlurmctldLogFile={r}/log/slurmctld.log",
-            f"SlurmdLogFile={r}/log/slurmd.log",
-            f"PlugStackConfig={r}/plugstack.conf",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "SchedulerType=sched/backfill",
-            "MpiDefault=none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "JobCompType=jobcomp/none",
-            "ReturnToService=2",
-            "JobRequeue=1",
-            "MinJobAge=3600",  # finished jobs stay in scontrol show job for the test to read
-            "KillWait=10",  # SIGTERM to SIGKILL when a job is cancelled or requeued
-            "SlurmctldDebug=info",
-            "SlurmdDebug=info",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 {_node_hardware()} State=UNKNOWN",
-            f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
-            "",
-        ]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=dtstest",
+                    f"SlurmctldHost={self.host}(127.0.0.1)",
+                    f"SlurmctldPort={_free_port()}",
+                    f"SlurmdPort={_free_port()}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    f"AuthInfo=socket={self.munge_socket}",
+                    f"StateSaveLocation={r}/state",
+                    f"SlurmdSpoolDir={r}/spool",
+                    f"SlurmctldPidFile={r}/slurmctld.pid",
+                    f"SlurmdPidFile={r}/slurmd.pid",
+                    f"SlurmctldLogFile={r}/log/slurmctld.log",
+                    f"SlurmdLogFile={r}/log/slurmd.log",
+                    f"PlugStackConfig={r}/plugstack.conf",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    "SchedulerType=sched/backfill",
+                    "MpiDefault=none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "JobCompType=jobcomp/none",
+                    "ReturnToService=2",
+                    "JobRequeue=1",
+                    "MinJobAge=3600",  # finished jobs stay in scontrol show job for the test to read
+                    "KillWait=10",  # SIGTERM to SIGKILL when a job is cancelled or requeued
+                    "SlurmctldDebug=info",
+                    "SlurmdDebug=info",
+                    f"NodeName={self.node} NodeAddr=127.0.0.1 {_node_hardware()} State=UNKNOWN",
+                    f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
+                    "",
+                ]
+            )
+        )
 
     def _daemon(self, name: str, argv: list[str], **kwargs) -> None:
         log = open(self.logs / f"{name}.out", "wb")
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env=self.env, **kwargs)
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=self.env,
+            **kwargs,
+        )
         log.close()
         self.daemons.append((name, process))
 
@@ -171,14 +196,35 @@ class SlurmCluster:
         """Write the files, start munged, slurmctld and slurmd; return once ``sinfo`` shows the node idle."""
         self._write_files()
         m = self.munge_dir
-        self._daemon("munged", ["munged", "--foreground", f"--key-file={m}/munge.key", f"--socket={self.munge_socket}",
-                                f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
-                     user="munge", group="munge", extra_groups=[])
-        self._wait("munge credential", lambda: subprocess.run(["munge", "-n", "-S", str(self.munge_socket)],
-                                                              capture_output=True, timeout=10).returncode == 0)
+        self._daemon(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                f"--key-file={m}/munge.key",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/munged.seed",
+            ],
+            user="munge",
+            group="munge",
+            extra_groups=[],
+        )
+        self._wait(
+            "munge credential",
+            lambda: (
+                subprocess.run(
+                    ["munge", "-n", "-S", str(self.munge_socket)], capture_output=True, timeout=10
+                ).returncode
+                == 0
+            ),
+        )
         self._daemon("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._daemon("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
-        self._wait("idle node in sinfo", lambda: self.run("sinfo", "-h", "-N", "-o", "%t", check=False).strip() == "idle")
+        self._wait(
+            "idle node in sinfo", lambda: self.run("sinfo", "-h", "-N", "-o", "%t", check=False).strip() == "idle"
+        )
 
     # -- clients -----------------------------------------------------------------------------
 
@@ -189,17 +235,29 @@ class SlurmCluster:
             raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}: {result.stderr.strip()}")
         return result.stdout
 
-    def submit(self, script: Path, args: list[str], *, workdir: Path, env: dict[str, str], options: tuple[str, ...] = ()) -> int:
+    def submit(
+        self, script: Path, args: list[str], *, workdir: Path, env: dict[str, str], options: tuple[str, ...] = ()
+    ) -> int:
         """``sbatch`` ``script`` with ``args`` in ``workdir`` (its output to ``workdir/slurm-<job>.out``); the job id."""
-        out = self.run("sbatch", "--parsable", f"--chdir={workdir}", f"--output={workdir}/slurm-%j.out", *options,
-                       str(script), *args, env=self.env | env)
+        out = self.run(
+            "sbatch",
+            "--parsable",
+            f"--chdir={workdir}",
+            f"--output={workdir}/slurm-%j.out",
+            *options,
+            str(script),
+            *args,
+            env=self.env | env,
+        )
         return int(out.strip().split(";")[0])
 
     def job(self, job_id: int) -> dict[str, str]:
         """``scontrol show job`` as a dict (JobState, ExitCode, Restarts, ...)."""
         return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "-o", "show", "job", str(job_id))))
 
-    def wait_for_job(self, job_id: int, timeout: float, until=lambda job: job["JobState"] in FINISHED_STATES) -> dict[str, str]:
+    def wait_for_job(
+        self, job_id: int, timeout: float, until=lambda job: job["JobState"] in FINISHED_STATES
+    ) -> dict[str, str]:
         """Poll the job until ``until(job)`` (default: it has finished); its record then."""
         deadline = time.monotonic() + timeout
         while True:
@@ -226,7 +284,9 @@ class SlurmCluster:
         return [pid for pid, environ in _environments() if wanted <= environ]
 
     def diagnostics(self) -> str:
-        return "\n".join(f"--- {path.name}\n{_tail(path)}" for path in sorted(self.logs.glob("*")) + [self.munge_dir / "munged.log"])
+        return "\n".join(
+            f"--- {path.name}\n{_tail(path)}" for path in sorted(self.logs.glob("*")) + [self.munge_dir / "munged.log"]
+        )
 
     # -- tear-down ---------------------------------------------------------------------------
 

@@ -25,9 +25,14 @@ def sample(step: int) -> dict:
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     return make_checkpoint(
-        model_state_dict=model.state_dict(), optimizer_state_dict=optimizer.state_dict(),
-        model_architecture="mlp", dataset="synthetic", epoch=step, step=step * 10,
-        config={"training": {"seed": 1}}, extra={"residuals": {"0": torch.zeros(2)}},
+        model_state_dict=model.state_dict(),
+        optimizer_state_dict=optimizer.state_dict(),
+        model_architecture="mlp",
+        dataset="synthetic",
+        epoch=step,
+        step=step * 10,
+        config={"training": {"seed": 1}},
+        extra={"residuals": {"0": torch.zeros(2)}},
     )
 
 
@@ -37,7 +42,9 @@ def test_round_trip_loads_with_weights_only(tmp_path):
     assert set(ckpt.REQUIRED_KEYS) <= set(raw)
     loaded = load_checkpoint(path)
     assert loaded["epoch"] == 1 and loaded["step"] == 10
-    torch.testing.assert_close(loaded["model_state_dict"]["weight"], torch.full((2, 3), 1.0) - 0.1 * torch.ones(2, 3) * 1.0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        loaded["model_state_dict"]["weight"], torch.full((2, 3), 1.0) - 0.1 * torch.ones(2, 3) * 1.0, rtol=0, atol=1e-6
+    )
     assert loaded["optimizer_state_dict"]["state"][0]["momentum_buffer"].shape == (2, 3)
 
 

@@ -349,8 +349,9 @@ def test_sampled_topk_large_tensor_matches_reference(monkeypatch):
         (4.0, 0, 0, 0, 1),
     ],
 )
-def test_sampled_topk_retry_and_fallback_paths_stay_exact(monkeypatch, sigmas, attempts,
-                                                          min_scans, max_scans, exact_calls):
+def test_sampled_topk_retry_and_fallback_paths_stay_exact(
+    monkeypatch, sigmas, attempts, min_scans, max_scans, exact_calls
+):
     # A negative margin puts the first threshold above the k-th largest: too few candidates,
     # so the threshold is lowered (attempts > 1) or selection falls back to torch.topk.
     monkeypatch.setattr(comp, "_SAMPLE_SIGMAS", sigmas)
@@ -420,8 +421,7 @@ def test_quantization_is_unbiased(bits, path):
     seed=st.integers(0, 2**16),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
 )
-def test_quantization_round_trip_shape_dtype_and_error_bound(path, shape, bits, bucket_size, seed,
-                                                            dtype):
+def test_quantization_round_trip_shape_dtype_and_error_bound(path, shape, bits, bucket_size, seed, dtype):
     x = _randn(shape, seed, dtype)
     c = build_compressor("quantization", bits=bits, bucket_size=bucket_size)
     with kernels(path):
@@ -548,7 +548,7 @@ def test_truncated_payload_rejected(payload):
     with pytest.raises(ValueError, match="payload truncated"):
         decompress(payload[:-1])
     with pytest.raises(ValueError, match=f"shorter than the {HEADER_SIZE}-byte"):
-        decompress(payload[:HEADER_SIZE - 1])
+        decompress(payload[: HEADER_SIZE - 1])
     with pytest.raises(ValueError, match="truncated"):
         decompress(b"")
 
@@ -797,9 +797,24 @@ def test_policy_from_config_builds_what_the_system_section_asks_for():
     from src.config import SystemConfig
 
     assert policy_from_config(SystemConfig(compression_enabled=False)) is None
-    topk = policy_from_config(SystemConfig(compression_enabled=True, compression_type="topk", compression_ratio=0.1,
-                                           topk_selection="exact", warmup_steps=3))
-    assert (topk.compressor.name, topk.compressor.ratio, topk.compressor.selection, topk.warmup_steps) == ("topk", 0.1, "exact", 3)
-    quant = policy_from_config(SystemConfig(compression_enabled=True, compression_type="quantization",
-                                            quantization_bits=4, quantization_bucket_size=128))
+    topk = policy_from_config(
+        SystemConfig(
+            compression_enabled=True,
+            compression_type="topk",
+            compression_ratio=0.1,
+            topk_selection="exact",
+            warmup_steps=3,
+        )
+    )
+    assert (topk.compressor.name, topk.compressor.ratio, topk.compressor.selection, topk.warmup_steps) == (
+        "topk",
+        0.1,
+        "exact",
+        3,
+    )
+    quant = policy_from_config(
+        SystemConfig(
+            compression_enabled=True, compression_type="quantization", quantization_bits=4, quantization_bucket_size=128
+        )
+    )
     assert (quant.compressor.name, quant.compressor.bits, quant.compressor.bucket_size) == ("quantization", 4, 128)

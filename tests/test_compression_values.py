@@ -104,7 +104,11 @@ def test_float16_saturates_and_error_feedback_keeps_the_rest():
 @pytest.mark.parametrize("dtype", HALF)
 def test_error_feedback_conserves_mass_through_16_bit_rounding(dtype):
     compressor = build_compressor("topk", ratio=0.1, value_dtype=dtype)
-    ef, transmitted, total = ErrorFeedback(), torch.zeros(500, dtype=torch.float64), torch.zeros(500, dtype=torch.float64)
+    ef, transmitted, total = (
+        ErrorFeedback(),
+        torch.zeros(500, dtype=torch.float64),
+        torch.zeros(500, dtype=torch.float64),
+    )
     for step in range(20):
         gradient = _randn(500, seed=100 + step)
         total += gradient.double()
@@ -140,7 +144,9 @@ def test_inconsistent_value_dtype_headers_are_refused_by_name():
 
 
 def test_bad_value_dtypes_are_named():
-    with pytest.raises(ValueError, match=r"topk.value_dtype must be one of \['float32', 'float16', 'bfloat16'\], got 'float64'"):
+    with pytest.raises(
+        ValueError, match=r"topk.value_dtype must be one of \['float32', 'float16', 'bfloat16'\], got 'float64'"
+    ):
         build_compressor("topk", value_dtype="float64")
     with pytest.raises(ValueError, match="identity.value_dtype"):
         build_compressor("identity", value_dtype=torch.int8)

@@ -37,34 +37,79 @@ def test_defaults_are_valid():
         ("training", "learning_rate", -0.1, "training.learning_rate: must be a finite number > 0, got -0.1"),
         ("training", "learning_rate", "fast", "training.learning_rate: must be a number, got 'fast'"),
         ("training", "num_epochs", 0, "training.num_epochs: must be > 0, got 0"),
-        ("training", "dataset", "imagenet", "training.dataset: must be one of 'mnist', 'fashion_mnist', 'cifar10', 'mnist_5k' or 'synthetic', got 'imagenet'"),
+        (
+            "training",
+            "dataset",
+            "imagenet",
+            "training.dataset: must be one of 'mnist', 'fashion_mnist', 'cifar10', 'mnist_5k' or 'synthetic', got 'imagenet'",
+        ),
         ("training", "model_architecture", "", "training.model_architecture: must be a non-empty model name, got ''"),
-        ("training", "model_architecture", "vgg99", "training.model_architecture: unknown model (known: mlp, resnet18, simple_cnn, wide_mlp), got 'vgg99'"),
+        (
+            "training",
+            "model_architecture",
+            "vgg99",
+            "training.model_architecture: unknown model (known: mlp, resnet18, simple_cnn, wide_mlp), got 'vgg99'",
+        ),
         ("training", "checkpoint_interval", 0, "training.checkpoint_interval: must be > 0, got 0"),
         ("training", "momentum", 1.0, "training.momentum: must be in [0, 1), got 1.0"),
         ("training", "weight_decay", -1, "training.weight_decay: must be a finite number >= 0, got -1"),
-        ("training", "max_train_samples", 0, "training.max_train_samples: must be > 0 (or omitted for all samples), got 0"),
-        ("training", "max_test_samples", -5, "training.max_test_samples: must be > 0 (or omitted for all samples), got -5"),
+        (
+            "training",
+            "max_train_samples",
+            0,
+            "training.max_train_samples: must be > 0 (or omitted for all samples), got 0",
+        ),
+        (
+            "training",
+            "max_test_samples",
+            -5,
+            "training.max_test_samples: must be > 0 (or omitted for all samples), got -5",
+        ),
         ("training", "num_samples", 0, "training.num_samples: must be > 0, got 0"),
         ("training", "optimizer", "lbfgs", "training.optimizer: must be one of 'sgd' or 'adam', got 'lbfgs'"),
         ("training", "device", "tpu", "training.device: must be cpu, cuda, cuda:N or auto, got 'tpu'"),
         ("system", "num_workers", 0, "system.num_workers: must be > 0, got 0"),
-        ("system", "architecture", "mesh", "system.architecture: must be one of 'baseline', 'parameter_server' or 'ddp', got 'mesh'"),
+        (
+            "system",
+            "architecture",
+            "mesh",
+            "system.architecture: must be one of 'baseline', 'parameter_server' or 'ddp', got 'mesh'",
+        ),
         ("system", "aggregation_mode", "semi", "system.aggregation_mode: must be one of 'sync' or 'async', got 'semi'"),
         ("system", "compression_enabled", "maybe", "system.compression_enabled: must be true or false, got 'maybe'"),
-        ("system", "compression_type", "powersgd", "system.compression_type: must be one of 'quantization' or 'topk', got 'powersgd'"),
+        (
+            "system",
+            "compression_type",
+            "powersgd",
+            "system.compression_type: must be one of 'quantization' or 'topk', got 'powersgd'",
+        ),
         ("system", "compression_ratio", 1.5, "system.compression_ratio: must be in (0, 1], got 1.5"),
         ("system", "compression_ratio", 0, "system.compression_ratio: must be in (0, 1], got 0"),
         ("system", "quantization_bits", 3, "system.quantization_bits: must be one of 2, 4 or 8, got 3"),
         ("system", "quantization_bucket_size", 0, "system.quantization_bucket_size: must be > 0, got 0"),
-        ("system", "topk_selection", "random", "system.topk_selection: must be one of 'exact' or 'sampled', got 'random'"),
+        (
+            "system",
+            "topk_selection",
+            "random",
+            "system.topk_selection: must be one of 'exact' or 'sampled', got 'random'",
+        ),
         ("system", "warmup_steps", -1, "system.warmup_steps: must be >= 0, got -1"),
         ("system", "heartbeat_interval", 0, "system.heartbeat_interval: must be a finite number > 0, got 0"),
         ("system", "heartbeat_timeout", -1, "system.heartbeat_timeout: must be a finite number > 0, got -1"),
         ("system", "checkpoint_dir", " ", "system.checkpoint_dir: must be a non-empty path, got ' '"),
         ("system", "log_dir", "", "system.log_dir: must be a non-empty path, got ''"),
-        ("system", "server_address", "localhost", "system.server_address: must be host:port with a port in 0..65535, got 'localhost'"),
-        ("system", "server_address", "host:99999", "system.server_address: must be host:port with a port in 0..65535, got 'host:99999'"),
+        (
+            "system",
+            "server_address",
+            "localhost",
+            "system.server_address: must be host:port with a port in 0..65535, got 'localhost'",
+        ),
+        (
+            "system",
+            "server_address",
+            "host:99999",
+            "system.server_address: must be host:port with a port in 0..65535, got 'host:99999'",
+        ),
         ("system", "allreduce", "tree", "system.allreduce: must be one of 'default' or 'ring', got 'tree'"),
         ("system", "backend", "mpi", "system.backend: must be one of 'auto', 'gloo' or 'nccl', got 'mpi'"),
     ],
@@ -90,7 +135,10 @@ def test_every_problem_is_reported_at_once():
     found = problems({"training": {"batch_size": 0, "learning_rate": -1}, "system": {"compression_ratio": 2}})
     assert len(found) == 3
     assert {line.split(":")[0] for line in found} == {
-        "training.batch_size", "training.learning_rate", "system.compression_ratio"}
+        "training.batch_size",
+        "training.learning_rate",
+        "system.compression_ratio",
+    }
 
 
 def test_yaml_and_json_files_load(tmp_path):
@@ -143,8 +191,13 @@ def test_empty_file_gives_defaults(tmp_path):
 def test_every_shipped_config_loads():
     shipped = sorted((ROOT / "configs").glob("*.y*ml"))
     expected = {
-        "example_config.yaml", "ps_sync_mnist.yaml", "ps_async_quantization.yaml", "ps_sync_topk.yaml",
-        "ps_sync_mnist_4workers.yaml", "ps_async_quantization_4workers.yaml", "ddp_mnist.yaml",
+        "example_config.yaml",
+        "ps_sync_mnist.yaml",
+        "ps_async_quantization.yaml",
+        "ps_sync_topk.yaml",
+        "ps_sync_mnist_4workers.yaml",
+        "ps_async_quantization_4workers.yaml",
+        "ddp_mnist.yaml",
     }
     assert expected <= {p.name for p in shipped}
     for path in shipped:
@@ -156,7 +209,10 @@ def test_cli_bad_config_exits_2_with_one_line_per_problem(tmp_path):
     path.write_text("system:\n  compression_ratio: 1.5\n  heartbeat_interval: 3\n  heartbeat_timeout: 1\n")
     result = subprocess.run(
         [sys.executable, "run_baseline_training.py", "--config", str(path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

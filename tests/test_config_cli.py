@@ -42,15 +42,35 @@ def exit_of(main, argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 def _argv(name: str, *args: str) -> list[str]:
-    return (["--config", str(ROOT / "configs" / "experiments" / "smoke.yaml")] if name == "experiment" else []) + list(args)
+    return (["--config", str(ROOT / "configs" / "experiments" / "smoke.yaml")] if name == "experiment" else []) + list(
+        args
+    )
 
 
 @pytest.mark.parametrize("name", RUNNERS)
 def test_set_reaches_nested_fields_and_print_config_shows_the_resolved_config(name, capsys):
-    code, out, err = exit_of(_runner(RUNNERS[name]), _argv(
-        name, "--set", "training.weight_decay=1e-4", "--set", "emulation.workers.1.slowdown=4",
-        "--set", "training.max_train_samples=null", "--set", "system.inject_faults=[kill:worker=1@step=40]",
-        "--set", f"system.auth_token={SECRET}", "--tracker", "mlflow", "--log-level", "WARNING", "--print-config"), capsys)
+    code, out, err = exit_of(
+        _runner(RUNNERS[name]),
+        _argv(
+            name,
+            "--set",
+            "training.weight_decay=1e-4",
+            "--set",
+            "emulation.workers.1.slowdown=4",
+            "--set",
+            "training.max_train_samples=null",
+            "--set",
+            "system.inject_faults=[kill:worker=1@step=40]",
+            "--set",
+            f"system.auth_token={SECRET}",
+            "--tracker",
+            "mlflow",
+            "--log-level",
+            "WARNING",
+            "--print-config",
+        ),
+        capsys,
+    )
     assert (code, err) == (0, "")
     printed = yaml.safe_load(out)
     assert printed["training"]["weight_decay"] == pytest.approx(1e-4)  # YAML's 1e-4 is a string; the schema reads it
@@ -69,23 +89,38 @@ def test_a_bad_path_is_one_line_naming_it_and_exit_2(name, capsys):
     assert err.splitlines() == ["config error: training.weight_decai: unknown key"]
 
 
-@pytest.mark.parametrize(("assignment", "line"), [
-    ("emulation.workers.1.slowdown=0.5", "config error: emulation.workers.1.slowdown: must be >= 1 (1 = the machine's own speed), got 0.5"),
-    ("training.batch_size=many", "config error: training.batch_size: must be an integer, got 'many'"),
-    ("metrics.trackers=[mlflow, mlflow]", "config error: metrics.trackers: lists mlflow more than once, got ['mlflow', 'mlflow']"),
-    (f"system.auth_token=[{SECRET}]", "config error: system.auth_token: must be a string (value not shown: it is a secret)"),
-])
+@pytest.mark.parametrize(
+    ("assignment", "line"),
+    [
+        (
+            "emulation.workers.1.slowdown=0.5",
+            "config error: emulation.workers.1.slowdown: must be >= 1 (1 = the machine's own speed), got 0.5",
+        ),
+        ("training.batch_size=many", "config error: training.batch_size: must be an integer, got 'many'"),
+        (
+            "metrics.trackers=[mlflow, mlflow]",
+            "config error: metrics.trackers: lists mlflow more than once, got ['mlflow', 'mlflow']",
+        ),
+        (
+            f"system.auth_token=[{SECRET}]",
+            "config error: system.auth_token: must be a string (value not shown: it is a secret)",
+        ),
+    ],
+)
 def test_a_bad_value_is_one_line_naming_the_field_and_exit_2(assignment, line, capsys):
     code, out, err = exit_of(_runner(RUNNERS["baseline"]), ["--set", assignment], capsys)
     assert (code, out, err.splitlines()) == (2, "", [line])
 
 
-@pytest.mark.parametrize(("argument", "problem"), [
-    ("training.batch_size", "expected dotted.field=value"),
-    ("batch_size=3", "'batch_size' must be a dotted field name"),
-    ("training..batch_size=3", "must be a dotted field name"),
-    ("training.batch_size=[1, 2", "training.batch_size: value '[1, 2' is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    ("argument", "problem"),
+    [
+        ("training.batch_size", "expected dotted.field=value"),
+        ("batch_size=3", "'batch_size' must be a dotted field name"),
+        ("training..batch_size=3", "must be a dotted field name"),
+        ("training.batch_size=[1, 2", "training.batch_size: value '[1, 2' is not valid YAML"),
+    ],
+)
 def test_a_malformed_set_is_a_usage_error(argument, problem, capsys):
     code, out, err = exit_of(_runner(RUNNERS["ddp"]), ["--set", argument], capsys)
     assert code == 2 and out == ""
@@ -97,14 +132,20 @@ def test_set_overrides_flags_and_a_field_the_runner_fixes_is_refused(capsys):
     code, out, _ = exit_of(main, ["--batch-size", "8", "--set", "training.batch_size=16", "--print-config"], capsys)
     assert code == 0 and yaml.safe_load(out)["training"]["batch_size"] == 16
     code, out, err = exit_of(main, ["--set", "system.architecture=ddp"], capsys)
-    assert (code, err.splitlines()) == (2, ["config error: system.architecture: fixed by this runner to 'parameter_server', cannot be --set"])
+    assert (code, err.splitlines()) == (
+        2,
+        ["config error: system.architecture: fixed by this runner to 'parameter_server', cannot be --set"],
+    )
 
 
 def test_print_config_reads_back_as_the_same_config(tmp_path, capsys):
     from src.config import load_config
 
-    code, out, _ = exit_of(_runner(RUNNERS["baseline"]), ["--set", "emulation.workers.2.step_delay_s=0.5", "--trace",
-                                                          "--print-config"], capsys)
+    code, out, _ = exit_of(
+        _runner(RUNNERS["baseline"]),
+        ["--set", "emulation.workers.2.step_delay_s=0.5", "--trace", "--print-config"],
+        capsys,
+    )
     assert code == 0
     (tmp_path / "resolved.yaml").write_text(out)
     again = load_config(tmp_path / "resolved.yaml")
@@ -119,7 +160,11 @@ def fresh_logging():
 
     from src import logs
 
-    saved = logs._handler, logging.getLogger().level, {name: logging.getLogger(name).level for name in logs.PROJECT_LOGGERS}
+    saved = (
+        logs._handler,
+        logging.getLogger().level,
+        {name: logging.getLogger(name).level for name in logs.PROJECT_LOGGERS},
+    )
     if logs._handler is not None:
         logging.getLogger().removeHandler(logs._handler)
     logs._handler = None
@@ -147,7 +192,10 @@ def test_setup_logging_sets_our_level_and_keeps_libraries_at_warning(fresh_loggi
     logging.getLogger("src.ps_launcher").debug("debug line")
     logging.getLogger("some.library").info("library info again")
     err = capsys.readouterr().err.splitlines()
-    assert [line.split(" ", 1)[1] for line in err] == ["WARNING src.trainer: shown 1", "DEBUG src.ps_launcher: debug line"]
+    assert [line.split(" ", 1)[1] for line in err] == [
+        "WARNING src.trainer: shown 1",
+        "DEBUG src.ps_launcher: debug line",
+    ]
     with pytest.raises(ValueError, match="system.log_level"):
         setup_logging("loud")
 

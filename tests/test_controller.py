@@ -18,8 +18,14 @@ from src.controller import CompressionController, ControllerSettings, loss_rebou
 
 
 def push(communication: float = 0.8, gradient: float = 0.2, compression: float = 0.0) -> dict:
-    return {"kind": "push", "worker": 0, "staleness": 1, "gradient_time_s": gradient,
-            "compression_time_s": compression, "communication_time_s": communication}
+    return {
+        "kind": "push",
+        "worker": 0,
+        "staleness": 1,
+        "gradient_time_s": gradient,
+        "compression_time_s": compression,
+        "communication_time_s": communication,
+    }
 
 
 def evaluation(step: int, loss: float) -> dict:
@@ -36,9 +42,18 @@ def run(controller: CompressionController, losses, *, communication=0.8, gradien
     return decisions
 
 
-SETTINGS = ControllerSettings(rho_initial=0.1, rho_min=0.01, rho_max=0.5, max_staleness_initial=8,
-                              max_staleness_min=1, max_staleness_max=16, rebound_threshold=0.05,
-                              rebound_window=3, stable_evaluations=2, communication_share=0.5)
+SETTINGS = ControllerSettings(
+    rho_initial=0.1,
+    rho_min=0.01,
+    rho_max=0.5,
+    max_staleness_initial=8,
+    max_staleness_min=1,
+    max_staleness_max=16,
+    rebound_threshold=0.05,
+    rebound_window=3,
+    stable_evaluations=2,
+    communication_share=0.5,
+)
 
 
 def test_loss_rebound_is_the_mean_positive_jump():
@@ -154,8 +169,9 @@ def test_never_leaves_its_bounds():
 
 
 def test_at_the_bound_a_decision_is_a_hold_that_says_so():
-    settings = ControllerSettings(rho_initial=0.5, rho_min=0.01, rho_max=0.5, max_staleness_initial=1,
-                                  max_staleness_min=1, max_staleness_max=4)
+    settings = ControllerSettings(
+        rho_initial=0.5, rho_min=0.01, rho_max=0.5, max_staleness_initial=1, max_staleness_min=1, max_staleness_max=4
+    )
     controller = CompressionController(settings)
     decision = run(controller, [0.5, 0.9])[-1]
     assert decision["action"] == "hold" and "(already at the bound)" in decision["reason"]
@@ -202,22 +218,34 @@ def test_other_events_are_ignored_and_bad_evals_refused():
 
 
 def test_settings_from_config_clamp_the_start_into_the_bounds():
-    system = validate_config({"system": {"compression_ratio": 0.9, "max_staleness": 30, "controller_rho_max": 0.4,
-                                         "controller_max_staleness_max": 12, "controller_rebound_threshold": 0.1}}).system
+    system = validate_config(
+        {
+            "system": {
+                "compression_ratio": 0.9,
+                "max_staleness": 30,
+                "controller_rho_max": 0.4,
+                "controller_max_staleness_max": 12,
+                "controller_rebound_threshold": 0.1,
+            }
+        }
+    ).system
     settings = ControllerSettings.from_config(system)
     assert (settings.rho_initial, settings.max_staleness_initial) == (0.4, 12)
     assert settings.rebound_threshold == 0.1
     assert CompressionController.from_config(system).rho == 0.4
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(rho_min=0.6, rho_max=0.5), "rho_min <= rho_max"),
-    (dict(max_staleness_min=5, max_staleness_max=2), "max_staleness_min <= max_staleness_max"),
-    (dict(rebound_window=0), "rebound_window must be >= 1"),
-    (dict(rho_factor=1.0), "rho_factor must be a finite number > 1"),
-    (dict(instability_persistence=0), "instability_persistence must be >= 1"),
-    (dict(communication_share=1.5), r"communication_share must be in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(rho_min=0.6, rho_max=0.5), "rho_min <= rho_max"),
+        (dict(max_staleness_min=5, max_staleness_max=2), "max_staleness_min <= max_staleness_max"),
+        (dict(rebound_window=0), "rebound_window must be >= 1"),
+        (dict(rho_factor=1.0), "rho_factor must be a finite number > 1"),
+        (dict(instability_persistence=0), "instability_persistence must be >= 1"),
+        (dict(communication_share=1.5), r"communication_share must be in \[0, 1\]"),
+    ],
+)
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ControllerSettings(**kwargs)
@@ -241,17 +269,35 @@ def test_decisions_reach_the_workers_payload_sizes(tmp_path):
 
     # Never a rebound, communication always "dominant", one stable evaluation: compress more at every
     # evaluation after the first (rho 0.1 -> 0.05 -> 0.025 -> 0.0125 -> 0.01, the floor).
-    config = ps_config(tmp_path, system__num_workers=2, system__compression_enabled=True, system__compression_type="topk",
-                       system__compression_ratio=0.1, system__adaptive_compression=True,
-                       system__controller_rho_min=0.01, system__controller_rebound_threshold=10.0,
-                       system__controller_stable_evaluations=1, system__controller_communication_share=0.0,
-                       training__max_train_samples=768, training__batch_size=32, training__eval_interval=4,
-                       training__momentum=0.9)
+    config = ps_config(
+        tmp_path,
+        system__num_workers=2,
+        system__compression_enabled=True,
+        system__compression_type="topk",
+        system__compression_ratio=0.1,
+        system__adaptive_compression=True,
+        system__controller_rho_min=0.01,
+        system__controller_rebound_threshold=10.0,
+        system__controller_stable_evaluations=1,
+        system__controller_communication_share=0.0,
+        training__max_train_samples=768,
+        training__batch_size=32,
+        training__eval_interval=4,
+        training__momentum=0.9,
+    )
     summary = run_local(config)
     decisions = list(read_events(f"{config.system.log_dir}/server/events.jsonl", kind="controller"))
-    assert [d["action"] for d in decisions][:5] == ["hold", "compress_more", "compress_more", "compress_more", "compress_more"]
+    assert [d["action"] for d in decisions][:5] == [
+        "hold",
+        "compress_more",
+        "compress_more",
+        "compress_more",
+        "compress_more",
+    ]
     assert [d["rho"] for d in decisions][:5] == [0.1, 0.05, 0.025, 0.0125, 0.01]
-    assert all(d["rho"] == 0.01 for d in decisions[4:]) and all("communication share" in d["reason"] for d in decisions[1:5])
+    assert all(d["rho"] == 0.01 for d in decisions[4:]) and all(
+        "communication share" in d["reason"] for d in decisions[1:5]
+    )
     assert sum(summary["controller"]["decisions"].values()) == len(decisions)  # S_max keeps relaxing after rho's floor
     assert summary["controller"]["final_compression_ratio"] == 0.01
 

@@ -49,7 +49,7 @@ def test_a_restarted_server_awaits_the_checkpoints_live_workers_and_fails_the_si
     assert replaced is None and back.incarnation == 7 and members.awaited() == [1] and members.live() == [0]
     clock.now += 5.5
     members.check(0, back.session)
-    (failed, silence), = members.expire()
+    ((failed, silence),) = members.expire()
     assert (failed.worker_id, failed.pid, failed.state, silence) == (1, 101, "failed", 5.5)
     assert members.awaited() == [] and failed in members.history  # a registration after this is a rejoin
     assert members.expire() == []
@@ -139,7 +139,7 @@ def test_async_one_worker_reads_the_baselines_order_and_epochs_roll_on():
             break
         order.append((batches[0].epoch, list(batches[0].indices)))
         plan.applied(0)
-    expected = [(e, s.indices[i:i + 6]) for e in range(2) for s in make_shards(20, 1, e, 5) for i in range(0, 20, 6)]
+    expected = [(e, s.indices[i : i + 6]) for e in range(2) for s in make_shards(20, 1, e, 5) for i in range(0, 20, 6)]
     assert order == expected and plan.finished()
 
 
@@ -188,14 +188,21 @@ def test_coverage_audit_counts_missing_and_twice_applied_samples_and_voids_lost_
     def update(version, epoch, indices):
         return {"kind": "update", "version": version, "samples": [[epoch, indices]]}
 
-    events = [update(1, 0, [0, 1]), update(2, 0, [2]), update(3, 0, [3]),
-              {"kind": "server_recovered", "version": 2}, update(3, 0, [3])]
+    events = [
+        update(1, 0, [0, 1]),
+        update(2, 0, [2]),
+        update(3, 0, [3]),
+        {"kind": "server_recovered", "version": 2},
+        update(3, 0, [3]),
+    ]
     report = check_coverage(events, num_samples=4, num_epochs=1)
     assert report["ok"] and report["voided"] == 1
     bad = check_coverage([update(1, 0, [0, 1]), update(2, 0, [1])], num_samples=3, num_epochs=1)
     assert not bad["ok"] and bad["missing"] == 1 and bad["duplicated"] == 1
     assert bad["examples"] == {"missing": [(0, 2)], "duplicated": [(0, 1)], "unexpected": []}
-    twice = check_coverage([{**update(1, 0, [0]), "requests": [[0, 7]]}, {**update(2, 0, [1]), "requests": [[0, 7]]}], 2, 1)
+    twice = check_coverage(
+        [{**update(1, 0, [0]), "requests": [[0, 7]]}, {**update(2, 0, [1]), "requests": [[0, 7]]}], 2, 1
+    )
     assert not twice["ok"] and twice["requests_applied_twice"] == 1
 
 

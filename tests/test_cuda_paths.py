@@ -31,8 +31,10 @@ from src.compression import HEADER_SIZE, build_compressor, decompress, parse_hea
 from src.trainer import MixedPrecision
 
 # scripts/gpu_check.sh sets DTS_REQUIRE_CUDA=1: there a missing GPU fails the tests instead of skipping them.
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("DTS_REQUIRE_CUDA") != "1",
-                                reason="needs a CUDA device: scripts/gpu_check.sh runs these where one is lent")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("DTS_REQUIRE_CUDA") != "1",
+    reason="needs a CUDA device: scripts/gpu_check.sh runs these where one is lent",
+)
 
 CUDA = torch.device("cuda", 0)
 
@@ -60,7 +62,10 @@ def test_quantization_on_cuda_keeps_the_cpu_scales_and_lands_within_one_level(bi
     buckets = -(-x.numel() // 512)
     scales = slice(HEADER_SIZE, HEADER_SIZE + 4 * buckets)
     assert gpu_payload[scales] == cpu_payload[scales]  # max |x| per bucket, exactly
-    level = torch.frombuffer(bytearray(cpu_payload[scales]), dtype=torch.float32).repeat_interleave(512)[: x.numel()] / compressor.levels
+    level = (
+        torch.frombuffer(bytearray(cpu_payload[scales]), dtype=torch.float32).repeat_interleave(512)[: x.numel()]
+        / compressor.levels
+    )
     assert ((decompress(gpu_payload) - decompress(cpu_payload)).abs() <= level * (1 + 1e-5)).all()
     draws = torch.stack([decompress(compressor.compress(x.to(CUDA), seed=seed)) for seed in range(64)])
     assert (draws.mean(0) - x).abs().mean() <= 0.1 * level.mean()  # unbiased: the mean of 64 draws is close to x
@@ -94,7 +99,10 @@ def test_hooks_on_nccl_with_one_rank_leave_the_gradient_alone(nccl_group, kind):
         hook = torch_asgc.register_compression_hook(model, "quantization", bits=8)
     for step in range(3):
         generator = torch.Generator().manual_seed(step)
-        x, y = torch.randn(32, 64, generator=generator).to(CUDA), torch.randint(0, 10, (32,), generator=generator).to(CUDA)
+        x, y = (
+            torch.randn(32, 64, generator=generator).to(CUDA),
+            torch.randint(0, 10, (32,), generator=generator).to(CUDA),
+        )
         module.zero_grad()
         reference.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -115,14 +123,18 @@ def test_bf16_values_on_nccl_are_6_bytes_per_kept_entry(nccl_group):
 
     def step() -> None:
         module.zero_grad()
-        F.cross_entropy(model(torch.randn(8, 64, device=CUDA)), torch.zeros(8, dtype=torch.long, device=CUDA)).backward()
+        F.cross_entropy(
+            model(torch.randn(8, 64, device=CUDA)), torch.zeros(8, dtype=torch.long, device=CUDA)
+        ).backward()
 
     step()
     step()  # from the second pass on, DDP's rebuilt buckets are the compression units
     before = hook.stats.payload_bytes
     step()
     sizes = {name: p.numel() for name, p in module.named_parameters()}
-    expected = sum(HEADER_SIZE + 6 * math.ceil(0.25 * sum(sizes[name] for name in unit)) for unit in hook.state.segments)
+    expected = sum(
+        HEADER_SIZE + 6 * math.ceil(0.25 * sum(sizes[name] for name in unit)) for unit in hook.state.segments
+    )
     assert hook.stats.payload_bytes - before == expected
     hook.close()
 

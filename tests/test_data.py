@@ -55,7 +55,9 @@ def test_synthetic_is_seeded_and_sized():
 def _write_idx(folder, prefix, images, labels):
     folder.mkdir(parents=True, exist_ok=True)
     count, height, width = images.shape
-    (folder / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, count, height, width) + images.tobytes())
+    (folder / f"{prefix}-images-idx3-ubyte").write_bytes(
+        struct.pack(">IIII", 2051, count, height, width) + images.tobytes()
+    )
     (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, count) + labels.tobytes())
 
 
@@ -88,7 +90,9 @@ def test_unknown_dataset_and_split():
 
 
 @settings(max_examples=60, deadline=None)
-@given(num_samples=st.integers(0, 500), num_workers=st.integers(1, 9), epoch=st.integers(0, 5), seed=st.integers(0, 1000))
+@given(
+    num_samples=st.integers(0, 500), num_workers=st.integers(1, 9), epoch=st.integers(0, 5), seed=st.integers(0, 1000)
+)
 def test_shards_are_disjoint_covering_balanced_and_deterministic(num_samples, num_workers, epoch, seed):
     shards = make_shards(num_samples, num_workers, epoch, seed)
     assert [s.owner for s in shards] == list(range(num_workers))

@@ -34,7 +34,9 @@ def _clean_env() -> dict[str, str]:
 
 
 def _run(args: list[str], cwd: Path, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, RUNNER, *args], cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, RUNNER, *args], cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _outputs(cwd: Path, world: int) -> dict:
@@ -72,17 +74,48 @@ def test_spec_two_process_run(tmp_path):
 
 @pytest.mark.slow
 def test_spec_synthetic_debug_run_and_resume(tmp_path):
-    result = _run(["--dataset", "synthetic", "--world-size", "2", "--num-epochs", "1", "--num-samples", "2048", "--optimizer", "sgd"], tmp_path)
+    result = _run(
+        [
+            "--dataset",
+            "synthetic",
+            "--world-size",
+            "2",
+            "--num-epochs",
+            "1",
+            "--num-samples",
+            "2048",
+            "--optimizer",
+            "sgd",
+        ],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     summary = _outputs(tmp_path, 2)
     assert summary["samples_processed"] == 2048 and summary["dataset"] == "synthetic"
     assert summary["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
     # ... and --resume continues it for a second epoch from the checkpoint folder
-    result = _run(["--dataset", "synthetic", "--world-size", "2", "--num-epochs", "2", "--num-samples", "2048",
-                   "--resume", "checkpoints/ddp_cli"], tmp_path)
+    result = _run(
+        [
+            "--dataset",
+            "synthetic",
+            "--world-size",
+            "2",
+            "--num-epochs",
+            "2",
+            "--num-samples",
+            "2048",
+            "--resume",
+            "checkpoints/ddp_cli",
+        ],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     resumed = _outputs(tmp_path, 2)
-    assert (resumed["steps"], resumed["steps_this_run"], resumed["samples_processed"]) == (2 * summary["steps"], summary["steps"], 2048)
+    assert (resumed["steps"], resumed["steps_this_run"], resumed["samples_processed"]) == (
+        2 * summary["steps"],
+        summary["steps"],
+        2048,
+    )
 
 
 @pytest.mark.slow
@@ -93,13 +126,36 @@ def test_same_script_spans_two_nodes_under_torchrun(tmp_path):
     # concurrent runs of this test apart. Both nodes are watched together: if one fails, its output
     # is shown at once beside the other's.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=0",
-               "--rdzv-id", f"test_job_{uuid.uuid4().hex}",
-               RUNNER, "--dataset", "synthetic", "--num-samples", "256", "--num-epochs", "1", "--allreduce", "ring"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{store.port}",
+        "--rdzv-conf",
+        "is_host=0",
+        "--rdzv-id",
+        f"test_job_{uuid.uuid4().hex}",
+        RUNNER,
+        "--dataset",
+        "synthetic",
+        "--num-samples",
+        "256",
+        "--num-epochs",
+        "1",
+        "--allreduce",
+        "ring",
+    ]
     nodes = run_together([command, command], cwd=tmp_path, env=_clean_env(), timeout=RUN_TIMEOUT_S)
     assert [(node.returncode, node.killed) for node in nodes] == [(0, False)] * 2, "\n".join(
-        node.describe(f"node {index}") for index, node in enumerate(nodes))
+        node.describe(f"node {index}") for index, node in enumerate(nodes)
+    )
     assert sum(node.stdout.count("Final Accuracy:") for node in nodes) == 1  # rank 0 only
     summary = _outputs(tmp_path, 2)
     assert summary["samples_processed"] == 256 and summary["comm_hook"] == "ring"
@@ -107,9 +163,26 @@ def test_same_script_spans_two_nodes_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_rank(tmp_path):
-    runner = subprocess.Popen([sys.executable, RUNNER, "--dataset", "synthetic", "--num-samples", "20000", "--batch-size", "8",
-                               "--world-size", "2", "--num-epochs", "50"], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runner = subprocess.Popen(
+        [
+            sys.executable,
+            RUNNER,
+            "--dataset",
+            "synthetic",
+            "--num-samples",
+            "20000",
+            "--batch-size",
+            "8",
+            "--world-size",
+            "2",
+            "--num-epochs",
+            "50",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     logs = tmp_path / "logs" / "ddp_cli"
     pids: dict[int, int] = {}
     try:
@@ -142,8 +215,23 @@ def test_ctrl_c_stops_every_rank(tmp_path):
 # restarted group must also get every rank's residuals and the hook's step back. Checkpoints at
 # steps 3, 6, 8 (epoch end), 9, 12, 15, 16: a kill at step 11 sends the group back to step 9, one
 # step into epoch 2.
-RUN_ARGS = ["--dataset", "synthetic", "--num-samples", "512", "--batch-size", "32", "--num-epochs", "2",
-            "--compression-enabled", "--compression-type", "topk", "--compression-ratio", "0.1", "--checkpoint-interval-steps", "3"]
+RUN_ARGS = [
+    "--dataset",
+    "synthetic",
+    "--num-samples",
+    "512",
+    "--batch-size",
+    "32",
+    "--num-epochs",
+    "2",
+    "--compression-enabled",
+    "--compression-type",
+    "topk",
+    "--compression-ratio",
+    "0.1",
+    "--checkpoint-interval-steps",
+    "3",
+]
 FAULT_RUN = [*RUN_ARGS, "--world-size", "2"]
 
 
@@ -169,8 +257,12 @@ def _assert_same_training(final: dict, reference: dict) -> None:
 
 def _assert_restarted_once_from_step_9(logs: Path, killed_rank: int) -> None:
     restarts = list(read_events(logs / "events.jsonl", "rank_restarted"))
-    assert [(e["attempt"], e["step"], e["epoch_step"], Path(e["resumed_from"]).name) for e in restarts] == [(1, 9, 1, "checkpoint_000009.pt")]
-    attempts = [(e["attempt"], e["pid"]) for e in read_events(logs / f"rank_{killed_rank}" / "events.jsonl", "run_start")]
+    assert [(e["attempt"], e["step"], e["epoch_step"], Path(e["resumed_from"]).name) for e in restarts] == [
+        (1, 9, 1, "checkpoint_000009.pt")
+    ]
+    attempts = [
+        (e["attempt"], e["pid"]) for e in read_events(logs / f"rank_{killed_rank}" / "events.jsonl", "run_start")
+    ]
     assert [attempt for attempt, _ in attempts] == [0, 1]
     assert process_gone(attempts[0][1])  # the SIGKILLed incarnation is gone
     summary = json.loads((logs / "summary.json").read_text())
@@ -185,36 +277,72 @@ def test_sigkilled_rank_restarts_the_group_from_its_checkpoint(tmp_path, uninter
     assert "fault injection: kill:rank=1@step=11" in result.stderr
     assert "restart 1/2: the group continues from" in result.stderr  # a log line (src/logs.py)
     _assert_restarted_once_from_step_9(tmp_path / "logs" / "ddp_cli", killed_rank=1)
-    _assert_same_training(torch.load(tmp_path / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True), uninterrupted)
+    _assert_same_training(
+        torch.load(tmp_path / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True), uninterrupted
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigkilled_rank_restarts_under_torchrun_and_an_error_that_cannot_succeed_is_not_retried(tmp_path, uninterrupted):
+def test_sigkilled_rank_restarts_under_torchrun_and_an_error_that_cannot_succeed_is_not_retried(
+    tmp_path, uninterrupted
+):
     # torchrun's own agent and --max-restarts; this time the rank that writes checkpoints dies.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def torchrun(nproc: int, *args: str) -> list:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=0",
-                   "--rdzv-id", f"test_job_{uuid.uuid4().hex}", *args]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{store.port}",
+            "--rdzv-conf",
+            "is_host=0",
+            "--rdzv-id",
+            f"test_job_{uuid.uuid4().hex}",
+            *args,
+        ]
         return run_together([command], cwd=tmp_path, env=_clean_env(), timeout=RUN_TIMEOUT_S)
 
     (node,) = torchrun(2, "--max-restarts", "1", RUNNER, *FAULT_RUN, "--inject-fault", "kill:rank=0@step=11")
     assert (node.returncode, node.killed) == (0, False), node.describe("torchrun")
     assert "fault injection: kill:rank=0@step=11" in node.stderr
     _assert_restarted_once_from_step_9(tmp_path / "logs" / "ddp_cli", killed_rank=0)
-    _assert_same_training(torch.load(tmp_path / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True), uninterrupted)
+    _assert_same_training(
+        torch.load(tmp_path / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True), uninterrupted
+    )
 
     # Resuming that run's step-15 checkpoint (mid-epoch, 2 ranks) with 1 rank cannot succeed: the
     # first attempt says why in one line; the 2 restarts torchrun grants stop at once.
     mid_epoch = tmp_path / "checkpoints" / "ddp_cli" / "checkpoint_000015.pt"
-    (node,) = torchrun(1, "--max-restarts", "2", RUNNER, *RUN_ARGS, "--resume", str(mid_epoch),
-                       "--checkpoint-dir", "checkpoints/second", "--log-dir", "logs/second")
+    (node,) = torchrun(
+        1,
+        "--max-restarts",
+        "2",
+        RUNNER,
+        *RUN_ARGS,
+        "--resume",
+        str(mid_epoch),
+        "--checkpoint-dir",
+        "checkpoints/second",
+        "--log-dir",
+        "logs/second",
+    )
     assert node.returncode != 0 and not node.killed, node.describe("torchrun")
     errors = [line for line in node.stderr.splitlines() if line.startswith("error:")]
-    assert errors[0].startswith(f"error: --resume {mid_epoch}: taken 7 steps into epoch 2 by 2 ranks x batch 32; this run has 1 x 32")
-    assert len(errors) == 3 and all(line.endswith("(an earlier attempt stopped on this; not retrying)") for line in errors[1:])
+    assert errors[0].startswith(
+        f"error: --resume {mid_epoch}: taken 7 steps into epoch 2 by 2 ranks x batch 32; this run has 1 x 32"
+    )
+    assert len(errors) == 3 and all(
+        line.endswith("(an earlier attempt stopped on this; not retrying)") for line in errors[1:]
+    )
     assert not (tmp_path / "logs" / "second" / "rank_0").exists()  # no attempt trained
 
 
@@ -283,20 +411,41 @@ def _mid_epoch_checkpoint(path: Path, *, world_size: int, batch_size: int) -> Pa
     from src.config import validate_config
     from src.trainer import checkpoint_of_run, model_from_config, optimizer_from_config
 
-    config = validate_config({"training": {"dataset": "synthetic", "batch_size": batch_size}, "system": {"architecture": "ddp"}})
+    config = validate_config(
+        {"training": {"dataset": "synthetic", "batch_size": batch_size}, "system": {"architecture": "ddp"}}
+    )
     model = model_from_config(config)
-    checkpoint = checkpoint_of_run(config, model, optimizer_from_config(config, model.parameters()), epoch=1, step=10,
-                                   extra={"epoch_step": 2, "world_size": world_size})
+    checkpoint = checkpoint_of_run(
+        config,
+        model,
+        optimizer_from_config(config, model.parameters()),
+        epoch=1,
+        step=10,
+        extra={"epoch_step": 2, "world_size": world_size},
+    )
     return save_checkpoint(path, checkpoint)
 
 
 def test_a_mid_epoch_checkpoint_needs_the_same_ranks_and_batch_size(capsys, tmp_path):
     checkpoint = _mid_epoch_checkpoint(tmp_path / "checkpoint_000010.pt", world_size=2, batch_size=32)
-    code, err = _main(capsys, "--dataset", "synthetic", "--resume", str(checkpoint), "--world-size", "1", "--batch-size", "32",
-                      "--log-dir", str(tmp_path / "logs"))
+    code, err = _main(
+        capsys,
+        "--dataset",
+        "synthetic",
+        "--resume",
+        str(checkpoint),
+        "--world-size",
+        "1",
+        "--batch-size",
+        "32",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    )
     assert code == 1
-    assert err.strip() == (f"error: --resume {checkpoint}: taken 2 steps into epoch 2 by 2 ranks x batch 32; this run has 1 x 32, "
-                           f"which would read other samples: resume it with the same ranks and batch size, or from an epoch-end checkpoint")
+    assert err.strip() == (
+        f"error: --resume {checkpoint}: taken 2 steps into epoch 2 by 2 ranks x batch 32; this run has 1 x 32, "
+        f"which would read other samples: resume it with the same ranks and batch size, or from an epoch-end checkpoint"
+    )
 
 
 def test_job_record_keeps_the_newest_checkpoint_and_a_fatal_error_in_the_agent_store(monkeypatch):

@@ -30,11 +30,22 @@ WORLD = 2
 
 
 def _system(**fields):
-    return validate_config({"system": {"architecture": "ddp", "compression_enabled": True, "compression_type": "topk",
-                                       "compression_ratio": 0.1, "adaptive_compression": True,
-                                       "controller_rebound_threshold": 10.0, "controller_stable_evaluations": 1,
-                                       "controller_communication_share": 0.0, **fields},
-                            "training": {"eval_interval": 2}})
+    return validate_config(
+        {
+            "system": {
+                "architecture": "ddp",
+                "compression_enabled": True,
+                "compression_type": "topk",
+                "compression_ratio": 0.1,
+                "adaptive_compression": True,
+                "controller_rebound_threshold": 10.0,
+                "controller_stable_evaluations": 1,
+                "controller_communication_share": 0.0,
+                **fields,
+            },
+            "training": {"eval_interval": 2},
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- unit
@@ -68,8 +79,11 @@ def test_a_broadcast_decision_becomes_the_same_switch_on_every_rank_from_apply_f
         assert control.due(4) is None and control.compression_ratio == 0.1
         assert control.due(5) == Switch(5, 0.05, 9) and control.compression_ratio == 0.05
         assert control.due(6) is None
-        assert control.summary() == {"decisions": {"hold": 1, "compress_more": 1}, "final_compression_ratio": 0.05,
-                                     "final_max_staleness": 9}
+        assert control.summary() == {
+            "decisions": {"hold": 1, "compress_more": 1},
+            "final_compression_ratio": 0.05,
+            "final_max_staleness": 9,
+        }
 
 
 def test_a_start_outside_the_bounds_switches_at_step_one_and_the_state_resumes():
@@ -80,13 +94,24 @@ def test_a_start_outside_the_bounds_switches_at_step_one_and_the_state_resumes()
     saved = json.loads(json.dumps(control.state_dict()))  # plain values, as a checkpoint keeps them
     for rank in range(WORLD):
         resumed = RankControl.for_run(system, rank, compression_ratio=0.9, saved=saved)
-        assert (resumed.compression_ratio, resumed.pending, dict(resumed.decisions)) == (0.4, Switch(11, 0.2, 9), {"compress_more": 1})
+        assert (resumed.compression_ratio, resumed.pending, dict(resumed.decisions)) == (
+            0.4,
+            Switch(11, 0.2, 9),
+            {"compress_more": 1},
+        )
         assert (resumed.controller is not None) == (rank == 0)
-    assert RankControl.for_run(system, 0, compression_ratio=0.9, saved=saved).controller.state_dict() == control.controller.state_dict()
+    assert (
+        RankControl.for_run(system, 0, compression_ratio=0.9, saved=saved).controller.state_dict()
+        == control.controller.state_dict()
+    )
 
 
 def _hook(kind: str) -> CommHook:
-    compressor = build_compressor("topk", ratio=0.1, selection="exact") if kind == "topk" else build_compressor("quantization", bits=8)
+    compressor = (
+        build_compressor("topk", ratio=0.1, selection="exact")
+        if kind == "topk"
+        else build_compressor("quantization", bits=8)
+    )
     state = CompressionHookState(CompressionPolicy(compressor, warmup_steps=3), param_names={})
     return CommHook(kind, state, compression_hook, state.stats)
 
@@ -110,13 +135,27 @@ def test_a_run_without_evaluations_or_top_k_is_refused_naming_the_field(capsys, 
     from src.ddp_launcher import check_launch
     from src.ddp_trainer import DDPTrainer, RankContext
 
-    no_eval = validate_config({"system": {"architecture": "ddp", "adaptive_compression": True, "compression_enabled": True}})
-    no_topk = validate_config({"system": {"architecture": "ddp", "adaptive_compression": True, "compression_enabled": True,
-                                          "compression_type": "quantization"}, "training": {"eval_interval": 5}})
-    assert config_problem(no_eval) == ("system.adaptive_compression decides at evaluations: set training.eval_interval "
-                                       "(steps between evaluations)")
-    assert config_problem(no_topk) == ("system.adaptive_compression sets top-k's Active Fraction: in DDP it needs "
-                                       "system.compression_enabled: true with system.compression_type: topk")
+    no_eval = validate_config(
+        {"system": {"architecture": "ddp", "adaptive_compression": True, "compression_enabled": True}}
+    )
+    no_topk = validate_config(
+        {
+            "system": {
+                "architecture": "ddp",
+                "adaptive_compression": True,
+                "compression_enabled": True,
+                "compression_type": "quantization",
+            },
+            "training": {"eval_interval": 5},
+        }
+    )
+    assert config_problem(no_eval) == (
+        "system.adaptive_compression decides at evaluations: set training.eval_interval (steps between evaluations)"
+    )
+    assert config_problem(no_topk) == (
+        "system.adaptive_compression sets top-k's Active Fraction: in DDP it needs "
+        "system.compression_enabled: true with system.compression_type: topk"
+    )
     assert config_problem(_system()) is None
     context = RankContext(0, 1, 0, 1, "gloo", torch.device("cpu"))
     for config in (no_eval, no_topk):
@@ -124,8 +163,10 @@ def test_a_run_without_evaluations_or_top_k_is_refused_naming_the_field(capsys, 
             DDPTrainer(config, context)  # before anything else: no process group needed
         with pytest.raises(SetupError, match=r"^system\.adaptive_compression"):
             check_launch(config, local_world_size=1)
-    for args, field in [(["--adaptive-compression", "--compression-enabled"], "training.eval_interval"),
-                        (["--adaptive-compression", "--eval-interval", "4"], "system.compression_enabled")]:
+    for args, field in [
+        (["--adaptive-compression", "--compression-enabled"], "training.eval_interval"),
+        (["--adaptive-compression", "--eval-interval", "4"], "system.compression_enabled"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             run_ddp_training.main(args)
         err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -133,8 +174,9 @@ def test_a_run_without_evaluations_or_top_k_is_refused_naming_the_field(capsys, 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
     from src import experiment as rx
 
-    experiment, data = rx.split_experiment({"experiment": {"controller": "on"}, "training": {"eval_interval": 4},
-                                            "system": {"architecture": "ddp"}}, "x")
+    experiment, data = rx.split_experiment(
+        {"experiment": {"controller": "on"}, "training": {"eval_interval": 4}, "system": {"architecture": "ddp"}}, "x"
+    )
     with pytest.raises(rx.ExperimentError, match="system.compression_enabled: true with system.compression_type: topk"):
         rx.build_config(experiment, data, tmp_path)
 
@@ -147,13 +189,31 @@ def _config(root: Path, name: str, **training) -> dict:
     # communication always "dominant", one stable evaluation is enough: rho halves at every evaluation
     # after the first, 0.1 -> 0.05 -> 0.025 -> 0.0125 -> 0.01 (the floor), then S_max alone relaxes.
     return {
-        "training": {"dataset": "synthetic", "num_samples": 256, "batch_size": 16, "num_epochs": 2, "learning_rate": 0.05,
-                     "seed": 3, "eval_interval": 2, "checkpoint_interval_steps": 5, **training},
-        "system": {"architecture": "ddp", "num_workers": WORLD, "compression_enabled": True, "compression_type": "topk",
-                   "compression_ratio": 0.1, "adaptive_compression": True, "controller_rho_min": 0.01,
-                   "controller_rebound_threshold": 10.0, "controller_stable_evaluations": 1,
-                   "controller_communication_share": 0.0,
-                   "checkpoint_dir": str(root / name / "checkpoints"), "log_dir": str(root / name / "logs")},
+        "training": {
+            "dataset": "synthetic",
+            "num_samples": 256,
+            "batch_size": 16,
+            "num_epochs": 2,
+            "learning_rate": 0.05,
+            "seed": 3,
+            "eval_interval": 2,
+            "checkpoint_interval_steps": 5,
+            **training,
+        },
+        "system": {
+            "architecture": "ddp",
+            "num_workers": WORLD,
+            "compression_enabled": True,
+            "compression_type": "topk",
+            "compression_ratio": 0.1,
+            "adaptive_compression": True,
+            "controller_rho_min": 0.01,
+            "controller_rebound_threshold": 10.0,
+            "controller_stable_evaluations": 1,
+            "controller_communication_share": 0.0,
+            "checkpoint_dir": str(root / name / "checkpoints"),
+            "log_dir": str(root / name / "logs"),
+        },
     }
 
 
@@ -176,7 +236,9 @@ def _train_recording_payloads(rank: int, world: int, config, resume: str | None)
         hook.end_step = recorded
         return hook
 
-    DDPTrainer(config, RankContext(rank, world, rank, world, "gloo", torch.device("cpu")), resume=resume, comm_hook=factory).run()
+    DDPTrainer(
+        config, RankContext(rank, world, rank, world, "gloo", torch.device("cpu")), resume=resume, comm_hook=factory
+    ).run()
     Path(config.system.log_dir, f"payloads_{rank}.json").write_text(json.dumps(payloads))
 
 
@@ -203,8 +265,12 @@ def test_every_rank_switches_in_the_same_step_to_the_payload_of_the_new_rho(tmp_
     from src.trainer import model_from_config
 
     mid_epoch = tmp_path / "adaptive" / "checkpoints" / "checkpoint_000010.pt"  # after the evaluation at step 10
-    spawn_ranks(_session, WORLD, [(_config(tmp_path, "adaptive"), None), (_config(tmp_path, "resumed"), str(mid_epoch))],
-                timeout=280)
+    spawn_ranks(
+        _session,
+        WORLD,
+        [(_config(tmp_path, "adaptive"), None), (_config(tmp_path, "resumed"), str(mid_epoch))],
+        timeout=280,
+    )
 
     decisions = _events(tmp_path, "adaptive", "controller")
     assert [d["step"] for d in decisions] == [2, 4, 6, 8, 10, 12, 14, 16]
@@ -226,31 +292,54 @@ def test_every_rank_switches_in_the_same_step_to_the_payload_of_the_new_rho(tmp_
         policy = CompressionPolicy(build_compressor("topk", ratio=rho, selection=config.system.topk_selection))
         return sum(len(policy.compress(torch.randn(numel), 0)) for numel in segments)
 
-    switches = [(d["apply_from_step"], d["rho"]) for d in decisions[1:5]]  # rho changed: 0.05 from step 5, ..., 0.01 from 11
+    switches = [
+        (d["apply_from_step"], d["rho"]) for d in decisions[1:5]
+    ]  # rho changed: 0.05 from step 5, ..., 0.01 from 11
     for rank in range(WORLD):
         applied = _events(tmp_path, "adaptive", "control_applied", rank)
-        assert [(e["step"], e["compression_ratio"]) for e in applied] == switches == [(5, 0.05), (7, 0.025), (9, 0.0125), (11, 0.01)]
+        assert (
+            [(e["step"], e["compression_ratio"]) for e in applied]
+            == switches
+            == [(5, 0.05), (7, 0.025), (9, 0.0125), (11, 0.01)]
+        )
         assert [e["previous_compression_ratio"] for e in applied] == [0.1, 0.05, 0.025, 0.0125]
         steps = json.loads((tmp_path / "adaptive" / "logs" / f"payloads_{rank}.json").read_text())
         assert len(steps) == 16
         assert steps == [payload(rho_at(step)) for step in range(1, 17)], rank
     assert payload(0.01) < payload(0.1) / 5
     summary = json.loads((tmp_path / "adaptive" / "logs" / "summary.json").read_text())
-    assert summary["controller"] == {"decisions": {"hold": 1, "compress_more": 7}, "final_compression_ratio": 0.01,
-                                     "final_max_staleness": 15}
-    assert json.loads((tmp_path / "adaptive" / "logs" / "ddp_rank_1.json").read_text())["controller"] == summary["controller"]
+    assert summary["controller"] == {
+        "decisions": {"hold": 1, "compress_more": 7},
+        "final_compression_ratio": 0.01,
+        "final_max_staleness": 15,
+    }
+    assert (
+        json.loads((tmp_path / "adaptive" / "logs" / "ddp_rank_1.json").read_text())["controller"]
+        == summary["controller"]
+    )
     saved = load_checkpoint(mid_epoch)["extra"]["controller"]
     assert (saved["compression_ratio"], saved["pending"]) == (0.0125, [11, 0.01, 12])  # decided at 10, due at 11
 
     # Resumed from step 10 with the switch to 0.01 pending: the same decisions, switches and parameters.
     def decided(d: dict) -> tuple:  # a decision without its timings (measured anew)
-        return d["step"], d["action"], d["rho"], d["max_staleness"], d["inputs"]["losses_in_window"], d["inputs"]["stable_evaluations"]
+        return (
+            d["step"],
+            d["action"],
+            d["rho"],
+            d["max_staleness"],
+            d["inputs"]["losses_in_window"],
+            d["inputs"]["stable_evaluations"],
+        )
 
     assert [decided(d) for d in _events(tmp_path, "resumed", "controller")] == [decided(d) for d in decisions[5:]]
     for rank in range(WORLD):
-        assert [(e["step"], e["compression_ratio"]) for e in _events(tmp_path, "resumed", "control_applied", rank)] == [(11, 0.01)]
+        assert [(e["step"], e["compression_ratio"]) for e in _events(tmp_path, "resumed", "control_applied", rank)] == [
+            (11, 0.01)
+        ]
         steps = json.loads((tmp_path / "resumed" / "logs" / f"payloads_{rank}.json").read_text())
         assert steps == [payload(0.01)] * 6
     again = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "ddp_final.pt")
     assert max(float((again["model_state_dict"][k] - final["model_state_dict"][k]).abs().max()) for k in sizes) == 0.0
-    assert json.loads((tmp_path / "resumed" / "logs" / "summary.json").read_text())["controller"] == summary["controller"]
+    assert (
+        json.loads((tmp_path / "resumed" / "logs" / "summary.json").read_text())["controller"] == summary["controller"]
+    )

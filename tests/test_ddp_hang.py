@@ -42,8 +42,14 @@ STEP_DELAY = {"step_delay_s": 0.1}
 def _start(command: list[str], cwd: Path, emulation: dict) -> subprocess.Popen:
     (cwd / "emulation.yaml").write_text(yaml.safe_dump({"emulation": emulation}))
     with open(cwd / "out.txt", "w") as out, open(cwd / "err.txt", "w") as err:
-        return subprocess.Popen([*command, "--config", "emulation.yaml"], cwd=cwd, env=_clean_env(), stdout=out, stderr=err,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [*command, "--config", "emulation.yaml"],
+            cwd=cwd,
+            env=_clean_env(),
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
 
 
 def _finish(process: subprocess.Popen, cwd: Path) -> tuple[int, str, str]:
@@ -69,7 +75,9 @@ def _final(cwd: Path) -> dict:
 
 
 def _hung_events(cwd: Path) -> list[dict]:
-    return [event for rank in range(2) for event in read_events(_logs(cwd) / f"rank_{rank}" / "events.jsonl", "rank_hung")]
+    return [
+        event for rank in range(2) for event in read_events(_logs(cwd) / f"rank_{rank}" / "events.jsonl", "rank_hung")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +116,16 @@ def _stop_rank_mid_run(process: subprocess.Popen, cwd: Path, rank: int) -> tuple
 
 def _assert_detected_and_resumed(cwd: Path, stopped_rank: int, pid: int, stopped_at: float, reference: Path) -> None:
     (hung,) = _hung_events(cwd)  # one detector: the other rank
-    assert (hung["hung_rank"], hung["by_rank"], hung["pid"], hung["killed"]) == (stopped_rank, 1 - stopped_rank, pid, True)
+    assert (hung["hung_rank"], hung["by_rank"], hung["pid"], hung["killed"]) == (
+        stopped_rank,
+        1 - stopped_rank,
+        pid,
+        True,
+    )
     latency = hung["time"] - stopped_at
-    print(f"rank {stopped_rank} SIGSTOPped: rank_hung after {latency:.2f}s ({hung['detected_by']}), timeout {HANG_TIMEOUT_S:g}s")
+    print(
+        f"rank {stopped_rank} SIGSTOPped: rank_hung after {latency:.2f}s ({hung['detected_by']}), timeout {HANG_TIMEOUT_S:g}s"
+    )
     assert latency <= HANG_TIMEOUT_S + DETECTION_SLACK_S
     assert process_gone(pid)
     restarts = list(read_events(_logs(cwd) / "events.jsonl", "rank_restarted"))
@@ -141,9 +156,25 @@ def test_a_sigstopped_rank_is_detected_and_the_group_resumes_exactly(tmp_path, s
 
 def test_a_sigstopped_rank_is_detected_under_torchrun_and_restarted_by_it(tmp_path, slow_rank_run):
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=0",
-                "--rdzv-id", f"test_job_{uuid.uuid4().hex}", "--max-restarts", "1"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{store.port}",
+        "--rdzv-conf",
+        "is_host=0",
+        "--rdzv-id",
+        f"test_job_{uuid.uuid4().hex}",
+        "--max-restarts",
+        "1",
+    ]
     process = _start([*torchrun, *_runner("--collective-timeout", str(HANG_TIMEOUT_S))[1:]], tmp_path, STEP_DELAY)
     pid = None
     try:

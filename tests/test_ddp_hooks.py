@@ -72,8 +72,16 @@ def _ring_checks(rank: int, world: int) -> list[dict]:
         before = tcp_bytes()
         sent, received = ring_allreduce_(got)
         after = tcp_bytes()
-        results.append({"shape": shape, "error": float((got - expected).abs().max()), "scale": float(expected.abs().max()),
-                        "sent": sent, "received": received, "wire_sent": after[0] - before[0]})
+        results.append(
+            {
+                "shape": shape,
+                "error": float((got - expected).abs().max()),
+                "scale": float(expected.abs().max()),
+                "sent": sent,
+                "received": received,
+                "wire_sent": after[0] - before[0],
+            }
+        )
     return results
 
 
@@ -92,14 +100,24 @@ def _ring_hook_check(rank: int, world: int) -> dict:
             F.cross_entropy(model(x), y).backward()
             if model is ring:
                 wire += tcp_bytes()[0] - before
-        errors.append(max(float((a.grad - b.grad).abs().max()) for a, b in zip(plain_module.parameters(), ring_module.parameters())))
+        errors.append(
+            max(
+                float((a.grad - b.grad).abs().max())
+                for a, b in zip(plain_module.parameters(), ring_module.parameters())
+            )
+        )
         with torch.no_grad():
             for a, b in zip(plain_module.parameters(), ring_module.parameters()):
                 a -= 0.1 * a.grad
                 b -= 0.1 * b.grad
     state.close()
-    return {"errors": errors, "bytes_sent": state.stats.bytes_sent, "wire_sent": wire, "steps": state.step,
-            "numel": sum(p.numel() for p in plain_module.parameters())}
+    return {
+        "errors": errors,
+        "bytes_sent": state.stats.bytes_sent,
+        "wire_sent": wire,
+        "steps": state.step,
+        "numel": sum(p.numel() for p in plain_module.parameters()),
+    }
 
 
 def _recording(hook):
@@ -131,7 +149,9 @@ def _compression_check(rank: int, world: int, kind: str) -> dict:
     else:
         policy = CompressionPolicy(build_compressor("quantization", bits=8, bucket_size=64))
         use_ef = False
-    state = CompressionHookState(policy, param_names={id(p): n for n, p in module.named_parameters()}, error_feedback=use_ef)
+    state = CompressionHookState(
+        policy, param_names={id(p): n for n, p in module.named_parameters()}, error_feedback=use_ef
+    )
     hook, layouts = _recording(compression_hook)
     model.register_comm_hook(state, hook)
     by_id = dict(zip((id(p) for p in module.parameters()), zip(reference.named_parameters(), module.parameters())))
@@ -156,10 +176,13 @@ def _compression_check(rank: int, world: int, kind: str) -> dict:
             if kind == "topk" and step >= TOPK_WARMUP:
                 expected = [torch.zeros_like(mean) for mean in true_means]
                 for source in range(world):
-                    compensated = [grads[i][source] + residuals[source].get(name, torch.zeros_like(grads[i][source]))
-                                   for i, (name, _) in enumerate(named)]
+                    compensated = [
+                        grads[i][source] + residuals[source].get(name, torch.zeros_like(grads[i][source]))
+                        for i, (name, _) in enumerate(named)
+                    ]
                     sent = decompress(policy.compress(torch.cat([c.reshape(-1) for c in compensated]), step)).split(
-                        [c.numel() for c in compensated])
+                        [c.numel() for c in compensated]
+                    )
                     for i, (name, _) in enumerate(named):
                         residuals[source][name] = compensated[i] - sent[i].view(compensated[i].shape)
                         expected[i] += sent[i].view(compensated[i].shape)
@@ -183,13 +206,21 @@ def _compression_check(rank: int, world: int, kind: str) -> dict:
     state.close()
     saved = state.state_dict()
     kept = (saved["error_feedback"] or {}).get("residuals", {})
-    return {"steps": steps, "state_step": saved["step"], "residual_keys": sorted(kept),
-            "layouts": [[len(bucket) for bucket in step] for step in layouts[:STEPS]],
-            "residual_matches": all(name in kept and torch.allclose(kept[name], residual, atol=1e-6)
-                                    for name, residual in residuals[rank].items())}
+    return {
+        "steps": steps,
+        "state_step": saved["step"],
+        "residual_keys": sorted(kept),
+        "layouts": [[len(bucket) for bucket in step] for step in layouts[:STEPS]],
+        "residual_matches": all(
+            name in kept and torch.allclose(kept[name], residual, atol=1e-6)
+            for name, residual in residuals[rank].items()
+        ),
+    }
 
 
-def _train_steps(model: DistributedDataParallel, module: nn.Module, rank: int, steps: range) -> list[list[torch.Tensor]]:
+def _train_steps(
+    model: DistributedDataParallel, module: nn.Module, rank: int, steps: range
+) -> list[list[torch.Tensor]]:
     """Plain SGD steps on ``model``; returns each step's averaged gradients."""
     seen = []
     for step in steps:
@@ -210,14 +241,21 @@ def _overlap_check(rank: int, world: int) -> dict:
         grads = []
         for overlap in (True, False):
             module = _tiny_model()
-            system = SystemConfig(allreduce="ring") if kind == "ring" else SystemConfig(
-                compression_enabled=True, compression_type="topk", compression_ratio=0.25, warmup_steps=1)
+            system = (
+                SystemConfig(allreduce="ring")
+                if kind == "ring"
+                else SystemConfig(
+                    compression_enabled=True, compression_type="topk", compression_ratio=0.25, warmup_steps=1
+                )
+            )
             hook = comm_hook_from_config(system, module, overlap=overlap)
             model = DistributedDataParallel(module)
             hook.register(model)
             grads.append(_train_steps(model, module, rank, range(4)))
             hook.close()
-        differences[kind] = max(float((a - b).abs().max()) for step_a, step_b in zip(*grads) for a, b in zip(step_a, step_b))
+        differences[kind] = max(
+            float((a - b).abs().max()) for step_a, step_b in zip(*grads) for a, b in zip(step_a, step_b)
+        )
     return differences
 
 
@@ -241,8 +279,12 @@ def _resume_check(rank: int, world: int) -> dict:
     resumed_hook.register(resumed)
     again = _train_steps(resumed, resumed_module, rank, range(2, 4))
     resumed_hook.close()
-    return {"segments": saved["segments"],
-            "difference": max(float((a - b).abs().max()) for step_a, step_b in zip(going_on, again) for a, b in zip(step_a, step_b))}
+    return {
+        "segments": saved["segments"],
+        "difference": max(
+            float((a - b).abs().max()) for step_a, step_b in zip(going_on, again) for a, b in zip(step_a, step_b)
+        ),
+    }
 
 
 def _hook_session(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -292,7 +334,9 @@ def test_ring_allreduce_sends_2_n_minus_1_over_n_of_the_tensor(session):
                 assert check["sent"] == ring_allreduce_bytes(WORLD, 4 * numel) == 2 * (WORLD - 1) * 4 * numel // WORLD
             # ... which is what the kernel saw leave the process, give or take gloo's framing
             assert 0 <= check["wire_sent"] - check["sent"] <= FRAMING_BYTES, (shape, rank, check)
-        assert sum(r["ring"][check_index]["sent"] for r in session) == sum(r["ring"][check_index]["received"] for r in session)
+        assert sum(r["ring"][check_index]["sent"] for r in session) == sum(
+            r["ring"][check_index]["received"] for r in session
+        )
 
 
 def test_ring_hook_matches_default_ddp_allreduce(session):
@@ -301,7 +345,9 @@ def test_ring_hook_matches_default_ddp_allreduce(session):
         assert max(hook["errors"]) <= 1e-6
         assert hook["steps"] == 3
         # every step, every bucket: 2(N-1)/N of the gradient bytes, counted from what was sent ...
-        assert hook["bytes_sent"] == pytest.approx(3 * ring_allreduce_bytes(WORLD, 4 * hook["numel"]), abs=3 * 4 * 2 * WORLD)
+        assert hook["bytes_sent"] == pytest.approx(
+            3 * ring_allreduce_bytes(WORLD, 4 * hook["numel"]), abs=3 * 4 * 2 * WORLD
+        )
         # ... which is what the kernel saw leave the process, give or take gloo's framing
         assert 0 <= hook["wire_sent"] - hook["bytes_sent"] <= 3 * FRAMING_BYTES
 

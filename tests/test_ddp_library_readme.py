@@ -25,21 +25,32 @@ SECTION = "## Compressed DDP on your own model"
 def readme_section() -> str:
     text = (ROOT / "docs" / "library.md").read_text()
     start = text.index(SECTION)
-    return text[start:text.index("\n## ", start + 1)]
+    return text[start : text.index("\n## ", start + 1)]
 
 
 def test_the_readme_ddp_example_runs_as_written_under_torchrun(tmp_path):
     section = readme_section()
     (script,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    (command,) = [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-                  for line in block.splitlines() if line.startswith("torchrun ")]
+    (command,) = [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+        for line in block.splitlines()
+        if line.startswith("torchrun ")
+    ]
     assert command.endswith(" train_ddp.py") and "--nproc-per-node 2" in command
     (tmp_path / "train_ddp.py").write_text(script)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    process = subprocess.Popen(command.replace("torchrun", f"{sys.executable} -m torch.distributed.run", 1), shell=True,
-                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command.replace("torchrun", f"{sys.executable} -m torch.distributed.run", 1),
+        shell=True,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output = process.communicate(timeout=240)[0]
     finally:

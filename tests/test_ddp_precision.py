@@ -42,9 +42,21 @@ FP16_INITIAL_SCALE = 2.0**20  # too high for these gradients in float16: the fir
 
 def _config(root: Path, name: str, training: dict | None = None, system: dict | None = None) -> dict:
     return {
-        "training": {"dataset": "mnist_5k", "batch_size": 32, "num_epochs": 2, "learning_rate": 0.05, "seed": 0, **(training or {})},
-        "system": {"architecture": "ddp", "num_workers": WORLD, "checkpoint_dir": str(root / name / "checkpoints"),
-                   "log_dir": str(root / name / "logs"), **(system or {})},
+        "training": {
+            "dataset": "mnist_5k",
+            "batch_size": 32,
+            "num_epochs": 2,
+            "learning_rate": 0.05,
+            "seed": 0,
+            **(training or {}),
+        },
+        "system": {
+            "architecture": "ddp",
+            "num_workers": WORLD,
+            "checkpoint_dir": str(root / name / "checkpoints"),
+            "log_dir": str(root / name / "logs"),
+            **(system or {}),
+        },
     }
 
 
@@ -54,8 +66,20 @@ def _plan(root: Path) -> list[tuple[str, dict]]:
         ("amp_bf16", _config(root, "amp_bf16", {"amp": "bf16"})),
         ("topk", _config(root, "topk", None, TOPK)),
         ("topk_bf16", _config(root, "topk_bf16", None, {**TOPK, "compression_value_dtype": "bfloat16"})),
-        ("amp_fp16", _config(root, "amp_fp16", {"dataset": "synthetic", "num_samples": 512, "num_epochs": 1,
-                                                 "model_architecture": "mlp", "amp": "fp16"})),
+        (
+            "amp_fp16",
+            _config(
+                root,
+                "amp_fp16",
+                {
+                    "dataset": "synthetic",
+                    "num_samples": 512,
+                    "num_epochs": 1,
+                    "model_architecture": "mlp",
+                    "amp": "fp16",
+                },
+            ),
+        ),
     ]
 
 
@@ -65,7 +89,9 @@ def _session(rank: int, world: int, port: int, plan: list[tuple[str, dict]]) -> 
         for name, data in plan:
             config = validate_config(data)
             counter = StepBytes(lambda module: comm_hook_from_config(config.system, module, seed=config.training.seed))
-            trainer = DDPTrainer(config, RankContext(rank, world, rank, world, "gloo", torch.device("cpu")), comm_hook=counter.wrap)
+            trainer = DDPTrainer(
+                config, RankContext(rank, world, rank, world, "gloo", torch.device("cpu")), comm_hook=counter.wrap
+            )
             if config.training.amp == "fp16":
                 trainer.amp.scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INITIAL_SCALE)
             trainer.run()
@@ -111,7 +137,9 @@ def _kept_entries(config: dict) -> tuple[int, int]:
 
 def test_bf16_top_k_values_train_within_one_point_and_send_three_quarters_of_the_bytes(runs, tmp_path):
     wide, narrow = _summary(runs, "topk"), _summary(runs, "topk_bf16")
-    print(f"top-k 0.1 test accuracy: float32 values {wide['final_accuracy']:.3f}, bfloat16 values {narrow['final_accuracy']:.3f}")
+    print(
+        f"top-k 0.1 test accuracy: float32 values {wide['final_accuracy']:.3f}, bfloat16 values {narrow['final_accuracy']:.3f}"
+    )
     assert narrow["final_accuracy"] >= wide["final_accuracy"] - ONE_POINT
     assert (wide["compression_value_dtype"], narrow["compression_value_dtype"]) == ("float32", "bfloat16")
     kept, units = _kept_entries(_config(runs, "topk_bf16"))
@@ -132,7 +160,9 @@ def test_fp16_overflow_steps_are_skipped_on_every_rank_alike(runs):
     ranks = [_summary(runs, "amp_fp16", rank) for rank in range(WORLD)]
     skipped = [summary["amp_skipped_steps"] for summary in ranks]
     assert skipped[0] == skipped[1] and 0 < skipped[0] < ranks[0]["steps"]
-    replicas = [torch.load(runs / "amp_fp16" / "logs" / f"replica_{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    replicas = [
+        torch.load(runs / "amp_fp16" / "logs" / f"replica_{rank}.pt", weights_only=True) for rank in range(WORLD)
+    ]
     assert all(torch.equal(replicas[0][name], replicas[1][name]) for name in replicas[0])  # the same steps taken
     final = load_checkpoint(runs / "amp_fp16" / "checkpoints" / "ddp_final.pt")
     start = model_from_config(validate_config(_plan(runs)[-1][1])).state_dict()

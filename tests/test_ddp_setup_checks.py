@@ -38,9 +38,13 @@ def test_a_collective_timeout_must_be_positive(capsys):
 
 def test_fp16_with_compression_is_refused_naming_the_field(capsys, monkeypatch, tmp_path):
     _no_agent(monkeypatch)
-    code, err = _main(run_ddp_training, capsys, "--amp", "fp16", "--compression-enabled", "--log-dir", str(tmp_path / "logs"))
+    code, err = _main(
+        run_ddp_training, capsys, "--amp", "fp16", "--compression-enabled", "--log-dir", str(tmp_path / "logs")
+    )
     assert code == 1
-    assert err.strip().startswith("error: training.amp: fp16 scales the gradients") and len(err.strip().splitlines()) == 1
+    assert (
+        err.strip().startswith("error: training.amp: fp16 scales the gradients") and len(err.strip().splitlines()) == 1
+    )
 
 
 def test_link_emulation_is_refused_for_ddp_ranks(capsys, monkeypatch, tmp_path):
@@ -61,6 +65,13 @@ def test_amp_takes_none_bf16_or_fp16(capsys, runner):
 
 
 def test_value_dtype_is_refused_for_quantization(capsys):
-    code, err = _main(run_ddp_training, capsys, "--compression-enabled", "--compression-type", "quantization",
-                      "--compression-value-dtype", "bfloat16")
+    code, err = _main(
+        run_ddp_training,
+        capsys,
+        "--compression-enabled",
+        "--compression-type",
+        "quantization",
+        "--compression-value-dtype",
+        "bfloat16",
+    )
     assert code == 2 and err.strip().startswith("config error: system.compression_value_dtype: applies to top-k values")

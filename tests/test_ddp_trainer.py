@@ -39,10 +39,23 @@ FRAMING_BYTES = 4096
 
 def _config(root: Path, name: str, training: dict | None = None, system: dict | None = None) -> dict:
     return {
-        "training": {"dataset": "synthetic", "num_samples": 97, "batch_size": 16, "num_epochs": 2,
-                     "learning_rate": 0.05, "checkpoint_interval": 1, "seed": 3, **(training or {})},
-        "system": {"architecture": "ddp", "num_workers": WORLD, "checkpoint_dir": str(root / name / "checkpoints"),
-                   "log_dir": str(root / name / "logs"), **(system or {})},
+        "training": {
+            "dataset": "synthetic",
+            "num_samples": 97,
+            "batch_size": 16,
+            "num_epochs": 2,
+            "learning_rate": 0.05,
+            "checkpoint_interval": 1,
+            "seed": 3,
+            **(training or {}),
+        },
+        "system": {
+            "architecture": "ddp",
+            "num_workers": WORLD,
+            "checkpoint_dir": str(root / name / "checkpoints"),
+            "log_dir": str(root / name / "logs"),
+            **(system or {}),
+        },
     }
 
 
@@ -61,9 +74,21 @@ def _plan(root: Path) -> list[tuple]:
         ("strip_hook_state", str(first_epoch), str(root / "stateless.pt")),
         ("train", _config(root, "topk_stateless", topk_training, TOPK), str(root / "stateless.pt")),
         ("train", _config(root, "topk_every", every, TOPK), None),  # checkpoints at 5, 8, 10, 15, 16
-        ("train", _config(root, "topk_mid_epoch", topk_training, TOPK), str(root / "topk_every" / "checkpoints" / "checkpoint_000010.pt")),
-        ("train", _config(root, "quantization", {"num_samples": 256, "num_epochs": 1},
-                          {"compression_enabled": True, "compression_type": "quantization", "warmup_steps": 3}), None),
+        (
+            "train",
+            _config(root, "topk_mid_epoch", topk_training, TOPK),
+            str(root / "topk_every" / "checkpoints" / "checkpoint_000010.pt"),
+        ),
+        (
+            "train",
+            _config(
+                root,
+                "quantization",
+                {"num_samples": 256, "num_epochs": 1},
+                {"compression_enabled": True, "compression_type": "quantization", "warmup_steps": 3},
+            ),
+            None,
+        ),
     ]
 
 
@@ -116,7 +141,9 @@ def _max_difference(a: dict, b: dict) -> float:
 
 
 def test_two_ranks_match_one_process_with_twice_the_batch(runs, tmp_path):
-    config = validate_config(_config(tmp_path, "baseline", {"batch_size": 32}, {"architecture": "baseline", "num_workers": 1}))
+    config = validate_config(
+        _config(tmp_path, "baseline", {"batch_size": 32}, {"architecture": "baseline", "num_workers": 1})
+    )
     BaselineTrainer(config).run()
     baseline = load_checkpoint(tmp_path / "baseline" / "checkpoints" / "baseline_final.pt")
     ddp = _final(runs, "default")
@@ -152,7 +179,9 @@ def _assert_counts_match_the_wire(root: Path, name: str) -> list[list[dict]]:
 
 
 def test_ring_hook_matches_backend_allreduce_and_both_byte_counts_match_the_wire(runs):
-    assert _max_difference(_final(runs, "ring")["model_state_dict"], _final(runs, "default")["model_state_dict"]) <= 1e-6
+    assert (
+        _max_difference(_final(runs, "ring")["model_state_dict"], _final(runs, "default")["model_state_dict"]) <= 1e-6
+    )
     ring, default = _summary(runs, "ring"), _summary(runs, "default")
     assert ring["bytes_accounting"] == "measured" and default["bytes_accounting"] == "estimated"
     # The ring hook counts the chunks it sends; the built-in allreduce's figure is an estimate
@@ -160,7 +189,9 @@ def test_ring_hook_matches_backend_allreduce_and_both_byte_counts_match_the_wire
     # send what the estimate says.
     _assert_counts_match_the_wire(runs, "ring")
     _assert_counts_match_the_wire(runs, "default")
-    gradient_bytes = 4 * sum(p.numel() for p in model_from_config(validate_config(_config(Path("."), "x"))).parameters())
+    gradient_bytes = 4 * sum(
+        p.numel() for p in model_from_config(validate_config(_config(Path("."), "x"))).parameters()
+    )
     assert ring["bytes_sent_per_rank_per_step"] == pytest.approx(gradient_bytes, rel=1e-4)  # 2 ranks: 2(N-1)/N = 1
 
 
@@ -176,7 +207,9 @@ def test_resume_continues_the_same_trajectory_hook_state_included(runs):
     for state in saved["ranks"]:
         assert state["step"] == 8  # 256 samples / (2 x 16) per epoch
         residuals = state["error_feedback"]["residuals"]
-        assert set(residuals) == {name for name, _ in model_from_config(validate_config(_config(Path("."), "x"))).named_parameters()}
+        assert set(residuals) == {
+            name for name, _ in model_from_config(validate_config(_config(Path("."), "x"))).named_parameters()
+        }
         assert max(float(r.abs().max()) for r in residuals.values()) > 0
     first, second = (saved["ranks"][r]["error_feedback"]["residuals"]["classifier.1.weight"] for r in range(WORLD))
     assert not torch.equal(first, second)  # residuals are per rank
@@ -223,7 +256,9 @@ def test_compressed_hooks_count_what_goes_on_the_wire(runs):
     assert all(step["measured"] / dense < 0.21 for steps in topk for step in steps)
 
     quantization = _assert_counts_match_the_wire(runs, "quantization")
-    assert _summary(runs, "quantization")["bytes_accounting"] == "mixed"  # 3 warm-up steps through the backend's allreduce
+    assert (
+        _summary(runs, "quantization")["bytes_accounting"] == "mixed"
+    )  # 3 warm-up steps through the backend's allreduce
     for steps in quantization:
         assert all(step["measured"] >= dense for step in steps[:3])  # warm-up: dense
         assert all(step["measured"] / dense < 0.26 for step in steps[3:])  # 1 byte per entry + scales
@@ -277,7 +312,9 @@ def _mnist_session(rank: int, world: int, port: int, config: dict) -> None:
 @pytest.mark.slow
 def test_topk_with_error_feedback_converges_on_mnist_5k(tmp_path):
     # Global batch 64 (32 per rank): the baseline's default batch, 126 steps in 2 epochs.
-    config = _config(tmp_path, "mnist", {"dataset": "mnist_5k", "batch_size": 32, "learning_rate": 0.05, "seed": 0}, TOPK)
+    config = _config(
+        tmp_path, "mnist", {"dataset": "mnist_5k", "batch_size": 32, "learning_rate": 0.05, "seed": 0}, TOPK
+    )
     spawn_ranks(_mnist_session, WORLD, config)
     assert _summary(tmp_path, "mnist")["final_accuracy"] >= 0.90
     dense = 4 * sum(p.numel() for p in model_from_config(validate_config(config)).parameters())

@@ -36,7 +36,10 @@ def store():
 
 
 def _ranks(store, world: int, clock: Clock, left: list[int]) -> list[HangWatchdog]:
-    return [HangWatchdog(store, rank, world, TIMEOUT_S, clock=clock, leave=left.append, host="here") for rank in range(world)]
+    return [
+        HangWatchdog(store, rank, world, TIMEOUT_S, clock=clock, leave=left.append, host="here")
+        for rank in range(world)
+    ]
 
 
 def test_a_peer_silent_for_the_timeout_is_hung_and_not_a_moment_before(store):
@@ -171,7 +174,7 @@ def test_hung_events_reach_the_reporters(store):
     watcher.check()
     clock.now += TIMEOUT_S
     watcher.check()
-    (kind, fields), = events
+    ((kind, fields),) = events
     assert kind == "rank_hung" and (fields["hung_rank"], fields["by_rank"], fields["timeout_s"]) == (1, 0, TIMEOUT_S)
 
 

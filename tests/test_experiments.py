@@ -15,15 +15,29 @@ from src import matrix as run_matrix
 from tests.ps_fixtures import ROOT, kill_group
 
 TINY = {
-    "training": {"dataset": "mnist_5k", "num_epochs": 1, "batch_size": 16, "max_train_samples": 64,
-                 "max_test_samples": 64, "eval_interval": 2, "target_accuracy": 0.2, "momentum": 0.4},
+    "training": {
+        "dataset": "mnist_5k",
+        "num_epochs": 1,
+        "batch_size": 16,
+        "max_train_samples": 64,
+        "max_test_samples": 64,
+        "eval_interval": 2,
+        "target_accuracy": 0.2,
+        "momentum": 0.4,
+    },
     "system": {"num_workers": 1, "aggregation_mode": "async"},
 }
 
 
 def script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / name), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -39,13 +53,19 @@ def script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedP
 
 
 def test_a_matrix_expands_into_every_combination_named_by_its_levels():
-    matrix = {"matrix": {"name": "grid", "axes": {
-        "mode": ["sync", "async"],
-        "compression": ["identity", "topk_ef"],
-        "uplink_mbps": [None, 250],
-        "heterogeneity": {"even": {}, "one_4x": {"emulation.workers": {1: {"slowdown": 4}}}},
-        "seed": [0, 1],
-    }}, **TINY}
+    matrix = {
+        "matrix": {
+            "name": "grid",
+            "axes": {
+                "mode": ["sync", "async"],
+                "compression": ["identity", "topk_ef"],
+                "uplink_mbps": [None, 250],
+                "heterogeneity": {"even": {}, "one_4x": {"emulation.workers": {1: {"slowdown": 4}}}},
+                "seed": [0, 1],
+            },
+        },
+        **TINY,
+    }
     name, runs = run_matrix.expand(matrix, "file_stem")
     assert name == "grid" and len(runs) == 2 * 2 * 2 * 2 * 2
     names = [experiment["name"] for experiment, _ in runs]
@@ -65,13 +85,16 @@ def test_the_transport_axis_sets_system_transport():
     assert [(e["name"], data["system"]["transport"]) for e, data in runs] == [("grpc", "grpc"), ("tcp", "tcp")]
 
 
-@pytest.mark.parametrize("axes, expected", [
-    ({"compression": ["zip"]}, "matrix.axes.compression: unknown level 'zip'"),
-    ({"speed": [1, 2]}, "matrix.axes.speed: unknown axis"),
-    ({"seed": ["a"]}, "matrix.axes.seed: seeds must be integers"),
-    ({"mode": []}, "matrix.axes.mode: must be a non-empty list"),
-    ({"transport": ["udp"]}, "matrix.axes.transport: must be grpc or tcp, got 'udp'"),
-])
+@pytest.mark.parametrize(
+    "axes, expected",
+    [
+        ({"compression": ["zip"]}, "matrix.axes.compression: unknown level 'zip'"),
+        ({"speed": [1, 2]}, "matrix.axes.speed: unknown axis"),
+        ({"seed": ["a"]}, "matrix.axes.seed: seeds must be integers"),
+        ({"mode": []}, "matrix.axes.mode: must be a non-empty list"),
+        ({"transport": ["udp"]}, "matrix.axes.transport: must be grpc or tcp, got 'udp'"),
+    ],
+)
 def test_bad_axes_are_named(axes, expected):
     with pytest.raises(rx.ExperimentError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         run_matrix.expand({"matrix": {"axes": axes}, **TINY}, "m")
@@ -79,7 +102,8 @@ def test_bad_axes_are_named(axes, expected):
 
 def test_the_controller_needs_evaluations_and_turns_adaptive_compression_on(tmp_path):
     experiment, data = rx.split_experiment(
-        {"experiment": {"controller": "on"}, **TINY, "training": {**TINY["training"], "eval_interval": 0}}, "x")
+        {"experiment": {"controller": "on"}, **TINY, "training": {**TINY["training"], "eval_interval": 0}}, "x"
+    )
     with pytest.raises(rx.ExperimentError, match="experiment.controller: on decides at evaluations"):
         rx.build_config(experiment, data, tmp_path)
     experiment, data = rx.split_experiment({"experiment": {"controller": "on"}, **TINY}, "x")
@@ -109,7 +133,8 @@ def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
     bad.write_text(yaml.safe_dump({**TINY, "emulation": {"slowdown": 0.5}}))
     result = script("run_experiment.py", "--config", str(bad), "--results-dir", str(tmp_path / "r"), timeout=60)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "config error: emulation.slowdown: must be >= 1 (1 = the machine's own speed), got 0.5"]
+        "config error: emulation.slowdown: must be >= 1 (1 = the machine's own speed), got 0.5"
+    ]
     assert not (tmp_path / "r").exists()
 
 
@@ -120,21 +145,32 @@ def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
 @pytest.mark.timeout(600)
 def test_a_tiny_matrix_runs_resumes_without_redoing_finished_runs_and_plots(tmp_path):
     matrix_file = tmp_path / "tiny.yaml"
-    matrix_file.write_text(yaml.safe_dump({
-        "matrix": {"name": "tiny", "axes": {"compression": ["identity", "topk_ef"], "seed": [0]}},
-        **TINY, "emulation": {"uplink_mbps": 200},
-    }))
+    matrix_file.write_text(
+        yaml.safe_dump(
+            {
+                "matrix": {"name": "tiny", "axes": {"compression": ["identity", "topk_ef"], "seed": [0]}},
+                **TINY,
+                "emulation": {"uplink_mbps": 200},
+            }
+        )
+    )
     results = tmp_path / "results"
     first = script("run_matrix.py", "--config", str(matrix_file), "--results-dir", str(results))
     assert first.returncode == 0, first.stdout + first.stderr
     lines = first.stdout.strip().splitlines()
     assert lines[0] == f"matrix tiny: 2 runs into {results / 'tiny'}"
-    assert lines[1].startswith("[1/2] identity__seed-0: done in ") and lines[2].startswith("[2/2] topk_ef__seed-0: done in ")
+    assert lines[1].startswith("[1/2] identity__seed-0: done in ") and lines[2].startswith(
+        "[2/2] topk_ef__seed-0: done in "
+    )
     assert lines[3].startswith("matrix tiny: 2/2 runs finished") and len(lines) == 4  # one line per run, children quiet
     identity, topk = results / "tiny" / "identity__seed-0", results / "tiny" / "topk_ef__seed-0"
     for run in (identity, topk):
-        assert {"config.yaml", "experiment.json", "summary.json", "logs", "checkpoints"} <= {p.name for p in run.iterdir()}
-        assert (run / "logs" / "server" / "events.jsonl").is_file() and list((run / "logs" / "server").glob("events.out.tfevents.*"))
+        assert {"config.yaml", "experiment.json", "summary.json", "logs", "checkpoints"} <= {
+            p.name for p in run.iterdir()
+        }
+        assert (run / "logs" / "server" / "events.jsonl").is_file() and list(
+            (run / "logs" / "server").glob("events.out.tfevents.*")
+        )
         summary = json.loads((run / "summary.json").read_text())
         assert summary["samples_processed"] == 64 and summary["emulation"]["workers"]["0"] == {"uplink_mbps": 200.0}
     assert json.loads((topk / "summary.json").read_text())["compression"] == "topk(0.01)"
@@ -169,11 +205,31 @@ def _fake_run(folder: Path, name: str, seed: int, **summary) -> None:
     run = folder / name
     (run / "logs").mkdir(parents=True)
     workers = summary.pop("workers")
-    base = {"architecture": "parameter_server", "aggregation_mode": "async", "compression": "none", "final_accuracy": 0.9,
-            "total_time_s": 10.0, "train_time_s": 8.0, "target_accuracy": 0.85, "bytes_sent": 100, "bytes_received": 100,
-            "throughput_samples_per_s": 100.0, "emulation": None, "staleness_histogram": {"0": 3, "1": 1}}
-    workers = [{"worker_id": k, "samples": s, "steps": n, "gradient_time_s": g, "compression_time_s": 0.0,
-                "communication_time_s": c} for k, (s, n, g, c) in enumerate(workers)]
+    base = {
+        "architecture": "parameter_server",
+        "aggregation_mode": "async",
+        "compression": "none",
+        "final_accuracy": 0.9,
+        "total_time_s": 10.0,
+        "train_time_s": 8.0,
+        "target_accuracy": 0.85,
+        "bytes_sent": 100,
+        "bytes_received": 100,
+        "throughput_samples_per_s": 100.0,
+        "emulation": None,
+        "staleness_histogram": {"0": 3, "1": 1},
+    }
+    workers = [
+        {
+            "worker_id": k,
+            "samples": s,
+            "steps": n,
+            "gradient_time_s": g,
+            "compression_time_s": 0.0,
+            "communication_time_s": c,
+        }
+        for k, (s, n, g, c) in enumerate(workers)
+    ]
     (run / "summary.json").write_text(json.dumps({**base, **summary, "workers": workers}))
     (run / "experiment.json").write_text(json.dumps({"status": "finished"}))
     (run / "config.yaml").write_text(yaml.safe_dump({"training": {"seed": seed}}))
@@ -185,13 +241,39 @@ def _record(name: str, runs: list[tuple[str, int, dict]]) -> dict:
     for configuration, seed, fields in runs:
         fields = dict(fields)
         evals = fields.pop("evals", [])
-        workers = [{"worker_id": k, "samples": s, "steps": n, "gradient_time_s": g, "compression_time_s": 0.0,
-                    "communication_time_s": c} for k, (s, n, g, c) in enumerate(fields.pop("workers"))]
-        summary = {"final_accuracy": 0.9, "train_time_s": 8.0, "bytes_sent": 100, "throughput_samples_per_s": 100.0,
-                   "pushes_rejected": 0, **fields, "workers": workers}
-        out.append({"name": f"seed-{seed}__{configuration}", "configuration": configuration, "seed": seed,
-                    "experiment": {"clock": "virtual"}, "config": {}, "summary": summary, "evals": evals,
-                    "controller": [], "applied_max_staleness": 0})
+        workers = [
+            {
+                "worker_id": k,
+                "samples": s,
+                "steps": n,
+                "gradient_time_s": g,
+                "compression_time_s": 0.0,
+                "communication_time_s": c,
+            }
+            for k, (s, n, g, c) in enumerate(fields.pop("workers"))
+        ]
+        summary = {
+            "final_accuracy": 0.9,
+            "train_time_s": 8.0,
+            "bytes_sent": 100,
+            "throughput_samples_per_s": 100.0,
+            "pushes_rejected": 0,
+            **fields,
+            "workers": workers,
+        }
+        out.append(
+            {
+                "name": f"seed-{seed}__{configuration}",
+                "configuration": configuration,
+                "seed": seed,
+                "experiment": {"clock": "virtual"},
+                "config": {},
+                "summary": summary,
+                "evals": evals,
+                "controller": [],
+                "applied_max_staleness": 0,
+            }
+        )
     return {"matrix": name, "runs": out}
 
 
@@ -200,31 +282,71 @@ def test_findings_figures_follow_their_definitions():
 
     # worker 1 four times slower: rates 100 and 25 samples/s in async -> ideal 125 / (2 x 25) = 2.5
     slow = [(500, 10, 1.0, 9.0), (500, 10, 10.0, 0.0)]
-    f1 = _record("f1_stragglers", [
-        ("sync", 0, {"throughput_samples_per_s": 50.0, "workers": slow, "evals": [[100, 30.0, 0.9, 0.3, 5]]}),
-        ("async_plain", 0, {"throughput_samples_per_s": 120.0, "workers": [(1000, 20, 5.0, 5.0), (250, 5, 10.0, 0.0)],
-                            "evals": [[100, 10.0, 0.9, 0.3, 5]]}),
-        ("sync_aa", 0, {"throughput_samples_per_s": 50.0, "workers": slow})])
-    f8 = _record("f8_bandwidth", [  # per step: dense 10 ms compute + 90 ms comm, top-k 10 + 10 -> ceiling 5
-        ("up25_dense", 0, {"bytes_sent": 1000, "workers": [(100, 10, 0.1, 0.9)], "evals": [[50, 40.0, 0.85, 0.3, 3]]}),
-        ("up25_topk25", 0, {"bytes_sent": 200, "workers": [(100, 10, 0.1, 0.1)], "evals": [[50, 10.0, 0.85, 0.3, 3]]})])
-    f2 = _record("f2_compression", [
-        (f"sgd__{arm}", 0, {"final_accuracy": accuracy, "bytes_sent": sent, "workers": [(100, 10, 0.1, 0.1)]})
-        for arm, accuracy, sent in (("dense", 0.95, 1000), ("dense_aa", 0.95, 1000), ("topk1", 0.90, 20),
-                                    ("topk1_ef", 0.94, 20))])
+    f1 = _record(
+        "f1_stragglers",
+        [
+            ("sync", 0, {"throughput_samples_per_s": 50.0, "workers": slow, "evals": [[100, 30.0, 0.9, 0.3, 5]]}),
+            (
+                "async_plain",
+                0,
+                {
+                    "throughput_samples_per_s": 120.0,
+                    "workers": [(1000, 20, 5.0, 5.0), (250, 5, 10.0, 0.0)],
+                    "evals": [[100, 10.0, 0.9, 0.3, 5]],
+                },
+            ),
+            ("sync_aa", 0, {"throughput_samples_per_s": 50.0, "workers": slow}),
+        ],
+    )
+    f8 = _record(
+        "f8_bandwidth",
+        [  # per step: dense 10 ms compute + 90 ms comm, top-k 10 + 10 -> ceiling 5
+            (
+                "up25_dense",
+                0,
+                {"bytes_sent": 1000, "workers": [(100, 10, 0.1, 0.9)], "evals": [[50, 40.0, 0.85, 0.3, 3]]},
+            ),
+            (
+                "up25_topk25",
+                0,
+                {"bytes_sent": 200, "workers": [(100, 10, 0.1, 0.1)], "evals": [[50, 10.0, 0.85, 0.3, 3]]},
+            ),
+        ],
+    )
+    f2 = _record(
+        "f2_compression",
+        [
+            (f"sgd__{arm}", 0, {"final_accuracy": accuracy, "bytes_sent": sent, "workers": [(100, 10, 0.1, 0.1)]})
+            for arm, accuracy, sent in (
+                ("dense", 0.95, 1000),
+                ("dense_aa", 0.95, 1000),
+                ("topk1", 0.90, 20),
+                ("topk1_ef", 0.94, 20),
+            )
+        ],
+    )
     figures = findings.compute({"f1_stragglers": f1, "f8_bandwidth": f8, "f2_compression": f2})
     plain = figures["F1"]["3"]["async_plain"]
-    assert plain["ideal_ratio"]["mean"] == pytest.approx(2.5) and plain["throughput_ratio"]["mean"] == pytest.approx(2.4)
+    assert plain["ideal_ratio"]["mean"] == pytest.approx(2.5) and plain["throughput_ratio"]["mean"] == pytest.approx(
+        2.4
+    )
     assert plain["fraction_of_ideal"]["mean"] == pytest.approx(0.96)
     assert plain["time_to_target_speedup"]["0.9"]["mean"] == pytest.approx(3.0)
     link = figures["F8_F9_F10"]["links"]["25"]
-    assert link["per_step_ceiling"]["mean"] == pytest.approx(5.0) and link["time_to_target_speedup"]["0.8"]["mean"] == pytest.approx(4.0)
-    assert link["fraction_of_ceiling"]["0.8"]["mean"] == pytest.approx(0.8) and link["bytes_ratio"]["mean"] == pytest.approx(0.2)
+    assert link["per_step_ceiling"]["mean"] == pytest.approx(5.0) and link["time_to_target_speedup"]["0.8"][
+        "mean"
+    ] == pytest.approx(4.0)
+    assert link["fraction_of_ceiling"]["0.8"]["mean"] == pytest.approx(0.8) and link["bytes_ratio"][
+        "mean"
+    ] == pytest.approx(0.2)
     sgd = figures["F2_F4_F5_F6"]["sgd"]
     assert sgd["topk1_ef"]["bytes_ratio"]["mean"] == pytest.approx(0.02)
     assert sgd["topk1_ef"]["accuracy_difference"]["mean"] == pytest.approx(-0.01)
     assert sgd["ef_recovers"]["1"]["mean"] == pytest.approx(0.04)
-    assert findings.verdict(plain["fraction_of_ideal"], 0.9) == "yes" and findings.verdict(plain["ideal_ratio"], 10.0) == "no"
+    assert (
+        findings.verdict(plain["fraction_of_ideal"], 0.9) == "yes"
+        and findings.verdict(plain["ideal_ratio"], 10.0) == "no"
+    )
 
 
 def test_the_results_table_has_a_row_per_run_and_per_configuration(tmp_path):
@@ -242,31 +364,56 @@ def test_the_results_table_has_a_row_per_run_and_per_configuration(tmp_path):
 def test_a_ddp_experiment_runs_through_the_elastic_launcher(tmp_path):
     """``system.architecture: ddp`` runs real ranks (src.ddp_launcher) and leaves the experiment's folder."""
     config_file = tmp_path / "ddp.yaml"
-    config_file.write_text(yaml.safe_dump({
-        "training": {**TINY["training"], "momentum": 0.9},
-        "system": {"architecture": "ddp", "num_workers": 2, "compression_enabled": True, "compression_type": "topk",
-                   "compression_ratio": 0.1},
-    }))
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "training": {**TINY["training"], "momentum": 0.9},
+                "system": {
+                    "architecture": "ddp",
+                    "num_workers": 2,
+                    "compression_enabled": True,
+                    "compression_type": "topk",
+                    "compression_ratio": 0.1,
+                },
+            }
+        )
+    )
     result = script("run_experiment.py", "--config", str(config_file), "--results-dir", str(tmp_path / "r"))
     assert result.returncode == 0, result.stdout + result.stderr
     (run,) = [p for p in (tmp_path / "r").iterdir() if p.is_dir()]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["architecture"] == "ddp" and summary["world_size"] == 2 and summary["samples_processed"] == 64, summary
+    assert summary["architecture"] == "ddp" and summary["world_size"] == 2 and summary["samples_processed"] == 64, (
+        summary
+    )
     assert json.loads((run / "experiment.json").read_text())["status"] == "finished"
 
 
 def test_a_matrix_with_a_virtual_clock_runs_both_clocks_on_the_same_experiment(tmp_path):
     matrix_file = tmp_path / "clocks.yaml"
-    matrix_file.write_text(yaml.safe_dump({
-        "matrix": {"name": "clocks", "axes": {"clock": ["real", "virtual"]}},
-        **TINY, "emulation": {"uplink_mbps": 200, "compute_s": 0.01, "server_update_s": 0.001, "server_reply_s": 0.001},
-    }))
-    assert [e["name"] for e, _ in run_matrix.expand(yaml.safe_load(matrix_file.read_text()), "x")[1]] == ["real", "virtual"]
+    matrix_file.write_text(
+        yaml.safe_dump(
+            {
+                "matrix": {"name": "clocks", "axes": {"clock": ["real", "virtual"]}},
+                **TINY,
+                "emulation": {"uplink_mbps": 200, "compute_s": 0.01, "server_update_s": 0.001, "server_reply_s": 0.001},
+            }
+        )
+    )
+    assert [e["name"] for e, _ in run_matrix.expand(yaml.safe_load(matrix_file.read_text()), "x")[1]] == [
+        "real",
+        "virtual",
+    ]
     results = tmp_path / "results"
     ran = script("run_matrix.py", "--config", str(matrix_file), "--results-dir", str(results))
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    real, virtual = (json.loads((results / "clocks" / name / "summary.json").read_text()) for name in ("real", "virtual"))
-    assert real["clock"] == "real" and virtual["clock"] == "virtual" and virtual["wall_time_fields"] == ["wall_time_s", "wall_loop_s", "wall_compute_s"]
+    real, virtual = (
+        json.loads((results / "clocks" / name / "summary.json").read_text()) for name in ("real", "virtual")
+    )
+    assert (
+        real["clock"] == "real"
+        and virtual["clock"] == "virtual"
+        and virtual["wall_time_fields"] == ["wall_time_s", "wall_loop_s", "wall_compute_s"]
+    )
     for summary in (real, virtual):  # the same job either way: every sample in an applied update, once
         assert summary["samples_processed"] == 64 and summary["pushes_applied"] == 4
     assert virtual["cost_model"]["compute_s"] == {"0": 0.01}

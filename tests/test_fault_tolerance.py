@@ -33,10 +33,18 @@ def job(tmp_path: Path, name: str, mode: str, faults: list[str] = (), **fields) 
     modes (async with the default lookahead correction: 95.9-97.0% in 3 fault-free runs, where
     momentum 0.3 spread wider and lower).
     """
-    values = dict(system__num_workers=3, system__aggregation_mode=mode, training__num_epochs=2, training__batch_size=32,
-                  training__max_train_samples=None, training__max_test_samples=None,
-                  training__momentum=0.9,
-                  training__checkpoint_interval=25, system__inject_faults=list(faults), **HEARTBEAT)
+    values = dict(
+        system__num_workers=3,
+        system__aggregation_mode=mode,
+        training__num_epochs=2,
+        training__batch_size=32,
+        training__max_train_samples=None,
+        training__max_test_samples=None,
+        training__momentum=0.9,
+        training__checkpoint_interval=25,
+        system__inject_faults=list(faults),
+        **HEARTBEAT,
+    )
     values.update(fields)
     return ps_config(tmp_path, name, **values)
 
@@ -82,8 +90,9 @@ def reference(tmp_path_factory):
 def test_a_killed_and_a_hung_worker_are_survived(tmp_path, reference, mode):
     # Steps of 0.15 s (an emulated delay) keep the run going past the hung worker's detection (3 s),
     # the launcher's grace for a rejoin (3 s), its kill and its restart, so both faulted workers rejoin.
-    config = job(tmp_path, "faulty", mode, ["kill:worker=1@step=10", "hang:worker=2@step=20"],
-                 emulation__step_delay_s=0.15)
+    config = job(
+        tmp_path, "faulty", mode, ["kill:worker=1@step=10", "hang:worker=2@step=20"], emulation__step_delay_s=0.15
+    )
     summary = run_local(config)
 
     timeout = config.system.heartbeat_timeout
@@ -91,7 +100,9 @@ def test_a_killed_and_a_hung_worker_are_survived(tmp_path, reference, mode):
     assert set(latencies) == {1, 2} and all(latency <= timeout + 1.0 for latency in latencies.values()), latencies
     launcher = events(config, "launcher")
     assert {e["worker"] for e in launcher if e["kind"] == "worker_restarted"} == {1, 2}
-    assert [e["worker"] for e in launcher if e["kind"] == "worker_killed"] == [2]  # the hung one, killed once declared failed
+    assert [e["worker"] for e in launcher if e["kind"] == "worker_killed"] == [
+        2
+    ]  # the hung one, killed once declared failed
     assert {e["worker"] for e in events(config, "server", kind="worker_rejoined")} == {1, 2}
     assert events(config, "server", kind="work_reassigned")
     assert_every_sample_once(config)
@@ -106,7 +117,10 @@ def test_a_killed_server_resumes_from_its_checkpoint(tmp_path, reference):
     recovered = events(config, "server", kind="server_recovered")
     assert len(recovered) == 1 and recovered[0]["version"] == 50  # the newest checkpoint before version 60
     assert 0 < recovered[0]["versions_lost"] <= config.training.checkpoint_interval
-    assert summary["faults"]["server_recoveries"] == 1 and summary["faults"]["versions_lost"] == recovered[0]["versions_lost"]
+    assert (
+        summary["faults"]["server_recoveries"] == 1
+        and summary["faults"]["versions_lost"] == recovered[0]["versions_lost"]
+    )
     report = assert_every_sample_once(config)  # no request applied twice either
     assert report["voided"] == recovered[0]["versions_lost"]
     assert [e["attempt"] for e in events(config, "launcher", kind="server_restarted")] == [1]
@@ -118,9 +132,12 @@ def test_seeded_chaos(tmp_path, reference, mode, seed):
     """Four or more faults of mixed kinds at seeded random points; every invariant holds."""
     chaos = random.Random(seed)
     steps = sorted(chaos.sample(range(5, 60), 4))
-    faults = [f"kill:worker={chaos.randrange(3)}@step={steps[0]}", f"hang:worker={chaos.randrange(3)}@step={steps[1]}",
-              f"kill:worker={chaos.randrange(3)}@step={steps[2]}",
-              f"kill:server@version={chaos.randrange(30, 75) if mode == 'sync' else chaos.randrange(60, 200)}"]
+    faults = [
+        f"kill:worker={chaos.randrange(3)}@step={steps[0]}",
+        f"hang:worker={chaos.randrange(3)}@step={steps[1]}",
+        f"kill:worker={chaos.randrange(3)}@step={steps[2]}",
+        f"kill:server@version={chaos.randrange(30, 75) if mode == 'sync' else chaos.randrange(60, 200)}",
+    ]
     config = job(tmp_path, "chaos", mode, faults, system__max_restarts=6)
     summary = run_local(config)
 
@@ -132,15 +149,24 @@ def test_seeded_chaos(tmp_path, reference, mode, seed):
     for recovered in events(config, "server", kind="server_recovered"):
         assert recovered["versions_lost"] <= config.training.checkpoint_interval
     assert summary["samples_processed"] == 2 * NUM_TRAIN
-    assert abs(summary["final_accuracy"] - reference[mode]["final_accuracy"]) <= 0.02, (faults, summary["final_accuracy"])
+    assert abs(summary["final_accuracy"] - reference[mode]["final_accuracy"]) <= 0.02, (
+        faults,
+        summary["final_accuracy"],
+    )
 
 
 @pytest.mark.timeout(120)
 def test_a_failing_checkpoint_write_is_an_event_and_an_error(tmp_path):
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("a file where the checkpoint folder should be")
-    config = ps_config(tmp_path, "unwritable", system__num_workers=1, training__checkpoint_interval=2,
-                       training__max_train_samples=128, system__checkpoint_dir=str(blocker / "ckpt"))
+    config = ps_config(
+        tmp_path,
+        "unwritable",
+        system__num_workers=1,
+        training__checkpoint_interval=2,
+        training__max_train_samples=128,
+        system__checkpoint_dir=str(blocker / "ckpt"),
+    )
     from src.supervisor import LaunchError
 
     with pytest.raises(LaunchError, match=r"checkpoint at version 2 failed: .*not_a_folder"):

@@ -14,41 +14,49 @@ from src.config import ConfigError, load_config
 from src.faults import FaultInjector, FaultSpec, parse_fault
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("kill:worker=1@step=40", FaultSpec("kill", "worker", 1, "step", 40)),
-    ("hang:worker=0@step=30", FaultSpec("hang", "worker", 0, "step", 30)),
-    ("kill:server@version=150", FaultSpec("kill", "server", None, "version", 150)),
-    ("kill:rank=1@step=20", FaultSpec("kill", "rank", 1, "step", 20)),
-    ("pause=8:worker=0@step=30", FaultSpec("pause", "worker", 0, "step", 30, 8.0)),
-    ("pause=2.5:worker=1@step=3", FaultSpec("pause", "worker", 1, "step", 3, 2.5)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("kill:worker=1@step=40", FaultSpec("kill", "worker", 1, "step", 40)),
+        ("hang:worker=0@step=30", FaultSpec("hang", "worker", 0, "step", 30)),
+        ("kill:server@version=150", FaultSpec("kill", "server", None, "version", 150)),
+        ("kill:rank=1@step=20", FaultSpec("kill", "rank", 1, "step", 20)),
+        ("pause=8:worker=0@step=30", FaultSpec("pause", "worker", 0, "step", 30, 8.0)),
+        ("pause=2.5:worker=1@step=3", FaultSpec("pause", "worker", 1, "step", 3, 2.5)),
+    ],
+)
 def test_parse_round_trips(text, expected):
     assert parse_fault(text) == expected
     assert str(expected) == text
 
 
-@pytest.mark.parametrize("text, problem", [
-    ("kill:worker=1", "expected ACTION:TARGET@TRIGGER=N"),
-    ("explode:worker=1@step=3", "unknown action 'explode'"),
-    ("kill:gpu=1@step=3", "unknown target 'gpu'"),
-    ("kill:server=0@version=3", "the server takes no number"),
-    ("kill:worker@step=3", "say which worker"),
-    ("kill:worker=1@version=3", "a worker fault fires at step=N"),
-    ("kill:server@step=3", "a server fault fires at version=N"),
-    ("kill:worker=1@step=0", "step must be >= 1"),
-    ("pause:worker=0@step=3", "pause needs its duration in seconds > 0"),
-    ("pause=0:worker=0@step=3", "pause needs its duration in seconds > 0"),
-    ("pause=soon:worker=0@step=3", "pause needs its duration in seconds > 0"),
-    ("hang=3:worker=0@step=3", "only pause takes a duration"),
-    ("pause=3:server@version=3", "pause is for workers"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("kill:worker=1", "expected ACTION:TARGET@TRIGGER=N"),
+        ("explode:worker=1@step=3", "unknown action 'explode'"),
+        ("kill:gpu=1@step=3", "unknown target 'gpu'"),
+        ("kill:server=0@version=3", "the server takes no number"),
+        ("kill:worker@step=3", "say which worker"),
+        ("kill:worker=1@version=3", "a worker fault fires at step=N"),
+        ("kill:server@step=3", "a server fault fires at version=N"),
+        ("kill:worker=1@step=0", "step must be >= 1"),
+        ("pause:worker=0@step=3", "pause needs its duration in seconds > 0"),
+        ("pause=0:worker=0@step=3", "pause needs its duration in seconds > 0"),
+        ("pause=soon:worker=0@step=3", "pause needs its duration in seconds > 0"),
+        ("hang=3:worker=0@step=3", "only pause takes a duration"),
+        ("pause=3:server@version=3", "pause is for workers"),
+    ],
+)
 def test_bad_specs_name_the_problem(text, problem):
     with pytest.raises(ValueError, match=problem):
         parse_fault(text)
 
 
 def test_config_validates_faults_and_names_the_field():
-    assert load_config(overrides={"system.inject_faults": ["kill:worker=1@step=4"]}).system.inject_faults == ["kill:worker=1@step=4"]
+    assert load_config(overrides={"system.inject_faults": ["kill:worker=1@step=4"]}).system.inject_faults == [
+        "kill:worker=1@step=4"
+    ]
     with pytest.raises(ConfigError, match=r"system\.inject_faults: fault 'kill:worker=1@step=x'"):
         load_config(overrides={"system.inject_faults": ["kill:worker=1@step=x"]})
 
@@ -78,16 +86,25 @@ print("survived", flush=True)
 
 
 def test_kill_is_a_real_sigkill_at_the_step(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _CHILD, "kill:worker=0@step=3"], capture_output=True, text=True,
-                          timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, "kill:worker=0@step=3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert done.returncode == -signal.SIGKILL
     assert done.stdout.split() == ["1", "2", "3"]
 
 
 @pytest.mark.timeout(60)
 def test_hang_is_a_real_sigstop_at_the_step():
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, "hang:worker=0@step=2"], stdout=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.dirname(__file__)))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, "hang:worker=0@step=2"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     try:
         assert child.stdout.readline().strip() == "1"
         assert child.stdout.readline().strip() == "2"
@@ -109,8 +126,12 @@ def test_hang_is_a_real_sigstop_at_the_step():
 
 @pytest.mark.timeout(60)
 def test_pause_is_a_real_sigstop_and_a_real_sigcont_that_many_seconds_later():
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, "pause=1.5:worker=0@step=2"], stdout=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.dirname(__file__)))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, "pause=1.5:worker=0@step=2"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     try:
         assert child.stdout.readline().strip() == "1"
         assert child.stdout.readline().strip() == "2"

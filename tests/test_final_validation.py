@@ -16,15 +16,29 @@ import pytest
 import run_final_checkpoint_validation as validation
 from tests.test_report import run_cli
 
-SMALL = ["--workers", "2", "--epochs", "1", "--max-train-samples", "512", "--max-test-samples", "128", "--dataset", "mnist_5k"]
+SMALL = [
+    "--workers",
+    "2",
+    "--epochs",
+    "1",
+    "--max-train-samples",
+    "512",
+    "--max-test-samples",
+    "128",
+    "--dataset",
+    "mnist_5k",
+]
 
 
 # ----------------------------------------------------------------------------- property 28 (fast, pure)
 
 
 def _summaries(ps: float, ddp: float) -> dict:
-    return {"baseline": {"throughput_samples_per_s": 1000.0}, "ps_sync": {"throughput_samples_per_s": ps},
-            "ddp": {"throughput_samples_per_s": ddp}}
+    return {
+        "baseline": {"throughput_samples_per_s": 1000.0},
+        "ps_sync": {"throughput_samples_per_s": ps},
+        "ddp": {"throughput_samples_per_s": ddp},
+    }
 
 
 @pytest.fixture
@@ -45,7 +59,9 @@ def test_property_28_keeps_its_rule_and_says_when_the_machine_cannot_show_it(two
     assert "2 CPU core(s) for 4 workers" in slow["note"] and "not adjusted" in slow["note"]
     assert slow["machine"] == {"cpu_cores": 2, "cuda_devices": 0, "load_average_during_runs": 7.5}
     fast = validation.property_28(4, _summaries(1100.0, 1500.0), 7.5)
-    assert fast["value"] is True and "not from the workers running in parallel" in fast["note"] and "7.5" in fast["note"]
+    assert (
+        fast["value"] is True and "not from the workers running in parallel" in fast["note"] and "7.5" in fast["note"]
+    )
     assert validation.property_28(4, {**_summaries(1100.0, 1500.0), "ddp": None})["value"] is False  # DDP did not run
 
 
@@ -83,7 +99,9 @@ def damaged(validated, tmp_path):
 
 
 def revalidate(output: Path):
-    done = run_cli(["run_final_checkpoint_validation.py", "--validate-only", "--output-dir", str(output)], timeout_s=300)
+    done = run_cli(
+        ["run_final_checkpoint_validation.py", "--validate-only", "--output-dir", str(output)], timeout_s=300
+    )
     return done, json.loads((output / "validation.json").read_text())
 
 
@@ -95,8 +113,16 @@ def test_passes_on_real_runs(validated):
     result = json.loads((output / "validation.json").read_text())
     assert result["passed"] is True and result["dataset"] == "mnist_5k" and result["workers"] == 2
     for name, run in result["runs"].items():
-        assert [c["check"] for c in run["checks"]] == ["summary", "final_file", "weights_only", "strict_loader",
-                                                       "architecture", "rebuild", "step", "accuracy"], name
+        assert [c["check"] for c in run["checks"]] == [
+            "summary",
+            "final_file",
+            "weights_only",
+            "strict_loader",
+            "architecture",
+            "rebuild",
+            "step",
+            "accuracy",
+        ], name
         assert all(c["ok"] for c in run["checks"]), run
     assert result["speedup_ok_property_28"] is None and "--workers 4" in result["property_28"]["note"]
     assert all(s > 0 for s in result["property_28"]["speedups"].values())
@@ -120,8 +146,10 @@ def _truncate(output: Path) -> str:
 
 
 def _swap(output: Path) -> str:
-    shutil.copyfile(output / "runs" / "baseline" / "checkpoints" / "baseline_final.pt",
-                    output / "runs" / "ddp" / "checkpoints" / "ddp_final.pt")
+    shutil.copyfile(
+        output / "runs" / "baseline" / "checkpoints" / "baseline_final.pt",
+        output / "runs" / "ddp" / "checkpoints" / "ddp_final.pt",
+    )
     return "FAIL ddp: architecture: checkpoint was written by a 'baseline' run, expected 'ddp'"
 
 
@@ -155,8 +183,11 @@ def _older_file(output: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("damage", [_truncate, _swap, _accuracy_disagrees, _step_disagrees, _final_missing, _older_file],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "damage",
+    [_truncate, _swap, _accuracy_disagrees, _step_disagrees, _final_missing, _older_file],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_fails_on_a_bad_checkpoint_or_summary(damaged, damage):
     expected = damage(damaged)
     done, result = revalidate(damaged)

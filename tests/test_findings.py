@@ -42,7 +42,9 @@ def test_a_findings_matrix_is_valid_seed_first_with_an_aa_arm_and_eight_seeds(pa
     data = yaml.safe_load(path.read_text())
     axes = data["matrix"]["axes"]
     assert list(axes)[0] == "seed" and len(axes["seed"]) >= 8  # configurations alternate within each seed
-    arms = next(levels for name, levels in axes.items() if name != "seed" and any(label.endswith("_aa") for label in levels))
+    arms = next(
+        levels for name, levels in axes.items() if name != "seed" and any(label.endswith("_aa") for label in levels)
+    )
     for label, overrides in arms.items():
         if label.endswith("_aa"):
             assert overrides in [v for k, v in arms.items() if k != label]  # the A/A arm repeats another arm exactly
@@ -78,10 +80,13 @@ def test_the_document_holds_exactly_what_the_committed_records_give(tmp_path):
     begin = text.index("<!-- findings:F1 -->")
     digit = next(i for i in range(begin, len(text)) if text[i].isdigit() and text[i - 1] == " ")
     changed = tmp_path / "findings.md"
-    changed.write_text(text[:digit] + str((int(text[digit]) + 1) % 10) + text[digit + 1:])
+    changed.write_text(text[:digit] + str((int(text[digit]) + 1) % 10) + text[digit + 1 :])
     assert findings_script.main(["--check", "--doc", str(changed)]) == 1
     missing = findings.check_document("no blocks", blocks)
-    assert len(missing) == len(blocks) and "block summary: missing (markers <!-- findings:summary --> ... <!-- /findings:summary -->)" in missing
+    assert (
+        len(missing) == len(blocks)
+        and "block summary: missing (markers <!-- findings:summary --> ... <!-- /findings:summary -->)" in missing
+    )
 
 
 def test_the_committed_aa_arms_differ_by_exactly_nothing():
@@ -95,12 +100,27 @@ def test_the_committed_aa_arms_differ_by_exactly_nothing():
 
 def _tiny_matrix(tmp_path: Path) -> Path:
     matrix = {
-        "matrix": {"name": "f1_stragglers", "axes": {"seed": [0, 1], "setup": {
-            "sync": {"system.aggregation_mode": "sync"}, "async_plain": {"system.aggregation_mode": "async",
-                                                                        "system.async_correction": "none"},
-            "sync_aa": {"system.aggregation_mode": "sync"}}}},
-        "training": {"dataset": "mnist_5k", "max_train_samples": 96, "max_test_samples": 64, "batch_size": 8,
-                     "num_epochs": 1, "momentum": 0.0, "eval_every_samples": 48, "target_accuracy": 0.2},
+        "matrix": {
+            "name": "f1_stragglers",
+            "axes": {
+                "seed": [0, 1],
+                "setup": {
+                    "sync": {"system.aggregation_mode": "sync"},
+                    "async_plain": {"system.aggregation_mode": "async", "system.async_correction": "none"},
+                    "sync_aa": {"system.aggregation_mode": "sync"},
+                },
+            },
+        },
+        "training": {
+            "dataset": "mnist_5k",
+            "max_train_samples": 96,
+            "max_test_samples": 64,
+            "batch_size": 8,
+            "num_epochs": 1,
+            "momentum": 0.0,
+            "eval_every_samples": 48,
+            "target_accuracy": 0.2,
+        },
         "system": {"num_workers": 3, "clock": "virtual"},
         "emulation": {"workers": {1: {"step_delay_s": 0.3}}, **COSTS},
         "metrics": {"trackers": []},
@@ -114,12 +134,23 @@ def test_a_matrix_run_collected_gives_its_figures_at_the_same_sample_counts(tmp_
     assert run_matrix.main(["--config", str(_tiny_matrix(tmp_path)), "--results-dir", str(tmp_path / "results")]) == 0
     record = collect_matrix(tmp_path / "results" / "f1_stragglers")
     assert [(r["seed"], r["configuration"]) for r in record["runs"]] == [
-        (0, "sync"), (0, "async_plain"), (0, "sync_aa"), (1, "sync"), (1, "async_plain"), (1, "sync_aa")]  # seed outer
-    counts = {r["configuration"]: [e[0] for e in r["evals"] if e[0] % 48 == 0] for r in record["runs"] if r["seed"] == 0}
+        (0, "sync"),
+        (0, "async_plain"),
+        (0, "sync_aa"),
+        (1, "sync"),
+        (1, "async_plain"),
+        (1, "sync_aa"),
+    ]  # seed outer
+    counts = {
+        r["configuration"]: [e[0] for e in r["evals"] if e[0] % 48 == 0] for r in record["runs"] if r["seed"] == 0
+    }
     assert counts["sync"] == counts["async_plain"] == [48, 96, 96]  # every 48 samples, then the final evaluation
     run = record["runs"][0]
     assert run["experiment"]["clock"] == "virtual" and len(run["experiment"]["commit"]) == 40
-    assert "log_dir" not in run["config"]["system"] and set(run["summary"]["workers"][0]) >= {"samples", "gradient_time_s"}
+    assert "log_dir" not in run["config"]["system"] and set(run["summary"]["workers"][0]) >= {
+        "samples",
+        "gradient_time_s",
+    }
     path = write_record(record, tmp_path / "records")
     assert path.stat().st_size < 100_000 and json.loads(path.read_text())["runs"][0] == run
     level = findings.compute(load_records(tmp_path / "records"))["F1"]["3"]
@@ -127,20 +158,44 @@ def test_a_matrix_run_collected_gives_its_figures_at_the_same_sample_counts(tmp_
     # worker 1 waits 0.3 s a step, the others ~0.014 s: async is several times faster (12 pushes: end effects)
     assert plain["throughput_ratio"]["mean"] > 2 and 0.5 < plain["fraction_of_ideal"]["mean"] <= 1.05
     assert level["aa"]["throughput_ratio"]["values"] == [1.0, 1.0]
-    assert "A/A (sync repeated): samples/s ratio 1.000x" in findings.render(findings.compute({"f1_stragglers": record}))["F1"]
+    assert (
+        "A/A (sync repeated): samples/s ratio 1.000x"
+        in findings.render(findings.compute({"f1_stragglers": record}))["F1"]
+    )
 
 
 def test_the_uplink_schedule_changes_the_link_mid_run_in_virtual_time_only(tmp_path):
-    config = ps_config(tmp_path, "schedule", system__clock="virtual", system__num_workers=2,
-                       emulation__uplink_mbps=250, emulation__uplink_schedule=[[0.05, 25], [2.0, 100]],
-                       **{f"emulation__{k}": v for k, v in COSTS.items()})
+    config = ps_config(
+        tmp_path,
+        "schedule",
+        system__clock="virtual",
+        system__num_workers=2,
+        emulation__uplink_mbps=250,
+        emulation__uplink_schedule=[[0.05, 25], [2.0, 100]],
+        **{f"emulation__{k}": v for k, v in COSTS.items()},
+    )
     cost = CostModel(config)
-    assert [cost.uplink_bps(0, t) for t in (0.0, 0.049, 0.05, 1.9, 2.0, 9.0)] == [250e6, 250e6, 25e6, 25e6, 100e6, 100e6]
+    assert [cost.uplink_bps(0, t) for t in (0.0, 0.049, 0.05, 1.9, 2.0, 9.0)] == [
+        250e6,
+        250e6,
+        25e6,
+        25e6,
+        100e6,
+        100e6,
+    ]
     summary = run_virtual(config, tensorboard=False)
     assert summary["cost_model"]["uplink_schedule"] == [[0.05, 25.0], [2.0, 100.0]]
-    steady = run_virtual(ps_config(tmp_path, "steady", system__clock="virtual", system__num_workers=2,
-                                   emulation__uplink_mbps=250, **{f"emulation__{k}": v for k, v in COSTS.items()}),
-                         tensorboard=False)
+    steady = run_virtual(
+        ps_config(
+            tmp_path,
+            "steady",
+            system__clock="virtual",
+            system__num_workers=2,
+            emulation__uplink_mbps=250,
+            **{f"emulation__{k}": v for k, v in COSTS.items()},
+        ),
+        tensorboard=False,
+    )
     assert summary["train_time_s"] > steady["train_time_s"] and summary["bytes_sent"] == steady["bytes_sent"]
     with pytest.raises(ConfigError, match=r"^emulation.uplink_schedule: a mid-run link change is modelled in virtual"):
         validate_config({"emulation": {"uplink_schedule": [[1.0, 25]]}})
@@ -164,18 +219,24 @@ def _cifar_files(root: Path, count: int) -> None:
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {"data": rng.integers(0, 256, size=(count, 3072), dtype=np.uint8),
-                 "labels": [int(x) for x in rng.integers(0, 10, size=count)]}
+        batch = {
+            "data": rng.integers(0, 256, size=(count, 3072), dtype=np.uint8),
+            "labels": [int(x) for x in rng.integers(0, 10, size=count)],
+        }
         (folder / name).write_bytes(pickle.dumps(batch))
 
 
-@pytest.mark.parametrize("config_name, write_files", [("f1_fashion_mnist", _fashion_files), ("f2_cifar10", _cifar_files)])
+@pytest.mark.parametrize(
+    "config_name, write_files", [("f1_fashion_mnist", _fashion_files), ("f2_cifar10", _cifar_files)]
+)
 def test_the_spec_datasets_configs_train_on_files_in_torchvision_layouts(tmp_path, config_name, write_files):
     write_files(tmp_path / "data", 48)
     data = yaml.safe_load((ROOT / "configs" / "experiments" / f"{config_name}.yaml").read_text())
     _, runs = run_matrix.expand(data, config_name)
     experiment, run_data = runs[0]
-    run_data["training"].update(data_dir=str(tmp_path / "data"), max_train_samples=48, num_epochs=1, eval_every_samples=48)
+    run_data["training"].update(
+        data_dir=str(tmp_path / "data"), max_train_samples=48, num_epochs=1, eval_every_samples=48
+    )
     run_data["metrics"] = {"trackers": []}
     summary = run_virtual(rx.build_config(experiment, run_data, tmp_path / "run"), tensorboard=False)
     assert summary["dataset"] == data["training"]["dataset"] and summary["samples_processed"] == 48

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(120)
 def probe(*args: str) -> subprocess.CompletedProcess:
     """``python -m src.healthcheck ARGS`` as the container's healthcheck runs it (no token in its environment)."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "src.healthcheck", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "src.healthcheck", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_the_server_is_serving_to_a_probe_without_the_token_and_not_after_it_stops(tmp_path):
@@ -28,7 +29,9 @@ def test_the_server_is_serving_to_a_probe_without_the_token_and_not_after_it_sto
     try:
         assert check(served.address) == "SERVING" and check(served.address, service=SERVICE_NAME) == "SERVING"
         with grpc.insecure_channel(served.address) as channel, pytest.raises(grpc.RpcError) as unknown:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+            health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10
+            )
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
         with served.client(token=None) as client, pytest.raises(grpc.RpcError) as refused:
             client.status()  # the training service itself still wants the token
@@ -43,8 +46,9 @@ def test_the_server_is_serving_to_a_probe_without_the_token_and_not_after_it_sto
 
 def test_the_probe_verifies_a_tls_server_and_finds_a_wildcard_bind_on_the_loopback(tmp_path):
     cert, key = make_self_signed_cert(tmp_path)  # valid for 127.0.0.1 and localhost
-    config = ps_config(tmp_path, system__tls_cert_file=str(cert), system__tls_key_file=str(key),
-                       system__server_address="0.0.0.0:0")
+    config = ps_config(
+        tmp_path, system__tls_cert_file=str(cert), system__tls_key_file=str(key), system__server_address="0.0.0.0:0"
+    )
     served = ServedServer(config, evaluate=False)
     try:
         wildcard = f"0.0.0.0:{served.port}"
@@ -55,4 +59,7 @@ def test_the_probe_verifies_a_tls_server_and_finds_a_wildcard_bind_on_the_loopba
         assert plaintext.returncode == 1 and plaintext.stderr.startswith("unhealthy:"), plaintext.stderr
     finally:
         served.close()
-    assert probe_address("[::]:50051") == "127.0.0.1:50051" and probe_address("parameter_server:50051") == "parameter_server:50051"
+    assert (
+        probe_address("[::]:50051") == "127.0.0.1:50051"
+        and probe_address("parameter_server:50051") == "parameter_server:50051"
+    )

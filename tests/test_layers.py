@@ -13,7 +13,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 PURE = ("src.compression", "src.staleness", "src.controller", "src.coordinator", "src.aggregation")
 """The spec's algorithms: free of I/O, so a unit test or the virtual clock can drive them alone."""
-IMPURE = ("grpc", "socket", "socketserver", "multiprocessing", "subprocess", "torch.distributed", "concurrent.futures.process")
+IMPURE = (
+    "grpc",
+    "socket",
+    "socketserver",
+    "multiprocessing",
+    "subprocess",
+    "torch.distributed",
+    "concurrent.futures.process",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -118,11 +126,17 @@ def test_pure_modules_reach_no_grpc_sockets_or_processes():
 def test_no_sys_path_edits_and_no_script_imports_another():
     """Scripts and tests import the installed ``src`` (``pip install -r requirements.txt``); what scripts
     share lives in ``src/``, so no script imports another."""
-    files = [p for folder in ("src", "scripts", "tests") for p in (ROOT / folder).rglob("*.py")] + list(ROOT.glob("*.py"))
+    files = [p for folder in ("src", "scripts", "tests") for p in (ROOT / folder).rglob("*.py")] + list(
+        ROOT.glob("*.py")
+    )
     edit = "sys" + ".path."  # spelled apart, so this file does not find itself
     edits = [str(p.relative_to(ROOT)) for p in files if edit in p.read_text()]
     assert edits == [], edits
     scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
-    crossing = sorted(f"{p.name} imports {m}" for p in (ROOT / "scripts").glob("*.py")
-                      for m in _imports(p, f"scripts.{p.stem}") if m.split(".")[0] in scripts or m.startswith("scripts"))
+    crossing = sorted(
+        f"{p.name} imports {m}"
+        for p in (ROOT / "scripts").glob("*.py")
+        for m in _imports(p, f"scripts.{p.stem}")
+        if m.split(".")[0] in scripts or m.startswith("scripts")
+    )
     assert crossing == [], crossing

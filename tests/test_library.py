@@ -36,7 +36,7 @@ def data(count: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def steps(model, optimizer, images, labels, batch_size: int = 32, **step_kwargs) -> None:
     for start in range(0, len(images), batch_size):
         optimizer.zero_grad()
-        F.cross_entropy(model(images[start:start + batch_size]), labels[start:start + batch_size]).backward()
+        F.cross_entropy(model(images[start : start + batch_size]), labels[start : start + batch_size]).backward()
         optimizer.step(**step_kwargs)
 
 
@@ -144,8 +144,12 @@ def test_model_layout_rebuilds_names_and_order():
     net = Net()
     params = [(n, tuple(p.shape)) for n, p in net.named_parameters()]
     buffers = [(n, tuple(b.shape)) for n, b in net.named_buffers() if b.is_floating_point()]
-    rebuilt = model_from_layout(params, buffers, [p for _, p in net.named_parameters()],
-                                [b for _, b in net.named_buffers() if b.is_floating_point()])
+    rebuilt = model_from_layout(
+        params,
+        buffers,
+        [p for _, p in net.named_parameters()],
+        [b for _, b in net.named_buffers() if b.is_floating_point()],
+    )
     assert [n for n, _ in rebuilt.named_parameters()] == [n for n, _ in params]
     assert [n for n, _ in rebuilt.named_buffers()] == [n for n, _ in buffers]
     with pytest.raises(ValueError, match="12 bytes, expected 16"):
@@ -178,8 +182,13 @@ def test_async_single_worker_steps_like_local_sgd(served, downlink):
     # downlink top-k at ratio 1: replies carry the parameters as exact deltas, added on the worker
     # async_correction none: the plain server optimizer (the default lookahead sends its lookahead point,
     # which one worker's local SGD does not reach)
-    server = served(training__learning_rate=0.1, training__momentum=0.9, system__downlink_compression=downlink,
-                    system__downlink_ratio=1.0, system__async_correction="none")
+    server = served(
+        training__learning_rate=0.1,
+        training__momentum=0.9,
+        system__downlink_compression=downlink,
+        system__downlink_ratio=1.0,
+        system__async_correction="none",
+    )
     images, labels = data()
     reference = small_mlp(seed=5)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -212,8 +221,9 @@ def test_topk_error_feedback_sends_less_and_keeps_the_rest(served):
     with connect(server.address, token=TOKEN) as client:
         net = small_mlp()
         model = DistributedModel(net, client)
-        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client,
-                                         compression=build_compressor("topk", ratio=0.05))
+        optimizer = DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.05), client, compression=build_compressor("topk", ratio=0.05)
+        )
         steps(model, optimizer, images[:32], labels[:32])
         gradient = net[1].weight.grad.clone()  # the pushed gradient = what was sent + the residual
         residual = optimizer.feedback.residual("1.weight")
@@ -235,8 +245,12 @@ def test_library_optimizer_pushes_the_bytes_the_ps_worker_step_encodes(served, t
     from src.metrics import MetricsLogger
     from src.worker_step import WorkerStep
 
-    server = served(system__compression_enabled=True, system__compression_type="quantization",
-                    system__quantization_bits=2, system__quantization_bucket_size=64)
+    server = served(
+        system__compression_enabled=True,
+        system__compression_type="quantization",
+        system__quantization_bits=2,
+        system__quantization_bucket_size=64,
+    )
     generator = torch.Generator().manual_seed(3)
     with connect(server.address, token=TOKEN) as client:
         net, twin = small_mlp(), small_mlp()
@@ -244,10 +258,14 @@ def test_library_optimizer_pushes_the_bytes_the_ps_worker_step_encodes(served, t
         optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client)
         sent = []
         push = client.push
-        client.push = lambda request, payloads, buffers: (sent.append(list(payloads)), push(request, payloads, buffers))[1]
+        client.push = lambda request, payloads, buffers: (
+            sent.append(list(payloads)),
+            push(request, payloads, buffers),
+        )[1]
         with MetricsLogger(tmp_path / "worker", tensorboard=False) as log:
-            step = WorkerStep(client.config, client.worker_id, model=twin, train_set=None, device=torch.device("cpu"),
-                              log=log)
+            step = WorkerStep(
+                client.config, client.worker_id, model=twin, train_set=None, device=torch.device("cpu"), log=log
+            )
             for index in range(2):
                 for p, q in zip(net.parameters(), twin.parameters()):
                     p.grad = torch.randn(p.shape, generator=generator)
@@ -282,8 +300,9 @@ def test_rejected_push_rolls_back_and_keeps_the_parameters(served):
 
 
 def test_sync_two_workers_average_by_samples(served, transport):
-    server = served(system__num_workers=2, system__aggregation_mode="sync", training__learning_rate=0.1,
-                    system__transport=transport)
+    server = served(
+        system__num_workers=2, system__aggregation_mode="sync", training__learning_rate=0.1, system__transport=transport
+    )
     images, labels = data(48)
     reference = small_mlp(seed=7)
     F.cross_entropy(reference(images), labels).backward()  # one large batch of 48 = 32 + 16
@@ -297,8 +316,9 @@ def test_sync_two_workers_average_by_samples(served, transport):
         try:
             with connect(server.url, token=TOKEN, worker_id=k) as client:
                 model = DistributedModel(nets[k], client)
-                optimizer = DistributedOptimizer(torch.optim.SGD(nets[k].parameters(), lr=0.1), client,
-                                                 compression="none")
+                optimizer = DistributedOptimizer(
+                    torch.optim.SGD(nets[k].parameters(), lr=0.1), client, compression="none"
+                )
                 steps(model, optimizer, *parts[k], batch_size=32)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
@@ -426,9 +446,20 @@ def test_server_cli_names_bad_input(tmp_path, monkeypatch, capsys):
     from torch_asgc.server import main
 
     monkeypatch.setenv("DTS_AUTH_TOKEN", TOKEN)
-    outputs = ["--server-address", "127.0.0.1:0", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    outputs = [
+        "--server-address",
+        "127.0.0.1:0",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
     assert main(["--model", "no_such_module:build", *outputs]) == 1
-    assert capsys.readouterr().err.strip().startswith("error: model factory 'no_such_module:build': cannot import no_such_module")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith("error: model factory 'no_such_module:build': cannot import no_such_module")
+    )
     with pytest.raises(SystemExit) as bad_config:
         main(["--workers", "0", *outputs])
     assert bad_config.value.code == 2

@@ -78,7 +78,10 @@ def test_the_hook_state_resumes_exactly_in_a_new_model(single_rank_group, tmp_pa
     first = Regressor()
     model, hook, optimizer = _setup(first, ratio=0.05)
     _train(model, optimizer, range(3))
-    torch.save({"model": first.state_dict(), "optimizer": optimizer.state_dict(), "hook": hook.state_dict()}, tmp_path / "ckpt.pt")
+    torch.save(
+        {"model": first.state_dict(), "optimizer": optimizer.state_dict(), "hook": hook.state_dict()},
+        tmp_path / "ckpt.pt",
+    )
     hook.close()
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert max(float(r.abs().max()) for r in saved["hook"]["error_feedback"]["residuals"].values()) > 0
@@ -102,13 +105,17 @@ def test_ring_hook_and_quantization_register_on_any_ddp_model(single_rank_group)
     x, y = _batch(0)
     F.mse_loss(model(x), y).backward()
     F.mse_loss(reference(x), y).backward()
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(module.parameters(), reference.parameters()))  # one rank: untouched
+    assert all(
+        torch.equal(a.grad, b.grad) for a, b in zip(module.parameters(), reference.parameters())
+    )  # one rank: untouched
     ring.close()
     quantized = torch_asgc.register_compression_hook(DistributedDataParallel(Regressor()), "quantization", bits=4)
     assert quantized.name == "quantization" and quantized.topk_ratio is None
     with pytest.raises(ValueError, match="does not compress with top-k"):
         quantized.set_topk_ratio(0.1)
-    built = torch_asgc.register_compression_hook(DistributedDataParallel(Regressor()), torch_asgc.build_compressor("topk", ratio=0.2))
+    built = torch_asgc.register_compression_hook(
+        DistributedDataParallel(Regressor()), torch_asgc.build_compressor("topk", ratio=0.2)
+    )
     assert built.topk_ratio == 0.2
 
 

@@ -34,14 +34,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def test_sync_two_worker_processes_match_the_ps_runner(tmp_path):
-    fields = dict(system__num_workers=2, system__aggregation_mode="sync", training__batch_size=16,
-                  training__max_train_samples=249, training__num_epochs=2, training__momentum=0.9)
+    fields = dict(
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__batch_size=16,
+        training__max_train_samples=249,
+        training__num_epochs=2,
+        training__momentum=0.9,
+    )
     reference = ps_config(tmp_path, "ps", **fields)
     expected = load_checkpoint(run_local(reference)["checkpoint_path"])["model_state_dict"]
 
     config = library_config(tmp_path, "library", **fields, training__dataset="mnist_5k")
     with LibraryServer(config) as server:
-        run_worker_processes(equivalence_worker, [(server.address, k, 2, config.to_dict()) for k in range(2)], timeout=180)
+        run_worker_processes(
+            equivalence_worker, [(server.address, k, 2, config.to_dict()) for k in range(2)], timeout=180
+        )
         summary = server.finish()
     # 249 samples: shards of 125 and 124, 8 steps each per epoch (the last of 13 and 12 samples)
     assert summary["versions"] == 16 and summary["samples_processed"] == 2 * 249
@@ -51,9 +59,15 @@ def test_sync_two_worker_processes_match_the_ps_runner(tmp_path):
 
 def test_async_single_worker_matches_single_process_sgd(tmp_path):
     expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=100, momentum=0.9)
-    config = library_config(tmp_path, "library", training__dataset="mnist_5k", training__max_train_samples=100,
-                            training__momentum=0.9, training__batch_size=16,
-                            system__async_correction="none")  # the lookahead point is not what one SGD loop holds
+    config = library_config(
+        tmp_path,
+        "library",
+        training__dataset="mnist_5k",
+        training__max_train_samples=100,
+        training__momentum=0.9,
+        training__batch_size=16,
+        system__async_correction="none",
+    )  # the lookahead point is not what one SGD loop holds
     train_set = load_dataset("mnist_5k", "train", max_samples=100)
     with LibraryServer(config) as server:
         with connect(server.address, token=TOKEN) as client:

@@ -34,14 +34,22 @@ ACCURACY_BAR = 0.86  # two epochs of a 784-64-10 MLP, sync, server SGD lr 0.05 m
 
 @pytest.mark.parametrize("framework", ["lightning", "huggingface"])
 def test_two_worker_run_reaches_the_bar(tmp_path, framework):
-    pytest.importorskip("pytorch_lightning" if framework == "lightning" else "transformers",
-                        reason=f"pip install -e .[{framework}]")
+    pytest.importorskip(
+        "pytorch_lightning" if framework == "lightning" else "transformers", reason=f"pip install -e .[{framework}]"
+    )
     worker = lightning_worker if framework == "lightning" else huggingface_worker
-    config = library_config(tmp_path, framework, system__num_workers=2, system__aggregation_mode="sync",
-                            training__learning_rate=0.05, training__momentum=0.9)
+    config = library_config(
+        tmp_path,
+        framework,
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__learning_rate=0.05,
+        training__momentum=0.9,
+    )
     with LibraryServer(config) as server:
-        run_worker_processes(worker, [(server.address, k, 2, 2, str(tmp_path / f"worker{k}")) for k in range(2)],
-                             timeout=360)
+        run_worker_processes(
+            worker, [(server.address, k, 2, 2, str(tmp_path / f"worker{k}")) for k in range(2)], timeout=360
+        )
         summary = server.finish()
     # each worker's half (2,000 samples) in batches of 32: 63 steps per epoch, one version each (sync)
     assert summary["versions"] == 2 * 63 and summary["samples_processed"] == 2 * 4000
@@ -58,8 +66,12 @@ def _framework_rates(framework: str, steps: int) -> list[float]:
     else:
         from transformers import get_scheduler
 
-        scheduler = get_scheduler(HF_SCHEDULE["lr_scheduler_type"], optimizer, num_warmup_steps=HF_SCHEDULE["warmup_steps"],
-                                  num_training_steps=steps)
+        scheduler = get_scheduler(
+            HF_SCHEDULE["lr_scheduler_type"],
+            optimizer,
+            num_warmup_steps=HF_SCHEDULE["warmup_steps"],
+            num_training_steps=steps,
+        )
     return rates_during(optimizer, scheduler, steps)
 
 
@@ -67,8 +79,9 @@ def _framework_rates(framework: str, steps: int) -> list[float]:
 @pytest.mark.parametrize("framework", ["lightning", "huggingface"])
 def test_the_frameworks_schedule_reaches_the_server(tmp_path, framework):
     """One worker, 320 samples in batches of 32: 10 versions, each stepped at the framework scheduler's rate."""
-    pytest.importorskip("pytorch_lightning" if framework == "lightning" else "transformers",
-                        reason=f"pip install -e .[{framework}]")
+    pytest.importorskip(
+        "pytorch_lightning" if framework == "lightning" else "transformers", reason=f"pip install -e .[{framework}]"
+    )
     worker = lightning_worker if framework == "lightning" else huggingface_worker
     config = library_config(tmp_path, framework, system__aggregation_mode="sync", training__learning_rate=0.05)
     with LibraryServer(config) as server:

@@ -22,7 +22,7 @@ README_PORT = "50051"
 def readme_section() -> str:
     text = (ROOT / "docs" / "library.md").read_text()
     start = text.index("## Use it in your own training loop")
-    return text[start:text.index("\n## ", start + 1)]
+    return text[start : text.index("\n## ", start + 1)]
 
 
 def code_blocks(language: str) -> list[str]:
@@ -41,13 +41,23 @@ def free_port() -> str:
 
 
 def start(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(command, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        shell=True,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.parametrize("example", ["train.py", "train_lightning.py", "train_hf.py"])
 def test_readme_example_runs_as_written(tmp_path, example):
-    pytest.importorskip({"train.py": "torch", "train_lightning.py": "pytorch_lightning", "train_hf.py": "transformers"}[example])
+    pytest.importorskip(
+        {"train.py": "torch", "train_lightning.py": "pytorch_lightning", "train_hf.py": "transformers"}[example]
+    )
     script = code_blocks("python")[["train.py", "train_lightning.py", "train_hf.py"].index(example)]
     port = free_port()
     (tmp_path / example).write_text(script.replace(README_PORT, port))

@@ -27,8 +27,13 @@ ACCURACY_BAR = 0.90  # measured 0.949 (docs/library.md)
 
 
 def test_unregistered_model_with_topk_and_error_feedback_reaches_the_bar(tmp_path):
-    config = library_config(tmp_path, system__num_workers=2, system__aggregation_mode="async",
-                            training__learning_rate=0.05, training__momentum=0.5)
+    config = library_config(
+        tmp_path,
+        system__num_workers=2,
+        system__aggregation_mode="async",
+        training__learning_rate=0.05,
+        training__momentum=0.5,
+    )
     with LibraryServer(config) as server:
         run_worker_processes(topk_worker, [(server.address, k, 2, 2, 0.1) for k in range(2)], timeout=240)
         summary = server.finish()
@@ -36,8 +41,10 @@ def test_unregistered_model_with_topk_and_error_feedback_reaches_the_bar(tmp_pat
     workers = summary["workers"]
     assert sum(w["payload_bytes"] for w in workers) < 0.25 * sum(w["dense_bytes"] for w in workers)
     accuracy = accuracy_of_checkpoint(summary["checkpoint_path"], TinyConvNet())
-    print(f"top-k 0.1 + error feedback, 2 async workers: test accuracy {accuracy:.4f}, payload/dense bytes "
-          f"{sum(w['payload_bytes'] for w in workers) / sum(w['dense_bytes'] for w in workers):.3f}")
+    print(
+        f"top-k 0.1 + error feedback, 2 async workers: test accuracy {accuracy:.4f}, payload/dense bytes "
+        f"{sum(w['payload_bytes'] for w in workers) / sum(w['dense_bytes'] for w in workers):.3f}"
+    )
     assert accuracy >= ACCURACY_BAR, f"test accuracy {accuracy:.3f} < {ACCURACY_BAR}"
 
 
@@ -66,8 +73,12 @@ def _one_epoch(tmp_path, name: str, *, amp: bool, skip: frozenset[int] = frozens
                 if optimizer.skipped_steps > before:
                     skipped.append(step)
         summary = server.finish()
-    return {"accuracy": evaluate(net, load_dataset("mnist_5k", "test"))[1], "skipped": skipped,
-            "applied": summary["pushes_applied"], "parameters": torch.cat([p.detach().flatten() for p in net.parameters()])}
+    return {
+        "accuracy": evaluate(net, load_dataset("mnist_5k", "test"))[1],
+        "skipped": skipped,
+        "applied": summary["pushes_applied"],
+        "parameters": torch.cat([p.detach().flatten() for p in net.parameters()]),
+    }
 
 
 AMP_ACCURACY_TOLERANCE = 0.01  # absolute test accuracy: float16 forwards against float32 ones
@@ -83,5 +94,7 @@ def test_amp_skips_overflowing_steps_and_matches_fp32(tmp_path):
     assert abs(amp["accuracy"] - fp32["accuracy"]) <= AMP_ACCURACY_TOLERANCE, (amp["accuracy"], fp32["accuracy"])
     distance = float((amp["parameters"] - fp32["parameters"]).norm() / fp32["parameters"].norm())
     assert distance <= AMP_PARAMETER_TOLERANCE, distance
-    print(f"amp: skipped steps {amp['skipped']}, accuracy {amp['accuracy']:.4f} vs fp32 {fp32['accuracy']:.4f}, "
-          f"relative parameter distance {distance:.4f}")
+    print(
+        f"amp: skipped steps {amp['skipped']}, accuracy {amp['accuracy']:.4f} vs fp32 {fp32['accuracy']:.4f}, "
+        f"relative parameter distance {distance:.4f}"
+    )

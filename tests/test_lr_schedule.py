@@ -34,16 +34,26 @@ def schedule_config(**fields):
     return load_config(assignments={f"training.lr_schedule.{k}": v for k, v in fields.items()}).training.lr_schedule
 
 
-def torch_rates(steps: int, *, kind: str, warmup_steps: int = 0, warmup_start_factor: float = 0.1, step_size: int = 0,
-                gamma: float = 0.1, total_steps: int = 0, min_lr: float = 0.0) -> list[float]:
+def torch_rates(
+    steps: int,
+    *,
+    kind: str,
+    warmup_steps: int = 0,
+    warmup_start_factor: float = 0.1,
+    step_size: int = 0,
+    gamma: float = 0.1,
+    total_steps: int = 0,
+    min_lr: float = 0.0,
+) -> list[float]:
     """The rate torch's schedulers hold during each of ``steps`` optimizer steps."""
     from torch.optim import lr_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=BASE_LR)
-    main = {"constant": lambda: lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0),
-            "step": lambda: lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma),
-            "cosine": lambda: lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=min_lr),
-            }[kind]
+    main = {
+        "constant": lambda: lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0),
+        "step": lambda: lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma),
+        "cosine": lambda: lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=min_lr),
+    }[kind]
     if warmup_steps:
         warmup = lr_scheduler.LinearLR(optimizer, start_factor=warmup_start_factor, total_iters=warmup_steps)
         scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, main()], milestones=[warmup_steps])
@@ -63,19 +73,27 @@ def rates_during(optimizer, scheduler, steps: int) -> list[float]:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # SequentialLR's deprecation notes on its inner schedulers
-@pytest.mark.parametrize("fields", [
-    dict(kind="constant"),
-    dict(kind="constant", warmup_steps=5, warmup_start_factor=0.2),
-    dict(kind="step", step_size=7, gamma=0.5),
-    dict(kind="step", step_size=4, gamma=0.3, warmup_steps=6),
-    dict(kind="cosine", total_steps=30),
-    dict(kind="cosine", total_steps=30, warmup_steps=8, min_lr=0.001),
-], ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(kind="constant"),
+        dict(kind="constant", warmup_steps=5, warmup_start_factor=0.2),
+        dict(kind="step", step_size=7, gamma=0.5),
+        dict(kind="step", step_size=4, gamma=0.3, warmup_steps=6),
+        dict(kind="cosine", total_steps=30),
+        dict(kind="cosine", total_steps=30, warmup_steps=8, min_lr=0.001),
+    ],
+    ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
+)
 def test_each_schedule_gives_torchs_rate_at_every_step(fields):
     steps = 30
     ours = [scheduled_learning_rate(schedule_config(**fields), BASE_LR, step) for step in range(steps)]
-    torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64),
-                               torch.tensor(torch_rates(steps, **fields), dtype=torch.float64), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        torch.tensor(ours, dtype=torch.float64),
+        torch.tensor(torch_rates(steps, **fields), dtype=torch.float64),
+        rtol=1e-6,
+        atol=1e-9,
+    )
 
 
 def test_a_cosine_run_past_its_total_stays_at_the_floor():
@@ -104,41 +122,75 @@ def test_the_servers_update_at_each_version_steps_at_torchs_cosine_rate_as_the_b
     the last. The parameters are the baseline's at batch 32 under the same schedule."""
     from src.trainer import BaselineTrainer
 
-    config = ps_config(tmp_path, "ps", system__clock="virtual", system__num_workers=2, system__aggregation_mode="sync",
-                       training__max_train_samples=250, training__momentum=0.9, **COSTS, **lr_fields(**COSINE))
+    config = ps_config(
+        tmp_path,
+        "ps",
+        system__clock="virtual",
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__max_train_samples=250,
+        training__momentum=0.9,
+        **COSTS,
+        **lr_fields(**COSINE),
+    )
     summary = run_virtual(config, tensorboard=False)
     applied = updates(config)
     assert [u["version"] for u in applied] == list(range(1, 9))
     expected = torch_rates(8, **COSINE)
-    torch.testing.assert_close(torch.tensor([u["learning_rate"] for u in applied], dtype=torch.float64),
-                               torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        torch.tensor([u["learning_rate"] for u in applied], dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        rtol=1e-6,
+        atol=1e-9,
+    )
     assert len(set(expected)) == 8  # every version a different rate: a version off by one would show
 
-    baseline = load_config(overrides={
-        "training.dataset": "mnist_5k", "training.batch_size": 32, "training.num_epochs": 1,
-        "training.max_train_samples": 250, "training.max_test_samples": 64, "training.learning_rate": BASE_LR,
-        "training.momentum": 0.9, "system.architecture": "baseline", "system.num_workers": 1,
-        "system.checkpoint_dir": str(tmp_path / "baseline" / "ckpt"), "system.log_dir": str(tmp_path / "baseline" / "logs"),
-    }, assignments={f"training.lr_schedule.{k}": v for k, v in COSINE.items()})
+    baseline = load_config(
+        overrides={
+            "training.dataset": "mnist_5k",
+            "training.batch_size": 32,
+            "training.num_epochs": 1,
+            "training.max_train_samples": 250,
+            "training.max_test_samples": 64,
+            "training.learning_rate": BASE_LR,
+            "training.momentum": 0.9,
+            "system.architecture": "baseline",
+            "system.num_workers": 1,
+            "system.checkpoint_dir": str(tmp_path / "baseline" / "ckpt"),
+            "system.log_dir": str(tmp_path / "baseline" / "logs"),
+        },
+        assignments={f"training.lr_schedule.{k}": v for k, v in COSINE.items()},
+    )
     trainer = BaselineTrainer(baseline)
     trainer.run()
-    assert_same_parameters({k: v.detach() for k, v in trainer.model.state_dict().items()},
-                           load_checkpoint(summary["checkpoint_path"])["model_state_dict"])
+    assert_same_parameters(
+        {k: v.detach() for k, v in trainer.model.state_dict().items()},
+        load_checkpoint(summary["checkpoint_path"])["model_state_dict"],
+    )
 
 
 def test_a_resumed_server_continues_the_schedule_from_its_checkpoint(tmp_path):
     """The server is killed at version 13 and resumes from its checkpoint at 10: the versions it redoes and
     the rest step at the schedule's rate for their version, as if nothing had happened."""
     schedule = dict(kind="step", step_size=4, gamma=0.5, warmup_steps=3)
-    config = ps_config(tmp_path, "resume", system__clock="virtual", system__num_workers=2, system__aggregation_mode="sync",
-                       training__max_train_samples=640, training__checkpoint_interval=5,
-                       system__inject_faults=["kill:server@version=13"], emulation__restart_s=0.5, **COSTS,
-                       **lr_fields(**schedule))
+    config = ps_config(
+        tmp_path,
+        "resume",
+        system__clock="virtual",
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__max_train_samples=640,
+        training__checkpoint_interval=5,
+        system__inject_faults=["kill:server@version=13"],
+        emulation__restart_s=0.5,
+        **COSTS,
+        **lr_fields(**schedule),
+    )
     run_virtual(config, tensorboard=False)
     events = list(read_events(Path(config.system.log_dir) / "server" / "events.jsonl"))
     (recovered,) = [e for e in events if e["kind"] == "server_recovered"]
     assert recovered["version"] == 10
-    after = [e for e in events[events.index(recovered):] if e["kind"] == "update"]
+    after = [e for e in events[events.index(recovered) :] if e["kind"] == "update"]
     assert [u["version"] for u in after] == list(range(11, 21))
     rates = torch_rates(20, **schedule)
     for update in (e for e in events if e["kind"] == "update"):
@@ -195,10 +247,17 @@ def test_without_a_scheduler_the_servers_schedule_applies_and_a_scheduler_agains
     with LibraryServer(config) as server:
         with connect(server.address, token=TOKEN) as client:
             # 4 steps without a scheduler on the wrapped optimizer (nothing sent), then 2 driven by one
-            with pytest.warns(UserWarning, match=r"the server has a training.lr_schedule \(step\); this worker sends "
-                                                 r"its own scheduler's learning rates"):
-                _library_steps(client, 6, lambda inner: torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.1),
-                               scheduled_from=4)
+            with pytest.warns(
+                UserWarning,
+                match=r"the server has a training.lr_schedule \(step\); this worker sends "
+                r"its own scheduler's learning rates",
+            ):
+                _library_steps(
+                    client,
+                    6,
+                    lambda inner: torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.1),
+                    scheduled_from=4,
+                )
         server.finish()
     rates = [u["learning_rate"] for u in updates(config)]
     assert rates == pytest.approx([BASE_LR, BASE_LR, BASE_LR / 2, BASE_LR / 2, BASE_LR, BASE_LR / 10], rel=1e-12)

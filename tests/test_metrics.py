@@ -49,6 +49,9 @@ def test_time_to_target_records_the_first_crossing_only():
     assert tracker.observe(0.91, 2.5, 20)
     assert not tracker.observe(0.95, 3.0, 30)
     assert tracker.fields() == {"target_accuracy": 0.9, "time_to_target_s": 2.5, "time_to_target_step": 20}
-    assert TimeToTarget(None).fields() == {"target_accuracy": None, "time_to_target_s": None, "time_to_target_step": None}
+    assert TimeToTarget(None).fields() == {
+        "target_accuracy": None,
+        "time_to_target_s": None,
+        "time_to_target_step": None,
+    }
     assert not TimeToTarget(None).observe(1.0, 1.0, 1)
-

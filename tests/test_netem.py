@@ -54,8 +54,14 @@ def test_compute_delay_stretches_the_measured_step_and_draws_seeded_log_normal_d
 
 
 def test_per_worker_overrides_resolve_against_the_defaults():
-    config = load_config(overrides={"system.num_workers": 3, "emulation.uplink_mbps": 250, "emulation.downlink_latency_ms": 2,
-                                    "emulation.workers": {1: {"slowdown": 4}, 2: {"uplink_mbps": 50}}})
+    config = load_config(
+        overrides={
+            "system.num_workers": 3,
+            "emulation.uplink_mbps": 250,
+            "emulation.downlink_latency_ms": 2,
+            "emulation.workers": {1: {"slowdown": 4}, 2: {"uplink_mbps": 50}},
+        }
+    )
     emulation = config.emulation
     assert netem.conditions_for(emulation, 0) == netem.WorkerConditions(uplink_mbps=250, downlink_latency_ms=2)
     assert netem.conditions_for(emulation, 1).slowdown == 4 and netem.conditions_for(emulation, 1).uplink_mbps == 250
@@ -65,19 +71,24 @@ def test_per_worker_overrides_resolve_against_the_defaults():
     assert described["workers"]["1"] == {"slowdown": 4, "uplink_mbps": 250, "downlink_latency_ms": 2}
     assert netem.describe(load_config().emulation, 2) is None
     # the server sends its run config to the workers as JSON: the overrides survive the trip
-    again = load_config(overrides={f"emulation.{k}": v for k, v in json.loads(config.model_dump_json())["emulation"].items()})
+    again = load_config(
+        overrides={f"emulation.{k}": v for k, v in json.loads(config.model_dump_json())["emulation"].items()}
+    )
     assert netem.conditions_for(again.emulation, 1) == netem.conditions_for(emulation, 1)
     with pytest.raises(SetupError, match=r"emulation.workers: worker ids \[5\] are not workers of this run"):
         netem.check_workers(load_config(overrides={"emulation.workers": {5: {"slowdown": 2}}}).emulation, 2)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    ({"emulation.slowdown": 0.5}, "emulation.slowdown: must be >= 1"),
-    ({"emulation.uplink_mbps": 0}, "emulation.uplink_mbps: must be > 0 (or null: not limited), got 0"),
-    ({"emulation.downlink_latency_ms": -1}, "emulation.downlink_latency_ms: must be >= 0, got -1"),
-    ({"emulation.workers": {1: {"step_delay_sigma": -0.1}}}, "emulation.workers.1.step_delay_sigma: must be >= 0"),
-    ({"emulation.workers": {1: {"bandwidth": 5}}}, "emulation.workers.1.bandwidth: unknown key"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"emulation.slowdown": 0.5}, "emulation.slowdown: must be >= 1"),
+        ({"emulation.uplink_mbps": 0}, "emulation.uplink_mbps: must be > 0 (or null: not limited), got 0"),
+        ({"emulation.downlink_latency_ms": -1}, "emulation.downlink_latency_ms: must be >= 0, got -1"),
+        ({"emulation.workers": {1: {"step_delay_sigma": -0.1}}}, "emulation.workers.1.step_delay_sigma: must be >= 0"),
+        ({"emulation.workers": {1: {"bandwidth": 5}}}, "emulation.workers.1.bandwidth: unknown key"),
+    ],
+)
 def test_bad_emulation_fields_are_named(overrides, expected):
     with pytest.raises(ConfigError) as caught:
         load_config(overrides=overrides)
@@ -88,11 +99,27 @@ def test_emulation_flags_map_onto_the_config():
     import run_parameter_server_training as runner  # the root runner (pytest puts the root on sys.path)
     from src.cli import EMULATION_FLAGS, config_from_args
 
-    args = runner.build_parser().parse_args(["--slow-worker", "1=4", "--slow-worker", "0=1.5", "--uplink-mbps", "250",
-                                              "--downlink-latency-ms", "3", "--step-delay-s", "0.01"])
+    args = runner.build_parser().parse_args(
+        [
+            "--slow-worker",
+            "1=4",
+            "--slow-worker",
+            "0=1.5",
+            "--uplink-mbps",
+            "250",
+            "--downlink-latency-ms",
+            "3",
+            "--step-delay-s",
+            "0.01",
+        ]
+    )
     config = config_from_args(args, defaults={}, extra_flags=EMULATION_FLAGS)
     assert {k: w.slowdown for k, w in config.emulation.workers.items()} == {1: 4.0, 0: 1.5}
-    assert (config.emulation.uplink_mbps, config.emulation.downlink_latency_ms, config.emulation.step_delay_s) == (250, 3, 0.01)
+    assert (config.emulation.uplink_mbps, config.emulation.downlink_latency_ms, config.emulation.step_delay_s) == (
+        250,
+        3,
+        0.01,
+    )
     with pytest.raises(SystemExit):
         runner.build_parser().parse_args(["--slow-worker", "1x4"])
 
@@ -108,20 +135,35 @@ def test_a_runs_communication_time_matches_bytes_over_bandwidth_plus_latency(tmp
     from src.ps_launcher import run_local
 
     up, down, latency_up_ms, latency_down_ms = 10.0, 10.0, 20.0, 20.0
-    config = ps_config(tmp_path, training__model_architecture="mlp", training__max_train_samples=96,
-                       emulation__uplink_mbps=up, emulation__downlink_mbps=down,
-                       emulation__uplink_latency_ms=latency_up_ms, emulation__downlink_latency_ms=latency_down_ms)
+    config = ps_config(
+        tmp_path,
+        training__model_architecture="mlp",
+        training__max_train_samples=96,
+        emulation__uplink_mbps=up,
+        emulation__downlink_mbps=down,
+        emulation__uplink_latency_ms=latency_up_ms,
+        emulation__downlink_latency_ms=latency_down_ms,
+    )
     summary = run_local(config)
     pushes = list(read_events(tmp_path / "run" / "logs" / "worker_0" / "events.jsonl", "push"))
     assert len(pushes) == 6
-    expected = sum(8 * p["push_bytes"] / (up * 1e6) + latency_up_ms / 1e3 + 8 * p["reply_bytes"] / (down * 1e6)
-                   + latency_down_ms / 1e3 for p in pushes)
+    expected = sum(
+        8 * p["push_bytes"] / (up * 1e6)
+        + latency_up_ms / 1e3
+        + 8 * p["reply_bytes"] / (down * 1e6)
+        + latency_down_ms / 1e3
+        for p in pushes
+    )
     worker = summary["workers"][0]
     assert worker["communication_time_s"] == pytest.approx(expected, rel=0.10), (worker, expected)
     assert worker["communication_time_s"] >= expected  # the waits are a floor: the real work comes on top
     # what the summary says was on, and the waits it counted
-    assert summary["emulation"]["workers"]["0"] == {"uplink_mbps": up, "downlink_mbps": down,
-                                                    "uplink_latency_ms": latency_up_ms, "downlink_latency_ms": latency_down_ms}
+    assert summary["emulation"]["workers"]["0"] == {
+        "uplink_mbps": up,
+        "downlink_mbps": down,
+        "uplink_latency_ms": latency_up_ms,
+        "downlink_latency_ms": latency_down_ms,
+    }
     uplink_waits = worker["bytes_sent"] * 8 / (up * 1e6)  # every message sent (register, pull, heartbeats too) waited
     assert worker["emulated_delay_s"] >= uplink_waits
     assert summary["emulation"]["downlink_delay_s"]["0"] > sum(8 * p["reply_bytes"] / (down * 1e6) for p in pushes)
@@ -134,10 +176,20 @@ def test_async_beats_sync_to_the_same_accuracy_with_one_worker_4x_slower(tmp_pat
 
     summaries = {}
     for mode in ("sync", "async"):
-        config = ps_config(tmp_path, mode, system__num_workers=2, system__aggregation_mode=mode,
-                           training__max_train_samples=1024, training__max_test_samples=300, training__batch_size=32,
-                           training__num_epochs=2, training__momentum=0.4, training__eval_interval=4,
-                           training__target_accuracy=0.6, emulation__workers={1: {"slowdown": 4}})
+        config = ps_config(
+            tmp_path,
+            mode,
+            system__num_workers=2,
+            system__aggregation_mode=mode,
+            training__max_train_samples=1024,
+            training__max_test_samples=300,
+            training__batch_size=32,
+            training__num_epochs=2,
+            training__momentum=0.4,
+            training__eval_interval=4,
+            training__target_accuracy=0.6,
+            emulation__workers={1: {"slowdown": 4}},
+        )
         summaries[mode] = run_local(config)
     sync, async_ = summaries["sync"], summaries["async"]
     assert sync["time_to_target_s"] is not None and async_["time_to_target_s"] is not None, (sync, async_)
@@ -196,8 +248,30 @@ def link_pair():
 
 def _shape(namespace: str, device: str, mbps: float) -> None:
     """Real shaping: a token bucket on the device's egress (``tc qdisc ... tbf``)."""
-    subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
-                    "rate", f"{mbps:g}mbit", "burst", "32kb", "latency", "400ms"], check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            namespace,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            device,
+            "root",
+            "tbf",
+            "rate",
+            f"{mbps:g}mbit",
+            "burst",
+            "32kb",
+            "latency",
+            "400ms",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def _run_across(names, tmp_path, label: str, extra_server_args: list[str]) -> dict:
@@ -205,16 +279,44 @@ def _run_across(names, tmp_path, label: str, extra_server_args: list[str]) -> di
     logs, outputs, processes = tmp_path / label, {}, []
     env = {**os.environ, "DTS_AUTH_TOKEN": TOKEN}
     common = ["--log-dir", str(logs), "--checkpoint-dir", str(logs / "ckpt")]
-    server_args = ["--role", "server", "--server-address", f"{SERVER_IP}:50061", "--workers", "1", "--model", "mlp",
-                   "--aggregation-mode", "async", "--batch-size", "16", "--max-train-samples", "160", "--max-test-samples", "64",
-                   "--num-epochs", "1", "--checkpoint-interval", "100000", *extra_server_args, *common]
+    server_args = [
+        "--role",
+        "server",
+        "--server-address",
+        f"{SERVER_IP}:50061",
+        "--workers",
+        "1",
+        "--model",
+        "mlp",
+        "--aggregation-mode",
+        "async",
+        "--batch-size",
+        "16",
+        "--max-train-samples",
+        "160",
+        "--max-test-samples",
+        "64",
+        "--num-epochs",
+        "1",
+        "--checkpoint-interval",
+        "100000",
+        *extra_server_args,
+        *common,
+    ]
     worker_args = ["--role", "worker", "--worker-id", "0", "--server-address", f"{SERVER_IP}:50061", *common]
     try:
         for role, args in (("server", server_args), ("worker", worker_args)):
             outputs[role] = open(tmp_path / f"{label}_{role}.out", "w+")
-            processes.append(subprocess.Popen(["ip", "netns", "exec", names[role], sys.executable, str(RUNNER), *args],
-                                              cwd=ROOT, env=env, stdout=outputs[role], stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+            processes.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", names[role], sys.executable, str(RUNNER), *args],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=outputs[role],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         codes = [process.wait(timeout=240) for process in processes]
         text = {}
         for role, handle in outputs.items():
@@ -235,7 +337,9 @@ def _run_across(names, tmp_path, label: str, extra_server_args: list[str]) -> di
 def test_an_emulated_link_agrees_with_the_same_link_shaped_by_tc(link_pair, tmp_path):
     """10 steps of an mlp (0.94 MB each way per step) at 20 Mbit/s both ways: emulated in the sender,
     then shaped by a token bucket on each veth end. Training wall time agrees within 25%."""
-    emulated = _run_across(link_pair, tmp_path, "emulated", ["--uplink-mbps", str(SHAPED_MBPS), "--downlink-mbps", str(SHAPED_MBPS)])
+    emulated = _run_across(
+        link_pair, tmp_path, "emulated", ["--uplink-mbps", str(SHAPED_MBPS), "--downlink-mbps", str(SHAPED_MBPS)]
+    )
     _shape(link_pair["worker"], link_pair["worker_dev"], SHAPED_MBPS)  # uplink: the worker's egress
     _shape(link_pair["server"], link_pair["server_dev"], SHAPED_MBPS)  # downlink: the server's egress
     shaped = _run_across(link_pair, tmp_path, "shaped", [])
@@ -244,4 +348,7 @@ def test_an_emulated_link_agrees_with_the_same_link_shaped_by_tc(link_pair, tmp_
     assert emulated["bytes_sent"] == pytest.approx(shaped["bytes_sent"], rel=0.01)
     # the link dominates: 10 steps x ~0.75 s each way
     assert emulated["train_time_s"] > 10 * 2 * 0.9 * 8 * 0.94e6 / (SHAPED_MBPS * 1e6)
-    assert shaped["train_time_s"] == pytest.approx(emulated["train_time_s"], rel=0.25), (shaped["train_time_s"], emulated["train_time_s"])
+    assert shaped["train_time_s"] == pytest.approx(emulated["train_time_s"], rel=0.25), (
+        shaped["train_time_s"],
+        emulated["train_time_s"],
+    )

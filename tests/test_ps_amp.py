@@ -26,10 +26,19 @@ from tests.ps_fixtures import ps_config
 pytestmark = pytest.mark.timeout(300)
 
 ONE_POINT = 0.01
-RUN = dict(system__clock="virtual", system__num_workers=1, system__aggregation_mode="sync", training__num_epochs=2,
-           training__batch_size=64, training__max_train_samples=None, training__max_test_samples=None,
-           training__model_architecture="mlp", emulation__compute_s=0.02, emulation__server_update_s=0.002,
-           emulation__server_reply_s=0.001)
+RUN = dict(
+    system__clock="virtual",
+    system__num_workers=1,
+    system__aggregation_mode="sync",
+    training__num_epochs=2,
+    training__batch_size=64,
+    training__max_train_samples=None,
+    training__max_test_samples=None,
+    training__model_architecture="mlp",
+    emulation__compute_s=0.02,
+    emulation__server_update_s=0.002,
+    emulation__server_reply_s=0.001,
+)
 
 
 @pytest.mark.slow  # two whole runs (~11 s), like the other runners' accuracy bars (tests/test_ddp_precision.py)

@@ -22,8 +22,21 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_spec_smoke_run_writes_the_spec_outputs(tmp_path):
     """The spec's fast smoke command (mnist_5k here), with the default output folders."""
-    result = run_cli(["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1",
-                      "--max-train-samples", "512", "--max-test-samples", "128"], cwd=tmp_path)
+    result = run_cli(
+        [
+            "--workers",
+            "2",
+            "--dataset",
+            "mnist_5k",
+            "--num-epochs",
+            "1",
+            "--max-train-samples",
+            "512",
+            "--max-test-samples",
+            "128",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     for line in ("Final Accuracy:", "Final Loss:", "Total Time:", "Throughput:"):
         assert line in result.stdout
@@ -44,11 +57,29 @@ def test_spec_smoke_run_writes_the_spec_outputs(tmp_path):
 
 @pytest.mark.slow
 def test_four_async_topk_workers_from_a_config_file(tmp_path):
-    result = run_cli(["--config", "configs/ps_async_quantization_4workers.yaml", "--dataset", "mnist_5k",
-                      "--num-epochs", "1", "--max-train-samples", "512", "--max-test-samples", "128",
-                      "--compression-type", "topk", "--compression-ratio", "0.1",
-                      "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],
-                     cwd=RUNNER.parent)
+    result = run_cli(
+        [
+            "--config",
+            "configs/ps_async_quantization_4workers.yaml",
+            "--dataset",
+            "mnist_5k",
+            "--num-epochs",
+            "1",
+            "--max-train-samples",
+            "512",
+            "--max-test-samples",
+            "128",
+            "--compression-type",
+            "topk",
+            "--compression-ratio",
+            "0.1",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=RUNNER.parent,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["num_workers"] == 4 and summary["aggregation_mode"] == "async"
@@ -57,12 +88,15 @@ def test_four_async_topk_workers_from_a_config_file(tmp_path):
     assert (tmp_path / "ckpt" / "parameter_server_final.pt").is_file()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--compression-ratio", "1.5"], "config error: system.compression_ratio: must be in (0, 1], got 1.5"),
-    (["--workers", "0"], "config error: system.num_workers: must be > 0, got 0"),
-    (["--role", "worker"], "--role worker needs --worker-id"),
-    (["--role", "server", "--server-address", "0.0.0.0:0"], "--role server needs a fixed port"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--compression-ratio", "1.5"], "config error: system.compression_ratio: must be in (0, 1], got 1.5"),
+        (["--workers", "0"], "config error: system.num_workers: must be > 0, got 0"),
+        (["--role", "worker"], "--role worker needs --worker-id"),
+        (["--role", "server", "--server-address", "0.0.0.0:0"], "--role server needs a fixed port"),
+    ],
+)
 def test_bad_flags_exit_nonzero_with_one_line(tmp_path, args, message):
     result = run_cli(args, cwd=tmp_path, timeout=60)
     assert result.returncode == 2
@@ -72,8 +106,14 @@ def test_bad_flags_exit_nonzero_with_one_line(tmp_path, args, message):
 
 def test_worker_role_without_a_token_says_so(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "DTS_AUTH_TOKEN"}
-    process = subprocess.run([sys.executable, str(RUNNER), "--role", "worker", "--worker-id", "0",
-                              "--server-address", "127.0.0.1:1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    process = subprocess.run(
+        [sys.executable, str(RUNNER), "--role", "worker", "--worker-id", "0", "--server-address", "127.0.0.1:1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert process.returncode == 1
     assert process.stderr.strip() == "error: no auth token: set system.auth_token in the config or $DTS_AUTH_TOKEN"
 
@@ -88,7 +128,11 @@ def test_server_that_cannot_start_fails_the_run(tmp_path):
 def test_ctrl_c_stops_every_child(tmp_path):
     process = subprocess.Popen(
         [sys.executable, str(RUNNER), "--workers", "2", "--num-epochs", "50"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         # as a terminal starts it: with SIGINT at its default even when this test runs in a background job,
         # whose commands inherit SIGINT ignored (a runner started that way keeps ignoring Ctrl-C, as it should)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -106,13 +150,18 @@ def test_ctrl_c_stops_every_child(tmp_path):
         try:  # keep reading both pipes while waiting: a full pipe would block the runner's last writes
             _, stderr = process.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            alive = [(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]) for pid in group_members(process.pid)]
+            alive = [
+                (pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120])
+                for pid in group_members(process.pid)
+            ]
             os.kill(process.pid, signal.SIGUSR1)  # the runner prints every thread's stack (src.cli.exit_status)
             try:
                 _, stderr = process.communicate(timeout=5)
             except subprocess.TimeoutExpired as exc:
                 stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)
-            pytest.fail(f"the runner did not exit within 60 s of Ctrl-C; processes left: {alive}; stderr ends:\n{stderr[-6000:]}")
+            pytest.fail(
+                f"the runner did not exit within 60 s of Ctrl-C; processes left: {alive}; stderr ends:\n{stderr[-6000:]}"
+            )
         assert process.returncode == 130, stderr[-3000:]
         assert "interrupted" in stderr and "Traceback" not in stderr
         deadline = time.monotonic() + 30

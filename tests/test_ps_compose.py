@@ -70,8 +70,9 @@ def local_base():
         if os.environ.get("DTS_REQUIRE_DOCKER") == "1":
             pytest.fail(f"DTS_REQUIRE_DOCKER=1 but {reason}")
         pytest.skip(reason)
-    made = subprocess.run(["bash", str(ROOT / "docker" / "build_local_base.sh"), BASE_IMAGE],
-                          capture_output=True, text=True, timeout=600)
+    made = subprocess.run(
+        ["bash", str(ROOT / "docker" / "build_local_base.sh"), BASE_IMAGE], capture_output=True, text=True, timeout=600
+    )
     assert made.returncode == 0, made.stdout + made.stderr
     assert subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True, timeout=60).returncode == 0
     return BASE_IMAGE
@@ -98,21 +99,35 @@ class Compose:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("DTS_", "COMPOSE_"))} | environment
 
     def __call__(self, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None):
-        result = subprocess.run([*self.prefix, *args], cwd=ROOT, env=env or self.env, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            [*self.prefix, *args], cwd=ROOT, env=env or self.env, capture_output=True, text=True, timeout=timeout
+        )
         if check and result.returncode != 0:
-            pytest.fail(f"docker-compose {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+            pytest.fail(
+                f"docker-compose {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
     def container(self, service: str) -> str:
-        ids = docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={self.project}",
-                     "--filter", f"label=com.docker.compose.service={service}", "--filter", "label=com.docker.compose.oneoff=False").split()
+        ids = docker(
+            "ps",
+            "-aq",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+            "--filter",
+            "label=com.docker.compose.oneoff=False",
+        ).split()
         assert len(ids) == 1, f"{service}: containers {ids}"
         return ids[0]
 
     def logs(self, *services: str) -> str:
         text = []
         for service in services or SERVICES:
-            result = subprocess.run(["docker", "logs", self.container(service)], capture_output=True, text=True, timeout=60)
+            result = subprocess.run(
+                ["docker", "logs", self.container(service)], capture_output=True, text=True, timeout=60
+            )
             text.append(f"--- {service}\n{result.stdout}{result.stderr}")
         return "\n".join(text)
 
@@ -120,20 +135,46 @@ class Compose:
         self("down", "--volumes", "--remove-orphans", "--timeout", "5", check=False, timeout=120)
         # Whatever down left behind (it failed, or a one-off container outlived it) goes too.
         label = f"label=com.docker.compose.project={self.project}"
-        leftover = subprocess.run(["docker", "ps", "-aq", "--filter", label], capture_output=True, text=True, timeout=60).stdout.split()
+        leftover = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", label], capture_output=True, text=True, timeout=60
+        ).stdout.split()
         if leftover:
             subprocess.run(["docker", "rm", "-f", *leftover], capture_output=True, timeout=120)
-        if subprocess.run(["docker", "network", "inspect", self.network], capture_output=True, timeout=60).returncode == 0:
+        if (
+            subprocess.run(["docker", "network", "inspect", self.network], capture_output=True, timeout=60).returncode
+            == 0
+        ):
             subprocess.run(["docker", "network", "rm", self.network], capture_output=True, timeout=60)
 
 
 def make_server_certificate(directory: Path) -> None:
     """docs/deployment.md's command for the compose cluster's self-signed certificate (name: parameter_server)."""
     directory.mkdir()
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-days", "365", "-subj", "/CN=parameter_server", "-addext", "subjectAltName=DNS:parameter_server",
-                    "-keyout", str(directory / "server.key"), "-out", str(directory / "server.crt")],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "365",
+            "-subj",
+            "/CN=parameter_server",
+            "-addext",
+            "subjectAltName=DNS:parameter_server",
+            "-keyout",
+            str(directory / "server.key"),
+            "-out",
+            str(directory / "server.crt"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 def wait_for_event(compose: Compose, events: Path, condition, what: str, deadline_s: float) -> None:
@@ -160,8 +201,10 @@ def wait_until_healthy(compose: Compose, service: str, deadline_s: float) -> dic
         if health["Status"] == "healthy":
             return state
         if health["Status"] == "unhealthy" or not state["State"]["Running"]:
-            pytest.fail(f"{service} is {health['Status']} (running: {state['State']['Running']}); last probes: "
-                        f"{[entry['Output'] for entry in health['Log'][-3:]]}\n{compose.logs()}")
+            pytest.fail(
+                f"{service} is {health['Status']} (running: {state['State']['Running']}); last probes: "
+                f"{[entry['Output'] for entry in health['Log'][-3:]]}\n{compose.logs()}"
+            )
         time.sleep(0.5)
     pytest.fail(f"{service} not healthy within {deadline_s}s:\n{compose.logs()}")
 
@@ -180,7 +223,11 @@ def evaluate_checkpoint(path: Path, capsys) -> dict:
 def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls):
     output = tmp_path / "out"
     files = ["docker-compose.yml", "docker/compose.local.yml"] + (["docker/compose.tls.yml"] if tls else [])
-    environment = {"DTS_AUTH_TOKEN": TOKEN, "DTS_SITE_PACKAGES": sysconfig.get_paths()["purelib"], "DTS_COMPOSE_OUTPUT": str(output)}
+    environment = {
+        "DTS_AUTH_TOKEN": TOKEN,
+        "DTS_SITE_PACKAGES": sysconfig.get_paths()["purelib"],
+        "DTS_COMPOSE_OUTPUT": str(output),
+    }
     if tls:
         make_server_certificate(tmp_path / "certs")
         environment["DTS_TLS_DIR"] = str(tmp_path / "certs")
@@ -197,7 +244,10 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
         compose("build", "--force-rm", timeout=600)
         if not tls:
             # No token (unset or empty), no cluster: compose refuses before starting anything.
-            for without in ({k: v for k, v in compose.env.items() if k != "DTS_AUTH_TOKEN"}, compose.env | {"DTS_AUTH_TOKEN": ""}):
+            for without in (
+                {k: v for k, v in compose.env.items() if k != "DTS_AUTH_TOKEN"},
+                compose.env | {"DTS_AUTH_TOKEN": ""},
+            ):
                 refused = compose("up", "-d", "--no-build", check=False, env=without)
                 assert refused.returncode != 0 and "set DTS_AUTH_TOKEN" in refused.stderr, refused.stderr
             assert not docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={compose.project}").split()
@@ -210,16 +260,32 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
         if tls:
             # The server speaks TLS with a certificate valid for the name the workers dial (a
             # plain Python client in a worker's container, so the handshake alone is checked).
-            handshake = compose("run", "--rm", "--no-deps", "-T", "--entrypoint", "python", "worker_0", "-c",
-                                "import socket, ssl; context = ssl.create_default_context(cafile='certs/server.crt'); "
-                                "print(context.wrap_socket(socket.create_connection(('parameter_server', 50051), timeout=30), "
-                                "server_hostname='parameter_server').version())", check=False)
-            assert handshake.returncode == 0 and handshake.stdout.startswith("TLSv1."), handshake.stdout + handshake.stderr
+            handshake = compose(
+                "run",
+                "--rm",
+                "--no-deps",
+                "-T",
+                "--entrypoint",
+                "python",
+                "worker_0",
+                "-c",
+                "import socket, ssl; context = ssl.create_default_context(cafile='certs/server.crt'); "
+                "print(context.wrap_socket(socket.create_connection(('parameter_server', 50051), timeout=30), "
+                "server_hostname='parameter_server').version())",
+                check=False,
+            )
+            assert handshake.returncode == 0 and handshake.stdout.startswith("TLSv1."), (
+                handshake.stdout + handshake.stderr
+            )
         else:
             # A container on training_net with a wrong token: the server refuses it; the run goes on.
-            intruder = compose("run", "--rm", "--no-deps", "-T", "-e", "DTS_AUTH_TOKEN=not-the-token", "worker_1", check=False)
+            intruder = compose(
+                "run", "--rm", "--no-deps", "-T", "-e", "DTS_AUTH_TOKEN=not-the-token", "worker_1", check=False
+            )
             assert intruder.returncode == 1, intruder.stdout + intruder.stderr
-            assert "parameter server call failed: UNAUTHENTICATED: missing or wrong auth token" in intruder.stderr, intruder.stderr
+            assert "parameter server call failed: UNAUTHENTICATED: missing or wrong auth token" in intruder.stderr, (
+                intruder.stderr
+            )
             assert TOKEN not in intruder.stdout + intruder.stderr
 
         compose("up", "-d", "--no-build", "--no-recreate")
@@ -227,11 +293,19 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
         if not tls:
             # A worker dies as in a crash (SIGKILL of its process, exit 137) an eighth into the
             # run: docker restarts it (restart: on-failure) and it registers again.
-            wait_for_event(compose, server_events, lambda e: e["kind"] == "update" and e["version"] >= 8, "update 8", deadline_s=300)
+            wait_for_event(
+                compose,
+                server_events,
+                lambda e: e["kind"] == "update" and e["version"] >= 8,
+                "update 8",
+                deadline_s=300,
+            )
             os.kill(inspect("container", containers["worker_0"])["State"]["Pid"], signal.SIGKILL)
         # The server ends the run once every worker is done; then the workers have exited too.
         for service in SERVICES:
-            waited = subprocess.run(["docker", "wait", containers[service]], capture_output=True, text=True, timeout=600)
+            waited = subprocess.run(
+                ["docker", "wait", containers[service]], capture_output=True, text=True, timeout=600
+            )
             logs = compose.logs()
             assert waited.stdout.strip() == "0", f"{service} exited {waited.stdout.strip()}:\n{logs}"
         states = {service: inspect("container", container) for service, container in containers.items()}
@@ -248,7 +322,9 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     # restarted worker_0 joined again as a new incarnation.
     subnet = ipaddress.ip_network(network["IPAM"]["Config"][0]["Subnet"])
     joined = [e for e in read_events(server_events) if e["kind"] in ("register", "worker_rejoined")]
-    assert sorted((e["kind"], e["worker"]) for e in joined) == [("register", 0), ("register", 1)] + ([] if tls else [("worker_rejoined", 0)]), joined
+    assert sorted((e["kind"], e["worker"]) for e in joined) == [("register", 0), ("register", 1)] + (
+        [] if tls else [("worker_rejoined", 0)]
+    ), joined
     peers = {ipaddress.ip_address(e["peer"].removeprefix("ipv4:").rsplit(":", 1)[0]) for e in joined}
     assert all(peer in subnet and peer != ipaddress.ip_address(server_ip) for peer in peers), (peers, subnet, server_ip)
     for k in (0, 1):
@@ -263,7 +339,11 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     assert summary["worker_incarnations"] == (2 if tls else 3), summary
     final = output / "checkpoints" / "ps_cli" / "parameter_server_final.pt"
     checkpoint = load_checkpoint(final)
-    assert (checkpoint["dataset"], checkpoint["epoch"], checkpoint["extra"]["version"]) == ("mnist_5k", 2, summary["versions"])
+    assert (checkpoint["dataset"], checkpoint["epoch"], checkpoint["extra"]["version"]) == (
+        "mnist_5k",
+        2,
+        summary["versions"],
+    )
     # Same model and test split, evaluated on the host; only the thread count differs from the
     # container's, which may flip a prediction sitting on a tie: a few samples in 1000.
     assert evaluate_checkpoint(final, capsys)["accuracy"] == pytest.approx(summary["final_accuracy"], abs=0.005)

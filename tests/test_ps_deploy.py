@@ -65,14 +65,18 @@ def test_local_override_builds_on_the_local_base_and_stays_on_this_machine():
     base_script = (ROOT / "docker" / "build_local_base.sh").read_text()
     for name, service in local["services"].items():
         assert service["build"]["args"]["INSTALL_REQUIREMENTS"] == "no", name
-        assert f'image="${{1:-{service["build"]["args"]["BASE_IMAGE"]}}}"' in base_script, name  # the script makes that base
-        packages = [volume for volume in service["volumes"] if volume.endswith(":/usr/local/lib/python3.11/dist-packages:ro")]
+        assert f'image="${{1:-{service["build"]["args"]["BASE_IMAGE"]}}}"' in base_script, (
+            name
+        )  # the script makes that base
+        packages = [
+            volume for volume in service["volumes"] if volume.endswith(":/usr/local/lib/python3.11/dist-packages:ro")
+        ]
         assert len(packages) == 1, name  # the host's packages, read-only
     # The same run as docker-compose.yml's, on the bundled mnist_5k (internal network: nothing to download).
     main_command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["parameter_server"]["command"]
     local_command = local["services"]["parameter_server"]["command"]
     dataset = main_command.index("--dataset") + 1
-    assert local_command == main_command[:dataset] + ["mnist_5k"] + main_command[dataset + 1:]
+    assert local_command == main_command[:dataset] + ["mnist_5k"] + main_command[dataset + 1 :]
 
 
 def test_tls_override_gives_the_key_to_the_server_only():
@@ -93,19 +97,29 @@ def test_dockerfile_runs_the_entrypoint_with_the_code():
     assert "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}\n" in dockerfile  # users get the official image
     assert "ARG INSTALL_REQUIREMENTS=yes" in dockerfile
     assert 'ENTRYPOINT ["bash", "docker/entrypoint.sh"]' in dockerfile
-    for copied in ("COPY src/ src/", "COPY run_*.py ./", "COPY docker/entrypoint.sh docker/entrypoint.sh", "requirements.txt"):
+    for copied in (
+        "COPY src/ src/",
+        "COPY run_*.py ./",
+        "COPY docker/entrypoint.sh docker/entrypoint.sh",
+        "requirements.txt",
+    ):
         assert copied in dockerfile
     assert "EXPOSE 50051" in dockerfile
 
 
-@pytest.mark.parametrize("environment, message", [
-    ({}, "DTS_ROLE must be 'server' or 'worker', got ''"),
-    ({"DTS_ROLE": "coordinator"}, "DTS_ROLE must be 'server' or 'worker', got 'coordinator'"),
-    ({"DTS_ROLE": "worker"}, "DTS_WORKER_ID must be set for DTS_ROLE=worker"),
-])
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        ({}, "DTS_ROLE must be 'server' or 'worker', got ''"),
+        ({"DTS_ROLE": "coordinator"}, "DTS_ROLE must be 'server' or 'worker', got 'coordinator'"),
+        ({"DTS_ROLE": "worker"}, "DTS_WORKER_ID must be set for DTS_ROLE=worker"),
+    ],
+)
 def test_entrypoint_refuses_a_missing_role(environment, message):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTS_")} | environment
-    result = subprocess.run(["bash", str(ROOT / "docker" / "entrypoint.sh")], env=env, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        ["bash", str(ROOT / "docker" / "entrypoint.sh")], env=env, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -113,31 +127,81 @@ def test_entrypoint_refuses_a_missing_role(environment, message):
 @pytest.fixture
 def fake_python(tmp_path):
     """A ``python`` on PATH that prints the arguments and thread count it was given (the entrypoint's output)."""
-    (tmp_path / "python").write_text('#!/bin/sh\necho "OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset}"\nfor a in "$@"; do echo "$a"; done\n')
+    (tmp_path / "python").write_text(
+        '#!/bin/sh\necho "OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset}"\nfor a in "$@"; do echo "$a"; done\n'
+    )
     (tmp_path / "python").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTS_") and k != "OMP_NUM_THREADS"}
     return env | {"PATH": f"{tmp_path}:{os.environ['PATH']}"}
 
 
 def run_entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "docker" / "entrypoint.sh"), *args], env=env, capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        ["bash", str(ROOT / "docker" / "entrypoint.sh"), *args], env=env, capture_output=True, text=True, timeout=30
+    )
 
 
 def test_entrypoint_passes_tls_files_and_a_share_of_the_cores(fake_python):
-    server = run_entrypoint(fake_python | {"DTS_ROLE": "server", "DTS_TLS_CERT": "certs/server.crt", "DTS_TLS_KEY": "certs/server.key",
-                                           "DTS_PROCESSES_PER_HOST": "3"}, "--workers", "2")
+    server = run_entrypoint(
+        fake_python
+        | {
+            "DTS_ROLE": "server",
+            "DTS_TLS_CERT": "certs/server.crt",
+            "DTS_TLS_KEY": "certs/server.key",
+            "DTS_PROCESSES_PER_HOST": "3",
+        },
+        "--workers",
+        "2",
+    )
     assert server.returncode == 0, server.stderr
     lines = server.stdout.split()
     assert lines[0] == f"OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // 3)}"
-    assert lines[1:] == ["run_parameter_server_training.py", "--role", "server", "--server-address", "0.0.0.0:50051",
-                         "--tls-cert", "certs/server.crt", "--tls-key", "certs/server.key", "--workers", "2"]
-    worker = run_entrypoint(fake_python | {"DTS_ROLE": "worker", "DTS_WORKER_ID": "1", "DTS_TLS_CA": "certs/server.crt",
-                                           "OMP_NUM_THREADS": "7", "DTS_PROCESSES_PER_HOST": "3"})
-    assert worker.stdout.split() == ["OMP_NUM_THREADS=7", "run_parameter_server_training.py", "--role", "worker", "--worker-id", "1",
-                                     "--server-address", "parameter_server:50051", "--tls-ca", "certs/server.crt"]
+    assert lines[1:] == [
+        "run_parameter_server_training.py",
+        "--role",
+        "server",
+        "--server-address",
+        "0.0.0.0:50051",
+        "--tls-cert",
+        "certs/server.crt",
+        "--tls-key",
+        "certs/server.key",
+        "--workers",
+        "2",
+    ]
+    worker = run_entrypoint(
+        fake_python
+        | {
+            "DTS_ROLE": "worker",
+            "DTS_WORKER_ID": "1",
+            "DTS_TLS_CA": "certs/server.crt",
+            "OMP_NUM_THREADS": "7",
+            "DTS_PROCESSES_PER_HOST": "3",
+        }
+    )
+    assert worker.stdout.split() == [
+        "OMP_NUM_THREADS=7",
+        "run_parameter_server_training.py",
+        "--role",
+        "worker",
+        "--worker-id",
+        "1",
+        "--server-address",
+        "parameter_server:50051",
+        "--tls-ca",
+        "certs/server.crt",
+    ]
     plain = run_entrypoint(fake_python | {"DTS_ROLE": "worker", "DTS_WORKER_ID": "0"})
-    assert plain.stdout.split() == ["OMP_NUM_THREADS=unset", "run_parameter_server_training.py", "--role", "worker", "--worker-id", "0",
-                                    "--server-address", "parameter_server:50051"]
+    assert plain.stdout.split() == [
+        "OMP_NUM_THREADS=unset",
+        "run_parameter_server_training.py",
+        "--role",
+        "worker",
+        "--worker-id",
+        "0",
+        "--server-address",
+        "parameter_server:50051",
+    ]
 
 
 def test_entrypoint_refuses_a_bad_process_count(fake_python):
@@ -151,5 +215,9 @@ def test_spec_configs_validate(name):
     mode, workers, compressed = SPEC_CONFIGS[name]
     config = load_config(ROOT / "configs" / name)
     assert config.system.architecture == "parameter_server"
-    assert (config.system.aggregation_mode, config.system.num_workers, config.system.compression_enabled) == (mode, workers, compressed)
+    assert (config.system.aggregation_mode, config.system.num_workers, config.system.compression_enabled) == (
+        mode,
+        workers,
+        compressed,
+    )
     assert config.training.dataset == "mnist"

@@ -33,20 +33,26 @@ def drive(tmp_path, steps: int, **fields):
     try:
         held = local_copy(worker, worker.reply, None)
         for _ in range(steps):
-            gradients = [IDENTITY.compress(0.005 * torch.randn(tuple(s.shape), generator=generator))
-                         for s in worker.registration.parameter_specs]
+            gradients = [
+                IDENTITY.compress(0.005 * torch.randn(tuple(s.shape), generator=generator))
+                for s in worker.registration.parameter_specs
+            ]
             reply = worker.push(worker.request(gradients=gradients))
             held = local_copy(worker, reply, held)
             replica = served.server.downlink.replica(0)
-            yield (not reply.large.get("parameter_deltas"), held, [p.detach().clone() for p in served.server.state.sent()],
-                   None if replica is None else [r.clone() for r in replica])
+            yield (
+                not reply.large.get("parameter_deltas"),
+                held,
+                [p.detach().clone() for p in served.server.state.sent()],
+                None if replica is None else [r.clone() for r in replica],
+            )
     finally:
         worker.close()
         served.close()
 
 
 def relative_distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return float(sum(torch.sum((x - y) ** 2) for x, y in zip(a, b)) ** 0.5 / sum(torch.sum(x ** 2) for x in a) ** 0.5)
+    return float(sum(torch.sum((x - y) ** 2) for x, y in zip(a, b)) ** 0.5 / sum(torch.sum(x**2) for x in a) ** 0.5)
 
 
 def test_dense_downlink_is_the_servers_parameters_bit_for_bit(tmp_path):
@@ -59,9 +65,16 @@ def test_dense_downlink_is_the_servers_parameters_bit_for_bit(tmp_path):
 def test_compressed_downlink_stays_within_its_bound_and_refreshes(tmp_path, kind):
     bound, interval = 0.2, 8
     dense_replies = 0
-    for index, (dense, held, server, replica) in enumerate(drive(
-            tmp_path, 20, system__downlink_compression=kind, system__downlink_ratio=0.1,
-            system__downlink_drift_bound=bound, system__downlink_refresh_interval=interval)):
+    for index, (dense, held, server, replica) in enumerate(
+        drive(
+            tmp_path,
+            20,
+            system__downlink_compression=kind,
+            system__downlink_ratio=0.1,
+            system__downlink_drift_bound=bound,
+            system__downlink_refresh_interval=interval,
+        )
+    ):
         dense_replies += dense
         assert all(torch.equal(h, r) for h, r in zip(held, replica))  # the worker holds exactly the server's replica
         assert relative_distance(server, held) <= bound + 1e-6

@@ -18,14 +18,24 @@ from tests.ps_fixtures import ps_config
 pytestmark = pytest.mark.timeout(180)
 
 
-def baseline_parameters(tmp_path, *, batch_size: int, max_train_samples: int, momentum: float) -> dict[str, torch.Tensor]:
-    config = load_config(overrides={
-        "training.dataset": "mnist_5k", "training.batch_size": batch_size, "training.num_epochs": 1,
-        "training.max_train_samples": max_train_samples, "training.max_test_samples": 64,
-        "training.learning_rate": 0.05, "training.momentum": momentum,
-        "system.architecture": "baseline", "system.num_workers": 1,
-        "system.checkpoint_dir": str(tmp_path / "baseline" / "ckpt"), "system.log_dir": str(tmp_path / "baseline" / "logs"),
-    })
+def baseline_parameters(
+    tmp_path, *, batch_size: int, max_train_samples: int, momentum: float
+) -> dict[str, torch.Tensor]:
+    config = load_config(
+        overrides={
+            "training.dataset": "mnist_5k",
+            "training.batch_size": batch_size,
+            "training.num_epochs": 1,
+            "training.max_train_samples": max_train_samples,
+            "training.max_test_samples": 64,
+            "training.learning_rate": 0.05,
+            "training.momentum": momentum,
+            "system.architecture": "baseline",
+            "system.num_workers": 1,
+            "system.checkpoint_dir": str(tmp_path / "baseline" / "ckpt"),
+            "system.log_dir": str(tmp_path / "baseline" / "logs"),
+        }
+    )
     trainer = BaselineTrainer(config)
     trainer.run()
     return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
@@ -47,9 +57,15 @@ PER_WORKER_BATCH = 16
 
 
 def sync_run(tmp_path, num_workers: int, max_train_samples: int, momentum: float, transport: str = "grpc"):
-    return ps_parameters(tmp_path, system__num_workers=num_workers, system__aggregation_mode="sync",
-                         training__batch_size=PER_WORKER_BATCH, training__max_train_samples=max_train_samples,
-                         training__momentum=momentum, system__transport=transport)
+    return ps_parameters(
+        tmp_path,
+        system__num_workers=num_workers,
+        system__aggregation_mode="sync",
+        training__batch_size=PER_WORKER_BATCH,
+        training__max_train_samples=max_train_samples,
+        training__momentum=momentum,
+        system__transport=transport,
+    )
 
 
 def test_sync_over_tcp_is_sync_over_grpc_is_large_batch_sgd(tmp_path):
@@ -83,9 +99,15 @@ def test_async_single_worker_matches_baseline(tmp_path):
     # The plain server optimizer; with the lookahead correction one worker takes Nesterov's steps
     # (tests/test_staleness.py checks that against torch's Nesterov SGD).
     expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=100, momentum=0.9)
-    summary, actual = ps_parameters(tmp_path, system__num_workers=1, system__aggregation_mode="async",
-                                    system__async_correction="none",
-                                    training__batch_size=16, training__max_train_samples=100, training__momentum=0.9)
+    summary, actual = ps_parameters(
+        tmp_path,
+        system__num_workers=1,
+        system__aggregation_mode="async",
+        system__async_correction="none",
+        training__batch_size=16,
+        training__max_train_samples=100,
+        training__momentum=0.9,
+    )
     assert summary["versions"] == 7 and summary["max_staleness"] == 0
     assert_same_parameters(expected, actual)
 
@@ -93,7 +115,13 @@ def test_async_single_worker_matches_baseline(tmp_path):
 def test_sync_differs_from_baseline_when_batches_differ(tmp_path):
     """The comparison above can fail: the same PS run against a baseline of the wrong batch size."""
     expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=128, momentum=0.0)
-    _, actual = ps_parameters(tmp_path, system__num_workers=2, system__aggregation_mode="sync",
-                              training__batch_size=16, training__max_train_samples=128, training__momentum=0.0)
+    _, actual = ps_parameters(
+        tmp_path,
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__batch_size=16,
+        training__max_train_samples=128,
+        training__momentum=0.0,
+    )
     with pytest.raises(AssertionError):
         assert_same_parameters(expected, actual)

@@ -30,13 +30,24 @@ from tests.ps_fixtures import TOKEN, ServedServer, ps_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.ABORTED}
+REFUSALS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ABORTED,
+}
 
 
 def fuzz_server(tmp_path_factory, transport: str) -> ServedServer:
-    return ServedServer(ps_config(tmp_path_factory.mktemp("fuzz"), training__num_epochs=1000, training__max_train_samples=32,
-                                  system__transport=transport), evaluate=False)
+    return ServedServer(
+        ps_config(
+            tmp_path_factory.mktemp("fuzz"),
+            training__num_epochs=1000,
+            training__max_train_samples=32,
+            system__transport=transport,
+        ),
+        evaluate=False,
+    )
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -84,8 +95,10 @@ def mutate(data, body: bytearray, kinds: list[str]) -> None:
     # needs the same strategies when it replays an example
     position = data.draw(st.integers(0, 1 << 22), label="position") % max(len(body), 1)
     if kind == "header field" and len(body) >= HEADER.size:  # one field of the first frame header: kind .. length
-        offset, size = data.draw(st.sampled_from([(4, 1), (5, 1), (6, 1), (7, 1), (8, 4), (12, 4), (16, 4)]), label="field")
-        body[offset:offset + size] = data.draw(st.integers(0, 256**size - 1), label="value").to_bytes(size, "little")
+        offset, size = data.draw(
+            st.sampled_from([(4, 1), (5, 1), (6, 1), (7, 1), (8, 4), (12, 4), (16, 4)]), label="field"
+        )
+        body[offset : offset + size] = data.draw(st.integers(0, 256**size - 1), label="value").to_bytes(size, "little")
     elif kind == "flip" and body:
         body[position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
     elif kind == "truncate":
@@ -93,10 +106,10 @@ def mutate(data, body: bytearray, kinds: list[str]) -> None:
     elif kind == "insert":
         body[position:position] = data.draw(st.binary(min_size=1, max_size=16), label="inserted")
     elif kind == "delete" and body:
-        del body[position:position + data.draw(st.integers(1, 16), label="deleted")]
+        del body[position : position + data.draw(st.integers(1, 16), label="deleted")]
     elif kind == "overwrite" and body:
         chunk = data.draw(st.binary(min_size=1, max_size=8), label="written")
-        body[position:position + len(chunk)] = chunk
+        body[position : position + len(chunk)] = chunk
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -172,8 +185,8 @@ def raw_exchange(served, data: bytes) -> list[tuple]:
                 raise AssertionError("the server neither answered nor closed the connection (wedged)") from None
     frames, position = [], 0
     while position < len(received):
-        header = parse_header(received[position:position + HEADER_BYTES])  # the server writes only valid frames
-        body = bytes(received[position + HEADER_BYTES:position + HEADER_BYTES + header.length])
+        header = parse_header(received[position : position + HEADER_BYTES])  # the server writes only valid frames
+        body = bytes(received[position + HEADER_BYTES : position + HEADER_BYTES + header.length])
         assert len(body) == header.length, "the server sent a truncated frame"
         frames.append((header, body))
         position += HEADER_BYTES + header.length
@@ -223,7 +236,9 @@ def test_random_bytes_on_a_connection_are_never_a_call(frames_target, data, auth
 def test_mutated_frames_are_refused_cleanly_or_answered_when_still_valid(frames_target, data):
     frames = frames_target[2]
     authenticated = data.draw(st.booleans(), label="authenticated")
-    names = data.draw(st.lists(st.sampled_from(["hello", "health", "status", "push"]), min_size=1, max_size=3), label="frames")
+    names = data.draw(
+        st.lists(st.sampled_from(["hello", "health", "status", "push"]), min_size=1, max_size=3), label="frames"
+    )
     body = bytearray(b"".join(frames[name] for name in names))
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
         mutate(data, body, ["header field", "flip", "truncate", "insert", "delete"])

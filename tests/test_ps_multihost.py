@@ -77,8 +77,14 @@ def hosts():
 
 def start(namespace: str, environment: dict[str, str], args: list[str], log) -> subprocess.Popen:
     env = {**os.environ, "DTS_AUTH_TOKEN": TOKEN, **environment}
-    return subprocess.Popen(["ip", "netns", "exec", namespace, "bash", str(ROOT / "docker" / "entrypoint.sh"), *args],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", namespace, "bash", str(ROOT / "docker" / "entrypoint.sh"), *args],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
@@ -88,14 +94,43 @@ def test_server_and_workers_on_separate_hosts(hosts, tmp_path, transport):
     outputs = {role: open(tmp_path / f"{role}.out", "w+") for role in hosts}
     chosen = {"DTS_TRANSPORT": transport}  # as docker-compose.yml passes it: the entrypoint adds --transport
     try:
-        processes.append(start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051", **chosen},
-                               ["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "256",
-                                "--max-test-samples", "128", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(logs / "server_host")],
-                               outputs["server"]))
+        processes.append(
+            start(
+                hosts["server"],
+                {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051", **chosen},
+                [
+                    "--workers",
+                    "2",
+                    "--dataset",
+                    "mnist_5k",
+                    "--num-epochs",
+                    "1",
+                    "--max-train-samples",
+                    "256",
+                    "--max-test-samples",
+                    "128",
+                    "--checkpoint-dir",
+                    str(tmp_path / "ckpt"),
+                    "--log-dir",
+                    str(logs / "server_host"),
+                ],
+                outputs["server"],
+            )
+        )
         for k in (0, 1):
-            processes.append(start(hosts[f"worker_{k}"], {"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k),
-                                                          "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051", **chosen},
-                                   ["--log-dir", str(logs / f"worker_host_{k}")], outputs[f"worker_{k}"]))
+            processes.append(
+                start(
+                    hosts[f"worker_{k}"],
+                    {
+                        "DTS_ROLE": "worker",
+                        "DTS_WORKER_ID": str(k),
+                        "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051",
+                        **chosen,
+                    },
+                    ["--log-dir", str(logs / f"worker_host_{k}")],
+                    outputs[f"worker_{k}"],
+                )
+            )
         codes = [process.wait(timeout=240) for process in processes]
         text = {}
         for role, handle in outputs.items():
@@ -110,7 +145,9 @@ def test_server_and_workers_on_separate_hosts(hosts, tmp_path, transport):
             handle.close()
 
     assert "Final Accuracy:" in text["server"] and f"listening on {SERVER_IP}:50051 ({transport}," in text["server"]
-    peers = sorted(event["peer"] for event in read_events(logs / "server_host" / "server" / "events.jsonl", kind="register"))
+    peers = sorted(
+        event["peer"] for event in read_events(logs / "server_host" / "server" / "events.jsonl", kind="register")
+    )
     assert [peer.rsplit(":", 1)[0] for peer in peers] == [f"ipv4:{address}" for address in WORKER_IPS]
     for k in (0, 1):
         assert f"worker {k}: 128 samples" in text[f"worker_{k}"]
@@ -160,18 +197,44 @@ def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(
     worker_1_events = logs / "worker_host_1" / "worker_1" / "events.jsonl"
     processes = {}
     outputs = {role: open(tmp_path / f"{role}.out", "w+") for role in [*hosts, "worker_1_again"]}
-    worker = lambda k: ({"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k), "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
-                        ["--log-dir", str(logs / f"worker_host_{k}")])
+    worker = lambda k: (
+        {"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k), "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
+        ["--log-dir", str(logs / f"worker_host_{k}")],
+    )
 
     try:
-        processes["server"] = start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
-                                    ["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "2000",
-                                     "--batch-size", "16", "--max-test-samples", "128", "--heartbeat-interval", "0.5",
-                                     # >= 0.1 s a round: worker 0 alone needs over 10 s for the ~110 batches left
-                                     # when worker 1 is failed, so the run outlasts the start of a new worker 1
-                                     # process (python, torch) whatever the machine's speed
-                                     "--heartbeat-timeout", "3", "--step-delay-s", "0.1", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                     "--log-dir", str(logs / "server_host")], outputs["server"])
+        processes["server"] = start(
+            hosts["server"],
+            {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
+            [
+                "--workers",
+                "2",
+                "--dataset",
+                "mnist_5k",
+                "--num-epochs",
+                "1",
+                "--max-train-samples",
+                "2000",
+                "--batch-size",
+                "16",
+                "--max-test-samples",
+                "128",
+                "--heartbeat-interval",
+                "0.5",
+                # >= 0.1 s a round: worker 0 alone needs over 10 s for the ~110 batches left
+                # when worker 1 is failed, so the run outlasts the start of a new worker 1
+                # process (python, torch) whatever the machine's speed
+                "--heartbeat-timeout",
+                "3",
+                "--step-delay-s",
+                "0.1",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                "--log-dir",
+                str(logs / "server_host"),
+            ],
+            outputs["server"],
+        )
         for k in (0, 1):
             processes[f"worker_{k}"] = start(hosts[f"worker_{k}"], *worker(k), outputs[f"worker_{k}"])
         wait_for(lambda: len(events(worker_1_events, "push")) >= 5, 180, "worker 1's fifth push")
@@ -179,8 +242,11 @@ def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(
         processes["worker_1"].wait()
         wait_for(lambda: events(server_events, "worker_failed"), 30, "the server to fail worker 1")
         versions_at_failure = max(e["version"] for e in events(server_events, "update"))
-        wait_for(lambda: max(e["version"] for e in events(server_events, "update")) > versions_at_failure + 3, 60,
-                 "the run to go on without worker 1")
+        wait_for(
+            lambda: max(e["version"] for e in events(server_events, "update")) > versions_at_failure + 3,
+            60,
+            "the run to go on without worker 1",
+        )
         processes["worker_1_again"] = start(hosts["worker_1"], *worker(1), outputs["worker_1_again"])
         codes, text = wait_and_read(processes, ("server", "worker_0", "worker_1_again"), outputs)
         assert codes == {"server": 0, "worker_0": 0, "worker_1_again": 0}, text
@@ -215,24 +281,58 @@ def test_a_worker_partitioned_for_10s_is_failed_rejoins_by_itself_and_finishes(h
     outputs = {role: open(tmp_path / f"{role}.out", "w+") for role in hosts}
 
     try:
-        processes["server"] = start(hosts["server"], {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
-                                    ["--workers", "2", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "1600",
-                                     "--batch-size", "16", "--max-test-samples", "128", "--heartbeat-interval", "0.5",
-                                     # >= 0.2 s a round: worker 0 alone cannot finish the run's 100 batches
-                                     # during the 10 s partition, whatever the machine's speed
-                                     "--heartbeat-timeout", "3", "--step-delay-s", "0.2", "--compression-enabled",
-                                     "--compression-type", "topk", "--compression-ratio", "0.1",
-                                     "--set", "system.gradient_ledger=true", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                     "--log-dir", str(logs / "server_host")], outputs["server"])
+        processes["server"] = start(
+            hosts["server"],
+            {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
+            [
+                "--workers",
+                "2",
+                "--dataset",
+                "mnist_5k",
+                "--num-epochs",
+                "1",
+                "--max-train-samples",
+                "1600",
+                "--batch-size",
+                "16",
+                "--max-test-samples",
+                "128",
+                "--heartbeat-interval",
+                "0.5",
+                # >= 0.2 s a round: worker 0 alone cannot finish the run's 100 batches
+                # during the 10 s partition, whatever the machine's speed
+                "--heartbeat-timeout",
+                "3",
+                "--step-delay-s",
+                "0.2",
+                "--compression-enabled",
+                "--compression-type",
+                "topk",
+                "--compression-ratio",
+                "0.1",
+                "--set",
+                "system.gradient_ledger=true",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                "--log-dir",
+                str(logs / "server_host"),
+            ],
+            outputs["server"],
+        )
         for k in (0, 1):
-            processes[f"worker_{k}"] = start(hosts[f"worker_{k}"], {"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k),
-                                                                    "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
-                                             ["--log-dir", str(logs / f"worker_host_{k}")], outputs[f"worker_{k}"])
+            processes[f"worker_{k}"] = start(
+                hosts[f"worker_{k}"],
+                {"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k), "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
+                ["--log-dir", str(logs / f"worker_host_{k}")],
+                outputs[f"worker_{k}"],
+            )
         wait_for(lambda: len(events(worker_1_events, "push")) >= 5, 180, "worker 1's fifth push")
         ip("-n", hosts["worker_1"], "link", "set", worker_link(1), "down")
         cut_at = time.monotonic()
         try:
-            wait_for(lambda: events(server_events, "worker_failed"), 9, "the server to fail worker 1 while it is cut off")
+            wait_for(
+                lambda: events(server_events, "worker_failed"), 9, "the server to fail worker 1 while it is cut off"
+            )
             time.sleep(max(0.0, 10.0 - (time.monotonic() - cut_at)))  # the partition lasts 10 s (not a condition)
         finally:
             ip("-n", hosts["worker_1"], "link", "set", worker_link(1), "up")
@@ -246,11 +346,15 @@ def test_a_worker_partitioned_for_10s_is_failed_rejoins_by_itself_and_finishes(h
     assert failed["worker"] == rejoined["worker"] == 1 and "silent for" in failed["reason"]
     assert rejoined["pid"] == failed["pid"] and rejoined["incarnation"] > failed["incarnation"]  # the same process
     assert rejoined["peer"].startswith(f"ipv4:{WORKER_IPS[1]}:")
-    pushed_again = [e for e in events(server_events, "push") if e["worker"] == 1 and e["incarnation"] == rejoined["incarnation"]]
+    pushed_again = [
+        e for e in events(server_events, "push") if e["worker"] == 1 and e["incarnation"] == rejoined["incarnation"]
+    ]
     assert pushed_again and all(e["accepted"] for e in pushed_again)
     assert [e["after"] for e in events(worker_1_events, "rejoined")] == ["revoked"]
     assert "rejoining as a new incarnation (rejoin 1/3)" in text["worker_1"]
     report = check_coverage(events(server_events, None), 1600, 1)
     assert report["ok"], report
-    assert_ledger_balances(logs / "server_host" / "server" / "gradient_ledger.pt",
-                           [logs / f"worker_host_{k}" / f"worker_{k}" / "gradient_ledger.pt" for k in (0, 1)])
+    assert_ledger_balances(
+        logs / "server_host" / "server" / "gradient_ledger.pt",
+        [logs / f"worker_host_{k}" / f"worker_{k}" / "gradient_ledger.pt" for k in (0, 1)],
+    )

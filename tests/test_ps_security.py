@@ -79,7 +79,7 @@ def corrupt(payload: bytes, value: float) -> bytes:
     """An identity payload with its first entry overwritten (the checksum covers only the header)."""
     from src.compression import HEADER_SIZE
 
-    return payload[:HEADER_SIZE] + torch.tensor([value]).numpy().tobytes() + payload[HEADER_SIZE + 4:]
+    return payload[:HEADER_SIZE] + torch.tensor([value]).numpy().tobytes() + payload[HEADER_SIZE + 4 :]
 
 
 def bad_pushes(worker):
@@ -101,7 +101,7 @@ def bad_pushes(worker):
     topk_payload = bytearray(build_compressor("topk", ratio=0.5).compress(torch.ones(shapes[0])))
     from src.compression import HEADER_SIZE
 
-    topk_payload[HEADER_SIZE:HEADER_SIZE + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    topk_payload[HEADER_SIZE : HEADER_SIZE + 4] = torch.tensor([float("nan")]).numpy().tobytes()
     topk_nan[0] = bytes(topk_payload)
     held = list(worker.request().batch_ids)
     other = 1 - worker.caller.worker_id
@@ -109,17 +109,39 @@ def bad_pushes(worker):
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     not_found = grpc.StatusCode.NOT_FOUND
     return [
-        ("unknown worker", worker.request(caller=pb.Caller(worker_id=7, session=worker.caller.session)), not_found,
-         ["worker 7", "not registered"]),
-        ("another worker's id with this session", worker.request(caller=pb.Caller(worker_id=other, session=worker.caller.session)),
-         not_found, [f"worker {other}"]),
+        (
+            "unknown worker",
+            worker.request(caller=pb.Caller(worker_id=7, session=worker.caller.session)),
+            not_found,
+            ["worker 7", "not registered"],
+        ),
+        (
+            "another worker's id with this session",
+            worker.request(caller=pb.Caller(worker_id=other, session=worker.caller.session)),
+            not_found,
+            [f"worker {other}"],
+        ),
         ("no session", worker.request(caller=pb.Caller(worker_id=0)), not_found, ["worker 0", "unknown session"]),
         ("request id 0", worker.request(request_id=0), invalid, ["request_id must be non-zero"]),
-        ("an empty push (proto3 defaults)", pb.PushRequest(caller=worker.caller, request_id=99), invalid,
-         ["covers batches []", f"it holds {held}"]),
-        ("batches it does not hold", worker.request(batch_ids=[b + 1000 for b in held]), invalid, ["covers batches", "it holds"]),
+        (
+            "an empty push (proto3 defaults)",
+            pb.PushRequest(caller=worker.caller, request_id=99),
+            invalid,
+            ["covers batches []", f"it holds {held}"],
+        ),
+        (
+            "batches it does not hold",
+            worker.request(batch_ids=[b + 1000 for b in held]),
+            invalid,
+            ["covers batches", "it holds"],
+        ),
         ("wrong sample count", worker.request(num_samples=samples + 1), invalid, [f"num_samples {samples + 1}"]),
-        ("too few tensors", worker.request(gradients=good[:-1]), invalid, [f"{len(good) - 1} gradients", f"{len(good)} parameters"]),
+        (
+            "too few tensors",
+            worker.request(gradients=good[:-1]),
+            invalid,
+            [f"{len(good) - 1} gradients", f"{len(good)} parameters"],
+        ),
         ("wrong shape", worker.request(gradients=wrong_shape), invalid, ["gradient 0", "shape", "expected"]),
         ("truncated payload", worker.request(gradients=truncated), invalid, ["gradient 1", "truncated"]),
         ("NaN", worker.request(gradients=nan), invalid, ["gradient 0", "NaN"]),
@@ -143,7 +165,9 @@ def test_bad_pushes_are_refused_and_the_server_keeps_serving(tmp_path, transport
             for word in words:
                 assert word in refused.value.details(), (description, refused.value.details())
         status = worker.client.status()
-        assert status.version == 0 and status.pushes_refused == len(cases) - 3  # 3 refused as callers, before any push logic
+        assert (
+            status.version == 0 and status.pushes_refused == len(cases) - 3
+        )  # 3 refused as callers, before any push logic
         for old, new in zip(before, served.server.state.params):
             assert torch.equal(old, new)
         reply = worker.push()  # a good push still goes through
@@ -153,11 +177,14 @@ def test_bad_pushes_are_refused_and_the_server_keeps_serving(tmp_path, transport
         served.close()
 
 
-@pytest.mark.parametrize("data, words", [
-    (b"\x08", "truncated or overlong varint"),
-    (b"\x2a\x80\x01abc", "runs past the end"),
-    (b"\x0f\x00", "unsupported wire type 7"),
-])
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"\x08", "truncated or overlong varint"),
+        (b"\x2a\x80\x01abc", "runs past the end"),
+        (b"\x0f\x00", "unsupported wire type 7"),
+    ],
+)
 def test_malformed_push_bytes_are_refused(served, data, words):
     with served.client() as client:
         with pytest.raises(grpc.RpcError) as refused:
@@ -194,8 +221,11 @@ def test_a_replaced_incarnation_is_refused(tmp_path, transport):
         stale = old.request()
         new = served.worker(0)
         assert new.registration.incarnation == old.registration.incarnation + 1
-        for call in (lambda: old.client.push(stale), lambda: old.client.pull(old.caller),
-                     lambda: old.client.heartbeat(old.caller, pb.WorkerStats(), timeout=5)):
+        for call in (
+            lambda: old.client.push(stale),
+            lambda: old.client.pull(old.caller),
+            lambda: old.client.heartbeat(old.caller, pb.WorkerStats(), timeout=5),
+        ):
             with pytest.raises(grpc.RpcError) as refused:
                 call()
             assert refused.value.code() == grpc.StatusCode.ABORTED
@@ -211,14 +241,24 @@ def test_a_replaced_incarnation_is_refused(tmp_path, transport):
 
 def test_run_finishes_despite_a_misbehaving_worker(tmp_path, transport):
     """Worker 1 sends only bad pushes, then stops; worker 0 trains, worker 1's work moves to it, the run completes."""
-    config = ps_config(tmp_path, system__num_workers=2, system__aggregation_mode="sync", training__max_train_samples=96,
-                       system__transport=transport,
-                       system__heartbeat_interval=0.2, system__heartbeat_timeout=1.0)
+    config = ps_config(
+        tmp_path,
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__max_train_samples=96,
+        system__transport=transport,
+        system__heartbeat_interval=0.2,
+        system__heartbeat_timeout=1.0,
+    )
     served = ServedServer(config)
     try:
-        worker_config = config.model_copy(update={"system": config.system.model_copy(update={"server_address": served.address})})
+        worker_config = config.model_copy(
+            update={"system": config.system.model_copy(update={"server_address": served.address})}
+        )
         outcome = {}
-        thread = threading.Thread(target=lambda: outcome.update(Worker(worker_config, 0, token=TOKEN, tensorboard=False).run()))
+        thread = threading.Thread(
+            target=lambda: outcome.update(Worker(worker_config, 0, token=TOKEN, tensorboard=False).run())
+        )
         thread.start()
         rogue = served.worker(1)  # both ready: the first round starts
         refused = 0
@@ -247,7 +287,9 @@ def test_register_refuses_an_out_of_range_worker_id(served):
 
 def test_tls(tmp_path, transport):
     cert, key = make_self_signed_cert(tmp_path)
-    config = ps_config(tmp_path, system__tls_cert_file=str(cert), system__tls_key_file=str(key), system__transport=transport)
+    config = ps_config(
+        tmp_path, system__tls_cert_file=str(cert), system__tls_key_file=str(key), system__transport=transport
+    )
     served = ServedServer(config, evaluate=False)
     try:
         with served.client(system=config.system) as client:  # trusts the self-signed cert

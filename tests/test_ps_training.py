@@ -15,17 +15,35 @@ from tests.ps_fixtures import ps_config
 
 CONVERGENCE_RUNS = {
     "identity": dict(system__aggregation_mode="sync"),
-    "topk": dict(system__aggregation_mode="sync", system__compression_enabled=True,
-                 system__compression_type="topk", system__compression_ratio=0.1),
-    "quantization": dict(system__aggregation_mode="sync", system__compression_enabled=True,
-                         system__compression_type="quantization", system__quantization_bits=8),
+    "topk": dict(
+        system__aggregation_mode="sync",
+        system__compression_enabled=True,
+        system__compression_type="topk",
+        system__compression_ratio=0.1,
+    ),
+    "quantization": dict(
+        system__aggregation_mode="sync",
+        system__compression_enabled=True,
+        system__compression_type="quantization",
+        system__quantization_bits=8,
+    ),
     # Async with the default correction (lookahead, docs/async.md) and the default momentum 0.9;
     # without the correction momentum 0.9 oscillates (52-78% here).
-    "quantization_async": dict(system__aggregation_mode="async", system__compression_enabled=True,
-                               system__compression_type="quantization", system__quantization_bits=8),
+    "quantization_async": dict(
+        system__aggregation_mode="async",
+        system__compression_enabled=True,
+        system__compression_type="quantization",
+        system__quantization_bits=8,
+    ),
     # top-k 0.1 both ways: the replies carry compressed parameter deltas too.
-    "topk_both_ways": dict(system__aggregation_mode="sync", system__compression_enabled=True, system__compression_type="topk",
-                           system__compression_ratio=0.1, system__downlink_compression="topk", system__downlink_ratio=0.1),
+    "topk_both_ways": dict(
+        system__aggregation_mode="sync",
+        system__compression_enabled=True,
+        system__compression_type="topk",
+        system__compression_ratio=0.1,
+        system__downlink_compression="topk",
+        system__downlink_ratio=0.1,
+    ),
     # 4 local SGD steps per push.
     "local_steps": dict(system__aggregation_mode="sync", system__local_steps=4),
 }
@@ -37,16 +55,26 @@ def convergence(tmp_path_factory):
     root = tmp_path_factory.mktemp("convergence")
     results = {}
     for name, fields in CONVERGENCE_RUNS.items():
-        config = ps_config(root, name, system__num_workers=2, training__batch_size=32, training__num_epochs=2,
-                           training__max_train_samples=None, training__max_test_samples=None,
-                           training__learning_rate=0.05, **{"training__momentum": 0.9, **fields})
+        config = ps_config(
+            root,
+            name,
+            system__num_workers=2,
+            training__batch_size=32,
+            training__num_epochs=2,
+            training__max_train_samples=None,
+            training__max_test_samples=None,
+            training__learning_rate=0.05,
+            **{"training__momentum": 0.9, **fields},
+        )
         results[name] = (config, run_local(config))
     return results
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, accuracy", [("identity", 0.90), ("topk", 0.90), ("quantization", 0.90), ("quantization_async", 0.80)])
+@pytest.mark.parametrize(
+    "name, accuracy", [("identity", 0.90), ("topk", 0.90), ("quantization", 0.90), ("quantization_async", 0.80)]
+)
 def test_converges_on_mnist_5k(convergence, name, accuracy):
     _, summary = convergence[name]
     assert summary["final_accuracy"] >= accuracy, summary
@@ -63,9 +91,12 @@ def test_topk_both_ways_cuts_total_bytes_and_keeps_accuracy(convergence):
     """Target: total bytes per step <= 0.25x dense both ways, accuracy within 1 point of uplink-only top-k."""
     dense, uplink_only, both = (convergence[name][1] for name in ("identity", "topk", "topk_both_ways"))
     total = lambda summary: summary["bytes_sent"] + summary["bytes_received"]
-    assert total(both) <= 0.25 * total(dense), (total(both) / total(dense))
+    assert total(both) <= 0.25 * total(dense), total(both) / total(dense)
     assert both["bytes_received"] <= 0.35 * dense["bytes_received"]  # the downlink itself shrank
-    assert abs(both["final_accuracy"] - uplink_only["final_accuracy"]) <= 0.01, (both["final_accuracy"], uplink_only["final_accuracy"])
+    assert abs(both["final_accuracy"] - uplink_only["final_accuracy"]) <= 0.01, (
+        both["final_accuracy"],
+        uplink_only["final_accuracy"],
+    )
 
 
 @pytest.mark.slow
@@ -83,7 +114,9 @@ def test_local_steps_train(convergence):
 def test_compression_cuts_bytes_sent(convergence, name, limit):
     identity = convergence["identity"][1]["bytes_sent"]
     compressed = convergence[name][1]["bytes_sent"]
-    assert compressed <= limit * identity, f"{name}: {compressed} bytes vs identity {identity} ({compressed / identity:.3f}x)"
+    assert compressed <= limit * identity, (
+        f"{name}: {compressed} bytes vs identity {identity} ({compressed / identity:.3f}x)"
+    )
     # Replies carry dense parameters whatever the gradients' compression: the downlink is not cut.
     assert convergence[name][1]["bytes_received"] > 0.9 * convergence["identity"][1]["bytes_received"]
 
@@ -117,11 +150,19 @@ def test_epochs_are_evaluated_and_checkpointed(convergence):
 @pytest.mark.timeout(240)
 def test_resnet18_far_above_the_4mb_message_default(tmp_path):
     """~45 MB of parameters per pull and per push, with batch-norm buffers synchronised too."""
-    config = ps_config(tmp_path, training__model_architecture="resnet18", training__max_train_samples=8,
-                       training__max_test_samples=8, training__batch_size=4)
+    config = ps_config(
+        tmp_path,
+        training__model_architecture="resnet18",
+        training__max_train_samples=8,
+        training__max_test_samples=8,
+        training__batch_size=4,
+    )
     summary = run_local(config)
-    model_bytes = 4 * sum(t.numel() for t in load_checkpoint(summary["checkpoint_path"])["model_state_dict"].values()
-                          if t.is_floating_point())
+    model_bytes = 4 * sum(
+        t.numel()
+        for t in load_checkpoint(summary["checkpoint_path"])["model_state_dict"].values()
+        if t.is_floating_point()
+    )
     assert model_bytes > 40e6
     assert summary["versions"] == 2
     assert summary["bytes_sent"] >= 2 * 0.99 * model_bytes  # two pushes
@@ -137,7 +178,9 @@ def test_generated_stubs_are_current():
 def test_stub_check_notices_a_changed_proto(tmp_path):
     changed = tmp_path / "parameter_server.proto"
     shutil.copy(gen_protos.PROTO, changed)
-    changed.write_text(changed.read_text().replace("message StatusRequest {}", "message StatusRequest { int32 detail = 1; }"))
+    changed.write_text(
+        changed.read_text().replace("message StatusRequest {}", "message StatusRequest { int32 detail = 1; }")
+    )
     assert gen_protos.stale_reasons(changed) == [
         "src/parameter_server_pb2.py was generated from a different parameter_server.proto"
     ]

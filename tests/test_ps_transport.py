@@ -11,9 +11,16 @@ from src.wire import encode
 
 
 def full_push(gradients, buffers) -> pb.PushRequest:
-    return pb.PushRequest(caller=pb.Caller(worker_id=3, session=b"s" * 16), base_version=7, request_id=2**62 + 5,
-                          num_samples=32, batch_ids=[4, 2**40], gradients=gradients, buffers=buffers,
-                          metrics=pb.StepMetrics(epoch=1, step=2, loss=0.5, correct=30, gradient_time_s=0.25))
+    return pb.PushRequest(
+        caller=pb.Caller(worker_id=3, session=b"s" * 16),
+        base_version=7,
+        request_id=2**62 + 5,
+        num_samples=32,
+        batch_ids=[4, 2**40],
+        gradients=gradients,
+        buffers=buffers,
+        metrics=pb.StepMetrics(epoch=1, step=2, loss=0.5, correct=30, gradient_time_s=0.25),
+    )
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [1, 127, 128, 300], [70_000, 3]])
@@ -37,14 +44,17 @@ def test_split_reads_what_protobuf_wrote():
     assert [bytes(v) for v in received.large["parameters"]] == [b"a" * 1000, b"bc"]
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"\x08", "truncated or overlong varint"),
-    (b"\x08" + b"\xff" * 11, "truncated or overlong varint"),
-    (b"\x2a\x05ab", "runs past the end"),
-    (b"\x11\x00", "runs past the end"),  # fixed64 with 1 byte
-    (b"\x0b", "unsupported wire type 3"),
-    (b"\x42\x01\x08", "Wire format was corrupt"),  # metrics: a submessage cut inside a field
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\x08", "truncated or overlong varint"),
+        (b"\x08" + b"\xff" * 11, "truncated or overlong varint"),
+        (b"\x2a\x05ab", "runs past the end"),
+        (b"\x11\x00", "runs past the end"),  # fixed64 with 1 byte
+        (b"\x0b", "unsupported wire type 3"),
+        (b"\x42\x01\x08", "Wire format was corrupt"),  # metrics: a submessage cut inside a field
+    ],
+)
 def test_split_refuses_malformed_bytes(data, message):
     with pytest.raises(ValueError, match=message):
         split(data, pb.PushRequest, ("gradients", "buffers"))

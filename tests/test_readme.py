@@ -90,7 +90,7 @@ def test_every_relative_link_points_at_a_file_and_readme_anchors_exist():
 
 def test_ci_runs_the_readme_setup_as_written():
     text = README.read_text()
-    section = text[text.index("## Set-up"):text.index("\n## ", text.index("## Set-up") + 1)]
+    section = text[text.index("## Set-up") : text.index("\n## ", text.index("## Set-up") + 1)]
     (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     setup = block.strip().splitlines()
     assert len(setup) == 2, setup
@@ -109,9 +109,14 @@ def test_architecture_page_names_every_module_in_src():
     assert "`src/parameter_server_pb2.py`" in page  # the generated stubs, one line together
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("```bash\npython a.py --x 1 \\\n    --y 2   # note\npython -m pkg.mod --z\ntorchrun b.py\npython a.py\n```\n",
-     [("a.py",), ("-m", "pkg.mod")]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "```bash\npython a.py --x 1 \\\n    --y 2   # note\npython -m pkg.mod --z\ntorchrun b.py\npython a.py\n```\n",
+            [("a.py",), ("-m", "pkg.mod")],
+        ),
+    ],
+)
 def test_python_targets_are_deduplicated_and_continuations_joined(text, expected):
     assert python_targets(text) == expected

@@ -37,8 +37,10 @@ def test_a_failed_call_means_register_again_rejoin_or_the_callers_error():
     assert [failed_call("ABORTED", "incarnation 2 was failed", 1, rejoins) for _ in range(2)] == ["revoked", "revoked"]
     with pytest.raises(IncarnationRevoked) as spent:
         failed_call("ABORTED", "worker 1 incarnation 4 was declared failed", 1, rejoins)
-    assert str(spent.value) == ("worker 1 incarnation 4 was declared failed; rejoined 2 times already "
-                                "(system.max_rejoins=2): this process stops")
+    assert str(spent.value) == (
+        "worker 1 incarnation 4 was declared failed; rejoined 2 times already "
+        "(system.max_rejoins=2): this process stops"
+    )
     with pytest.raises(IncarnationRevoked, match=r"rejoining is off \(system.max_rejoins=0\)"):
         failed_call("ABORTED", "revoked", 1, Rejoins(1, max_rejoins=0))
     with pytest.raises(IncarnationRevoked):  # no budget given: the old rule, stop
@@ -60,12 +62,24 @@ def test_a_revoked_process_that_rejoins_in_its_grace_is_left_alone_one_that_does
 
 # ----------------------------------------------------------------------------- virtual time
 
-VIRTUAL = dict(system__clock="virtual", system__num_workers=2, training__max_train_samples=SAMPLES,
-               training__model_architecture="mlp",  # milliseconds per step on a loaded machine
-               training__batch_size=16, system__heartbeat_interval=0.5, system__heartbeat_timeout=3.0,
-               emulation__compute_s=0.25, emulation__compress_s=0.001, emulation__server_update_s=0.002,
-               emulation__server_reply_s=0.001, emulation__restart_s=1.0, system__compression_enabled=True,
-               system__compression_type="topk", system__compression_ratio=0.1, system__gradient_ledger=True)
+VIRTUAL = dict(
+    system__clock="virtual",
+    system__num_workers=2,
+    training__max_train_samples=SAMPLES,
+    training__model_architecture="mlp",  # milliseconds per step on a loaded machine
+    training__batch_size=16,
+    system__heartbeat_interval=0.5,
+    system__heartbeat_timeout=3.0,
+    emulation__compute_s=0.25,
+    emulation__compress_s=0.001,
+    emulation__server_update_s=0.002,
+    emulation__server_reply_s=0.001,
+    emulation__restart_s=1.0,
+    system__compression_enabled=True,
+    system__compression_type="topk",
+    system__compression_ratio=0.1,
+    system__gradient_ledger=True,
+)
 
 
 def events(config, role: str, kind: str | None = None) -> list[dict]:
@@ -89,8 +103,9 @@ def test_a_paused_worker_is_failed_rejoins_as_a_new_incarnation_and_pushes_again
     """Paused 4.5 s at its 3rd step: silent past the 3 s timeout, failed; it runs again within the launcher's
     grace (another 3 s), its push is refused (ABORTED), it rolls that push back into its residual and
     registers again: the same process, a new incarnation; nothing is killed or restarted."""
-    config = ps_config(tmp_path, mode, system__aggregation_mode=mode, system__inject_faults=["pause=4.5:worker=1@step=3"],
-                       **VIRTUAL)
+    config = ps_config(
+        tmp_path, mode, system__aggregation_mode=mode, system__inject_faults=["pause=4.5:worker=1@step=3"], **VIRTUAL
+    )
     summary = run_virtual(config, tensorboard=False)
 
     server = events(config, "server")
@@ -99,22 +114,28 @@ def test_a_paused_worker_is_failed_rejoins_as_a_new_incarnation_and_pushes_again
     assert (failed["worker"], rejoined["worker"]) == (1, 1) and "silent for" in failed["reason"]
     assert rejoined["pid"] == failed["pid"] and rejoined["incarnation"] > failed["incarnation"]  # the same process
     assert rejoined["time"] > failed["time"]
-    pushes_after = [e for e in server if e["kind"] == "push" and e["worker"] == 1 and e["incarnation"] == rejoined["incarnation"]]
+    pushes_after = [
+        e for e in server if e["kind"] == "push" and e["worker"] == 1 and e["incarnation"] == rejoined["incarnation"]
+    ]
     assert len([e for e in pushes_after if e["accepted"]]) >= 3
     refused = [e for e in server if e["kind"] == "push_refused" and e["worker"] == 1]
     assert refused == []  # a revoked caller is refused by membership (ABORTED), not counted as a bad push
     launcher = events(config, "launcher")
     assert [e["kind"] for e in launcher] == ["worker_rejoined_by_itself"] and launcher[0]["worker"] == 1
     worker = events(config, "worker_1")
-    assert [(e["kind"], e.get("after")) for e in worker if e["kind"] in ("run_start", "rejoined")] == \
-        [("run_start", None), ("rejoined", "revoked")]
+    assert [(e["kind"], e.get("after")) for e in worker if e["kind"] in ("run_start", "rejoined")] == [
+        ("run_start", None),
+        ("rejoined", "revoked"),
+    ]
     assert [e["incarnation"] for e in worker if e["kind"] == "run_end"] == [rejoined["incarnation"]]
 
     report = check_coverage(server, SAMPLES, 1)
     assert report["ok"], report
     assert summary["samples_processed"] == SAMPLES and summary["faults"]["worker_failures"] == 1
     logs = Path(config.system.log_dir)
-    assert_ledger_balances(logs / "server" / "gradient_ledger.pt", [logs / f"worker_{k}" / "gradient_ledger.pt" for k in (0, 1)])
+    assert_ledger_balances(
+        logs / "server" / "gradient_ledger.pt", [logs / f"worker_{k}" / "gradient_ledger.pt" for k in (0, 1)]
+    )
     # Each incarnation reports its own work: the two of worker 1 add up to the process's steps.
     steps = {w["incarnation"]: w["steps"] for w in summary["workers"] if w["worker_id"] == 1}
     assert sorted(steps) == [failed["incarnation"], rejoined["incarnation"]]
@@ -123,8 +144,9 @@ def test_a_paused_worker_is_failed_rejoins_as_a_new_incarnation_and_pushes_again
 
 
 def test_a_pause_past_the_grace_is_a_hang_killed_and_restarted_never_also_a_rejoin(tmp_path):
-    config = ps_config(tmp_path, "long", system__aggregation_mode="async", system__inject_faults=["pause=9:worker=1@step=3"],
-                       **VIRTUAL)
+    config = ps_config(
+        tmp_path, "long", system__aggregation_mode="async", system__inject_faults=["pause=9:worker=1@step=3"], **VIRTUAL
+    )
     run_virtual(config, tensorboard=False)
     launcher = events(config, "launcher")
     assert [(e["kind"], e["worker"]) for e in launcher] == [("worker_killed", 1), ("worker_restarted", 1)]
@@ -137,12 +159,20 @@ def test_a_pause_past_the_grace_is_a_hang_killed_and_restarted_never_also_a_rejo
 
 def test_a_worker_whose_rejoin_budget_is_spent_exits_and_is_restarted(tmp_path):
     """max_rejoins 1 and two pauses: the first ends in a rejoin, the second in exit status 1 and a restart."""
-    config = ps_config(tmp_path, "budget", system__aggregation_mode="async", system__max_rejoins=1,
-                       system__inject_faults=["pause=4.5:worker=1@step=3", "pause=4.5:worker=1@step=8"], **VIRTUAL)
+    config = ps_config(
+        tmp_path,
+        "budget",
+        system__aggregation_mode="async",
+        system__max_rejoins=1,
+        system__inject_faults=["pause=4.5:worker=1@step=3", "pause=4.5:worker=1@step=8"],
+        **VIRTUAL,
+    )
     run_virtual(config, tensorboard=False)
     launcher = events(config, "launcher")
-    assert [(e["kind"], e.get("exit")) for e in launcher] == [("worker_rejoined_by_itself", None),
-                                                              ("worker_restarted", "exited with status 1")]
+    assert [(e["kind"], e.get("exit")) for e in launcher] == [
+        ("worker_rejoined_by_itself", None),
+        ("worker_restarted", "exited with status 1"),
+    ]
     assert check_coverage(events(config, "server"), SAMPLES, 1)["ok"]
 
 
@@ -162,8 +192,9 @@ def library_rejoin_worker(address: str, steps: int) -> None:
     net = small_mlp()
     with connect(address, token=TOKEN, worker_id=0) as client:
         model = DistributedModel(net, client)
-        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client,
-                                         compression=build_compressor("topk", ratio=0.1))
+        optimizer = DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.05), client, compression=build_compressor("topk", ratio=0.1)
+        )
         for step in range(steps):
             images, labels = train_set.batch(list(range(step * 16 % 3000, step * 16 % 3000 + 16)))
             optimizer.zero_grad()
@@ -227,9 +258,17 @@ def test_under_the_local_launcher_a_paused_worker_rejoins_and_is_neither_killed_
     the launcher gives it its grace instead of killing it, and it rejoins as a new incarnation."""
     from src.ps_launcher import run_local
 
-    config = ps_config(tmp_path, "local", system__num_workers=2, system__aggregation_mode="sync",
-                       training__max_train_samples=1200, system__heartbeat_interval=0.5, system__heartbeat_timeout=3.0,
-                       emulation__step_delay_s=0.2, system__inject_faults=["pause=5:worker=1@step=5"])
+    config = ps_config(
+        tmp_path,
+        "local",
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__max_train_samples=1200,
+        system__heartbeat_interval=0.5,
+        system__heartbeat_timeout=3.0,
+        emulation__step_delay_s=0.2,
+        system__inject_faults=["pause=5:worker=1@step=5"],
+    )
     summary = run_local(config)
     launcher = events(config, "launcher")
     assert [(e["kind"], e["worker"]) for e in launcher] == [("worker_rejoined_by_itself", 1)]

@@ -27,8 +27,10 @@ def test_the_token_never_serializes_and_errors_do_not_echo_it():
 @pytest.mark.timeout(600)
 def test_no_output_file_of_any_runner_holds_the_token(tmp_path):
     config_file = tmp_path / "run.yaml"
-    config_file.write_text(f"training:\n  max_train_samples: 256\n  max_test_samples: 64\n  num_epochs: 1\n"
-                           f"system:\n  auth_token: {TOKEN}\n")
+    config_file.write_text(
+        f"training:\n  max_train_samples: 256\n  max_test_samples: 64\n  num_epochs: 1\n"
+        f"system:\n  auth_token: {TOKEN}\n"
+    )
     outputs = tmp_path / "outputs"
     outputs.mkdir()
     runs = [
@@ -38,12 +40,22 @@ def test_no_output_file_of_any_runner_holds_the_token(tmp_path):
     ]
     printed = []
     for args in runs:
-        done = subprocess.run([sys.executable, str(ROOT / args[0]), "--config", str(config_file), *args[1:]],
-                              cwd=outputs, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, str(ROOT / args[0]), "--config", str(config_file), *args[1:]],
+            cwd=outputs,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         printed += [done.stdout, done.stderr]
-        helped = subprocess.run([sys.executable, str(ROOT / args[0]), "--config", str(config_file), "--help"],
-                                cwd=outputs, capture_output=True, text=True, timeout=60)
+        helped = subprocess.run(
+            [sys.executable, str(ROOT / args[0]), "--config", str(config_file), "--help"],
+            cwd=outputs,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         printed += [helped.stdout, helped.stderr]
     files = [path for path in outputs.rglob("*") if path.is_file()]
     assert len(files) > 20  # events, TensorBoard files, summaries, checkpoints of all three runs

@@ -32,11 +32,35 @@ NUM_TRAIN = 4000  # mnist_5k's training split
 NUM_TEST = 500
 # 1 epoch, sync, 2 workers x batch 32: 63 versions; heartbeats fast enough that a killed worker is
 # failed 3 s after its last one.
-PS_FLAGS = ["--dataset", "mnist_5k", "--num-epochs", "1", "--batch-size", "32", "--max-test-samples", str(NUM_TEST),
-            "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--checkpoint-interval", "20"]
+PS_FLAGS = [
+    "--dataset",
+    "mnist_5k",
+    "--num-epochs",
+    "1",
+    "--batch-size",
+    "32",
+    "--max-test-samples",
+    str(NUM_TEST),
+    "--heartbeat-interval",
+    "0.5",
+    "--heartbeat-timeout",
+    "3",
+    "--checkpoint-interval",
+    "20",
+]
 # 2 epochs, 2 ranks x batch 16: 250 steps, a checkpoint every 4 (a requeue lands long before the end).
-DDP_FLAGS = ["--dataset", "mnist_5k", "--num-epochs", "2", "--batch-size", "16", "--max-test-samples", str(NUM_TEST),
-             "--checkpoint-interval-steps", "4"]
+DDP_FLAGS = [
+    "--dataset",
+    "mnist_5k",
+    "--num-epochs",
+    "2",
+    "--batch-size",
+    "16",
+    "--max-test-samples",
+    str(NUM_TEST),
+    "--checkpoint-interval-steps",
+    "4",
+]
 DDP_STEPS = 2 * NUM_TRAIN // 32
 JOB_TIMEOUT_S = 240
 CREDENTIAL_REVOCATION_S = 2.0  # a requeued job's credential must be a whole second newer than the revoked one
@@ -75,7 +99,9 @@ def finished_ok(cluster: SlurmCluster, job_id: int, workdir: Path) -> dict[str, 
         job = cluster.wait_for_job(job_id, JOB_TIMEOUT_S)
     except TimeoutError as exc:
         pytest.fail(f"{exc}\n{output(workdir, job_id)}\n{cluster.diagnostics()}")
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), f"{job}\n{output(workdir, job_id)}\n{cluster.diagnostics()}"
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), (
+        f"{job}\n{output(workdir, job_id)}\n{cluster.diagnostics()}"
+    )
     assert cluster.job_processes(job_id) == [], "processes of the finished job are still running"
     return job
 
@@ -108,8 +134,11 @@ def assert_ps_roles_ended(text: str, statuses: dict[str, str]) -> None:
 
 def requeue_once_checkpointed(cluster: SlurmCluster, job_id: int, checkpoints: Path, workdir: Path) -> None:
     """``scontrol requeue`` the running job as soon as it has written a numbered checkpoint; start it again 2 s later."""
-    job = cluster.wait_for_job(job_id, JOB_TIMEOUT_S, until=lambda job: job["JobState"] not in ("PENDING", "RUNNING")
-                               or any(checkpoints.glob("checkpoint_*.pt")))
+    job = cluster.wait_for_job(
+        job_id,
+        JOB_TIMEOUT_S,
+        until=lambda job: job["JobState"] not in ("PENDING", "RUNNING") or any(checkpoints.glob("checkpoint_*.pt")),
+    )
     assert job["JobState"] == "RUNNING", f"the job ended before its first checkpoint: {job}\n{output(workdir, job_id)}"
     cluster.run("scontrol", "requeue", str(job_id))
     # Slurm makes a requeued job eligible only 2 minutes later (its EligibleTime); the test starts it
@@ -117,7 +146,9 @@ def requeue_once_checkpointed(cluster: SlurmCluster, job_id: int, checkpoints: P
     # the same second as the killed execution's revoked one ("Job credential revoked": the job
     # fails). And not with StartTime=now+2: a job that becomes eligible by the clock waits for the
     # scheduler's next periodic pass (up to a minute), one updated to StartTime=now is scheduled at once.
-    job = cluster.wait_for_job(job_id, JOB_TIMEOUT_S, until=lambda job: job["JobState"] in ("PENDING", *FINISHED_STATES))
+    job = cluster.wait_for_job(
+        job_id, JOB_TIMEOUT_S, until=lambda job: job["JobState"] in ("PENDING", *FINISHED_STATES)
+    )
     assert (job["JobState"], job["Restarts"]) == ("PENDING", "1"), f"{job}\n{output(workdir, job_id)}"
     time.sleep(CREDENTIAL_REVOCATION_S)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
@@ -155,11 +186,14 @@ def test_ps_job_survives_a_worker_step_killed_by_scancel(slurm, tmp_path, capsys
 
     job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S, until=training)
     steps = slurm.steps(job_id)
-    assert job["JobState"] == "RUNNING" and {"ps-server", "ps-worker-0", "ps-worker-1"} <= steps.keys(), \
+    assert job["JobState"] == "RUNNING" and {"ps-server", "ps-worker-0", "ps-worker-1"} <= steps.keys(), (
         f"{job['JobState']}, steps {steps}\n{output(tmp_path, job_id)}"
+    )
     # The token the job made for itself, as its server process holds it.
     (server_pid,) = slurm.step_pids(steps["ps-server"])
-    environ = dict(entry.split(b"=", 1) for entry in Path(f"/proc/{server_pid}/environ").read_bytes().split(b"\0") if b"=" in entry)
+    environ = dict(
+        entry.split(b"=", 1) for entry in Path(f"/proc/{server_pid}/environ").read_bytes().split(b"\0") if b"=" in entry
+    )
     token = environ[b"DTS_AUTH_TOKEN"]
     assert len(token) == 48, "the job's auth token is 24 random bytes in hex"
     slurm.run("scancel", "--signal=KILL", steps["ps-worker-1"])
@@ -245,9 +279,9 @@ def test_ddp_job_requeued_mid_run_resumes_from_its_checkpoint(slurm, ddp_uninter
     starts = [i for i, e in enumerate(events) if e["kind"] == "run_start"]
     assert [events[i]["resumed_from"] for i in starts] == [None, summary["resumed_from"]], [events[i] for i in starts]
     # The second execution took the newest checkpoint the first one wrote, and that was mid-run.
-    (newest,) = [e for e in events[:starts[1]] if e["kind"] == "checkpoint"][-1:]
+    (newest,) = [e for e in events[: starts[1]] if e["kind"] == "checkpoint"][-1:]
     assert summary["resumed_from"] == newest["path"], (summary["resumed_from"], newest)
-    assert 0 < newest["step"] < DDP_STEPS and not any(e["kind"] == "run_end" for e in events[:starts[1]])
+    assert 0 < newest["step"] < DDP_STEPS and not any(e["kind"] == "run_end" for e in events[: starts[1]])
     assert (summary["steps"], summary["steps_this_run"]) == (DDP_STEPS, DDP_STEPS - newest["step"])
     # Resumed exactly where it left off: the same parameters as the uninterrupted job.
     _, reference_dir, reference = ddp_uninterrupted
@@ -264,15 +298,23 @@ def test_ddp_job_requeued_mid_run_resumes_from_its_checkpoint(slurm, ddp_uninter
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nodes, tasks_per_node, expected", [
-    ("n1", "3", ["n1"] * 3),
-    ("n[1-3]", "2(x2),1", ["n1", "n1", "n2", "n2", "n3"]),
-    ("a,b[7-8]", "1,2,1", ["a", "b7", "b7", "b8"]),
-])
+@pytest.mark.parametrize(
+    "nodes, tasks_per_node, expected",
+    [
+        ("n1", "3", ["n1"] * 3),
+        ("n[1-3]", "2(x2),1", ["n1", "n1", "n2", "n2", "n3"]),
+        ("a,b[7-8]", "1,2,1", ["a", "b7", "b7", "b8"]),
+    ],
+)
 def test_tasks_are_placed_on_their_nodes_in_slurm_block_layout(slurm, nodes, tasks_per_node, expected):
     """ps.sbatch runs task t (0: the server, k + 1: worker k) on the node Slurm gave task t."""
-    found = subprocess.run(["bash", "-c", f"source {ROOT}/deploy/slurm/common.sh && slurm_task_nodes"], capture_output=True,
-                           text=True, timeout=30, env=slurm.env | {"SLURM_JOB_NODELIST": nodes, "SLURM_TASKS_PER_NODE": tasks_per_node})
+    found = subprocess.run(
+        ["bash", "-c", f"source {ROOT}/deploy/slurm/common.sh && slurm_task_nodes"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=slurm.env | {"SLURM_JOB_NODELIST": nodes, "SLURM_TASKS_PER_NODE": tasks_per_node},
+    )
     assert found.returncode == 0, found.stderr
     assert found.stdout.split() == expected
 
@@ -282,18 +324,32 @@ def test_scripts_outside_slurm_fail_with_one_line(script):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30, env=env, cwd=ROOT)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [f"{script.name}: SLURM_JOB_ID is not set: this script runs inside a Slurm job "
-                                          "(submit it with sbatch)"]
+    assert result.stderr.splitlines() == [
+        f"{script.name}: SLURM_JOB_ID is not set: this script runs inside a Slurm job (submit it with sbatch)"
+    ]
 
 
-@pytest.mark.parametrize("script, flag", [(PS_SCRIPT, "--workers"), (PS_SCRIPT, "--resume"), (DDP_SCRIPT, "--world-size"),
-                                          (DDP_SCRIPT, "--log-dir")])
+@pytest.mark.parametrize(
+    "script, flag",
+    [(PS_SCRIPT, "--workers"), (PS_SCRIPT, "--resume"), (DDP_SCRIPT, "--world-size"), (DDP_SCRIPT, "--log-dir")],
+)
 def test_scripts_refuse_the_flags_they_set(script, flag):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
-        "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "3", "SLURM_TASKS_PER_NODE": "3",
-        "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2"}
-    result = subprocess.run(["bash", str(script), "--", "--dataset", "mnist_5k", f"{flag}=2"], capture_output=True, text=True,
-                            timeout=30, env=env, cwd=ROOT)
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_NTASKS": "3",
+        "SLURM_TASKS_PER_NODE": "3",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS_PER_NODE": "2",
+    }
+    result = subprocess.run(
+        ["bash", str(script), "--", "--dataset", "mnist_5k", f"{flag}=2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        cwd=ROOT,
+    )
     assert result.returncode == 2
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"{script.name}: {flag} is set by this script ("), line

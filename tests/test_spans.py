@@ -41,8 +41,24 @@ pytestmark = pytest.mark.timeout(300)
 
 UPLINK_MBPS = 25.0
 DDP_RUNNER = str(ROOT / "run_ddp_training.py")
-DDP_ARGS = ["--world-size", "2", "--dataset", "synthetic", "--num-samples", "256", "--batch-size", "32", "--num-epochs", "1",
-            "--allreduce", "ring", "--eval-interval", "2", "--max-restarts", "0"]
+DDP_ARGS = [
+    "--world-size",
+    "2",
+    "--dataset",
+    "synthetic",
+    "--num-samples",
+    "256",
+    "--batch-size",
+    "32",
+    "--num-epochs",
+    "1",
+    "--allreduce",
+    "ring",
+    "--eval-interval",
+    "2",
+    "--max-restarts",
+    "0",
+]
 
 
 def _closed_trace(path: Path) -> list[dict]:
@@ -63,7 +79,10 @@ def _inside(inner: dict, outer: dict, slack_us: float = 0.01) -> bool:
 
 def _push_waits_s(logs: Path, worker: int) -> float:
     """Seconds worker ``worker``'s pushes waited on its emulated uplink: their exact bytes over the bandwidth."""
-    return sum(8 * p["push_bytes"] / (UPLINK_MBPS * 1e6) for p in read_events(logs / f"worker_{worker}" / "events.jsonl", "push"))
+    return sum(
+        8 * p["push_bytes"] / (UPLINK_MBPS * 1e6)
+        for p in read_events(logs / f"worker_{worker}" / "events.jsonl", "push")
+    )
 
 
 # ----------------------------------------------------------------------------- parameter server
@@ -75,9 +94,16 @@ def ps_run(tmp_path_factory):
     from src.ps_launcher import run_local
 
     tmp = tmp_path_factory.mktemp("ps_trace")
-    config = ps_config(tmp, system__num_workers=2, system__trace=True, training__model_architecture="mlp",
-                       training__max_train_samples=128, training__eval_interval=4, training__checkpoint_interval=4,
-                       emulation__uplink_mbps=UPLINK_MBPS)
+    config = ps_config(
+        tmp,
+        system__num_workers=2,
+        system__trace=True,
+        training__model_architecture="mlp",
+        training__max_train_samples=128,
+        training__eval_interval=4,
+        training__checkpoint_interval=4,
+        emulation__uplink_mbps=UPLINK_MBPS,
+    )
     return tmp / "run" / "logs", run_local(config)
 
 
@@ -89,7 +115,9 @@ def test_a_traced_ps_run_has_every_step_in_its_spans_on_one_clock(ps_run):
     counts = _counts(server)
     assert counts["serve_push"] == counts["decode"] == counts["apply"] == pushes
     assert counts["serve_pull"] == 2 and counts["reply"] == pushes + 2 and counts["barrier_wait"] == pushes + 2
-    assert counts["evaluate"] == len(list(read_events(logs / "server" / "events.jsonl", "eval")))  # versions 4, 8, final
+    assert counts["evaluate"] == len(
+        list(read_events(logs / "server" / "events.jsonl", "eval"))
+    )  # versions 4, 8, final
     assert counts["checkpoint"] == len(list(read_events(logs / "server" / "events.jsonl", "checkpoint"))) + 1  # + final
     server_spans = complete_events(server)
     for span in (s for s in server_spans if s["name"] in ("decode", "apply", "reply")):  # inside its RPC's span
@@ -101,7 +129,9 @@ def test_a_traced_ps_run_has_every_step_in_its_spans_on_one_clock(ps_run):
         events = _closed_trace(logs / f"worker_{k}" / tracing.TRACE_FILE)
         traces.append(events)
         counts = _counts(events)
-        assert counts["step"] == counts["forward_backward"] == counts["compress"] == counts["push"] == worker["steps"], counts
+        assert (
+            counts["step"] == counts["forward_backward"] == counts["compress"] == counts["push"] == worker["steps"]
+        ), counts
         spans = complete_events(events)
         steps = [s for s in spans if s["name"] == "step"]
         assert [s["args"]["step"] for s in steps] == list(range(1, worker["steps"] + 1))
@@ -109,8 +139,12 @@ def test_a_traced_ps_run_has_every_step_in_its_spans_on_one_clock(ps_run):
             assert all(any(_inside(s, step) for step in steps) for s in spans if s["name"] == name), name
         # One clock: the server decoded and applied each push while the worker's push span was open.
         for push in (s for s in spans if s["name"] == "push"):
-            handled = [s for s in server_spans if s["name"] in ("decode", "apply")
-                       and s["args"] == {"worker": k, "request_id": push["args"]["request_id"]}]
+            handled = [
+                s
+                for s in server_spans
+                if s["name"] in ("decode", "apply")
+                and s["args"] == {"worker": k, "request_id": push["args"]["request_id"]}
+            ]
             assert len(handled) == 2 and all(_inside(s, push) for s in handled), (push, handled)
     merged = tracing.describe_trace(tracing.merge_traces(traces))
     assert sorted(p["name"] for p in merged["processes"]) == ["parameter server", "worker 0", "worker 1"]
@@ -121,8 +155,9 @@ def test_ps_exposed_communication_is_the_workers_time_blocked_on_the_reply(ps_ru
     """One worker: nothing but its own push is in the round trip, so it is the uplink's wait and a little more."""
     from src.ps_launcher import run_local
 
-    config = ps_config(tmp_path, training__model_architecture="mlp", training__max_train_samples=96,
-                       emulation__uplink_mbps=UPLINK_MBPS)
+    config = ps_config(
+        tmp_path, training__model_architecture="mlp", training__max_train_samples=96, emulation__uplink_mbps=UPLINK_MBPS
+    )
     summary = run_local(config)
     (worker,) = summary["workers"]
     assert worker["steps"] == 6
@@ -140,8 +175,14 @@ def test_a_virtual_run_writes_the_same_step_spans_on_its_virtual_clock(tmp_path)
     from src.virtual_time import run_virtual
     from tests.test_virtual_time import virtual_config
 
-    config = virtual_config(tmp_path, "virtual", system__num_workers=2, system__aggregation_mode="sync",
-                            training__max_train_samples=128, system__trace=True)
+    config = virtual_config(
+        tmp_path,
+        "virtual",
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__max_train_samples=128,
+        system__trace=True,
+    )
     summary = run_virtual(config, tensorboard=False)
     logs = tmp_path / "virtual" / "logs"
     server = _closed_trace(logs / "server" / tracing.TRACE_FILE)
@@ -149,11 +190,15 @@ def test_a_virtual_run_writes_the_same_step_spans_on_its_virtual_clock(tmp_path)
     for worker in summary["workers"]:
         events = _closed_trace(logs / f"worker_{worker['worker_id']}" / tracing.TRACE_FILE)
         counts = _counts(events)
-        assert counts["step"] == counts["forward_backward"] == counts["compress"] == counts["push"] == worker["steps"] == 4
+        assert (
+            counts["step"] == counts["forward_backward"] == counts["compress"] == counts["push"] == worker["steps"] == 4
+        )
         spans = complete_events(events)
         # the cost model's seconds, in virtual microseconds from 0
         assert all(s["dur"] == pytest.approx(0.02e6) for s in spans if s["name"] == "forward_backward")
-        assert sum(s["dur"] for s in spans if s["name"] == "push") / 1e6 == pytest.approx(worker["exposed_communication_s"])
+        assert sum(s["dur"] for s in spans if s["name"] == "push") / 1e6 == pytest.approx(
+            worker["exposed_communication_s"]
+        )
         assert max(s["ts"] + s["dur"] for s in spans) / 1e6 <= summary["total_time_s"] + 1e-9
 
 
@@ -180,9 +225,24 @@ def _clean_env() -> dict[str, str]:
 
 
 def _ddp(logs: Path, extra: list[str] = (), prefix: list[str] = ()) -> dict:
-    done = subprocess.run([*prefix, sys.executable, DDP_RUNNER, *DDP_ARGS, *extra, "--log-dir", str(logs),
-                           "--checkpoint-dir", str(logs / "ckpt")], cwd=ROOT, env=_clean_env(), capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run(
+        [
+            *prefix,
+            sys.executable,
+            DDP_RUNNER,
+            *DDP_ARGS,
+            *extra,
+            "--log-dir",
+            str(logs),
+            "--checkpoint-dir",
+            str(logs / "ckpt"),
+        ],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((logs / "summary.json").read_text())
 
@@ -202,7 +262,9 @@ def test_a_traced_ddp_run_has_every_step_in_its_spans_on_one_clock(ddp_run):
     for rank in (0, 1):
         events = _closed_trace(logs / f"rank_{rank}" / tracing.TRACE_FILE)
         counts = _counts(events)
-        assert counts["step"] == counts["forward_backward"] == counts["optimizer_step"] == counts["exchange_wait"] == steps
+        assert (
+            counts["step"] == counts["forward_backward"] == counts["optimizer_step"] == counts["exchange_wait"] == steps
+        )
         assert counts["evaluate"] == len(list(read_events(logs / "events.jsonl", "eval")))  # steps 2, 4 (epoch end)
         assert counts["checkpoint"] == len(list(read_events(logs / "events.jsonl", "checkpoint"))) + 1  # + ddp_final.pt
         spans = complete_events(events)
@@ -214,7 +276,9 @@ def test_a_traced_ddp_run_has_every_step_in_its_spans_on_one_clock(ddp_run):
         waits = [s for s in spans if s["name"] == "exchange_wait"]
         assert all(any(_inside(w, b) for b in backward) for w in waits)  # the wait is the end of the backward pass
         rank_summary = json.loads((logs / f"ddp_rank_{rank}.json").read_text())
-        assert sum(w["dur"] for w in waits) / 1e6 == pytest.approx(rank_summary["exposed_communication_s"], rel=1e-3, abs=1e-5)
+        assert sum(w["dur"] for w in waits) / 1e6 == pytest.approx(
+            rank_summary["exposed_communication_s"], rel=1e-3, abs=1e-5
+        )
         hooks = [s for s in spans if s["name"] == "hook_exchange"]
         assert {s["args"]["step"] for s in hooks} == set(range(steps))  # the hook's step counter starts at 0
         assert {s["tid"] for s in hooks}.isdisjoint({s["tid"] for s in backward})  # on the hook's own thread
@@ -289,7 +353,9 @@ def shaped_loopback():
     name = f"dtspans{os.getpid() % 100000}"
     subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, timeout=30)
     try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "mtu", "1500", "up"], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            ["ip", "-n", name, "link", "set", "lo", "mtu", "1500", "up"], check=True, capture_output=True, timeout=30
+        )
         yield name
     finally:
         for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
@@ -306,8 +372,30 @@ def test_ddp_exposed_communication_grows_as_a_tc_shaped_link_narrows(ddp_run, sh
     """Both ranks in one namespace, their ring traffic through its loopback shaped by a token bucket to 25 Mbit/s."""
     _, unshaped = ddp_run
     mbps = 25
-    subprocess.run(["ip", "netns", "exec", shaped_loopback, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
-                    "rate", f"{mbps}mbit", "burst", "32kb", "latency", "400ms"], check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            shaped_loopback,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            f"{mbps}mbit",
+            "burst",
+            "32kb",
+            "latency",
+            "400ms",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     shaped = _ddp(tmp_path / "shaped", prefix=["ip", "netns", "exec", shaped_loopback])
     assert shaped["bytes_sent"] == unshaped["bytes_sent"] and shaped["steps"] == unshaped["steps"]  # the same exchange
     rank_steps = 2 * shaped["steps"]
@@ -327,8 +415,12 @@ def test_a_trace_is_drawn_one_lane_per_thread_with_nested_spans_below_their_pare
     logs, summary = ddp_run
     events = tracing.merge_traces(tracing.read_trace(p) for p in tracing.find_traces(logs))
     drawn = lanes(events)
-    assert [name for name, _ in drawn] == ["rank 0 / MainThread", "rank 0 / comm-hook_0", "rank 1 / MainThread",
-                                           "rank 1 / comm-hook_0"]
+    assert [name for name, _ in drawn] == [
+        "rank 0 / MainThread",
+        "rank 0 / comm-hook_0",
+        "rank 1 / MainThread",
+        "rank 1 / comm-hook_0",
+    ]
     main = dict(drawn)["rank 0 / MainThread"]
     depths = {span["name"]: depth for span, depth in main}
     assert (depths["step"], depths["forward_backward"], depths["exchange_wait"]) == (0, 1, 2)
@@ -351,13 +443,18 @@ def test_a_trace_is_drawn_one_lane_per_thread_with_nested_spans_below_their_pare
 def test_the_report_shows_exposed_communication_for_every_architecture(ps_run, ddp_run):
     (_, ps), (ddp_logs, ddp) = ps_run, ddp_run
     ranks = [json.loads((ddp_logs / f"ddp_rank_{r}.json").read_text()) for r in (0, 1)]
-    report = build_report([Run(SUMMARY, "baseline.json"), Run(ps, "ps.json", workers=ps["workers"]),
-                           Run(ddp, "ddp.json", ranks=ranks)])
+    report = build_report(
+        [Run(SUMMARY, "baseline.json"), Run(ps, "ps.json", workers=ps["workers"]), Run(ddp, "ddp.json", ranks=ranks)]
+    )
     splits = {r["architecture"]: r["time_split"] for r in report["runs"]}
     assert splits["baseline"]["exposed_communication_s"] == 0.0
     assert splits["parameter_server"]["exposed_communication_s"] == pytest.approx(ps["exposed_communication_s"] / 2)
     assert splits["ddp"]["exposed_communication_s"] == pytest.approx(ddp["exposed_communication_s"] / 2)
-    assert splits["ddp"]["exposed_share_of_train_time"] == pytest.approx(ddp["exposed_communication_s"] / 2 / ddp["train_time_s"])
+    assert splits["ddp"]["exposed_share_of_train_time"] == pytest.approx(
+        ddp["exposed_communication_s"] / 2 / ddp["train_time_s"]
+    )
     table = to_markdown(report_blocks(report, "plots")).split("## Where the time goes")[1].split("##")[0]
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "exposed" not in line and "---" not in line]
+    rows = [
+        line for line in table.splitlines() if line.startswith("| ") and "exposed" not in line and "---" not in line
+    ]
     assert len(rows) == 3 and all("% of train time" in row for row in rows), rows

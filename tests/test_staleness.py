@@ -61,7 +61,9 @@ def test_none_accepts_every_push_at_full_weight():
 
 
 def test_policy_from_config_and_new_bound():
-    system = validate_config({"system": {"staleness_policy": "both", "staleness_beta": 0.25, "max_staleness": 2}}).system
+    system = validate_config(
+        {"system": {"staleness_policy": "both", "staleness_beta": 0.25, "max_staleness": 2}}
+    ).system
     policy = StalenessPolicy.from_config(system)
     assert policy == StalenessPolicy("both", beta=0.25, max_staleness=2)
     assert policy.verdict(3)[0] is None
@@ -69,12 +71,15 @@ def test_policy_from_config_and_new_bound():
     assert looser.verdict(3)[0] == pytest.approx(1 / 1.75) and policy.max_staleness == 2
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(kind="sometimes"), "staleness policy must be one of"),
-    (dict(kind="soft", beta=-0.1), "beta must be a finite number >= 0"),
-    (dict(kind="soft", beta=math.nan), "beta must be a finite number >= 0"),
-    (dict(kind="hard", max_staleness=-1), "max_staleness must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kind="sometimes"), "staleness policy must be one of"),
+        (dict(kind="soft", beta=-0.1), "beta must be a finite number >= 0"),
+        (dict(kind="soft", beta=math.nan), "beta must be a finite number >= 0"),
+        (dict(kind="hard", max_staleness=-1), "max_staleness must be an int >= 0"),
+    ],
+)
 def test_bad_policy_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StalenessPolicy(**kwargs)
@@ -139,7 +144,7 @@ def test_one_push_per_worker_is_a_sync_momentum_step_on_the_mean_gradient(num_wo
     pushes = _gradients(rounds * num_workers, SHAPES)
     order = torch.Generator().manual_seed(3)
     for r in range(rounds):
-        batch = pushes[r * num_workers:(r + 1) * num_workers]
+        batch = pushes[r * num_workers : (r + 1) * num_workers]
         mean = [torch.stack(parts).mean(dim=0) for parts in zip(*batch)]
         _apply(sgd, reference, mean)
         for worker in torch.randperm(num_workers, generator=order).tolist():
@@ -155,7 +160,7 @@ def test_the_comparison_above_can_fail():
     per_push = torch.optim.SGD(plain, lr=0.05, momentum=0.9)
     pushes = _gradients(4, SHAPES)
     for r in range(2):
-        batch = pushes[2 * r:2 * r + 2]
+        batch = pushes[2 * r : 2 * r + 2]
         _apply(sgd, reference, [torch.stack(parts).mean(dim=0) for parts in zip(*batch)])
         for gradients in batch:
             _apply(per_push, plain, gradients)
@@ -206,7 +211,9 @@ def test_forget_worker_drops_its_momentum_from_the_lookahead():
     for param, ahead in zip(params, optimizer.lookahead()):
         state = optimizer.state[param]
         assert torch.count_nonzero(state["momentum_buffers"][1]) == 0
-        torch.testing.assert_close(ahead, param.detach() - 0.05 * 0.9 * state["momentum_buffers"][0], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(
+            ahead, param.detach() - 0.05 * 0.9 * state["momentum_buffers"][0], rtol=RTOL, atol=ATOL
+        )
 
 
 def test_state_dict_resumes_the_same_trajectory(tmp_path):
@@ -231,8 +238,12 @@ def test_state_dict_resumes_the_same_trajectory(tmp_path):
 
 
 def test_from_config_reads_the_run():
-    config = validate_config({"training": {"learning_rate": 0.02, "momentum": 0.8, "weight_decay": 0.001},
-                              "system": {"num_workers": 4, "aggregation_mode": "async"}})
+    config = validate_config(
+        {
+            "training": {"learning_rate": 0.02, "momentum": 0.8, "weight_decay": 0.001},
+            "system": {"num_workers": 4, "aggregation_mode": "async"},
+        }
+    )
     optimizer = LookaheadMomentum.from_config(config, _params())
     group = optimizer.param_groups[0]
     assert (optimizer.num_workers, group["lr"], group["momentum"], group["weight_decay"]) == (4, 0.02, 0.8, 0.001)
@@ -246,7 +257,9 @@ def test_from_config_reads_the_run():
 
 def test_stability_limit_with_one_worker_is_nesterovs():
     for momentum in (0.0, 0.5, 0.9):
-        assert lookahead_stability_limit(momentum, 1) == pytest.approx(2 * (1 + momentum) / (1 + 2 * momentum), rel=1e-6)
+        assert lookahead_stability_limit(momentum, 1) == pytest.approx(
+            2 * (1 + momentum) / (1 + 2 * momentum), rel=1e-6
+        )
 
 
 def test_stability_limit_falls_with_workers_and_the_scale_follows():
@@ -276,13 +289,16 @@ def test_the_optimizer_converges_below_the_limit_and_diverges_above(num_workers)
     assert final_size(1.1) > 1e2
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_workers=0, lr=0.1), "num_workers must be an int >= 1"),
-    (dict(num_workers=2, lr=0.0), "lr must be a finite number > 0"),
-    (dict(num_workers=2, lr=0.1, momentum=1.0), r"momentum must be in \[0, 1\)"),
-    (dict(num_workers=2, lr=0.1, weight_decay=-1.0), "weight_decay must be a finite number >= 0"),
-    (dict(num_workers=2, lr=0.1, step_scale=0.0), "step_scale must be a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_workers=0, lr=0.1), "num_workers must be an int >= 1"),
+        (dict(num_workers=2, lr=0.0), "lr must be a finite number > 0"),
+        (dict(num_workers=2, lr=0.1, momentum=1.0), r"momentum must be in \[0, 1\)"),
+        (dict(num_workers=2, lr=0.1, weight_decay=-1.0), "weight_decay must be a finite number >= 0"),
+        (dict(num_workers=2, lr=0.1, step_scale=0.0), "step_scale must be a finite number > 0"),
+    ],
+)
 def test_bad_optimizer_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LookaheadMomentum(_params(), **kwargs)
@@ -304,8 +320,14 @@ def test_server_applies_the_policy_and_pulls_the_lookahead(tmp_path):
     and replies carry the lookahead point while the server's model stays at ``params``."""
     from tests.ps_fixtures import ServedServer, identity_gradients, ps_config
 
-    config = ps_config(tmp_path, system__num_workers=2, system__staleness_policy="hard", system__max_staleness=0,
-                       training__momentum=0.9, training__max_train_samples=256)  # work left for every reply
+    config = ps_config(
+        tmp_path,
+        system__num_workers=2,
+        system__staleness_policy="hard",
+        system__max_staleness=0,
+        training__momentum=0.9,
+        training__max_train_samples=256,
+    )  # work left for every reply
     served = ServedServer(config, evaluate=False)
     zero, one = served.worker(0), served.worker(1)
     try:
@@ -339,8 +361,14 @@ def test_server_soft_weight_and_plain_optimizer_without_correction(tmp_path):
     """``async_correction: none`` keeps torch's SGD; a soft weight scales the push's gradient."""
     from tests.ps_fixtures import ServedServer, identity_gradients, ps_config
 
-    config = ps_config(tmp_path, system__num_workers=2, system__async_correction="none", system__staleness_policy="soft",
-                       system__staleness_beta=1.0, training__momentum=0.0)
+    config = ps_config(
+        tmp_path,
+        system__num_workers=2,
+        system__async_correction="none",
+        system__staleness_policy="soft",
+        system__staleness_beta=1.0,
+        training__momentum=0.0,
+    )
     served = ServedServer(config, evaluate=False)
     zero, one = served.worker(0), served.worker(1)
     try:
@@ -370,13 +398,21 @@ def test_over_a_whole_run_computed_gradients_are_applied_or_still_in_the_residua
     from src.ps_launcher import run_local
     from tests.ps_fixtures import ps_config
 
-    config = ps_config(tmp_path, system__num_workers=2, system__staleness_policy="hard", system__max_staleness=0,
-                       system__compression_enabled=compression != "none", system__compression_type="topk",
-                       system__compression_ratio=0.05, system__gradient_ledger=True,
-                       training__max_train_samples=512, training__batch_size=16,
-                       # 0.25 s per step: one worker alone would take 8 s, so the other (whose process may
-                       # start seconds later) shares the run and pushes interleave (staleness >= 1)
-                       emulation__step_delay_s=0.25)
+    config = ps_config(
+        tmp_path,
+        system__num_workers=2,
+        system__staleness_policy="hard",
+        system__max_staleness=0,
+        system__compression_enabled=compression != "none",
+        system__compression_type="topk",
+        system__compression_ratio=0.05,
+        system__gradient_ledger=True,
+        training__max_train_samples=512,
+        training__batch_size=16,
+        # 0.25 s per step: one worker alone would take 8 s, so the other (whose process may
+        # start seconds later) shares the run and pushes interleave (staleness >= 1)
+        emulation__step_delay_s=0.25,
+    )
     summary = run_local(config)
     assert summary["pushes_rejected"] > 0 and summary["samples_processed"] == 512
     logs = tmp_path / "run" / "logs"
@@ -386,13 +422,24 @@ def test_over_a_whole_run_computed_gradients_are_applied_or_still_in_the_residua
         computed = sum(w["computed"][name] for w in workers)
         residuals = sum(w["residuals"][name] for w in workers)
         assert computed.abs().sum() > 0
-        torch.testing.assert_close(applied[name] + residuals, computed, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            applied[name] + residuals, computed, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}"
+        )
     if compression == "none":  # identity payloads leave nothing behind; the last flush applied what rejections held
         assert all(w["residuals"][n].abs().sum() == 0 for w in workers for n in applied)
 
 
-SPECS_ASYNC_COMMAND = ["--dataset", "mnist_5k", "--num-epochs", "2", "--compression-enabled", "--compression-type", "topk",
-                       "--compression-ratio", "0.1"]
+SPECS_ASYNC_COMMAND = [
+    "--dataset",
+    "mnist_5k",
+    "--num-epochs",
+    "2",
+    "--compression-enabled",
+    "--compression-type",
+    "topk",
+    "--compression-ratio",
+    "0.1",
+]
 """The spec's async command without its worker count and mode (momentum and the correction at their defaults)."""
 
 
@@ -434,8 +481,13 @@ def test_the_specs_async_command_with_4_workers_trains_as_well_as_sync_over_seed
         for mode in ("sync", "async"):
             folder = tmp_path / f"{mode}{seed}"
             folder.mkdir()
-            result = run_cli(["--workers", "4", *SPECS_ASYNC_COMMAND, "--seed", str(seed), "--aggregation-mode", mode],
-                             cwd=folder, timeout=420)
+            result = run_cli(
+                ["--workers", "4", *SPECS_ASYNC_COMMAND, "--seed", str(seed), "--aggregation-mode", mode],
+                cwd=folder,
+                timeout=420,
+            )
             assert result.returncode == 0, result.stderr[-3000:]
-            accuracy[mode].append(json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())["final_accuracy"])
+            accuracy[mode].append(
+                json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())["final_accuracy"]
+            )
     assert statistics.median(accuracy["async"]) >= statistics.median(accuracy["sync"]) - 0.02, accuracy

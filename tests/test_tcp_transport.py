@@ -72,12 +72,16 @@ def connected(served, *, hello: bool) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("hello, method, length, limit", [
-    (True, Method.PUSH, None, "max_message_bytes"),  # one byte over the model-sized limit
-    (True, Method.PUSH, 2**32 - 1, "max_message_bytes"),
-    (True, Method.STATUS, 2 << 20, "small"),  # the small calls' limit
-    (False, Method.HELLO, 1 << 30, "hello"),  # before authenticating: a token's worth
-], ids=["push-just-over", "push-4GiB", "status-2MiB", "hello-1GiB"])
+@pytest.mark.parametrize(
+    "hello, method, length, limit",
+    [
+        (True, Method.PUSH, None, "max_message_bytes"),  # one byte over the model-sized limit
+        (True, Method.PUSH, 2**32 - 1, "max_message_bytes"),
+        (True, Method.STATUS, 2 << 20, "small"),  # the small calls' limit
+        (False, Method.HELLO, 1 << 30, "hello"),  # before authenticating: a token's worth
+    ],
+    ids=["push-just-over", "push-4GiB", "status-2MiB", "hello-1GiB"],
+)
 def test_a_frame_longer_than_its_limit_is_refused_before_allocation(served, hello, method, length, limit):
     limits = {"max_message_bytes": served.server.core.max_message_bytes, "small": 1 << 20, "hello": HELLO_MAX_BYTES}
     claimed = length if length is not None else limits[limit] + 1
@@ -105,14 +109,18 @@ def test_byte_counters_count_the_exact_frames(served):
         before = client.bytes_sent, client.bytes_received
         client.status()  # the same connection: no second hello
         assert (client.bytes_sent - before[0], client.bytes_received - before[1]) == (
-            HEADER_BYTES, HEADER_BYTES + len(reply.SerializeToString()))
+            HEADER_BYTES,
+            HEADER_BYTES + len(reply.SerializeToString()),
+        )
 
 
 def test_a_call_past_its_deadline_ends_on_both_sides(tmp_path):
     """A sync pull waits for a round that cannot start (one of two workers): the client's deadline ends it,
     and the server's waiting call sees it and stops (the worker's next call is served at once)."""
-    served = ServedServer(ps_config(tmp_path, system__transport="tcp", system__num_workers=2,
-                                    system__aggregation_mode="sync"), evaluate=False)
+    served = ServedServer(
+        ps_config(tmp_path, system__transport="tcp", system__num_workers=2, system__aggregation_mode="sync"),
+        evaluate=False,
+    )
     try:
         with served.client() as client:
             registration = client.register(0)
@@ -135,7 +143,9 @@ def test_the_client_reconnects_through_a_server_restart(tmp_path):
     config = ps_config(tmp_path, system__transport="tcp")
     first = ServedServer(config, evaluate=False)
     address = first.address
-    restarted_config = config.model_copy(update={"system": config.system.model_copy(update={"server_address": address})})
+    restarted_config = config.model_copy(
+        update={"system": config.system.model_copy(update={"server_address": address})}
+    )
     client = TCPParameterServerClient(address, token=TOKEN, retries=2, connect_timeout_s=60)
     servers = [first]
     try:
@@ -189,15 +199,22 @@ def test_a_killed_server_is_rejoined_over_tcp(tmp_path):
     from src.metrics import read_events
     from src.ps_launcher import run_local
 
-    config = ps_config(tmp_path, system__transport="tcp", system__num_workers=2, system__aggregation_mode="sync",
-                       training__max_train_samples=512, training__checkpoint_interval=3,
-                       system__inject_faults=["kill:server@version=10"], system__heartbeat_interval=0.5,
-                       system__heartbeat_timeout=5.0)
+    config = ps_config(
+        tmp_path,
+        system__transport="tcp",
+        system__num_workers=2,
+        system__aggregation_mode="sync",
+        training__max_train_samples=512,
+        training__checkpoint_interval=3,
+        system__inject_faults=["kill:server@version=10"],
+        system__heartbeat_interval=0.5,
+        system__heartbeat_timeout=5.0,
+    )
     summary = run_local(config)
     events = list(read_events(tmp_path / "run" / "logs" / "server" / "events.jsonl"))
     recovered = [i for i, e in enumerate(events) if e["kind"] == "server_recovered"]
     assert len(recovered) == 1 and events[recovered[0]]["version"] == 9 and events[recovered[0]]["versions_lost"] == 1
-    assert {e["worker"] for e in events[recovered[0]:] if e["kind"] == "register"} == {0, 1}  # with the new server
+    assert {e["worker"] for e in events[recovered[0] :] if e["kind"] == "register"} == {0, 1}  # with the new server
     coverage = check_coverage(events, 512, 1)
     assert coverage["ok"] and coverage["voided"] == 1, coverage
     assert summary["samples_processed"] == 512 and summary["faults"]["server_recoveries"] == 1
@@ -208,8 +225,16 @@ def test_replies_are_sent_from_the_parameters_and_a_late_retry_gets_the_current_
     overtaken by another worker's step is answered with the same verdict and work and the current parameters."""
     from tests.ps_fixtures import identity_gradients
 
-    served = ServedServer(ps_config(tmp_path, system__transport="tcp", system__num_workers=2,
-                                    system__async_correction="none", training__max_train_samples=128), evaluate=False)
+    served = ServedServer(
+        ps_config(
+            tmp_path,
+            system__transport="tcp",
+            system__num_workers=2,
+            system__async_correction="none",
+            training__max_train_samples=128,
+        ),
+        evaluate=False,
+    )
     first, second = served.worker(0), served.worker(1)
     try:
         request = first.request(request_id=5, gradients=identity_gradients(served.server, value=1.0))
@@ -242,7 +267,9 @@ def test_a_reply_on_the_wire_while_the_model_changes_keeps_its_version():
     reply = encode(Outgoing(pb.PullReply(version=3), {"parameters": [shared.ref(0)]}))
     assert shared.acquire()
     writer, reader = socket.socketpair()
-    sending = threading.Thread(target=send_frame, args=(writer, pack_header(Kind.REPLY, Method.PULL, len(reply)), reply.buffers))
+    sending = threading.Thread(
+        target=send_frame, args=(writer, pack_header(Kind.REPLY, Method.PULL, len(reply)), reply.buffers)
+    )
     sending.start()
     wait_for(lambda: select.select([reader], [], [], 0)[0], 10, "the send to start")
     assert sending.is_alive()  # 16 MB do not fit in the socket's buffers: the rest waits for the reader

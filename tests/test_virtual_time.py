@@ -58,7 +58,7 @@ def test_concurrent_transfers_share_a_nic_fairly_and_a_capped_one_leaves_its_sha
     loop = EventLoop()
     nic = SharedLink(loop, capacity_bps=100.0)
     done = {}
-    nic.send(100.0, None, lambda: done.setdefault("a", loop.now))   # alone: 1 s at 100 bit/s ...
+    nic.send(100.0, None, lambda: done.setdefault("a", loop.now))  # alone: 1 s at 100 bit/s ...
     loop.at(0.5, lambda: nic.send(50.0, None, lambda: done.setdefault("b", loop.now)))  # ... then halved
     loop.at(0.5, lambda: nic.send(20.0, 10.0, lambda: done.setdefault("c", loop.now)))  # capped at 10 bit/s
     loop.run(until=lambda: len(done) == 3)
@@ -78,7 +78,10 @@ def test_concurrent_transfers_share_a_nic_fairly_and_a_capped_one_leaves_its_sha
 def test_the_server_does_one_task_at_a_time_and_a_first_task_jumps_the_queue():
     loop, seen = EventLoop(), []
     cpu = SerialServer(loop)
-    cpu.submit(1.0, lambda: (seen.append(("a", loop.now)), cpu.submit(0.5, lambda: seen.append(("a reply", loop.now)), first=True)))
+    cpu.submit(
+        1.0,
+        lambda: (seen.append(("a", loop.now)), cpu.submit(0.5, lambda: seen.append(("a reply", loop.now)), first=True)),
+    )
     cpu.submit(1.0, lambda: seen.append(("b", loop.now)))
     loop.run(until=lambda: len(seen) == 3)
     assert seen == [("a", 1.0), ("a reply", 1.5), ("b", 2.5)]
@@ -108,8 +111,9 @@ def test_ring_and_all_gather_costs():
 
 
 def test_the_straggler_steps_are_stretched_like_a_real_emulated_run(tmp_path):
-    config = virtual_config(tmp_path, "stretch", system__num_workers=3, emulation__workers={1: {"slowdown": 4},
-                                                                                          2: {"step_delay_s": 0.3}})
+    config = virtual_config(
+        tmp_path, "stretch", system__num_workers=3, emulation__workers={1: {"slowdown": 4}, 2: {"step_delay_s": 0.3}}
+    )
     cost = CostModel(config)
     assert cost.step_s(0, 16) == (pytest.approx(0.02), 0.0)
     assert cost.step_s(1, 8) == (pytest.approx(0.04), pytest.approx(0.03))  # half a batch, 4x
@@ -122,27 +126,46 @@ def test_the_straggler_steps_are_stretched_like_a_real_emulated_run(tmp_path):
 def test_virtual_sync_matches_large_batch_sgd(tmp_path):
     """The same contract the real sync server has (tests/test_ps_equivalence.py), here at 3 workers."""
     expected = baseline_parameters(tmp_path, batch_size=3 * 16, max_train_samples=250, momentum=0.9)
-    config = virtual_config(tmp_path, "sync", system__num_workers=3, system__aggregation_mode="sync",
-                            training__max_train_samples=250, training__momentum=0.9, emulation__uplink_mbps=50,
-                            emulation__workers={2: {"slowdown": 3}})
+    config = virtual_config(
+        tmp_path,
+        "sync",
+        system__num_workers=3,
+        system__aggregation_mode="sync",
+        training__max_train_samples=250,
+        training__momentum=0.9,
+        emulation__uplink_mbps=50,
+        emulation__workers={2: {"slowdown": 3}},
+    )
     summary = run_virtual(config, tensorboard=False)
     assert summary["clock"] == "virtual" and summary["versions"] == 6 and summary["samples_processed"] == 250
     assert_same_parameters(expected, load_checkpoint(summary["checkpoint_path"])["model_state_dict"])
 
 
-DETERMINISM = dict(system__num_workers=4, system__aggregation_mode="async", system__compression_enabled=True,
-                   system__compression_type="topk", system__compression_ratio=0.1, training__max_train_samples=512,
-                   training__eval_interval=8, emulation__compress_s=0.004, emulation__uplink_mbps=25,
-                   emulation__server_mbps=60, emulation__step_delay_s=0.01, emulation__step_delay_sigma=0.5,
-                   emulation__workers={3: {"slowdown": 4}})
+DETERMINISM = dict(
+    system__num_workers=4,
+    system__aggregation_mode="async",
+    system__compression_enabled=True,
+    system__compression_type="topk",
+    system__compression_ratio=0.1,
+    training__max_train_samples=512,
+    training__eval_interval=8,
+    emulation__compress_s=0.004,
+    emulation__uplink_mbps=25,
+    emulation__server_mbps=60,
+    emulation__step_delay_s=0.01,
+    emulation__step_delay_sigma=0.5,
+    emulation__workers={3: {"slowdown": 4}},
+)
 
 
 def _run_and_read(tmp_path: Path, name: str) -> tuple[dict, dict[str, list[dict]]]:
     config = virtual_config(tmp_path, name, **DETERMINISM)
     summary = run_virtual(config, tensorboard=False)
     wall = set(summary["wall_time_fields"])  # what may differ: the simulation's own wall time
-    logs = {role: [{k: v for k, v in e.items() if k not in wall} for e in events(config, role)]
-            for role in ("server", "worker_0", "worker_3", "launcher")}
+    logs = {
+        role: [{k: v for k, v in e.items() if k not in wall} for e in events(config, role)]
+        for role in ("server", "worker_0", "worker_3", "launcher")
+    }
     return {k: v for k, v in summary.items() if k not in wall}, logs
 
 
@@ -158,7 +181,9 @@ def test_a_virtual_run_gives_the_same_summary_and_events_twice_even_under_load(t
     summary, logs = first
     assert summary["pushes_applied"] > 30 and summary["staleness_histogram"] and logs["server"]
     # Directories differ between the two runs: compare everything else, event by event.
-    strip = lambda s: json.loads(json.dumps(s).replace(str(tmp_path / "a"), "ROOT").replace(str(tmp_path / "b"), "ROOT"))
+    strip = lambda s: json.loads(
+        json.dumps(s).replace(str(tmp_path / "a"), "ROOT").replace(str(tmp_path / "b"), "ROOT")
+    )
     assert strip(second[0]) == strip(summary)
     for role in logs:
         assert strip(second[1][role]) == strip(logs[role]), role
@@ -169,10 +194,19 @@ def test_sixteen_async_workers_with_a_straggler_show_the_staleness_the_cost_mode
     """15 workers step every 20.2 ms (compute + the server's time), one every 80.2 ms: between a fast
     worker's pull and its push the others push 14 + 20.2/80.2 times; during the straggler's step the
     fast ones push 15 x 80.2/20.2 = 59.6 times."""
-    config = virtual_config(tmp_path, "sixteen", system__num_workers=16, system__aggregation_mode="async",
-                            training__max_train_samples=3840, training__batch_size=16, training__num_epochs=2,
-                            training__max_test_samples=64, emulation__server_update_s=0.0001,
-                            emulation__server_reply_s=0.0001, emulation__workers={5: {"slowdown": 4}})
+    config = virtual_config(
+        tmp_path,
+        "sixteen",
+        system__num_workers=16,
+        system__aggregation_mode="async",
+        training__max_train_samples=3840,
+        training__batch_size=16,
+        training__num_epochs=2,
+        training__max_test_samples=64,
+        emulation__server_update_s=0.0001,
+        emulation__server_reply_s=0.0001,
+        emulation__workers={5: {"slowdown": 4}},
+    )
     summary = run_virtual(config, tensorboard=False)
     # The steady state: after the start-up transient, before the queues run dry at the end.
     pushes = [e for e in events(config, "server", "push") if 64 <= e["version"] <= 400]
@@ -183,9 +217,17 @@ def test_sixteen_async_workers_with_a_straggler_show_the_staleness_the_cost_mode
     assert summary["samples_processed"] == 2 * 3840 and sum(summary["staleness_histogram"].values()) == 480
 
 
-CHAOS = dict(system__num_workers=3, training__max_train_samples=1000, training__batch_size=16, training__num_epochs=2,
-             training__checkpoint_interval=10, system__heartbeat_interval=0.5, system__heartbeat_timeout=3.0,
-             emulation__compute_s=0.25, emulation__restart_s=1.0)
+CHAOS = dict(
+    system__num_workers=3,
+    training__max_train_samples=1000,
+    training__batch_size=16,
+    training__num_epochs=2,
+    training__checkpoint_interval=10,
+    system__heartbeat_interval=0.5,
+    system__heartbeat_timeout=3.0,
+    emulation__compute_s=0.25,
+    emulation__restart_s=1.0,
+)
 
 
 @pytest.mark.parametrize("mode, server_dies_at", [("sync", 30), ("async", 100)])  # after the hang is handled
@@ -220,16 +262,30 @@ def test_calibration_measures_every_figure_a_config_needs_and_prints_them_as_con
     from src.calibration import as_yaml, calibrate
     from src.config import validate_config
 
-    config = ps_config(tmp_path, "calibrate", system__compression_enabled=True, system__compression_type="topk",
-                       system__compression_ratio=0.1)
+    config = ps_config(
+        tmp_path,
+        "calibrate",
+        system__compression_enabled=True,
+        system__compression_type="topk",
+        system__compression_ratio=0.1,
+    )
     result = calibrate(config, steps=3)
     figures = result["emulation"]
     assert set(figures) == {"compute_s", "compress_s", "server_update_s", "server_reply_s"}
     assert all(value > 0 for value in figures.values())
-    assert figures["server_update_s"] <= result["measured"]["round_trip_s"] <= figures["server_update_s"] + figures["server_reply_s"] + 1e-12
+    assert (
+        figures["server_update_s"]
+        <= result["measured"]["round_trip_s"]
+        <= figures["server_update_s"] + figures["server_reply_s"] + 1e-12
+    )
     pasted = yaml.safe_load(as_yaml(result, config, "x.yaml"))  # what a user pastes into a config
-    validated = validate_config({**config.to_dict(), "emulation": pasted["emulation"], "system": {
-        **config.to_dict()["system"], "clock": "virtual"}})
+    validated = validate_config(
+        {
+            **config.to_dict(),
+            "emulation": pasted["emulation"],
+            "system": {**config.to_dict()["system"], "clock": "virtual"},
+        }
+    )
     CostModel(validated)  # complete: a virtual run of this config can start
 
 
@@ -244,8 +300,10 @@ def test_virtual_time_matches_a_real_run_of_the_same_experiment_calibrated_here(
     from src.config import load_config
     from src.fidelity import compare
 
-    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "experiments" / "fidelity_uplink_25.yaml",
-                         overrides={"training.target_accuracy": None})
+    config = load_config(
+        Path(__file__).resolve().parent.parent / "configs" / "experiments" / "fidelity_uplink_25.yaml",
+        overrides={"training.target_accuracy": None},
+    )
     result = compare(config, tmp_path, seeds=(0,), steps=10)
     assert result["throughput_samples_per_s_ratio"] == pytest.approx(1.0, abs=0.15), result
     (real,), (virtual,) = result["real"], result["virtual"]

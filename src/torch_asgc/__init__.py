@@ -33,6 +33,15 @@ from .model import DistributedModel
 from .optim import DistributedOptimizer
 
 __all__ = [
-    "CompressionPolicy", "DistributedModel", "DistributedOptimizer", "ErrorFeedback", "IncarnationRevoked",
-    "WorkerClient", "build_compressor", "connect", "ddp", "register_compression_hook", "register_ring_hook",
+    "CompressionPolicy",
+    "DistributedModel",
+    "DistributedOptimizer",
+    "ErrorFeedback",
+    "IncarnationRevoked",
+    "WorkerClient",
+    "build_compressor",
+    "connect",
+    "ddp",
+    "register_compression_hook",
+    "register_ring_hook",
 ]

@@ -55,25 +55,47 @@ class WorkerClient:
         totals: this process's running totals (steps, samples, times, bytes), sent with heartbeats.
     """
 
-    def __init__(self, address: str, *, token: str | None = None, worker_id: int | None = None,
-                 tls_ca_file: str | None = None, connect_timeout_s: float = 300.0, max_rejoins: int | None = None,
-                 transport: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        worker_id: int | None = None,
+        tls_ca_file: str | None = None,
+        connect_timeout_s: float = 300.0,
+        max_rejoins: int | None = None,
+        transport: str | None = None,
+    ):
         token = token or os.environ.get(AUTH_TOKEN_ENV)
         if not token:
             raise SetupError(f"no auth token: pass token=... to connect() or set ${AUTH_TOKEN_ENV}")
         address, transport = transport_of(address, transport)
         self.address = address
-        self.transport = make_client(address, transport=transport, token=token, system=SystemConfig(tls_ca_file=tls_ca_file),
-                                     connect_timeout_s=connect_timeout_s)
+        self.transport = make_client(
+            address,
+            transport=transport,
+            token=token,
+            system=SystemConfig(tls_ca_file=tls_ca_file),
+            connect_timeout_s=connect_timeout_s,
+        )
         self.worker_id = worker_id
         self.incarnation = 0
         self.caller = pb.Caller()
         self.config: Config | None = None
         self.registration: pb.RegisterReply | None = None
         self.model: DistributedModel | None = None
-        self.totals: dict[str, Any] = dict(samples=0, steps=0, steps_skipped=0, pushes_rejected=0, gradient_time_s=0.0,
-                                           compression_time_s=0.0, communication_time_s=0.0, payload_bytes=0,
-                                           dense_bytes=0, train_loss=0.0)
+        self.totals: dict[str, Any] = dict(
+            samples=0,
+            steps=0,
+            steps_skipped=0,
+            pushes_rejected=0,
+            gradient_time_s=0.0,
+            compression_time_s=0.0,
+            communication_time_s=0.0,
+            payload_bytes=0,
+            dense_bytes=0,
+            train_loss=0.0,
+        )
         self._request_id = secrets.randbits(62) or 1  # random start: a restarted process's ids do not collide
         self._max_rejoins = max_rejoins
         self.rejoins: Rejoins | None = None  # set at the first registration (the default is the server's)
@@ -86,11 +108,15 @@ class WorkerClient:
     def open(self) -> "WorkerClient":
         """Register and start heartbeats (:func:`connect` calls it)."""
         self._register(0)
-        self.rejoins = Rejoins(self.worker_id, self.config.system.max_rejoins if self._max_rejoins is None
-                               else self._max_rejoins)
+        self.rejoins = Rejoins(
+            self.worker_id, self.config.system.max_rejoins if self._max_rejoins is None else self._max_rejoins
+        )
         interval = self.config.system.heartbeat_interval
-        self._heartbeats = Heartbeats(lambda: self.transport.heartbeat(self.caller, self.stats(), timeout=2 * interval),
-                                      interval, name=f"asgc-worker-{self.worker_id}-heartbeat")
+        self._heartbeats = Heartbeats(
+            lambda: self.transport.heartbeat(self.caller, self.stats(), timeout=2 * interval),
+            interval,
+            name=f"asgc-worker-{self.worker_id}-heartbeat",
+        )
         self._heartbeats.start()
         return self
 
@@ -132,11 +158,18 @@ class WorkerClient:
         """This process's running totals (read by the heartbeat thread too)."""
         t = self.totals
         return pb.WorkerStats(
-            samples=t["samples"], steps=t["steps"], bytes_sent=self.transport.bytes_sent,
-            bytes_received=self.transport.bytes_received, gradient_time_s=t["gradient_time_s"],
-            compression_time_s=t["compression_time_s"], communication_time_s=t["communication_time_s"],
-            total_time_s=time.perf_counter() - self._started, train_loss=t["train_loss"],
-            pushes_rejected=t["pushes_rejected"], payload_bytes=t["payload_bytes"], dense_bytes=t["dense_bytes"],
+            samples=t["samples"],
+            steps=t["steps"],
+            bytes_sent=self.transport.bytes_sent,
+            bytes_received=self.transport.bytes_received,
+            gradient_time_s=t["gradient_time_s"],
+            compression_time_s=t["compression_time_s"],
+            communication_time_s=t["communication_time_s"],
+            total_time_s=time.perf_counter() - self._started,
+            train_loss=t["train_loss"],
+            pushes_rejected=t["pushes_rejected"],
+            payload_bytes=t["payload_bytes"],
+            dense_bytes=t["dense_bytes"],
         )
 
     # ------------------------------------------------------------------------- calls (used by the model and optimizer)
@@ -173,8 +206,9 @@ class WorkerClient:
 
     def _register(self, last_request_id: int) -> pb.RegisterReply:
         first = self.registration is None
-        reply = self.transport.register(self.worker_id or 0, last_request_id,
-                                        any_worker_id=first and self.worker_id is None)
+        reply = self.transport.register(
+            self.worker_id or 0, last_request_id, any_worker_id=first and self.worker_id is None
+        )
         self.registration = reply
         self.worker_id = reply.worker_id
         self.incarnation = reply.incarnation
@@ -213,15 +247,24 @@ def transport_of(address: str, transport: str | None) -> tuple[str, str]:
     if not separator:
         return address, transport or "grpc"
     if scheme not in TRANSPORTS:
-        raise SetupError(f"address {address!r}: unknown transport {scheme!r} (use {' or '.join(f'{t}://' for t in TRANSPORTS)})")
+        raise SetupError(
+            f"address {address!r}: unknown transport {scheme!r} (use {' or '.join(f'{t}://' for t in TRANSPORTS)})"
+        )
     if transport is not None and transport != scheme:
         raise SetupError(f"address {address!r} names transport {scheme!r}, but transport={transport!r}")
     return rest, scheme
 
 
-def connect(address: str, token: str | None = None, worker_id: int | None = None, *,
-            tls_ca_file: str | None = None, connect_timeout_s: float = 300.0, max_rejoins: int | None = None,
-            transport: str | None = None) -> WorkerClient:
+def connect(
+    address: str,
+    token: str | None = None,
+    worker_id: int | None = None,
+    *,
+    tls_ca_file: str | None = None,
+    connect_timeout_s: float = 300.0,
+    max_rejoins: int | None = None,
+    transport: str | None = None,
+) -> WorkerClient:
     """Join the parameter-server run at ``address`` as one worker; a context manager (``close()`` on exit).
 
     Args:
@@ -239,8 +282,15 @@ def connect(address: str, token: str | None = None, worker_id: int | None = None
         grpc.RpcError: the server refused (wrong token: UNAUTHENTICATED; no free id: RESOURCE_EXHAUSTED)
             or was not there within ``connect_timeout_s`` (DEADLINE_EXCEEDED).
     """
-    client = WorkerClient(address, token=token, worker_id=worker_id, tls_ca_file=tls_ca_file,
-                          connect_timeout_s=connect_timeout_s, max_rejoins=max_rejoins, transport=transport)
+    client = WorkerClient(
+        address,
+        token=token,
+        worker_id=worker_id,
+        tls_ca_file=tls_ca_file,
+        connect_timeout_s=connect_timeout_s,
+        max_rejoins=max_rejoins,
+        transport=transport,
+    )
     try:
         return client.open()
     except BaseException:

@@ -49,7 +49,9 @@ __all__ = ["CommHook", "CommStats", "register_compression_hook", "register_ring_
 
 def _wrapped(model: Any, caller: str):
     if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"{caller}: model must be a torch.nn.parallel.DistributedDataParallel, got {type(model).__name__}")
+        raise TypeError(
+            f"{caller}: model must be a torch.nn.parallel.DistributedDataParallel, got {type(model).__name__}"
+        )
     return model.module
 
 
@@ -91,18 +93,29 @@ def register_compression_hook(
     """
     module = _wrapped(model, "register_compression_hook")
     if warmup_allreduce not in PLAIN_ALLREDUCE:
-        raise ValueError(f"register_compression_hook: warmup_allreduce must be one of {sorted(PLAIN_ALLREDUCE)}, "
-                         f"got {warmup_allreduce!r}")
+        raise ValueError(
+            f"register_compression_hook: warmup_allreduce must be one of {sorted(PLAIN_ALLREDUCE)}, "
+            f"got {warmup_allreduce!r}"
+        )
     if isinstance(compressor, Compressor):
         if options:
-            raise ValueError(f"register_compression_hook: options {sorted(options)} given with a ready-made compressor; "
-                             f"build it with them instead")
+            raise ValueError(
+                f"register_compression_hook: options {sorted(options)} given with a ready-made compressor; "
+                f"build it with them instead"
+            )
         built = compressor
     else:
         built = build_compressor(compressor, **options)
     policy = CompressionPolicy(built, warmup_steps=warmup_steps)
-    hook = compression_comm_hook(policy, module, error_feedback=error_feedback, plain_allreduce=warmup_allreduce,
-                                 group=group, seed=seed, overlap=overlap)
+    hook = compression_comm_hook(
+        policy,
+        module,
+        error_feedback=error_feedback,
+        plain_allreduce=warmup_allreduce,
+        group=group,
+        seed=seed,
+        overlap=overlap,
+    )
     hook.register(model)
     return hook
 

@@ -95,8 +95,10 @@ class DistributedModel(nn.Module):
         """
         reply = self.client.pull()
         if reply.message.work.batches:
-            raise SetupError("this server hands out its own batches (run_parameter_server_training.py); for your own "
-                             "loop and data start `python -m torch_asgc.server`")
+            raise SetupError(
+                "this server hands out its own batches (run_parameter_server_training.py); for your own "
+                "loop and data start `python -m torch_asgc.server`"
+            )
         return self.load(reply)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -135,8 +137,9 @@ class DistributedModel(nn.Module):
             parameter_specs=[pb.TensorSpec(name=n, shape=list(p.shape)) for n, p in self.trainable],
             buffer_specs=[pb.TensorSpec(name=n, shape=list(b.shape)) for n, b in self.float_buffers],
         )
-        return self.client.initialize(request, [tensor_view(p) for _, p in self.trainable],
-                                      [tensor_view(b) for _, b in self.float_buffers])
+        return self.client.initialize(
+            request, [tensor_view(p) for _, p in self.trainable], [tensor_view(b) for _, b in self.float_buffers]
+        )
 
     def remove_hooks(self) -> None:
         if self._hook is not None:

@@ -73,8 +73,10 @@ def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | No
         return compression
     if isinstance(compression, Compressor):
         return CompressionPolicy(compression)
-    raise ValueError(f"compression: expected None (the server's setting), 'none', a Compressor "
-                     f"(src.compression.build_compressor) or a CompressionPolicy, got {compression!r}")
+    raise ValueError(
+        f"compression: expected None (the server's setting), 'none', a Compressor "
+        f"(src.compression.build_compressor) or a CompressionPolicy, got {compression!r}"
+    )
 
 
 def _differences(optimizer: torch.optim.Optimizer, training: Any) -> list[str]:
@@ -113,29 +115,49 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler calls step() with grad_scale / found_inf set, every iteration
 
-    def __init__(self, optimizer: torch.optim.Optimizer, client: WorkerClient, *, compression: Any = None,
-                 error_feedback: bool = True, seed: int | None = None, send_learning_rate: bool | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        client: WorkerClient,
+        *,
+        compression: Any = None,
+        error_feedback: bool = True,
+        seed: int | None = None,
+        send_learning_rate: bool | None = None,
+    ):
         model = client.model
         if model is None:
             raise SetupError("DistributedOptimizer: wrap the model first (DistributedModel(module, client))")
         known = {id(p) for _, p in model.trainable}
         for group in optimizer.param_groups:
             if any(id(p) not in known for p in group["params"]):
-                raise SetupError("DistributedOptimizer: the optimizer holds parameters that are not trainable "
-                                 "parameters of the DistributedModel")
+                raise SetupError(
+                    "DistributedOptimizer: the optimizer holds parameters that are not trainable "
+                    "parameters of the DistributedModel"
+                )
         self.wrapped = optimizer
         self.client = client
         # torch.optim.Optimizer's bookkeeping without its __init__ (which would reset the wrapped state)
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
             setattr(self, name, OrderedDict())
         if hasattr(self, "_patch_step_function"):
             self._patch_step_function()  # step hooks and profiler labels, as for any optimizer
         system, training = client.config.system, client.config.training
-        self.codec = PushCodec(system, resolve_compression(compression, system), error_feedback=error_feedback,
-                               seed=training.seed if seed is None else seed, worker_id=client.worker_id,
-                               names=model.parameter_names)
+        self.codec = PushCodec(
+            system,
+            resolve_compression(compression, system),
+            error_feedback=error_feedback,
+            seed=training.seed if seed is None else seed,
+            worker_id=client.worker_id,
+            names=model.parameter_names,
+        )
         self.steps = 0
         self.skipped_steps = 0
         self.send_learning_rate = send_learning_rate
@@ -143,10 +165,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._warned_schedule = False
         differences = _differences(optimizer, training)
         if differences:
-            warnings.warn("DistributedOptimizer: the server applies its own optimizer "
-                          f"({training.optimizer}, lr {training.learning_rate}); the wrapped optimizer differs: "
-                          + "; ".join(differences) + " (a learning-rate scheduler on it sends its rates to the server)",
-                          stacklevel=2)
+            warnings.warn(
+                "DistributedOptimizer: the server applies its own optimizer "
+                f"({training.optimizer}, lr {training.learning_rate}); the wrapped optimizer differs: "
+                + "; ".join(differences)
+                + " (a learning-rate scheduler on it sends its rates to the server)",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------------- the push's compression state
 
@@ -259,8 +284,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return loss
         if samples <= 0:
             if not self._warned_samples:
-                warnings.warn("DistributedOptimizer: no training forward counted a batch since the last step; "
-                              "pass step(num_samples=...) (counting this push as 1 sample)", stacklevel=2)
+                warnings.warn(
+                    "DistributedOptimizer: no training forward counted a batch since the last step; "
+                    "pass step(num_samples=...) (counting this push as 1 sample)",
+                    stacklevel=2,
+                )
                 self._warned_samples = True
             samples = 1
         inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
@@ -276,11 +304,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compressed = time.perf_counter()
         totals = self.client.totals
         request = pb.PushRequest(
-            base_version=model.version, request_id=self.client.next_request_id(), num_samples=samples,
+            base_version=model.version,
+            request_id=self.client.next_request_id(),
+            num_samples=samples,
             learning_rate=self._learning_rate_to_send(),
-            metrics=pb.StepMetrics(step=self.steps, loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else 0.0,
-                                   gradient_time_s=computed - started, compression_time_s=compressed - computed,
-                                   communication_time_s=totals.get("last_communication_s", 0.0)),
+            metrics=pb.StepMetrics(
+                step=self.steps,
+                loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else 0.0,
+                gradient_time_s=computed - started,
+                compression_time_s=compressed - computed,
+                communication_time_s=totals.get("last_communication_s", 0.0),
+            ),
         )
         reply = self.client.push(request, payloads, model.buffer_views())
         if isinstance(reply, bool):  # the reply was lost with the server's session; registered again
@@ -294,9 +328,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finished = time.perf_counter()
         self._mark_wrapped_stepped()
         self.steps += 1
-        count_push(totals, accepted=accepted, samples=samples, gradient_time_s=computed - started,
-                   compression_time_s=compressed - computed, communication_time_s=finished - compressed,
-                   payload_bytes=sum(len(p) for p in payloads), dense_bytes=4 * sum(p.numel() for _, p in model.trainable))
+        count_push(
+            totals,
+            accepted=accepted,
+            samples=samples,
+            gradient_time_s=computed - started,
+            compression_time_s=compressed - computed,
+            communication_time_s=finished - compressed,
+            payload_bytes=sum(len(p) for p in payloads),
+            dense_bytes=4 * sum(p.numel() for _, p in model.trainable),
+        )
         totals["last_communication_s"] = finished - compressed
         if request.metrics.loss:
             totals["train_loss"] = request.metrics.loss
@@ -312,9 +353,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         schedule = self.client.config.training.lr_schedule
         if not self._warned_schedule and not is_constant(schedule):
-            warnings.warn(f"DistributedOptimizer: the server has a training.lr_schedule ({schedule.kind}); this "
-                          "worker sends its own scheduler's learning rates, which the server applies instead",
-                          stacklevel=3)
+            warnings.warn(
+                f"DistributedOptimizer: the server has a training.lr_schedule ({schedule.kind}); this "
+                "worker sends its own scheduler's learning rates, which the server applies instead",
+                stacklevel=3,
+            )
             self._warned_schedule = True
         return float(group["lr"])
 
@@ -323,7 +366,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps += 1
         self.client.totals["steps_skipped"] += 1
         if self.client.mode == "sync":
-            request = pb.PushRequest(base_version=model.version, request_id=self.client.next_request_id(), num_samples=0)
+            request = pb.PushRequest(
+                base_version=model.version, request_id=self.client.next_request_id(), num_samples=0
+            )
             reply = self.client.push(request, [], [])
             if isinstance(reply, bool):
                 model.sync()

@@ -88,13 +88,28 @@ class ClientLoopServer(ParameterServer):
         SetupError: the factory cannot be imported or does not return an ``nn.Module``.
     """
 
-    def __init__(self, config: Config, *, model_source: str = CLIENT_MODEL, max_message_bytes: int | None = None,
-                 model: nn.Module | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model_source: str = CLIENT_MODEL,
+        max_message_bytes: int | None = None,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ):
         self.model_source = model_source
         served = model if model is not None else model_from_source(config, model_source)
-        super().__init__(config, model=served, serve_without_model=True, evaluate=False,
-                         work=ClientWork(config.system.num_workers), model_label=model_source, data_label="client",
-                         max_message_bytes=max_message_bytes, **kwargs)
+        super().__init__(
+            config,
+            model=served,
+            serve_without_model=True,
+            evaluate=False,
+            work=ClientWork(config.system.num_workers),
+            model_label=model_source,
+            data_label="client",
+            max_message_bytes=max_message_bytes,
+            **kwargs,
+        )
 
 
 # ----------------------------------------------------------------------------- command line
@@ -123,19 +138,29 @@ DEFAULTS = {
 def build_parser() -> argparse.ArgumentParser:
     from src.cli import add_compression_flags, add_config_flags, add_observability_flags
 
-    parser = argparse.ArgumentParser(prog="python -m torch_asgc.server", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_asgc.server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML or JSON config file (flags override its values)")
     add_config_flags(parser)
     add_observability_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--server-address", help="host:port to listen on (default 127.0.0.1:50051; port 0: a free port)")
-    run.add_argument("--transport", choices=("grpc", "tcp"),
-                     help="grpc (default) or tcp (binary frames; workers connect('tcp://host:port'))")
+    run.add_argument(
+        "--transport",
+        choices=("grpc", "tcp"),
+        help="grpc (default) or tcp (binary frames; workers connect('tcp://host:port'))",
+    )
     run.add_argument("--workers", type=int, help="worker ids 0..N-1 (default 2); sync starts when all N have pulled")
-    run.add_argument("--aggregation-mode", choices=("sync", "async"), help="barrier per version, or apply each push (default sync)")
-    run.add_argument("--model", dest="model_source", default=CLIENT_MODEL,
-                     help="'client' (the first worker's model, default) or 'package.module:function' building it")
+    run.add_argument(
+        "--aggregation-mode", choices=("sync", "async"), help="barrier per version, or apply each push (default sync)"
+    )
+    run.add_argument(
+        "--model",
+        dest="model_source",
+        default=CLIENT_MODEL,
+        help="'client' (the first worker's model, default) or 'package.module:function' building it",
+    )
     run.add_argument("--seed", type=int, help="torch seed before calling a model factory (default 0)")
     optimizer = parser.add_argument_group("server optimizer")
     optimizer.add_argument("--optimizer", choices=("sgd", "adam"), help="default sgd")
@@ -144,8 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     optimizer.add_argument("--weight-decay", type=float, help="default 0")
     add_compression_flags(parser, "compression the workers use unless their DistributedOptimizer says otherwise")
     downlink = parser.add_argument_group("downlink compression (push replies)")
-    downlink.add_argument("--downlink-compression", choices=("none", "topk", "quantization"), help="default none (dense)")
-    downlink.add_argument("--downlink-ratio", type=float, help="fraction of entries a top-k downlink delta keeps (default 0.1)")
+    downlink.add_argument(
+        "--downlink-compression", choices=("none", "topk", "quantization"), help="default none (dense)"
+    )
+    downlink.add_argument(
+        "--downlink-ratio", type=float, help="fraction of entries a top-k downlink delta keeps (default 0.1)"
+    )
     health = parser.add_argument_group("membership")
     health.add_argument("--heartbeat-interval", type=float, help="seconds between a worker's heartbeats (default 1)")
     health.add_argument("--heartbeat-timeout", type=float, help="silence after which a worker is failed (default 5)")
@@ -160,8 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve(config: Config, *, model_source: str = CLIENT_MODEL, token: str | None = None,
-          resume: str | Path | None = None, summary_json: str | Path | None = None) -> dict[str, Any]:
+def serve(
+    config: Config,
+    *,
+    model_source: str = CLIENT_MODEL,
+    token: str | None = None,
+    resume: str | Path | None = None,
+    summary_json: str | Path | None = None,
+) -> dict[str, Any]:
     """Serve one run until every worker has left; returns the run summary (also written to disk).
 
     Args:
@@ -170,13 +205,20 @@ def serve(config: Config, *, model_source: str = CLIENT_MODEL, token: str | None
     from src import tracing
 
     server = ClientLoopServer(config, model_source=model_source, token=token, resume=resume)
-    with tracing.trace_to(Path(config.system.log_dir) / "server" / tracing.TRACE_FILE, "parameter server",
-                          enabled=config.system.trace):
+    with tracing.trace_to(
+        Path(config.system.log_dir) / "server" / tracing.TRACE_FILE, "parameter server", enabled=config.system.trace
+    ):
         try:
             port = server.start()
             host = config.system.server_address.rpartition(":")[0]
-            logger.info("parameter server listening on %s:%d (%s, %d workers, model: %s)", host, port,
-                        config.system.aggregation_mode, config.system.num_workers, model_source)
+            logger.info(
+                "parameter server listening on %s:%d (%s, %d workers, model: %s)",
+                host,
+                port,
+                config.system.aggregation_mode,
+                config.system.num_workers,
+                model_source,
+            )
             server.wait_until_done()
             return server.finalize(summary_json)
         finally:
@@ -185,15 +227,17 @@ def serve(config: Config, *, model_source: str = CLIENT_MODEL, token: str | None
 
 def summary_lines(summary: dict[str, Any]) -> str:
     """What the server prints at the end (no accuracy: the workers evaluate, on their own data)."""
-    return "\n".join([
-        f"Versions: {summary['versions']}  Samples: {summary['samples_processed']:,}  "
-        f"Pushes applied: {summary['pushes_applied']}  rejected: {summary['pushes_rejected']}  "
-        f"skipped steps: {summary['steps_skipped']}",
-        f"Total Time: {summary['total_time_s']:.2f}s",
-        f"Throughput: {summary['throughput_samples_per_s']:.1f} samples/s",
-        f"Bytes Sent: {summary['bytes_sent']:,}  Bytes Received: {summary['bytes_received']:,}",
-        f"Checkpoint: {summary['checkpoint_path']}",
-    ])
+    return "\n".join(
+        [
+            f"Versions: {summary['versions']}  Samples: {summary['samples_processed']:,}  "
+            f"Pushes applied: {summary['pushes_applied']}  rejected: {summary['pushes_rejected']}  "
+            f"skipped steps: {summary['steps_skipped']}",
+            f"Total Time: {summary['total_time_s']:.2f}s",
+            f"Throughput: {summary['throughput_samples_per_s']:.1f} samples/s",
+            f"Bytes Sent: {summary['bytes_sent']:,}  Bytes Received: {summary['bytes_received']:,}",
+            f"Checkpoint: {summary['checkpoint_path']}",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,15 +245,20 @@ def main(argv: list[str] | None = None) -> int:
     from src.ps_transport import AuthTokenMissing
 
     args = build_parser().parse_args(argv)
-    config = config_from_args(args, defaults=DEFAULTS, extra_flags={**FLAGS, **COMPRESSION_FLAGS},
-                              forced={"system.architecture": "parameter_server"})
+    config = config_from_args(
+        args,
+        defaults=DEFAULTS,
+        extra_flags={**FLAGS, **COMPRESSION_FLAGS},
+        forced={"system.architecture": "parameter_server"},
+    )
 
     def run() -> None:
         summary = serve(config, model_source=args.model_source, resume=args.resume, summary_json=args.summary_json)
         print(summary_lines(summary))
 
-    return exit_status(run, describe={AuthTokenMissing: str, RunFailed: str},
-                       interrupted="interrupted: stopped the parameter server")
+    return exit_status(
+        run, describe={AuthTokenMissing: str, RunFailed: str}, interrupted="interrupted: stopped the parameter server"
+    )
 
 
 if __name__ == "__main__":

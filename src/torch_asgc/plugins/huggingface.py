@@ -39,8 +39,16 @@ class ASGCHFTrainerCallback(TrainerCallback):
         **connect_options: more :func:`~torch_asgc.client.connect` options (``tls_ca_file``, ``connect_timeout_s``).
     """
 
-    def __init__(self, address: str, *, token: str | None = None, worker_id: int | None = None, compression: Any = None,
-                 error_feedback: bool = True, **connect_options: Any):
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        worker_id: int | None = None,
+        compression: Any = None,
+        error_feedback: bool = True,
+        **connect_options: Any,
+    ):
         self.address = address
         self._connect = dict(token=token, worker_id=worker_id, **connect_options)
         self._optimizer_options = dict(compression=compression, error_feedback=error_feedback)

@@ -49,8 +49,17 @@ class ASGCStrategy(SingleDeviceStrategy):
 
     strategy_name = "asgc"
 
-    def __init__(self, address: str, *, token: str | None = None, worker_id: int | None = None, compression: Any = None,
-                 error_feedback: bool = True, device: str = "cpu", **connect_options: Any):
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        worker_id: int | None = None,
+        compression: Any = None,
+        error_feedback: bool = True,
+        device: str = "cpu",
+        **connect_options: Any,
+    ):
         super().__init__(device=device)
         self.address = address
         self._connect = dict(token=token, worker_id=worker_id, **connect_options)
@@ -63,7 +72,9 @@ class ASGCStrategy(SingleDeviceStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         if len(self.optimizers) != 1:
-            raise ValueError(f"ASGCStrategy trains with one optimizer; configure_optimizers returned {len(self.optimizers)}")
+            raise ValueError(
+                f"ASGCStrategy trains with one optimizer; configure_optimizers returned {len(self.optimizers)}"
+            )
         self.client = connect(self.address, **self._connect)
         try:
             self.distributed_model = DistributedModel(self.lightning_module, self.client, count_samples=False)
