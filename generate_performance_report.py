@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_report(report, args.output)
     if trace:
         print(
-            f"trace: {Path(args.output).parent / trace['file']} ({len(trace['processes'])} processes, {trace['spans']} spans)"
+            f"trace: {Path(args.output).parent / trace['file']} "
+            f"({len(trace['processes'])} processes, {trace['spans']} spans)"
         )
     print(
         f"report: {paths['json']}\nmarkdown: {paths['markdown']}\nhtml: {paths['html']}\n"
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     for run in report["runs"]:
         speedup = run["speedup_vs_baseline"]
         print(
-            f"  {run['label']:<28} accuracy {run['final_accuracy'] * 100 if run['final_accuracy'] is not None else float('nan'):6.2f}%  "
+            f"  {run['label']:<28} accuracy "
+            f"{run['final_accuracy'] * 100 if run['final_accuracy'] is not None else float('nan'):6.2f}%  "
             f"{run['throughput_samples_per_s']:9.1f} samples/s"
             + (f"  {speedup:.2f}x baseline" if speedup is not None else "")
         )

@@ -5,11 +5,14 @@
     python run_ddp_training.py --dataset synthetic --world-size 2 --num-epochs 1 --num-samples 2048 --optimizer sgd
     python run_ddp_training.py --world-size 2 --allreduce ring                       # explicit ring hook
     python run_ddp_training.py --world-size 2 --compression-enabled --compression-type topk --compression-ratio 0.01
-    python run_ddp_training.py --world-size 2 --compression-enabled --compression-ratio 0.1 --adaptive-compression --eval-interval 20
+    python run_ddp_training.py --world-size 2 --compression-enabled --compression-ratio 0.1 \\
+        --adaptive-compression --eval-interval 20
     python run_ddp_training.py --world-size 2 --resume checkpoints/ddp_cli --num-epochs 4
     python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --inject-fault kill:rank=1@step=30
-    python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --collective-timeout 10 --inject-fault hang:rank=1@step=30
-    python run_ddp_training.py --world-size 2 --amp bf16 --compression-enabled --compression-ratio 0.1 --compression-value-dtype bfloat16
+    python run_ddp_training.py --world-size 2 --checkpoint-interval-steps 20 --collective-timeout 10 \\
+        --inject-fault hang:rank=1@step=30
+    python run_ddp_training.py --world-size 2 --amp bf16 --compression-enabled --compression-ratio 0.1 \\
+        --compression-value-dtype bfloat16
 
 Virtual time (one process, the N ranks computed in turn, each step's exchange costed by the ring
 model on the configured link; deterministic; figures from scripts/calibrate.py --no-server):

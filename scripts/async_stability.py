@@ -98,7 +98,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for row in rows:
         print(
-            f"| {row['workers']} | {row['method']} | {row['largest_stable_lr_times_lam']} | {row['progress_per_epoch_vs_sync']} |"
+            f"| {row['workers']} | {row['method']} | {row['largest_stable_lr_times_lam']} "
+            f"| {row['progress_per_epoch_vs_sync']} |"
         )
 
 

@@ -13,7 +13,8 @@ Prints one JSON object (also to ``--output``):
   the second (target <= 1.3: the event loop, the server core, the messages' bytes, the replicas and
   the event logs add at most 30%). ``in_run_overhead_ratio`` measures the same in one run: the loop's wall
   time over the part of it spent in the workers' forward/backward passes (``wall_compute_s``), so a
-  load that changes between the two measurements cannot tilt it. ``compressed``: the same with top-k 0.1 and error feedback, whose
+  load that changes between the two measurements cannot tilt it. ``compressed``: the same with top-k 0.1
+  and error feedback, whose
   compression is real work on top (``compression_ratio_of_wall`` says how much).
 * ``memory``: 64 workers of ``wide_mlp`` (5.8M parameters, 23 MB) pushing dense gradients for a few
   steps each; ``peak_rss_gb`` (target <= 8: at most one parameter replica, one in-flight push and one

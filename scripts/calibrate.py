@@ -1,7 +1,8 @@
-"""Measure the cost-model figures of a virtual-time run on this machine, and print them as config lines.
+r"""Measure the cost-model figures of a virtual-time run on this machine, and print them as config lines.
 
     python scripts/calibrate.py --config configs/ps_sync_mnist.yaml
-    python scripts/calibrate.py --config configs/experiments/virtual_ps_vs_ddp.yaml --set system.compression_enabled=true
+    python scripts/calibrate.py --config configs/experiments/virtual_ps_vs_ddp.yaml \
+        --set system.compression_enabled=true
     python scripts/calibrate.py --model simple_cnn --dataset mnist_5k --batch-size 64 --concurrent 3
     python scripts/calibrate.py --config CONFIG --json      # one JSON object instead of YAML
 

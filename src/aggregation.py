@@ -107,7 +107,7 @@ class ModelState:
     def step(
         self, gradients: list[torch.Tensor], buffers: list[torch.Tensor], weight: float = 1.0, *, worker: int = 0
     ) -> None:
-        """One optimizer step with ``weight * gradients`` (a push of ``worker``) and the new buffer values; version + 1."""
+        """One optimizer step with ``weight * gradients`` (``worker``'s push) and the new buffer values; version + 1."""
         if self.before_change is not None:
             self.before_change()
         if weight != 1.0:  # out of place: the gradients may be read-only views of a message

@@ -125,7 +125,7 @@ def final_checkpoint_path(directory: str | Path, architecture: str) -> Path:
 
 
 def check_model_matches(path: str | Path, checkpoint: dict[str, Any], model_architecture: str) -> None:
-    """Raise :class:`CheckpointError` unless ``checkpoint`` (loaded from ``path``) holds a ``model_architecture`` model."""
+    """Raise :class:`CheckpointError` unless ``checkpoint`` (from ``path``) holds a ``model_architecture`` model."""
     if checkpoint["model_architecture"] != model_architecture:
         raise CheckpointError(
             f"--resume {path}: checkpoint is a {checkpoint['model_architecture']!r} model, "

@@ -178,7 +178,7 @@ class Membership:
         return member
 
     def verify(self, member: Member) -> None:
-        """Raise :class:`MembershipError` if ``member`` is no longer the live incarnation (does not count as a sign of life)."""
+        """Raise :class:`MembershipError` if ``member`` is no longer the live incarnation (not a sign of life)."""
         if self.current.get(member.worker_id) is not member or member.state != "live":
             raise MembershipError(
                 "revoked" if member.state != "finished" else "finished",

@@ -23,6 +23,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from src.seeds import derive_seed
+
 BUNDLED_MNIST_5K = Path(__file__).resolve().parent / "assets" / "mnist_5k.npz"
 
 
@@ -162,7 +164,8 @@ def _missing_message(info: DatasetInfo, data_dir: str) -> str:
     folder = {"mnist": "MNIST/raw", "fashion_mnist": "FashionMNIST/raw", "cifar10": "cifar-10-batches-py"}[info.name]
     return (
         f"dataset {info.name!r} not found under {Path(data_dir) / folder} and it could not be downloaded; "
-        f"put torchvision's files there (or run once online), or use --dataset mnist_5k, which is bundled and works offline"
+        f"put torchvision's files there (or run once online), or use --dataset mnist_5k, "
+        f"which is bundled and works offline"
     )
 
 
@@ -240,7 +243,7 @@ def epoch_permutation(num_samples: int, epoch: int, seed: int) -> list[int]:
     """The order of sample indices in ``epoch``: a permutation fixed by ``(seed, epoch)``."""
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
     return torch.randperm(num_samples, generator=generator).tolist()
 
 

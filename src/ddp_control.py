@@ -52,7 +52,7 @@ ACTIONS = ("hold", "compress_less", "compress_more")
 
 
 def config_problem(config: Any) -> str | None:
-    """Why a DDP run of ``config`` cannot use ``system.adaptive_compression`` (one line naming the field), or ``None``."""
+    """Why a DDP run of ``config`` cannot use ``system.adaptive_compression`` (one line naming it), or ``None``."""
     system, training = config.system, config.training
     if not system.adaptive_compression:
         return None

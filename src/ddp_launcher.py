@@ -91,7 +91,8 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
     if device.type == "cuda" and local_world_size > 1:
         if config.training.device.startswith("cuda:"):
             raise SetupError(
-                f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; use cuda or auto"
+                f"training.device: {config.training.device} would put all {local_world_size} local ranks on one GPU; "
+                f"use cuda or auto"
             )
         if local_world_size > torch.cuda.device_count():
             raise SetupError(

@@ -82,7 +82,8 @@ class HungPeer:
         what = "killed it (stopped: it could not act on the agent's SIGTERM) and " if self.killed else ""
         return (
             f"rank {self.rank}{where} sent no heartbeat for {self.silent_s:.1f}s (--collective-timeout {timeout_s:g}, "
-            f"noticed by {self.detected_by}): hung; {what}failing this attempt so the group restarts from its newest checkpoint"
+            f"noticed by {self.detected_by}): hung; {what}failing this attempt "
+            f"so the group restarts from its newest checkpoint"
         )
 
 

@@ -1,8 +1,9 @@
-"""Run one experiment into ``results/<name>/``: its config, events, summary and TensorBoard logs.
+r"""Run one experiment into ``results/<name>/``: its config, events, summary and TensorBoard logs.
 
     python scripts/run_experiment.py --config configs/experiments/smoke.yaml
     python scripts/run_experiment.py --config configs/experiments/smoke.yaml --seed 1 --name smoke_seed1
-    python scripts/run_experiment.py --config configs/experiments/smoke.yaml --set training.weight_decay=1e-4 --print-config
+    python scripts/run_experiment.py --config configs/experiments/smoke.yaml \
+        --set training.weight_decay=1e-4 --print-config
 
 An experiment file is a run config (``training``, ``system``, ``emulation``: see
 configs/example_config.yaml and src/netem.py) plus an ``experiment`` section::
@@ -18,7 +19,7 @@ clock, src/virtual_time.py) all come from the config. What lands in ``<results-d
 | file | what |
 |---|---|
 | ``config.yaml`` | the full resolved config (with the experiment section) |
-| ``experiment.json`` | status (running, finished, failed), wall time, load average before and after, clock, the code's commit |
+| ``experiment.json`` | status (running, finished, failed), wall time, load average before/after, clock, commit |
 | ``summary.json`` | the run summary (written last: its presence with status finished means done) |
 | ``logs/`` | ``server/events.jsonl`` (or the trainer's), ``worker_<k>/``, TensorBoard event files |
 | ``checkpoints/`` | the final checkpoint |
@@ -44,7 +45,7 @@ from src.config import Config, ConfigError, SetupError, apply_assignments, read_
 from src.logs import setup_logging
 
 CONTROLLER_FIELD = "adaptive_compression"
-"""The ``system`` field that turns the adaptive controller on (src/controller.py; the parameter server and DDP feed it)."""
+"""The ``system`` field that turns the adaptive controller on (src/controller.py; the PS and DDP feed it)."""
 EXPERIMENT_KEYS = {"name", "controller"}
 DEFAULT_CHECKPOINT_INTERVAL = 1_000_000  # server versions: an experiment keeps only its final checkpoint
 

@@ -2,7 +2,8 @@
 
 The baseline and DDP trainers set the rate of their optimizer step ``step`` (counted over the
 whole run, restored from a checkpoint) with :func:`set_scheduled_learning_rate`. The parameter
-server's optimizer takes one step per version, so its schedule is a function of the version: the update that makes version ``v + 1`` uses :func:`scheduled_learning_rate` of ``v``
+server's optimizer takes one step per version, so its schedule is a function of the version: the update that makes
+version ``v + 1`` uses :func:`scheduled_learning_rate` of ``v``
 (the rate torch's scheduler holds after ``v`` calls of ``scheduler.step()``, i.e. during the
 optimizer's ``v``-th step counted from 0). A resumed server continues the schedule from its
 checkpoint's version; nothing else is stored.

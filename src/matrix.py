@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: the current run is redone next time", file=sys.stderr)
         return 130
     print(
-        f"matrix {name}: {total - failed}/{total} runs finished; plots: python scripts/plot_results.py --results {root}",
+        f"matrix {name}: {total - failed}/{total} runs finished; "
+        f"plots: python scripts/plot_results.py --results {root}",
         flush=True,
     )
     return 1 if failed else 0

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from src.config import EmulationConfig, SetupError
+from src.seeds import DELAY_STREAM, derive_seed
 
 BITS_PER_MEGABIT = 1_000_000
 
@@ -199,4 +200,4 @@ class ComputeDelay:
 
 def worker_seed(training_seed: int, worker_id: int) -> int:
     """The seed of worker ``worker_id``'s delays: distinct per worker, fixed by the run's seed."""
-    return (training_seed * 1_000_003 + worker_id) * 7919 + 17
+    return derive_seed(training_seed, worker_id, DELAY_STREAM)

@@ -333,7 +333,7 @@ class ParameterServer:
         with self.core.lock:
             return self.core.status()
 
-    # ------------------------------------------------------------------------- gRPC methods (src.ps_transport.service_handler)
+    # ----------------------------------------------------------------- gRPC methods (src.ps_transport.service_handler)
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         with refusals(context):
@@ -398,7 +398,7 @@ class ParameterServer:
                 self.on_event(kind, fields)
 
     def _emulate_downlink(self, worker: int, nbytes: int) -> None:
-        """Wait as long as a reply of ``nbytes`` takes on ``worker``'s emulated downlink (lock not held: links are parallel)."""
+        """Wait as long as ``nbytes`` of reply take on ``worker``'s downlink (no lock held: links are parallel)."""
         link = self.downlinks.get(worker)
         if link is not None:
             with tracing.span("downlink_wait", bytes=nbytes):

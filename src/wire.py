@@ -136,7 +136,7 @@ class SharedBuffers:
         return self._views[index]
 
     def acquire(self) -> bool:
-        """Take a lease for one send; ``False`` when the views are gone (the model changed with no send holding them)."""
+        """Take a lease for one send; ``False`` when the views are gone (the model changed, no send holding them)."""
         with self.lock:
             if not self.valid:
                 return False

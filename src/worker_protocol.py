@@ -37,6 +37,7 @@ import torch
 
 from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, TopKCompressor, decompress
 from src.ps_transport import Received, copy_bytes_into
+from src.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def served_tensors(
 
 def worker_generator_seed(training_seed: int, worker_id: int) -> int:
     """Seed of worker ``worker_id``'s stochastic rounding (quantization)."""
-    return training_seed * 1_000_003 + worker_id
+    return derive_seed(training_seed, worker_id)
 
 
 def encode_gradients(

@@ -184,7 +184,7 @@ def _report_errors(target: Callable[..., None], args: tuple, errors) -> None:
         raise
 
 
-# ----------------------------------------------------------------------------- framework integrations (worker processes)
+# ------------------------------------------------------------------------ framework integrations (worker processes)
 
 
 def worker_shard(worker: int, num_workers: int, max_samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

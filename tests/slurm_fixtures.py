@@ -161,7 +161,8 @@ class SlurmCluster:
                     "SlurmctldDebug=info",
                     "SlurmdDebug=info",
                     f"NodeName={self.node} NodeAddr=127.0.0.1 {_node_hardware()} State=UNKNOWN",
-                    f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
+                    f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP "
+                    "OverSubscribe=FORCE",
                     "",
                 ]
             )
@@ -238,7 +239,7 @@ class SlurmCluster:
     def submit(
         self, script: Path, args: list[str], *, workdir: Path, env: dict[str, str], options: tuple[str, ...] = ()
     ) -> int:
-        """``sbatch`` ``script`` with ``args`` in ``workdir`` (its output to ``workdir/slurm-<job>.out``); the job id."""
+        """``sbatch`` ``script`` with ``args`` in ``workdir`` (output to ``workdir/slurm-<job>.out``); the job id."""
         out = self.run(
             "sbatch",
             "--parsable",

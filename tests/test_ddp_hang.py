@@ -124,7 +124,8 @@ def _assert_detected_and_resumed(cwd: Path, stopped_rank: int, pid: int, stopped
     )
     latency = hung["time"] - stopped_at
     print(
-        f"rank {stopped_rank} SIGSTOPped: rank_hung after {latency:.2f}s ({hung['detected_by']}), timeout {HANG_TIMEOUT_S:g}s"
+        f"rank {stopped_rank} SIGSTOPped: rank_hung after {latency:.2f}s ({hung['detected_by']}), "
+        f"timeout {HANG_TIMEOUT_S:g}s"
     )
     assert latency <= HANG_TIMEOUT_S + DETECTION_SLACK_S
     assert process_gone(pid)

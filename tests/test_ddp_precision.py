@@ -126,7 +126,7 @@ def test_ddp_with_bf16_autocast_trains_within_one_point_of_float32(runs):
 
 
 def _kept_entries(config: dict) -> tuple[int, int]:
-    """(kept top-k entries, compression units) of one step: from the sizes of DDP's buckets, saved with the hook state."""
+    """(kept top-k entries, compression units) of one step: from DDP's bucket sizes, saved with the hook state."""
     model = model_from_config(validate_config(config))
     sizes = {name: parameter.numel() for name, parameter in model.named_parameters()}
     checkpoint = Path(config["system"]["checkpoint_dir"]) / "ddp_final.pt"
@@ -138,7 +138,8 @@ def _kept_entries(config: dict) -> tuple[int, int]:
 def test_bf16_top_k_values_train_within_one_point_and_send_three_quarters_of_the_bytes(runs, tmp_path):
     wide, narrow = _summary(runs, "topk"), _summary(runs, "topk_bf16")
     print(
-        f"top-k 0.1 test accuracy: float32 values {wide['final_accuracy']:.3f}, bfloat16 values {narrow['final_accuracy']:.3f}"
+        f"top-k 0.1 test accuracy: float32 values {wide['final_accuracy']:.3f}, "
+        f"bfloat16 values {narrow['final_accuracy']:.3f}"
     )
     assert narrow["final_accuracy"] >= wide["final_accuracy"] - ONE_POINT
     assert (wide["compression_value_dtype"], narrow["compression_value_dtype"]) == ("float32", "bfloat16")
@@ -173,7 +174,7 @@ def test_fp16_overflow_steps_are_skipped_on_every_rank_alike(runs):
 
 @pytest.fixture
 def one_thread():
-    """The baseline's float32 convolutions on the shared cores: one intra-op thread is steadier (and faster under load)."""
+    """The baseline's float32 convolutions on the shared cores: one intra-op thread is steadier (faster under load)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

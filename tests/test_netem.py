@@ -217,7 +217,7 @@ def _ip(*args: str) -> None:
 
 @pytest.fixture
 def link_pair():
-    """Namespaces ``{"server": ..., "worker": ...}`` joined by one veth pair (ends ``"server_dev"``, ``"worker_dev"``)."""
+    """Namespaces ``{"server": ..., "worker": ...}`` joined by a veth pair (ends ``"server_dev"``, ``"worker_dev"``)."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("network namespaces and tc need root and iproute2 (CI runs as root)")
     prefix = f"dtn{os.getpid() % 100000}"

@@ -160,7 +160,8 @@ def test_ctrl_c_stops_every_child(tmp_path):
             except subprocess.TimeoutExpired as exc:
                 stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)
             pytest.fail(
-                f"the runner did not exit within 60 s of Ctrl-C; processes left: {alive}; stderr ends:\n{stderr[-6000:]}"
+                f"the runner did not exit within 60 s of Ctrl-C; processes left: {alive}; "
+                f"stderr ends:\n{stderr[-6000:]}"
             )
         assert process.returncode == 130, stderr[-3000:]
         assert "interrupted" in stderr and "Traceback" not in stderr

@@ -58,7 +58,10 @@ def docker_unavailable() -> str | None:
     if subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode != 0:
         return "the Docker engine is not running"
     if sys.version_info[:2] != (3, 11):
-        return f"the image's Python is 3.11; this Python is {sys.version_info[0]}.{sys.version_info[1]}, its packages would not load"
+        return (
+            f"the image's Python is 3.11; this Python is {sys.version_info[0]}.{sys.version_info[1]}, "
+            "its packages would not load"
+        )
     return None
 
 

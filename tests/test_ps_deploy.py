@@ -1,4 +1,5 @@
-"""Deployment files of the parameter server: docker-compose.yml and its overrides, the Dockerfile, the entrypoint, the PS configs.
+"""Deployment files of the parameter server: docker-compose.yml and its overrides, the Dockerfile, the entrypoint,
+the PS configs.
 
 Fast checks of their structure; test_ps_compose.py (slow) builds the image and runs the compose
 cluster for real, and test_ps_multihost.py runs the same entrypoint across network namespaces.

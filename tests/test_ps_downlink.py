@@ -1,4 +1,5 @@
-"""Compressed downlink: a push reply carries a compressed delta; the worker's copy tracks the server's within the bound."""
+"""Compressed downlink: a push reply carries a compressed delta; the worker's copy tracks the server's within
+the bound."""
 
 from __future__ import annotations
 

@@ -113,7 +113,8 @@ def test_architecture_page_names_every_module_in_src():
     "text, expected",
     [
         (
-            "```bash\npython a.py --x 1 \\\n    --y 2   # note\npython -m pkg.mod --z\ntorchrun b.py\npython a.py\n```\n",
+            "```bash\npython a.py --x 1 \\\n    --y 2   # note\npython -m pkg.mod --z\n"
+            "torchrun b.py\npython a.py\n```\n",
             [("a.py",), ("-m", "pkg.mod")],
         ),
     ],

@@ -133,7 +133,7 @@ def assert_ps_roles_ended(text: str, statuses: dict[str, str]) -> None:
 
 
 def requeue_once_checkpointed(cluster: SlurmCluster, job_id: int, checkpoints: Path, workdir: Path) -> None:
-    """``scontrol requeue`` the running job as soon as it has written a numbered checkpoint; start it again 2 s later."""
+    """``scontrol requeue`` the running job once it has written a numbered checkpoint; start it again 2 s later."""
     job = cluster.wait_for_job(
         job_id,
         JOB_TIMEOUT_S,

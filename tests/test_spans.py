@@ -164,7 +164,8 @@ def test_ps_exposed_communication_is_the_workers_time_blocked_on_the_reply(ps_ru
     waited = _push_waits_s(tmp_path / "run" / "logs", 0)  # ~0.3 s a push
     assert waited <= worker["exposed_communication_s"] <= 1.15 * waited, (worker["exposed_communication_s"], waited)
     assert worker["exposed_communication_s"] == worker["communication_time_s"] == summary["exposed_communication_s"]
-    # Two workers: each one's waits are a floor of its exposed time (the rest: the server, the other worker's last step).
+    # Two workers: each one's waits are a floor of its exposed time (the rest: the server, the other worker's last
+    # step).
     logs, two = ps_run
     for worker in two["workers"]:
         assert worker["exposed_communication_s"] >= _push_waits_s(logs, worker["worker_id"])

@@ -1,4 +1,5 @@
-"""Timelines: Chrome trace-event JSON from spans, torch profiler labels, a traced baseline run, merging across processes."""
+"""Timelines: Chrome trace-event JSON from spans, torch profiler labels, a traced baseline run, merging across
+processes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Experiment trackers for real, offline: a run's parameters, metrics and artifacts read back by each library's own reader.
+"""Experiment trackers for real, offline: a run's parameters, metrics and artifacts read back by each library's
+own reader.
 
 MLflow logs into a local SQLite store, read back with ``MlflowClient``; W&B runs in offline mode,
 and its run file (``run-<id>.wandb``: LevelDB-style log blocks of wandb's protobuf ``Record``

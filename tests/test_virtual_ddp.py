@@ -112,7 +112,7 @@ def test_faults_are_refused_in_virtual_ddp(tmp_path):
 
 
 def test_virtual_ddp_evaluates_at_fixed_sample_counts(tmp_path):
-    """training.eval_every_samples: an evaluation each time the ranks' samples together pass a multiple (48 a step here)."""
+    """training.eval_every_samples: an evaluation each time the ranks' samples together pass a multiple (48 a step)."""
     from src.metrics import read_events
 
     config = ddp_config(tmp_path, "counts", training__eval_every_samples=96, training__max_train_samples=240)
