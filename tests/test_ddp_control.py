@@ -260,6 +260,35 @@ def _events(root: Path, name: str, kind: str, rank: int | None = None) -> list[d
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def _assert_the_resumed_run_repeats_the_rest(tmp_path, rest, payload, final, parameters, controller):
+    """Resumed from step 10 with the switch to 0.01 pending: the same decisions (``rest``, without their timings,
+    measured anew), switches, payloads and final ``parameters`` as the uninterrupted run."""
+    from src.checkpoint import load_checkpoint
+
+    def decided(d: dict) -> tuple:  # a decision without its timings (measured anew)
+        return (
+            d["step"],
+            d["action"],
+            d["rho"],
+            d["max_staleness"],
+            d["inputs"]["losses_in_window"],
+            d["inputs"]["stable_evaluations"],
+        )
+
+    assert [decided(d) for d in _events(tmp_path, "resumed", "controller")] == [decided(d) for d in rest]
+    for rank in range(WORLD):
+        assert [(e["step"], e["compression_ratio"]) for e in _events(tmp_path, "resumed", "control_applied", rank)] == [
+            (11, 0.01)
+        ]
+        steps = json.loads((tmp_path / "resumed" / "logs" / f"payloads_{rank}.json").read_text())
+        assert steps == [payload(0.01)] * 6
+    again = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "ddp_final.pt")
+    assert (
+        max(float((again["model_state_dict"][k] - final["model_state_dict"][k]).abs().max()) for k in parameters) == 0.0
+    )
+    assert json.loads((tmp_path / "resumed" / "logs" / "summary.json").read_text())["controller"] == controller
+
+
 def test_every_rank_switches_in_the_same_step_to_the_payload_of_the_new_rho(tmp_path):
     from src.checkpoint import load_checkpoint
     from src.trainer import model_from_config
@@ -320,26 +349,4 @@ def test_every_rank_switches_in_the_same_step_to_the_payload_of_the_new_rho(tmp_
     saved = load_checkpoint(mid_epoch)["extra"]["controller"]
     assert (saved["compression_ratio"], saved["pending"]) == (0.0125, [11, 0.01, 12])  # decided at 10, due at 11
 
-    # Resumed from step 10 with the switch to 0.01 pending: the same decisions, switches and parameters.
-    def decided(d: dict) -> tuple:  # a decision without its timings (measured anew)
-        return (
-            d["step"],
-            d["action"],
-            d["rho"],
-            d["max_staleness"],
-            d["inputs"]["losses_in_window"],
-            d["inputs"]["stable_evaluations"],
-        )
-
-    assert [decided(d) for d in _events(tmp_path, "resumed", "controller")] == [decided(d) for d in decisions[5:]]
-    for rank in range(WORLD):
-        assert [(e["step"], e["compression_ratio"]) for e in _events(tmp_path, "resumed", "control_applied", rank)] == [
-            (11, 0.01)
-        ]
-        steps = json.loads((tmp_path / "resumed" / "logs" / f"payloads_{rank}.json").read_text())
-        assert steps == [payload(0.01)] * 6
-    again = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "ddp_final.pt")
-    assert max(float((again["model_state_dict"][k] - final["model_state_dict"][k]).abs().max()) for k in sizes) == 0.0
-    assert (
-        json.loads((tmp_path / "resumed" / "logs" / "summary.json").read_text())["controller"] == summary["controller"]
-    )
+    _assert_the_resumed_run_repeats_the_rest(tmp_path, decisions[5:], payload, final, sizes, summary["controller"])

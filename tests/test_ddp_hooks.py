@@ -133,6 +133,25 @@ def _recording(hook):
     return recorded, layouts
 
 
+def _topk_by_hand(policy, step, names, grads, residuals):
+    """The mean over ranks of what each rank sends for one bucket: its compensated gradients side by side
+    (``grads[parameter][rank]`` plus its residuals), compressed as one flat tensor; updates ``residuals``."""
+    world = len(residuals)
+    expected = [torch.zeros_like(per_rank[0]) for per_rank in grads]
+    for source in range(world):
+        compensated = [
+            grads[i][source] + residuals[source].get(name, torch.zeros_like(grads[i][source]))
+            for i, name in enumerate(names)
+        ]
+        sent = decompress(policy.compress(torch.cat([c.reshape(-1) for c in compensated]), step)).split(
+            [c.numel() for c in compensated]
+        )
+        for i, name in enumerate(names):
+            residuals[source][name] = compensated[i] - sent[i].view(compensated[i].shape)
+            expected[i] += sent[i].view(compensated[i].shape)
+    return [e / world for e in expected]
+
+
 def _compression_check(rank: int, world: int, kind: str) -> dict:
     """DDP + compression hook against the compression API applied by hand to every rank's gradient.
 
@@ -174,19 +193,7 @@ def _compression_check(rank: int, world: int, kind: str) -> dict:
             grads = [_gather(local.grad, world) for _, local in named]  # [parameter][rank]
             true_means = [torch.stack(per_rank).mean(0) for per_rank in grads]
             if kind == "topk" and step >= TOPK_WARMUP:
-                expected = [torch.zeros_like(mean) for mean in true_means]
-                for source in range(world):
-                    compensated = [
-                        grads[i][source] + residuals[source].get(name, torch.zeros_like(grads[i][source]))
-                        for i, (name, _) in enumerate(named)
-                    ]
-                    sent = decompress(policy.compress(torch.cat([c.reshape(-1) for c in compensated]), step)).split(
-                        [c.numel() for c in compensated]
-                    )
-                    for i, (name, _) in enumerate(named):
-                        residuals[source][name] = compensated[i] - sent[i].view(compensated[i].shape)
-                        expected[i] += sent[i].view(compensated[i].shape)
-                expected = [e / world for e in expected]
+                expected = _topk_by_hand(policy, step, [name for name, _ in named], grads, residuals)
             else:
                 expected = true_means
             for got_grad, expected_grad, true_mean, per_rank in zip(got, expected, true_means, grads):

@@ -223,8 +223,8 @@ def evaluate_checkpoint(path: Path, capsys) -> dict:
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls):
-    output = tmp_path / "out"
+def _compose_project(tmp_path, output, tls):
+    """The compose project of the spec's cluster (plain or TLS), writing its outputs under ``output``."""
     files = ["docker-compose.yml", "docker/compose.local.yml"] + (["docker/compose.tls.yml"] if tls else [])
     environment = {
         "DTS_AUTH_TOKEN": TOKEN,
@@ -240,20 +240,102 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     image = f"dts-compose-test:{hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]}"
     image_override.write_text(yaml.safe_dump({"services": {service: {"image": image} for service in SERVICES}}))
     files.append(str(image_override))
-    compose = Compose(f"dtstest{os.getpid()}{'tls' if tls else 'plain'}", files, environment)
-    server_events = output / "logs" / "ps_cli" / "server" / "events.jsonl"
+    return Compose(f"dtstest{os.getpid()}{'tls' if tls else 'plain'}", files, environment)
 
+
+def _assert_no_token_starts_nothing(compose):
+    """No token (unset or empty), no cluster: compose refuses before starting anything."""
+    for without in (
+        {k: v for k, v in compose.env.items() if k != "DTS_AUTH_TOKEN"},
+        compose.env | {"DTS_AUTH_TOKEN": ""},
+    ):
+        refused = compose("up", "-d", "--no-build", check=False, env=without)
+        assert refused.returncode != 0 and "set DTS_AUTH_TOKEN" in refused.stderr, refused.stderr
+    assert not docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={compose.project}").split()
+
+
+def _assert_tls_handshake(compose):
+    """The server speaks TLS with a certificate valid for the name the workers dial (a plain Python client
+    in a worker's container, so the handshake alone is checked)."""
+    handshake = compose(
+        "run",
+        "--rm",
+        "--no-deps",
+        "-T",
+        "--entrypoint",
+        "python",
+        "worker_0",
+        "-c",
+        "import socket, ssl; context = ssl.create_default_context(cafile='certs/server.crt'); "
+        "print(context.wrap_socket(socket.create_connection(('parameter_server', 50051), timeout=30), "
+        "server_hostname='parameter_server').version())",
+        check=False,
+    )
+    assert handshake.returncode == 0 and handshake.stdout.startswith("TLSv1."), handshake.stdout + handshake.stderr
+
+
+def _assert_intruder_refused(compose):
+    """A container on training_net with a wrong token: the server refuses it; the run goes on."""
+    intruder = compose("run", "--rm", "--no-deps", "-T", "-e", "DTS_AUTH_TOKEN=not-the-token", "worker_1", check=False)
+    assert intruder.returncode == 1, intruder.stdout + intruder.stderr
+    assert "parameter server call failed: UNAUTHENTICATED: missing or wrong auth token" in intruder.stderr, (
+        intruder.stderr
+    )
+    assert TOKEN not in intruder.stdout + intruder.stderr
+
+
+def _run_to_the_end(compose, server_events, kill_a_worker):
+    """Start the workers (SIGKILL worker_0's process an eighth into the run if ``kill_a_worker``: docker
+    restarts it, restart: on-failure, and it registers again); wait for every service to exit 0.
+    Returns (container states, the network's description, the logs)."""
+    compose("up", "-d", "--no-build", "--no-recreate")
+    containers = {service: compose.container(service) for service in SERVICES}
+    if kill_a_worker:
+        wait_for_event(
+            compose,
+            server_events,
+            lambda e: e["kind"] == "update" and e["version"] >= 8,
+            "update 8",
+            deadline_s=300,
+        )
+        os.kill(inspect("container", containers["worker_0"])["State"]["Pid"], signal.SIGKILL)
+    # The server ends the run once every worker is done; then the workers have exited too.
+    for service in SERVICES:
+        waited = subprocess.run(["docker", "wait", containers[service]], capture_output=True, text=True, timeout=600)
+        logs = compose.logs()
+        assert waited.stdout.strip() == "0", f"{service} exited {waited.stdout.strip()}:\n{logs}"
+    states = {service: inspect("container", container) for service, container in containers.items()}
+    return states, inspect("network", compose.network), logs
+
+
+def _assert_trained_model_on_the_host(output, capsys, tls):
+    """The summary and the final checkpoint on the host volume: the trained model the server reported."""
+    summary = json.loads((output / "logs" / "ps_cli" / "summary.json").read_text())
+    assert (summary["dataset"], summary["num_workers"], summary["epochs"]) == ("mnist_5k", 2, 2)
+    assert summary["final_accuracy"] > 0.8  # two epochs of mnist_5k reach ~94%
+    # Every sample of both epochs in exactly one applied update, the killed worker's included.
+    assert summary["samples_processed"] == 2 * len(load_dataset("mnist_5k", "train")), summary
+    assert summary["worker_incarnations"] == (2 if tls else 3), summary
+    final = output / "checkpoints" / "ps_cli" / "parameter_server_final.pt"
+    checkpoint = load_checkpoint(final)
+    assert (checkpoint["dataset"], checkpoint["epoch"], checkpoint["extra"]["version"]) == (
+        "mnist_5k",
+        2,
+        summary["versions"],
+    )
+    # Same model and test split, evaluated on the host; only the thread count differs from the
+    # container's, which may flip a prediction sitting on a tie: a few samples in 1000.
+    assert evaluate_checkpoint(final, capsys)["accuracy"] == pytest.approx(summary["final_accuracy"], abs=0.005)
+
+
+def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls):
+    output = tmp_path / "out"
+    compose = _compose_project(tmp_path, output, tls)
+    server_events = output / "logs" / "ps_cli" / "server" / "events.jsonl"
     try:
         compose("build", "--force-rm", timeout=600)
         if not tls:
-            # No token (unset or empty), no cluster: compose refuses before starting anything.
-            for without in (
-                {k: v for k, v in compose.env.items() if k != "DTS_AUTH_TOKEN"},
-                compose.env | {"DTS_AUTH_TOKEN": ""},
-            ):
-                refused = compose("up", "-d", "--no-build", check=False, env=without)
-                assert refused.returncode != 0 and "set DTS_AUTH_TOKEN" in refused.stderr, refused.stderr
-            assert not docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={compose.project}").split()
+            _assert_no_token_starts_nothing(compose)
         compose("up", "-d", "--no-build", "parameter_server")
         server_state = wait_until_healthy(compose, "parameter_server", deadline_s=300)
         assert server_state["Config"]["Healthcheck"]["Test"][:4] == ["CMD", "python", "-m", "src.healthcheck"]
@@ -261,58 +343,11 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
         wait_for_event(compose, server_events, lambda e: e["kind"] == "listening", "listening event", deadline_s=30)
         server_ip = server_state["NetworkSettings"]["Networks"][compose.network]["IPAddress"]
         if tls:
-            # The server speaks TLS with a certificate valid for the name the workers dial (a
-            # plain Python client in a worker's container, so the handshake alone is checked).
-            handshake = compose(
-                "run",
-                "--rm",
-                "--no-deps",
-                "-T",
-                "--entrypoint",
-                "python",
-                "worker_0",
-                "-c",
-                "import socket, ssl; context = ssl.create_default_context(cafile='certs/server.crt'); "
-                "print(context.wrap_socket(socket.create_connection(('parameter_server', 50051), timeout=30), "
-                "server_hostname='parameter_server').version())",
-                check=False,
-            )
-            assert handshake.returncode == 0 and handshake.stdout.startswith("TLSv1."), (
-                handshake.stdout + handshake.stderr
-            )
+            _assert_tls_handshake(compose)
         else:
-            # A container on training_net with a wrong token: the server refuses it; the run goes on.
-            intruder = compose(
-                "run", "--rm", "--no-deps", "-T", "-e", "DTS_AUTH_TOKEN=not-the-token", "worker_1", check=False
-            )
-            assert intruder.returncode == 1, intruder.stdout + intruder.stderr
-            assert "parameter server call failed: UNAUTHENTICATED: missing or wrong auth token" in intruder.stderr, (
-                intruder.stderr
-            )
-            assert TOKEN not in intruder.stdout + intruder.stderr
-
-        compose("up", "-d", "--no-build", "--no-recreate")
-        containers = {service: compose.container(service) for service in SERVICES}
-        if not tls:
-            # A worker dies as in a crash (SIGKILL of its process, exit 137) an eighth into the
-            # run: docker restarts it (restart: on-failure) and it registers again.
-            wait_for_event(
-                compose,
-                server_events,
-                lambda e: e["kind"] == "update" and e["version"] >= 8,
-                "update 8",
-                deadline_s=300,
-            )
-            os.kill(inspect("container", containers["worker_0"])["State"]["Pid"], signal.SIGKILL)
-        # The server ends the run once every worker is done; then the workers have exited too.
-        for service in SERVICES:
-            waited = subprocess.run(
-                ["docker", "wait", containers[service]], capture_output=True, text=True, timeout=600
-            )
-            logs = compose.logs()
-            assert waited.stdout.strip() == "0", f"{service} exited {waited.stdout.strip()}:\n{logs}"
-        states = {service: inspect("container", container) for service, container in containers.items()}
-        network = inspect("network", compose.network)
+            _assert_intruder_refused(compose)
+        # Plain: a worker dies as in a crash (SIGKILL, exit 137) and docker restarts it.
+        states, network, logs = _run_to_the_end(compose, server_events, kill_a_worker=not tls)
     finally:
         compose.down()
 
@@ -332,21 +367,4 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     assert all(peer in subnet and peer != ipaddress.ip_address(server_ip) for peer in peers), (peers, subnet, server_ip)
     for k in (0, 1):
         assert (output / "logs" / "ps_cli" / f"worker_{k}" / "events.jsonl").is_file()
-
-    # The final checkpoint on the host volume is the trained model the server reported.
-    summary = json.loads((output / "logs" / "ps_cli" / "summary.json").read_text())
-    assert (summary["dataset"], summary["num_workers"], summary["epochs"]) == ("mnist_5k", 2, 2)
-    assert summary["final_accuracy"] > 0.8  # two epochs of mnist_5k reach ~94%
-    # Every sample of both epochs in exactly one applied update, the killed worker's included.
-    assert summary["samples_processed"] == 2 * len(load_dataset("mnist_5k", "train")), summary
-    assert summary["worker_incarnations"] == (2 if tls else 3), summary
-    final = output / "checkpoints" / "ps_cli" / "parameter_server_final.pt"
-    checkpoint = load_checkpoint(final)
-    assert (checkpoint["dataset"], checkpoint["epoch"], checkpoint["extra"]["version"]) == (
-        "mnist_5k",
-        2,
-        summary["versions"],
-    )
-    # Same model and test split, evaluated on the host; only the thread count differs from the
-    # container's, which may flip a prediction sitting on a tie: a few samples in 1000.
-    assert evaluate_checkpoint(final, capsys)["accuracy"] == pytest.approx(summary["final_accuracy"], abs=0.005)
+    _assert_trained_model_on_the_host(output, capsys, tls)

@@ -263,6 +263,19 @@ def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(
     assert report["ok"], report
 
 
+def _partition_server_args(tmp_path, logs):
+    """The server's flags for the partition test: 100 batches of 16, heartbeats every 0.5 s, top-k with a ledger.
+
+    At >= 0.2 s a round (--step-delay-s), worker 0 alone cannot finish the run's 100 batches during the
+    10 s partition, whatever the machine's speed."""
+    flags = (
+        "--workers 2 --dataset mnist_5k --num-epochs 1 --max-train-samples 1600 --batch-size 16"
+        " --max-test-samples 128 --heartbeat-interval 0.5 --heartbeat-timeout 3 --step-delay-s 0.2"
+        " --compression-enabled --compression-type topk --compression-ratio 0.1 --set system.gradient_ledger=true"
+    )
+    return [*flags.split(), "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(logs / "server_host")]
+
+
 def test_a_worker_partitioned_for_10s_is_failed_rejoins_by_itself_and_finishes(hosts, tmp_path):
     """Worker 1's link goes down for 10 s mid-run (its process runs on): the server fails it after the 3 s
     heartbeat timeout and goes on with worker 0; back online, worker 1's next call is refused (ABORTED),
@@ -284,39 +297,7 @@ def test_a_worker_partitioned_for_10s_is_failed_rejoins_by_itself_and_finishes(h
         processes["server"] = start(
             hosts["server"],
             {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051"},
-            [
-                "--workers",
-                "2",
-                "--dataset",
-                "mnist_5k",
-                "--num-epochs",
-                "1",
-                "--max-train-samples",
-                "1600",
-                "--batch-size",
-                "16",
-                "--max-test-samples",
-                "128",
-                "--heartbeat-interval",
-                "0.5",
-                # >= 0.2 s a round: worker 0 alone cannot finish the run's 100 batches
-                # during the 10 s partition, whatever the machine's speed
-                "--heartbeat-timeout",
-                "3",
-                "--step-delay-s",
-                "0.2",
-                "--compression-enabled",
-                "--compression-type",
-                "topk",
-                "--compression-ratio",
-                "0.1",
-                "--set",
-                "system.gradient_ledger=true",
-                "--checkpoint-dir",
-                str(tmp_path / "ckpt"),
-                "--log-dir",
-                str(logs / "server_host"),
-            ],
+            _partition_server_args(tmp_path, logs),
             outputs["server"],
         )
         for k in (0, 1):
