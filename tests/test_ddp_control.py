@@ -258,8 +258,6 @@ def _events(root: Path, name: str, kind: str, rank: int | None = None) -> list[d
     return list(read_events(folder / "events.jsonl", kind))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def _assert_the_resumed_run_repeats_the_rest(tmp_path, rest, payload, final, parameters, controller):
     """Resumed from step 10 with the switch to 0.01 pending: the same decisions (``rest``, without their timings,
     measured anew), switches, payloads and final ``parameters`` as the uninterrupted run."""
@@ -289,6 +287,8 @@ def _assert_the_resumed_run_repeats_the_rest(tmp_path, rest, payload, final, par
     assert json.loads((tmp_path / "resumed" / "logs" / "summary.json").read_text())["controller"] == controller
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_every_rank_switches_in_the_same_step_to_the_payload_of_the_new_rho(tmp_path):
     from src.checkpoint import load_checkpoint
     from src.trainer import model_from_config

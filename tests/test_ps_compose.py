@@ -222,7 +222,6 @@ def evaluate_checkpoint(path: Path, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def _compose_project(tmp_path, output, tls):
     """The compose project of the spec's cluster (plain or TLS), writing its outputs under ``output``."""
     files = ["docker-compose.yml", "docker/compose.local.yml"] + (["docker/compose.tls.yml"] if tls else [])
@@ -328,6 +327,7 @@ def _assert_trained_model_on_the_host(output, capsys, tls):
     assert evaluate_checkpoint(final, capsys)["accuracy"] == pytest.approx(summary["final_accuracy"], abs=0.005)
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls):
     output = tmp_path / "out"
     compose = _compose_project(tmp_path, output, tls)
