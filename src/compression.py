@@ -156,6 +156,11 @@ __all__ = [
 ]
 
 
+# --------------------------------------------------------------------------------------------
+# Reading any payload
+# --------------------------------------------------------------------------------------------
+
+
 def parse_header(payload: PayloadLike) -> PayloadHeader:
     """Decode and validate the header of ``payload``, including that its length matches.
 

@@ -22,6 +22,7 @@ _QUANT_CHUNK_ENTRIES = 1 << 18
 
 
 def quantization_levels(bits: int) -> int:
+    """Magnitude levels ``s = 2**(bits-1) - 1`` of ``bits``-bit codes: 127, 7 or 1."""
     return 2 ** (bits - 1) - 1
 
 

@@ -124,6 +124,7 @@ def _device_first_k(magnitudes: torch.Tensor, kth: torch.Tensor, k: int) -> torc
 
 
 def device_exact_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """torch twin of :func:`host_exact_topk` (the caller has checked that ``flat`` is finite)."""
     magnitudes = flat.abs()
     kth = torch.topk(magnitudes, k, sorted=False).values.min()
     return _device_first_k(magnitudes, kth, k)
