@@ -29,9 +29,11 @@ import time
 
 import torch
 
-from src.compression import ErrorFeedback, decompress, policy_from_config
+from src.compression import decompress
+from src.compression_policy import policy_from_config
 from src.config import validate_config
 from src.data import load_dataset, make_shards, steps_per_epoch
+from src.error_feedback import ErrorFeedback
 from src.staleness import LookaheadMomentum, StalenessPolicy, compensated_momentum
 from src.trainer import evaluate, forward_backward, model_from_config, optimizer_from_config
 

@@ -60,7 +60,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 
 from src.comm_hooks import CommHook, comm_hook_from_config, gradient_bytes, ring_allreduce_bytes
-from src.compression import CompressionPolicy, build_compressor
+from src.compression import build_compressor
+from src.compression_policy import CompressionPolicy
 from src.config import Config, validate_config
 from src.data import make_shards
 from src.ddp_trainer import DDPTrainer, RankContext, leave_rank_process, threads_per_rank

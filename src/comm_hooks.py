@@ -63,8 +63,10 @@ import torch.distributed as dist
 from torch import nn
 
 from src import tracing
-from src.compression import CompressionPolicy, ErrorFeedback, TopKCompressor, decompress, policy_from_config
+from src.compression import TopKCompressor, decompress
+from src.compression_policy import CompressionPolicy, policy_from_config
 from src.config import SystemConfig
+from src.error_feedback import ErrorFeedback
 
 # Tag of the ring's point-to-point messages; each (phase, step, segment) adds its own offset so a
 # message can only match the receive it was meant for.

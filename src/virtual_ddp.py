@@ -44,7 +44,7 @@ from src.comm_hooks import (
     ring_allreduce_bytes,
     write_average_,
 )
-from src.compression import policy_from_config
+from src.compression_policy import policy_from_config
 from src.config import Config, SetupError
 from src.cost_model import CostModel, all_gather_s, ring_allreduce_s
 from src.data import make_shards, steps_per_epoch

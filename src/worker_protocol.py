@@ -35,7 +35,9 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 import grpc
 import torch
 
-from src.compression import IDENTITY, CompressionPolicy, ErrorFeedback, TopKCompressor, decompress
+from src.compression import IDENTITY, TopKCompressor, decompress
+from src.compression_policy import CompressionPolicy
+from src.error_feedback import ErrorFeedback
 from src.ps_transport import Received, copy_bytes_into
 from src.seeds import derive_seed
 

@@ -17,15 +17,14 @@ import torch
 from src.compression import (
     HEADER_SIZE,
     IDENTITY,
-    CompressionPolicy,
-    ErrorFeedback,
     IdentityCompressor,
     build_compressor,
     decompress,
     parse_header,
-    policy_from_config,
 )
+from src.compression_policy import CompressionPolicy, policy_from_config
 from src.config import ConfigError, SystemConfig, validate_config
+from src.error_feedback import ErrorFeedback
 from tests.test_compression import _rewrite_header
 
 HALF = [torch.bfloat16, torch.float16]

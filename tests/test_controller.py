@@ -261,7 +261,8 @@ def test_decisions_reach_the_workers_payload_sizes(tmp_path):
     server event, and every later push of each worker is exactly the top-k payload of the new rho."""
     import torch
 
-    from src.compression import CompressionPolicy, build_compressor
+    from src.compression import build_compressor
+    from src.compression_policy import CompressionPolicy
     from src.metrics import read_events
     from src.ps_launcher import run_local
     from src.trainer import model_from_config

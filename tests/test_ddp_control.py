@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from src.comm_hooks import CommHook, CompressionHookState, comm_hook_from_config, compression_hook
-from src.compression import CompressionPolicy, build_compressor
+from src.compression import build_compressor
+from src.compression_policy import CompressionPolicy
 from src.config import SetupError, validate_config
 from src.controller import CompressionController
 from src.ddp_control import RankControl, Switch, config_problem

@@ -30,7 +30,8 @@ from src.comm_hooks import (
     ring_allreduce_bytes,
     ring_allreduce_hook,
 )
-from src.compression import CompressionPolicy, build_compressor, decompress
+from src.compression import build_compressor, decompress
+from src.compression_policy import CompressionPolicy
 from src.config import SystemConfig
 from tests.ddp_fixtures import join_group, spawn_ranks, tcp_bytes
 

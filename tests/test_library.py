@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.compression import CompressionPolicy, build_compressor
+from src.compression import build_compressor
+from src.compression_policy import CompressionPolicy
 from src.config import SetupError
 from src.served_model import import_factory, model_from_layout
 from src.staleness import StalenessPolicy
@@ -426,7 +427,7 @@ def test_server_that_plans_its_own_work_is_named(tmp_path):
 
 
 def test_lost_push_settles_by_whether_it_was_applied_and_redone():
-    from src.compression import ErrorFeedback
+    from src.error_feedback import ErrorFeedback
     from src.worker_protocol import encode_gradients, settle_lost_push
 
     policy = CompressionPolicy(build_compressor("topk", ratio=0.25))

@@ -23,7 +23,9 @@ The server: ``python -m torch_asgc.server`` (:mod:`torch_asgc.server`). Integrat
 ``docs/library.md``.
 """
 
-from src.compression import CompressionPolicy, ErrorFeedback, build_compressor
+from src.compression import build_compressor
+from src.compression_policy import CompressionPolicy
+from src.error_feedback import ErrorFeedback
 from src.worker_protocol import IncarnationRevoked
 
 from . import ddp

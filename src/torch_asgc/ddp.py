@@ -42,7 +42,8 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from src.comm_hooks import PLAIN_ALLREDUCE, CommHook, CommStats, compression_comm_hook, ring_comm_hook
-from src.compression import CompressionPolicy, Compressor, build_compressor
+from src.compression import Compressor, build_compressor
+from src.compression_policy import CompressionPolicy
 
 __all__ = ["CommHook", "CommStats", "register_compression_hook", "register_ring_hook"]
 

@@ -51,8 +51,10 @@ from typing import Any, Callable
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.compression import CompressionPolicy, Compressor, ErrorFeedback, policy_from_config
+from src.compression import Compressor
+from src.compression_policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
+from src.error_feedback import ErrorFeedback
 from src.lr_schedule import is_constant
 from src.worker_protocol import PushCodec, count_push
 
@@ -103,7 +105,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         client: the connected client whose model is that DistributedModel.
         compression: ``None`` (the server's ``system.compression_*`` settings), ``"none"``, a
             :class:`~src.compression.Compressor` (e.g. ``build_compressor("topk", ratio=0.01)``) or a
-            :class:`~src.compression.CompressionPolicy` (warm-up steps, small-tensor skipping).
+            :class:`~src.compression_policy.CompressionPolicy` (warm-up steps, small-tensor skipping).
         error_feedback: keep what compression leaves out and add it to the next gradient.
         seed: seed of the stochastic rounding of quantization (default ``training.seed`` + worker id).
         send_learning_rate: push the wrapped optimizer's learning rate with each step, for the server to
