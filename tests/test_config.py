@@ -41,7 +41,8 @@ def test_defaults_are_valid():
             "training",
             "dataset",
             "imagenet",
-            "training.dataset: must be one of 'mnist', 'fashion_mnist', 'cifar10', 'mnist_5k' or 'synthetic', got 'imagenet'",
+            "training.dataset: must be one of 'mnist', 'fashion_mnist', 'cifar10', 'mnist_5k' or 'synthetic', "
+            "got 'imagenet'",
         ),
         ("training", "model_architecture", "", "training.model_architecture: must be a non-empty model name, got ''"),
         (

@@ -14,7 +14,8 @@ import random
 import pytest
 
 from src.config import validate_config
-from src.controller import CompressionController, ControllerSettings, loss_rebound
+from src.controller import CompressionController, loss_rebound
+from src.controller_settings import ControllerSettings
 
 
 def push(communication: float = 0.8, gradient: float = 0.2, compression: float = 0.0) -> dict:
