@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -59,16 +58,17 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def bounded(default: Any, *, why: str | None = None, **constraints: Any) -> Any:
+def _bounded(default: Any, *, why: str | None = None, **constraints: Any) -> Any:
     """``Field(default, **constraints)`` whose error message adds ``why`` after the rule (what the bound
     means, e.g. ``0 = no warm-up``). ``allow_inf_nan=False`` among the constraints: the rule says "a finite
-    number" (a lower bound alone lets infinity through)."""
+    number" (a lower bound alone lets infinity through). ``why`` rides in ``json_schema_extra``, pydantic's
+    place for a field's own data (the JSON schema shows it too)."""
     return Field(default, json_schema_extra={"why": why} if why else None, **constraints)
 
 
-def controller_setting(name: str, **extra: Any) -> Any:
+def _controller_setting(name: str, **extra: Any) -> Any:
     """The ``system.controller_<name>`` field: its default and bounds are the controller's own
-    (:class:`src.controller.ControllerSettings`, the one declaration of them)."""
+    (:class:`src.controller_settings.ControllerSettings`, the one declaration of them)."""
     setting = ControllerSettings.__dataclass_fields__[name]
     finite = {"allow_inf_nan": False} if isinstance(setting.default, float) else {}
     return Field(setting.default, **setting.metadata, **finite, **extra)
@@ -82,7 +82,7 @@ class LRScheduleConfig(_Section):
     kind: Literal["constant", "step", "cosine"] = "constant"
     """constant (training.learning_rate), step (x gamma every step_size steps), cosine (down to min_lr at
     total_steps)."""
-    warmup_steps: int = bounded(0, ge=0, why="0 = no warm-up")
+    warmup_steps: int = _bounded(0, ge=0, why="0 = no warm-up")
     """Linear warm-up first: from warmup_start_factor x the rate up to it over this many steps (0: none)."""
     warmup_start_factor: float = Field(0.1, gt=0, le=1)
     """The warm-up's first rate, as a fraction of training.learning_rate, in (0, 1]."""
@@ -131,26 +131,26 @@ class TrainingConfig(_Section):
     """A name from ``src.models.MODELS``."""
     checkpoint_interval: PositiveInt = 1
     """Epochs between checkpoints (baseline, DDP) or server versions between checkpoints (PS)."""
-    checkpoint_interval_steps: int = bounded(0, ge=0, why="0 = checkpoint only at epoch ends")
+    checkpoint_interval_steps: int = _bounded(0, ge=0, why="0 = checkpoint only at epoch ends")
     """DDP: also checkpoint every this many optimizer steps (mid-epoch too); 0 = epoch checkpoints only."""
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     seed: int = 0
     data_dir: str = "./data"
-    max_train_samples: int | None = bounded(None, gt=0, why="or omitted for all samples")
+    max_train_samples: int | None = _bounded(None, gt=0, why="or omitted for all samples")
     """Use only the first N training samples (smoke runs); ``None`` uses all."""
-    max_test_samples: int | None = bounded(None, gt=0, why="or omitted for all samples")
+    max_test_samples: int | None = _bounded(None, gt=0, why="or omitted for all samples")
     num_samples: PositiveInt = 2048
     """Training-set size of the ``synthetic`` dataset."""
     eval_batch_size: PositiveInt = 1000
-    eval_interval: int = bounded(0, ge=0, why="0 = evaluate only at epoch ends")
+    eval_interval: int = _bounded(0, ge=0, why="0 = evaluate only at epoch ends")
     """Also evaluate every this many steps (parameter server: server versions); 0 = only at epoch ends."""
-    eval_every_samples: int = bounded(0, ge=0, why="0 = evaluate only at epoch ends")
+    eval_every_samples: int = _bounded(0, ge=0, why="0 = evaluate only at epoch ends")
     """Also evaluate each time the samples applied (all workers or ranks together) pass a multiple of this
     (0 = off): sync and async runs, PS and DDP, are then scored at the same sample counts. Pick a multiple
     of num_workers x batch_size so every run lands exactly on the counts."""
-    target_accuracy: float | None = bounded(None, gt=0, le=1, why="or omitted for no target")
+    target_accuracy: float | None = _bounded(None, gt=0, le=1, why="or omitted for no target")
     """Accuracy in (0, 1] whose first crossing the summary reports as time to target; ``None`` for none."""
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available, else CPU)."""
@@ -230,32 +230,32 @@ class SystemConfig(_Section):
     """Async SGD's correction for staleness: lookahead (per-worker momentum, lr/N per push, pulls at the
     lookahead point: N async workers take the steps of N sync workers), implicit_momentum (explicit
     momentum lowered by 1 - 1/N), none (the plain optimizer)."""
-    async_step_scale: float | None = bounded(
+    async_step_scale: float | None = _bounded(
         None, gt=0, allow_inf_nan=False, why="or null for the stability-matched default"
     )
     """lookahead: multiplier of every push's step; null = the stability-matched default (0.825 for 2
     workers, 0.649 for 4 at momentum 0.9; 1.0 = exactly a sync step per N pushes)."""
     adaptive_compression: bool = False
     """Let the controller set the top-k Active Fraction rho and S_max from the event stream."""
-    controller_rho_min: float = controller_setting("rho_min")
+    controller_rho_min: float = _controller_setting("rho_min")
     """Lowest Active Fraction the controller may set, in (0, 1]."""
-    controller_rho_max: float = controller_setting(
+    controller_rho_max: float = _controller_setting(
         "rho_max", validate_default=True
     )  # checked against rho_min even when not given
     """Highest Active Fraction the controller may set, in [controller_rho_min, 1]."""
-    controller_max_staleness_min: int = controller_setting("max_staleness_min")
+    controller_max_staleness_min: int = _controller_setting("max_staleness_min")
     """Tightest S_max the controller may set, >= 0."""
-    controller_max_staleness_max: int = controller_setting("max_staleness_max", validate_default=True)
+    controller_max_staleness_max: int = _controller_setting("max_staleness_max", validate_default=True)
     """Loosest S_max the controller may set, >= controller_max_staleness_min."""
-    controller_rebound_threshold: float = controller_setting("rebound_threshold")
+    controller_rebound_threshold: float = _controller_setting("rebound_threshold")
     """Loss Rebound (mean positive jump of eval loss between evaluations, nats) above which it compresses less."""
-    controller_rebound_window: int = controller_setting("rebound_window")
+    controller_rebound_window: int = _controller_setting("rebound_window")
     """Consecutive evaluation pairs the Loss Rebound averages over, > 0."""
-    controller_stable_evaluations: int = controller_setting("stable_evaluations")
+    controller_stable_evaluations: int = _controller_setting("stable_evaluations")
     """Evaluations in a row without a rebound before it compresses more, > 0."""
-    controller_communication_share: float = controller_setting("communication_share")
+    controller_communication_share: float = _controller_setting("communication_share")
     """Communication share of step time, in [0, 1], at or above which communication dominates."""
-    controller_instability_persistence: int = controller_setting("instability_persistence")
+    controller_instability_persistence: int = _controller_setting("instability_persistence")
     """Evaluations in a row with a Loss Rebound above the threshold before it compresses less (hysteresis:
     a lone bump is held, not acted on), > 0; 1 = act at the first."""
     heartbeat_interval: float = Field(1.0, gt=0, allow_inf_nan=False)
@@ -377,7 +377,7 @@ _EMULATED_BOUNDS: dict[str, dict[str, Any]] = {
 
 
 def _emulated(name: str, default: float | None = None) -> Any:
-    return bounded(default, **_EMULATED_BOUNDS[name])
+    return _bounded(default, **_EMULATED_BOUNDS[name])
 
 
 class _EmulationSection(_Section):
@@ -439,10 +439,10 @@ class EmulationConfig(_EmulationSection):
     @field_validator("uplink_schedule")
     @classmethod
     def _schedule(cls, value: list[tuple[float, float]]) -> list[tuple[float, float]]:
-        times = [t for t, _ in value]
-        if any(not (math.isfinite(t) and t >= 0) for t in times) or times != sorted(set(times)):
+        times = [t for t, _ in value]  # finite already: the emulation sections refuse inf and NaN
+        if any(t < 0 for t in times) or times != sorted(set(times)):
             raise ValueError("the seconds must be finite, >= 0 and strictly increasing")
-        if any(not (math.isfinite(mbps) and mbps > 0) for _, mbps in value):
+        if any(mbps <= 0 for _, mbps in value):
             raise ValueError("every Mbit/s must be a finite number > 0")
         return value
 

@@ -1,9 +1,9 @@
 """The adaptive compression controller's settings (:class:`ControllerSettings`): each one's default and bounds,
 declared once.
 
-:mod:`src.controller` runs on them; the config's ``system.controller_*`` fields take their defaults and
-bounds from here (:func:`src.config.controller_setting`), so a run's config and a controller built by hand
-refuse the same values. A leaf (no torch, no config), so both import it.
+:mod:`src.controller` runs on them; :mod:`src.config` builds its ``system.controller_*`` fields from the
+defaults and bounds below, so a run's config and a controller built by hand refuse the same values. A leaf
+(no torch, no config), so both import it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from src.bounds import bounds_rule, within
 
 def _setting(default: float, **bounds: float) -> Any:
     """A setting's default and its bounds, in pydantic's words (``gt``, ``ge``, ``lt``, ``le``): the config's
-    ``system.controller_*`` fields are built from them (:func:`src.config.controller_setting`)."""
+    ``system.controller_*`` fields are built from them (:mod:`src.config`)."""
     return field(default=default, metadata=bounds)
 
 
