@@ -2,23 +2,23 @@
 rule an error message states for them.
 
 One vocabulary for the two places that declare bounds: the config's field constraints
-(:mod:`src.config`) and the controller's settings (:mod:`src.controller`, which the config's
+(:mod:`src.config`) and the controller's settings (:mod:`src.controller_settings`, which the config's
 ``system.controller_*`` fields are built from), so both state a broken bound in the same words.
 """
 
 from __future__ import annotations
 
-import math
+import operator
 from typing import Mapping
 
 BOUND_NAMES = ("gt", "ge", "lt", "le")
+_KEEPS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
+_SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 
 
 def within(value: float, bounds: Mapping[str, float]) -> bool:
     """Whether ``value`` keeps every bound (NaN keeps none)."""
-    checks = {"gt": value > bounds.get("gt", -math.inf), "ge": value >= bounds.get("ge", -math.inf)}
-    checks.update(lt=value < bounds.get("lt", math.inf), le=value <= bounds.get("le", math.inf))
-    return all(checks[name] for name in BOUND_NAMES if name in bounds)
+    return all(_KEEPS[name](value, bound) for name, bound in bounds.items())
 
 
 def bounds_rule(bounds: Mapping[str, float], *, finite: bool = False) -> str:
@@ -28,6 +28,5 @@ def bounds_rule(bounds: Mapping[str, float], *, finite: bool = False) -> str:
     high = (")", bounds["lt"]) if "lt" in bounds else ("]", bounds["le"]) if "le" in bounds else None
     if low and high:
         return f"in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
-    operator = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
     name = next(name for name in BOUND_NAMES if name in bounds)
-    return f"{'a finite number ' if finite else ''}{operator[name]} {bounds[name]:g}"
+    return f"{'a finite number ' if finite else ''}{_SYMBOLS[name]} {bounds[name]:g}"
