@@ -15,12 +15,25 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+
+from src.bounds import BOUND_NAMES, bounds_rule
+from src.controller_settings import ControllerSettings
 
 DATASET_NAMES = ("mnist", "fashion_mnist", "cifar10", "mnist_5k", "synthetic")
 SECRET_FIELDS = ("system.auth_token",)
@@ -45,39 +58,42 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _bounded(default: Any, *, why: str | None = None, **constraints: Any) -> Any:
+    """``Field(default, **constraints)`` whose error message adds ``why`` after the rule (what the bound
+    means, e.g. ``0 = no warm-up``). ``allow_inf_nan=False`` among the constraints: the rule says "a finite
+    number" (a lower bound alone lets infinity through). ``why`` rides in ``json_schema_extra``, pydantic's
+    place for a field's own data (the JSON schema shows it too)."""
+    return Field(default, json_schema_extra={"why": why} if why else None, **constraints)
+
+
+def _controller_setting(name: str, **extra: Any) -> Any:
+    """The ``system.controller_<name>`` field: its default and bounds are the controller's own
+    (:class:`src.controller_settings.ControllerSettings`, the one declaration of them)."""
+    setting = ControllerSettings.__dataclass_fields__[name]
+    finite = {"allow_inf_nan": False} if isinstance(setting.default, float) else {}
+    return Field(setting.default, **setting.metadata, **finite, **extra)
+
+
 class LRScheduleConfig(_Section):
     """``training.lr_schedule``: the learning rate by step, applied by the parameter server's optimizer by
     version (sync and async; also the library's server) as torch's own schedulers would set it
     (:mod:`src.lr_schedule`). A resumed server continues it from its checkpoint's version."""
 
     kind: Literal["constant", "step", "cosine"] = "constant"
-    """constant (training.learning_rate), step (x gamma every step_size steps), cosine (down to min_lr at total_steps)."""
-    warmup_steps: int = 0
+    """constant (training.learning_rate), step (x gamma every step_size steps), cosine (down to min_lr at
+    total_steps)."""
+    warmup_steps: int = _bounded(0, ge=0, why="0 = no warm-up")
     """Linear warm-up first: from warmup_start_factor x the rate up to it over this many steps (0: none)."""
-    warmup_start_factor: float = 0.1
+    warmup_start_factor: float = Field(0.1, gt=0, le=1)
     """The warm-up's first rate, as a fraction of training.learning_rate, in (0, 1]."""
     step_size: int = Field(default=0, validate_default=True)
     """step: steps between multiplications by gamma, > 0 (after the warm-up)."""
-    gamma: float = 0.1
+    gamma: float = Field(0.1, gt=0, le=1)
     """step: the factor, in (0, 1]."""
     total_steps: int = Field(default=0, validate_default=True)
     """cosine: the step at which the rate reaches min_lr, > warmup_steps (the warm-up counts in it)."""
-    min_lr: float = 0.0
+    min_lr: float = Field(0.0, ge=0, allow_inf_nan=False)
     """cosine: the floor, >= 0."""
-
-    @field_validator("warmup_steps")
-    @classmethod
-    def _warmup_non_negative(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("must be >= 0 (0 = no warm-up)")
-        return value
-
-    @field_validator("warmup_start_factor", "gamma")
-    @classmethod
-    def _fraction(cls, value: float) -> float:
-        if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError("must be in (0, 1]")
-        return value
 
     @field_validator("step_size")
     @classmethod
@@ -101,47 +117,40 @@ class LRScheduleConfig(_Section):
             raise ValueError("must be >= 0")
         return value
 
-    @field_validator("min_lr")
-    @classmethod
-    def _floor_non_negative(cls, value: float) -> float:
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError("must be a finite number >= 0")
-        return value
-
 
 class TrainingConfig(_Section):
     """What is trained and how: data, model, optimizer, schedule."""
 
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Samples per step per worker (per rank for DDP)."""
-    learning_rate: float = 0.05
-    num_epochs: int = 2
+    learning_rate: float = Field(0.05, gt=0, allow_inf_nan=False)
+    num_epochs: PositiveInt = 2
     dataset: Literal["mnist", "fashion_mnist", "cifar10", "mnist_5k", "synthetic"] = "mnist_5k"
     """``mnist_5k`` is bundled and works offline; the torchvision sets download into ``data_dir``."""
     model_architecture: str = "simple_cnn"
     """A name from ``src.models.MODELS``."""
-    checkpoint_interval: int = 1
+    checkpoint_interval: PositiveInt = 1
     """Epochs between checkpoints (baseline, DDP) or server versions between checkpoints (PS)."""
-    checkpoint_interval_steps: int = 0
+    checkpoint_interval_steps: int = _bounded(0, ge=0, why="0 = checkpoint only at epoch ends")
     """DDP: also checkpoint every this many optimizer steps (mid-epoch too); 0 = epoch checkpoints only."""
     optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     seed: int = 0
     data_dir: str = "./data"
-    max_train_samples: int | None = None
+    max_train_samples: int | None = _bounded(None, gt=0, why="or omitted for all samples")
     """Use only the first N training samples (smoke runs); ``None`` uses all."""
-    max_test_samples: int | None = None
-    num_samples: int = 2048
+    max_test_samples: int | None = _bounded(None, gt=0, why="or omitted for all samples")
+    num_samples: PositiveInt = 2048
     """Training-set size of the ``synthetic`` dataset."""
-    eval_batch_size: int = 1000
-    eval_interval: int = 0
+    eval_batch_size: PositiveInt = 1000
+    eval_interval: int = _bounded(0, ge=0, why="0 = evaluate only at epoch ends")
     """Also evaluate every this many steps (parameter server: server versions); 0 = only at epoch ends."""
-    eval_every_samples: int = 0
+    eval_every_samples: int = _bounded(0, ge=0, why="0 = evaluate only at epoch ends")
     """Also evaluate each time the samples applied (all workers or ranks together) pass a multiple of this
     (0 = off): sync and async runs, PS and DDP, are then scored at the same sample counts. Pick a multiple
     of num_workers x batch_size so every run lands exactly on the counts."""
-    target_accuracy: float | None = None
+    target_accuracy: float | None = _bounded(None, gt=0, le=1, why="or omitted for no target")
     """Accuracy in (0, 1] whose first crossing the summary reports as time to target; ``None`` for none."""
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available, else CPU)."""
@@ -151,62 +160,6 @@ class TrainingConfig(_Section):
     checkpoints stay float32."""
     lr_schedule: LRScheduleConfig = LRScheduleConfig()
     """The learning rate by step (parameter server: by version); see :class:`LRScheduleConfig`."""
-
-    @field_validator("batch_size", "num_epochs", "checkpoint_interval", "num_samples", "eval_batch_size")
-    @classmethod
-    def _positive_int(cls, value: int) -> int:
-        if value <= 0:
-            raise ValueError("must be > 0")
-        return value
-
-    @field_validator("eval_interval", "eval_every_samples")
-    @classmethod
-    def _non_negative_interval(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("must be >= 0 (0 = evaluate only at epoch ends)")
-        return value
-
-    @field_validator("checkpoint_interval_steps")
-    @classmethod
-    def _non_negative_steps(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("must be >= 0 (0 = checkpoint only at epoch ends)")
-        return value
-
-    @field_validator("target_accuracy")
-    @classmethod
-    def _accuracy_or_none(cls, value: float | None) -> float | None:
-        if value is not None and not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError("must be in (0, 1] (or omitted for no target)")
-        return value
-
-    @field_validator("max_train_samples", "max_test_samples")
-    @classmethod
-    def _positive_or_none(cls, value: int | None) -> int | None:
-        if value is not None and value <= 0:
-            raise ValueError("must be > 0 (or omitted for all samples)")
-        return value
-
-    @field_validator("learning_rate")
-    @classmethod
-    def _positive_float(cls, value: float) -> float:
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError("must be a finite number > 0")
-        return value
-
-    @field_validator("momentum")
-    @classmethod
-    def _momentum_range(cls, value: float) -> float:
-        if not 0.0 <= value < 1.0:
-            raise ValueError("must be in [0, 1)")
-        return value
-
-    @field_validator("weight_decay")
-    @classmethod
-    def _non_negative(cls, value: float) -> float:
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError("must be a finite number >= 0")
-        return value
 
     @field_validator("model_architecture")
     @classmethod
@@ -230,16 +183,16 @@ class TrainingConfig(_Section):
 class SystemConfig(_Section):
     """How it is distributed: architecture, workers, compression, fault tolerance, outputs."""
 
-    num_workers: int = 2
+    num_workers: PositiveInt = 2
     """Parameter-server workers, or DDP world size."""
     architecture: Literal["baseline", "parameter_server", "ddp"] = "parameter_server"
     aggregation_mode: Literal["sync", "async"] = "sync"
     compression_enabled: bool = False
     compression_type: Literal["quantization", "topk"] = "topk"
-    compression_ratio: float = 0.01
+    compression_ratio: float = Field(0.01, gt=0, le=1)
     """Fraction of entries top-k keeps."""
     quantization_bits: Literal[2, 4, 8] = 8
-    quantization_bucket_size: int = 512
+    quantization_bucket_size: PositiveInt = 512
     topk_selection: Literal["exact", "sampled"] = "sampled"
     """Same entries either way (sampled corrects its threshold estimate to the exact top-k); sampled is faster."""
     compression_value_dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", validate_default=True)
@@ -250,24 +203,26 @@ class SystemConfig(_Section):
     """Audit Error Feedback over a parameter-server run: each worker writes the sum of the gradients it
     computed and its final residuals, the server the sum of the gradients it applied
     (``gradient_ledger.pt`` in each log folder); computed = applied + residuals."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Uncompressed sends before compression starts."""
     staleness_policy: Literal["none", "soft", "hard", "both"] = "none"
-    """Async pushes by Staleness tau: none (full weight), soft (weight 1/(1+beta*tau)), hard (reject tau > S_max), both."""
-    staleness_beta: float = 0.5
+    """Async pushes by Staleness tau: none (full weight), soft (weight 1/(1+beta*tau)), hard (reject tau > S_max),
+    both."""
+    staleness_beta: float = Field(0.5, ge=0, allow_inf_nan=False)
     """beta of soft attenuation, >= 0."""
-    max_staleness: int = 8
+    max_staleness: NonNegativeInt = 8
     """S_max of the hard bound: an async push with tau > S_max is rejected (the worker rolls back)."""
     downlink_compression: Literal["none", "topk", "quantization"] = "none"
     """How push replies carry the parameters: dense, or a compressed delta since the worker's copy
     (top-k keeps ``downlink_ratio`` of the entries; quantization uses ``quantization_bits``)."""
-    downlink_ratio: float = 0.1
+    downlink_ratio: float = Field(0.1, gt=0, le=1)
     """Fraction of entries a top-k downlink delta keeps, in (0, 1]."""
-    downlink_refresh_interval: int = 50
+    downlink_refresh_interval: PositiveInt = 50
     """Versions after which a worker gets the dense parameters again (downlink compression)."""
-    downlink_drift_bound: float = 0.03
-    """Largest relative distance ``||server - worker|| / ||server||`` a downlink delta may leave; beyond it, a dense refresh."""
-    local_steps: int = 1
+    downlink_drift_bound: float = Field(0.03, gt=0, allow_inf_nan=False)
+    """Largest relative distance ``||server - worker|| / ||server||`` a downlink delta may leave; beyond it, a
+    dense refresh."""
+    local_steps: PositiveInt = 1
     """Local optimizer steps (plain SGD at the learning rate) a PS worker takes between pushes; it
     pushes the sum of their gradients. 1 = one gradient per push."""
     # --- async correction and adaptive compression (src/staleness.py, src/controller.py) ---
@@ -275,36 +230,40 @@ class SystemConfig(_Section):
     """Async SGD's correction for staleness: lookahead (per-worker momentum, lr/N per push, pulls at the
     lookahead point: N async workers take the steps of N sync workers), implicit_momentum (explicit
     momentum lowered by 1 - 1/N), none (the plain optimizer)."""
-    async_step_scale: float | None = None
+    async_step_scale: float | None = _bounded(
+        None, gt=0, allow_inf_nan=False, why="or null for the stability-matched default"
+    )
     """lookahead: multiplier of every push's step; null = the stability-matched default (0.825 for 2
     workers, 0.649 for 4 at momentum 0.9; 1.0 = exactly a sync step per N pushes)."""
     adaptive_compression: bool = False
     """Let the controller set the top-k Active Fraction rho and S_max from the event stream."""
-    controller_rho_min: float = 0.01
+    controller_rho_min: float = _controller_setting("rho_min")
     """Lowest Active Fraction the controller may set, in (0, 1]."""
-    controller_rho_max: float = Field(default=0.5, validate_default=True)  # checked against rho_min even when not given
+    controller_rho_max: float = _controller_setting(
+        "rho_max", validate_default=True
+    )  # checked against rho_min even when not given
     """Highest Active Fraction the controller may set, in [controller_rho_min, 1]."""
-    controller_max_staleness_min: int = 1
+    controller_max_staleness_min: int = _controller_setting("max_staleness_min")
     """Tightest S_max the controller may set, >= 0."""
-    controller_max_staleness_max: int = Field(default=16, validate_default=True)
+    controller_max_staleness_max: int = _controller_setting("max_staleness_max", validate_default=True)
     """Loosest S_max the controller may set, >= controller_max_staleness_min."""
-    controller_rebound_threshold: float = 0.05
+    controller_rebound_threshold: float = _controller_setting("rebound_threshold")
     """Loss Rebound (mean positive jump of eval loss between evaluations, nats) above which it compresses less."""
-    controller_rebound_window: int = 3
+    controller_rebound_window: int = _controller_setting("rebound_window")
     """Consecutive evaluation pairs the Loss Rebound averages over, > 0."""
-    controller_stable_evaluations: int = 2
+    controller_stable_evaluations: int = _controller_setting("stable_evaluations")
     """Evaluations in a row without a rebound before it compresses more, > 0."""
-    controller_communication_share: float = 0.5
+    controller_communication_share: float = _controller_setting("communication_share")
     """Communication share of step time, in [0, 1], at or above which communication dominates."""
-    controller_instability_persistence: int = 1
+    controller_instability_persistence: int = _controller_setting("instability_persistence")
     """Evaluations in a row with a Loss Rebound above the threshold before it compresses less (hysteresis:
     a lone bump is held, not acted on), > 0; 1 = act at the first."""
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0
+    heartbeat_interval: float = Field(1.0, gt=0, allow_inf_nan=False)
+    heartbeat_timeout: float = Field(5.0, gt=0, allow_inf_nan=False)
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""
-    max_restarts: int = 3
+    max_restarts: NonNegativeInt = 3
     """Restarts a local launcher grants each failed worker (PS) or the DDP group (elastic agent)."""
-    max_rejoins: int = 3
+    max_rejoins: NonNegativeInt = 3
     """Times a PS worker process whose incarnation the server revoked (declared failed while it was
     alive: a partition, a long pause) registers again by itself as a new incarnation; then it exits 1."""
     inject_faults: list[str] = []
@@ -335,17 +294,10 @@ class SystemConfig(_Section):
     """Write a Chrome trace-event timeline, ``trace.json`` in each process's log folder (:mod:`src.tracing`)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Level of the Python log records every process of the run writes to stderr (:mod:`src.logs`)."""
-    collective_timeout_s: float = 60.0
+    collective_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     """DDP: seconds a collective may wait for its peers (the process group's timeout), and seconds
     without a rank's heartbeat after which it counts as hung; either fails the attempt, and the
     elastic agent restarts the group from its newest checkpoint."""
-
-    @field_validator("num_workers", "quantization_bucket_size", "local_steps", "downlink_refresh_interval")
-    @classmethod
-    def _positive_int(cls, value: int) -> int:
-        if value <= 0:
-            raise ValueError("must be > 0")
-        return value
 
     @field_validator("inject_faults")
     @classmethod
@@ -356,109 +308,25 @@ class SystemConfig(_Section):
             parse_fault(text)  # raises ValueError naming the fault and what is wrong
         return value
 
-    @field_validator("staleness_beta")
-    @classmethod
-    def _beta_non_negative(cls, value: float) -> float:
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError("must be a finite number >= 0")
-        return value
-
-    @field_validator("warmup_steps", "max_restarts", "max_rejoins", "max_staleness")
-    @classmethod
-    def _non_negative_int(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("must be >= 0")
-        return value
-
-    @field_validator("downlink_drift_bound")
-    @classmethod
-    def _bound_positive(cls, value: float) -> float:
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError("must be a finite number > 0")
-        return value
-
-    # --- async correction and adaptive compression ---
-    @field_validator("async_step_scale")
-    @classmethod
-    def _step_scale_positive(cls, value: float | None) -> float | None:
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError("must be a finite number > 0 (or null for the stability-matched default)")
-        return value
-
-    @field_validator("controller_rho_min")
-    @classmethod
-    def _rho_min_range(cls, value: float) -> float:
-        if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError("must be in (0, 1]")
-        return value
-
     @field_validator("controller_rho_max")
     @classmethod
-    def _rho_max_range(cls, value: float, info) -> float:
+    def _rho_max_over_min(cls, value: float, info) -> float:
         low = info.data.get("controller_rho_min")
-        if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError("must be in (0, 1]")
         if low is not None and value < low:
             raise ValueError(f"must be >= system.controller_rho_min ({low})")
         return value
 
-    @field_validator("controller_max_staleness_min")
-    @classmethod
-    def _staleness_min_range(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("must be >= 0")
-        return value
-
     @field_validator("controller_max_staleness_max")
     @classmethod
-    def _staleness_max_range(cls, value: int, info) -> int:
+    def _staleness_max_over_min(cls, value: int, info) -> int:
         low = info.data.get("controller_max_staleness_min")
-        if value < 0:
-            raise ValueError("must be >= 0")
         if low is not None and value < low:
             raise ValueError(f"must be >= system.controller_max_staleness_min ({low})")
-        return value
-
-    @field_validator("controller_rebound_threshold")
-    @classmethod
-    def _threshold_non_negative(cls, value: float) -> float:
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError("must be a finite number >= 0")
-        return value
-
-    @field_validator("controller_rebound_window", "controller_stable_evaluations", "controller_instability_persistence")
-    @classmethod
-    def _positive_count(cls, value: int) -> int:
-        if value <= 0:
-            raise ValueError("must be > 0")
-        return value
-
-    @field_validator("controller_communication_share")
-    @classmethod
-    def _share_range(cls, value: float) -> float:
-        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-            raise ValueError("must be in [0, 1]")
-        return value
-
-    @field_validator("compression_ratio", "downlink_ratio")
-    @classmethod
-    def _ratio_range(cls, value: float) -> float:
-        if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError("must be in (0, 1]")
-        return value
-
-    @field_validator("heartbeat_interval")
-    @classmethod
-    def _interval_positive(cls, value: float) -> float:
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError("must be a finite number > 0")
         return value
 
     @field_validator("heartbeat_timeout")
     @classmethod
     def _timeout_after_interval(cls, value: float, info) -> float:
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError("must be a finite number > 0")
         interval = info.data.get("heartbeat_interval")
         if interval is not None and value <= interval:
             raise ValueError(f"must be > system.heartbeat_interval ({interval})")
@@ -469,13 +337,6 @@ class SystemConfig(_Section):
     def _values_of_topk(cls, value: str, info) -> str:
         if value != "float32" and info.data.get("compression_type") == "quantization":
             raise ValueError("applies to top-k values; quantization sends codes and float32 scales (leave it float32)")
-        return value
-
-    @field_validator("collective_timeout_s")
-    @classmethod
-    def _timeout_positive(cls, value: float) -> float:
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError("must be a finite number of seconds > 0")
         return value
 
     @field_validator("checkpoint_dir", "log_dir")
@@ -497,102 +358,91 @@ class SystemConfig(_Section):
 # ----------------------------------------------------------------------------- emulation (src/netem.py)
 
 
-def _check_emulated(name: str, value: float | None) -> float | None:
-    """The rule of each emulation field (``None`` passes: not limited, or as the default)."""
-    if value is None:
-        return None
-    if not math.isfinite(value):
-        raise ValueError("must be a finite number")
-    if name == "slowdown" and value < 1.0:
-        raise ValueError("must be >= 1 (1 = the machine's own speed)")
-    if name.endswith("_mbps") and value <= 0:
-        raise ValueError("must be > 0 (or null: not limited)")
-    if value < 0:
-        raise ValueError("must be >= 0")
-    return value
+_EMULATED_BOUNDS: dict[str, dict[str, Any]] = {
+    "slowdown": {"ge": 1, "why": "1 = the machine's own speed"},
+    "step_delay_s": {"ge": 0},
+    "step_delay_sigma": {"ge": 0},
+    "uplink_mbps": {"gt": 0, "why": "or null: not limited"},
+    "downlink_mbps": {"gt": 0, "why": "or null: not limited"},
+    "uplink_latency_ms": {"ge": 0},
+    "downlink_latency_ms": {"ge": 0},
+    "compute_s": {"ge": 0},
+    "compress_s": {"ge": 0},
+    "server_update_s": {"ge": 0},
+    "server_reply_s": {"ge": 0},
+    "server_mbps": {"gt": 0, "why": "or null: not limited"},
+    "restart_s": {"ge": 0},
+}
+"""The bounds of each emulation field, shared by ``emulation`` and its per-worker overrides."""
 
 
-_EMULATED_FIELDS = (
-    "slowdown",
-    "step_delay_s",
-    "step_delay_sigma",
-    "uplink_mbps",
-    "downlink_mbps",
-    "uplink_latency_ms",
-    "downlink_latency_ms",
-    "compute_s",
-)
-_COST_FIELDS = ("compress_s", "server_update_s", "server_reply_s", "server_mbps", "restart_s")
+def _emulated(name: str, default: float | None = None) -> Any:
+    return _bounded(default, **_EMULATED_BOUNDS[name])
 
 
-class WorkerEmulation(_Section):
+class _EmulationSection(_Section):
+    # every emulated value is finite; an infinite or NaN one is refused as "must be a finite number"
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class WorkerEmulation(_EmulationSection):
     """One worker's conditions in ``emulation.workers``; a field left null takes ``emulation``'s value."""
 
-    slowdown: float | None = None
-    step_delay_s: float | None = None
-    step_delay_sigma: float | None = None
-    uplink_mbps: float | None = None
-    downlink_mbps: float | None = None
-    uplink_latency_ms: float | None = None
-    downlink_latency_ms: float | None = None
-    compute_s: float | None = None
-
-    @field_validator(*_EMULATED_FIELDS)
-    @classmethod
-    def _rule(cls, value: float | None, info) -> float | None:
-        return _check_emulated(info.field_name, value)
+    slowdown: float | None = _emulated("slowdown")
+    step_delay_s: float | None = _emulated("step_delay_s")
+    step_delay_sigma: float | None = _emulated("step_delay_sigma")
+    uplink_mbps: float | None = _emulated("uplink_mbps")
+    downlink_mbps: float | None = _emulated("downlink_mbps")
+    uplink_latency_ms: float | None = _emulated("uplink_latency_ms")
+    downlink_latency_ms: float | None = _emulated("downlink_latency_ms")
+    compute_s: float | None = _emulated("compute_s")
 
 
-class EmulationConfig(_Section):
+class EmulationConfig(_EmulationSection):
     """Emulated stragglers and slow links of a parameter-server run (:mod:`src.netem`); the values
     here apply to every worker, ``workers`` overrides them per worker id. All off by default."""
 
-    slowdown: float = 1.0
+    slowdown: float = _emulated("slowdown", 1.0)
     """Each step's measured compute time is stretched to this many times itself (4 = a 4x slower worker)."""
-    step_delay_s: float = 0.0
+    step_delay_s: float = _emulated("step_delay_s", 0.0)
     """Seconds added to each step's compute: the median when ``step_delay_sigma`` > 0."""
-    step_delay_sigma: float = 0.0
+    step_delay_sigma: float = _emulated("step_delay_sigma", 0.0)
     """Log-normal spread of the added delay (sigma of its log; 0 = the same delay every step)."""
-    uplink_mbps: float | None = None
+    uplink_mbps: float | None = _emulated("uplink_mbps")
     """Worker -> server bandwidth in Mbit/s (10^6 bit/s); null = not limited."""
-    downlink_mbps: float | None = None
+    downlink_mbps: float | None = _emulated("downlink_mbps")
     """Server -> worker bandwidth in Mbit/s; null = not limited."""
-    uplink_latency_ms: float = 0.0
-    downlink_latency_ms: float = 0.0
+    uplink_latency_ms: float = _emulated("uplink_latency_ms", 0.0)
+    downlink_latency_ms: float = _emulated("downlink_latency_ms", 0.0)
     workers: dict[int, WorkerEmulation] = {}
     """Per worker id: ``{1: {slowdown: 4}}`` makes worker 1 four times slower."""
     # --- the cost model of a virtual-time run (system.clock: virtual; scripts/calibrate.py measures them) ---
-    compute_s: float | None = None
+    compute_s: float | None = _emulated("compute_s")
     """Virtual time: seconds of one step's forward/backward on one batch of ``training.batch_size``
     (before ``slowdown`` and ``step_delay_s``); per worker in ``workers`` too."""
-    compress_s: float | None = None
+    compress_s: float | None = _emulated("compress_s")
     """Virtual time: seconds a worker spends on error feedback and compression per push (compressed runs)."""
-    server_update_s: float | None = None
+    server_update_s: float | None = _emulated("server_update_s")
     """Virtual time: the server's seconds per push it takes in (decode, validate, add or apply)."""
-    server_reply_s: float | None = None
+    server_reply_s: float | None = _emulated("server_reply_s")
     """Virtual time: the server's seconds per reply it builds (parameters or deltas, serialized)."""
-    server_mbps: float | None = None
+    server_mbps: float | None = _emulated("server_mbps")
     """Virtual time: the server NIC's bandwidth each way in Mbit/s, shared fairly by concurrent transfers;
     null = not limited."""
-    restart_s: float | None = None
+    restart_s: float | None = _emulated("restart_s")
     """Virtual time: seconds a killed process takes to start again and register (runs with kill/hang faults)."""
     uplink_schedule: list[tuple[float, float]] = []
     """Virtual time: ``[[seconds, mbps], ...]``: from each virtual second on (from the run's start), every
     worker's uplink is that many Mbit/s (a mid-run link change); before the first entry, ``uplink_mbps``
     (or the worker's own). A message takes the rate in force when it starts."""
 
-    @field_validator(*_EMULATED_FIELDS, *_COST_FIELDS)
-    @classmethod
-    def _rule(cls, value: float | None, info) -> float | None:
-        return _check_emulated(info.field_name, value)
-
     @field_validator("uplink_schedule")
     @classmethod
     def _schedule(cls, value: list[tuple[float, float]]) -> list[tuple[float, float]]:
-        times = [t for t, _ in value]
-        if any(not (math.isfinite(t) and t >= 0) for t in times) or times != sorted(set(times)):
+        times = [t for t, _ in value]  # finite already: the emulation sections refuse inf and NaN
+        if any(t < 0 for t in times) or times != sorted(set(times)):
             raise ValueError("the seconds must be finite, >= 0 and strictly increasing")
-        if any(not (math.isfinite(mbps) and mbps > 0) for _, mbps in value):
+        if any(mbps <= 0 for _, mbps in value):
             raise ValueError("every Mbit/s must be a finite number > 0")
         return value
 
@@ -614,9 +464,11 @@ class MetricsConfig(_Section):
     run_name: str | None = None
     """The tracker run's name; null: ``<architecture>-<YYYYmmdd-HHMMSS>``."""
     mlflow_tracking_uri: str | None = None
-    """Where MLflow stores runs (``sqlite:///mlflow.db``, ``http://host:5000``); null: $MLFLOW_TRACKING_URI, else MLflow's default."""
+    """Where MLflow stores runs (``sqlite:///mlflow.db``, ``http://host:5000``); null: $MLFLOW_TRACKING_URI, else
+    MLflow's default."""
     wandb_mode: Literal["online", "offline", "disabled"] | None = None
-    """W&B mode; null: $WANDB_MODE, else wandb's default. Offline runs land in ``<log_dir>/wandb/`` (``wandb sync`` uploads them)."""
+    """W&B mode; null: $WANDB_MODE, else wandb's default. Offline runs land in ``<log_dir>/wandb/`` (``wandb sync``
+    uploads them)."""
 
     @field_validator("trackers")
     @classmethod
@@ -656,6 +508,34 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
 
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number")
+"""pydantic's error types of a broken field constraint (``gt``/``ge``/``lt``/``le``, ``allow_inf_nan=False``)."""
+
+
+def _field_info(loc: tuple[Any, ...]) -> FieldInfo | None:
+    """The declaration of the field an error's location names (dict keys and list indexes passed over)."""
+    model: Any = Config
+    info = None
+    for part in loc:
+        if isinstance(part, str) and isinstance(model, type) and part in getattr(model, "model_fields", {}):
+            info = model.model_fields[part]
+            inner = [t for t in (info.annotation, *getattr(info.annotation, "__args__", ())) if isinstance(t, type)]
+            model = next((t for t in inner if issubclass(t, BaseModel)), None)
+    return info
+
+
+def _bound_rule(loc: tuple[Any, ...], kind: str) -> str:
+    """The whole rule of a bounded field, from its constraints (pydantic's own error names one bound only)."""
+    info = _field_info(loc)
+    metadata = info.metadata if info is not None else []
+    bounds = {name: getattr(m, name) for m in metadata for name in BOUND_NAMES if getattr(m, name, None) is not None}
+    finite = any(getattr(m, "allow_inf_nan", None) is False for m in metadata)
+    if not bounds or (kind == "finite_number" and not finite):
+        return "must be a finite number"
+    why = (info.json_schema_extra or {}).get("why") if isinstance(info.json_schema_extra, dict) else None
+    return f"must be {bounds_rule(bounds, finite=finite)}" + (f" ({why})" if why else "")
+
+
 def _describe(error: Mapping[str, Any]) -> str:
     field = ".".join(str(part) for part in error["loc"]) or "config"
     kind = error["type"]
@@ -666,6 +546,8 @@ def _describe(error: Mapping[str, Any]) -> str:
         return f"{field}: required"
     if kind == "value_error":
         rule = str(context.get("error", error["msg"]))
+    elif kind in _BOUND_ERRORS:
+        rule = _bound_rule(tuple(error["loc"]), kind)
     elif kind == "literal_error":
         rule = f"must be one of {context.get('expected', '')}"
     elif kind.startswith("int_"):

@@ -47,80 +47,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any, Mapping
+
+from src.controller_settings import ControllerSettings
 
 TIMING_FIELDS = ("gradient_time_s", "compression_time_s", "communication_time_s")
 """Fields of push events the controller sums to judge whether communication dominates the step."""
-
-
-@dataclass(frozen=True)
-class ControllerSettings:
-    """Bounds and thresholds of the controller (``system.controller_*`` and friends in the config)."""
-
-    rho_initial: float = 0.1
-    """Active Fraction at the start (the run's ``compression_ratio``)."""
-    rho_min: float = 0.01
-    rho_max: float = 0.5
-    max_staleness_initial: int = 8
-    max_staleness_min: int = 1
-    max_staleness_max: int = 16
-    rebound_threshold: float = 0.05
-    """Loss Rebound (nats) above which training counts as unstable."""
-    rebound_window: int = 3
-    """Consecutive evaluation pairs the Loss Rebound averages over."""
-    stable_evaluations: int = 2
-    """Evaluations in a row without a rebound before compressing more."""
-    communication_share: float = 0.5
-    """Share of step time spent communicating at or above which communication dominates."""
-    rho_factor: float = 2.0
-    """rho is multiplied (rebound) or divided (stable, communication-bound) by this."""
-    instability_persistence: int = 1
-    """Unstable evaluations in a row before it compresses less (1: the first acts)."""
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not (0 < self.rho_min <= self.rho_max <= 1):
-            problems.append(f"need 0 < rho_min <= rho_max <= 1, got rho_min={self.rho_min}, rho_max={self.rho_max}")
-        if not (0 <= self.max_staleness_min <= self.max_staleness_max):
-            problems.append(
-                f"need 0 <= max_staleness_min <= max_staleness_max, got "
-                f"{self.max_staleness_min} and {self.max_staleness_max}"
-            )
-        if not (math.isfinite(self.rebound_threshold) and self.rebound_threshold >= 0):
-            problems.append(f"rebound_threshold must be a finite number >= 0, got {self.rebound_threshold}")
-        if self.rebound_window < 1:
-            problems.append(f"rebound_window must be >= 1, got {self.rebound_window}")
-        if self.stable_evaluations < 1:
-            problems.append(f"stable_evaluations must be >= 1, got {self.stable_evaluations}")
-        if self.instability_persistence < 1:
-            problems.append(f"instability_persistence must be >= 1, got {self.instability_persistence}")
-        if not (0 <= self.communication_share <= 1):
-            problems.append(f"communication_share must be in [0, 1], got {self.communication_share}")
-        if not (math.isfinite(self.rho_factor) and self.rho_factor > 1):
-            problems.append(f"rho_factor must be a finite number > 1, got {self.rho_factor}")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    @classmethod
-    def from_config(cls, system: Any) -> "ControllerSettings":
-        """Settings from a ``system`` config section (read by attribute; the initial values are clamped
-        into the bounds, so a run whose ``compression_ratio`` lies outside them starts at the nearest bound)."""
-        rho_min, rho_max = system.controller_rho_min, system.controller_rho_max
-        s_min, s_max = system.controller_max_staleness_min, system.controller_max_staleness_max
-        return cls(
-            rho_initial=min(max(system.compression_ratio, rho_min), rho_max),
-            rho_min=rho_min,
-            rho_max=rho_max,
-            max_staleness_initial=min(max(system.max_staleness, s_min), s_max),
-            max_staleness_min=s_min,
-            max_staleness_max=s_max,
-            rebound_threshold=system.controller_rebound_threshold,
-            rebound_window=system.controller_rebound_window,
-            stable_evaluations=system.controller_stable_evaluations,
-            communication_share=system.controller_communication_share,
-            instability_persistence=system.controller_instability_persistence,
-        )
 
 
 def loss_rebound(losses: list[float]) -> float:

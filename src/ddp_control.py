@@ -45,7 +45,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from src.controller import CompressionController, ControllerSettings
+from src.controller import CompressionController
+from src.controller_settings import ControllerSettings
 
 ACTIONS = ("hold", "compress_less", "compress_more")
 """The controller's actions, by their index in the broadcast decision."""

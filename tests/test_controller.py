@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 
-from src.config import validate_config
-from src.controller import CompressionController, ControllerSettings, loss_rebound
+from src.config import ConfigError, validate_config
+from src.controller import CompressionController, loss_rebound
+from src.controller_settings import ControllerSettings
 
 
 def push(communication: float = 0.8, gradient: float = 0.2, compression: float = 0.0) -> dict:
@@ -249,6 +251,20 @@ def test_settings_from_config_clamp_the_start_into_the_bounds():
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ControllerSettings(**kwargs)
+
+
+def test_the_config_takes_the_controllers_defaults_and_refuses_what_it_refuses():
+    """``system.controller_*`` are built from ControllerSettings: the same defaults, the same bounds, the same words."""
+    system, defaults = validate_config({}).system, ControllerSettings()
+    for setting in dataclasses.fields(ControllerSettings):
+        if hasattr(system, f"controller_{setting.name}"):
+            assert getattr(system, f"controller_{setting.name}") == getattr(defaults, setting.name), setting.name
+    for name, bad in (("rebound_window", 0), ("communication_share", 1.5), ("rebound_threshold", float("inf"))):
+        with pytest.raises(ConfigError) as caught:
+            validate_config({"system": {f"controller_{name}": bad}})
+        rule = caught.value.problems[0].split(": ", 1)[1].rsplit(", got", 1)[0]
+        with pytest.raises(ValueError, match=f"^{name} {re.escape(rule)}, got {bad}$"):
+            ControllerSettings(**{name: bad})
 
 
 # ----------------------------------------------------------------------------- end to end, real processes

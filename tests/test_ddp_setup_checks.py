@@ -33,7 +33,7 @@ def _no_agent(monkeypatch):
 def test_a_collective_timeout_must_be_positive(capsys):
     code, err = _main(run_ddp_training, capsys, "--collective-timeout", "0")
     assert code == 2
-    assert err.strip() == "config error: system.collective_timeout_s: must be a finite number of seconds > 0, got 0.0"
+    assert err.strip() == "config error: system.collective_timeout_s: must be a finite number > 0, got 0.0"
 
 
 def test_fp16_with_compression_is_refused_naming_the_field(capsys, monkeypatch, tmp_path):
