@@ -180,7 +180,7 @@ def validate_run(name: str, architecture: str, folder: Path, data_dir: str) -> t
     from src.checkpoint import final_checkpoint_path, load_checkpoint
     from src.data import dataset_info, load_dataset
     from src.models import build_model
-    from src.report import load_summary
+    from src.report_inputs import load_summary
     from src.trainer import evaluate
 
     checks = Checks()
@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.validate_only:
         failures = train_all(args, dataset, output, loads)
 
-    from src.report import ReportInputError, build_report, runs_from_dir, write_report
+    from src.report import build_report, write_report
+    from src.report_inputs import ReportInputError, runs_from_dir
 
     runs: dict[str, Any] = {}
     summaries: dict[str, dict | None] = {}

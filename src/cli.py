@@ -463,9 +463,9 @@ def format_config(config: Config) -> str:
 
 
 def write_artifacts_if_asked(args: argparse.Namespace, config: Config, summary: Mapping[str, Any]) -> None:
-    """``--artifacts-dir``: the run's report inputs, from its summary and its log folder (src/report.py)."""
+    """``--artifacts-dir``: the run's report inputs, from its summary and its log folder (src/report_inputs.py)."""
     if getattr(args, "artifacts_dir", None):
-        from src.report import write_artifacts
+        from src.report_inputs import write_artifacts
 
         written = write_artifacts(args.artifacts_dir, summary, config.system.log_dir)
         print(f"artifacts: {', '.join(str(path) for path in written)}")

@@ -1,5 +1,6 @@
-"""The report's names, shared by its builder (:mod:`src.report`) and its plots (:mod:`src.report_plots`):
-the plots every report writes, its sections in order, and the words for a figure a run did not record."""
+"""The report's names, shared by its builder (:mod:`src.report`), its sections (:mod:`src.report_sections`)
+and its plots (:mod:`src.report_plots`): the plots every report writes, its sections in order, and the
+words for a figure a run did not record."""
 
 PLOTS = ("accuracy_vs_time", "throughput", "time_split", "bytes_per_step", "staleness", "fault_timeline")
 SECTIONS = (

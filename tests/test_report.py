@@ -19,16 +19,9 @@ from pathlib import Path
 import pytest
 
 import generate_performance_report
-from src.report import (
-    PLOTS,
-    SECTIONS,
-    Run,
-    build_report,
-    ddp_summary_from_ranks,
-    read_event_file,
-    run_labels,
-    select_run_events,
-)
+from src.report import build_report, run_labels
+from src.report_inputs import Run, ddp_summary_from_ranks, read_event_file, select_run_events
+from src.report_names import PLOTS, SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 from scripts import bench_all  # a script: scripts/ is a namespace package under the repository root

@@ -32,7 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 from src import tracing
 from src.exposed_comm import BackwardWait
 from src.metrics import read_events
-from src.report import Run, build_report, report_blocks, to_markdown
+from src.report import build_report
+from src.report_inputs import Run
+from src.report_render import to_markdown
+from src.report_sections import report_blocks
 from tests.ps_fixtures import ROOT, ps_config
 from tests.test_report import SUMMARY
 from tests.test_tracing import assert_spans_nest, complete_events
