@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -173,126 +174,161 @@ class Checks:
         return bool(self.results) and all(r["ok"] for r in self.results)
 
 
-def validate_run(name: str, architecture: str, folder: Path, data_dir: str) -> tuple[Checks, dict[str, Any] | None]:
-    """Every check of one run's final checkpoint against its summary; returns (checks, summary)."""
+@dataclass
+class RunUnderCheck:
+    """One run's files and what its checks have read so far (each check reads what the next ones need)."""
+
+    architecture: str
+    folder: Path
+    data_dir: str
+    final_path: Path
+    summary: dict[str, Any] | None = None
+    checkpoint: dict[str, Any] | None = None
+    model: Any = None
+
+    @property
+    def summary_path(self) -> Path:
+        return self.folder / "logs" / "summary.json"
+
+
+def check_summary(run: RunUnderCheck) -> str:
+    from src.report_inputs import load_summary
+
+    run.summary = load_summary(run.summary_path, run.architecture)
+    return str(run.summary_path)
+
+
+def check_final_file(run: RunUnderCheck) -> str:
+    recorded, final_path = Path(run.summary["checkpoint_path"]), run.final_path
+    assert recorded.resolve() == final_path.resolve(), (
+        f"summary's checkpoint_path is {recorded}, expected this run's final file {final_path}"
+    )
+    assert final_path.is_file(), f"{final_path} does not exist"
+    return str(final_path)
+
+
+def check_weights_only(run: RunUnderCheck) -> str:
     import torch
 
-    from src.checkpoint import final_checkpoint_path, load_checkpoint
-    from src.data import dataset_info, load_dataset
+    try:
+        data = torch.load(run.final_path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, pickle of a forbidden type, not a torch file at all
+        raise AssertionError(
+            f"{run.final_path} does not load with torch.load(weights_only=True): {type(exc).__name__}: {exc}"
+        ) from None
+    assert isinstance(data, dict), f"{run.final_path} holds a {type(data).__name__}, not a checkpoint dict"
+    return "torch.load(weights_only=True) ok"
+
+
+def check_strict_loader(run: RunUnderCheck) -> str:
+    from src.checkpoint import load_checkpoint
+
+    run.checkpoint = load_checkpoint(run.final_path)
+    return "load_checkpoint ok"
+
+
+def check_architecture(run: RunUnderCheck) -> str:
+    checkpoint, s, architecture = run.checkpoint, run.summary, run.architecture
+    recorded = (checkpoint.get("config") or {}).get("system", {}).get("architecture")
+    assert recorded == architecture, f"checkpoint was written by a {recorded!r} run, expected {architecture!r}"
+    assert checkpoint["dataset"] == s["dataset"], (
+        f"checkpoint dataset {checkpoint['dataset']!r}, summary {s['dataset']!r}"
+    )
+    model = checkpoint["config"].get("training", {}).get("model_architecture")
+    assert checkpoint["model_architecture"] == model, (
+        f"checkpoint model {checkpoint['model_architecture']!r}, its config says {model!r}"
+    )
+    return f"{architecture}, {checkpoint['model_architecture']} on {checkpoint['dataset']}"
+
+
+def check_rebuild(run: RunUnderCheck) -> str:
+    from src.data import dataset_info
     from src.models import build_model
-    from src.report_inputs import load_summary
+
+    checkpoint = run.checkpoint
+    model = build_model(checkpoint["model_architecture"], dataset_info(checkpoint["dataset"]))
+    model.load_state_dict(checkpoint["model_state_dict"], strict=True)
+    run.model = model
+    return f"{sum(p.numel() for p in model.parameters()):,} parameters loaded strictly"
+
+
+def check_step(run: RunUnderCheck) -> str:
+    checkpoint, s = run.checkpoint, run.summary
+    key = "versions" if run.architecture == "parameter_server" else "steps"
+    assert checkpoint["step"] == s.get(key), f"checkpoint step {checkpoint['step']}, summary {key} {s.get(key)}"
+    assert checkpoint["epoch"] == s.get("epochs"), (
+        f"checkpoint epoch {checkpoint['epoch']}, summary epochs {s.get('epochs')}"
+    )
+    return f"step {checkpoint['step']} ({key}), epoch {checkpoint['epoch']}"
+
+
+def check_accuracy(run: RunUnderCheck) -> str:
+    from src.data import load_dataset
     from src.trainer import evaluate
 
+    checkpoint, s = run.checkpoint, run.summary
+    training = checkpoint["config"].get("training", {})
+    test = load_dataset(
+        checkpoint["dataset"],
+        "test",
+        data_dir=run.data_dir,
+        max_samples=training.get("max_test_samples"),
+        num_samples=training.get("num_samples", 2048),
+        seed=training.get("seed", 0),
+    )
+    loss, measured = evaluate(run.model, test, batch_size=training.get("eval_batch_size", 1000))
+    expected, expected_loss = s["final_accuracy"], s["final_loss"]
+    assert expected is not None and expected_loss is not None, "summary records no final accuracy/loss"
+    assert abs(measured - expected) <= 1 / len(test) + 1e-12, (
+        f"evaluated accuracy {measured:.4f}, summary says {expected:.4f} (tolerance one of {len(test)} test samples)"
+    )
+    assert math.isclose(loss, expected_loss, rel_tol=LOSS_RELATIVE_TOLERANCE, abs_tol=1e-6), (
+        f"evaluated loss {loss:.6f}, summary says {expected_loss:.6f}"
+    )
+    return (
+        f"accuracy {measured:.4f} (summary {expected:.4f}), loss {loss:.4f} (summary {expected_loss:.4f}) "
+        f"on {len(test)} samples"
+    )
+
+
+CHAIN: list[tuple[str, Callable[[RunUnderCheck], str]]] = [
+    ("summary", check_summary),
+    ("final_file", check_final_file),
+    ("weights_only", check_weights_only),
+    ("strict_loader", check_strict_loader),
+    ("architecture", check_architecture),
+    ("rebuild", check_rebuild),
+    ("step", check_step),
+    ("accuracy", check_accuracy),
+]
+"""The checks of a run in order (the module docstring says what each proves)."""
+NEEDS = {
+    "final_file": "summary",
+    "weights_only": "final_file",
+    "strict_loader": "weights_only",
+    "architecture": "strict_loader",
+    "rebuild": "architecture",
+    "step": "strict_loader",
+    "accuracy": "rebuild",
+}
+"""A check runs only when the one it needs passed (else it is skipped, as failed)."""
+
+
+def validate_run(name: str, architecture: str, folder: Path, data_dir: str) -> tuple[Checks, dict[str, Any] | None]:
+    """Every check of one run's final checkpoint against its summary; returns (checks, summary)."""
+    from src.checkpoint import final_checkpoint_path
+
     checks = Checks()
-    state: dict[str, Any] = {}
-    summary_path = folder / "logs" / "summary.json"
-    final_path = final_checkpoint_path(folder / "checkpoints", architecture)
-
-    def summary() -> str:
-        state["summary"] = load_summary(summary_path, architecture)
-        return str(summary_path)
-
-    def final_file() -> str:
-        recorded = Path(state["summary"]["checkpoint_path"])
-        assert recorded.resolve() == final_path.resolve(), (
-            f"summary's checkpoint_path is {recorded}, expected this run's final file {final_path}"
-        )
-        assert final_path.is_file(), f"{final_path} does not exist"
-        return str(final_path)
-
-    def weights_only() -> str:
-        try:
-            data = torch.load(final_path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # truncated zip, pickle of a forbidden type, not a torch file at all
-            raise AssertionError(
-                f"{final_path} does not load with torch.load(weights_only=True): {type(exc).__name__}: {exc}"
-            ) from None
-        assert isinstance(data, dict), f"{final_path} holds a {type(data).__name__}, not a checkpoint dict"
-        return "torch.load(weights_only=True) ok"
-
-    def strict_loader() -> str:
-        state["checkpoint"] = load_checkpoint(final_path)
-        return "load_checkpoint ok"
-
-    def architecture_matches() -> str:
-        checkpoint, s = state["checkpoint"], state["summary"]
-        recorded = (checkpoint.get("config") or {}).get("system", {}).get("architecture")
-        assert recorded == architecture, f"checkpoint was written by a {recorded!r} run, expected {architecture!r}"
-        assert checkpoint["dataset"] == s["dataset"], (
-            f"checkpoint dataset {checkpoint['dataset']!r}, summary {s['dataset']!r}"
-        )
-        model = checkpoint["config"].get("training", {}).get("model_architecture")
-        assert checkpoint["model_architecture"] == model, (
-            f"checkpoint model {checkpoint['model_architecture']!r}, its config says {model!r}"
-        )
-        return f"{architecture}, {checkpoint['model_architecture']} on {checkpoint['dataset']}"
-
-    def rebuild() -> str:
-        checkpoint = state["checkpoint"]
-        model = build_model(checkpoint["model_architecture"], dataset_info(checkpoint["dataset"]))
-        model.load_state_dict(checkpoint["model_state_dict"], strict=True)
-        state["model"] = model
-        return f"{sum(p.numel() for p in model.parameters()):,} parameters loaded strictly"
-
-    def step() -> str:
-        checkpoint, s = state["checkpoint"], state["summary"]
-        key = "versions" if architecture == "parameter_server" else "steps"
-        assert checkpoint["step"] == s.get(key), f"checkpoint step {checkpoint['step']}, summary {key} {s.get(key)}"
-        assert checkpoint["epoch"] == s.get("epochs"), (
-            f"checkpoint epoch {checkpoint['epoch']}, summary epochs {s.get('epochs')}"
-        )
-        return f"step {checkpoint['step']} ({key}), epoch {checkpoint['epoch']}"
-
-    def accuracy() -> str:
-        checkpoint, s = state["checkpoint"], state["summary"]
-        training = checkpoint["config"].get("training", {})
-        test = load_dataset(
-            checkpoint["dataset"],
-            "test",
-            data_dir=data_dir,
-            max_samples=training.get("max_test_samples"),
-            num_samples=training.get("num_samples", 2048),
-            seed=training.get("seed", 0),
-        )
-        loss, measured = evaluate(state["model"], test, batch_size=training.get("eval_batch_size", 1000))
-        expected, expected_loss = s["final_accuracy"], s["final_loss"]
-        assert expected is not None and expected_loss is not None, "summary records no final accuracy/loss"
-        assert abs(measured - expected) <= 1 / len(test) + 1e-12, (
-            f"evaluated accuracy {measured:.4f}, summary says {expected:.4f} (tolerance one of {len(test)} test samples)"
-        )
-        assert math.isclose(loss, expected_loss, rel_tol=LOSS_RELATIVE_TOLERANCE, abs_tol=1e-6), (
-            f"evaluated loss {loss:.6f}, summary says {expected_loss:.6f}"
-        )
-        return f"accuracy {measured:.4f} (summary {expected:.4f}), loss {loss:.4f} (summary {expected_loss:.4f}) on {len(test)} samples"
-
-    chain = [
-        ("summary", summary),
-        ("final_file", final_file),
-        ("weights_only", weights_only),
-        ("strict_loader", strict_loader),
-        ("architecture", architecture_matches),
-        ("rebuild", rebuild),
-        ("step", step),
-        ("accuracy", accuracy),
-    ]
-    needs = {
-        "final_file": "summary",
-        "weights_only": "final_file",
-        "strict_loader": "weights_only",
-        "architecture": "strict_loader",
-        "rebuild": "architecture",
-        "step": "strict_loader",
-        "accuracy": "rebuild",
-    }
+    run = RunUnderCheck(architecture, folder, data_dir, final_checkpoint_path(folder / "checkpoints", architecture))
     ok: dict[str, bool] = {}
-    for check_name, body in chain:
-        before = needs.get(check_name)
+    for check_name, body in CHAIN:
+        before = NEEDS.get(check_name)
         if before is not None and not ok.get(before):
             checks.skip(check_name, f"{before} failed")
             ok[check_name] = False
             continue
-        ok[check_name] = checks.check(check_name, body)
-    return checks, state.get("summary")
+        ok[check_name] = checks.check(check_name, lambda body=body: body(run))
+    return checks, run.summary
 
 
 def property_28(workers: int, summaries: dict[str, dict | None], load_average: float | None = None) -> dict[str, Any]:
@@ -315,7 +351,8 @@ def property_28(workers: int, summaries: dict[str, dict | None], load_average: f
             "rule": PROPERTY_28_RULE,
             "speedups": speedups,
             "machine": machine,
-            "note": f"evaluated only with --workers {PROPERTY_28_WORKERS} (the spec); this run used --workers {workers}",
+            "note": f"evaluated only with --workers {PROPERTY_28_WORKERS} (the spec); "
+            f"this run used --workers {workers}",
         }
     value = all(s is not None and s > 1.0 for s in speedups.values())
     note = "measured on this machine; the rule is not adjusted to it"
@@ -340,7 +377,8 @@ def _cuda_devices() -> int:
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, every number and the dataset checked (argparse's error, exit 2, names the flag)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=PROPERTY_28_WORKERS, help="PS workers and DDP ranks (default 4)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs of every run (default 2)")
@@ -370,22 +408,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.dataset != "auto" and args.dataset not in DATASET_NAMES:
         parser.error(f"--dataset: unknown {args.dataset!r} (auto, {', '.join(DATASET_NAMES)})")
-    output = Path(args.output_dir)
-    dataset, note = resolve_dataset(args.dataset, args.data_dir)
-    if note:
-        print(f"note: {note}", flush=True)
-    failures: dict[str, str | None] = {name: None for name in RUNS}
-    loads: list[float] = []
-    if not args.validate_only:
-        failures = train_all(args, dataset, output, loads)
+    return args
 
-    from src.report import build_report, write_report
-    from src.report_inputs import ReportInputError, runs_from_dir
 
+def validate_all(
+    output: Path, failures: dict[str, str | None], data_dir: str
+) -> tuple[dict[str, Any], dict[str, dict | None]]:
+    """Every run's checks (a failed training first among them): (run name -> its result, run name -> summary)."""
     runs: dict[str, Any] = {}
     summaries: dict[str, dict | None] = {}
     for name, (_, architecture, _) in RUNS.items():
-        checks, summary = validate_run(name, architecture, output / "runs" / name, args.data_dir)
+        checks, summary = validate_run(name, architecture, output / "runs" / name, data_dir)
         if failures[name]:
             checks.results.insert(0, {"check": "training", "ok": False, "detail": failures[name]})
         summaries[name] = summary
@@ -395,19 +428,63 @@ def main(argv: list[str] | None = None) -> int:
             "checks": checks.results,
             "checkpoint": str(output / "runs" / name / "checkpoints"),
         }
-    passed = all(run["passed"] for run in runs.values())
-    workers = (summaries.get("ps_sync") or {}).get("num_workers", args.workers)  # --validate-only: what ran
-    speedup = property_28(workers, summaries, max(loads) if loads else None)
-    report_paths: dict[str, str] = {}
+    return runs, summaries
+
+
+def write_performance_report(output: Path) -> dict[str, str]:
+    """The performance report of the three runs' artifacts: its files by kind, or the error that stopped it."""
+    from src.report import build_report, write_report
+    from src.report_inputs import ReportInputError, runs_from_dir
+
     try:
         report = build_report(runs_from_dir(output / "artifacts"), inputs=[str(output / "artifacts")])
-        report_paths = {
+        return {
             k: str(v)
             for k, v in write_report(report, output / "report" / "perf_report.json").items()
             if not k.startswith("plot:")
         }
     except ReportInputError as exc:
-        report_paths = {"error": str(exc)}
+        return {"error": str(exc)}
+
+
+def print_outcome(runs: dict[str, Any], speedup: dict[str, Any], output: Path, report_paths: dict[str, str]) -> None:
+    """Each failed check on stderr; each run's verdict, property 28 and where the results are on stdout."""
+    for name, run in runs.items():
+        for check in run["checks"]:
+            if not check["ok"]:
+                print(f"FAIL {name}: {check['check']}: {check['detail']}", file=sys.stderr)
+        passed = sum(c["ok"] for c in run["checks"])
+        print(f"{name}: {'passed' if run['passed'] else 'FAILED'} ({passed}/{len(run['checks'])} checks)")
+    shown = ", ".join(f"{k} {v:.2f}x" if v is not None else f"{k} not measured" for k, v in speedup["speedups"].items())
+    print(
+        f"speedup_ok_property_28: {json.dumps(speedup['value'])} "
+        f"(speedups over the baseline: {shown}; {speedup['note']})"
+    )
+    print(
+        f"validation: {output / 'validation.json'}"
+        + (
+            f"\nreport: {report_paths['markdown']}"
+            if "markdown" in report_paths
+            else f"\nreport not written: {report_paths.get('error')}"
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    output = Path(args.output_dir)
+    dataset, note = resolve_dataset(args.dataset, args.data_dir)
+    if note:
+        print(f"note: {note}", flush=True)
+    failures: dict[str, str | None] = {name: None for name in RUNS}
+    loads: list[float] = []
+    if not args.validate_only:
+        failures = train_all(args, dataset, output, loads)
+    runs, summaries = validate_all(output, failures, args.data_dir)
+    passed = all(run["passed"] for run in runs.values())
+    workers = (summaries.get("ps_sync") or {}).get("num_workers", args.workers)  # --validate-only: what ran
+    speedup = property_28(workers, summaries, max(loads) if loads else None)
+    report_paths = write_performance_report(output)
     result = {
         "passed": passed,
         "dataset": dataset,
@@ -422,26 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     output.mkdir(parents=True, exist_ok=True)
     (output / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
-
-    for name, run in runs.items():
-        for check in run["checks"]:
-            if not check["ok"]:
-                print(f"FAIL {name}: {check['check']}: {check['detail']}", file=sys.stderr)
-        print(
-            f"{name}: {'passed' if run['passed'] else 'FAILED'} ({sum(c['ok'] for c in run['checks'])}/{len(run['checks'])} checks)"
-        )
-    shown = ", ".join(f"{k} {v:.2f}x" if v is not None else f"{k} not measured" for k, v in speedup["speedups"].items())
-    print(
-        f"speedup_ok_property_28: {json.dumps(speedup['value'])} (speedups over the baseline: {shown}; {speedup['note']})"
-    )
-    print(
-        f"validation: {output / 'validation.json'}"
-        + (
-            f"\nreport: {report_paths['markdown']}"
-            if "markdown" in report_paths
-            else f"\nreport not written: {report_paths.get('error')}"
-        )
-    )
+    print_outcome(runs, speedup, output, report_paths)
     return 0 if passed else 1
 
 

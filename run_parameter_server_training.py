@@ -57,6 +57,7 @@ from src.cli import (
     exit_status,
     write_artifacts_if_asked,
 )
+from src.config import Config
 from src.metrics import format_summary
 
 DEFAULTS = {
@@ -145,9 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def check_role_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags that only some roles take (argparse's error, exit 2, names the flag)."""
     if (args.resume or args.resume_unfinished) and args.role == "worker":
         parser.error("--resume is for the server (--role server or local); a worker rejoins by registering again")
     if args.resume and args.resume_unfinished:
@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--worker-id is only for --role worker")
     if args.role == "worker" and args.artifacts_dir:
         parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
+
+
+def checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Config:
+    """The run's config from the flags, with the rules that join a setting to the role."""
     config = config_from_args(
         args,
         defaults=DEFAULTS,
@@ -181,47 +185,58 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--clock virtual simulates the whole job in this process: use it with --role local")
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
+    return config
+
+
+def run_role(args: argparse.Namespace, config: Config) -> None:
+    """This process's role: one worker, the server alone, or the whole job here (real or virtual clock)."""
+    from src.ps_launcher import run_local, run_server, run_worker
+
+    resume = args.resume
+    if args.resume_unfinished:
+        from src.checkpoint import unfinished_run_checkpoint
+
+        resume = unfinished_run_checkpoint(args.resume_unfinished, "parameter_server")
+        print(
+            f"resuming the interrupted run from {resume}"
+            if resume
+            else f"no interrupted run in {args.resume_unfinished}: starting afresh",
+            flush=True,
+        )
+    if args.role == "worker":
+        totals = run_worker(config, args.worker_id)
+        print(
+            f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
+            f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}"
+        )
+        return
+    if config.system.clock == "virtual":
+        from src.virtual_time import run_virtual
+
+        summary = run_virtual(config, summary_json=args.summary_json, resume=resume)
+    else:
+        summary = (run_server if args.role == "server" else run_local)(
+            config, summary_json=args.summary_json, resume=resume
+        )
+    print(format_summary(summary))
+    write_artifacts_if_asked(args, config, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_role_flags(parser, args)
+    config = checked_config(parser, args)
 
     import grpc  # after flag checks: --help and flag errors stay fast
 
     from src.parameter_server import RunFailed
-    from src.ps_launcher import run_local, run_server, run_worker
     from src.ps_transport import AuthTokenMissing
     from src.supervisor import LaunchError
     from src.worker import IncarnationRevoked
 
-    def run() -> None:
-        resume = args.resume
-        if args.resume_unfinished:
-            from src.checkpoint import unfinished_run_checkpoint
-
-            resume = unfinished_run_checkpoint(args.resume_unfinished, "parameter_server")
-            print(
-                f"resuming the interrupted run from {resume}"
-                if resume
-                else f"no interrupted run in {args.resume_unfinished}: starting afresh",
-                flush=True,
-            )
-        if args.role == "worker":
-            totals = run_worker(config, args.worker_id)
-            print(
-                f"worker {args.worker_id}: {totals['samples']} samples in {totals['steps']} steps, "
-                f"bytes sent {totals['bytes_sent']:,}, received {totals['bytes_received']:,}"
-            )
-            return
-        if config.system.clock == "virtual":
-            from src.virtual_time import run_virtual
-
-            summary = run_virtual(config, summary_json=args.summary_json, resume=resume)
-        else:
-            summary = (run_server if args.role == "server" else run_local)(
-                config, summary_json=args.summary_json, resume=resume
-            )
-        print(format_summary(summary))
-        write_artifacts_if_asked(args, config, summary)
-
     return exit_status(
-        run,
+        lambda: run_role(args, config),
         describe={
             LaunchError: str,
             AuthTokenMissing: str,

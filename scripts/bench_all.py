@@ -85,7 +85,7 @@ def _row(
     reference_name: str,
     unit: str,
     ratio: float | None,
-    ratio_definition: str,
+    ratio_definition: str | None,
     target: float | None,
     *,
     higher_is_better: bool = True,
@@ -331,9 +331,8 @@ def run_one(name: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
         return entry
     entry["returncode"], entry["wall_s"] = done.returncode, round(time.perf_counter() - started, 1)
     if done.returncode != 0:
-        entry["error"] = (
-            f"exited with status {done.returncode}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}"
-        )
+        last_line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        entry["error"] = f"exited with status {done.returncode}: {last_line}"
         return entry
     try:
         entry["result"] = last_json_document(done.stdout)
@@ -342,7 +341,8 @@ def run_one(name: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
     return entry
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The flags, and the benchmarks to run (``--only`` checked against scripts/bench_*.py)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--output", default="reports/bench.json", help="where to write the results (default reports/bench.json)"
@@ -359,54 +359,49 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--only: no scripts/{unknown[0]}.py (known: {', '.join(names)})")
         names = [n for n in names if n in args.only]
-    load_before = os.getloadavg()[0]
+    return args, names
+
+
+def _placeholder(name: str, figure: str, target_text: str) -> dict[str, Any]:
+    """A row with no figure: the benchmark failed, or bench_all knows no reference for it."""
+    return _row(name, figure, None, None, "", "", None, None, None, target_text=target_text)
+
+
+def run_all(names: list[str], quick: bool, timeout_s: float) -> tuple[dict[str, Any], list[dict], list[str]]:
+    """Each benchmark in turn: (name -> its entry, the figures' rows, the names that failed)."""
     results, figures, failed = {}, [], []
     for name in names:
-        extra = QUICK_ARGS.get(name, []) if args.quick else []
+        extra = QUICK_ARGS.get(name, []) if quick else []
         print(f"{name}: running {' '.join(extra) or '(defaults)'}", file=sys.stderr, flush=True)
-        entry = run_one(name, extra, args.timeout_s)
+        entry = run_one(name, extra, timeout_s)
         results[name] = entry
         if entry["error"]:
             failed.append(name)
-            figures.append(
-                {
-                    "benchmark": name,
-                    "figure": "(benchmark failed)",
-                    "error": entry["error"],
-                    "ours": None,
-                    "reference": None,
-                    "reference_name": "",
-                    "unit": "",
-                    "ratio": None,
-                    "ratio_definition": None,
-                    "target": None,
-                    "target_text": entry["error"],
-                    "meets_target": None,
-                }
-            )
+            row = _placeholder(name, "(benchmark failed)", entry["error"])
+            figures.append({"benchmark": name, "figure": row["figure"], "error": entry["error"], **row})
             print(f"{name}: FAILED: {entry['error']}", file=sys.stderr, flush=True)
             continue
         extract = FIGURES.get(name)
-        figures += (
-            extract(entry["result"])
-            if extract
-            else [
-                {
-                    "benchmark": name,
-                    "figure": "(no reference figure known to bench_all)",
-                    "ours": None,
-                    "reference": None,
-                    "reference_name": "",
-                    "unit": "",
-                    "ratio": None,
-                    "ratio_definition": None,
-                    "target": None,
-                    "target_text": "see its JSON in results",
-                    "meets_target": None,
-                }
-            ]
-        )
+        if extract:
+            figures += extract(entry["result"])
+        else:
+            figures.append(_placeholder(name, "(no reference figure known to bench_all)", "see its JSON in results"))
         print(f"{name}: done in {entry['wall_s']}s", file=sys.stderr, flush=True)
+    return results, figures, failed
+
+
+def print_table(figures: list[dict]) -> None:
+    """One line per figure: its ratio and its target."""
+    for row in figures:
+        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        target = row["target_text"] or ("none set" if row["target"] is None else f">= {row['target']}")
+        print(f"{row['benchmark']:<18} {row['figure']:<60} ratio {ratio:>7}  target {target}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, names = parse_args(argv)
+    load_before = os.getloadavg()[0]
+    results, figures, failed = run_all(names, args.quick, args.timeout_s)
     document = {
         "command": "python scripts/bench_all.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quick": args.quick,
@@ -420,10 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")
-    for row in figures:
-        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.3f}"
-        target = row["target_text"] or ("none set" if row["target"] is None else f">= {row['target']}")
-        print(f"{row['benchmark']:<18} {row['figure']:<60} ratio {ratio:>7}  target {target}")
+    print_table(figures)
     print(f"wrote {output}")
     return 1 if failed else 0
 

@@ -68,8 +68,69 @@ def main() -> None:
     )
 
 
-def measure(args, compressor) -> dict:
-    out = Path("/tmp") / f"bench_library_{os.getpid()}"
+class LibraryWorker:
+    """Worker 0: a user's loop through torch_asgc (``DistributedModel`` and ``DistributedOptimizer``)."""
+
+    def __init__(self, address: str, model_name: str, compressor):
+        torch.manual_seed(0)
+        self.net = build_model(model_name, dataset_info("mnist_5k"))
+        self.client = connect(address, token=TOKEN, worker_id=0)
+        self.model = DistributedModel(self.net, self.client)
+        self.optimizer = DistributedOptimizer(
+            torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.0),
+            self.client,
+            compression=compressor if compressor is not None else "none",
+        )
+
+    def block(self, batches) -> list[float]:
+        """Seconds of each step over ``batches``."""
+        times = []
+        for images, labels in batches:
+            started = time.perf_counter()
+            self.optimizer.zero_grad()
+            F.cross_entropy(self.model(images), labels).backward()
+            self.optimizer.step()
+            times.append(time.perf_counter() - started)
+        return times
+
+
+class ReferenceWorker:
+    """Worker 1: the raw protocol calls our own PS worker makes per step, on the same model."""
+
+    def __init__(self, address: str, model_name: str, compressor):
+        torch.manual_seed(0)
+        self.net = build_model(model_name, dataset_info("mnist_5k"))
+        self.raw = ParameterServerClient(address, token=TOKEN, retries=0)
+        registration = self.raw.register(1)
+        self.caller = pb.Caller(worker_id=1, session=registration.session)
+        self.named = [(n, p) for n, p in self.net.named_parameters() if p.requires_grad]
+        self.params, self.names = [p for _, p in self.named], [n for n, _ in self.named]
+        self.version = load_reply(self.params, [], self.raw.pull(self.caller))
+        self.policy = CompressionPolicy(compressor) if compressor is not None else None
+        self.feedback = ErrorFeedback() if compressor is not None else None
+        self.request_id = 1
+
+    def block(self, batches) -> list[float]:
+        """Seconds of each step over ``batches``: encode, push, settle, load the reply."""
+        times = []
+        for step, (images, labels) in enumerate(batches):
+            started = time.perf_counter()
+            self.net.zero_grad(set_to_none=True)
+            F.cross_entropy(self.net(images), labels).backward()
+            payloads = encode_gradients(((n, p.grad) for n, p in self.named), self.policy, self.feedback, None, step)
+            self.request_id += 1
+            request = pb.PushRequest(
+                caller=self.caller, base_version=self.version, request_id=self.request_id, num_samples=len(labels)
+            )
+            reply = self.raw.push(request, payloads, [])
+            settle_push(self.feedback, self.names, accepted=reply.message.accepted)
+            self.version = load_reply(self.params, [], reply)
+            times.append(time.perf_counter() - started)
+        return times
+
+
+def _server(out: Path) -> ClientLoopServer:
+    """The in-process server both workers push to (async, so neither waits for the other)."""
     config = load_config(
         overrides={
             "system.num_workers": 2,
@@ -82,72 +143,29 @@ def measure(args, compressor) -> dict:
             "system.heartbeat_timeout": 3600.0,  # the raw reference worker sends no heartbeats
         }
     )
-    server = ClientLoopServer(config, token=TOKEN, tensorboard=False)
+    return ClientLoopServer(config, token=TOKEN, tensorboard=False)
+
+
+def measure(args, compressor) -> dict:
+    """Median step time of each worker over alternating blocks, after one warm-up block each."""
+    server = _server(Path("/tmp") / f"bench_library_{os.getpid()}")
     port = server.start()
     address = f"127.0.0.1:{port}"
     train = load_dataset("mnist_5k", "train")
     batches = [train.batch(list(range(i, i + 64))) for i in range(0, 64 * args.steps, 64)]
     try:
-        torch.manual_seed(0)
-        net = build_model(args.model, dataset_info("mnist_5k"))
-        client = connect(address, token=TOKEN, worker_id=0)
-        model = DistributedModel(net, client)
-        optimizer = DistributedOptimizer(
-            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.0),
-            client,
-            compression=compressor if compressor is not None else "none",
-        )
-
-        torch.manual_seed(0)
-        raw_net = build_model(args.model, dataset_info("mnist_5k"))
-        raw = ParameterServerClient(address, token=TOKEN, retries=0)
-        registration = raw.register(1)
-        caller = pb.Caller(worker_id=1, session=registration.session)
-        named = [(n, p) for n, p in raw_net.named_parameters() if p.requires_grad]
-        params, names = [p for _, p in named], [n for n, _ in named]
-        version = load_reply(params, [], raw.pull(caller))
-        policy = CompressionPolicy(compressor) if compressor is not None else None
-        feedback = ErrorFeedback() if compressor is not None else None
-        request_id = 1
-
-        def library_block() -> list[float]:
-            times = []
-            for images, labels in batches:
-                started = time.perf_counter()
-                optimizer.zero_grad()
-                F.cross_entropy(model(images), labels).backward()
-                optimizer.step()
-                times.append(time.perf_counter() - started)
-            return times
-
-        def reference_block() -> list[float]:
-            nonlocal version, request_id
-            times = []
-            for step, (images, labels) in enumerate(batches):
-                started = time.perf_counter()
-                raw_net.zero_grad(set_to_none=True)
-                F.cross_entropy(raw_net(images), labels).backward()
-                payloads = encode_gradients(((n, p.grad) for n, p in named), policy, feedback, None, step)
-                request_id += 1
-                reply = raw.push(
-                    pb.PushRequest(caller=caller, base_version=version, request_id=request_id, num_samples=len(labels)),
-                    payloads,
-                    [],
-                )
-                settle_push(feedback, names, accepted=reply.message.accepted)
-                version = load_reply(params, [], reply)
-                times.append(time.perf_counter() - started)
-            return times
-
+        library = LibraryWorker(address, args.model, compressor)
+        reference_worker = ReferenceWorker(address, args.model, compressor)
         ours, reference = [], []
-        library_block(), reference_block()  # warm-up
+        library.block(batches), reference_worker.block(batches)  # warm-up
         for _ in range(args.rounds):
-            ours += library_block()
-            reference += reference_block()
-        client.close()
-        raw.close()
+            ours += library.block(batches)
+            reference += reference_worker.block(batches)
+        library.client.close()
+        reference_worker.raw.close()
     finally:
         server.stop(grace=0)
+    client = library.client
     ours_ms, reference_ms = 1000 * statistics.median(ours), 1000 * statistics.median(reference)
     return {
         "library_step_ms": round(ours_ms, 3),

@@ -55,6 +55,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -305,12 +306,72 @@ def _pusher(client, registration):
     return step
 
 
-def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
+def _raw_echo(port: int, payload: bytes, reply_size: int):
+    """A raw TCP echo of ``payload`` answered with ``reply_size`` bytes: (its socket, one exchange)."""
+    from src.tcp_transport import tune_socket
+
+    raw = socket.create_connection(("127.0.0.1", port))
+    tune_socket(raw)
+    length = _LENGTH.pack(len(payload))
+    incoming = bytearray(reply_size)
+
+    def raw_echo() -> None:
+        raw.sendmsg([length, payload])
+        _fill(raw, memoryview(incoming))
+
+    return raw, raw_echo
+
+
+def _grpc_exchange(port: int, payload: bytes, reply_bytes: int):
+    """A plain gRPC echo service's exchange of ``payload`` for ``reply_bytes``: (its channel, one call)."""
     import grpc
 
     from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, message_options
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=message_options(CLIENT_MAX_MESSAGE_BYTES))
+    channel.unary_unary(f"/{ECHO_SERVICE}/Size")(str(reply_bytes).encode())
+    exchange = channel.unary_unary(f"/{ECHO_SERVICE}/Exchange")
+    return channel, lambda: exchange(payload)
+
+
+def _round_trip_entry(
+    transport: str, size_mb: float, repeats: int, measured: dict[str, Any], medians: list[float]
+) -> dict:
+    """The figures of one transport and size: our round trip, the echoes, the limit ratios, the server's parts."""
+    framing, reply_bytes = measured["framing"], measured["reply_bytes"]
+    ps_ms, raw_ms = medians[0] * 1e3, medians[1] * 1e3
+    step_ms = measured["ports"]["step_ms"]
+    server_ms = {
+        name: round(statistics.median(values[-repeats:]) * 1e3, 3)
+        for name, values in measured["timings"].items()
+        if values
+    }
+    entry = {
+        "transport": transport,
+        "model_mb": round((reply_bytes - framing) / 2**20, 2),
+        "push_bytes": measured["push_bytes"],
+        "reply_bytes": reply_bytes,
+        "ps_round_trip_ms": round(ps_ms, 3),
+        "raw_tcp_echo_ms": round(raw_ms, 3),
+        "optimizer_step_ms": round(step_ms, 3),
+        "limit_ratio": round((raw_ms + step_ms) / ps_ms, 3),
+        "server_ms": server_ms,
+    }
+    if transport == "tcp":
+        entry["target_limit_ratio"] = 0.6 if size_mb < 2 else 0.8
+    else:
+        grpc_ms = medians[2] * 1e3
+        entry.update(
+            grpc_echo_ms=round(grpc_ms, 3),
+            grpc_limit_ratio=round((grpc_ms + step_ms) / ps_ms, 3),
+            target_grpc_limit_ratio=0.8,
+        )
+    return entry
+
+
+def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
+    """Our push round trip against a raw TCP echo (and a plain gRPC echo) of the same bytes, alternating."""
     from src.tcp_frames import HEADER_BYTES
-    from src.tcp_transport import tune_socket
     from src.transports import make_client
 
     context = multiprocessing.get_context("spawn")
@@ -328,26 +389,13 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
         push_bytes, reply_bytes = client.bytes_sent - sent, client.bytes_received - received
         framing = HEADER_BYTES if transport == "tcp" else 0
         stop.send(reply_bytes - framing)  # the echoes move the same message bytes
-
-        raw = socket.create_connection(("127.0.0.1", ports["raw_port"]))
-        tune_socket(raw)
         payload = secrets.token_bytes(push_bytes - framing)
-        length = _LENGTH.pack(len(payload))
-        incoming = bytearray(reply_bytes - framing)
-
-        def raw_echo() -> None:
-            raw.sendmsg([length, payload])
-            _fill(raw, memoryview(incoming))
-
+        raw, raw_echo = _raw_echo(ports["raw_port"], payload, reply_bytes - framing)
         calls = [step, raw_echo]
         channel = None
         if ports["grpc_port"] is not None:
-            channel = grpc.insecure_channel(
-                f"127.0.0.1:{ports['grpc_port']}", options=message_options(CLIENT_MAX_MESSAGE_BYTES)
-            )
-            channel.unary_unary(f"/{ECHO_SERVICE}/Size")(str(reply_bytes).encode())
-            exchange = channel.unary_unary(f"/{ECHO_SERVICE}/Exchange")
-            calls.append(lambda: exchange(payload))
+            channel, grpc_echo = _grpc_exchange(ports["grpc_port"], payload, reply_bytes)
+            calls.append(grpc_echo)
         medians = _median_times(calls, repeats)
         client.close()
         raw.close()
@@ -359,33 +407,17 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
         server.join(30)
         if server.is_alive():
             server.kill()
-    ps_ms, raw_ms = medians[0] * 1e3, medians[1] * 1e3
-    step_ms = ports["step_ms"]
-    server_ms = {
-        name: round(statistics.median(values[-repeats:]) * 1e3, 3) for name, values in timings.items() if values
-    }
-    entry = {
-        "transport": transport,
-        "model_mb": round((reply_bytes - framing) / 2**20, 2),
+    measured = {
+        "ports": ports,
+        "timings": timings,
         "push_bytes": push_bytes,
         "reply_bytes": reply_bytes,
-        "ps_round_trip_ms": round(ps_ms, 3),
-        "raw_tcp_echo_ms": round(raw_ms, 3),
-        "optimizer_step_ms": round(step_ms, 3),
-        "limit_ratio": round((raw_ms + step_ms) / ps_ms, 3),
-        "server_ms": server_ms,
+        "framing": framing,
     }
-    if transport == "tcp":
-        entry["target_limit_ratio"] = 0.6 if size_mb < 2 else 0.8
-    else:
-        grpc_ms = medians[2] * 1e3
-        entry.update(
-            grpc_echo_ms=round(grpc_ms, 3),
-            grpc_limit_ratio=round((grpc_ms + step_ms) / ps_ms, 3),
-            target_grpc_limit_ratio=0.8,
-        )
+    entry = _round_trip_entry(transport, size_mb, repeats, measured, medians)
     log(
-        f"round trip {transport} {entry['model_mb']} MB: {entry['ps_round_trip_ms']} ms, raw TCP echo {entry['raw_tcp_echo_ms']} ms, "
+        f"round trip {transport} {entry['model_mb']} MB: {entry['ps_round_trip_ms']} ms, "
+        f"raw TCP echo {entry['raw_tcp_echo_ms']} ms, "
         f"step {entry['optimizer_step_ms']} ms, limit ratio {entry['limit_ratio']}"
     )
     return entry
@@ -473,7 +505,8 @@ def bench_ceiling(transport: str, clients: list[int], seconds: float) -> dict:
                 }
             )
             log(
-                f"ceiling {transport} {count} clients: {rows[-1]['pushes_per_s']} pushes/s, {rows[-1]['gb_per_s_total']} GB/s"
+                f"ceiling {transport} {count} clients: {rows[-1]['pushes_per_s']} pushes/s, "
+                f"{rows[-1]['gb_per_s_total']} GB/s"
             )
         stop.send(None)
         locked = report.recv()

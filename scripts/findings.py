@@ -5,9 +5,9 @@
     python scripts/findings.py --check                           # exit 1 if docs/findings.md differs from the records
     python scripts/findings.py --write                           # rewrite docs/findings.md's generated blocks
 
-The figures and their statistics are :mod:`src.findings`; a matrix's record (what of each run is
-kept, a few KB) is :mod:`src.findings_record`. Exit status: 0 done, 1 the document differs (--check)
-or nothing to read, 2 bad arguments.
+The figures and their statistics are :mod:`src.findings`, their Markdown :mod:`src.findings_render`; a
+matrix's record (what of each run is kept, a few KB) is :mod:`src.findings_record`. Exit status: 0 done,
+1 the document differs (--check) or nothing to read, 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from src import findings
+from src.findings_document import check_document, update_document
 from src.findings_record import collect_matrix, load_records, write_record
+from src.findings_render import render
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     if not doc.is_file():
         print(f"error: --doc: {doc} not found", file=sys.stderr)
         return 1
-    blocks = findings.render(figures)
+    blocks = render(figures)
     if args.write:
-        doc.write_text(findings.update_document(doc.read_text(), blocks))
+        doc.write_text(update_document(doc.read_text(), blocks))
         print(f"{doc}: {len(blocks)} blocks written")
         return 0
-    problems = findings.check_document(doc.read_text(), blocks)
+    problems = check_document(doc.read_text(), blocks)
     for problem in problems:
         print(f"{doc}: {problem}", file=sys.stderr)
     return 1 if problems else 0

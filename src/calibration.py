@@ -123,6 +123,67 @@ def _server_config(config: Config, tmp: str) -> Config:
     return validate_config(data)
 
 
+def _register_with_core(core) -> pb.Caller:
+    """Worker 0 registered with the core and its first pull answered: the caller its pushes name."""
+    with core.lock:
+        registration, _ = core.register(pb.RegisterRequest(worker_id=0), "calibration")
+        caller = pb.Caller(worker_id=0, session=registration.session)
+        member = core.begin_pull(caller)
+        core.pull_reply(member, core.poll_work(member))
+    return caller
+
+
+def _time_core_push(core, caller: pb.Caller, request_id: int, payloads, buffers) -> tuple[float, float]:
+    """Seconds the core alone spends on one push (parse, admit, decode, apply) and on its reply."""
+    with core.lock:
+        held = core.work.plan.holding(0)
+        request = pb.PushRequest(
+            caller=caller,
+            base_version=core.version,
+            request_id=request_id,
+            num_samples=sum(len(b.indices) for b in held),
+            batch_ids=[b.batch_id for b in held],
+        )
+        data = serialize(Outgoing(request, {"gradients": payloads, "buffers": buffers}))
+        started = time.perf_counter()
+        split_request = split(data, pb.PushRequest, ("gradients", "buffers"))
+        admitted = core.begin_push(caller, split_request.message)
+        verdict = core.apply_push(admitted, split_request.message, core.decode(0, split_request))
+        applied = time.perf_counter()
+        core.push_reply(admitted, request_id, verdict, core.poll_work(admitted))
+        return applied - started, time.perf_counter() - applied
+
+
+def _time_round_trip(client, caller: pb.Caller, received, request_id: int, payloads, buffers):
+    """One real gRPC push of the work ``received`` holds: (the reply, the round trip's seconds)."""
+    work = received.message.work
+    request = pb.PushRequest(
+        caller=caller,
+        base_version=received.message.version,
+        request_id=request_id,
+        num_samples=sum(len(b.indices) for b in work.batches),
+        batch_ids=[b.batch_id for b in work.batches],
+    )
+    started = time.perf_counter()
+    reply = client.push(request, payloads, buffers)
+    return reply, time.perf_counter() - started
+
+
+def _server_figures(update: list[float], reply: list[float], trips: list[float]) -> dict[str, float]:
+    """The medians after the warm-up, the server's share of a round trip split into update and reply."""
+    core_update = statistics.median(update[WARMUP_STEPS:])
+    core_reply = statistics.median(reply[WARMUP_STEPS:])
+    round_trip = statistics.median(trips[WARMUP_STEPS:])
+    server_update = min(core_update, round_trip)  # a round trip holds the update: never more than all of it
+    return {
+        "server_update_s": server_update,
+        "server_reply_s": max(core_reply, round_trip - server_update),
+        "core_update_s": core_update,
+        "core_reply_s": core_reply,
+        "round_trip_s": round_trip,
+    }
+
+
 def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
     """Median seconds of the server core's work per push and per reply, and of a real gRPC round trip.
 
@@ -148,62 +209,24 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
         client = ParameterServerClient(f"127.0.0.1:{server.start()}", token="calibration")
         update, reply, trips = [], [], []
         try:
-            with core.lock:
-                registration, _ = core.register(pb.RegisterRequest(worker_id=0), "calibration")
-                core_caller = pb.Caller(worker_id=0, session=registration.session)
-                member = core.begin_pull(core_caller)
-                core.pull_reply(member, core.poll_work(member))
+            core_caller = _register_with_core(core)
             registration = client.register(0)
             caller = pb.Caller(worker_id=0, session=registration.session)
             received = client.pull(caller)
             for request_id in range(1, pushes + WARMUP_STEPS + 1):
                 # The core alone: the work a push and its reply cost the server.
-                with core.lock:
-                    held = core.work.plan.holding(0)
-                    request = pb.PushRequest(
-                        caller=core_caller,
-                        base_version=core.version,
-                        request_id=request_id,
-                        num_samples=sum(len(b.indices) for b in held),
-                        batch_ids=[b.batch_id for b in held],
-                    )
-                    data = serialize(Outgoing(request, {"gradients": payloads, "buffers": buffers}))
-                    started = time.perf_counter()
-                    split_request = split(data, pb.PushRequest, ("gradients", "buffers"))
-                    admitted = core.begin_push(core_caller, split_request.message)
-                    verdict = core.apply_push(admitted, split_request.message, core.decode(0, split_request))
-                    applied = time.perf_counter()
-                    core.push_reply(admitted, request_id, verdict, core.poll_work(admitted))
-                    update.append(applied - started)
-                    reply.append(time.perf_counter() - applied)
+                update_s, reply_s = _time_core_push(core, core_caller, request_id, payloads, buffers)
+                update.append(update_s)
+                reply.append(reply_s)
                 # A real gRPC server and client on loopback: the whole round trip.
-                work = received.message.work
-                request = pb.PushRequest(
-                    caller=caller,
-                    base_version=received.message.version,
-                    request_id=request_id,
-                    num_samples=sum(len(b.indices) for b in work.batches),
-                    batch_ids=[b.batch_id for b in work.batches],
-                )
-                started = time.perf_counter()
-                received = client.push(request, payloads, buffers)
-                trips.append(time.perf_counter() - started)
+                received, trip_s = _time_round_trip(client, caller, received, request_id, payloads, buffers)
+                trips.append(trip_s)
         finally:
             client.close()
             server.stop(grace=0)
             core.close()
             log.close()
-    core_update = statistics.median(update[WARMUP_STEPS:])
-    core_reply = statistics.median(reply[WARMUP_STEPS:])
-    round_trip = statistics.median(trips[WARMUP_STEPS:])
-    server_update = min(core_update, round_trip)  # a round trip holds the update: never more than all of it
-    return {
-        "server_update_s": server_update,
-        "server_reply_s": max(core_reply, round_trip - server_update),
-        "core_update_s": core_update,
-        "core_reply_s": core_reply,
-        "round_trip_s": round_trip,
-    }
+    return _server_figures(update, reply, trips)
 
 
 def calibrate(config: Config, *, concurrent: int = 1, steps: int = 20, server: bool = True) -> dict[str, Any]:
@@ -234,7 +257,8 @@ def as_yaml(result: dict[str, Any], config: Config, config_path: str | Path | No
     t = config.training
     lines = [
         f"# measured by scripts/calibrate.py on {t.model_architecture}, {t.dataset}, batch {t.batch_size}"
-        f"{' (' + str(config_path) + ')' if config_path else ''}; {result['measured']['concurrent']} process(es) at once",
+        f"{' (' + str(config_path) + ')' if config_path else ''}; "
+        f"{result['measured']['concurrent']} process(es) at once",
         "emulation:",
     ]
     lines += [f"  {name}: {value:.6g}" for name, value in result["emulation"].items()]

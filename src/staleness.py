@@ -331,13 +331,14 @@ class LookaheadMomentum(torch.optim.Optimizer):
             buffer.zero_()
 
 
-def server_optimizer(config: Any, params: Iterable) -> torch.optim.Optimizer:
+def server_optimizer(config: Any, params: Iterable, *, fused: bool = True) -> torch.optim.Optimizer:
     """The parameter server's optimizer for a run ``config``, with its async correction.
 
     async + ``lookahead`` + SGD: :class:`LookaheadMomentum`; async + ``implicit_momentum``: the
     configured optimizer with :func:`compensated_momentum`; otherwise the configured optimizer. The
     plain optimizers are torch's fused kernels (one pass per tensor; gradients only read, so they
-    may be read-only views of a received message).
+    may be read-only views of a received message); ``fused=False`` gives torch's loop instead (what
+    :mod:`src.async_simulation` measured its figures with: the two round differently in the last bits).
     """
     t, system = config.training, config.system
     if system.aggregation_mode == "async" and system.async_correction == "lookahead" and t.optimizer == "sgd":
@@ -345,4 +346,4 @@ def server_optimizer(config: Any, params: Iterable) -> torch.optim.Optimizer:
     if system.aggregation_mode == "async" and system.async_correction == "implicit_momentum":
         momentum = compensated_momentum(t.momentum, system.num_workers)
         config = config.model_copy(update={"training": t.model_copy(update={"momentum": momentum})})
-    return optimizer_from_config(config, params, fused=True)
+    return optimizer_from_config(config, params, fused=fused)

@@ -279,6 +279,7 @@ def _record(name: str, runs: list[tuple[str, int, dict]]) -> dict:
 
 def test_findings_figures_follow_their_definitions():
     from src import findings
+    from src.findings_format import verdict
 
     # worker 1 four times slower: rates 100 and 25 samples/s in async -> ideal 125 / (2 x 25) = 2.5
     slow = [(500, 10, 1.0, 9.0), (500, 10, 10.0, 0.0)]
@@ -343,10 +344,7 @@ def test_findings_figures_follow_their_definitions():
     assert sgd["topk1_ef"]["bytes_ratio"]["mean"] == pytest.approx(0.02)
     assert sgd["topk1_ef"]["accuracy_difference"]["mean"] == pytest.approx(-0.01)
     assert sgd["ef_recovers"]["1"]["mean"] == pytest.approx(0.04)
-    assert (
-        findings.verdict(plain["fraction_of_ideal"], 0.9) == "yes"
-        and findings.verdict(plain["ideal_ratio"], 10.0) == "no"
-    )
+    assert verdict(plain["fraction_of_ideal"], 0.9) == "yes" and verdict(plain["ideal_ratio"], 10.0) == "no"
 
 
 def test_the_results_table_has_a_row_per_run_and_per_configuration(tmp_path):

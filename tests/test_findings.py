@@ -24,7 +24,9 @@ from src import findings
 from src import matrix as run_matrix
 from src.config import ConfigError, validate_config
 from src.cost_model import CostModel
+from src.findings_document import check_document
 from src.findings_record import collect_matrix, load_records, write_record
+from src.findings_render import render
 from src.virtual_time import run_virtual
 from tests.ps_fixtures import ROOT, ps_config
 
@@ -67,9 +69,9 @@ def test_the_document_holds_exactly_what_the_committed_records_give(tmp_path):
     records = load_records(RECORDS)
     assert set(findings.MATRICES) <= set(records), "a findings matrix has no committed record"
     assert sum(path.stat().st_size for path in RECORDS.glob("*.json")) < 20e6
-    blocks = findings.render(findings.compute(records))
+    blocks = render(findings.compute(records))
     text = DOC.read_text()
-    assert findings.check_document(text, blocks) == []
+    assert check_document(text, blocks) == []
     assert set(findings.REALTIME) <= set(records), "a real-time confirmation has no committed record"
     for name in findings.MATRICES:
         record = records[name]
@@ -82,7 +84,7 @@ def test_the_document_holds_exactly_what_the_committed_records_give(tmp_path):
     changed = tmp_path / "findings.md"
     changed.write_text(text[:digit] + str((int(text[digit]) + 1) % 10) + text[digit + 1 :])
     assert findings_script.main(["--check", "--doc", str(changed)]) == 1
-    missing = findings.check_document("no blocks", blocks)
+    missing = check_document("no blocks", blocks)
     assert (
         len(missing) == len(blocks)
         and "block summary: missing (markers <!-- findings:summary --> ... <!-- /findings:summary -->)" in missing
@@ -158,10 +160,7 @@ def test_a_matrix_run_collected_gives_its_figures_at_the_same_sample_counts(tmp_
     # worker 1 waits 0.3 s a step, the others ~0.014 s: async is several times faster (12 pushes: end effects)
     assert plain["throughput_ratio"]["mean"] > 2 and 0.5 < plain["fraction_of_ideal"]["mean"] <= 1.05
     assert level["aa"]["throughput_ratio"]["values"] == [1.0, 1.0]
-    assert (
-        "A/A (sync repeated): samples/s ratio 1.000x"
-        in findings.render(findings.compute({"f1_stragglers": record}))["F1"]
-    )
+    assert "A/A (sync repeated): samples/s ratio 1.000x" in render(findings.compute({"f1_stragglers": record}))["F1"]
 
 
 def test_the_uplink_schedule_changes_the_link_mid_run_in_virtual_time_only(tmp_path):
