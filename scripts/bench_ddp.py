@@ -59,7 +59,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from src.comm_hooks import CommHook, comm_hook_from_config, gradient_bytes, ring_allreduce_bytes
+from src.comm_hooks import CommHook, comm_hook_from_config
+from src.comm_stats import gradient_bytes, ring_allreduce_bytes
 from src.compression import CompressionPolicy, build_compressor
 from src.config import Config, validate_config
 from src.data import make_shards

@@ -90,7 +90,8 @@ from src.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from src.comm_hooks import CommHook, bytes_accounting, comm_hook_from_config
+from src.comm_hooks import CommHook, comm_hook_from_config
+from src.comm_stats import bytes_accounting
 from src.config import Config, SetupError
 from src.data import DatasetUnavailableError, TensorDataset, make_shards, steps_per_epoch
 from src.ddp_control import RankControl, config_problem
