@@ -134,7 +134,8 @@ def test_the_hooks_top_k_ratio_can_be_set_and_nothing_else():
 def test_a_run_without_evaluations_or_top_k_is_refused_naming_the_field(capsys, monkeypatch, tmp_path):
     import run_ddp_training
     from src.ddp_launcher import check_launch
-    from src.ddp_trainer import DDPTrainer, RankContext
+    from src.ddp_rank import RankContext
+    from src.ddp_trainer import DDPTrainer
 
     no_eval = validate_config(
         {"system": {"architecture": "ddp", "adaptive_compression": True, "compression_enabled": True}}
@@ -220,7 +221,8 @@ def _config(root: Path, name: str, **training) -> dict:
 
 def _train_recording_payloads(rank: int, world: int, config, resume: str | None) -> None:
     """Train one rank, saving each step's payload bytes (the hook's count) as ``payloads_<rank>.json``."""
-    from src.ddp_trainer import DDPTrainer, RankContext
+    from src.ddp_rank import RankContext
+    from src.ddp_trainer import DDPTrainer
 
     payloads: list[int] = []
 
