@@ -59,12 +59,14 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from src.comm_hooks import CommHook, comm_hook_from_config, gradient_bytes, ring_allreduce_bytes
+from src.comm_hooks import CommHook, comm_hook_from_config
+from src.comm_stats import gradient_bytes, ring_allreduce_bytes
 from src.compression import build_compressor
 from src.compression_policy import CompressionPolicy
 from src.config import Config, validate_config
 from src.data import make_shards
-from src.ddp_trainer import DDPTrainer, RankContext, leave_rank_process, threads_per_rank
+from src.ddp_rank import RankContext, threads_per_rank
+from src.ddp_trainer import DDPTrainer, leave_rank_process
 from src.trainer import load_splits, model_from_config, optimizer_from_config
 
 BEFORE = {"topk_vs_allreduce": 0.78, "ring_vs_allreduce": 0.72, "topk_over_powersgd_train_time": 1.2}

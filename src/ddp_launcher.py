@@ -14,7 +14,7 @@ torchrun runs: one node, ``nproc_per_node`` ranks started with ``spawn``, a c10d
 store binds port 0 on 127.0.0.1 (the OS picks a free port: no probe-then-bind race). When a rank
 dies, the agent stops the others and starts the group again, up to ``system.max_restarts`` times;
 the ranks of a restarted attempt continue from the newest checkpoint of this job (see
-:class:`src.ddp_trainer.JobRecord`). Under torchrun the same happens with torchrun's
+:class:`src.ddp_job.JobRecord`). Under torchrun the same happens with torchrun's
 ``--max-restarts``.
 
 What cannot succeed is not retried: the device, backend, adaptive compression settings, dataset
@@ -78,7 +78,7 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
     import torch
 
     from src.ddp_control import config_problem
-    from src.ddp_trainer import check_rank_setup, rank_device, select_backend
+    from src.ddp_rank import check_rank_setup, rank_device, select_backend
     from src.trackers import require_trackers
 
     problem = config_problem(config)
@@ -118,7 +118,7 @@ def resolve_resume(config: Config, target: str | Path | None, *, world_size: int
         CheckpointError: nothing loadable, or the checkpoint holds a different model.
         SetupError: the checkpoint was taken mid-epoch with other ranks or batch size.
     """
-    from src.ddp_trainer import check_resumable
+    from src.ddp_checkpoints import check_resumable
 
     if target is None:
         return None
@@ -139,7 +139,8 @@ def rank_trace(config: Config, rank: int):
 
 def _elastic_rank(config_data: dict, resume: str | None, summary_json: str, error_dir: str) -> None:
     """A rank started by the local elastic agent (it sets RANK, WORLD_SIZE, MASTER_ADDR/PORT...)."""
-    from src.ddp_trainer import EXPECTED_ERRORS, leave_rank_process, run_rank
+    from src.ddp_job import EXPECTED_ERRORS
+    from src.ddp_trainer import leave_rank_process, run_rank
 
     # Die at once on SIGINT, the agent's stop signal on Ctrl-C: a rank blocked inside a collective
     # cannot run Python's handler.

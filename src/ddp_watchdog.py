@@ -3,7 +3,7 @@
 A rank that stops (SIGSTOP, Ctrl-Z, a frozen VM, a process stuck holding the GIL) never reaches its
 next collective, and its peers wait in theirs: with gloo's default timeout of 30 minutes the whole job
 hangs. Two guards end such an attempt, and the elastic agent then restarts the group from its newest
-checkpoint (:mod:`src.ddp_launcher`, :class:`src.ddp_trainer.JobRecord`), both set by one number,
+checkpoint (:mod:`src.ddp_launcher`, :class:`src.ddp_job.JobRecord`), both set by one number,
 ``system.collective_timeout_s`` (T, ``--collective-timeout``):
 
 1. **Heartbeats** (:class:`HangWatchdog`). A thread in each rank writes a counter to

@@ -8,10 +8,10 @@ them, and one optimizer step follows:
 
 * no compression (the backend's allreduce, or the ring hook): the mean of the ranks' gradients;
 * compression (:mod:`src.comm_hooks`): each rank's buckets compensated by *its* error feedback and
-  compressed (:func:`~src.comm_hooks.encode_segments`), every rank's payloads decompressed and
-  summed in rank order (:func:`~src.comm_hooks.accumulate_payloads`), the mean written back
-  (:func:`~src.comm_hooks.write_average_`): the hook's own code, over DDP's own bucket layout
-  (:func:`~src.comm_hooks.rebuilt_buckets`). Warm-up steps are the plain mean.
+  compressed (:func:`~src.compressed_exchange.encode_segments`), every rank's payloads decompressed and
+  summed in rank order (:func:`~src.compressed_exchange.accumulate_payloads`), the mean written back
+  (:func:`~src.compressed_exchange.write_average_`): the hook's own code, over DDP's own bucket layout
+  (:func:`~src.compression_hook_state.rebuilt_buckets`). Warm-up steps are the plain mean.
 
 Time (:mod:`src.cost_model`): a step takes the slowest rank's compute (the barrier:
 ``emulation.compute_s``, ``slowdown``, ``step_delay_s`` per rank), plus, for compression,
@@ -35,15 +35,9 @@ import torch
 
 from src.checkpoint import final_checkpoint_path, save_checkpoint
 from src.clock import VirtualClock
-from src.comm_hooks import (
-    CompressionHookState,
-    _Piece,
-    accumulate_payloads,
-    encode_segments,
-    rebuilt_buckets,
-    ring_allreduce_bytes,
-    write_average_,
-)
+from src.comm_stats import ring_allreduce_bytes
+from src.compressed_exchange import accumulate_payloads, encode_segments, write_average_
+from src.compression_hook_state import CompressionHookState, Piece, rebuilt_buckets
 from src.compression_policy import policy_from_config
 from src.config import Config, SetupError
 from src.cost_model import CostModel, all_gather_s, ring_allreduce_s
@@ -119,11 +113,11 @@ class VirtualDDP:
         self.exchange_s = 0.0
         self.step = 0
 
-    def _pieces(self, params: list[torch.nn.Parameter]) -> list[_Piece]:
+    def _pieces(self, params: list[torch.nn.Parameter]) -> list[Piece]:
         names = {id(p): n for n, p in self.named}
         pieces, offset = [], 0
         for param in params:
-            pieces.append(_Piece(names[id(param)], offset, param.numel(), param.shape))
+            pieces.append(Piece(names[id(param)], offset, param.numel(), param.shape))
             offset += param.numel()
         return pieces
 
@@ -137,7 +131,7 @@ class VirtualDDP:
         ]
 
     def _train_step(self, rank_batches: list[list[int]], step_samples: int) -> tuple[float, float, int, int]:
-        """One synchronous step of every rank; returns (rank 0's mean loss, its accuracy, samples, payload bytes)."""
+        """One synchronous step of every rank; returns (mean loss of rank 0's batch, its accuracy, samples, payload bytes)."""
         step = self.step
         compressing = self.states is not None and step >= self.states[0].policy.warmup_steps
         totals: list[list[torch.Tensor | None]] = [[None] for _ in self.buckets]

@@ -449,7 +449,7 @@ def test_a_mid_epoch_checkpoint_needs_the_same_ranks_and_batch_size(capsys, tmp_
 
 
 def test_job_record_keeps_the_newest_checkpoint_and_a_fatal_error_in_the_agent_store(monkeypatch):
-    from src.ddp_trainer import JobRecord
+    from src.ddp_job import JobRecord
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     nowhere = JobRecord.from_environment()  # no elastic agent: nothing recorded, nothing found

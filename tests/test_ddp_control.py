@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from src.comm_hooks import CommHook, CompressionHookState, comm_hook_from_config, compression_hook
+from src.comm_hooks import CommHook, comm_hook_from_config, compression_hook
 from src.compression import build_compressor
+from src.compression_hook_state import CompressionHookState
 from src.compression_policy import CompressionPolicy
 from src.config import SetupError, validate_config
 from src.controller import CompressionController

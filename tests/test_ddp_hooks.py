@@ -20,19 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.comm_hooks import (
-    CommStats,
-    CompressionHookState,
-    RingHookState,
-    comm_hook_from_config,
-    compression_hook,
-    ring_allreduce_,
-    ring_allreduce_bytes,
-    ring_allreduce_hook,
-)
+from src.comm_hooks import RingHookState, comm_hook_from_config, compression_hook, ring_allreduce_hook
+from src.comm_stats import CommStats, ring_allreduce_bytes
 from src.compression import build_compressor, decompress
+from src.compression_hook_state import CompressionHookState
 from src.compression_policy import CompressionPolicy
 from src.config import SystemConfig
+from src.ring_allreduce import ring_allreduce_
 from tests.ddp_fixtures import join_group, spawn_ranks, tcp_bytes
 
 WORLD = 3

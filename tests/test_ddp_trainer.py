@@ -27,7 +27,8 @@ import torch.distributed as dist
 from src.checkpoint import load_checkpoint, save_checkpoint
 from src.comm_hooks import comm_hook_from_config
 from src.config import validate_config
-from src.ddp_trainer import DDPTrainer, RankContext
+from src.ddp_rank import RankContext
+from src.ddp_trainer import DDPTrainer
 from src.metrics import SUMMARY_FIELDS, read_events
 from src.trainer import BaselineTrainer, model_from_config
 from tests.ddp_fixtures import StepBytes, join_group, spawn_ranks

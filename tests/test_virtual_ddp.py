@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from src.checkpoint import load_checkpoint
-from src.comm_hooks import rebuilt_buckets
+from src.compression_hook_state import rebuilt_buckets
 from src.config import SetupError, load_config
 from src.cost_model import ring_allreduce_s
 from src.ddp_launcher import run_local

@@ -41,9 +41,11 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from src.comm_hooks import PLAIN_ALLREDUCE, CommHook, CommStats, compression_comm_hook, ring_comm_hook
+from src.comm_hooks import CommHook, compression_comm_hook, ring_comm_hook
+from src.comm_stats import CommStats
 from src.compression import Compressor, build_compressor
 from src.compression_policy import CompressionPolicy
+from src.ring_allreduce import PLAIN_ALLREDUCE
 
 __all__ = ["CommHook", "CommStats", "register_compression_hook", "register_ring_hook"]
 
