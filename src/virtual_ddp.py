@@ -131,7 +131,7 @@ class VirtualDDP:
         ]
 
     def _train_step(self, rank_batches: list[list[int]], step_samples: int) -> tuple[float, float, int, int]:
-        """One synchronous step of every rank; returns (mean loss of rank 0's batch, its accuracy, samples, payload bytes)."""
+        """One synchronous step of every rank; returns (rank 0's mean loss, its accuracy, samples, payload bytes)."""
         step = self.step
         compressing = self.states is not None and step >= self.states[0].policy.warmup_steps
         totals: list[list[torch.Tensor | None]] = [[None] for _ in self.buckets]
