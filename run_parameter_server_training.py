@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc  # after flag checks: --help and flag errors stay fast
 
-    from src.parameter_server import RunFailed
     from src.ps_launcher import run_local, run_server, run_worker
+    from src.ps_refusals import RunFailed
     from src.ps_transport import AuthTokenMissing
     from src.supervisor import LaunchError
     from src.worker import IncarnationRevoked
