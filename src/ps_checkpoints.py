@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from src import tracing
-from src.aggregation import ModelState, RequestLog
+from src.aggregation import RequestLog
 from src.checkpoint import (
     KEEP_CHECKPOINTS,
     CheckpointError,
@@ -30,6 +30,7 @@ from src.config import Config
 from src.coordinator import Membership
 from src.metrics import MetricsLogger, read_events
 from src.ps_control import ServerControl
+from src.ps_model import ServedModel
 from src.ps_refusals import RunFailed
 from src.ps_totals import RunTotals
 from src.served_model import model_from_layout
@@ -51,28 +52,33 @@ def model_from_checkpoint(path: Path, checkpoint: dict[str, Any]) -> nn.Module:
 
 
 class ServerCheckpoints:
-    """Writes and reads this server's checkpoints (``model_label``/``data_label``: what they call the run's
-    model and data); checkpoint and recovery events go to ``log``."""
+    """Writes and reads this server's checkpoints of the run's parts (``model_label``/``data_label``: what
+    they call the run's model and data); checkpoint and recovery events go to ``log``."""
 
-    def __init__(self, config: Config, *, model_label: str, data_label: str, log: MetricsLogger):
-        self.config = config
-        self.model_label = model_label
-        self.data_label = data_label
-        self.log = log
-
-    def capture(
+    def __init__(
         self,
-        state: ModelState,
+        config: Config,
         *,
+        model_label: str,
+        data_label: str,
+        log: MetricsLogger,
+        model: ServedModel,
         work: WorkSource,
         requests: RequestLog,
         members: Membership,
         totals: RunTotals,
         control: ServerControl,
-    ) -> dict[str, Any]:
+    ):
+        self.config = config
+        self.model_label, self.data_label, self.log = model_label, data_label, log
+        self.model, self.work, self.requests, self.members = model, work, requests, members
+        self.totals, self.control = totals, control
+
+    def capture(self) -> dict[str, Any]:
         """Everything a resumed server needs, copied (lock held)."""
         system = self.config.system
-        saved_totals = totals.state_dict()
+        state, work, members = self.model.state, self.work, self.members
+        saved_totals = self.totals.state_dict()
         return {
             "model": state.snapshot(),
             "optimizer": copy.deepcopy(state.optimizer.state_dict()),
@@ -83,7 +89,7 @@ class ServerCheckpoints:
                 "aggregation_mode": system.aggregation_mode,
                 "num_workers": system.num_workers,
                 "work": work.state_dict(),
-                "requests": requests.state_dict(),
+                "requests": self.requests.state_dict(),
                 "next_incarnation": members.next_incarnation,
                 # the workers a restarted server waits for (and fails, if they stay silent: a hang while it was down)
                 "live_workers": [
@@ -93,35 +99,25 @@ class ServerCheckpoints:
                 ],
                 "counters": saved_totals.pop("counters"),
                 "staleness_histogram": saved_totals.pop("staleness_histogram"),
-                "controller": control.state_dict(),
+                "controller": self.control.state_dict(),
                 **saved_totals,
                 "layout": {"parameters": list(state.param_names), "buffers": list(state.buffer_names)},
             },
         }
 
-    def restore(
-        self,
-        checkpoint: dict[str, Any],
-        state: ModelState,
-        *,
-        work: WorkSource,
-        requests: RequestLog,
-        members: Membership,
-        totals: RunTotals,
-        control: ServerControl,
-    ) -> None:
+    def restore(self, checkpoint: dict[str, Any]) -> None:
         """Put what :meth:`capture` saved back into the run's parts (the workers it lists are awaited)."""
-        extra = checkpoint["extra"]
+        extra, state, members = checkpoint["extra"], self.model.state, self.members
         state.model.load_state_dict(checkpoint["model_state_dict"])
         state.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
         state.version = extra["version"]
-        work.load_state_dict(extra["work"])
-        requests.load_state_dict(extra["requests"])
+        self.work.load_state_dict(extra["work"])
+        self.requests.load_state_dict(extra["requests"])
         members.next_incarnation = extra["next_incarnation"]
         for worker_id, incarnation, pid in extra.get("live_workers", []):
             members.await_(worker_id, incarnation, pid)
-        totals.load_state_dict(extra)
-        control.load_state_dict(extra.get("controller"))
+        self.totals.load_state_dict(extra)
+        self.control.load_state_dict(extra.get("controller"))
 
     def write(self, path: Path, state: dict[str, Any]) -> Path:
         """Write :meth:`capture`'s ``state`` to ``path`` (atomically)."""
@@ -163,7 +159,7 @@ class ServerCheckpoints:
         check_model_matches(path, checkpoint, self.model_label)
         return path, checkpoint
 
-    def recovered(self, path: Path, version: int, totals: RunTotals) -> None:
+    def recovered(self, path: Path, version: int) -> None:
         """A server resumed from ``path`` at ``version``: count the recovery and the versions its predecessor
         reached past it (from the event log), and say so in the ``server_recovered`` event."""
         events_path = Path(self.config.system.log_dir) / "server" / "events.jsonl"
@@ -172,8 +168,8 @@ class ServerCheckpoints:
             if events_path.is_file()
             else version
         )
-        totals.counters["server_recoveries"] += 1
-        totals.counters["versions_lost"] += max(0, reached - version)
+        self.totals.counters["server_recoveries"] += 1
+        self.totals.counters["versions_lost"] += max(0, reached - version)
         self.log.event(
             "server_recovered", checkpoint=str(path), version=version, versions_lost=max(0, reached - version)
         )

@@ -188,39 +188,20 @@ class ServerCore:
 
     def _make_collaborators(self, test_set: Any, background: Executor | None, model_label: str, data_label: str):
         """The collaborators that share the run state made in ``__init__``."""
-        config, shared = self.config, {"totals": self.totals, "log": self.log}
+        config, control, shared = self.config, self.control, {"totals": self.totals, "log": self.log}
         self.evaluations = ServerEvaluations(
-            config,
-            test_set,
-            control=self.control,
-            lock=self.lock,
-            background=background,
-            on_failure=self._background_failed,
-            **shared,
+            config, test_set, control=control, lock=self.lock, background=background, on_failure=self._failed, **shared
         )
-        self.checkpoints = ServerCheckpoints(config, model_label=model_label, data_label=data_label, log=self.log)
+        parts = {"model": self.model, "work": self.work, "requests": self.requests, "members": self.members}
+        self.checkpoints = ServerCheckpoints(
+            config, model_label=model_label, data_label=data_label, control=control, **parts, **shared
+        )
         self.updates = Updates(
-            config,
-            work=self.work,
-            members=self.members,
-            model=self.model,
-            requests=self.requests,
-            control=self.control,
-            on_update=self._after_update,
-            check_done=self._check_done,
-            **shared,
+            config, control=control, on_update=self._after_update, check_done=self._check_done, **parts, **shared
         )
-        self.pushes = Pushes(model=self.model, requests=self.requests, work=self.work, control=self.control, **shared)
+        self.pushes = Pushes(model=self.model, requests=self.requests, work=self.work, control=control, **shared)
         self.workers = Workers(
-            config,
-            members=self.members,
-            model=self.model,
-            work=self.work,
-            requests=self.requests,
-            updates=self.updates,
-            lock=self.lock,
-            check_done=self._check_done,
-            **shared,
+            config, updates=self.updates, lock=self.lock, check_done=self._check_done, **parts, **shared
         )
 
     def _install_model(self, model: nn.Module) -> None:
@@ -392,7 +373,7 @@ class ServerCore:
         if version % self.config.training.checkpoint_interval == 0:
             # Written before any further update (lock held): a server killed at any moment loses fewer than
             # checkpoint_interval versions. A background write could be overtaken by the next checkpoint.
-            failed = self.checkpoints.write_numbered(version, self._checkpoint_state())
+            failed = self.checkpoints.write_numbered(version, self.checkpoints.capture())
             if failed is not None:
                 self._stop_run(failed)
         samples = self.counters["samples_applied"]
@@ -415,24 +396,19 @@ class ServerCore:
         with self.lock:
             self.lock.notify_all()
 
-    def _background_failed(self, error: BaseException) -> None:
+    def _failed(self, error: BaseException) -> None:
+        """A background evaluation failed: the run ends with its error (unless it ended already)."""
         if self.fatal is None:
             self._stop_run(error)
-
-    def _checkpoint_state(self) -> dict[str, Any]:
-        """Everything a resumed server needs, copied under the lock."""
-        parts = {"work": self.work, "requests": self.requests, "members": self.members}
-        return self.checkpoints.capture(self.state, totals=self.totals, control=self.control, **parts)
 
     def _restore(self, target: str | Path) -> Path:
         """Continue from a checkpoint of this run's server (strictly: it must be one); returns its path."""
         path, checkpoint = self.checkpoints.load(target)
         if self.state is None:  # a server that takes its model from a worker: the checkpoint holds it
             self._install_model(model_from_checkpoint(path, checkpoint))
-        parts = {"work": self.work, "requests": self.requests, "members": self.members}
-        self.checkpoints.restore(checkpoint, self.state, totals=self.totals, control=self.control, **parts)
+        self.checkpoints.restore(checkpoint)
         self.updates.schedule_next_step()  # the schedule goes on from the checkpoint's version
-        self.checkpoints.recovered(path, self.state.version, self.totals)
+        self.checkpoints.recovered(path, self.state.version)
         return path
 
     def finalize(
@@ -458,7 +434,7 @@ class ServerCore:
             raise RunFailed("the run ended before any worker sent its model (Initialize)")
         system = self.config.system
         with self.lock:
-            state = self._checkpoint_state()
+            state = self.checkpoints.capture()
             workers = self.totals.workers()
         train_time = self.totals.train_time()
         samples = self.counters["samples_applied"]

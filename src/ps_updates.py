@@ -213,14 +213,7 @@ class Updates:
 
     def _skipped(self, member: Member, request: pb.PushRequest) -> pb.PushReply:
         self.totals.counters["steps_skipped"] += 1
-        self.log.event(
-            "push_skipped",
-            worker=member.worker_id,
-            incarnation=member.incarnation,
-            request_id=request.request_id,
-            base_version=request.base_version,
-            version=self.state.version,
-        )
+        self.log.event("push_skipped", **self._push_fields(member, request))
         return pb.PushReply(accepted=False, reason="skipped step (no gradient)", staleness=0, weight=0.0)
 
     def _log_push(
@@ -237,11 +230,7 @@ class Updates:
         metrics = request.metrics
         event = self.log.event(
             "push",
-            worker=member.worker_id,
-            incarnation=member.incarnation,
-            request_id=request.request_id,
-            base_version=request.base_version,
-            version=self.state.version,
+            **self._push_fields(member, request),
             staleness=staleness,
             weight=weight,
             accepted=accepted,
@@ -255,6 +244,16 @@ class Updates:
             communication_time_s=metrics.communication_time_s,
         )
         self.control.observe_push(event)  # timings only; decisions come at evaluations
+
+    def _push_fields(self, member: Member, request: pb.PushRequest) -> dict[str, int]:
+        """What every push event says first: whose push, which request, its base version and the server's."""
+        return {
+            "worker": member.worker_id,
+            "incarnation": member.incarnation,
+            "request_id": request.request_id,
+            "base_version": request.base_version,
+            "version": self.state.version,
+        }
 
     # ------------------------------------------------------------------------- updates
 
