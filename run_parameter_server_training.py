@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc  # after flag checks: --help and flag errors stay fast
 
-    from src.parameter_server import RunFailed
+    from src.ps_refusals import RunFailed
     from src.ps_transport import AuthTokenMissing
     from src.supervisor import LaunchError
     from src.worker import IncarnationRevoked

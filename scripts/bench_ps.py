@@ -244,7 +244,7 @@ def _instrument(core) -> dict[str, list[float]]:
 
     timed(core, "decode", "decode")
     timed(core.state, "step", "step")
-    timed(core, "_reply_bytes", "reply")
+    timed(core.replies, "serialize", "reply")
     apply_push, push_reply = core.apply_push, core.push_reply
 
     def locked_apply(*args, **kwargs):  # apply_push + push_reply run under one hold of the lock

@@ -6,7 +6,7 @@ staleness, the controller, the downlink, de-dup, checkpoints, events and the sum
 every transport (``system.transport``):
 
 * the calls (``handle_register``, ``handle_push``, ...): each takes the core's lock, calls the core,
-  and lets a :class:`~src.ps_core.Refused` out for the transport to turn into its own error with the
+  and lets a :class:`~src.ps_refusals.Refused` out for the transport to turn into its own error with the
   same status name. The transports are thin: gRPC (:func:`~src.ps_transport.service_handler`, this
   class's ``Register``/``Push``/... methods) and binary frames over TCP (:mod:`src.tcp_server`);
 * the waits: a Pull or Push whose work is not there yet (the sync barrier, or nothing unassigned)
@@ -46,7 +46,8 @@ from src.aggregation import RequestLog
 from src.config import Config
 from src.coordinator import WorkPlan
 from src.data import load_dataset
-from src.ps_core import PushRefused, Refused, RunFailed, ServerCore, compression_label  # noqa: F401  (re-exported)
+from src.ps_core import ServerCore
+from src.ps_refusals import PushRefused, Refused, RunFailed
 from src.ps_transport import require_auth_token, split, start_grpc_server
 from src.staleness import StalenessPolicy
 from src.trainer import model_from_config
@@ -59,7 +60,7 @@ MONITOR_PERIOD_S = 0.2  # failure detection runs this often: detection lands wit
 
 @contextlib.contextmanager
 def refusals(context: grpc.ServicerContext) -> Iterator[None]:
-    """Turn the core's :class:`~src.ps_core.Refused` into the gRPC status of the same name."""
+    """Turn the core's :class:`~src.ps_refusals.Refused` into the gRPC status of the same name."""
     try:
         yield
     except Refused as refused:
@@ -194,7 +195,7 @@ class ParameterServer:
             reply_views=True,  # replies are built from the tensors' memory and joined or sent outside the lock
         )
         if max_message_bytes is not None and self.core.state is None:
-            self.core.max_message_bytes = max_message_bytes
+            self.core.model.max_message_bytes = max_message_bytes
         self.downlinks = {
             k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
             for k in range(config.system.num_workers)
@@ -217,7 +218,7 @@ class ParameterServer:
 
     def start(self) -> int:
         """Serve on ``system.server_address`` over ``transport`` and start failure detection; returns the bound port."""
-        self.core.serving = True
+        self.core.model.serving = True
         system = self.config.system
         max_calls = 3 * system.num_workers + 8  # per worker: a waiting push, a heartbeat, a spare
         if self.transport == "tcp":

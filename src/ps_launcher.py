@@ -176,7 +176,7 @@ def _server_child(
         with lock:
             report.send(message)
 
-    from src.parameter_server import RunFailed
+    from src.ps_refusals import RunFailed
 
     try:
         summary = run_server(

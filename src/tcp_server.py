@@ -40,7 +40,7 @@ import grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
-from src.ps_core import Refused
+from src.ps_refusals import Refused
 from src.ps_transport import server_tls_files, split_address
 from src.tcp_frames import (
     HEADER_BYTES,

@@ -56,7 +56,8 @@ from src.event_loop import EventLoop, SerialServer, SharedLink
 from src.faults import FaultInjector, FaultSpec
 from src.metrics import EventLog, MetricsLogger
 from src.parameter_server import MONITOR_PERIOD_S, planned_work, test_set_for
-from src.ps_core import PushRefused, Refused, ServerCore
+from src.ps_core import ServerCore
+from src.ps_refusals import PushRefused, Refused
 from src.supervisor import LaunchError, RejoinGrace, rejoin_grace_s
 from src.tracing import TRACE_FILE, Tracer
 from src.trainer import model_from_config
@@ -256,7 +257,7 @@ class VirtualRun:
             fire_fault=self._server_fault,
             clock=self.clock,
         )
-        self.core.serving = True
+        self.core.model.serving = True
         self.server_running = True
         self.server_epoch += 1
         self.core.log.event("listening", address="virtual", port=0)

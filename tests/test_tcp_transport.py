@@ -239,7 +239,7 @@ def test_replies_are_sent_from_the_parameters_and_a_late_retry_gets_the_current_
     try:
         request = first.request(request_id=5, gradients=identity_gradients(served.server, value=1.0))
         reply = first.push(request)
-        assert not served.server.core._shared.copied  # nothing changed while it was sent: no copy was made
+        assert not served.server.core.replies.shared.copied  # nothing changed while it was sent: no copy was made
         second.push()  # the model moves on; nobody is sending version 1 any more
         retry = first.client.push(request)
         assert retry.message.version == 2 and retry.message.work == reply.message.work

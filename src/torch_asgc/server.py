@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from src.config import Config, SetupError
-from src.parameter_server import ParameterServer, RunFailed
+from src.parameter_server import ParameterServer
+from src.ps_refusals import RunFailed
 from src.served_model import import_factory
 from src.work_source import ClientWork
 

@@ -1,0 +1,111 @@
+"""The served model's layout, and the check and decompression of a push against it.
+
+A push is decoded outside the core's lock (pushes decode in parallel): this reads only the layout,
+fixed once the model is installed. Every problem is a :class:`~src.ps_refusals.PushRefused` that
+names the tensor or the field.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from src import parameter_server_pb2 as pb
+from src.aggregation import Contribution, ModelState
+from src.compression import decompress, parse_header
+from src.ps_refusals import PushRefused
+from src.served_model import layout_mismatch
+from src.wire import Received, check_float32_bytes
+
+
+def _spec(name: str, tensor: torch.Tensor) -> pb.TensorSpec:
+    return pb.TensorSpec(name=name, shape=list(tensor.shape))
+
+
+class ModelLayout:
+    """Names and shapes of the served model's parameters and buffers (what Register replies describe)."""
+
+    def __init__(self, state: ModelState):
+        self.param_names, self.buffer_names = state.param_names, state.buffer_names
+        self.param_specs = [_spec(n, p) for n, p in zip(state.param_names, state.params)]
+        self.buffer_specs = [_spec(n, b) for n, b in zip(state.buffer_names, state.buffers)]
+        self.param_shapes = [tuple(p.shape) for p in state.params]
+        self.buffer_shapes = [tuple(b.shape) for b in state.buffers]
+
+    def mismatch(self, layout: tuple[list, list]) -> str | None:
+        """What differs between ``(parameters, buffers)`` (name and shape pairs) and this layout (``None``: nothing)."""
+        return layout_mismatch(layout, (self.param_names, self.param_shapes), (self.buffer_names, self.buffer_shapes))
+
+    def decode(self, worker_id: int, received: Received, *, owns_data: bool) -> Contribution:
+        """Check and decompress a push's tensors; raises :class:`PushRefused` naming the problem.
+
+        ``owns_data``: the workers choose their own samples (a push without tensors is a skipped step).
+        """
+        request, payloads, raw_buffers = received.message, received.large["gradients"], received.large["buffers"]
+        learning_rate = request.learning_rate if request.HasField("learning_rate") else None
+        if learning_rate is not None and not (math.isfinite(learning_rate) and learning_rate >= 0):
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                f"push from worker {worker_id}: learning_rate must be a finite "
+                f"number >= 0 (or not set), got {learning_rate}",
+            )
+        if owns_data:
+            if not payloads and not raw_buffers:
+                if request.num_samples != 0:
+                    raise PushRefused(
+                        "INVALID_ARGUMENT",
+                        f"push from worker {worker_id} has no gradients but num_samples "
+                        f"{request.num_samples} (a skipped step has num_samples 0)",
+                    )
+                return Contribution(worker_id, 0, [], [], request.request_id)  # a skipped step
+            if request.num_samples <= 0:
+                raise PushRefused(
+                    "INVALID_ARGUMENT",
+                    f"push from worker {worker_id}: num_samples must be > 0, got {request.num_samples}",
+                )
+        gradients = self._gradients(payloads)
+        buffers = self._buffers(raw_buffers) if raw_buffers else []
+        return Contribution(
+            worker_id, request.num_samples, gradients, buffers, request.request_id, learning_rate=learning_rate
+        )
+
+    def _gradients(self, payloads: list) -> list[torch.Tensor]:
+        """Each parameter's gradient, decompressed after its header was checked against the parameter's shape."""
+        if len(payloads) != len(self.param_shapes):
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                f"push carries {len(payloads)} gradients, the model has {len(self.param_shapes)} parameters",
+            )
+        gradients = []
+        for index, (payload, spec, shape) in enumerate(zip(payloads, self.param_specs, self.param_shapes)):
+            try:
+                header = parse_header(payload)  # before decompressing: the header bounds the allocation
+                if header.shape != shape:
+                    raise ValueError(f"shape {list(header.shape)}, expected {list(shape)}")
+                # copy=False: identity gradients stay read-only views of the message (nothing writes them)
+                gradients.append(
+                    decompress(payload, copy=False, header=header)
+                )  # refuses malformed buffers and NaN/Inf
+            except ValueError as exc:
+                raise PushRefused("INVALID_ARGUMENT", f"gradient {index} ({spec.name}): {exc}") from None
+        return gradients
+
+    def _buffers(self, raw_buffers: list) -> list[torch.Tensor]:
+        """The pushed buffers (float32, finite), one per model buffer."""
+        if len(raw_buffers) != len(self.buffer_shapes):
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                f"push carries {len(raw_buffers)} buffers, the model has {len(self.buffer_shapes)}",
+            )
+        buffers = []
+        for data, spec, shape in zip(raw_buffers, self.buffer_specs, self.buffer_shapes):
+            try:
+                check_float32_bytes(data, math.prod(shape), f"buffer {spec.name}")
+            except ValueError as exc:
+                raise PushRefused("INVALID_ARGUMENT", str(exc)) from None
+            values = torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
+            if not bool(torch.isfinite(values).all()):
+                raise PushRefused("INVALID_ARGUMENT", f"buffer {spec.name}: holds NaN or Inf values")
+            buffers.append(values)
+        return buffers
