@@ -26,6 +26,7 @@ from src.compression_policy import policy_from_config
 from src.config import Config
 from src.data import load_dataset, make_shards, steps_per_epoch
 from src.error_feedback import ErrorFeedback
+from src.seeds import derive_seed
 from src.staleness import LookaheadMomentum, StalenessPolicy, server_optimizer
 from src.trainer import evaluate, forward_backward, model_from_config
 
@@ -105,7 +106,7 @@ class AsyncSimulation:
         self.feedback = (
             [ErrorFeedback() for _ in range(self.n)] if self.policy is not None and system.error_feedback else None
         )
-        self.generators = [torch.Generator().manual_seed(t.seed * 1_000_003 + k) for k in range(self.n)]
+        self.generators = [torch.Generator().manual_seed(derive_seed(t.seed, k)) for k in range(self.n)]
         self.rng = random.Random(sim_seed)
         self.steps = steps_per_epoch(len(self.train), self.n, t.batch_size)
         self.base_version = [0] * self.n

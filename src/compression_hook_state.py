@@ -26,6 +26,7 @@ from src.compression_policy import CompressionPolicy
 from src.error_feedback import ErrorFeedback
 from src.exchange_thread import ExchangeThread
 from src.ring_allreduce import PLAIN_ALLREDUCE
+from src.seeds import derive_seed
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class CompressionHookState:
 
     def _seed(self, step: int, rank: int, segment: Segment) -> int:
         unit = self.param_index[segment.pieces[0].name]
-        return (((self.seed * 1_000_003 + step) * 4_099 + rank) * 65_537 + unit) % (2**62)
+        return derive_seed(self.seed, step, rank, unit)
 
     # -- checkpoints ----------------------------------------------------------------------
 
