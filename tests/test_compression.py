@@ -1,4 +1,5 @@
-"""Contract tests of src/compression.py: selection, unbiasedness, wire bytes, bad input, feedback.
+"""Contract tests of src/compression.py: selection, unbiasedness, wire bytes, bad input (error feedback and the
+warm-up policy: tests/test_error_feedback.py, tests/test_compression_policy.py).
 
 Tolerances are stated next to each assertion. Randomness is seeded everywhere, so a statistical
 bound set at 6 standard deviations cannot flake between runs.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import io
 import math
 import struct
 import sys
@@ -38,8 +38,6 @@ from src.compression import (
     parse_header,
     wire_size,
 )
-from src.compression_policy import CompressionPolicy
-from src.error_feedback import ErrorFeedback
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -636,202 +634,3 @@ def test_garbled_buffers_rejected():
     struct.pack_into("<f", quant, HEADER_SIZE, float("nan"))
     with pytest.raises(ValueError, match="scales"):
         decompress(bytes(quant))
-
-
-# ------------------------------------------------------------------------------------------
-# Error feedback
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "compressor",
-    [build_compressor("topk", ratio=0.05), build_compressor("quantization", bits=2)],
-    ids=["topk", "quant2"],
-)
-def test_error_feedback_conserves_mass(compressor):
-    """sum(transmitted) + residual == sum(gradients), with rejected pushes rolled back."""
-    ef = ErrorFeedback()
-    gen = torch.Generator().manual_seed(0)
-    total_grad = torch.zeros(40, 25, dtype=torch.float64)
-    total_sent = torch.zeros_like(total_grad)
-    for step in range(30):
-        grad = torch.randn(40, 25, generator=gen)
-        total_grad += grad.double()
-        compensated = ef.compensate("layer.weight", grad)
-        payload = compressor.compress(compensated, gen)
-        ef.update("layer.weight", compensated, payload)
-        if step % 7 == 3:  # push rejected: nothing was applied, nothing may be lost
-            ef.rollback("layer.weight")
-            assert torch.equal(ef.residual("layer.weight"), compensated)
-        else:
-            total_sent += decompress(payload).double()
-    residual = ef.residual("layer.weight").double()
-    torch.testing.assert_close(total_sent + residual, total_grad, rtol=0, atol=1e-4)
-
-
-def test_rollback_restores_previous_residual_plus_grad_exactly():
-    ef = ErrorFeedback()
-    topk = build_compressor("topk", ratio=0.1)
-    g1, g2 = _randn(200, seed=1), _randn(200, seed=2)
-    c1 = ef.compensate(3, g1)  # int key: a DDP bucket index
-    ef.update(3, c1, topk.compress(c1))
-    previous = ef.residual(3).clone()
-    c2 = ef.compensate(3, g2)
-    sent = decompress(topk.compress(c2))
-    ef.update(3, c2, sent)  # already-decompressed tensor accepted too
-    ef.rollback(3)
-    assert torch.equal(ef.residual(3), c2)
-    assert torch.equal(ef.residual(3), g2 + previous)
-    with pytest.raises(ValueError, match="no pending update"):
-        ef.rollback(3)
-
-
-def test_error_feedback_update_with_payload_or_tensor_agree():
-    x = _randn(300, seed=4)
-    quant = build_compressor("quantization", bits=4)
-    payload = quant.compress(x, seed=0)
-    a, b = ErrorFeedback(), ErrorFeedback()
-    a.update("w", a.compensate("w", x), payload)
-    b.update("w", b.compensate("w", x), decompress(payload))
-    assert torch.equal(a.residual("w"), b.residual("w"))
-    assert torch.equal(a.residual("w"), x - decompress(payload))
-
-
-def test_error_feedback_bad_input():
-    ef = ErrorFeedback()
-    c = ef.compensate("w", torch.ones(4))
-    ef.update("w", c, IDENTITY.compress(c * 0.5))
-    with pytest.raises(ValueError, match="shape"):
-        ef.compensate("w", torch.ones(5))
-    with pytest.raises(ValueError, match="shape"):
-        ef.update("w", torch.ones(4), torch.ones(3))
-    with pytest.raises(ValueError, match="key must be a str or int"):
-        ef.compensate(("a", 1), torch.ones(4))
-    with pytest.raises(ValueError, match="floating-point"):
-        ef.compensate("v", torch.ones(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="no pending update"):
-        ef.rollback("never-seen")
-    with pytest.raises(ValueError, match="payload"):
-        ef.update("w", torch.ones(4), b"garbage")
-
-
-def test_error_feedback_compensate_returns_fresh_tensor_and_reset():
-    ef = ErrorFeedback()
-    grad = torch.ones(3)
-    compensated = ef.compensate("w", grad)
-    compensated += 1  # caller owns it: the gradient is untouched
-    assert torch.equal(grad, torch.ones(3))
-    ef.update("w", compensated, IDENTITY.compress(torch.zeros(3)))
-    assert ef.keys() == ["w"]
-    ef.reset()
-    assert ef.keys() == [] and ef.residual("w") is None
-    with pytest.raises(ValueError):
-        ef.rollback("w")
-
-
-def test_error_feedback_state_dict_round_trip(tmp_path):
-    topk = build_compressor("topk", ratio=0.1)
-    ef = ErrorFeedback()
-    for key, seed in (("fc.weight", 1), (0, 2), (7, 3)):
-        c = ef.compensate(key, _randn((6, 7), seed))
-        ef.update(key, c, topk.compress(c))
-    path = tmp_path / "ef.pt"
-    torch.save({"error_feedback": ef.state_dict()}, path)
-    state = torch.load(path, weights_only=True)["error_feedback"]
-    restored = ErrorFeedback()
-    restored.load_state_dict(state)
-    assert restored.keys() == ef.keys()
-    for key in ef.keys():
-        assert torch.equal(restored.residual(key), ef.residual(key))
-    # The pending rollback survives too, and both continue identically.
-    restored.rollback(0)
-    ef.rollback(0)
-    grad = _randn((6, 7), seed=9)
-    assert torch.equal(restored.compensate(0, grad), ef.compensate(0, grad))
-    buffer = io.BytesIO()
-    torch.save(ErrorFeedback().state_dict(), buffer)
-    buffer.seek(0)
-    empty = ErrorFeedback()
-    empty.load_state_dict(torch.load(buffer, weights_only=True))
-    assert empty.keys() == []
-
-
-def test_error_feedback_load_state_dict_rejects_garbage():
-    ef = ErrorFeedback()
-    with pytest.raises(ValueError, match="not an ErrorFeedback state_dict"):
-        ef.load_state_dict({"residuals": {}})
-    with pytest.raises(ValueError, match="float32 tensor"):
-        ef.load_state_dict({"format_version": 1, "residuals": {"w": [1.0]}, "pending": {}})
-
-
-# ------------------------------------------------------------------------------------------
-# Warm-up and skipping
-# ------------------------------------------------------------------------------------------
-
-
-def test_policy_warmup_sends_identity_then_compresses():
-    topk = build_compressor("topk", ratio=0.01)
-    policy = CompressionPolicy(topk, warmup_steps=3)
-    x = _randn(10_000, seed=1)
-    kinds = [parse_header(policy.compress(x, step)).kind for step in range(5)]
-    assert kinds == [Kind.IDENTITY] * 3 + [Kind.TOPK] * 2
-    assert policy.compressor_for(2, 10_000) is IDENTITY
-    assert policy.compressor_for(3, 10_000) is topk
-    # The receiver needs no policy: the header names the kind.
-    assert torch.equal(decompress(policy.compress(x, 0)), x)
-    assert torch.equal(policy.decompress(policy.compress(x, 5)), topk.decompress(topk.compress(x)))
-
-
-def test_policy_skips_tensors_compression_would_not_shrink():
-    topk = build_compressor("topk", ratio=0.01)
-    policy = CompressionPolicy(topk)  # min_compression_rate 1.0: skip only if not smaller
-    bias = _randn(10, seed=2)  # topk 56 + 8 = 64 bytes against identity 56 + 40 = 96
-    assert topk.compression_rate(10) == (HEADER_SIZE + 40) / (HEADER_SIZE + 8)
-    assert policy.compressor_for(0, 10) is topk
-    assert policy.compressor_for(0, 1) is IDENTITY  # 64 bytes vs 60: would grow
-    assert parse_header(policy.compress(torch.ones(1), 0)).kind == Kind.IDENTITY
-    strict = CompressionPolicy(build_compressor("quantization"), min_compression_rate=4.0)
-    assert strict.compressor_for(0, 100) is IDENTITY  # 8-bit is < 4x
-    assert strict.compressor_for(0, 10**6).name == "identity"
-    loose = CompressionPolicy(build_compressor("quantization"), min_compression_rate=3.0)
-    assert loose.compressor_for(0, 10**6).name == "quantization"
-    assert torch.equal(decompress(strict.compress(bias, 10)), bias)
-
-
-def test_policy_validation():
-    with pytest.raises(ValueError, match="policy.warmup_steps"):
-        CompressionPolicy(IDENTITY, warmup_steps=-1)
-    with pytest.raises(ValueError, match="policy.min_compression_rate"):
-        CompressionPolicy(IDENTITY, min_compression_rate=float("nan"))
-    with pytest.raises(ValueError, match="policy.compressor"):
-        CompressionPolicy("topk")
-    with pytest.raises(ValueError, match="empty tensor"):
-        CompressionPolicy(IDENTITY).compress(torch.zeros(0), 0)
-
-
-def test_policy_from_config_builds_what_the_system_section_asks_for():
-    from src.compression_policy import policy_from_config
-    from src.config import SystemConfig
-
-    assert policy_from_config(SystemConfig(compression_enabled=False)) is None
-    topk = policy_from_config(
-        SystemConfig(
-            compression_enabled=True,
-            compression_type="topk",
-            compression_ratio=0.1,
-            topk_selection="exact",
-            warmup_steps=3,
-        )
-    )
-    assert (topk.compressor.name, topk.compressor.ratio, topk.compressor.selection, topk.warmup_steps) == (
-        "topk",
-        0.1,
-        "exact",
-        3,
-    )
-    quant = policy_from_config(
-        SystemConfig(
-            compression_enabled=True, compression_type="quantization", quantization_bits=4, quantization_bucket_size=128
-        )
-    )
-    assert (quant.compressor.name, quant.compressor.bits, quant.compressor.bucket_size) == ("quantization", 4, 128)
