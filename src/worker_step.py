@@ -8,11 +8,12 @@ at the lowered scale, :meth:`WorkerStep._forward_backward`), put each
 parameter's gradient through error feedback and the compression policy (the exact wire payloads),
 build the push, and settle the verdict (commit the residuals, or roll them back and carry the
 batches into the next push), and settle what a registration after a failed call finds (a lost
-session or a revoked incarnation, :meth:`WorkerStep.rejoined`). Its drivers decide how messages move and what time it is:
+session or a revoked incarnation, :meth:`WorkerStep.rejoined`). Its drivers decide how messages
+move and what time it is:
 
 * :class:`src.worker.Worker`: a real process; gRPC calls, wall-clock timings, real waits for
   emulated stragglers and links;
-* :class:`src.virtual_time.VirtualWorker`: a simulated worker of a virtual-time run; the timings
+* :class:`src.virtual_worker.VirtualWorker`: a simulated worker of a virtual-time run; the timings
   come from the cost model. Many of them share one compute model: each keeps only its parameter
   replica (what the server last sent it) and its error-feedback residuals, and its replica is copied
   into the shared model before its gradient is computed.
