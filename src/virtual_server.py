@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from src import parameter_server_pb2 as pb
 from src.aggregation import RequestLog
@@ -101,7 +101,9 @@ class VirtualServer:
         self.core: ServerCore | None = None
         self.running = False
         self.epoch = 0  # one per server process: a call sent to an earlier one fails
-        self.open_calls: set[Call] = set()
+        # By arrival, not a set: when the server dies its calls fail in an order that does not depend on memory
+        # addresses (Call hashes by identity), so a run is the same whatever else the process allocated.
+        self.open_calls: dict[Call, None] = {}
         self.waiting: dict[int, Waiter] = {}
         self.held_for_server: list[Callable[[], None]] = []  # registrations waiting for a server to come up
         self.downlink_delay_s: Counter[int] = Counter()
@@ -185,11 +187,11 @@ class VirtualServer:
         def arrived() -> None:
             worker.uplink_delay_s += self.clock.now - sent_at
             if self.running and (epoch == self.epoch or wait_for_server):
-                self.open_calls.add(call)
+                self.open_calls[call] = None
                 self._serve(lambda: handle(call, data))
             elif wait_for_server:
                 self.held_for_server.append(
-                    lambda: (self.open_calls.add(call), self._serve(lambda: handle(call, data)))
+                    lambda: (self.open_calls.setdefault(call), self._serve(lambda: handle(call, data)))
                 )
             else:
                 self._deliver(call, lambda: call.on_error("UNAVAILABLE", "the parameter server is not reachable"))
@@ -202,7 +204,7 @@ class VirtualServer:
 
     def _reply(self, call: Call, data: bytes) -> None:
         """Send the server's reply back over the server NIC and the worker's downlink."""
-        self.open_calls.discard(call)
+        self.open_calls.pop(call, None)
         worker = call.worker
         costs = self.cost.workers[worker.worker_id]
         sent_at = self.clock.now
@@ -217,7 +219,7 @@ class VirtualServer:
 
     def _fail(self, call: Call, code: str, message: str) -> None:
         """The call ends with an error status (a small message: its latency only)."""
-        self.open_calls.discard(call)
+        self.open_calls.pop(call, None)
         costs = self.cost.workers[call.worker.worker_id]
         self.loop.after(costs.downlink_latency_s, lambda: self._deliver(call, lambda: call.on_error(code, message)))
 
@@ -289,15 +291,16 @@ class VirtualServer:
 
     def serve_heartbeat(self, call: Call, data: bytes) -> None:
         request = pb.HeartbeatRequest.FromString(data)
-        try:
-            self._reply(call, self.core.heartbeat(request.caller, request.stats).SerializeToString())
-        except Refused as refused:
-            self._fail(call, refused.code, refused.message)
+        self._answer(call, lambda: self.core.heartbeat(request.caller, request.stats))
 
     def serve_finish(self, call: Call, data: bytes) -> None:
         request = pb.FinishRequest.FromString(data)
+        self._answer(call, lambda: self.core.finish(request.caller, request.stats))
+
+    def _answer(self, call: Call, respond: Callable[[], Any]) -> None:
+        """Reply with the message ``respond`` returns, or fail the call with the core's refusal."""
         try:
-            self._reply(call, self.core.finish(request.caller, request.stats).SerializeToString())
+            self._reply(call, respond().SerializeToString())
         except Refused as refused:
             self._fail(call, refused.code, refused.message)
 
