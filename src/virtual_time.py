@@ -29,8 +29,9 @@ processes.
 Outputs are a real run's (``summary.json`` with ``clock: virtual``, ``events.jsonl`` per role with
 virtual times, TensorBoard, checkpoints, and with ``system.trace`` a ``trace.json`` per simulated
 process whose spans are in virtual microseconds from 0: :mod:`src.virtual_timelines`), so the report,
-plots and findings scripts read them as they are. Evaluations and checkpoints take no virtual time. The summary lists in
-``wall_time_fields`` the fields that are wall time (they differ between two runs of the same config):
+plots and findings scripts read them as they are. Evaluations and checkpoints take no virtual time.
+The summary lists in ``wall_time_fields`` the fields that are wall time (they differ between two runs
+of the same config):
 ``wall_time_s`` (set-up and event loop), ``wall_loop_s`` (the event loop alone; the final evaluation
 and checkpoint come after both) and ``wall_compute_s`` (the part of the loop spent computing the
 workers' forward/backward passes: ``wall_loop_s / wall_compute_s`` is the driver's own overhead).
