@@ -1,10 +1,9 @@
-r"""Draw a trace (a trace.json, or the merged one generate_performance_report.py --trace-dir writes) as a PNG timeline.
+"""Draw a trace (a trace.json, or the merged one generate_performance_report.py --trace-dir writes) as a PNG timeline.
 
-    python scripts/plot_trace.py reports/perf_report_trace.json --output docs/trace_timeline.png \
-        --start 1.0 --seconds 1.5
+    python scripts/plot_trace.py reports/perf_report_trace.json --output docs/trace_timeline.png --start 1 --seconds 1.5
 
 Every trace.json under a folder is merged first when the input is a folder (a --trace run's log
-folder). See src/trace_plot.py.
+folder). See src/report_plots.py.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from src import tracing
-from src.trace_plot import draw_timeline
+from src.report_plots import draw_timeline
 
 
 def main(argv: list[str] | None = None) -> int:

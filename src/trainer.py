@@ -366,7 +366,6 @@ class BaselineTrainer:
         final_loss, final_accuracy = evaluate(
             self.model, self.test_set, batch_size=t.eval_batch_size, device=self.device
         )
-        checkpoint_path = None
         system = self.config.system
         with (
             MetricsLogger(
@@ -384,99 +383,139 @@ class BaselineTrainer:
             )
             self.model.train()
             for epoch in range(self.start_epoch, t.num_epochs):
-                order = epoch_permutation(len(self.train_set), epoch, t.seed)
-                num_steps = -(-len(order) // t.batch_size)
-                epoch_loss, epoch_correct, epoch_samples = 0.0, 0, 0
-                # Training time includes our own logging and progress bar, not evaluation or checkpoints.
-                with (
-                    clock.running(),
-                    progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar,
-                    tracing.span("epoch", epoch=epoch + 1),
-                ):
-                    for start in range(0, len(order), t.batch_size):
-                        step_started = time.perf_counter()
-                        images, labels = self.train_set.batch(order[start : start + t.batch_size])
-                        images, labels = images.to(self.device), labels.to(self.device)
-                        self.optimizer.zero_grad(set_to_none=True)
-                        with tracing.span("forward_backward", step=self.step + 1):
-                            loss, correct = forward_backward(self.model, images, labels, self.amp)
-                        gradient_time = time.perf_counter() - step_started
-                        with tracing.span("optimizer_step", step=self.step + 1):
-                            set_scheduled_learning_rate(self.optimizer, t, self.step)  # training.lr_schedule
-                            self.amp.step(self.optimizer)
-                        step_time = time.perf_counter() - step_started
-                        batch = len(labels)
-                        samples += batch
-                        self.step += 1
-                        epoch_loss += loss * batch
-                        epoch_correct += correct
-                        epoch_samples += batch
-                        last_step = start + t.batch_size >= len(order)
-                        if self.step % LOG_EVERY_STEPS == 0 or last_step:
-                            log.scalars(
-                                "train",
-                                self.step,
-                                {
-                                    "loss": loss,
-                                    "accuracy": correct / batch,
-                                    "throughput": batch / step_time,
-                                    "gradient_time_s": gradient_time,
-                                    "samples_processed": samples,
-                                },
-                                epoch=epoch,
-                            )
-                        if not last_step and eval_due(self.step, t.eval_interval, epoch_end=False):
-                            self._evaluate(log, epoch, target, clock)
-                        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-                        bar.update()
-                final_loss, final_accuracy = self._evaluate(
-                    log,
-                    epoch + 1,
-                    target,
-                    clock,
-                    {
-                        "train_loss": epoch_loss / max(epoch_samples, 1),
-                        "train_accuracy": epoch_correct / max(epoch_samples, 1),
-                    },
+                epoch_loss, epoch_correct, epoch_samples = self._train_epoch(log, epoch, target, clock, samples)
+                samples += epoch_samples
+                final_loss, final_accuracy = self._end_epoch(
+                    log, epoch, target, clock, epoch_loss / max(epoch_samples, 1), epoch_correct / max(epoch_samples, 1)
                 )
-                logger.info(
-                    "epoch %d/%d: test accuracy %.2f%%, test loss %.4f",
-                    epoch + 1,
-                    t.num_epochs,
-                    final_accuracy * 100,
-                    final_loss,
-                )
-                if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs:
-                    written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
-                    prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
-                    log.event("checkpoint", path=str(written), epoch=epoch + 1, step=self.step)
             checkpoint_path = self._checkpoint(
                 final_checkpoint_path(self.checkpoint_dir, "baseline"), max(t.num_epochs, self.start_epoch)
             )
-            total_time = time.perf_counter() - started
-            train_time = clock.seconds
-            summary = {
-                "architecture": "baseline",
-                "dataset": t.dataset,
-                "num_workers": 1,
-                "final_accuracy": final_accuracy,
-                "final_loss": final_loss,
-                "total_time_s": total_time,
-                "train_time_s": train_time,
-                "clock": "real",
-                "training_clock": TrainingClock.DESCRIPTION,
-                "throughput_samples_per_s": samples / train_time if train_time > 0 else 0.0,
-                **target.fields(),
-                "samples_processed": samples,
-                "bytes_sent": 0,
-                "bytes_received": 0,
-                "compression": "none",
-                "checkpoint_path": str(checkpoint_path),
-                "epochs": t.num_epochs,
-                "steps": self.step,
-                **self.amp.summary(),
-            }
+            summary = self._summary(
+                final_loss, final_accuracy, time.perf_counter() - started, clock, target, samples, checkpoint_path
+            )
             log.event("run_end", **summary)
             write_summary(self.summary_json, summary)
             log.finish(summary, artifacts=[self.summary_json, checkpoint_path])
         return summary
+
+    def _train_epoch(
+        self, log: MetricsLogger, epoch: int, target: TimeToTarget, clock: TrainingClock, samples_before: int
+    ) -> tuple[float, int, int]:
+        """One pass over the epoch's permutation (evaluating every ``eval_interval`` steps); returns its summed
+        loss, correct predictions and samples."""
+        t = self.config.training
+        order = epoch_permutation(len(self.train_set), epoch, t.seed)
+        num_steps = -(-len(order) // t.batch_size)
+        epoch_loss, epoch_correct, epoch_samples = 0.0, 0, 0
+        # Training time includes our own logging and progress bar, not evaluation or checkpoints.
+        with (
+            clock.running(),
+            progress(num_steps, f"epoch {epoch + 1}/{t.num_epochs}") as bar,
+            tracing.span("epoch", epoch=epoch + 1),
+        ):
+            for start in range(0, len(order), t.batch_size):
+                loss, correct, batch, gradient_time, step_time = self._train_step(order[start : start + t.batch_size])
+                epoch_loss += loss * batch
+                epoch_correct += correct
+                epoch_samples += batch
+                last_step = start + t.batch_size >= len(order)
+                if self.step % LOG_EVERY_STEPS == 0 or last_step:
+                    log.scalars(
+                        "train",
+                        self.step,
+                        {
+                            "loss": loss,
+                            "accuracy": correct / batch,
+                            "throughput": batch / step_time,
+                            "gradient_time_s": gradient_time,
+                            "samples_processed": samples_before + epoch_samples,
+                        },
+                        epoch=epoch,
+                    )
+                if not last_step and eval_due(self.step, t.eval_interval, epoch_end=False):
+                    self._evaluate(log, epoch, target, clock)
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                bar.update()
+        return epoch_loss, epoch_correct, epoch_samples
+
+    def _train_step(self, indices) -> tuple[float, int, int, float, float]:
+        """One optimizer step on the batch of ``indices``; returns its loss, correct predictions, size, and the
+        seconds to its gradient and to the end of the step."""
+        t = self.config.training
+        step_started = time.perf_counter()
+        images, labels = self.train_set.batch(indices)
+        images, labels = images.to(self.device), labels.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        with tracing.span("forward_backward", step=self.step + 1):
+            loss, correct = forward_backward(self.model, images, labels, self.amp)
+        gradient_time = time.perf_counter() - step_started
+        with tracing.span("optimizer_step", step=self.step + 1):
+            set_scheduled_learning_rate(self.optimizer, t, self.step)  # training.lr_schedule
+            self.amp.step(self.optimizer)
+        step_time = time.perf_counter() - step_started
+        self.step += 1
+        return loss, correct, len(labels), gradient_time, step_time
+
+    def _end_epoch(
+        self,
+        log: MetricsLogger,
+        epoch: int,
+        target: TimeToTarget,
+        clock: TrainingClock,
+        train_loss: float,
+        train_accuracy: float,
+    ) -> tuple[float, float]:
+        """The epoch's evaluation (with its training loss and accuracy) and, when due, its checkpoint; returns the
+        test loss and accuracy."""
+        t = self.config.training
+        final_loss, final_accuracy = self._evaluate(
+            log, epoch + 1, target, clock, {"train_loss": train_loss, "train_accuracy": train_accuracy}
+        )
+        logger.info(
+            "epoch %d/%d: test accuracy %.2f%%, test loss %.4f",
+            epoch + 1,
+            t.num_epochs,
+            final_accuracy * 100,
+            final_loss,
+        )
+        if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs:
+            written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
+            prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
+            log.event("checkpoint", path=str(written), epoch=epoch + 1, step=self.step)
+        return final_loss, final_accuracy
+
+    def _summary(
+        self,
+        final_loss: float,
+        final_accuracy: float,
+        total_time: float,
+        clock: TrainingClock,
+        target: TimeToTarget,
+        samples: int,
+        checkpoint_path: Path,
+    ) -> dict[str, Any]:
+        """The run summary (``summary.json`` and the ``run_end`` event)."""
+        t = self.config.training
+        train_time = clock.seconds
+        return {
+            "architecture": "baseline",
+            "dataset": t.dataset,
+            "num_workers": 1,
+            "final_accuracy": final_accuracy,
+            "final_loss": final_loss,
+            "total_time_s": total_time,
+            "train_time_s": train_time,
+            "clock": "real",
+            "training_clock": TrainingClock.DESCRIPTION,
+            "throughput_samples_per_s": samples / train_time if train_time > 0 else 0.0,
+            **target.fields(),
+            "samples_processed": samples,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "compression": "none",
+            "checkpoint_path": str(checkpoint_path),
+            "epochs": t.num_epochs,
+            "steps": self.step,
+            **self.amp.summary(),
+        }

@@ -95,8 +95,8 @@ def merge_run_config(local: Config, run_config_json: str) -> Config:
 class Worker:
     """One worker of a parameter-server run; :meth:`run` trains until the server says the run is finished.
 
-    A real process's driver of :class:`~src.worker_step.WorkerStep`: calls over ``system.transport``, wall-clock timings,
-    emulated waits, heartbeats, re-registration.
+    A real process's driver of :class:`~src.worker_step.WorkerStep`: calls over ``system.transport``,
+    wall-clock timings, emulated waits, heartbeats, re-registration.
 
     Args:
         config: this worker's config (its :data:`LOCAL_FIELDS` are used; the rest comes from the server).
@@ -231,64 +231,13 @@ class Worker:
             while True:
                 if received.message.work.finished:
                     stats = self.stats()
-                    try:
-                        self.client.finish(self.caller, stats)
+                    if self._finish(stats):
                         break
-                    except grpc.RpcError as exc:  # the server restarted, or failed us, before we finished: go on
-                        self._rejoin(self._failure(exc), in_flight=0)
-                        received = self._pull()
-                        step.load(received)
-                        log.event(
-                            "rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure
-                        )
-                        continue
-                batches = list(received.message.work.batches)
-                step_started = time.perf_counter()
-                with tracing.span("forward_backward", step=step.totals["steps"] + 1, batches=len(batches)):
-                    loss, correct, samples = step.compute(batches)
-                    if batches:
-                        self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
-                computed = time.perf_counter()
-                step.reach_step()
-                with tracing.span("compress"):
-                    payloads = step.encode(batches)  # no batches: a flush of what error feedback carries
-                compressed = time.perf_counter()
-                request = step.request(
-                    self.caller,
-                    batches,
-                    loss,
-                    correct,
-                    gradient_time_s=computed - step_started,
-                    compression_time_s=compressed - computed,
-                )
-                sent_before, received_before = self.client.bytes_sent, self.client.bytes_received
-                with tracing.span("push", request_id=request.request_id):  # blocked on the reply: exposed communication
-                    reply = self._push(request, payloads, step.buffers_to_send(batches))
-                if not isinstance(
-                    reply, Received
-                ):  # lost with the server's session or our incarnation: registered again
-                    received = self._pull()
-                    step.load(received)
-                    log.event("rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure)
+                    received = self._pull_again(step, log)  # the server restarted, or failed us, before we finished
                     continue
-                received = reply
-                step.settle(
-                    reply,
-                    batches,
-                    request,
-                    payload_bytes=sum(len(p) for p in payloads),
-                    loss=loss,
-                    correct=correct,
-                    samples=samples,
-                    gradient_time_s=computed - step_started,
-                    compression_time_s=compressed - computed,
-                    communication_time_s=time.perf_counter() - compressed,
-                    push_bytes=self.client.bytes_sent - sent_before,
-                    reply_bytes=self.client.bytes_received - received_before,
-                    bytes_sent=self.client.bytes_sent,
-                    bytes_received=self.client.bytes_received,
-                )
-                tracing.record("step", step_started, time.perf_counter(), step=step.totals["steps"])
+                reply = self._train_step(step, received)
+                # None: lost with the server's session or our incarnation: registered again
+                received = reply if reply is not None else self._pull_again(step, log)
 
             result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
             step.write_ledger(system.log_dir)
@@ -301,6 +250,68 @@ class Worker:
             step.totals["steps"],
         )
         return {"worker_id": self.worker_id, "incarnation": self.incarnation, **result}
+
+    def _train_step(self, step: WorkerStep, received: Received) -> Received | None:
+        """Compute the handed batches' gradient, push it and settle the reply; returns the reply, or ``None`` when
+        the push was lost with the server's session or this incarnation (registered again: pull before going on)."""
+        batches = list(received.message.work.batches)
+        step_started = time.perf_counter()
+        with tracing.span("forward_backward", step=step.totals["steps"] + 1, batches=len(batches)):
+            loss, correct, samples = step.compute(batches)
+            if batches:
+                self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
+        computed = time.perf_counter()
+        step.reach_step()
+        with tracing.span("compress"):
+            payloads = step.encode(batches)  # no batches: a flush of what error feedback carries
+        compressed = time.perf_counter()
+        request = step.request(
+            self.caller,
+            batches,
+            loss,
+            correct,
+            gradient_time_s=computed - step_started,
+            compression_time_s=compressed - computed,
+        )
+        sent_before, received_before = self.client.bytes_sent, self.client.bytes_received
+        with tracing.span("push", request_id=request.request_id):  # blocked on the reply: exposed communication
+            reply = self._push(request, payloads, step.buffers_to_send(batches))
+        if not isinstance(reply, Received):
+            return None
+        step.settle(
+            reply,
+            batches,
+            request,
+            payload_bytes=sum(len(p) for p in payloads),
+            loss=loss,
+            correct=correct,
+            samples=samples,
+            gradient_time_s=computed - step_started,
+            compression_time_s=compressed - computed,
+            communication_time_s=time.perf_counter() - compressed,
+            push_bytes=self.client.bytes_sent - sent_before,
+            reply_bytes=self.client.bytes_received - received_before,
+            bytes_sent=self.client.bytes_sent,
+            bytes_received=self.client.bytes_received,
+        )
+        tracing.record("step", step_started, time.perf_counter(), step=step.totals["steps"])
+        return reply
+
+    def _finish(self, stats: pb.WorkerStats) -> bool:
+        """Tell the server this worker is done; ``False``: the call failed and the worker registered again."""
+        try:
+            self.client.finish(self.caller, stats)
+            return True
+        except grpc.RpcError as exc:
+            self._rejoin(self._failure(exc), in_flight=0)
+            return False
+
+    def _pull_again(self, step: WorkerStep, log: MetricsLogger) -> Received:
+        """After registering again: pull the newest parameters and the next work, and say so in the events."""
+        received = self._pull()
+        step.load(received)
+        log.event("rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure)
+        return received
 
     def _push(self, request: pb.PushRequest, payloads: list[bytes], buffers: list) -> Received | bool:
         """Push; on a lost session or a revoked incarnation register again. Returns the reply, or (the reply

@@ -8,12 +8,12 @@ at the lowered scale, :meth:`WorkerStep._forward_backward`), put each
 parameter's gradient through error feedback and the compression policy (the exact wire payloads),
 build the push, and settle the verdict (commit the residuals, or roll them back and carry the
 batches into the next push), and settle what a registration after a failed call finds (a lost
-session or a revoked incarnation, :meth:`WorkerStep.rejoined`). Its drivers decide how messages move and what
-time it is:
+session or a revoked incarnation, :meth:`WorkerStep.rejoined`). Its drivers decide how messages
+move and what time it is:
 
 * :class:`src.worker.Worker`: a real process; gRPC calls, wall-clock timings, real waits for
   emulated stragglers and links;
-* :class:`src.virtual_time.VirtualWorker`: a simulated worker of a virtual-time run; the timings
+* :class:`src.virtual_worker.VirtualWorker`: a simulated worker of a virtual-time run; the timings
   come from the cost model. Many of them share one compute model: each keeps only its parameter
   replica (what the server last sent it) and its error-feedback residuals, and its replica is copied
   into the shared model before its gradient is computed.
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from src import parameter_server_pb2 as pb
-from src.compression_policy import policy_from_config
+from src.compression import policy_from_config
 from src.config import Config, SetupError
 from src.faults import FaultInjector, FaultSpec
 from src.lr_schedule import scheduled_learning_rate

@@ -1,8 +1,10 @@
 """docs/library.md's "Use it in your own training loop" examples run as written: the server command, then
-each example script as two worker processes (only the port is changed, to a free one)."""
+each example script as two worker processes (only the port is changed, to a free one); and they import
+nothing of the framework's internals (a user's own loop needs only torch, torch_asgc and its integration)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import socket
@@ -14,7 +16,8 @@ import pytest
 
 from tests.ps_fixtures import ROOT, kill_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+EXAMPLES = ["train.py", "train_lightning.py", "train_hf.py"]
+USER_PACKAGES = {"sys", "torch", "torch_asgc", "pytorch_lightning", "transformers"}
 
 README_PORT = "50051"
 
@@ -53,12 +56,27 @@ def start(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize("example", ["train.py", "train_lightning.py", "train_hf.py"])
+def test_the_examples_import_only_torch_torch_asgc_and_their_integration():
+    scripts = code_blocks("python")
+    assert len(scripts) == len(EXAMPLES)
+    for name, script in zip(EXAMPLES, scripts):
+        imported = set()
+        for node in ast.walk(ast.parse(script)):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                imported.add(node.module.split(".")[0])
+        assert "torch_asgc" in imported and imported <= USER_PACKAGES, (name, imported - USER_PACKAGES)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("example", EXAMPLES)
 def test_readme_example_runs_as_written(tmp_path, example):
     pytest.importorskip(
         {"train.py": "torch", "train_lightning.py": "pytorch_lightning", "train_hf.py": "transformers"}[example]
     )
-    script = code_blocks("python")[["train.py", "train_lightning.py", "train_hf.py"].index(example)]
+    script = code_blocks("python")[EXAMPLES.index(example)]
     port = free_port()
     (tmp_path / example).write_text(script.replace(README_PORT, port))
     env = {**os.environ, "DTS_AUTH_TOKEN": "readme-test-token-0123456789", "HF_HUB_OFFLINE": "1"}

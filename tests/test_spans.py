@@ -32,10 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from src import tracing
 from src.exposed_comm import BackwardWait
 from src.metrics import read_events
-from src.report import build_report
-from src.report_inputs import Run
-from src.report_render import to_markdown
-from src.report_sections import report_blocks
+from src.report import Run, build_report, report_blocks, to_markdown
 from tests.ps_fixtures import ROOT, ps_config
 from tests.test_report import SUMMARY
 from tests.test_tracing import assert_spans_nest, complete_events
@@ -167,8 +164,8 @@ def test_ps_exposed_communication_is_the_workers_time_blocked_on_the_reply(ps_ru
     waited = _push_waits_s(tmp_path / "run" / "logs", 0)  # ~0.3 s a push
     assert waited <= worker["exposed_communication_s"] <= 1.15 * waited, (worker["exposed_communication_s"], waited)
     assert worker["exposed_communication_s"] == worker["communication_time_s"] == summary["exposed_communication_s"]
-    # Two workers: each one's waits are a floor of its exposed time (the rest: the server, the other worker's last
-    # step).
+    # Two workers: each one's waits are a floor of its exposed time (the rest: the server, the other
+    # worker's last step).
     logs, two = ps_run
     for worker in two["workers"]:
         assert worker["exposed_communication_s"] >= _push_waits_s(logs, worker["worker_id"])
@@ -414,7 +411,7 @@ def test_ddp_exposed_communication_grows_as_a_tc_shaped_link_narrows(ddp_run, sh
 
 
 def test_a_trace_is_drawn_one_lane_per_thread_with_nested_spans_below_their_parents(ddp_run, tmp_path, capsys):
-    from src.trace_plot import draw_timeline, lanes
+    from src.report_plots import draw_timeline, lanes
 
     logs, summary = ddp_run
     events = tracing.merge_traces(tracing.read_trace(p) for p in tracing.find_traces(logs))

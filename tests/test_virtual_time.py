@@ -10,9 +10,12 @@ hang and a server kill are survived with exact coverage, detected within the tim
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,7 +26,9 @@ from src.cost_model import CostModel, all_gather_s, ring_allreduce_s
 from src.event_loop import EventLoop, SerialServer, SharedLink
 from src.metrics import read_events
 from src.parameter_server import MONITOR_PERIOD_S
+from src.virtual_server import ServerKilled, VirtualServer
 from src.virtual_time import run_virtual
+from src.virtual_timelines import VirtualTimelines
 from tests.ps_fixtures import ps_config
 from tests.test_ps_equivalence import assert_same_parameters, baseline_parameters
 
@@ -118,6 +123,49 @@ def test_the_straggler_steps_are_stretched_like_a_real_emulated_run(tmp_path):
     assert cost.step_s(0, 16) == (pytest.approx(0.02), 0.0)
     assert cost.step_s(1, 8) == (pytest.approx(0.04), pytest.approx(0.03))  # half a batch, 4x
     assert cost.step_s(2, 16) == (pytest.approx(0.32), pytest.approx(0.3))  # the spec's additive delay
+
+
+def test_a_dying_server_fails_its_open_calls_in_the_order_they_arrived(tmp_path):
+    """Not in the order of their memory addresses (a set of calls): that order changes with whatever else the
+    process allocated, and with it which worker registers first with the restarted server."""
+    config = virtual_config(tmp_path, "dies")
+    loop, deaths, failed = EventLoop(), [], []
+    launcher = SimpleNamespace(server_died=lambda reason, restart: deaths.append(reason))
+    server = VirtualServer(
+        config,
+        CostModel(config),
+        loop,
+        VirtualTimelines(config, loop.clock),
+        launcher,
+        num_train_samples=64,
+        test_set=None,
+        tensorboard=False,
+    )
+    server.core = SimpleNamespace(lock=threading.Lock(), log=SimpleNamespace(close=lambda: None))
+    server.running, server.epoch = True, 1
+    senders = [
+        SimpleNamespace(worker_id=0, process=1, bytes_sent=0, uplink_delay_s=0.0, reachable=lambda process: True)
+        for _ in range(64)
+    ]
+    order = random.Random(0).sample(range(len(senders)), len(senders))
+    for at, k in enumerate(order):  # one call a millisecond, parked at the server (a Pull waiting for its work)
+        loop.at(
+            at * 1e-3,
+            lambda k=k: server.call(
+                senders[k],
+                b"x" * 100,
+                lambda call, data: None,
+                lambda data: None,
+                lambda code, message, k=k: failed.append(k),
+            ),
+        )
+
+    def die() -> None:
+        raise ServerKilled("kill:server")
+
+    loop.at(1.0, lambda: server._serve(die))
+    loop.run(until=lambda: len(failed) == len(senders))
+    assert deaths == ["killed by SIGKILL (kill:server)"] and failed == order
 
 
 # ----------------------------------------------------------------------------- whole runs

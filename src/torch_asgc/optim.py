@@ -285,24 +285,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._skip(model)
             return loss
         if samples <= 0:
-            if not self._warned_samples:
-                warnings.warn(
-                    "DistributedOptimizer: no training forward counted a batch since the last step; "
-                    "pass step(num_samples=...) (counting this push as 1 sample)",
-                    stacklevel=2,
-                )
-                self._warned_samples = True
+            self._warn_no_samples()
             samples = 1
-        inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        named = []
-        for (name, param), gradient in zip(model.trainable, gradients):
-            if gradient is None:
-                gradient = torch.zeros_like(param, dtype=torch.float32)
-            elif inverse_scale is not None:
-                gradient = gradient.float() * inverse_scale.to(gradient.device)
-            named.append((name, gradient))
         computed = time.perf_counter()
-        payloads = self.codec.encode(named, self.steps)
+        payloads = self.codec.encode(_named_gradients(model.trainable, gradients, grad_scale), self.steps)
         compressed = time.perf_counter()
         totals = self.client.totals
         request = pb.PushRequest(
@@ -318,15 +304,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 communication_time_s=totals.get("last_communication_s", 0.0),
             ),
         )
-        reply = self.client.push(request, payloads, model.buffer_views())
-        if isinstance(reply, bool):  # the reply was lost with the server's session; registered again
-            self.codec.settle_lost(applied=reply, redone=False)
-            model.sync()
-            accepted = reply
-        else:
-            accepted = reply.message.accepted
-            self.codec.settle(accepted=accepted)
-            model.load(reply)
+        accepted = self._push(request, payloads, model)
         finished = time.perf_counter()
         self._mark_wrapped_stepped()
         self.steps += 1
@@ -345,8 +323,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
             totals["train_loss"] = request.metrics.loss
         return loss
 
+    def _warn_no_samples(self) -> None:
+        """Once per optimizer: no forward counted a batch, so the push is counted as 1 sample."""
+        if not self._warned_samples:
+            warnings.warn(
+                "DistributedOptimizer: no training forward counted a batch since the last step; "
+                "pass step(num_samples=...) (counting this push as 1 sample)",
+                stacklevel=3,
+            )
+            self._warned_samples = True
+
+    def _push(self, request: pb.PushRequest, payloads: list[bytes], model) -> bool:
+        """Push and settle the verdict: load the reply's parameters, or (the reply lost with the server's session:
+        registered again) pull them; returns whether the push was accepted."""
+        reply = self.client.push(request, payloads, model.buffer_views())
+        if isinstance(reply, bool):
+            self.codec.settle_lost(applied=reply, redone=False)
+            model.sync()
+            return reply
+        accepted = reply.message.accepted
+        self.codec.settle(accepted=accepted)
+        model.load(reply)
+        return accepted
+
     def _learning_rate_to_send(self) -> float | None:
-        """The wrapped optimizer's current rate, when it goes with the push (see ``send_learning_rate``); ``None``: not."""
+        """The wrapped optimizer's current rate, when it goes with the push (``send_learning_rate``); ``None``: not."""
         group = self.wrapped.param_groups[0]
         send = self.send_learning_rate
         if send is None:
@@ -381,6 +382,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # An LR scheduler built on the wrapped optimizer checks that it was stepped before the
         # scheduler steps; the step is ours, so say so (avoids a misleading warning).
         self.wrapped._opt_called = True  # noqa: SLF001
+
+
+def _named_gradients(
+    trainable: list[tuple[str, torch.Tensor]], gradients: list[torch.Tensor | None], grad_scale: torch.Tensor | None
+) -> list[tuple[str, torch.Tensor]]:
+    """Each trainable parameter's gradient by name: zeros for a parameter without one, unscaled by a GradScaler's
+    ``grad_scale`` when the scaler left it scaled."""
+    inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+    named = []
+    for (name, param), gradient in zip(trainable, gradients):
+        if gradient is None:
+            gradient = torch.zeros_like(param, dtype=torch.float32)
+        elif inverse_scale is not None:
+            gradient = gradient.float() * inverse_scale.to(gradient.device)
+        named.append((name, gradient))
+    return named
 
 
 def _all_finite(gradients: list[torch.Tensor | None]) -> bool:
