@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from src import parameter_server_pb2 as pb
-from src.compression import policy_from_config
+from src.compression_policy import policy_from_config
 from src.config import Config, SetupError
 from src.faults import FaultInjector, FaultSpec
 from src.lr_schedule import scheduled_learning_rate
