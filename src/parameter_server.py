@@ -45,12 +45,11 @@ from src import parameter_server_pb2 as pb
 from src.aggregation import RequestLog
 from src.config import Config
 from src.coordinator import WorkPlan
-from src.data import load_dataset
 from src.ps_core import ServerCore
 from src.ps_refusals import PushRefused, Refused, RunFailed
 from src.ps_transport import require_auth_token, split, start_grpc_server
 from src.staleness import StalenessPolicy
-from src.trainer import model_from_config
+from src.trainer import load_split, model_from_config
 from src.wire import Pieces, serialize
 from src.work_source import PlannedWork, WorkSource
 
@@ -102,16 +101,7 @@ def planned_work(config: Config, num_train_samples: int | None = None) -> Planne
     """The dataset's work plan for ``config`` (the training set is loaded to size it unless given)."""
     t, system = config.training, config.system
     if num_train_samples is None:
-        num_train_samples = len(
-            load_dataset(
-                t.dataset,
-                "train",
-                data_dir=t.data_dir,
-                max_samples=t.max_train_samples,
-                num_samples=t.num_samples,
-                seed=t.seed,
-            )
-        )
+        num_train_samples = len(load_split(config, "train"))
     return PlannedWork(
         WorkPlan(
             num_train_samples,
@@ -127,10 +117,7 @@ def planned_work(config: Config, num_train_samples: int | None = None) -> Planne
 
 def test_set_for(config: Config):
     """The test split a server evaluates on."""
-    t = config.training
-    return load_dataset(
-        t.dataset, "test", data_dir=t.data_dir, max_samples=t.max_test_samples, num_samples=t.num_samples, seed=t.seed
-    )
+    return load_split(config, "test")
 
 
 class ParameterServer:

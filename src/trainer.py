@@ -69,13 +69,18 @@ def model_from_config(config: Config) -> nn.Module:
     return build_model(config.training.model_architecture, dataset_info(config.training.dataset))
 
 
+def load_split(config: Config, split: str) -> TensorDataset:
+    """The ``split`` ("train" or "test") as the config asks (subset size, synthetic size and seed)."""
+    t = config.training
+    max_samples = t.max_train_samples if split == "train" else t.max_test_samples
+    return load_dataset(
+        t.dataset, split, data_dir=t.data_dir, max_samples=max_samples, num_samples=t.num_samples, seed=t.seed
+    )
+
+
 def load_splits(config: Config) -> tuple[TensorDataset, TensorDataset]:
     """Train and test splits as the config asks (subset sizes, synthetic size and seed)."""
-    t = config.training
-    common = dict(data_dir=t.data_dir, num_samples=t.num_samples, seed=t.seed)
-    train = load_dataset(t.dataset, "train", max_samples=t.max_train_samples, **common)
-    test = load_dataset(t.dataset, "test", max_samples=t.max_test_samples, **common)
-    return train, test
+    return load_split(config, "train"), load_split(config, "test")
 
 
 def checkpoint_of_run(

@@ -50,12 +50,11 @@ import grpc
 from src import parameter_server_pb2 as pb
 from src import tracing
 from src.config import Config, validate_config
-from src.data import load_dataset
 from src.faults import FaultInjector
 from src.metrics import MetricsLogger
 from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.ps_transport import ParameterServerClient, Received, require_auth_token
-from src.trainer import model_from_config, resolve_device
+from src.trainer import load_split, model_from_config, resolve_device
 from src.transports import make_client
 from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.worker_step import WorkerStep, check_layout
@@ -199,14 +198,7 @@ class Worker:
         device = resolve_device(t.device)
         model = model_from_config(config).to(device)
         check_layout(self.worker_id, config, model, registration)
-        train_set = load_dataset(
-            t.dataset,
-            "train",
-            data_dir=t.data_dir,
-            max_samples=t.max_train_samples,
-            num_samples=t.num_samples,
-            seed=t.seed,
-        )
+        train_set = load_split(config, "train")
         with MetricsLogger(
             Path(system.log_dir) / f"worker_{self.worker_id}",
             tensorboard=self.tensorboard and "tensorboard" in config.metrics.trackers,
