@@ -607,3 +607,4 @@ def run_rank(
             dist.destroy_process_group()
     except EXPECTED_ERRORS as exc:
         job.record_fatal(str(exc))
+        raise
