@@ -15,42 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
-from src.async_simulation import simulate
-from src.config import validate_config
+from src.async_simulation import simulate_repeats, simulation_config
 
 
-def build_config(args, seed: int):
-    system = {
-        "num_workers": args.workers,
-        "aggregation_mode": "async",
-        "staleness_policy": args.staleness_policy,
-        "async_correction": args.correction,
-        "staleness_beta": args.beta,
-        "max_staleness": args.max_staleness,
-        **json.loads(args.system),
-    }
-    if args.compression:
-        system.update(compression_enabled=True, compression_type=args.compression, compression_ratio=args.ratio)
-    training = {
-        "dataset": args.dataset,
-        "num_epochs": args.epochs,
-        "momentum": args.momentum,
-        "learning_rate": args.lr,
-        "optimizer": args.optimizer,
-        "seed": seed,
-        "device": "cpu",
-        "weight_decay": args.weight_decay,
-    }
-    return validate_config({"training": training, "system": system})
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dataset", default="mnist_5k")
@@ -76,29 +48,36 @@ def main() -> None:
         help="system.async_correction",
     )
     parser.add_argument("--variant", default="", help="JSON: a MomentumVariant instead of the server's optimizer")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    results = []
-    for r in range(args.repeats):
-        started = time.perf_counter()
-        result = simulate(
-            build_config(args, seed=0),
-            schedule=args.schedule,
-            jitter=args.jitter,
-            slowdown=args.slowdown,
-            sim_seed=r,
-            variant=json.loads(args.variant) if args.variant else None,
-        )
-        result["seconds"] = round(time.perf_counter() - started, 1)
-        results.append(result)
-        print(json.dumps(result), file=sys.stderr, flush=True)
-    accuracies = [r["accuracy"] for r in results]
-    print(
-        json.dumps(
-            {"args": vars(args), "mean": statistics.mean(accuracies), "min": min(accuracies), "max": max(accuracies)}
-        )
+    config = simulation_config(
+        workers=args.workers,
+        dataset=args.dataset,
+        epochs=args.epochs,
+        lr=args.lr,
+        momentum=args.momentum,
+        optimizer=args.optimizer,
+        weight_decay=args.weight_decay,
+        compression=args.compression,
+        ratio=args.ratio,
+        staleness_policy=args.staleness_policy,
+        beta=args.beta,
+        max_staleness=args.max_staleness,
+        correction=args.correction,
+        system=json.loads(args.system),
     )
+    summary = simulate_repeats(
+        config,
+        repeats=args.repeats,
+        schedule=args.schedule,
+        jitter=args.jitter,
+        slowdown=args.slowdown,
+        variant=json.loads(args.variant) if args.variant else None,
+        progress=sys.stderr,
+    )
+    print(json.dumps({"args": vars(args), **summary}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,89 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 
-import numpy as np
-
-STEPS = 4000
+from src.async_stability import stability_rows, stability_table
 
 
-def diverges(h: float, momentum: float, num_workers: int, method: str) -> bool:
-    """Whether x_t escapes on the quadratic for ``h = lr * lam`` (lr in the run's units)."""
-    n = num_workers
-    x, shared = 1.0, 0.0
-    buffers = np.zeros(n)
-    points = np.full(n, x)  # where each worker computes its next gradient
-    mu = momentum
-    if method == "implicit_momentum":
-        mu = max(0.0, momentum - (1.0 - 1.0 / n))
-    for t in range(STEPS):
-        if method == "sync":
-            shared = momentum * shared + h * x
-            x -= shared
-        else:
-            k = t % n
-            gradient = h * points[k]
-            if method == "lookahead":
-                buffers[k] = momentum * buffers[k] + gradient
-                x -= buffers[k] / n
-                points[k] = x - momentum * buffers.sum() / n
-            else:
-                shared = mu * shared + gradient
-                x -= shared
-                points[k] = x
-        if not math.isfinite(x) or abs(x) > 1e6:
-            return True
-    return abs(x) > 0.5
-
-
-def largest_stable_h(momentum: float, num_workers: int, method: str) -> float:
-    """Smallest h on a fine log grid at which the run diverges (the stability limit)."""
-    for h in np.geomspace(1e-3, 8.0, 1200):
-        if diverges(float(h), momentum, num_workers, method):
-            return float(h)
-    return 8.0
-
-
-def progress_per_epoch(momentum: float, num_workers: int, method: str) -> float:
-    """Movement per epoch along a flat direction (constant gradient), relative to sync."""
-    n = num_workers
-    sync = (1.0 / n) / (1.0 - momentum)  # one step of lr/(1-mu) per N pushes
-    if method == "sync" or method == "lookahead":
-        return 1.0
-    mu = momentum if method == "plain" else max(0.0, momentum - (1.0 - 1.0 / n))
-    return (1.0 / (1.0 - mu)) / sync
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    rows = []
-    for n in args.workers:
-        for method in ("sync", "plain", "implicit_momentum", "lookahead"):
-            rows.append(
-                {
-                    "workers": n,
-                    "method": method,
-                    "largest_stable_lr_times_lam": round(largest_stable_h(args.momentum, n, method), 3),
-                    "progress_per_epoch_vs_sync": round(progress_per_epoch(args.momentum, n, method), 2),
-                }
-            )
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return
-    print(f"momentum {args.momentum}, round-robin pushes (staleness N-1)\n")
-    print("| N | method | largest stable lr x curvature | progress per epoch vs sync |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(
-            f"| {row['workers']} | {row['method']} | {row['largest_stable_lr_times_lam']} "
-            f"| {row['progress_per_epoch_vs_sync']} |"
-        )
+    args = parser.parse_args(argv)
+    rows = stability_rows(args.momentum, args.workers)
+    print(json.dumps(rows, indent=1) if args.json else stability_table(rows, args.momentum))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

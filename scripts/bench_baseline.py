@@ -14,55 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import tempfile
-import time
 
-import torch
-import torch.nn.functional as F
-
-from src.config import load_config
-from src.data import dataset_info, epoch_permutation, load_dataset
-from src.models import build_model
-from src.trainer import BaselineTrainer
-
-
-def plain_loop(epochs: int, batch_size: int, lr: float, momentum: float, seed: int) -> float:
-    """The reference: what a user would write by hand. Returns samples/s."""
-    train = load_dataset("mnist_5k", "train")
-    torch.manual_seed(seed)
-    model = build_model("simple_cnn", dataset_info("mnist_5k"))
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    samples, started = 0, time.perf_counter()
-    for epoch in range(epochs):
-        order = torch.tensor(epoch_permutation(len(train), epoch, seed))
-        for start in range(0, len(order), batch_size):
-            index = order[start : start + batch_size]
-            images, labels = train.images[index], train.labels[index]
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(images), labels).backward()
-            optimizer.step()
-            samples += len(index)
-    return samples / (time.perf_counter() - started)
-
-
-def trainer_run(epochs: int, batch_size: int, lr: float, momentum: float, seed: int) -> float:
-    with tempfile.TemporaryDirectory() as scratch:
-        config = load_config(
-            overrides={
-                "training.num_epochs": epochs,
-                "training.batch_size": batch_size,
-                "training.learning_rate": lr,
-                "training.momentum": momentum,
-                "training.seed": seed,
-                "system.checkpoint_dir": f"{scratch}/ckpt",
-                "system.log_dir": f"{scratch}/logs",
-                "system.architecture": "baseline",
-            }
-        )
-        summary = BaselineTrainer(config).run()
-    return summary["throughput_samples_per_s"]
+from src.benchmarks import baseline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,26 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
-    common = dict(epochs=args.epochs, batch_size=args.batch_size, lr=0.05, momentum=0.9, seed=0)
-    plain_loop(**{**common, "epochs": 1})  # warm-up: allocator, kernels, page cache
-    ours, plain = [], []
-    for _ in range(args.repeats):
-        ours.append(trainer_run(**common))
-        plain.append(plain_loop(**common))
-    result = {
-        "benchmark": "baseline_trainer_vs_plain_loop",
-        "model": "simple_cnn",
-        "dataset": "mnist_5k",
-        "batch_size": args.batch_size,
-        "epochs": args.epochs,
-        "repeats": args.repeats,
-        "threads": torch.get_num_threads(),
-        "trainer_samples_per_s": round(statistics.median(ours), 1),
-        "plain_loop_samples_per_s": round(statistics.median(plain), 1),
-        "ratio": round(statistics.median(ours) / statistics.median(plain), 4),
-        "target_ratio": 0.98,
-    }
-    print(json.dumps(result))
+    print(json.dumps(baseline.run_benchmark(args.epochs, args.repeats, args.batch_size)))
     return 0
 
 

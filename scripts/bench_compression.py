@@ -15,105 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import sys
-import time
 
-import torch
-
-from src.compression import HEADER_SIZE, IDENTITY, build_compressor, decompress
-
-CONFIGS = {
-    "identity": {"name": "identity"},
-    "topk_exact_0.01": {"name": "topk", "ratio": 0.01, "selection": "exact"},
-    "topk_sampled_0.01": {"name": "topk", "ratio": 0.01, "selection": "sampled"},
-    "quantization_8bit": {"name": "quantization", "bits": 8, "bucket_size": 512},
-    "quantization_4bit": {"name": "quantization", "bits": 4, "bucket_size": 512},
-    "quantization_2bit": {"name": "quantization", "bits": 2, "bucket_size": 512},
-}
+from src.benchmarks import compression
 
 
-def _ms(seconds: float) -> float:
-    return round(seconds * 1e3, 2)
-
-
-def _bench_compressor(config: dict, x: torch.Tensor, repeats: int) -> dict:
-    options = {key: value for key, value in config.items() if key != "name"}
-    compressor = build_compressor(config["name"], **options)
-    generator = torch.Generator().manual_seed(0)
-    payload = compressor.compress(x, generator)  # warm-up
-    decompress(payload)
-    compress_s, decompress_s, total_s = [], [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        payload = compressor.compress(x, generator)
-        middle = time.perf_counter()
-        decompress(payload)
-        end = time.perf_counter()
-        compress_s.append(middle - start)
-        decompress_s.append(end - middle)
-        total_s.append(end - start)
-    total = statistics.median(total_s)
-    input_mb = x.numel() * 4 / 1e6
-    identity_bytes = IDENTITY.wire_size_for(x.numel())
-    return {
-        "compress_ms": _ms(statistics.median(compress_s)),
-        "decompress_ms": _ms(statistics.median(decompress_s)),
-        "compress_decompress_ms": _ms(total),
-        "mb_per_s": round(input_mb / total, 1),
-        "wire_bytes": len(payload),
-        "compression_ratio": round(identity_bytes / len(payload), 3),
-    }
-
-
-def _bench_torch_topk(x: torch.Tensor, repeats: int) -> float:
-    magnitudes = x.abs()
-    k = max(1, x.numel() // 100)
-    torch.topk(magnitudes, k, sorted=False)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.topk(magnitudes, k, sorted=False)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 11_000_000])
     parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-
-    num_threads = os.cpu_count() or 1
-    torch.set_num_threads(num_threads)
-    started = time.perf_counter()
-    results = {
-        "command": "python scripts/bench_compression.py " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "num_threads": num_threads,
-        "repeats": args.repeats,
-        "header_bytes": HEADER_SIZE,
-        "load_average_before": [round(v, 2) for v in os.getloadavg()],
-        "sizes": {},
-    }
-    for numel in args.sizes:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(1234))
-        entry = {name: _bench_compressor(config, x, args.repeats) for name, config in CONFIGS.items()}
-        topk_s = _bench_torch_topk(x, args.repeats)
-        sampled = entry["topk_sampled_0.01"]
-        entry["torch_topk_1pct_ms"] = _ms(topk_s)
-        entry["sampled_topk_speedup"] = {
-            "compress_vs_torch_topk": round(topk_s * 1e3 / sampled["compress_ms"], 2),
-            "compress_decompress_vs_torch_topk": round(topk_s * 1e3 / sampled["compress_decompress_ms"], 2),
-            "compress_vs_exact_compress": round(entry["topk_exact_0.01"]["compress_ms"] / sampled["compress_ms"], 2),
-        }
-        results["sizes"][str(numel)] = entry
-    results["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
-    results["wall_s"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(results))
+    arguments = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(arguments)
+    command = "python scripts/bench_compression.py " + " ".join(arguments)
+    print(json.dumps(compression.run_benchmark(args.sizes, args.repeats, command)))
 
 
 if __name__ == "__main__":

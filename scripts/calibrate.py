@@ -46,16 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrent < 1 or args.steps < 1:
         parser.error("--concurrent and --steps must be >= 1")
 
-    from src.calibration import as_yaml, calibrate
+    from src.calibration import as_yaml, calibrate, calibration_config
     from src.cli import exit_status
-    from src.config import ConfigError, config_from_data, read_config_file
+    from src.config import ConfigError
 
     overrides = {f"training.{name}": getattr(args, name) for name in ("model_architecture", "dataset", "batch_size")}
     try:
-        data = read_config_file(args.config) if args.config else {}
-        for section in ("experiment", "matrix"):  # an experiment or matrix file: its run sections (the base)
-            data.pop(section, None)
-        config = config_from_data(data, overrides=overrides, assignments=dict(args.assignments or []))
+        config = calibration_config(args.config, overrides=overrides, assignments=dict(args.assignments or []))
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)

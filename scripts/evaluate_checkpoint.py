@@ -14,11 +14,10 @@ import argparse
 import json
 import sys
 
-from src.checkpoint import CheckpointError, load_checkpoint
+from src.checkpoint import CheckpointError
 from src.config import DATASET_NAMES
-from src.data import DatasetUnavailableError, dataset_info, load_dataset
-from src.models import build_model
-from src.trainer import evaluate
+from src.data import DatasetUnavailableError
+from src.trainer import evaluate_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,42 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1000)
     args = parser.parse_args(argv)
     try:
-        checkpoint = load_checkpoint(args.checkpoint)
-        name = args.dataset or checkpoint["dataset"]
-        info, trained_on = dataset_info(name), dataset_info(checkpoint["dataset"])
-        if (info.channels, info.height, info.width, info.num_classes) != (
-            trained_on.channels,
-            trained_on.height,
-            trained_on.width,
-            trained_on.num_classes,
-        ):
-            raise ValueError(f"--dataset {name}: samples do not fit a model trained on {checkpoint['dataset']}")
-        model = build_model(checkpoint["model_architecture"], trained_on)
-        model.load_state_dict(checkpoint["model_state_dict"])
-        synthetic = checkpoint["config"].get("training", {})
-        test = load_dataset(
-            name,
-            "test",
+        result = evaluate_checkpoint(
+            args.checkpoint,
+            dataset=args.dataset,
             data_dir=args.data_dir,
-            max_samples=args.max_test_samples,
-            num_samples=synthetic.get("num_samples", 2048),
-            seed=synthetic.get("seed", 0),
+            max_test_samples=args.max_test_samples,
+            batch_size=args.batch_size,
         )
     except (CheckpointError, DatasetUnavailableError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    loss, accuracy = evaluate(model, test, batch_size=args.batch_size)
-    print(
-        json.dumps(
-            {
-                "accuracy": accuracy,
-                "loss": loss,
-                "num_samples": len(test),
-                "dataset": name,
-                "checkpoint": str(args.checkpoint),
-            }
-        )
-    )
+    print(json.dumps(result))
     return 0
 
 

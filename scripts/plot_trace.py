@@ -9,7 +9,6 @@ folder). See src/report_plots.py.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from src import tracing
 from src.report_plots import draw_timeline
@@ -25,17 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, help="window length (default: to the last span)")
     parser.add_argument("--title", default="Timeline", help="the picture's title")
     args = parser.parse_args(argv)
-    source = Path(args.trace)
     try:
-        if source.is_dir():
-            paths = tracing.find_traces(source)
-            if not paths:
-                parser.error(f"{source}: no trace.json under it (train with --trace)")
-            events = tracing.merge_traces(tracing.read_trace(path) for path in paths)
-        elif source.is_file():
-            events = tracing.read_trace(source)
-        else:
-            parser.error(f"{source}: no such file or folder")
+        events = tracing.load_traces(args.trace)
         print(draw_timeline(events, args.output, start_s=args.start, seconds=args.seconds, title=args.title))
     except ValueError as exc:
         parser.error(str(exc))

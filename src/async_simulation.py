@@ -16,14 +16,17 @@ with real runs (scripts/async_study.py).
 from __future__ import annotations
 
 import heapq
+import json
 import random
-from typing import Iterator
+import statistics
+import time
+from typing import Iterator, TextIO
 
 import torch
 
 from src.compression import decompress
 from src.compression_policy import policy_from_config
-from src.config import Config
+from src.config import Config, validate_config
 from src.data import load_dataset, make_shards, steps_per_epoch
 from src.error_feedback import ErrorFeedback
 from src.seeds import derive_seed
@@ -224,3 +227,74 @@ def simulate(
         config, schedule=schedule, jitter=jitter, slowdown=slowdown, sim_seed=sim_seed, variant=variant
     )
     return simulation.run()
+
+
+def simulation_config(
+    *,
+    workers: int,
+    dataset: str,
+    epochs: int,
+    lr: float,
+    momentum: float,
+    optimizer: str,
+    weight_decay: float,
+    compression: str | None,
+    ratio: float,
+    staleness_policy: str,
+    beta: float,
+    max_staleness: int,
+    correction: str,
+    system: dict,
+    seed: int = 0,
+) -> Config:
+    """The async run the simulation explores: ``system`` (extra system fields) overrides the named ones."""
+    system_fields = {
+        "num_workers": workers,
+        "aggregation_mode": "async",
+        "staleness_policy": staleness_policy,
+        "async_correction": correction,
+        "staleness_beta": beta,
+        "max_staleness": max_staleness,
+        **system,
+    }
+    if compression:
+        system_fields.update(compression_enabled=True, compression_type=compression, compression_ratio=ratio)
+    training = {
+        "dataset": dataset,
+        "num_epochs": epochs,
+        "momentum": momentum,
+        "learning_rate": lr,
+        "optimizer": optimizer,
+        "seed": seed,
+        "device": "cpu",
+        "weight_decay": weight_decay,
+    }
+    return validate_config({"training": training, "system": system_fields})
+
+
+def simulate_repeats(
+    config: Config,
+    *,
+    repeats: int,
+    schedule: str = "uniform",
+    jitter: float = 0.2,
+    slowdown: float = 1.0,
+    variant: dict | None = None,
+    progress: TextIO | None = None,
+) -> dict:
+    """``repeats`` simulations of ``config``, the schedule seeded 0, 1, ...: their mean, min and max accuracy.
+
+    Each run's result (with its ``seconds``) is written to ``progress`` as one JSON line as it finishes,
+    since a run takes minutes.
+    """
+    accuracies = []
+    for sim_seed in range(repeats):
+        started = time.perf_counter()
+        result = simulate(
+            config, schedule=schedule, jitter=jitter, slowdown=slowdown, sim_seed=sim_seed, variant=variant
+        )
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        accuracies.append(result["accuracy"])
+        if progress is not None:
+            print(json.dumps(result), file=progress, flush=True)
+    return {"mean": statistics.mean(accuracies), "min": min(accuracies), "max": max(accuracies)}

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.config import Config
+from src.config import Config, config_from_data, read_config_file
 from src.data import load_dataset
 from src.metrics import MetricsLogger
 from src.trainer import model_from_config
@@ -227,6 +227,24 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
             core.close()
             log.close()
     return _server_figures(update, reply, trips)
+
+
+def calibration_config(
+    path: str | Path | None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    assignments: dict[str, Any] | None = None,
+) -> Config:
+    """The config a calibration measures: a run's config file (or an experiment or matrix file, whose
+    run sections are its base), then ``overrides`` (dotted fields, ``None`` ignored) and ``assignments``.
+
+    Raises:
+        ConfigError: the file or a field is invalid (each problem names it).
+    """
+    data = read_config_file(path) if path else {}
+    for section in ("experiment", "matrix"):
+        data.pop(section, None)
+    return config_from_data(data, overrides=overrides, assignments=assignments)
 
 
 def calibrate(config: Config, *, concurrent: int = 1, steps: int = 20, server: bool = True) -> dict[str, Any]:

@@ -288,6 +288,23 @@ def merge_traces(traces: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]
     return merged
 
 
+def load_traces(source: str | Path) -> list[dict[str, Any]]:
+    """The events of a trace file, or of every trace under a folder merged (:func:`merge_traces`).
+
+    Raises:
+        ValueError: ``source`` is neither, a folder holds no trace, or a file is not a trace (the message names it).
+    """
+    source = Path(source)
+    if source.is_dir():
+        paths = find_traces(source)
+        if not paths:
+            raise ValueError(f"{source}: no trace.json under it (train with --trace)")
+        return merge_traces(read_trace(path) for path in paths)
+    if source.is_file():
+        return read_trace(source)
+    raise ValueError(f"{source}: no such file or folder")
+
+
 def write_trace(path: str | Path, events: list[dict[str, Any]]) -> Path:
     """Write ``events`` as a trace file in the object form (``displayTimeUnit``: ms)."""
     path = Path(path)

@@ -16,6 +16,9 @@ runs the forward pass and the loss under ``torch.autocast`` in bfloat16 (float32
 scaling needed); ``fp16`` in float16 with a ``GradScaler``, which skips a step whose gradients
 overflowed and lowers its scale. The parameters, the optimizer's state, the gradients the
 optimizer sees and the checkpoints stay float32; evaluation runs in float32.
+
+:func:`evaluate_checkpoint` scores any architecture's checkpoint on a test split
+(``scripts/evaluate_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from src.checkpoint import (
     KEEP_CHECKPOINTS,
     check_model_matches,
     final_checkpoint_path,
+    load_checkpoint,
     load_latest_good,
     make_checkpoint,
     numbered_path,
@@ -233,6 +237,46 @@ def evaluate(
     model.train(was_training)
     count = max(len(dataset), 1)
     return total_loss / count, correct / count
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    *,
+    dataset: str | None = None,
+    data_dir: str | Path = "./data",
+    max_test_samples: int | None = None,
+    batch_size: int = 1000,
+) -> dict[str, Any]:
+    """Score any checkpoint (baseline, parameter server or DDP) on a dataset's test split (default: its own).
+
+    Returns ``{"accuracy", "loss", "num_samples", "dataset", "checkpoint"}``. Raises
+    :class:`src.checkpoint.CheckpointError` for an unreadable file, ``ValueError`` when the dataset's
+    samples do not fit the checkpoint's model, :class:`src.data.DatasetUnavailableError` when its files
+    are missing. A synthetic test split is regenerated with the size and seed the run trained with.
+    """
+    checkpoint = load_checkpoint(path)
+    name = dataset or checkpoint["dataset"]
+    info, trained_on = dataset_info(name), dataset_info(checkpoint["dataset"])
+    if (info.channels, info.height, info.width, info.num_classes) != (
+        trained_on.channels,
+        trained_on.height,
+        trained_on.width,
+        trained_on.num_classes,
+    ):
+        raise ValueError(f"--dataset {name}: samples do not fit a model trained on {checkpoint['dataset']}")
+    model = build_model(checkpoint["model_architecture"], trained_on)
+    model.load_state_dict(checkpoint["model_state_dict"])
+    synthetic = checkpoint["config"].get("training", {})
+    test = load_dataset(
+        name,
+        "test",
+        data_dir=data_dir,
+        max_samples=max_test_samples,
+        num_samples=synthetic.get("num_samples", 2048),
+        seed=synthetic.get("seed", 0),
+    )
+    loss, accuracy = evaluate(model, test, batch_size=batch_size)
+    return {"accuracy": accuracy, "loss": loss, "num_samples": len(test), "dataset": name, "checkpoint": str(path)}
 
 
 class TrainingClock:

@@ -8,9 +8,12 @@ to 1e-6 relative / 1e-7 absolute.
 
 from __future__ import annotations
 
+import io
+import json
+
 import torch
 
-from src.async_simulation import AsyncSimulation
+from src.async_simulation import AsyncSimulation, simulate_repeats, simulation_config
 from src.config import validate_config
 from src.data import load_dataset, make_shards
 from src.staleness import server_optimizer
@@ -72,3 +75,31 @@ def test_several_workers_count_staleness_and_a_hard_bound_rejects_above_it():
     assert sum(bounded["staleness"].values()) == pushes
     assert bounded["rejected"] == sum(n for tau, n in bounded["staleness"].items() if tau > 1)
     assert bounded["versions"] == pushes - bounded["rejected"]
+
+
+def test_the_commands_config_sets_its_fields_and_repeats_report_every_run():
+    fields = {
+        "workers": 2,
+        "dataset": "mnist_5k",
+        "epochs": 1,
+        "lr": 0.05,
+        "momentum": 0.9,
+        "optimizer": "sgd",
+        "weight_decay": 0.0,
+        "ratio": 0.25,
+        "staleness_policy": "none",
+        "beta": 0.5,
+        "max_staleness": 8,
+        "correction": "lookahead",
+    }
+    config = simulation_config(**fields, compression="topk", system={"max_staleness": 3})
+    assert (config.system.compression_type, config.system.compression_ratio) == ("topk", 0.25)
+    assert (config.system.async_correction, config.system.max_staleness) == ("lookahead", 3)  # the JSON wins
+    assert simulation_config(**fields, compression=None, system={}).system.compression_enabled is False
+
+    progress = io.StringIO()
+    summary = simulate_repeats(_config(2), repeats=2, progress=progress)
+    runs = [json.loads(line) for line in progress.getvalue().splitlines()]
+    accuracies = [run["accuracy"] for run in runs]
+    assert len(runs) == 2 and all(run["seconds"] >= 0 for run in runs)
+    assert summary == {"mean": sum(accuracies) / 2, "min": min(accuracies), "max": max(accuracies)}

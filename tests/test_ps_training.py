@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from scripts import gen_protos  # a script: scripts/ is a namespace package under the repository root
+from src import proto_stubs
 from src.checkpoint import load_checkpoint
 from src.metrics import read_events
 from src.ps_launcher import run_local
@@ -172,15 +172,15 @@ def test_resnet18_far_above_the_4mb_message_default(tmp_path):
 
 
 def test_generated_stubs_are_current():
-    assert gen_protos.stale_reasons() == []
+    assert proto_stubs.stale_reasons() == []
 
 
 def test_stub_check_notices_a_changed_proto(tmp_path):
     changed = tmp_path / "parameter_server.proto"
-    shutil.copy(gen_protos.PROTO, changed)
+    shutil.copy(proto_stubs.PROTO, changed)
     changed.write_text(
         changed.read_text().replace("message StatusRequest {}", "message StatusRequest { int32 detail = 1; }")
     )
-    assert gen_protos.stale_reasons(changed) == [
+    assert proto_stubs.stale_reasons(changed) == [
         "src/parameter_server_pb2.py was generated from a different parameter_server.proto"
     ]

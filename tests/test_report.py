@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 import generate_performance_report
+from src.benchmarks import suite
 from src.report import build_report, run_labels
 from src.report_inputs import Run, ddp_summary_from_ranks, read_event_file, select_run_events
 from src.report_names import PLOTS, SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
-from scripts import bench_all  # a script: scripts/ is a namespace package under the repository root
 
 SUMMARY = {
     "architecture": "baseline",
@@ -371,7 +371,7 @@ BENCH_RESULTS = {
 
 
 def test_bench_figures_sit_beside_their_references():
-    rows = [row for name, extract in bench_all.FIGURES.items() for row in extract(BENCH_RESULTS[name])]
+    rows = [row for name, extract in suite.FIGURES.items() for row in extract(BENCH_RESULTS[name])]
     by_reference = {row["reference_name"]: row for row in rows}
     assert set(by_reference) >= {
         "plain PyTorch loop",
@@ -399,7 +399,7 @@ def test_bench_figures_sit_beside_their_references():
     assert (tcp["reference"], tcp["ratio"], tcp["target"], tcp["meets_target"]) == (0.8, 0.53, 0.6, False)
     assert by_reference["raw gRPC echo + optimizer step"]["ratio"] == 0.6
     assert by_reference["DDP, 2 ranks"]["ratio"] == 0.95 and by_reference["DDP, 2 ranks"]["meets_target"] is True
-    assert bench_all.last_json_document('progress {not json}\n{"a": {"b": 1}}\n') == {"a": {"b": 1}}
+    assert suite.last_json_document('progress {not json}\n{"a": {"b": 1}}\n') == {"a": {"b": 1}}
 
 
 # ----------------------------------------------------------------------------- real runs (slow)

@@ -123,7 +123,7 @@ def test_merged_traces_of_two_processes_keep_both_pids_on_one_clock(tmp_path):
         )
         assert done.returncode == 0, done.stderr
     after_us = time.time() * 1e6
-    merged = tracing.merge_traces(tracing.read_trace(path) for path in tracing.find_traces(tmp_path))
+    merged = tracing.load_traces(tmp_path)  # every trace under the folder, merged
     names = {e["pid"]: e["args"]["name"] for e in merged if e["ph"] == "M" and e["name"] == "process_name"}
     assert sorted(names.values()) == ["first", "second"] and len(names) == 2
     work = {names[e["pid"]]: e for e in complete_events(merged)}
@@ -139,6 +139,20 @@ def test_merged_traces_of_two_processes_keep_both_pids_on_one_clock(tmp_path):
     assert [p["name"] for p in summary["processes"]] == ["first", "second"] and summary["spans"] == 2
     again = tracing.merge_traces([merged, merged])  # the same pids twice (another run, another machine) stay apart
     assert len({e["pid"] for e in again}) == 4
+
+
+def test_loading_traces_reads_a_file_and_names_what_is_not_a_trace(tmp_path):
+    events = [{"name": "step", "ph": "X", "ts": 1.0, "dur": 2.0, "pid": 7, "tid": 1}]
+    path = tracing.write_trace(tmp_path / "run" / "trace.json", events)
+    assert tracing.load_traces(path) == events
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty: no trace.json under it \(train with --trace\)"):
+        tracing.load_traces(tmp_path / "empty")
+    with pytest.raises(ValueError, match="absent.json: no such file or folder"):
+        tracing.load_traces(tmp_path / "absent.json")
+    (tmp_path / "run" / "trace.1.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"trace\.1\.json: not a trace-event JSON file"):
+        tracing.load_traces(tmp_path / "run")
 
 
 def test_a_traced_baseline_run_has_one_span_per_step_nested_in_its_epochs(tmp_path, capsys):

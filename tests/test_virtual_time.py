@@ -29,7 +29,7 @@ from src.parameter_server import MONITOR_PERIOD_S
 from src.virtual_server import ServerKilled, VirtualServer
 from src.virtual_time import run_virtual
 from src.virtual_timelines import VirtualTimelines
-from tests.ps_fixtures import ps_config
+from tests.ps_fixtures import ROOT, ps_config
 from tests.test_ps_equivalence import assert_same_parameters, baseline_parameters
 
 pytestmark = pytest.mark.timeout(300)
@@ -335,6 +335,22 @@ def test_calibration_measures_every_figure_a_config_needs_and_prints_them_as_con
         }
     )
     CostModel(validated)  # complete: a virtual run of this config can start
+
+
+def test_calibration_reads_a_matrix_files_run_sections_with_the_flags_fields_set():
+    from src.calibration import calibration_config
+    from src.config import ConfigError
+
+    config = calibration_config(
+        ROOT / "configs" / "experiments" / "virtual_ps_vs_ddp.yaml",
+        overrides={"training.batch_size": 64, "training.dataset": None},  # None: a flag not given
+        assignments={"system.compression_enabled": True},
+    )
+    assert (config.training.dataset, config.training.batch_size, config.system.num_workers) == ("mnist_5k", 64, 16)
+    assert config.system.compression_enabled is True
+    assert calibration_config(None).training.dataset == "mnist_5k"  # the defaults
+    with pytest.raises(ConfigError, match="nowhere.yaml: config file not found"):
+        calibration_config("nowhere.yaml")
 
 
 @pytest.mark.slow
