@@ -26,7 +26,7 @@ Sections of the JSON:
   ``--powersgd-warmup-steps`` 10 plain steps first): PowerSGD rank 2 against our top-k + error
   feedback at the same bytes per compressed step (ratio solved from the compressor's exact wire
   sizes over our compression units, DDP's buckets), with the backend allreduce's accuracy for
-  reference. PowerSGD runs synchronously per bucket (see :func:`_powersgd_in_bucket_order`: its
+  reference. PowerSGD runs synchronously per bucket (see ``src.benchmarks.ddp._powersgd_in_bucket_order``: its
   chained collectives can run out of order on gloo); top-k uses ``sampled`` selection (the same
   entries as ``exact``, found faster).
 

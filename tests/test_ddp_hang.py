@@ -101,11 +101,18 @@ def test_a_slow_but_alive_rank_is_never_declared_hung(slow_rank_run):
 
 
 def _stop_rank_mid_run(process: subprocess.Popen, cwd: Path, rank: int) -> tuple[int, float]:
-    """SIGSTOP ``rank`` (by pid, from here) once the step-6 checkpoint is written; returns (pid, when)."""
+    """SIGSTOP ``rank`` (by pid, from here) once the step-6 checkpoint is written; returns (pid, when).
+
+    Written means logged: rank 0 logs its ``checkpoint`` event after the job's store names the file as
+    the newest (what a restart resumes from); the file alone shows up a moment before that."""
     events = _logs(cwd) / f"rank_{rank}" / "events.jsonl"
-    checkpoint = cwd / "checkpoints" / "ddp_cli" / "checkpoint_000006.pt"
+    run_events = _logs(cwd) / "events.jsonl"
+
+    def step_6_checkpoint_logged() -> bool:
+        return run_events.exists() and any(e["step"] == 6 for e in read_events(run_events, "checkpoint"))
+
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (checkpoint.exists() and events.exists() and any(True for _ in read_events(events, "run_start"))):
+    while not (step_6_checkpoint_logged() and events.exists() and any(True for _ in read_events(events, "run_start"))):
         assert process.poll() is None, (cwd / "err.txt").read_text()[-3000:]
         assert time.monotonic() < deadline, "the run never reached its step-6 checkpoint"
         time.sleep(0.02)  # polling interval of the condition above
