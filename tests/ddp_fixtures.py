@@ -14,8 +14,10 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import termios
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,4 +238,18 @@ def run_together(
     return [
         NodeResult(process.returncode, process.pid in killed, out.read_text(), err.read_text())
         for process, (out, err) in zip(processes, logs)
+    ]
+
+
+def torchrun_command(store_port: int, *, nnodes: int = 1, nproc: int = 1) -> list[str]:
+    """``python -m torch.distributed.run`` joining the c10d rendezvous store a test holds on ``store_port``.
+
+    The test holds the store (on a port the OS picked, so none is probed and then bound by someone else)
+    and every node joins it as a client (``is_host=0``); a fresh rendezvous id per call keeps concurrent
+    runs apart. Append torchrun's own flags, then the script and its arguments."""
+    return [
+        sys.executable,
+        *("-m torch.distributed.run --rdzv-backend c10d --rdzv-conf is_host=0".split()),
+        *("--nnodes", str(nnodes), "--nproc-per-node", str(nproc)),
+        *("--rdzv-endpoint", f"127.0.0.1:{store_port}", "--rdzv-id", f"test_job_{uuid.uuid4().hex}"),
     ]

@@ -121,29 +121,18 @@ def identity_gradients(server: ParameterServer, value: float = 0.0) -> list[byte
     return [IDENTITY.compress(torch.full(tuple(spec.shape), value)) for spec in server.param_specs]
 
 
-def make_self_signed_cert(directory: Path) -> tuple[Path, Path]:
-    """A throwaway certificate for 127.0.0.1/localhost and its key, made with the openssl CLI."""
+def make_self_signed_cert(
+    directory: Path, *, name: str = "localhost", alt_names: str = "IP:127.0.0.1,DNS:localhost", days: int = 1
+) -> tuple[Path, Path]:
+    """A self-signed certificate (``server.crt``) for ``name`` / ``alt_names`` and its key (``server.key``) in
+    ``directory``, made with the openssl CLI (docs/deployment.md's command); by default a throwaway one for
+    127.0.0.1 and localhost."""
     cert, key = directory / "server.crt", directory / "server.key"
     subprocess.run(
         [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
+            *"openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes".split(),
+            *("-days", str(days), "-subj", f"/CN={name}", "-addext", f"subjectAltName={alt_names}"),
+            *("-keyout", str(key), "-out", str(cert)),
         ],
         check=True,
         capture_output=True,

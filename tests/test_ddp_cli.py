@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from torch.distributed import TCPStore
 
 import run_ddp_training
 from src.metrics import read_events
-from tests.ddp_fixtures import process_gone, run_together
+from tests.ddp_fixtures import process_gone, run_together, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = str(REPO / "run_ddp_training.py")
@@ -127,21 +126,7 @@ def test_same_script_spans_two_nodes_under_torchrun(tmp_path):
     # is shown at once beside the other's.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{store.port}",
-        "--rdzv-conf",
-        "is_host=0",
-        "--rdzv-id",
-        f"test_job_{uuid.uuid4().hex}",
+        *torchrun_command(store.port, nnodes=2),
         RUNNER,
         "--dataset",
         "synthetic",
@@ -291,24 +276,7 @@ def test_sigkilled_rank_restarts_under_torchrun_and_an_error_that_cannot_succeed
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def torchrun(nproc: int, *args: str) -> list:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            str(nproc),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{store.port}",
-            "--rdzv-conf",
-            "is_host=0",
-            "--rdzv-id",
-            f"test_job_{uuid.uuid4().hex}",
-            *args,
-        ]
+        command = [*torchrun_command(store.port, nproc=nproc), *args]
         return run_together([command], cwd=tmp_path, env=_clean_env(), timeout=RUN_TIMEOUT_S)
 
     (node,) = torchrun(2, "--max-restarts", "1", RUNNER, *FAULT_RUN, "--inject-fault", "kill:rank=0@step=11")

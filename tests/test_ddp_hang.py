@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ import yaml
 from torch.distributed import TCPStore
 
 from src.metrics import read_events
-from tests.ddp_fixtures import process_gone
+from tests.ddp_fixtures import process_gone, torchrun_command
 from tests.test_ddp_cli import RUN_ARGS, RUN_TIMEOUT_S, RUNNER, _assert_same_training, _clean_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -164,25 +163,7 @@ def test_a_sigstopped_rank_is_detected_and_the_group_resumes_exactly(tmp_path, s
 
 def test_a_sigstopped_rank_is_detected_under_torchrun_and_restarted_by_it(tmp_path, slow_rank_run):
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{store.port}",
-        "--rdzv-conf",
-        "is_host=0",
-        "--rdzv-id",
-        f"test_job_{uuid.uuid4().hex}",
-        "--max-restarts",
-        "1",
-    ]
+    torchrun = [*torchrun_command(store.port, nproc=2), "--max-restarts", "1"]
     process = _start([*torchrun, *_runner("--collective-timeout", str(HANG_TIMEOUT_S))[1:]], tmp_path, STEP_DELAY)
     pid = None
     try:

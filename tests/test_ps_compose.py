@@ -39,7 +39,7 @@ import yaml
 from src.checkpoint import load_checkpoint
 from src.data import load_dataset
 from src.metrics import read_events
-from tests.ps_fixtures import ROOT
+from tests.ps_fixtures import ROOT, make_self_signed_cert
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -153,31 +153,7 @@ class Compose:
 def make_server_certificate(directory: Path) -> None:
     """docs/deployment.md's command for the compose cluster's self-signed certificate (name: parameter_server)."""
     directory.mkdir()
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-days",
-            "365",
-            "-subj",
-            "/CN=parameter_server",
-            "-addext",
-            "subjectAltName=DNS:parameter_server",
-            "-keyout",
-            str(directory / "server.key"),
-            "-out",
-            str(directory / "server.crt"),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    make_self_signed_cert(directory, name="parameter_server", alt_names="DNS:parameter_server", days=365)
 
 
 def wait_for_event(compose: Compose, events: Path, condition, what: str, deadline_s: float) -> None:
