@@ -1,6 +1,6 @@
 """Benchmark the parameter server at the wire's limit, per transport; prints one JSON object last.
 
-    python scripts/bench_ps.py --output bench_ps.json      # all of it (~12 min on 2 cores)
+    python scripts/bench_ps.py --output bench_ps.json      # all of it (~3 min on 2 cores)
     python scripts/bench_ps.py --skip-training --skip-ceiling  # only the round trips
     python scripts/bench_ps.py --sizes-mb 1 4 --repeats 20 --transports tcp
 
@@ -20,11 +20,12 @@ gradient uncompressed, whose reply carries the new parameters and the next work)
 round trip costs only moving the bytes and stepping. Targets: TCP >= 0.8 from 4 MB, >= 0.6 at 1 MB;
 gRPC ``grpc_limit_ratio`` = (``grpc_echo_ms`` + ``optimizer_step_ms``) / ``ps_round_trip_ms`` >= 0.8.
 ``server_ms`` breaks the server's own work per push down (measured inside the server): ``decode``
-(payload checks and views, outside the lock), ``step`` (the optimizer), ``reply`` (building the
-reply: gRPC joins it into one ``bytes``; TCP copies the parameters once per version into the frozen
-copy its frames are sent from), ``locked`` (everything done under the core's lock per push: what
-serializes pushes). The server runs in its own process, async mode (no correction: the plain
-optimizer), one worker, so each push is decoded, checked and applied before the reply is built.
+(payload checks and views, outside the lock), ``decode_while_receiving`` (the part of it done as
+the push arrived: TCP decodes each gradient once its bytes are in), ``step`` (the optimizer),
+``reply`` (building the reply's pieces, views of the parameters), ``locked`` (everything done under
+the core's lock per push: what serializes pushes). The server runs in its own process, async mode
+(no correction: the plain optimizer), one worker, so each push is decoded, checked and applied
+before the reply is built.
 Median of ``--repeats`` after one warm-up; the PS step and the echoes alternate, so a slow spell of a
 shared machine slows all of them rather than one.
 

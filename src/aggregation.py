@@ -136,13 +136,12 @@ class ModelState:
                 self._sums = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
             gradients = self._sums
             first, *rest = contributions
-            for summed, g in zip(gradients, first.gradients):
-                torch.mul(g, first.num_samples, out=summed)
+            # one foreach call per contribution, not one op per tensor (a push's fixed cost, CPU-bound on small models)
+            torch._foreach_copy_(gradients, first.gradients)
+            torch._foreach_mul_(gradients, first.num_samples)
             for c in rest:
-                for summed, g in zip(gradients, c.gradients):
-                    summed.add_(g, alpha=c.num_samples)
-            for summed in gradients:
-                summed.div_(total)
+                torch._foreach_add_(gradients, c.gradients, alpha=c.num_samples)
+            torch._foreach_div_(gradients, total)
         with_buffers = [c for c in contributions if c.buffers]
         if len(with_buffers) <= 1:
             buffers = with_buffers[0].buffers if with_buffers else []

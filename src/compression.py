@@ -223,17 +223,16 @@ def wire_size(payload: PayloadLike) -> int:
 
 # torch.from_numpy warns (once per process) when handed a read-only array; the read-only view of
 # decompress(copy=False) is one on purpose.
-warnings.filterwarnings(
-    "ignore", message="The given NumPy array is not writable", category=UserWarning, module=__name__.replace(".", r"\.")
-)
+for _message in ("The given NumPy array is not writable", "The given buffer is not writable"):
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=__name__.replace(".", r"\."))
 
 
 def _identity_view(header: PayloadHeader, buf: memoryview) -> torch.Tensor:
     """The float32 values of an identity payload as a read-only tensor over ``buf`` (no copy)."""
-    values = np.frombuffer(buf, dtype=F32, count=header.numel, offset=HEADER_SIZE)
+    values = torch.frombuffer(buf, dtype=torch.float32, count=header.numel, offset=HEADER_SIZE)
     if not all_finite(values):
         raise ValueError("identity payload holds NaN/Inf values")
-    return torch.from_numpy(values)
+    return values
 
 
 def _use_host_path(flat: torch.Tensor) -> bool:

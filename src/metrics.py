@@ -36,6 +36,10 @@ SUMMARY_FIELDS = (
 )
 
 
+_PLAIN_TYPES = frozenset({str, int, bool, type(None), list, dict, tuple})
+"""Values an event holds as they are (:func:`_jsonable` changes none of them)."""
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -49,6 +53,10 @@ class EventLog:
 
     The parameter server writes events from several gRPC threads at once: without the lock a long
     line can be split by another thread's write. A killed process loses nothing already written.
+
+    :meth:`write_later` records an event (its ``time`` and fields, now) that is written, in order,
+    by the next :meth:`write` or :meth:`flush`: the server records a push's events under its lock and
+    writes them once the push's reply is on its way (JSON and the file write off the critical path).
     """
 
     def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time):
@@ -57,18 +65,48 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(self.path, "a")
         self._lock = threading.Lock()
+        self._pending: list[dict[str, Any]] = []
+
+    def _event(self, kind: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+        event = {"time": self._clock(), "kind": kind}
+        for key, value in fields.items():  # the server writes a few events per push: plain values pass as they are
+            event[key] = value if type(value) in _PLAIN_TYPES else _jsonable(value)
+        return event
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"time": self._clock(), "kind": kind, **{k: _jsonable(v) for k, v in fields.items()}}
+        event = self._event(kind, fields)
         line = json.dumps(event) + "\n"
         with self._lock:
-            self._handle.write(line)
-            self._handle.flush()
+            if self._pending:
+                self._write_pending()
+            if not self._handle.closed:
+                self._handle.write(line)
+                self._handle.flush()
         return event
+
+    def write_later(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Record an event now, write it with the next :meth:`write` or :meth:`flush` (the order is kept)."""
+        event = self._event(kind, fields)
+        with self._lock:
+            self._pending.append(event)
+        return event
+
+    def flush(self) -> None:
+        """Write the events recorded by :meth:`write_later`."""
+        if self._pending:
+            with self._lock:
+                self._write_pending()
+
+    def _write_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not self._handle.closed:
+            self._handle.write("".join(json.dumps(event) + "\n" for event in pending))
+            self._handle.flush()
 
     def close(self) -> None:
         with self._lock:
             if not self._handle.closed:
+                self._write_pending()
                 self._handle.close()
 
 
@@ -149,12 +187,21 @@ class MetricsLogger:
         self.sinks: list[MetricsSink] = [TensorBoardSink(self.log_dir)] if tensorboard else []
         self.sinks += sinks
 
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Record a non-scalar event (run start, checkpoint written, push rejected...)."""
-        event = self.events.write(kind, **self._fields, **fields)
+    def event(self, kind: str, *, later: bool = False, **fields: Any) -> dict[str, Any]:
+        """Record a non-scalar event (run start, checkpoint written, push rejected...).
+
+        ``later``: written to ``events.jsonl`` at the next write or :meth:`flush` (:meth:`EventLog.write_later`);
+        the sinks get it now.
+        """
+        write = self.events.write_later if later else self.events.write
+        event = write(kind, **self._fields, **fields)
         for sink in self.sinks:
             sink.event(event)
         return event
+
+    def flush(self) -> None:
+        """Write the events recorded with ``later=True``."""
+        self.events.flush()
 
     def scalars(self, kind: str, step: int, values: Mapping[str, float], **fields: Any) -> dict[str, Any]:
         """Record ``values`` at ``step`` as one event, forwarded to the sinks (TensorBoard: ``<kind>/<name>``)."""

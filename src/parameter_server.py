@@ -50,11 +50,12 @@ from src.ps_refusals import PushRefused, Refused, RunFailed
 from src.ps_transport import require_auth_token, split, start_grpc_server
 from src.staleness import StalenessPolicy
 from src.trainer import load_split, model_from_config
-from src.wire import Pieces, serialize
+from src.wire import MessageSplitter, Pieces, serialize
 from src.work_source import PlannedWork, WorkSource
 
 WAIT_POLL_S = 0.5  # a waiting call wakes this often to notice a cancelled RPC
 MONITOR_PERIOD_S = 0.2  # failure detection runs this often: detection lands within timeout + this
+PUSH_LARGE_FIELDS = ("gradients", "buffers")  # a push's tensors: views of the message, never parsed by protobuf
 
 
 @contextlib.contextmanager
@@ -180,6 +181,7 @@ class ParameterServer:
             faults=faults,
             background=ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background"),
             reply_views=True,  # replies are built from the tensors' memory and joined or sent outside the lock
+            events_after_replies=True,  # a push's events are written once its reply is out (after_reply)
         )
         if max_message_bytes is not None and self.core.state is None:
             self.core.model.max_message_bytes = max_message_bytes
@@ -277,10 +279,27 @@ class ParameterServer:
         with tracing.span("serve_push"):
             return self._serve_push(data, call)
 
+    def push_splitter(self, data) -> MessageSplitter:
+        """A splitter of a push arriving into ``data``, for a transport that reads it in pieces (TCP): each
+        gradient is decoded as soon as it is in (still in the cache), outside the lock; pass the splitter to
+        :meth:`handle_push` once every byte has arrived."""
+        layout = self.core.model.layout  # fixed once installed; a push before Initialize is refused later
+
+        def decode(name: str, index: int, payload):
+            try:
+                return layout.gradient(index, payload) if name == "gradients" else None
+            except Exception:  # noqa: BLE001  (a bug: handle_push decodes it again and answers INTERNAL)
+                return None
+
+        return MessageSplitter(data, pb.PushRequest, PUSH_LARGE_FIELDS, on_large=decode if layout else None)
+
     def _serve_push(self, data, call: Call) -> bytes | Pieces:
         core = self.core
         try:
-            received = split(data, pb.PushRequest, ("gradients", "buffers"))
+            if isinstance(data, MessageSplitter):
+                received = data.finish()
+            else:
+                received = split(data, pb.PushRequest, PUSH_LARGE_FIELDS)
         except ValueError as exc:
             self._refused(None, 0, PushRefused("INVALID_ARGUMENT", f"push: {exc}"))
         request = received.message
@@ -308,6 +327,10 @@ class ParameterServer:
             self._refused(worker_id, request_id, refused)
         self._emulate_downlink(worker_id, len(reply) + call.framing_bytes)
         return reply
+
+    def after_reply(self) -> None:
+        """A call's reply is on its way: write the events its handling recorded (no lock held)."""
+        self.core.flush_events()
 
     def handle_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         with self.core.lock:
@@ -337,7 +360,10 @@ class ParameterServer:
 
     def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
         with refusals(context):
-            return _joined(self.handle_push(data, _GrpcCall(context)))
+            try:
+                return _joined(self.handle_push(data, _GrpcCall(context)))
+            finally:
+                self.after_reply()  # gRPC sends the reply after this returns: as late as this transport allows
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         with refusals(context):
@@ -377,6 +403,7 @@ class ParameterServer:
                     return
                 events = core.expire()
             self._publish(events)
+            core.flush_events()  # events a call recorded and no reply has written yet (none, unless a call died)
             time.sleep(MONITOR_PERIOD_S)
 
     def _publish(self, events: list) -> None:

@@ -170,6 +170,22 @@ def read_header(buf: memoryview, body_size: Callable[..., int]) -> PayloadHeader
     if size < HEADER_SIZE:
         raise ValueError(f"payload truncated: {size} bytes is shorter than the {HEADER_SIZE}-byte compression header")
     raw = bytes(buf[:HEADER_SIZE])
+    known = _READ_HEADERS.get((raw, body_size))
+    if known is not None and known.payload_size == size:
+        return known  # these very header bytes passed every check below before (a sender's layout repeats)
+    header = _read_new_header(raw, size, body_size)
+    if len(_READ_HEADERS) >= _READ_HEADERS_MAX:
+        _READ_HEADERS.clear()  # a bound, not a policy: a receiver sees a few layouts over and over
+    _READ_HEADERS[(raw, body_size)] = header
+    return header
+
+
+_READ_HEADERS: dict[tuple[bytes, Callable[..., int]], PayloadHeader] = {}
+"""Headers already read and checked, by their bytes: the checks depend on nothing else (the length is compared)."""
+_READ_HEADERS_MAX = 4096
+
+
+def _read_new_header(raw: bytes, size: int, body_size: Callable[..., int]) -> PayloadHeader:
     (magic, version, kind_code, dtype_code, bits, ndim, value_code, numel, param, *dims) = _HEADER_BODY.unpack_from(raw)
     if magic != MAGIC:
         raise ValueError(f"bad payload magic {magic!r}, expected {MAGIC!r}: not a compression payload")

@@ -114,6 +114,9 @@ class ServerCore:
             sent), for a transport that sends them outside the lock without joining them; each comes with a
             lease the sender gives back (:meth:`Pieces.release <src.wire.Pieces.release>`). Default: ``bytes``
             joined under the lock.
+        events_after_replies: a push's ``push`` and ``update`` events are recorded under the lock and
+            written by :meth:`flush_events`, which the driver calls once the push's reply is on its way
+            (a killed server may lose the events of replies it had just sent). Default: written at once.
     """
 
     def __init__(
@@ -133,8 +136,10 @@ class ServerCore:
         clock: Clock = REAL_CLOCK,
         background: Executor | None = None,
         reply_views: bool = False,
+        events_after_replies: bool = False,
     ):
         self.config = config
+        self._events_after_replies = events_after_replies
         t, system = config.training, config.system
         self.clock = clock
         self.mode = system.aggregation_mode
@@ -197,7 +202,13 @@ class ServerCore:
             config, model_label=model_label, data_label=data_label, control=control, **parts, **shared
         )
         self.updates = Updates(
-            config, control=control, on_update=self._after_update, check_done=self._check_done, **parts, **shared
+            config,
+            control=control,
+            on_update=self._after_update,
+            check_done=self._check_done,
+            events_later=self._events_after_replies,
+            **parts,
+            **shared,
         )
         self.pushes = Pushes(model=self.model, requests=self.requests, work=self.work, control=control, **shared)
         self.workers = Workers(
@@ -209,6 +220,10 @@ class ServerCore:
         self.model.install(model)
         self.evaluations.install(model)
         self.updates.schedule_next_step()
+
+    def flush_events(self) -> None:
+        """Write the events recorded for replies now on their way (``events_after_replies``); no lock needed."""
+        self.log.flush()
 
     # The served model, for drivers, benchmarks and tests.
     state = property(lambda self: self.model.state, doc="The parameters and optimizer (``None``: no model yet).")

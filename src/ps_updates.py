@@ -57,8 +57,10 @@ class Updates:
         log: MetricsLogger,
         on_update: Callable[[int, list[int], int], None],
         check_done: Callable[[], None],
+        events_later: bool = False,
     ):
         self.config = config
+        self._events_later = events_later  # push and update events: written once the reply is out (ServerCore)
         self.mode = config.system.aggregation_mode
         self.num_workers = config.system.num_workers
         self.work, self.members, self.requests = work, members, requests
@@ -230,6 +232,7 @@ class Updates:
         metrics = request.metrics
         event = self.log.event(
             "push",
+            later=self._events_later,
             **self._push_fields(member, request),
             staleness=staleness,
             weight=weight,
@@ -273,6 +276,7 @@ class Updates:
         counters["pushes_applied"] += len(contributions)
         self.log.event(
             "update",
+            later=self._events_later,
             version=self.state.version,
             requests=[[c.worker, c.request_id] for c in contributions],
             samples=samples,

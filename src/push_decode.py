@@ -64,32 +64,45 @@ class ModelLayout:
                     "INVALID_ARGUMENT",
                     f"push from worker {worker_id}: num_samples must be > 0, got {request.num_samples}",
                 )
-        gradients = self._gradients(payloads)
+        gradients = self._gradients(payloads, received.early)
         buffers = self._buffers(raw_buffers) if raw_buffers else []
         return Contribution(
             worker_id, request.num_samples, gradients, buffers, request.request_id, learning_rate=learning_rate
         )
 
-    def _gradients(self, payloads: list) -> list[torch.Tensor]:
-        """Each parameter's gradient, decompressed after its header was checked against the parameter's shape."""
+    def _gradients(self, payloads: list, early: dict) -> list[torch.Tensor]:
+        """Each parameter's gradient (:meth:`gradient`; those decoded as the push arrived are taken from ``early``)."""
         if len(payloads) != len(self.param_shapes):
             raise PushRefused(
                 "INVALID_ARGUMENT",
                 f"push carries {len(payloads)} gradients, the model has {len(self.param_shapes)} parameters",
             )
         gradients = []
-        for index, (payload, spec, shape) in enumerate(zip(payloads, self.param_specs, self.param_shapes)):
-            try:
-                header = parse_header(payload)  # before decompressing: the header bounds the allocation
-                if header.shape != shape:
-                    raise ValueError(f"shape {list(header.shape)}, expected {list(shape)}")
-                # copy=False: identity gradients stay read-only views of the message (nothing writes them)
-                gradients.append(
-                    decompress(payload, copy=False, header=header)
-                )  # refuses malformed buffers and NaN/Inf
-            except ValueError as exc:
-                raise PushRefused("INVALID_ARGUMENT", f"gradient {index} ({spec.name}): {exc}") from None
+        for index, payload in enumerate(payloads):
+            view, result = early.get(("gradients", index), (None, None))
+            if view is not payload or result is None:  # not decoded while the push arrived
+                result = self.gradient(index, payload)
+            if isinstance(result, PushRefused):
+                raise result
+            gradients.append(result)
         return gradients
+
+    def gradient(self, index: int, payload) -> torch.Tensor | PushRefused:
+        """Gradient ``index``, decompressed after its header was checked against the parameter's shape, or
+        the refusal naming what is wrong with it (returned, not raised: a receiver may decode a push's
+        gradients as they arrive, and refuse the push once all of it is in). No lock needed."""
+        if index >= len(self.param_shapes):
+            return PushRefused(
+                "INVALID_ARGUMENT", f"gradient {index}: the model has {len(self.param_shapes)} parameters"
+            )
+        try:
+            header = parse_header(payload)  # before decompressing: the header bounds the allocation
+            if header.shape != self.param_shapes[index]:
+                raise ValueError(f"shape {list(header.shape)}, expected {list(self.param_shapes[index])}")
+            # copy=False: identity gradients stay read-only views of the message (nothing writes them)
+            return decompress(payload, copy=False, header=header)  # refuses malformed buffers and NaN/Inf
+        except ValueError as exc:
+            return PushRefused("INVALID_ARGUMENT", f"gradient {index} ({self.param_specs[index].name}): {exc}")
 
     def _buffers(self, raw_buffers: list) -> list[torch.Tensor]:
         """The pushed buffers (float32, finite), one per model buffer."""

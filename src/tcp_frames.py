@@ -40,7 +40,7 @@ import socket
 import ssl
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -166,8 +166,8 @@ def parse_header(data) -> Header:
         raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"frame of unknown {what}") from None
 
 
-def receive_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``.
+def receive_exactly(sock: socket.socket, view: memoryview, progress: Callable[[int], None] | None = None) -> None:
+    """Fill ``view`` from ``sock``; ``progress(bytes filled so far)`` after each read, if given.
 
     Raises:
         PeerClosed: the connection ended first.
@@ -179,6 +179,8 @@ def receive_exactly(sock: socket.socket, view: memoryview) -> None:
         if count == 0:
             raise PeerClosed(f"connection closed after {filled} of {size} bytes" if filled else "connection closed")
         filled += count
+        if progress is not None:
+            progress(filled)
 
 
 def receive_header(sock: socket.socket, into: bytearray) -> Header:
@@ -189,10 +191,14 @@ def receive_header(sock: socket.socket, into: bytearray) -> Header:
 
 def receive_body(sock: socket.socket, length: int) -> memoryview:
     """Read a body of ``length`` bytes (its limit already checked) into a new, uninitialized buffer."""
-    buffer = np.empty(length, dtype=np.uint8)  # no zero-fill: every byte is about to be written
-    view = memoryview(buffer)
+    view = new_body(length)
     receive_exactly(sock, view)
     return view
+
+
+def new_body(length: int) -> memoryview:
+    """An uninitialized buffer for a body of ``length`` bytes (its limit already checked)."""
+    return memoryview(np.empty(length, dtype=np.uint8))  # no zero-fill: every byte is about to be written
 
 
 def send_frame(sock: socket.socket, header: bytes, pieces: Sequence[Any]) -> None:

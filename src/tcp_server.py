@@ -49,9 +49,11 @@ from src.tcp_frames import (
     Kind,
     Method,
     PeerClosed,
+    new_body,
     pack_header,
     peer_name,
     receive_body,
+    receive_exactly,
     receive_header,
     send_error,
     send_frame,
@@ -262,7 +264,11 @@ class TCPServer:
                 send_error(sock, method, call, refused.status, refused.message, closing=True)
                 return
             sock.settimeout(BODY_TIMEOUT_S)
-            body = receive_body(sock, header.length)
+            if header.method == Method.PUSH:  # its gradients are decoded as they arrive (still in the cache)
+                body = self.driver.push_splitter(new_body(header.length))
+                receive_exactly(sock, body.view, body.advance)
+            else:
+                body = receive_body(sock, header.length)
             with self._lock:
                 self._connections[raw] = True
             try:
@@ -291,7 +297,13 @@ class TCPServer:
         return self.max_message_bytes if method in _TENSOR_METHODS else SMALL_MESSAGE_BYTES
 
     def _call(self, sock: socket.socket, header, body, call: _TCPCall) -> None:
-        """Run one call on the driver and write its reply, or the refusal as an ERROR frame."""
+        """Run one call on the driver and write its reply (or the refusal as an ERROR frame), then tell the driver."""
+        try:
+            self._answer(sock, header, body, call)
+        finally:
+            self.driver.after_reply()  # the events of this call, written once its reply is out
+
+    def _answer(self, sock: socket.socket, header, body, call: _TCPCall) -> None:
         method = header.method
         try:
             reply = self._dispatch(method, body, call)

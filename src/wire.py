@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -251,10 +251,16 @@ def serialize(outgoing: "Outgoing | Pieces | Any") -> bytes:
 
 @dataclass
 class Received:
-    """A parsed message whose large ``repeated bytes`` fields are zero-copy views: ``large[field name]``."""
+    """A parsed message whose large ``repeated bytes`` fields are zero-copy views: ``large[field name]``.
+
+    ``early``: what a receiver computed from large fields while the rest of the message was still
+    arriving (:class:`MessageSplitter`'s ``on_large``), by ``(field name, index)``: each entry is
+    ``(the field's view, result)``, the view the very object in ``large``.
+    """
 
     message: Any
     large: dict[str, list[memoryview]]
+    early: dict[tuple[str, int], tuple[memoryview, Any]] = field(default_factory=dict)
 
 
 def split(data: bytes, message_type, large_fields: Sequence[str]) -> Received:
@@ -263,35 +269,95 @@ def split(data: bytes, message_type, large_fields: Sequence[str]) -> Received:
     Raises:
         ValueError: the bytes are not a well-formed message (truncated field, bad wire type).
     """
-    numbers = {field_number(message_type, name): name for name in large_fields}
-    large: dict[str, list[memoryview]] = {name: [] for name in large_fields}
-    view = memoryview(data)
-    small: list[memoryview] = []
-    position = 0
-    while position < len(view):
-        start = position
-        key, position = _read_varint(view, position)
-        wire_type = key & 7
-        if wire_type == 0:
-            _, position = _read_varint(view, position)
-        elif wire_type == 1:
-            position += 8
-        elif wire_type == 5:
-            position += 4
-        elif wire_type == 2:
-            length, position = _read_varint(view, position)
-            if position + length <= len(view) and key >> 3 in numbers:
-                large[numbers[key >> 3]].append(view[position : position + length])
-                position += length
-                continue
-            position += length
-        else:
-            raise ValueError(f"malformed message: unsupported wire type {wire_type}")
-        if position > len(view):
-            raise ValueError("malformed message: a field runs past the end")
-        small.append(view[start:position])
-    try:
-        message = message_type.FromString(b"".join(small))
-    except Exception as exc:  # protobuf's DecodeError
-        raise ValueError(f"malformed message: {exc}") from None
-    return Received(message, large)
+    return MessageSplitter(data, message_type, large_fields).finish()
+
+
+class MessageSplitter:
+    """:func:`split` done as a message's bytes arrive in ``data`` (a buffer of the whole message's size).
+
+    :meth:`advance` walks the top-level fields lying wholly within the bytes arrived so far; each
+    large field, once complete, goes to ``on_large(name, index, view)`` (while it is still in the
+    cache the receive just wrote it through), whose result is kept in :attr:`Received.early`.
+    :meth:`finish` walks the rest with every byte there and parses the small fields. The walk is
+    the same for any split of the arrivals, so the result is :func:`split`'s on the same bytes.
+    """
+
+    def __init__(
+        self,
+        data,
+        message_type,
+        large_fields: Sequence[str],
+        on_large: Callable[[str, int, memoryview], Any] | None = None,
+    ):
+        self.view = memoryview(data)
+        self.message_type = message_type
+        self.on_large = on_large
+        self._numbers = {field_number(message_type, name): name for name in large_fields}
+        self._large: dict[str, list[memoryview]] = {name: [] for name in large_fields}
+        self._small: list[memoryview] = []
+        self._early: dict[tuple[str, int], tuple[memoryview, Any]] = {}
+        self._position = 0
+        self._wait_until = 0  # the field being walked ends here: nothing to do before it has arrived
+
+    def advance(self, available: int, *, final: bool = False) -> None:
+        """Walk the fields within the first ``available`` bytes; a field that cannot be walked yet waits.
+
+        Raises:
+            ValueError: ``final`` (every byte is in: what :meth:`finish` does) and the message is malformed.
+        """
+        if not final and available < self._wait_until:
+            return
+        view = self.view if available >= len(self.view) else self.view[:available]
+        position = self._position
+        while position < len(view):
+            start = position
+            try:
+                key, position = _read_varint(view, position)
+                wire_type = key & 7
+                if wire_type == 0:
+                    _, position = _read_varint(view, position)
+                elif wire_type == 1:
+                    position += 8
+                elif wire_type == 5:
+                    position += 4
+                elif wire_type == 2:
+                    length, position = _read_varint(view, position)
+                    if position + length <= len(view) and key >> 3 in self._numbers:
+                        self._take_large(self._numbers[key >> 3], position, length)
+                        position += length
+                        self._position = position
+                        continue
+                    position += length
+                else:
+                    raise ValueError(f"malformed message: unsupported wire type {wire_type}")
+            except ValueError:
+                if final:
+                    raise
+                return  # a varint runs past what has arrived (or worse: the last walk says which)
+            if position > len(view):
+                if final:
+                    raise ValueError("malformed message: a field runs past the end")
+                self._wait_until = position
+                return
+            self._small.append(view[start:position])
+            self._position = position
+
+    def _take_large(self, name: str, position: int, length: int) -> None:
+        chunk = self.view[position : position + length]
+        chunks = self._large[name]
+        chunks.append(chunk)
+        if self.on_large is not None:
+            self._early[(name, len(chunks) - 1)] = (chunk, self.on_large(name, len(chunks) - 1, chunk))
+
+    def finish(self) -> Received:
+        """Walk what is left and parse the small fields: the message.
+
+        Raises:
+            ValueError: the bytes are not a well-formed message (truncated field, bad wire type).
+        """
+        self.advance(len(self.view), final=True)
+        try:
+            message = self.message_type.FromString(b"".join(self._small))
+        except Exception as exc:  # protobuf's DecodeError
+            raise ValueError(f"malformed message: {exc}") from None
+        return Received(message, self._large, self._early)

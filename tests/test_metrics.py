@@ -55,3 +55,22 @@ def test_time_to_target_records_the_first_crossing_only():
         "time_to_target_step": None,
     }
     assert not TimeToTarget(None).observe(1.0, 1.0, 1)
+
+
+def test_events_recorded_for_later_are_written_in_order_by_the_next_write_or_flush(tmp_path):
+    """The parameter server records a push's events under its lock and writes them once the reply is out:
+    nothing is in the file before, the order of recording is the order of the lines, close writes the rest."""
+    logger = MetricsLogger(tmp_path, tensorboard=False, worker=-1)
+    path = tmp_path / "events.jsonl"
+    first = logger.event("push", later=True, version=1)
+    logger.event("update", later=True, version=2)
+    assert first["kind"] == "push" and first["worker"] == -1  # the event as it will be written, at once
+    assert list(read_events(path)) == []
+    logger.event("checkpoint", version=2)  # a plain write goes after what was recorded before it
+    assert [(e["kind"], e["version"]) for e in read_events(path)] == [("push", 1), ("update", 2), ("checkpoint", 2)]
+    logger.event("push", later=True, version=3)
+    logger.flush()
+    assert [e["version"] for e in read_events(path)] == [1, 2, 2, 3]
+    logger.event("push", later=True, version=4)
+    logger.close()
+    assert [e["version"] for e in read_events(path)] == [1, 2, 2, 3, 4]

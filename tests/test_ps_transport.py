@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from src import parameter_server_pb2 as pb
 from src.ps_transport import Outgoing, copy_bytes_into, serialize, split, tensor_to_bytes, tensor_view
-from src.wire import encode
+from src.wire import MessageSplitter, encode
 
 
 def full_push(gradients, buffers) -> pb.PushRequest:
@@ -58,6 +60,45 @@ def test_split_reads_what_protobuf_wrote():
 def test_split_refuses_malformed_bytes(data, message):
     with pytest.raises(ValueError, match=message):
         split(data, pb.PushRequest, ("gradients", "buffers"))
+
+
+def _split_outcome(parse):
+    try:
+        received = parse()
+    except ValueError as exc:
+        return "refused", str(exc)
+    return received.message, {name: [bytes(v) for v in views] for name, views in received.large.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    gradients=st.lists(st.binary(min_size=1, max_size=400), max_size=4),
+    damage=st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), max_size=3),
+    cut=st.none() | st.integers(min_value=0),
+    steps=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+)
+def test_splitting_a_message_as_it_arrives_is_split_of_the_same_bytes(gradients, damage, cut, steps):
+    """MessageSplitter, fed the bytes in any pieces, gives split's message and views (or its refusal),
+    and hands every large field to on_large exactly once, as the very view it returns."""
+    data = bytearray(serialize(Outgoing(full_push([], []), {"gradients": gradients, "buffers": [b"\x01" * 4]})))
+    for position, value in damage:
+        data[position % len(data)] = value
+    data = bytes(data[: cut % (len(data) + 1)] if cut is not None else data)
+    seen = []
+    splitter = MessageSplitter(
+        bytearray(data), pb.PushRequest, ("gradients", "buffers"), on_large=lambda *field: seen.append(field) or 1
+    )
+    arrived = 0
+    for step in steps:
+        arrived = min(len(data), arrived + step)
+        splitter.advance(arrived)  # never raises before the last byte: a malformed message waits for finish
+    outcome = _split_outcome(splitter.finish)
+    assert outcome == _split_outcome(lambda: split(data, pb.PushRequest, ("gradients", "buffers")))
+    if outcome[0] != "refused":
+        received = splitter.finish()
+        assert sorted((name, index) for name, index, _ in seen) == sorted(received.early)
+        for (name, index), (view, result) in received.early.items():
+            assert view is received.large[name][index] and result == 1
 
 
 def test_tensor_bytes_round_trip_without_copies_on_the_way_out():

@@ -203,8 +203,26 @@ def _optimizer_step_ms(model) -> float:
 
 
 def _instrument(core) -> dict[str, list[float]]:
-    """Time the core's pieces per push: decode, the optimizer step, building the reply, the locked part."""
-    timings: dict[str, list[float]] = {"decode": [], "step": [], "reply": [], "locked": []}
+    """Time the core's pieces per push: decode (of which while the push arrived: TCP), the optimizer step,
+    building the reply, the locked part."""
+    timings: dict[str, list[float]] = {
+        "decode": [],
+        "decode_while_receiving": [],
+        "step": [],
+        "reply": [],
+        "locked": [],
+    }
+    early = [0.0]  # this push's gradients decoded as they arrived (src.parameter_server.push_splitter)
+    layout, gradient = core.model.layout, core.model.layout.gradient
+
+    def early_gradient(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return gradient(*args, **kwargs)
+        finally:
+            early[0] += time.perf_counter() - started
+
+    layout.gradient = early_gradient
 
     def timed(owner, name: str, into: str):
         method = getattr(owner, name)
@@ -218,7 +236,18 @@ def _instrument(core) -> dict[str, list[float]]:
 
         setattr(owner, name, wrapper)
 
-    timed(core, "decode", "decode")
+    decode = core.decode
+
+    def all_decoding(*args, **kwargs):  # the part left for handle_push, plus what was decoded on arrival
+        on_arrival, started = early[0], time.perf_counter()
+        try:
+            return decode(*args, **kwargs)
+        finally:
+            timings["decode"].append(on_arrival + time.perf_counter() - started)
+            timings["decode_while_receiving"].append(on_arrival)
+            early[0] = 0.0
+
+    core.decode = all_decoding
     timed(core.state, "step", "step")
     timed(core.replies, "serialize", "reply")
     apply_push, push_reply = core.apply_push, core.push_reply
