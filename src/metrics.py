@@ -79,9 +79,8 @@ class EventLog:
         with self._lock:
             if self._pending:
                 self._write_pending()
-            if not self._handle.closed:
-                self._handle.write(line)
-                self._handle.flush()
+            self._handle.write(line)
+            self._handle.flush()
         return event
 
     def write_later(self, kind: str, **fields: Any) -> dict[str, Any]:
