@@ -53,15 +53,11 @@ def test_set_reaches_nested_fields_and_print_config_shows_the_resolved_config(na
         _runner(RUNNERS[name]),
         _argv(
             name,
-            "--set",
-            "training.weight_decay=1e-4",
-            "--set",
-            "emulation.workers.1.slowdown=4",
-            "--set",
-            "training.max_train_samples=null",
-            "--set",
-            "system.inject_faults=[kill:worker=1@step=40]",
-            "--set",
+            *(
+                "--set training.weight_decay=1e-4 --set emulation.workers.1.slowdown=4 --set "
+                "training.max_train_samples=null --set "
+                "system.inject_faults=[kill:worker=1@step=40] --set"
+            ).split(),
             f"system.auth_token={SECRET}",
             "--tracker",
             "mlflow",

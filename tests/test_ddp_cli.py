@@ -55,7 +55,7 @@ def _outputs(cwd: Path, world: int) -> dict:
 
 @pytest.mark.slow
 def test_spec_single_process_run(tmp_path):
-    result = _run(["--world-size", "1", "--dataset", "mnist_5k", "--num-epochs", "1"], tmp_path)
+    result = _run("--world-size 1 --dataset mnist_5k --num-epochs 1".split(), tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Final Accuracy:" in result.stdout and "Throughput:" in result.stdout
     assert _outputs(tmp_path, 1)["final_accuracy"] >= 0.8
@@ -63,7 +63,7 @@ def test_spec_single_process_run(tmp_path):
 
 @pytest.mark.slow
 def test_spec_two_process_run(tmp_path):
-    result = _run(["--world-size", "2", "--dataset", "mnist_5k", "--num-epochs", "2"], tmp_path)
+    result = _run("--world-size 2 --dataset mnist_5k --num-epochs 2".split(), tmp_path)
     assert result.returncode == 0, result.stderr
     summary = _outputs(tmp_path, 2)
     assert summary["final_accuracy"] >= 0.9
@@ -74,18 +74,7 @@ def test_spec_two_process_run(tmp_path):
 @pytest.mark.slow
 def test_spec_synthetic_debug_run_and_resume(tmp_path):
     result = _run(
-        [
-            "--dataset",
-            "synthetic",
-            "--world-size",
-            "2",
-            "--num-epochs",
-            "1",
-            "--num-samples",
-            "2048",
-            "--optimizer",
-            "sgd",
-        ],
+        "--dataset synthetic --world-size 2 --num-epochs 1 --num-samples 2048 --optimizer sgd".split(),
         tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -94,18 +83,7 @@ def test_spec_synthetic_debug_run_and_resume(tmp_path):
     assert summary["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
     # ... and --resume continues it for a second epoch from the checkpoint folder
     result = _run(
-        [
-            "--dataset",
-            "synthetic",
-            "--world-size",
-            "2",
-            "--num-epochs",
-            "2",
-            "--num-samples",
-            "2048",
-            "--resume",
-            "checkpoints/ddp_cli",
-        ],
+        "--dataset synthetic --world-size 2 --num-epochs 2 --num-samples 2048 --resume checkpoints/ddp_cli".split(),
         tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -128,14 +106,7 @@ def test_same_script_spans_two_nodes_under_torchrun(tmp_path):
     command = [
         *torchrun_command(store.port, nnodes=2),
         RUNNER,
-        "--dataset",
-        "synthetic",
-        "--num-samples",
-        "256",
-        "--num-epochs",
-        "1",
-        "--allreduce",
-        "ring",
+        *"--dataset synthetic --num-samples 256 --num-epochs 1 --allreduce ring".split(),
     ]
     nodes = run_together([command, command], cwd=tmp_path, env=_clean_env(), timeout=RUN_TIMEOUT_S)
     assert [(node.returncode, node.killed) for node in nodes] == [(0, False)] * 2, "\n".join(
@@ -152,16 +123,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
         [
             sys.executable,
             RUNNER,
-            "--dataset",
-            "synthetic",
-            "--num-samples",
-            "20000",
-            "--batch-size",
-            "8",
-            "--world-size",
-            "2",
-            "--num-epochs",
-            "50",
+            *"--dataset synthetic --num-samples 20000 --batch-size 8 --world-size 2 --num-epochs 50".split(),
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -200,23 +162,11 @@ def test_ctrl_c_stops_every_rank(tmp_path):
 # restarted group must also get every rank's residuals and the hook's step back. Checkpoints at
 # steps 3, 6, 8 (epoch end), 9, 12, 15, 16: a kill at step 11 sends the group back to step 9, one
 # step into epoch 2.
-RUN_ARGS = [
-    "--dataset",
-    "synthetic",
-    "--num-samples",
-    "512",
-    "--batch-size",
-    "32",
-    "--num-epochs",
-    "2",
-    "--compression-enabled",
-    "--compression-type",
-    "topk",
-    "--compression-ratio",
-    "0.1",
-    "--checkpoint-interval-steps",
-    "3",
-]
+RUN_ARGS = (
+    "--dataset synthetic --num-samples 512 --batch-size 32 --num-epochs 2 "
+    "--compression-enabled --compression-type topk --compression-ratio 0.1 "
+    "--checkpoint-interval-steps 3"
+).split()
 FAULT_RUN = [*RUN_ARGS, "--world-size", "2"]
 
 

@@ -200,6 +200,12 @@ def test_a_tiny_matrix_runs_resumes_without_redoing_finished_runs_and_plots(tmp_
     assert "| identity | 1 |" in table and "| topk_ef | 1 |" in table  # one row per configuration over its seeds
 
 
+def _workers(workers: list[tuple]) -> list[dict]:
+    """A summary's ``workers`` from (samples, steps, gradient time, communication time) per worker."""
+    fields = ("samples", "steps", "gradient_time_s", "communication_time_s")
+    return [{"worker_id": k, **dict(zip(fields, w)), "compression_time_s": 0.0} for k, w in enumerate(workers)]
+
+
 def _fake_run(folder: Path, name: str, seed: int, **summary) -> None:
     """A finished run folder holding only what the plots and findings read."""
     run = folder / name
@@ -219,18 +225,7 @@ def _fake_run(folder: Path, name: str, seed: int, **summary) -> None:
         "emulation": None,
         "staleness_histogram": {"0": 3, "1": 1},
     }
-    workers = [
-        {
-            "worker_id": k,
-            "samples": s,
-            "steps": n,
-            "gradient_time_s": g,
-            "compression_time_s": 0.0,
-            "communication_time_s": c,
-        }
-        for k, (s, n, g, c) in enumerate(workers)
-    ]
-    (run / "summary.json").write_text(json.dumps({**base, **summary, "workers": workers}))
+    (run / "summary.json").write_text(json.dumps({**base, **summary, "workers": _workers(workers)}))
     (run / "experiment.json").write_text(json.dumps({"status": "finished"}))
     (run / "config.yaml").write_text(yaml.safe_dump({"training": {"seed": seed}}))
 
@@ -241,17 +236,7 @@ def _record(name: str, runs: list[tuple[str, int, dict]]) -> dict:
     for configuration, seed, fields in runs:
         fields = dict(fields)
         evals = fields.pop("evals", [])
-        workers = [
-            {
-                "worker_id": k,
-                "samples": s,
-                "steps": n,
-                "gradient_time_s": g,
-                "compression_time_s": 0.0,
-                "communication_time_s": c,
-            }
-            for k, (s, n, g, c) in enumerate(fields.pop("workers"))
-        ]
+        workers = _workers(fields.pop("workers"))
         summary = {
             "final_accuracy": 0.9,
             "train_time_s": 8.0,

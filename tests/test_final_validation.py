@@ -16,18 +16,7 @@ import pytest
 import run_final_checkpoint_validation as validation
 from tests.test_report import run_cli
 
-SMALL = [
-    "--workers",
-    "2",
-    "--epochs",
-    "1",
-    "--max-train-samples",
-    "512",
-    "--max-test-samples",
-    "128",
-    "--dataset",
-    "mnist_5k",
-]
+SMALL = "--workers 2 --epochs 1 --max-train-samples 512 --max-test-samples 128 --dataset mnist_5k".split()
 
 
 # ----------------------------------------------------------------------------- property 28 (fast, pure)

@@ -19,6 +19,7 @@ import pytest
 from src import netem
 from src.config import ConfigError, SetupError, load_config
 from src.metrics import read_events
+from tests.netns_fixtures import remove_namespace, shape_egress
 from tests.ps_fixtures import ROOT, RUNNER, TOKEN, kill_group, ps_config
 
 # ----------------------------------------------------------------------------- arithmetic and config
@@ -100,18 +101,7 @@ def test_emulation_flags_map_onto_the_config():
     from src.cli import EMULATION_FLAGS, config_from_args
 
     args = runner.build_parser().parse_args(
-        [
-            "--slow-worker",
-            "1=4",
-            "--slow-worker",
-            "0=1.5",
-            "--uplink-mbps",
-            "250",
-            "--downlink-latency-ms",
-            "3",
-            "--step-delay-s",
-            "0.01",
-        ]
+        "--slow-worker 1=4 --slow-worker 0=1.5 --uplink-mbps 250 --downlink-latency-ms 3 --step-delay-s 0.01".split()
     )
     config = config_from_args(args, defaults={}, extra_flags=EMULATION_FLAGS)
     assert {k: w.slowdown for k, w in config.emulation.workers.items()} == {1: 4.0, 0: 1.5}
@@ -237,41 +227,8 @@ def link_pair():
         yield names
     finally:
         for name in created:
-            for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes its veth end with it
+            remove_namespace(name)  # takes its veth end with it
         subprocess.run(["ip", "link", "del", names["server_dev"]], capture_output=True)  # only if moving it failed
-
-
-def _shape(namespace: str, device: str, mbps: float) -> None:
-    """Real shaping: a token bucket on the device's egress (``tc qdisc ... tbf``)."""
-    subprocess.run(
-        [
-            "ip",
-            "netns",
-            "exec",
-            namespace,
-            "tc",
-            "qdisc",
-            "replace",
-            "dev",
-            device,
-            "root",
-            "tbf",
-            "rate",
-            f"{mbps:g}mbit",
-            "burst",
-            "32kb",
-            "latency",
-            "400ms",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
 
 
 def _run_across(names, tmp_path, label: str, extra_server_args: list[str]) -> dict:
@@ -284,22 +241,11 @@ def _run_across(names, tmp_path, label: str, extra_server_args: list[str]) -> di
         "server",
         "--server-address",
         f"{SERVER_IP}:50061",
-        "--workers",
-        "1",
-        "--model",
-        "mlp",
-        "--aggregation-mode",
-        "async",
-        "--batch-size",
-        "16",
-        "--max-train-samples",
-        "160",
-        "--max-test-samples",
-        "64",
-        "--num-epochs",
-        "1",
-        "--checkpoint-interval",
-        "100000",
+        *(
+            "--workers 1 --model mlp --aggregation-mode async --batch-size 16 "
+            "--max-train-samples 160 --max-test-samples 64 --num-epochs 1 "
+            "--checkpoint-interval 100000"
+        ).split(),
         *extra_server_args,
         *common,
     ]
@@ -340,8 +286,8 @@ def test_an_emulated_link_agrees_with_the_same_link_shaped_by_tc(link_pair, tmp_
     emulated = _run_across(
         link_pair, tmp_path, "emulated", ["--uplink-mbps", str(SHAPED_MBPS), "--downlink-mbps", str(SHAPED_MBPS)]
     )
-    _shape(link_pair["worker"], link_pair["worker_dev"], SHAPED_MBPS)  # uplink: the worker's egress
-    _shape(link_pair["server"], link_pair["server_dev"], SHAPED_MBPS)  # downlink: the server's egress
+    shape_egress(link_pair["worker"], link_pair["worker_dev"], SHAPED_MBPS)  # uplink: the worker's egress
+    shape_egress(link_pair["server"], link_pair["server_dev"], SHAPED_MBPS)  # downlink: the server's egress
     shaped = _run_across(link_pair, tmp_path, "shaped", [])
     assert emulated["emulation"] is not None and shaped["emulation"] is None
     assert emulated["samples_processed"] == shaped["samples_processed"] == 160

@@ -23,18 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_spec_smoke_run_writes_the_spec_outputs(tmp_path):
     """The spec's fast smoke command (mnist_5k here), with the default output folders."""
     result = run_cli(
-        [
-            "--workers",
-            "2",
-            "--dataset",
-            "mnist_5k",
-            "--num-epochs",
-            "1",
-            "--max-train-samples",
-            "512",
-            "--max-test-samples",
-            "128",
-        ],
+        "--workers 2 --dataset mnist_5k --num-epochs 1 --max-train-samples 512 --max-test-samples 128".split(),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -59,21 +48,11 @@ def test_spec_smoke_run_writes_the_spec_outputs(tmp_path):
 def test_four_async_topk_workers_from_a_config_file(tmp_path):
     result = run_cli(
         [
-            "--config",
-            "configs/ps_async_quantization_4workers.yaml",
-            "--dataset",
-            "mnist_5k",
-            "--num-epochs",
-            "1",
-            "--max-train-samples",
-            "512",
-            "--max-test-samples",
-            "128",
-            "--compression-type",
-            "topk",
-            "--compression-ratio",
-            "0.1",
-            "--checkpoint-dir",
+            *(
+                "--config configs/ps_async_quantization_4workers.yaml --dataset mnist_5k "
+                "--num-epochs 1 --max-train-samples 512 --max-test-samples 128 --compression-type "
+                "topk --compression-ratio 0.1 --checkpoint-dir"
+            ).split(),
             str(tmp_path / "ckpt"),
             "--log-dir",
             str(tmp_path / "logs"),
@@ -107,7 +86,7 @@ def test_bad_flags_exit_nonzero_with_one_line(tmp_path, args, message):
 def test_worker_role_without_a_token_says_so(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "DTS_AUTH_TOKEN"}
     process = subprocess.run(
-        [sys.executable, str(RUNNER), "--role", "worker", "--worker-id", "0", "--server-address", "127.0.0.1:1"],
+        [sys.executable, str(RUNNER), *"--role worker --worker-id 0 --server-address 127.0.0.1:1".split()],
         cwd=tmp_path,
         env=env,
         capture_output=True,

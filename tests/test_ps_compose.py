@@ -233,14 +233,7 @@ def _assert_tls_handshake(compose):
     """The server speaks TLS with a certificate valid for the name the workers dial (a plain Python client
     in a worker's container, so the handshake alone is checked)."""
     handshake = compose(
-        "run",
-        "--rm",
-        "--no-deps",
-        "-T",
-        "--entrypoint",
-        "python",
-        "worker_0",
-        "-c",
+        *"run --rm --no-deps -T --entrypoint python worker_0 -c".split(),
         "import socket, ssl; context = ssl.create_default_context(cafile='certs/server.crt'); "
         "print(context.wrap_socket(socket.create_connection(('parameter_server', 50051), timeout=30), "
         "server_hostname='parameter_server').version())",
@@ -251,7 +244,7 @@ def _assert_tls_handshake(compose):
 
 def _assert_intruder_refused(compose):
     """A container on training_net with a wrong token: the server refuses it; the run goes on."""
-    intruder = compose("run", "--rm", "--no-deps", "-T", "-e", "DTS_AUTH_TOKEN=not-the-token", "worker_1", check=False)
+    intruder = compose(*"run --rm --no-deps -T -e DTS_AUTH_TOKEN=not-the-token worker_1".split(), check=False)
     assert intruder.returncode == 1, intruder.stdout + intruder.stderr
     assert "parameter server call failed: UNAUTHENTICATED: missing or wrong auth token" in intruder.stderr, (
         intruder.stderr

@@ -157,19 +157,13 @@ def test_entrypoint_passes_tls_files_and_a_share_of_the_cores(fake_python):
     assert server.returncode == 0, server.stderr
     lines = server.stdout.split()
     assert lines[0] == f"OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // 3)}"
-    assert lines[1:] == [
-        "run_parameter_server_training.py",
-        "--role",
-        "server",
-        "--server-address",
-        "0.0.0.0:50051",
-        "--tls-cert",
-        "certs/server.crt",
-        "--tls-key",
-        "certs/server.key",
-        "--workers",
-        "2",
-    ]
+    assert (
+        lines[1:]
+        == (
+            "run_parameter_server_training.py --role server --server-address 0.0.0.0:50051 "
+            "--tls-cert certs/server.crt --tls-key certs/server.key --workers 2"
+        ).split()
+    )
     worker = run_entrypoint(
         fake_python
         | {
@@ -180,29 +174,21 @@ def test_entrypoint_passes_tls_files_and_a_share_of_the_cores(fake_python):
             "DTS_PROCESSES_PER_HOST": "3",
         }
     )
-    assert worker.stdout.split() == [
-        "OMP_NUM_THREADS=7",
-        "run_parameter_server_training.py",
-        "--role",
-        "worker",
-        "--worker-id",
-        "1",
-        "--server-address",
-        "parameter_server:50051",
-        "--tls-ca",
-        "certs/server.crt",
-    ]
+    assert (
+        worker.stdout.split()
+        == (
+            "OMP_NUM_THREADS=7 run_parameter_server_training.py --role worker --worker-id 1 "
+            "--server-address parameter_server:50051 --tls-ca certs/server.crt"
+        ).split()
+    )
     plain = run_entrypoint(fake_python | {"DTS_ROLE": "worker", "DTS_WORKER_ID": "0"})
-    assert plain.stdout.split() == [
-        "OMP_NUM_THREADS=unset",
-        "run_parameter_server_training.py",
-        "--role",
-        "worker",
-        "--worker-id",
-        "0",
-        "--server-address",
-        "parameter_server:50051",
-    ]
+    assert (
+        plain.stdout.split()
+        == (
+            "OMP_NUM_THREADS=unset run_parameter_server_training.py --role worker --worker-id "
+            "0 --server-address parameter_server:50051"
+        ).split()
+    )
 
 
 def test_entrypoint_refuses_a_bad_process_count(fake_python):

@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from src.metrics import read_events
+from tests.netns_fixtures import remove_namespace
 from tests.ps_fixtures import ROOT, TOKEN, kill_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -64,13 +65,7 @@ def hosts():
         yield names
     finally:
         for name in created:
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), 9)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            remove_namespace(name)
         for link in links:  # left in the root namespace only if moving it failed
             subprocess.run(["ip", "link", "del", link], capture_output=True)
 
@@ -99,17 +94,10 @@ def test_server_and_workers_on_separate_hosts(hosts, tmp_path, transport):
                 hosts["server"],
                 {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": f"{SERVER_IP}:50051", **chosen},
                 [
-                    "--workers",
-                    "2",
-                    "--dataset",
-                    "mnist_5k",
-                    "--num-epochs",
-                    "1",
-                    "--max-train-samples",
-                    "256",
-                    "--max-test-samples",
-                    "128",
-                    "--checkpoint-dir",
+                    *(
+                        "--workers 2 --dataset mnist_5k --num-epochs 1 --max-train-samples 256 "
+                        "--max-test-samples 128 --checkpoint-dir"
+                    ).split(),
                     str(tmp_path / "ckpt"),
                     "--log-dir",
                     str(logs / "server_host"),

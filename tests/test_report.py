@@ -405,18 +405,7 @@ def test_bench_figures_sit_beside_their_references():
 # ----------------------------------------------------------------------------- real runs (slow)
 
 
-SMALL = [
-    "--dataset",
-    "mnist_5k",
-    "--max-train-samples",
-    "512",
-    "--max-test-samples",
-    "128",
-    "--num-epochs",
-    "2",
-    "--device",
-    "cpu",
-]
+SMALL = "--dataset mnist_5k --max-train-samples 512 --max-test-samples 128 --num-epochs 2 --device cpu".split()
 
 
 @pytest.fixture(scope="module")

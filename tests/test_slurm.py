@@ -33,30 +33,13 @@ NUM_TEST = 500
 # 1 epoch, sync, 2 workers x batch 32: 63 versions; heartbeats fast enough that a killed worker is
 # failed 3 s after its last one.
 PS_FLAGS = [
-    "--dataset",
-    "mnist_5k",
-    "--num-epochs",
-    "1",
-    "--batch-size",
-    "32",
-    "--max-test-samples",
+    *"--dataset mnist_5k --num-epochs 1 --batch-size 32 --max-test-samples".split(),
     str(NUM_TEST),
-    "--heartbeat-interval",
-    "0.5",
-    "--heartbeat-timeout",
-    "3",
-    "--checkpoint-interval",
-    "20",
+    *"--heartbeat-interval 0.5 --heartbeat-timeout 3 --checkpoint-interval 20".split(),
 ]
 # 2 epochs, 2 ranks x batch 16: 250 steps, a checkpoint every 4 (a requeue lands long before the end).
 DDP_FLAGS = [
-    "--dataset",
-    "mnist_5k",
-    "--num-epochs",
-    "2",
-    "--batch-size",
-    "16",
-    "--max-test-samples",
+    *"--dataset mnist_5k --num-epochs 2 --batch-size 16 --max-test-samples".split(),
     str(NUM_TEST),
     "--checkpoint-interval-steps",
     "4",

@@ -33,6 +33,7 @@ from src import tracing
 from src.exposed_comm import BackwardWait
 from src.metrics import read_events
 from src.report import Run, build_report, report_blocks, to_markdown
+from tests.netns_fixtures import remove_namespace, shape_egress
 from tests.ps_fixtures import ROOT, ps_config
 from tests.test_report import SUMMARY
 from tests.test_tracing import assert_spans_nest, complete_events
@@ -41,24 +42,10 @@ pytestmark = pytest.mark.timeout(300)
 
 UPLINK_MBPS = 25.0
 DDP_RUNNER = str(ROOT / "run_ddp_training.py")
-DDP_ARGS = [
-    "--world-size",
-    "2",
-    "--dataset",
-    "synthetic",
-    "--num-samples",
-    "256",
-    "--batch-size",
-    "32",
-    "--num-epochs",
-    "1",
-    "--allreduce",
-    "ring",
-    "--eval-interval",
-    "2",
-    "--max-restarts",
-    "0",
-]
+DDP_ARGS = (
+    "--world-size 2 --dataset synthetic --num-samples 256 --batch-size 32 "
+    "--num-epochs 1 --allreduce ring --eval-interval 2 --max-restarts 0"
+).split()
 
 
 def _closed_trace(path: Path) -> list[dict]:
@@ -359,12 +346,7 @@ def shaped_loopback():
         )
         yield name
     finally:
-        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
-            try:
-                os.kill(int(pid), 9)
-            except ProcessLookupError:
-                pass
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        remove_namespace(name)
 
 
 @pytest.mark.slow
@@ -373,30 +355,7 @@ def test_ddp_exposed_communication_grows_as_a_tc_shaped_link_narrows(ddp_run, sh
     """Both ranks in one namespace, their ring traffic through its loopback shaped by a token bucket to 25 Mbit/s."""
     _, unshaped = ddp_run
     mbps = 25
-    subprocess.run(
-        [
-            "ip",
-            "netns",
-            "exec",
-            shaped_loopback,
-            "tc",
-            "qdisc",
-            "replace",
-            "dev",
-            "lo",
-            "root",
-            "tbf",
-            "rate",
-            f"{mbps}mbit",
-            "burst",
-            "32kb",
-            "latency",
-            "400ms",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
+    shape_egress(shaped_loopback, "lo", mbps)
     shaped = _ddp(tmp_path / "shaped", prefix=["ip", "netns", "exec", shaped_loopback])
     assert shaped["bytes_sent"] == unshaped["bytes_sent"] and shaped["steps"] == unshaped["steps"]  # the same exchange
     rank_steps = 2 * shaped["steps"]

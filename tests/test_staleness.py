@@ -429,17 +429,9 @@ def test_over_a_whole_run_computed_gradients_are_applied_or_still_in_the_residua
         assert all(w["residuals"][n].abs().sum() == 0 for w in workers for n in applied)
 
 
-SPECS_ASYNC_COMMAND = [
-    "--dataset",
-    "mnist_5k",
-    "--num-epochs",
-    "2",
-    "--compression-enabled",
-    "--compression-type",
-    "topk",
-    "--compression-ratio",
-    "0.1",
-]
+SPECS_ASYNC_COMMAND = (
+    "--dataset mnist_5k --num-epochs 2 --compression-enabled --compression-type topk --compression-ratio 0.1".split()
+)
 """The spec's async command without its worker count and mode (momentum and the correction at their defaults)."""
 
 

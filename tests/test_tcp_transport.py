@@ -171,7 +171,7 @@ def test_health_probe_needs_no_token(served, capsys):
 
     assert main(["--transport", "tcp", "--address", served.address]) == 0
     assert capsys.readouterr().out.strip() == f"{served.address}: SERVING"
-    assert main(["--transport", "tcp", "--address", "127.0.0.1:1", "--timeout", "2"]) == 1
+    assert main("--transport tcp --address 127.0.0.1:1 --timeout 2".split()) == 1
     assert "unhealthy: 127.0.0.1:1: UNAVAILABLE" in capsys.readouterr().err
 
 

@@ -159,18 +159,10 @@ def test_a_traced_baseline_run_has_one_span_per_step_nested_in_its_epochs(tmp_pa
     logs = tmp_path / "logs"
     status = _runner("run_baseline_training.py")(
         [
-            "--dataset",
-            "mnist_5k",
-            "--num-epochs",
-            "2",
-            "--max-train-samples",
-            "320",
-            "--max-test-samples",
-            "100",
-            "--eval-interval",
-            "3",
-            "--trace",
-            "--checkpoint-dir",
+            *(
+                "--dataset mnist_5k --num-epochs 2 --max-train-samples 320 --max-test-samples 100 "
+                "--eval-interval 3 --trace --checkpoint-dir"
+            ).split(),
             str(tmp_path / "ckpt"),
             "--log-dir",
             str(logs),

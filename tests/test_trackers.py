@@ -55,17 +55,10 @@ def tracked_run(tmp_path_factory):
     try:
         status = _runner("run_baseline_training.py")(
             [
-                "--dataset",
-                "mnist_5k",
-                "--num-epochs",
-                "2",
-                "--max-train-samples",
-                "256",
-                "--max-test-samples",
-                "100",
-                "--eval-interval",
-                "2",
-                "--checkpoint-dir",
+                *(
+                    "--dataset mnist_5k --num-epochs 2 --max-train-samples 256 --max-test-samples 100 "
+                    "--eval-interval 2 --checkpoint-dir"
+                ).split(),
                 str(root / "ckpt"),
                 "--log-dir",
                 str(logs),
@@ -326,17 +319,9 @@ def test_a_two_rank_ddp_run_is_one_tracker_run_logged_by_rank_0(tmp_path):
         [
             sys.executable,
             str(ROOT / "run_ddp_training.py"),
-            "--world-size",
-            "2",
-            "--num-epochs",
-            "1",
-            "--max-train-samples",
-            "512",
-            "--max-test-samples",
-            "100",
-            "--tracker",
-            "mlflow",
-            "--set",
+            *(
+                "--world-size 2 --num-epochs 1 --max-train-samples 512 --max-test-samples 100 --tracker mlflow --set"
+            ).split(),
             f"metrics.mlflow_tracking_uri={uri}",
             "--set",
             f"metrics.project={PROJECT}",

