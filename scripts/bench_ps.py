@@ -37,7 +37,9 @@ async mode; ``saturated_at_clients`` is the fewest clients reaching 90% of the b
 ``training``: samples/s of a 2-worker sync PS run per transport (processes, as
 ``run_parameter_server_training.py`` starts them), a 2-worker async run over TCP and 2-rank DDP, on
 the same data (mnist_5k, batch 64 per worker/rank, simple_cnn, CPU, 2 epochs) in the same run, each
-``--training-repeats`` times in turns (medians); target PS (TCP) sync >= 0.9 of DDP.
+``--training-repeats`` times in turns (medians); target PS (TCP) sync >= 0.9 of DDP. Every run evaluates
+only at its end (``training.eval_at_epoch_ends: false``): DDP pauses its clock to evaluate, the PS would
+evaluate on a thread beside its workers, on the cores they share.
 """
 
 from __future__ import annotations

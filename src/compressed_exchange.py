@@ -10,10 +10,11 @@ gradients. Bytes are counted from the payloads. The steps (:func:`encode_segment
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from src.compression import decompress
+from src.compression import decompress, topk_entries
 from src.compression_hook_state import CompressionHookState, Segment
 from src.error_feedback import ErrorFeedback
 
@@ -86,8 +87,20 @@ def accumulate_payloads(
     ef = state.error_feedback if compensated is not None else None
     position = 0
     for index, (segment, length) in enumerate(zip(segments, lengths)):
-        dense = decompress(data[position : position + length]).to(device)
+        payload = data[position : position + length]
         position += length
+        entries = topk_entries(payload)
+        if entries is not None:  # top-k: add its k entries, no dense tensor of zeros around them
+            positions = torch.from_numpy(entries[0].astype(np.int64)).to(device)
+            values = torch.from_numpy(entries[1]).to(device)
+            if ef is not None:
+                _settle_own_entries(ef, segment, compensated[index], entries[0], positions, values)
+            if totals[index] is None:
+                first = into[index] if into is not None else None
+                totals[index] = first.zero_() if first is not None else torch.zeros(segment.numel, device=device)
+            totals[index].index_add_(0, positions, values)  # distinct positions: one addition each
+            continue
+        dense = decompress(payload).to(device)
         if ef is not None:
             start = 0
             for piece, part in zip(segment.pieces, compensated[index]):
@@ -101,6 +114,22 @@ def accumulate_payloads(
             totals[index] = into[index].copy_(dense)
         else:
             totals[index] = dense
+
+
+def _settle_own_entries(
+    ef: ErrorFeedback,
+    segment: Segment,
+    parts: list[torch.Tensor],
+    host_positions: np.ndarray,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Error feedback of this rank's own top-k send, piece by piece: each piece's residual is its compensated
+    gradient less the entries sent from it (``host_positions``: ``positions`` on the host, ascending)."""
+    starts = np.cumsum([0] + [piece.numel for piece in segment.pieces])
+    bounds = np.searchsorted(host_positions, starts).tolist()
+    for piece, part, start, lo, hi in zip(segment.pieces, parts, starts.tolist(), bounds, bounds[1:]):
+        ef.settle_sent_entries(piece.name, part.view(piece.shape), positions[lo:hi] - start, values[lo:hi])
 
 
 def write_average_(

@@ -216,6 +216,23 @@ def decompress(
     return out if device is None else out.to(device)
 
 
+def topk_entries(payload: PayloadLike) -> tuple[np.ndarray, np.ndarray] | None:
+    """The kept entries of a top-k payload: (positions, int32 and strictly increasing; float32 values), checked
+    as :func:`decompress` checks them; ``None`` for a payload of another kind (decompress that one).
+
+    What a receiver that only adds the payload into a dense tensor needs: its ``k`` entries, not a dense
+    tensor of zeros around them (:mod:`src.compressed_exchange`).
+
+    Raises:
+        ValueError: the payload is malformed, as :func:`decompress` says.
+    """
+    buf = as_buffer(payload)
+    header = read_header(buf, _checked_body_size)
+    if header.kind != Kind.TOPK:
+        return None
+    return TopKCompressor._entries(header, buf)
+
+
 def wire_size(payload: PayloadLike) -> int:
     """Bytes that cross the wire for ``payload``: simply its length (header included)."""
     return len(as_buffer(payload))
@@ -497,7 +514,8 @@ class TopKCompressor(Compressor):
         return (bits // 8 + BYTES_PER_INDEX) * param
 
     @classmethod
-    def _decode(cls, header, buf):
+    def _entries(cls, header, buf) -> tuple[np.ndarray, np.ndarray]:
+        """The payload's positions (int32, strictly increasing, in range) and float32 values, checked."""
         k, numel = header.param, header.numel
         values = decode_values(buf, header.value_dtype, k, HEADER_SIZE)
         indices = read_array(buf, I32, k, HEADER_SIZE + header.bits // 8 * k)
@@ -507,7 +525,12 @@ class TopKCompressor(Compressor):
             raise ValueError(
                 f"topk payload indices are not strictly increasing within [0, {numel}): the buffers are garbled"
             )
-        out = np.zeros(numel, dtype=np.float32)  # calloc'd: pages are zeroed on first touch
+        return indices, values
+
+    @classmethod
+    def _decode(cls, header, buf):
+        indices, values = cls._entries(header, buf)
+        out = np.zeros(header.numel, dtype=np.float32)  # calloc'd: pages are zeroed on first touch
         out[indices] = values
         return torch.from_numpy(out)
 

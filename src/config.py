@@ -146,6 +146,11 @@ class TrainingConfig(_Section):
     eval_batch_size: PositiveInt = 1000
     eval_interval: int = _bounded(0, ge=0, why="0 = evaluate only at epoch ends")
     """Also evaluate every this many steps (parameter server: server versions); 0 = only at epoch ends."""
+    eval_at_epoch_ends: bool = True
+    """Evaluate at every epoch's end; ``False``: only at the run's end (and every ``eval_interval`` /
+    ``eval_every_samples``). Throughput benchmarks turn it off so no evaluation runs inside a training clock:
+    DDP and the baseline pause their clocks to evaluate, a parameter server evaluates on a thread beside its
+    workers, which on a machine they share takes the workers' CPU."""
     eval_every_samples: int = _bounded(0, ge=0, why="0 = evaluate only at epoch ends")
     """Also evaluate each time the samples applied (all workers or ranks together) pass a multiple of this
     (0 = off): sync and async runs, PS and DDP, are then scored at the same sample counts. Pick a multiple

@@ -105,6 +105,7 @@ from src.supervisor import LaunchError, leave_process
 from src.trainer import (
     MixedPrecision,
     TrainingClock,
+    epoch_evaluation_due,
     eval_due,
     load_splits,
     model_from_config,
@@ -453,10 +454,11 @@ class DDPTrainer:
             with clock.running():
                 epoch_samples, epoch_steps = self._train_epoch(epoch, first_index, logs, clock, target)
             samples, steps_run = samples + epoch_samples, steps_run + epoch_steps
-            final_loss, final_accuracy = self._evaluate_and_log(logs.run_log, epoch + 1, clock, target)
-            if logs.run_log is not None:
-                result = (epoch + 1, t.num_epochs, final_accuracy * 100, final_loss)
-                logger.info("epoch %d/%d: test accuracy %.2f%%, test loss %.4f", *result)
+            if epoch_evaluation_due(t, epoch):  # every rank decides alike: the evaluation is collective
+                final_loss, final_accuracy = self._evaluate_and_log(logs.run_log, epoch + 1, clock, target)
+                if logs.run_log is not None:
+                    result = (epoch + 1, t.num_epochs, final_accuracy * 100, final_loss)
+                    logger.info("epoch %d/%d: test accuracy %.2f%%, test loss %.4f", *result)
             if (
                 (epoch + 1) % t.checkpoint_interval == 0
                 or epoch + 1 == t.num_epochs

@@ -107,6 +107,31 @@ class ErrorFeedback:
         self._pending[key] = compensated
         return residual
 
+    def settle_sent_entries(
+        self, key: Union[str, int], compensated: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`update` then :meth:`commit` for a send known by its kept entries (a top-k payload's):
+        residual = compensated less ``values`` at the flat ``positions``, the same sums as ``update``'s.
+
+        ``compensated`` itself becomes the residual (changed in place: no new tensor, no pass over the
+        entries not sent) and no rollback copy is kept: for a caller whose sends are never rejected (DDP).
+
+        Returns:
+            The new residual.
+
+        Raises:
+            ValueError: bad key or a non-float32 ``compensated``.
+        """
+        _check_key(key)
+        if not isinstance(compensated, torch.Tensor) or compensated.dtype != torch.float32:
+            raise ValueError(f"compensated tensor for key {key!r} must be a float32 torch.Tensor")
+        flat = compensated.view(-1)
+        flat.index_add_(0, positions, values, alpha=-1)  # distinct positions: x + (-v) is x - v, as compensated - sent
+        self._residuals[key] = compensated
+        self._pending.pop(key, None)
+        self._before.pop(key, None)
+        return compensated
+
     def rollback(self, key: Union[str, int]) -> None:
         """Undo the last :meth:`update` of ``key`` after a rejected push.
 

@@ -1,9 +1,10 @@
 """The parameter server's evaluations: when one is due, running it (on the injected executor), recording it.
 
 Evaluations run every ``training.eval_interval`` versions, every ``training.eval_every_samples``
-samples, at epoch ends and at the end of the run, on a snapshot of the parameters taken under the
-lock; a real server runs them on a background thread, a simulation inline. Each one is an ``eval``
-event, may reach the target accuracy, and is where the adaptive-compression controller decides.
+samples, at epoch ends (unless ``training.eval_at_epoch_ends`` is off) and at the end of the run, on a
+snapshot of the parameters taken under the lock; a real server runs them on a background thread, a
+simulation inline. Each one is an ``eval`` event, may reach the target accuracy, and is where the
+adaptive-compression controller decides.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class ServerEvaluations:
         t = self.training
         if self.test_set is None:
             return False
-        evaluate_now = bool(epochs_done) and epochs_done[-1] + 1 < t.num_epochs  # the final evaluation covers the last
+        # the final evaluation covers the last epoch; training.eval_at_epoch_ends=False leaves only it
+        evaluate_now = t.eval_at_epoch_ends and bool(epochs_done) and epochs_done[-1] + 1 < t.num_epochs
         if t.eval_interval and version % t.eval_interval == 0:
             evaluate_now = True
         if samples_due(samples_before, samples, t.eval_every_samples):  # the same sample counts in sync and async

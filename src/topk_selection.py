@@ -12,6 +12,7 @@ for tensors on accelerators (``device_*``). No I/O; torch, numpy and the standar
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -86,14 +87,21 @@ def _host_scan(values: np.ndarray, threshold: np.float32) -> np.ndarray | None:
     return np.concatenate(parts)
 
 
+@functools.lru_cache(maxsize=256)
+def _sample_picks(numel: int, size: int) -> np.ndarray:
+    """The sampled positions for a tensor of ``numel`` (fixed seed: the same every call, so drawn once)."""
+    picks = np.random.default_rng(_SAMPLE_SEED).integers(0, numel, size)
+    picks.flags.writeable = False
+    return picks
+
+
 def host_sampled_topk(values: np.ndarray, k: int, sample_size: int) -> np.ndarray | None:
     """Top-k positions from a sampled threshold; None: use the exact path instead."""
     plan = _sample_plan(values.size, k, sample_size)
     if plan is None:
         return None
     size, rank = plan
-    picks = np.random.default_rng(_SAMPLE_SEED).integers(0, values.size, size)
-    sample = np.abs(values[picks])
+    sample = np.abs(values[_sample_picks(values.size, size)])
     for _ in range(_SAMPLE_ATTEMPTS):
         rank = max(1, min(rank, size))
         threshold = np.partition(sample, size - rank)[size - rank]  # rank-th largest

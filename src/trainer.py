@@ -325,6 +325,12 @@ class TrainingClock:
                 self._start()
 
 
+def epoch_evaluation_due(training, epoch: int) -> bool:
+    """Whether the end of epoch ``epoch`` (0-based) is evaluated: every epoch's with
+    ``training.eval_at_epoch_ends``, else only the last (the run's final evaluation)."""
+    return training.eval_at_epoch_ends or epoch + 1 >= training.num_epochs
+
+
 def eval_due(step: int, interval: int, *, epoch_end: bool) -> bool:
     """Whether to evaluate after optimizer step ``step``: every epoch end, and every ``interval`` steps (0: never)."""
     return epoch_end or (interval > 0 and step % interval == 0)
@@ -515,19 +521,21 @@ class BaselineTrainer:
         train_loss: float,
         train_accuracy: float,
     ) -> tuple[float, float]:
-        """The epoch's evaluation (with its training loss and accuracy) and, when due, its checkpoint; returns the
-        test loss and accuracy."""
+        """The epoch's evaluation (with its training loss and accuracy) and its checkpoint, each when due; returns
+        the test loss and accuracy (NaN when ``training.eval_at_epoch_ends`` skips this epoch's evaluation)."""
         t = self.config.training
-        final_loss, final_accuracy = self._evaluate(
-            log, epoch + 1, target, clock, {"train_loss": train_loss, "train_accuracy": train_accuracy}
-        )
-        logger.info(
-            "epoch %d/%d: test accuracy %.2f%%, test loss %.4f",
-            epoch + 1,
-            t.num_epochs,
-            final_accuracy * 100,
-            final_loss,
-        )
+        final_loss, final_accuracy = float("nan"), float("nan")
+        if epoch_evaluation_due(t, epoch):
+            final_loss, final_accuracy = self._evaluate(
+                log, epoch + 1, target, clock, {"train_loss": train_loss, "train_accuracy": train_accuracy}
+            )
+            logger.info(
+                "epoch %d/%d: test accuracy %.2f%%, test loss %.4f",
+                epoch + 1,
+                t.num_epochs,
+                final_accuracy * 100,
+                final_loss,
+            )
         if (epoch + 1) % t.checkpoint_interval == 0 or epoch + 1 == t.num_epochs:
             written = self._checkpoint(numbered_path(self.checkpoint_dir, epoch + 1), epoch + 1)
             prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)

@@ -46,6 +46,7 @@ from src.ddp_trainer import _scaled_loss
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.trainer import (
     checkpoint_of_run,
+    epoch_evaluation_due,
     eval_due,
     evaluate,
     load_splits,
@@ -246,7 +247,8 @@ class VirtualDDP:
                             },
                             epoch=epoch,
                         )
-                    if eval_due(self.step, t.eval_interval, epoch_end=index + 1 == num_steps) or samples_due(
+                    epoch_end = index + 1 == num_steps and epoch_evaluation_due(t, epoch)
+                    if eval_due(self.step, t.eval_interval, epoch_end=epoch_end) or samples_due(
                         samples - step_count, samples, t.eval_every_samples
                     ):
                         final_loss, final_accuracy = evaluate(self.model, self.test_set, batch_size=t.eval_batch_size)

@@ -602,6 +602,24 @@ def test_payload_of_wrong_type_rejected():
             decompress(bad)
 
 
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+def test_topk_entries_are_what_decompress_scatters_and_other_kinds_have_none(value_dtype):
+    x = _randn(1000, seed=4)
+    payload = build_compressor("topk", ratio=0.05, value_dtype=value_dtype).compress(x)
+    positions, values = comp.topk_entries(payload)
+    assert positions.dtype == np.int32 and values.dtype == np.float32 and len(positions) == 50
+    assert (np.diff(positions) > 0).all()
+    dense = torch.zeros(1000)
+    dense[torch.from_numpy(positions.astype(np.int64))] = torch.from_numpy(values)
+    assert torch.equal(dense, decompress(payload))
+    assert comp.topk_entries(IDENTITY.compress(x)) is None
+    assert comp.topk_entries(build_compressor("quantization", bits=8).compress(x, seed=0)) is None
+    bad = bytearray(payload)
+    struct.pack_into("<i", bad, HEADER_SIZE + (2 if value_dtype == "bfloat16" else 4) * 50, 5000)
+    with pytest.raises(ValueError, match="indices are not strictly increasing"):  # checked as decompress checks
+        comp.topk_entries(bytes(bad))
+
+
 def test_garbled_buffers_rejected():
     x = _randn(100, seed=8)
     topk = bytearray(build_compressor("topk", ratio=0.1).compress(x))

@@ -69,6 +69,7 @@ def _plan(root: Path) -> list[tuple]:
     every = {**topk_training, "checkpoint_interval_steps": 5, "eval_interval": 3, "target_accuracy": 0.3}
     return [
         ("train", _config(root, "default"), None),
+        ("train", _config(root, "final_eval_only", {"eval_at_epoch_ends": False}), None),
         ("train", _config(root, "ring", system={"allreduce": "ring"}), None),
         ("train", _config(root, "topk", topk_training, TOPK), None),
         ("train", _config(root, "topk_resumed", topk_training, TOPK), str(first_epoch)),
@@ -282,6 +283,14 @@ def test_outputs_per_rank_and_for_the_run(runs):
     checkpoints = sorted(p.name for p in (runs / "default" / "checkpoints").iterdir())
     assert checkpoints == ["checkpoint_000004.pt", "checkpoint_000008.pt", "ddp_final.pt"]  # numbered by step
     torch.load(runs / "default" / "checkpoints" / "ddp_final.pt", weights_only=True)
+
+
+def test_without_epoch_evaluations_only_the_runs_end_is_evaluated_and_training_is_the_same(runs):
+    evals = list(read_events(runs / "final_eval_only" / "logs" / "events.jsonl", "eval"))
+    assert [e["epoch"] for e in evals] == [2]
+    assert evals[0]["test_accuracy"] == _summary(runs, "final_eval_only")["final_accuracy"]
+    final_only, every_epoch = _final(runs, "final_eval_only"), _final(runs, "default")
+    assert _max_difference(final_only["model_state_dict"], every_epoch["model_state_dict"]) == 0.0
 
 
 def test_compression_ratio_is_logged_per_step_when_compressing(runs):

@@ -22,6 +22,28 @@ def _randn(shape, seed=0, dtype=torch.float32):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def test_settling_a_topk_send_by_its_entries_leaves_the_residual_update_and_commit_leave():
+    from src.compression import topk_entries
+
+    by_update, by_entries = ErrorFeedback(), ErrorFeedback()
+    topk = build_compressor("topk", ratio=0.1)
+    for step in range(3):
+        grad = _randn((30, 20), seed=step)
+        compensated = by_update.compensate("w", grad)
+        payload = topk.compress(compensated)
+        by_update.update("w", compensated, payload)
+        by_update.commit("w")
+        own = by_entries.compensate("w", grad)
+        positions, values = topk_entries(payload)
+        residual = by_entries.settle_sent_entries(
+            "w", own, torch.from_numpy(positions.astype("int64")), torch.from_numpy(values)
+        )
+        assert residual is own and torch.equal(residual, by_update.residual("w"))  # the same sums, in place
+        assert by_entries.residual("w") is own
+    with pytest.raises(ValueError, match="no pending update"):
+        by_entries.rollback("w")  # nothing kept to roll back to: for senders that are never refused
+
+
 @pytest.mark.parametrize(
     "compressor",
     [build_compressor("topk", ratio=0.05), build_compressor("quantization", bits=2)],

@@ -371,6 +371,7 @@ def test_a_ddp_experiment_runs_through_the_elastic_launcher(tmp_path):
     assert json.loads((run / "experiment.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.slow  # two clocks' runs of a matrix (~9 s): the fast suite keeps under 3 minutes
 def test_a_matrix_with_a_virtual_clock_runs_both_clocks_on_the_same_experiment(tmp_path):
     matrix_file = tmp_path / "clocks.yaml"
     matrix_file.write_text(

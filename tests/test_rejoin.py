@@ -212,6 +212,7 @@ def _wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # waits out a heartbeat timeout (~7 s)
 @pytest.mark.timeout(180)
 def test_a_library_worker_stopped_past_the_timeout_rejoins_when_continued(tmp_path):
     """A real SIGSTOP of a process training through torch_asgc: the server fails it; after SIGCONT its next

@@ -111,6 +111,18 @@ def test_eval_interval_and_time_to_target_on_the_training_clock(tmp_path):
     assert (missed["time_to_target_s"], missed["time_to_target_step"]) == (None, None)
 
 
+def test_without_epoch_evaluations_only_the_runs_end_is_evaluated_and_training_is_the_same(tmp_path):
+    every = BaselineTrainer(small_config(tmp_path, "every", num_epochs=3))
+    every.run()
+    final_only = BaselineTrainer(small_config(tmp_path, "final", num_epochs=3, eval_at_epoch_ends=False))
+    summary = final_only.run()
+    evals = {name: list(read_events(tmp_path / name / "logs" / "events.jsonl", "eval")) for name in ("every", "final")}
+    assert {name: [e["step"] for e in found] for name, found in evals.items()} == {"every": [8, 16, 24], "final": [24]}
+    assert summary["final_accuracy"] == evals["final"][0]["test_accuracy"]  # 8 steps an epoch
+    for name, value in final_parameters(every).items():
+        assert torch.equal(value, final_parameters(final_only)[name]), name
+
+
 def test_training_clock_counts_only_while_running():
     clock = TrainingClock()
     assert clock.seconds == 0.0

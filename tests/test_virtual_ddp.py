@@ -111,6 +111,17 @@ def test_faults_are_refused_in_virtual_ddp(tmp_path):
         run_virtual_ddp(ddp_config(tmp_path, "faulty", system__inject_faults=["kill:rank=1@step=2"]), tensorboard=False)
 
 
+def test_virtual_ddp_without_epoch_evaluations_evaluates_only_the_runs_end(tmp_path):
+    from src.metrics import read_events
+
+    epochs = {}
+    for name, on in (("every", True), ("final", False)):
+        config = ddp_config(tmp_path, name, training__num_epochs=3, training__eval_at_epoch_ends=on)
+        run_virtual_ddp(config, tensorboard=False)
+        epochs[name] = [e["epoch"] for e in read_events(tmp_path / name / "logs" / "events.jsonl", "eval")]
+    assert epochs == {"every": [1, 2, 3], "final": [3]}
+
+
 def test_virtual_ddp_evaluates_at_fixed_sample_counts(tmp_path):
     """training.eval_every_samples: an evaluation each time the ranks' samples together pass a multiple (48 a step)."""
     from src.metrics import read_events

@@ -189,6 +189,26 @@ def test_virtual_sync_matches_large_batch_sgd(tmp_path):
     assert_same_parameters(expected, load_checkpoint(summary["checkpoint_path"])["model_state_dict"])
 
 
+def test_the_server_without_epoch_evaluations_evaluates_only_the_runs_end(tmp_path):
+    """training.eval_at_epoch_ends=False: the parameter server's evaluations (real or virtual, one
+    implementation) leave out the epoch ends but the last, and train alike."""
+    epochs, final = {}, {}
+    for name, on in (("every", True), ("final", False)):
+        config = virtual_config(
+            tmp_path,
+            name,
+            system__num_workers=2,
+            system__aggregation_mode="sync",
+            training__num_epochs=3,
+            training__eval_at_epoch_ends=on,
+        )
+        summary = run_virtual(config, tensorboard=False)
+        epochs[name] = [e["epoch"] for e in events(config, "server", "eval")]
+        final[name] = load_checkpoint(summary["checkpoint_path"])["model_state_dict"]
+    assert epochs == {"every": [1, 2, 3], "final": [3]}
+    assert_same_parameters(final["every"], final["final"])
+
+
 DETERMINISM = dict(
     system__num_workers=4,
     system__aggregation_mode="async",
