@@ -379,12 +379,26 @@ class IdentityCompressor(Compressor):
     def __post_init__(self):
         object.__setattr__(self, "value_dtype", parse_value_dtype(self.value_dtype, "identity.value_dtype"))
 
-    def _encode(self, flat, shape, source_dtype, generator):
+    def parts(self, tensor: torch.Tensor) -> tuple[bytes, memoryview]:
+        """:meth:`compress`'s payload in two parts, not joined: its header and its values, which for float32
+        values of a contiguous CPU float32 tensor are a view of the tensor's own memory (no copy).
+
+        For a writer of buffer lists (:func:`src.wire.encode` takes the pair as one field): the tensor must
+        not change until the payload is sent. Raises what :meth:`compress` raises.
+        """
+        flat, shape, source_dtype = prepare_input(tensor)
+        header, values = self._parts(flat, shape, source_dtype)
+        return header, memoryview(np.ascontiguousarray(values)).cast("B")
+
+    def _parts(self, flat, shape, source_dtype) -> tuple[bytes, np.ndarray]:
         values = flat.cpu().numpy()
         if not all_finite(values):
             raise_non_finite(flat, shape, source_dtype)
         header = pack_header(self.kind, source_dtype, self._bits(), shape, flat.numel(), 0, self.value_dtype)
-        return join_payload(header, encode_values(values, self.value_dtype))
+        return header, encode_values(values, self.value_dtype)
+
+    def _encode(self, flat, shape, source_dtype, generator):
+        return join_payload(*self._parts(flat, shape, source_dtype))
 
     def _bits(self) -> int:
         return value_bits(self.value_dtype)

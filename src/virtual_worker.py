@@ -23,7 +23,7 @@ from src.faults import FaultInjector, FaultSpec
 from src.metrics import MetricsLogger
 from src.seeds import derive_seed
 from src.supervisor import LaunchError
-from src.wire import Outgoing, serialize, split
+from src.wire import Outgoing, chunk_size, serialize, split
 from src.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
 from src.worker_step import WorkerStep, check_layout
 
@@ -283,7 +283,7 @@ class VirtualWorker:
             self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
         )
         data = serialize(Outgoing(request, {"gradients": payloads, "buffers": step.buffers_to_send(batches)}))
-        payload_bytes = sum(len(p) for p in payloads)
+        payload_bytes = sum(chunk_size(p) for p in payloads)
         del payloads
         step_started = self.step_started
 

@@ -95,7 +95,11 @@ def _read_varint(view: memoryview, position: int) -> tuple[int, int]:
 
 @dataclass
 class Outgoing:
-    """A message to send plus its large ``repeated bytes`` fields, kept out of protobuf: ``{field name: chunks}``."""
+    """A message to send plus its large ``repeated bytes`` fields, kept out of protobuf: ``{field name: chunks}``.
+
+    A chunk is one field value: a buffer, a :class:`SharedRef`, or a tuple of buffers that are its bytes in
+    order (a payload in parts, e.g. :meth:`src.compression.IdentityCompressor.parts`: a header and a view of
+    a tensor's memory, sent without joining them)."""
 
     message: Any
     large: Mapping[str, Sequence[Any]] = field(default_factory=dict)
@@ -225,17 +229,27 @@ def encode(outgoing: "Outgoing | Pieces | Any") -> Pieces:
                 pieces += [bytes(small), chunk]
                 small, shared = bytearray(), chunk.shared
                 continue
-            view = memoryview(chunk).cast("B")
-            small += tag + _varint(len(view))
-            if len(view) < COALESCE_BYTES:
-                small += view
-                continue
-            pieces += [bytes(small), view]
-            small = bytearray()
+            views = [memoryview(part).cast("B") for part in (chunk if isinstance(chunk, tuple) else (chunk,))]
+            small += tag + _varint(sum(len(view) for view in views))
+            for view in views:
+                if len(view) < COALESCE_BYTES:
+                    small += view
+                    continue
+                pieces += [bytes(small), view]
+                small = bytearray()
     if small or not pieces:
         pieces.append(bytes(small))
     nbytes = sum(piece.nbytes if isinstance(piece, SharedRef) else memoryview(piece).nbytes for piece in pieces)
     return Pieces(tuple(pieces), nbytes, shared)
+
+
+def chunk_size(chunk: Any) -> int:
+    """Bytes of one :class:`Outgoing` chunk's value (a buffer, a :class:`SharedRef`, a tuple of buffers)."""
+    if isinstance(chunk, SharedRef):
+        return chunk.nbytes
+    if isinstance(chunk, tuple):
+        return sum(memoryview(part).nbytes for part in chunk)
+    return memoryview(chunk).nbytes
 
 
 def serialize(outgoing: "Outgoing | Pieces | Any") -> bytes:

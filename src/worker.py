@@ -56,6 +56,7 @@ from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.ps_transport import ParameterServerClient, Received, require_auth_token
 from src.trainer import load_split, model_from_config, resolve_device
 from src.transports import make_client
+from src.wire import chunk_size
 from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.worker_step import WorkerStep, check_layout
 
@@ -274,7 +275,7 @@ class Worker:
             reply,
             batches,
             request,
-            payload_bytes=sum(len(p) for p in payloads),
+            payload_bytes=sum(chunk_size(p) for p in payloads),
             loss=loss,
             correct=correct,
             samples=samples,

@@ -144,7 +144,14 @@ def encode_gradients(
     generator: torch.Generator | None,
     step: int,
 ) -> list[bytes]:
-    """One payload per parameter: compensated by ``feedback`` (if any), compressed by ``policy`` (identity if none)."""
+    """One payload per parameter: compensated by ``feedback`` (if any), compressed by ``policy`` (identity if none).
+
+    Without either, each payload is the identity payload in parts (:meth:`IdentityCompressor.parts`: its header
+    and a view of the gradient itself, sent without a copy), so the gradients must not change until the push is
+    sent; :func:`src.wire.chunk_size` gives any payload's size.
+    """
+    if policy is None and feedback is None:
+        return [IDENTITY.parts(gradient) for _, gradient in named_gradients]
     payloads = []
     for name, gradient in named_gradients:
         compensated = feedback.compensate(name, gradient) if feedback is not None else gradient

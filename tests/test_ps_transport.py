@@ -39,6 +39,31 @@ def test_serialize_equals_protobuf_and_split_inverts_it(sizes):
     assert [bytes(v) for v in received.large["buffers"]] == buffers
 
 
+def test_an_identity_payload_in_parts_is_the_payload_and_sends_the_gradient_from_its_own_memory():
+    from src.compression import IDENTITY
+    from src.wire import chunk_size
+
+    gradient = torch.randn(300, 70)  # 84,000 bytes: a large piece, sent as a view
+    header, values = IDENTITY.parts(gradient)
+    assert header + bytes(values) == IDENTITY.compress(gradient)
+    pieces = encode(Outgoing(full_push([], []), {"gradients": [(header, values), b"small"]}))
+    assert any(
+        isinstance(p, memoryview) and torch.frombuffer(p, dtype=torch.float32).data_ptr() == gradient.data_ptr()
+        for p in pieces.buffers
+    )  # no copy of the gradient
+    data = bytes(pieces)
+    assert data == serialize(Outgoing(full_push([], []), {"gradients": [IDENTITY.compress(gradient), b"small"]}))
+    assert [bytes(v) for v in split(data, pb.PushRequest, ("gradients",)).large["gradients"]] == [
+        IDENTITY.compress(gradient),
+        b"small",
+    ]
+    assert chunk_size((header, values)) == len(IDENTITY.compress(gradient)) and chunk_size(b"small") == 5
+    half = torch.randn(5, dtype=torch.float16)  # converted: the parts are a copy, the same payload
+    assert b"".join(bytes(p) for p in IDENTITY.parts(half)) == IDENTITY.compress(half)
+    with pytest.raises(ValueError, match="NaN"):
+        IDENTITY.parts(torch.tensor([1.0, float("nan")]))
+
+
 def test_split_reads_what_protobuf_wrote():
     reply = pb.PullReply(version=9, parameters=[b"a" * 1000, b"bc"], buffers=[b"d"])
     received = split(reply.SerializeToString(), pb.PullReply, ("parameters", "buffers"))

@@ -56,6 +56,7 @@ from src.compression_policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
 from src.error_feedback import ErrorFeedback
 from src.lr_schedule import is_constant
+from src.wire import chunk_size
 from src.worker_protocol import PushCodec, count_push
 
 from .client import WorkerClient
@@ -315,7 +316,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             gradient_time_s=computed - started,
             compression_time_s=compressed - computed,
             communication_time_s=finished - compressed,
-            payload_bytes=sum(len(p) for p in payloads),
+            payload_bytes=sum(chunk_size(p) for p in payloads),
             dense_bytes=4 * sum(p.numel() for _, p in model.trainable),
         )
         totals["last_communication_s"] = finished - compressed
