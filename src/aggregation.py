@@ -135,15 +135,14 @@ class ModelState:
                 self._sums = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
             gradients = self._sums
             first, second, *rest = contributions
-            # A running mean, one pass over the gradients per contribution after the first: each one moves the
-            # mean toward it by its share of the samples so far (lerp: start + weight * (end - start)). Against
-            # copy, scale, add and divide: 0.62 ms instead of 1.5 for two simple_cnn pushes here.
-            so_far = first.num_samples + second.num_samples
-            for out, start, end in zip(gradients, first.gradients, second.gradients):
-                torch.lerp(start, end, second.num_samples / so_far, out=out)
+            # (g1 + n2/n1 g2 + ...) * n1/N: one pass per push after the first, then the scaling; against copy,
+            # scale, add and divide, 0.93 ms instead of 1.5 for two simple_cnn pushes here. Pushes of equal
+            # sample counts give (g1 + g2) * 0.5, bit for bit DDP's (g1 + g2) / 2.
+            for out, start, other in zip(gradients, first.gradients, second.gradients):
+                torch.add(start, other, alpha=second.num_samples / first.num_samples, out=out)
             for c in rest:
-                so_far += c.num_samples
-                torch._foreach_lerp_(gradients, c.gradients, c.num_samples / so_far)
+                torch._foreach_add_(gradients, c.gradients, alpha=c.num_samples / first.num_samples)
+            torch._foreach_mul_(gradients, first.num_samples / sum(c.num_samples for c in contributions))
         with_buffers = [c for c in contributions if c.buffers]
         if len(with_buffers) <= 1:
             buffers = with_buffers[0].buffers if with_buffers else []

@@ -36,3 +36,12 @@ def test_one_push_is_its_own_average():
     push = Contribution(0, 5, [torch.randn(p.shape) for p in state.params])
     gradients, _ = state.average([push])
     assert all(g is c for g, c in zip(gradients, push.gradients))
+
+
+def test_two_pushes_of_equal_samples_average_bit_for_bit_as_ddp_does():
+    """DDP's allreduce sums the ranks' gradients and divides by the world size: the same bits."""
+    state = _state()
+    pushes = [Contribution(w, 64, [torch.randn(p.shape) for p in state.params]) for w in range(2)]
+    gradients, _ = state.average(pushes)
+    for index, gradient in enumerate(gradients):
+        assert torch.equal(gradient, (pushes[0].gradients[index] + pushes[1].gradients[index]) / 2)
