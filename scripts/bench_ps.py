@@ -11,7 +11,11 @@ tensors, and a resnet18 of ~43 MB): one step of the protocol (a push of identity
 gradient uncompressed, whose reply carries the new parameters and the next work) against
 
 * ``raw_tcp_echo_ms``: the same bytes over a plain TCP connection in Python (the push's size up,
-  the reply's size down, ``recv_into`` preallocated buffers, no server work): what the wire costs;
+  the reply's size down, ``recv_into`` preallocated buffers, no server work), both ends reading at
+  most ``RECEIVE_CHUNK_BYTES`` (32 KB) a read, as the TCP transport does: what the wire costs;
+* ``raw_tcp_echo_whole_reads_ms``: the same echo with each read asking for all that is left of the
+  message (the anchor as first measured): on loopback here such multi-MB reads make the kernel
+  retransmit and take up to 1.8x as long from 4 MB up, so it is shown, not used as the limit;
 * ``grpc_echo_ms`` (gRPC entries): the same through a raw gRPC bytes echo (no protobuf, no server work);
 * ``optimizer_step_ms``: torch's own SGD-momentum step (fused, as the server's) on the same floats,
   in the server's process: the work the server must do.

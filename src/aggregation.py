@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from src.optimizers import apply_gradients
 from src.staleness import LookaheadMomentum
 
 REMEMBERED_REQUESTS = 64
@@ -112,15 +113,15 @@ class ModelState:
             self.before_change()
         if weight != 1.0:  # out of place: the gradients may be read-only views of a message
             gradients = [g * weight for g in gradients]
-        for param, gradient in zip(self.params, gradients):
-            param.grad = gradient.to(param.device)
         if self.lookahead is not None:
+            for param, gradient in zip(self.params, gradients):
+                param.grad = gradient.to(param.device)
             self.lookahead.step(worker=worker)
-        else:
-            self.optimizer.step()
-        with torch.no_grad():
             for param in self.params:
                 param.grad = None  # do not keep the push's message alive until the next step
+        else:
+            apply_gradients(self.optimizer, self.params, gradients)  # torch's SGD update, without step()'s wrapper
+        with torch.no_grad():
             for buffer, value in zip(self.buffers, buffers):
                 buffer.copy_(value)
         self.version += 1

@@ -283,3 +283,31 @@ def test_a_reply_on_the_wire_while_the_model_changes_keeps_its_version():
     assert shared.copied and header.length == len(reply)
     assert bytes(split(body, pb.PullReply, ("parameters",)).large["parameters"][0]) == expected
     assert not np.array_equal(np.frombuffer(expected, dtype=np.float32), tensor.numpy())
+
+
+def test_a_large_body_is_read_in_bounded_reads_and_whole():
+    """Reads take at most RECEIVE_CHUNK_BYTES each (reads of several MB stalled loopback senders), progress
+    follows each, and the body arrives byte for byte."""
+    from src.tcp_frames import RECEIVE_CHUNK_BYTES
+    from src.tcp_frames import receive_exactly as read_frame_body
+
+    payload = bytes(range(256)) * ((3 * RECEIVE_CHUNK_BYTES + 1234) // 256)
+    left, right = socket.socketpair()
+    asked: list[int] = []
+
+    class Recording:
+        def recv_into(self, view, nbytes=0):
+            asked.append(nbytes)
+            return right.recv_into(view, nbytes)
+
+    sender = threading.Thread(target=left.sendall, args=(payload,))
+    sender.start()
+    body, progress = bytearray(len(payload)), []
+    read_frame_body(Recording(), memoryview(body), progress.append)
+    sender.join(10)
+    left.close()
+    right.close()
+    assert bytes(body) == payload
+    assert asked and max(asked) <= RECEIVE_CHUNK_BYTES
+    assert len(asked) >= len(payload) // RECEIVE_CHUNK_BYTES
+    assert progress[-1] == len(payload) and progress == sorted(progress)

@@ -21,12 +21,15 @@ from concurrent import futures
 from typing import Any
 
 from src.benchmarks.common import log
+from src.tcp_frames import RECEIVE_CHUNK_BYTES
 
 ECHO_SERVICE = "bench.Echo"
 NUM_TENSORS = 8
 BATCH = 64
 CEILING_MB = 4
 _LENGTH = struct.Struct("<Q")
+WHOLE_READS = 1 << 62
+"""The echo as first measured: each read asks for all that is left of the message."""
 
 
 def _model(size_mb: float):
@@ -67,9 +70,10 @@ def _config(tmp: str, transport: str, num_workers: int = 1):
 # ----------------------------------------------------------------------------- echo servers (the references)
 
 
-def _raw_tcp_echo(listener: socket.socket, reply_size: list[int]) -> None:
-    """Thread: per exchange, read an 8-byte length and that many bytes into a preallocated buffer, send back
-    ``reply_size[0]`` bytes from a preallocated (random) buffer. No server work: the wire's cost."""
+def _raw_tcp_echo(listener: socket.socket, reply_size: list[int], chunk: int) -> None:
+    """Thread: per exchange, read an 8-byte length and that many bytes into a preallocated buffer (at most
+    ``chunk`` bytes a read), send back ``reply_size[0]`` bytes from a preallocated (random) buffer. No server
+    work: the wire's cost."""
     from src.tcp_transport import tune_socket
 
     connection, _ = listener.accept()
@@ -79,22 +83,22 @@ def _raw_tcp_echo(listener: socket.socket, reply_size: list[int]) -> None:
     outgoing = b""
     with connection:
         while True:
-            if _fill(connection, memoryview(header)) is None:
+            if _fill(connection, memoryview(header), chunk) is None:
                 return
             (size,) = _LENGTH.unpack(header)
             if len(incoming) < size:
                 incoming = bytearray(size)
-            if _fill(connection, memoryview(incoming)[:size]) is None:
+            if _fill(connection, memoryview(incoming)[:size], chunk) is None:
                 return
             if len(outgoing) != reply_size[0]:
                 outgoing = os.urandom(reply_size[0])  # random: a zero buffer would read the kernel's zero page
             connection.sendall(outgoing)
 
 
-def _fill(sock: socket.socket, view: memoryview):
+def _fill(sock: socket.socket, view: memoryview, chunk: int):
     filled = 0
     while filled < len(view):
-        count = sock.recv_into(view[filled:])
+        count = sock.recv_into(view[filled:], min(len(view) - filled, chunk))
         if count == 0:
             return None
         filled += count
@@ -155,12 +159,14 @@ def _serve(transport: str, size_mb: float, token: str, report, stop) -> None:
         )  # 1000 batches per epoch, 1000 epochs: work for every push
         timings = _instrument(server.core)
         port = server.start()
-        listener = socket.create_server(("127.0.0.1", 0))
-        reply_size = [0]
-        threading.Thread(target=_raw_tcp_echo, args=(listener, reply_size), daemon=True).start()
+        reply_size, raw_ports = [0], {}
+        for name, chunk in (("raw_port", RECEIVE_CHUNK_BYTES), ("whole_reads_port", WHOLE_READS)):
+            listener = socket.create_server(("127.0.0.1", 0))
+            threading.Thread(target=_raw_tcp_echo, args=(listener, reply_size, chunk), daemon=True).start()
+            raw_ports[name] = listener.getsockname()[1]
         state = {"reply": b""}
         echo, echo_port = _grpc_echo(state) if transport == "grpc" else (None, None)
-        report.send({"port": port, "raw_port": listener.getsockname()[1], "grpc_port": echo_port, "step_ms": step_ms})
+        report.send({"port": port, **raw_ports, "grpc_port": echo_port, "step_ms": step_ms})
         reply_size[0] = stop.recv()  # the reply size, once the client knows it
         stop.recv()
         report.send(timings)
@@ -311,8 +317,9 @@ def _pusher(client, registration):
     return step
 
 
-def _raw_echo(port: int, payload: bytes, reply_size: int):
-    """A raw TCP echo of ``payload`` answered with ``reply_size`` bytes: (its socket, one exchange)."""
+def _raw_echo(port: int, payload: bytes, reply_size: int, chunk: int):
+    """A raw TCP echo of ``payload`` answered with ``reply_size`` bytes, both ends reading at most ``chunk``
+    bytes a read: (its socket, one exchange)."""
     from src.tcp_transport import tune_socket
 
     raw = socket.create_connection(("127.0.0.1", port))
@@ -322,7 +329,7 @@ def _raw_echo(port: int, payload: bytes, reply_size: int):
 
     def raw_echo() -> None:
         raw.sendmsg([length, payload])
-        _fill(raw, memoryview(incoming))
+        _fill(raw, memoryview(incoming), chunk)
 
     return raw, raw_echo
 
@@ -358,6 +365,7 @@ def _round_trip_entry(
         "reply_bytes": reply_bytes,
         "ps_round_trip_ms": round(ps_ms, 3),
         "raw_tcp_echo_ms": round(raw_ms, 3),
+        "raw_tcp_echo_whole_reads_ms": round(medians[2] * 1e3, 3),
         "optimizer_step_ms": round(step_ms, 3),
         "limit_ratio": round((raw_ms + step_ms) / ps_ms, 3),
         "server_ms": server_ms,
@@ -365,7 +373,7 @@ def _round_trip_entry(
     if transport == "tcp":
         entry["target_limit_ratio"] = 0.6 if size_mb < 2 else 0.8
     else:
-        grpc_ms = medians[2] * 1e3
+        grpc_ms = medians[3] * 1e3
         entry.update(
             grpc_echo_ms=round(grpc_ms, 3),
             grpc_limit_ratio=round((grpc_ms + step_ms) / ps_ms, 3),
@@ -390,8 +398,9 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
         framing = HEADER_BYTES if transport == "tcp" else 0
         stop.send(reply_bytes - framing)  # the echoes move the same message bytes
         payload = secrets.token_bytes(push_bytes - framing)
-        raw, raw_echo = _raw_echo(ports["raw_port"], payload, reply_bytes - framing)
-        calls = [step, raw_echo]
+        raw, raw_echo = _raw_echo(ports["raw_port"], payload, reply_bytes - framing, RECEIVE_CHUNK_BYTES)
+        whole, whole_echo = _raw_echo(ports["whole_reads_port"], payload, reply_bytes - framing, WHOLE_READS)
+        calls = [step, raw_echo, whole_echo]
         channel = None
         if ports["grpc_port"] is not None:
             channel, grpc_echo = _grpc_exchange(ports["grpc_port"], payload, reply_bytes)
@@ -399,6 +408,7 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
         medians = _median_times(calls, repeats)
         client.close()
         raw.close()
+        whole.close()
         if channel is not None:
             channel.close()
         stop.send(None)
