@@ -183,6 +183,7 @@ def decompress(
     device: torch.device | str | None = None,
     copy: bool = True,
     header: PayloadHeader | None = None,
+    finite_values: int = 0,
 ) -> torch.Tensor:
     """Rebuild the dense float32 tensor from any compressor's payload.
 
@@ -197,6 +198,9 @@ def decompress(
             what a receiver that only reads the gradient, like the parameter server, wants.
         header: what :func:`parse_header` returned for this very payload, when the caller checked it
             first (a receiver bounding the allocation by the header's shape): it is not parsed twice.
+        finite_values: how many of the leading values the caller has checked finite already (a receiver
+            that checks a payload's values as they arrive); only the rest are checked. Used by the
+            ``copy=False`` view of a float32 identity payload, the one decode that checks values in place.
 
     Returns:
         A float32 tensor of the compressed tensor's shape; new and writable unless ``copy=False``.
@@ -209,7 +213,7 @@ def decompress(
     if header is None:
         header = read_header(buf, _checked_body_size)
     if not copy and header.kind == Kind.IDENTITY and header.value_dtype == torch.float32 and sys.byteorder == "little":
-        flat = _identity_view(header, buf)
+        flat = _identity_view(header, buf, finite_values)
     else:
         flat = _BY_KIND[header.kind]._decode(header, buf)
     out = flat.reshape(header.shape)
@@ -244,10 +248,11 @@ for _message in ("The given NumPy array is not writable", "The given buffer is n
     warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=__name__.replace(".", r"\."))
 
 
-def _identity_view(header: PayloadHeader, buf: memoryview) -> torch.Tensor:
-    """The float32 values of an identity payload as a read-only tensor over ``buf`` (no copy)."""
+def _identity_view(header: PayloadHeader, buf: memoryview, finite_values: int = 0) -> torch.Tensor:
+    """The float32 values of an identity payload as a read-only tensor over ``buf`` (no copy); the first
+    ``finite_values`` were checked finite by the caller, the rest are checked here."""
     values = torch.frombuffer(buf, dtype=torch.float32, count=header.numel, offset=HEADER_SIZE)
-    if not all_finite(values):
+    if finite_values < header.numel and not all_finite(values[max(finite_values, 0) :]):
         raise ValueError("identity payload holds NaN/Inf values")
     return values
 

@@ -2,18 +2,22 @@
 
 A push is decoded outside the core's lock (pushes decode in parallel): this reads only the layout,
 fixed once the model is installed. Every problem is a :class:`~src.ps_refusals.PushRefused` that
-names the tensor or the field.
+names the tensor or the field. A receiver that reads a push in pieces (TCP) checks and decodes its
+gradients as they arrive (:class:`ArrivingPush`).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from src import parameter_server_pb2 as pb
 from src.aggregation import Contribution, ModelState
 from src.compression import decompress, parse_header
+from src.compression_checks import all_finite
+from src.payload_format import HEADER_SIZE, Kind
 from src.ps_refusals import PushRefused
 from src.served_model import layout_mismatch
 from src.wire import Received, check_float32_bytes
@@ -87,10 +91,11 @@ class ModelLayout:
             gradients.append(result)
         return gradients
 
-    def gradient(self, index: int, payload) -> torch.Tensor | PushRefused:
+    def gradient(self, index: int, payload, *, finite_values: int = 0) -> torch.Tensor | PushRefused:
         """Gradient ``index``, decompressed after its header was checked against the parameter's shape, or
         the refusal naming what is wrong with it (returned, not raised: a receiver may decode a push's
-        gradients as they arrive, and refuse the push once all of it is in). No lock needed."""
+        gradients as they arrive, and refuse the push once all of it is in). ``finite_values``: leading
+        values of an identity payload checked finite as they arrived (:class:`ArrivingPush`). No lock needed."""
         if index >= len(self.param_shapes):
             return PushRefused(
                 "INVALID_ARGUMENT", f"gradient {index}: the model has {len(self.param_shapes)} parameters"
@@ -100,9 +105,22 @@ class ModelLayout:
             if header.shape != self.param_shapes[index]:
                 raise ValueError(f"shape {list(header.shape)}, expected {list(self.param_shapes[index])}")
             # copy=False: identity gradients stay read-only views of the message (nothing writes them)
-            return decompress(payload, copy=False, header=header)  # refuses malformed buffers and NaN/Inf
+            # refuses malformed buffers and NaN/Inf
+            return decompress(payload, copy=False, header=header, finite_values=finite_values)
         except ValueError as exc:
             return PushRefused("INVALID_ARGUMENT", f"gradient {index} ({self.param_specs[index].name}): {exc}")
+
+    def identity_values(self, index: int, payload) -> bool:
+        """Whether ``payload`` (only its header need have arrived) is gradient ``index`` as float32 identity
+        values: what :meth:`gradient` checks in place, and so what can be checked as it arrives."""
+        if index >= len(self.param_shapes):
+            return False
+        try:
+            header = parse_header(payload)
+        except ValueError:
+            return False  # refused with its reason once the push is in
+        identity = header.kind == Kind.IDENTITY and header.value_dtype == torch.float32
+        return identity and header.shape == self.param_shapes[index]
 
     def _buffers(self, raw_buffers: list) -> list[torch.Tensor]:
         """The pushed buffers (float32, finite), one per model buffer."""
@@ -122,3 +140,55 @@ class ModelLayout:
                 raise PushRefused("INVALID_ARGUMENT", f"buffer {spec.name}: holds NaN or Inf values")
             buffers.append(values)
         return buffers
+
+
+FINITE_CHECK_PIECE_BYTES = 256 << 10
+"""An arriving identity gradient's values are checked finite in pieces of at least this many bytes.
+
+Checking a whole gradient once it is in (megabytes) keeps the receive waiting meanwhile: the socket's
+buffer fills and the sender stalls. Pieces this small (a fraction of the socket buffer) are checked
+while the next bytes come in; larger than a few reads, so the cost per check (~2 us) stays small.
+"""
+
+
+class ArrivingPush:
+    """One push's gradients checked and decoded while it arrives (the hooks of a
+    :class:`~src.wire.MessageSplitter`): an identity gradient's values are checked finite piece by piece
+    as its bytes come in (:meth:`partial`), and once it is whole it is decoded with only what is left to
+    check (:meth:`complete`). Anything else (another kind, a wrong header, a non-finite value) is left to
+    the decode of the whole gradient, which names the problem."""
+
+    def __init__(self, layout: ModelLayout):
+        self.layout = layout
+        self._finite: dict[int, int] = {}  # gradient index -> its leading values checked finite
+        self._scanned: dict[int, bool] = {}  # gradient index -> checked as it arrives (its header says so)
+
+    def partial(self, name: str, index: int, payload: memoryview, arrived: int) -> None:
+        """``arrived`` bytes of gradient ``index`` are in: check the values among them not checked yet."""
+        if name != "gradients" or arrived < HEADER_SIZE:
+            return
+        scanned = self._scanned.get(index)
+        if scanned is None:
+            scanned = self._scanned[index] = self.layout.identity_values(index, payload)
+        if not scanned:
+            return
+        checked, values_in = self._finite.get(index, 0), (arrived - HEADER_SIZE) // 4
+        if (values_in - checked) * 4 < FINITE_CHECK_PIECE_BYTES:
+            return
+        values = np.frombuffer(payload, dtype=np.float32, count=values_in - checked, offset=HEADER_SIZE + 4 * checked)
+        if all_finite(values):
+            self._finite[index] = values_in
+        else:
+            self._scanned[index] = False  # the whole gradient's decode finds the value and refuses the push
+
+    def forget(self, index: int) -> None:
+        """Count nothing of gradient ``index`` as checked (its whole decode checks every value)."""
+        self._scanned[index] = False
+
+    def complete(self, name: str, index: int, payload: memoryview) -> torch.Tensor | PushRefused | None:
+        """Gradient ``index`` is whole: decoded (only its values not checked yet are checked), or its
+        refusal; ``None`` for a field that is not a gradient."""
+        if name != "gradients":
+            return None
+        finite = self._finite.get(index, 0) if self._scanned.get(index) else 0
+        return self.layout.gradient(index, payload, finite_values=finite)

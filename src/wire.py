@@ -292,6 +292,9 @@ class MessageSplitter:
     :meth:`advance` walks the top-level fields lying wholly within the bytes arrived so far; each
     large field, once complete, goes to ``on_large(name, index, view)`` (while it is still in the
     cache the receive just wrote it through), whose result is kept in :attr:`Received.early`.
+    While a large field is still arriving, each advance into it calls ``on_partial(name, index, view,
+    arrived)``: ``view`` is the whole field's (its bytes from ``arrived`` on not in yet), so a receiver
+    can work on the part that is in while the rest comes (those bytes are never written again).
     :meth:`finish` walks the rest with every byte there and parses the small fields. The walk is
     the same for any split of the arrivals, so the result is :func:`split`'s on the same bytes.
     """
@@ -302,10 +305,13 @@ class MessageSplitter:
         message_type,
         large_fields: Sequence[str],
         on_large: Callable[[str, int, memoryview], Any] | None = None,
+        on_partial: Callable[[str, int, memoryview, int], None] | None = None,
     ):
         self.view = memoryview(data)
         self.message_type = message_type
         self.on_large = on_large
+        self.on_partial = on_partial
+        self._arriving: tuple[str, int, int, int] | None = None  # the large field awaited: name, index, start, length
         self._numbers = {field_number(message_type, name): name for name in large_fields}
         self._large: dict[str, list[memoryview]] = {name: [] for name in large_fields}
         self._small: list[memoryview] = []
@@ -320,7 +326,9 @@ class MessageSplitter:
             ValueError: ``final`` (every byte is in: what :meth:`finish` does) and the message is malformed.
         """
         if not final and available < self._wait_until:
+            self._partial(available)
             return
+        self._arriving = None
         view = self.view if available >= len(self.view) else self.view[:available]
         position = self._position
         while position < len(view):
@@ -336,11 +344,15 @@ class MessageSplitter:
                     position += 4
                 elif wire_type == 2:
                     length, position = _read_varint(view, position)
-                    if position + length <= len(view) and key >> 3 in self._numbers:
-                        self._take_large(self._numbers[key >> 3], position, length)
-                        position += length
-                        self._position = position
-                        continue
+                    if key >> 3 in self._numbers:
+                        name = self._numbers[key >> 3]
+                        if position + length <= len(view):
+                            self._take_large(name, position, length)
+                            position += length
+                            self._position = position
+                            continue
+                        if not final:
+                            self._arriving = (name, len(self._large[name]), position, length)
                     position += length
                 else:
                     raise ValueError(f"malformed message: unsupported wire type {wire_type}")
@@ -352,9 +364,17 @@ class MessageSplitter:
                 if final:
                     raise ValueError("malformed message: a field runs past the end")
                 self._wait_until = position
+                self._partial(available)
                 return
             self._small.append(view[start:position])
             self._position = position
+
+    def _partial(self, available: int) -> None:
+        """Tell ``on_partial`` how much of the large field being awaited is in."""
+        if self._arriving is not None and self.on_partial is not None:
+            name, index, start, length = self._arriving
+            if available > start:
+                self.on_partial(name, index, self.view[start : start + length], available - start)
 
     def _take_large(self, name: str, position: int, length: int) -> None:
         chunk = self.view[position : position + length]

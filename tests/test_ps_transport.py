@@ -104,14 +104,19 @@ def _split_outcome(parse):
 )
 def test_splitting_a_message_as_it_arrives_is_split_of_the_same_bytes(gradients, damage, cut, steps):
     """MessageSplitter, fed the bytes in any pieces, gives split's message and views (or its refusal),
-    and hands every large field to on_large exactly once, as the very view it returns."""
+    hands every large field to on_large exactly once, as the very view it returns, and tells on_partial
+    of a large field only while it is part-way in, over the whole field's bytes, arriving in order."""
     data = bytearray(serialize(Outgoing(full_push([], []), {"gradients": gradients, "buffers": [b"\x01" * 4]})))
     for position, value in damage:
         data[position % len(data)] = value
     data = bytes(data[: cut % (len(data) + 1)] if cut is not None else data)
-    seen = []
+    seen, partial = [], []
     splitter = MessageSplitter(
-        bytearray(data), pb.PushRequest, ("gradients", "buffers"), on_large=lambda *field: seen.append(field) or 1
+        bytearray(data),
+        pb.PushRequest,
+        ("gradients", "buffers"),
+        on_large=lambda *field: seen.append(field) or 1,
+        on_partial=lambda name, index, view, arrived: partial.append((name, index, view, arrived)),
     )
     arrived = 0
     for step in steps:
@@ -124,6 +129,12 @@ def test_splitting_a_message_as_it_arrives_is_split_of_the_same_bytes(gradients,
         assert sorted((name, index) for name, index, _ in seen) == sorted(received.early)
         for (name, index), (view, result) in received.early.items():
             assert view is received.large[name][index] and result == 1
+        last: dict = {}
+        for name, index, view, arrived in partial:
+            whole = received.large[name][index]
+            assert 0 < arrived < len(whole) == len(view) and bytes(view) == bytes(whole)
+            assert arrived >= last.get((name, index), 0)
+            last[(name, index)] = arrived
 
 
 def test_tensor_bytes_round_trip_without_copies_on_the_way_out():

@@ -1,7 +1,8 @@
 """A push decoded as it arrives (the TCP transport's path) is the push decoded once it is in.
 
 The TCP server hands a push's bytes to :meth:`ParameterServer.push_splitter` as they arrive; each
-gradient is decoded while it is still in the cache, and :meth:`handle_push` uses those results. These
+identity gradient's values are checked finite piece by piece as they come in, each gradient is
+decoded as soon as it is whole, and :meth:`handle_push` uses those results. These
 tests drive one in-process server each way (no transport: the bytes are fed by hand, in pieces) and
 compare what they apply and what they refuse.
 """
@@ -18,6 +19,7 @@ from torch import nn
 from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
 from src.parameter_server import ParameterServer
+from src.payload_format import HEADER_SIZE
 from src.ps_refusals import PushRefused
 from src.tcp_frames import new_body
 from src.wire import Outgoing, serialize, split
@@ -131,3 +133,83 @@ def test_a_bad_push_decoded_as_it_arrives_is_refused_as_the_whole_push_is(tmp_pa
     assert _outcome(arriving, _arriving(arriving, body_2, 53)) == refused
     whole.core.close()
     arriving.core.close()
+
+
+def _recording_checks(monkeypatch, piece_bytes: int) -> list[int]:
+    """Check arriving values in pieces of ``piece_bytes``; the number of values of every finiteness check."""
+    import src.compression as compression
+    import src.push_decode as push_decode
+
+    checks: list[int] = []
+    real = push_decode.all_finite
+
+    def recorded(values):
+        checks.append(len(values))
+        return real(values)
+
+    monkeypatch.setattr(push_decode, "FINITE_CHECK_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(push_decode, "all_finite", recorded)
+    monkeypatch.setattr(compression, "all_finite", recorded)
+    return checks
+
+
+def test_an_identity_gradient_is_checked_in_pieces_as_it_arrives_and_once_in_all(tmp_path, monkeypatch):
+    """Its values are checked in pieces of at least the piece size while the push comes in, the decode of
+    the whole gradient checks only what is left, and the push applies what the whole push applies."""
+    model = _model()
+    whole, caller, reply = _server(tmp_path, "whole", copy.deepcopy(model))
+    arriving, caller_2, reply_2 = _server(tmp_path, "arriving", copy.deepcopy(model))
+    torch.manual_seed(6)
+    gradients = [torch.randn_like(p) for p in model.parameters()]
+    payloads = [IDENTITY.compress(g) for g in gradients]
+    body, body_2 = _push(caller, reply, payloads), _push(caller_2, reply_2, payloads)
+    checks = _recording_checks(monkeypatch, 256)  # 64 values: the 320 of the first weight come in 5+ pieces
+    splitter = _arriving(arriving, body_2, 97)
+    numel = [g.numel() for g in gradients]
+    assert sum(checks) == sum(numel)  # every value checked once, none twice
+    assert len(checks) >= len(gradients) + 3  # the first weight's in pieces of >= 64 values as it came in
+    assert _outcome(whole, body) == _outcome(arriving, splitter) == "applied"
+    for a, b in zip(whole.state.params, arriving.state.params):
+        assert torch.equal(a, b)
+    whole.core.close()
+    arriving.core.close()
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_value_found_as_it_arrives_is_refused_as_the_whole_push_is(tmp_path, monkeypatch, where, value):
+    """Wherever the bad value is (in a piece checked on the way, or in the rest checked once the gradient
+    is in), the push is refused with the whole push's reason and nothing is applied."""
+    model = _model()
+    whole, caller, reply = _server(tmp_path, "whole", copy.deepcopy(model))
+    arriving, caller_2, reply_2 = _server(tmp_path, "arriving", copy.deepcopy(model))
+    before = [p.detach().clone() for p in arriving.state.params]
+    payloads = [IDENTITY.compress(torch.zeros_like(p)) for p in model.parameters()]
+    broken, position = bytearray(payloads[0]), HEADER_SIZE + 4 * {"first": 0, "middle": 170, "last": 319}[where]
+    broken[position : position + 4] = torch.tensor([value]).numpy().tobytes()  # compress refuses to write it
+    payloads[0] = bytes(broken)
+    body, body_2 = _push(caller, reply, payloads), _push(caller_2, reply_2, payloads)
+    refused = _outcome(whole, body)
+    assert refused.startswith("INVALID_ARGUMENT: gradient 0 (0.weight): ") and "NaN/Inf" in refused
+    checks = _recording_checks(monkeypatch, 256)
+    assert _outcome(arriving, _arriving(arriving, body_2, 97)) == refused
+    assert len(checks) >= 2  # pieces were checked while it arrived
+    for a, b in zip(before, arriving.state.params):
+        assert torch.equal(a, b)
+    whole.core.close()
+    arriving.core.close()
+
+
+def test_decompress_checks_only_the_values_after_those_the_caller_checked():
+    """``finite_values`` is the caller's word for the leading values; the rest are checked as ever."""
+    from src.compression import decompress
+
+    broken = bytearray(IDENTITY.compress(torch.zeros(10)))
+    broken[HEADER_SIZE + 8 : HEADER_SIZE + 12] = torch.tensor([math.nan]).numpy().tobytes()  # value 2
+    payload = bytes(broken)
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        decompress(payload, copy=False)
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        decompress(payload, copy=False, finite_values=2)
+    assert decompress(payload, copy=False, finite_values=3).shape == (10,)  # taken on the caller's word
+    assert decompress(payload, copy=False, finite_values=10).shape == (10,)
