@@ -18,7 +18,15 @@ gradient uncompressed, whose reply carries the new parameters and the next work)
   retransmit and take up to 1.8x as long from 4 MB up, so it is shown, not used as the limit;
 * ``grpc_echo_ms`` (gRPC entries): the same through a raw gRPC bytes echo (no protobuf, no server work);
 * ``optimizer_step_ms``: torch's own SGD-momentum step (fused, as the server's) on the same floats,
-  in the server's process: the work the server must do.
+  in the server's process: the work the server must do;
+* ``stepping_echo_ms``: the least a server that steps costs here: the raw echo's server taking the
+  push's bytes as the gradients (views of its buffer), running the same step with them and sending
+  the parameters back from their own memory: no check, no protocol, no bookkeeping. Its step is on
+  tensors the transfers have just gone past, as a real server's is, so it is slower than
+  ``optimizer_step_ms`` (timed on tensors in the cache); ``stepping_echo_limit_ratio`` = (echo +
+  step) / ``stepping_echo_ms`` is the most ``limit_ratio`` any server could reach in the run, and
+  ``stepping_echo_ratio`` = ``stepping_echo_ms`` / ``ps_round_trip_ms`` what our protocol, checks and
+  bookkeeping cost on top of it.
 
 ``limit_ratio`` = (``raw_tcp_echo_ms`` + ``optimizer_step_ms``) / ``ps_round_trip_ms``: 1.0 means the
 round trip costs only moving the bytes and stepping. Targets: TCP >= 0.8 from 4 MB, >= 0.6 at 1 MB;

@@ -8,6 +8,7 @@ Servers, clients and training runs are spawned processes (gRPC does not survive 
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import os
 import secrets
@@ -95,6 +96,46 @@ def _raw_tcp_echo(listener: socket.socket, reply_size: list[int], chunk: int) ->
             connection.sendall(outgoing)
 
 
+def _stepping_tcp_echo(listener: socket.socket, model, reply_size: list[int]) -> None:
+    """Thread: the least a push can cost a server that steps here. Per exchange, read the message into a
+    preallocated buffer (at most 32 KB a read, as the raw echo), take its first bytes as float32 gradients
+    of ``model``'s parameter shapes (views of the buffer, no copy), run torch's fused SGD-momentum step on
+    a copy of the parameters with them and send the parameters back from their own memory (one gather
+    write, padded to ``reply_size[0]``). No check, no protocol, no bookkeeping: the echo plus the step,
+    with the step on tensors the transfers have just gone past, as a server's step is."""
+    import torch
+
+    from src.tcp_frames import send_frame
+    from src.tcp_transport import tune_socket
+    from src.wire import tensor_view
+
+    params = [torch.nn.Parameter(param.detach().clone()) for param in model.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=True)
+    replies = [tensor_view(param.data) for param in params]
+    connection, _ = listener.accept()
+    tune_socket(connection)
+    header = bytearray(_LENGTH.size)
+    incoming = bytearray(0)
+    with connection:
+        while True:
+            if _fill(connection, memoryview(header), RECEIVE_CHUNK_BYTES) is None:
+                return
+            (size,) = _LENGTH.unpack(header)
+            if len(incoming) != size:
+                incoming = bytearray(size)
+                offset = 0
+                for param in params:
+                    param.grad = torch.frombuffer(
+                        incoming, dtype=torch.float32, count=param.numel(), offset=offset
+                    ).view_as(param)
+                    offset += param.numel() * 4
+            if _fill(connection, memoryview(incoming), RECEIVE_CHUNK_BYTES) is None:
+                return
+            optimizer.step()
+            padding = bytes(reply_size[0] - sum(reply.nbytes for reply in replies))
+            send_frame(connection, b"", [*replies, padding])
+
+
 def _fill(sock: socket.socket, view: memoryview, chunk: int):
     filled = 0
     while filled < len(view):
@@ -164,6 +205,9 @@ def _serve(transport: str, size_mb: float, token: str, report, stop) -> None:
             listener = socket.create_server(("127.0.0.1", 0))
             threading.Thread(target=_raw_tcp_echo, args=(listener, reply_size, chunk), daemon=True).start()
             raw_ports[name] = listener.getsockname()[1]
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=_stepping_tcp_echo, args=(listener, model, reply_size), daemon=True).start()
+        raw_ports["stepping_port"] = listener.getsockname()[1]
         state = {"reply": b""}
         echo, echo_port = _grpc_echo(state) if transport == "grpc" else (None, None)
         report.send({"port": port, **raw_ports, "grpc_port": echo_port, "step_ms": step_ms})
@@ -334,6 +378,15 @@ def _raw_echo(port: int, payload: bytes, reply_size: int, chunk: int):
     return raw, raw_echo
 
 
+def _gradient_payload(size: int, numel: int) -> bytes:
+    """``size`` bytes for the stepping echo: ``numel`` float32 gradient values (1e-6: finite, not
+    subnormal, as a real gradient's), then random bytes."""
+    import numpy as np
+
+    values = np.full(numel, 1e-6, dtype="<f4").tobytes()
+    return values + secrets.token_bytes(size - len(values))
+
+
 def _grpc_exchange(port: int, payload: bytes, reply_bytes: int):
     """A plain gRPC echo service's exchange of ``payload`` for ``reply_bytes``: (its channel, one call)."""
     import grpc
@@ -351,7 +404,7 @@ def _round_trip_entry(
 ) -> dict:
     """The figures of one transport and size: our round trip, the echoes, the limit ratios, the server's parts."""
     framing, reply_bytes = measured["framing"], measured["reply_bytes"]
-    ps_ms, raw_ms = medians[0] * 1e3, medians[1] * 1e3
+    ps_ms, raw_ms, stepping_ms = medians[0] * 1e3, medians[1] * 1e3, medians[3] * 1e3
     step_ms = measured["ports"]["step_ms"]
     server_ms = {
         name: round(statistics.median(values[-repeats:]) * 1e3, 3)
@@ -368,12 +421,15 @@ def _round_trip_entry(
         "raw_tcp_echo_whole_reads_ms": round(medians[2] * 1e3, 3),
         "optimizer_step_ms": round(step_ms, 3),
         "limit_ratio": round((raw_ms + step_ms) / ps_ms, 3),
+        "stepping_echo_ms": round(stepping_ms, 3),
+        "stepping_echo_ratio": round(stepping_ms / ps_ms, 3),
+        "stepping_echo_limit_ratio": round((raw_ms + step_ms) / stepping_ms, 3),
         "server_ms": server_ms,
     }
     if transport == "tcp":
         entry["target_limit_ratio"] = 0.6 if size_mb < 2 else 0.8
     else:
-        grpc_ms = medians[3] * 1e3
+        grpc_ms = medians[4] * 1e3
         entry.update(
             grpc_echo_ms=round(grpc_ms, 3),
             grpc_limit_ratio=round((grpc_ms + step_ms) / ps_ms, 3),
@@ -391,7 +447,9 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
     with _server_process(_serve, transport, size_mb, token) as (report, stop):
         ports = report.recv()
         client = make_client(f"127.0.0.1:{ports['port']}", transport=transport, token=token)
-        step = _pusher(client, client.register(0))
+        registration = client.register(0)
+        step = _pusher(client, registration)
+        numel = sum(math.prod(spec.shape) for spec in registration.parameter_specs)
         sent, received = client.bytes_sent, client.bytes_received
         step()
         push_bytes, reply_bytes = client.bytes_sent - sent, client.bytes_received - received
@@ -400,7 +458,13 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
         payload = secrets.token_bytes(push_bytes - framing)
         raw, raw_echo = _raw_echo(ports["raw_port"], payload, reply_bytes - framing, RECEIVE_CHUNK_BYTES)
         whole, whole_echo = _raw_echo(ports["whole_reads_port"], payload, reply_bytes - framing, WHOLE_READS)
-        calls = [step, raw_echo, whole_echo]
+        stepping, stepping_echo = _raw_echo(
+            ports["stepping_port"],
+            _gradient_payload(len(payload), numel),
+            reply_bytes - framing,
+            RECEIVE_CHUNK_BYTES,
+        )
+        calls = [step, raw_echo, whole_echo, stepping_echo]
         channel = None
         if ports["grpc_port"] is not None:
             channel, grpc_echo = _grpc_exchange(ports["grpc_port"], payload, reply_bytes)
@@ -409,6 +473,7 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
         client.close()
         raw.close()
         whole.close()
+        stepping.close()
         if channel is not None:
             channel.close()
         stop.send(None)

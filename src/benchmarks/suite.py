@@ -197,6 +197,20 @@ def figures_ps(result: dict) -> list[dict]:
                 target,
             )
         )
+        if "stepping_echo_ms" in trip:
+            rows.append(
+                _row(
+                    "bench_ps",
+                    f"{trip['transport']} round trip against the stepping echo, {trip['model_mb']} MB model",
+                    trip["ps_round_trip_ms"],
+                    trip["stepping_echo_ms"],
+                    "raw TCP echo whose server steps on the pushed bytes",
+                    "ms",
+                    trip["stepping_echo_ratio"],
+                    "reference / ours (1 = a server costing only the bytes and a step on cold tensors)",
+                    None,
+                )
+            )
     for ceiling in result.get("ceiling", []):
         rows.append(
             _row(
