@@ -68,6 +68,7 @@ def sync_run(tmp_path, num_workers: int, max_train_samples: int, momentum: float
     )
 
 
+@pytest.mark.slow  # two 2-worker runs and a baseline: ~12 s, the fast suite's slowest test
 def test_sync_over_tcp_is_sync_over_grpc_is_large_batch_sgd(tmp_path):
     """The same 2-worker sync run over each transport: the large-batch baseline's parameters within its
     tolerance, and the two transports' bit for bit (same messages, same core).
