@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
         parser.error(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
 
-    from src.report import build_report, merge_run_traces, write_report
-    from src.report_inputs import ReportInputError, read_json, runs_from_dir, runs_from_files
+    from src.reports.inputs import ReportInputError, read_json, runs_from_dir, runs_from_files
+    from src.reports.report import build_report, merge_run_traces, write_report
 
     try:
         runs = runs_from_files(

@@ -15,7 +15,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.cli import AMP_FLAGS, add_amp_flag, add_common_flags, config_from_args, exit_status, write_artifacts_if_asked
+from src.launch.cli import (
+    AMP_FLAGS,
+    add_amp_flag,
+    add_common_flags,
+    config_from_args,
+    exit_status,
+    write_artifacts_if_asked,
+)
 from src.metrics import format_summary
 
 DEFAULTS = {"system.checkpoint_dir": "checkpoints/test_baseline", "system.log_dir": "logs/test_baseline"}

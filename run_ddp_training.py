@@ -31,11 +31,11 @@ dies takes the group down and the agent starts it again, up to --max-restarts ti
 (--checkpoint-interval-steps K adds a checkpoint every K steps). --inject-fault kill:rank=R@step=N
 SIGKILLs rank R at its Nth step, in the first attempt only (hang:rank=R@step=N SIGSTOPs it). A hung
 rank (no heartbeat for --collective-timeout seconds, default 60) is killed and the attempt ends the
-same way (src/ddp_watchdog.py).
+same way (src/ddp/watchdog.py).
 
 Adaptive compression: --adaptive-compression (top-k only, needs --eval-interval K) lets the controller
-of src/controller.py set the top-k Active Fraction at every evaluation; rank 0 decides, the decision
-is broadcast and every rank switches at the same step (src/ddp_control.py).
+of src/adaptive/controller.py set the top-k Active Fraction at every evaluation; rank 0 decides, the decision
+is broadcast and every rank switches at the same step (src/ddp/control.py).
 
 Outputs: checkpoints in checkpoints/ddp_cli (ddp_final.pt + numbered), logs/ddp_cli/summary.json,
 logs/ddp_cli/ddp_rank_<r>.json, and TensorBoard + events.jsonl under logs/ddp_cli/rank_<r>
@@ -49,7 +49,7 @@ import argparse
 import os
 import sys
 
-from src.cli import (
+from src.launch.cli import (
     AMP_FLAGS,
     COMPRESSION_FLAGS,
     CONTROLLER_FLAGS,
@@ -146,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     if system.clock == "virtual" and (args.resume or system.adaptive_compression or config.training.amp != "none"):
         parser.error("--clock virtual runs DDP without --resume, --adaptive-compression or --amp (not simulated)")
 
-    from src.ddp_launcher import launch, torchrun_env  # torch loads after the flags are checked: --help stays fast
-    from src.supervisor import LaunchError
+    from src.common.supervisor import LaunchError
+    from src.launch.ddp import launch, torchrun_env  # torch loads after the flags are checked: --help stays fast
 
     def run() -> None:
         if system.clock == "virtual":
-            from src.virtual_ddp import run_virtual_ddp
+            from src.virtual.ddp import run_virtual_ddp
 
             summary = run_virtual_ddp(config, summary_json=args.summary_json)
             print(format_summary(summary))

@@ -16,7 +16,7 @@ For each run, the checks (all must pass, else exit status 1):
   final_file     its checkpoint_path is the architecture's final file in the run's checkpoint folder
                  (never a numbered or older file: there is no fallback)
   weights_only   torch.load(path, weights_only=True) loads it
-  strict_loader  src.checkpoint.load_checkpoint accepts it (format, required keys)
+  strict_loader  src.common.checkpoint.load_checkpoint accepts it (format, required keys)
   architecture   the checkpoint's config says the run's architecture; dataset and model match the summary
   rebuild        the model is rebuilt from the checkpoint's model_architecture and loads strictly
   step           checkpoint step == summary steps (PS: server versions), epoch == summary epochs
@@ -192,7 +192,7 @@ class RunUnderCheck:
 
 
 def check_summary(run: RunUnderCheck) -> str:
-    from src.report_inputs import load_summary
+    from src.reports.inputs import load_summary
 
     run.summary = load_summary(run.summary_path, run.architecture)
     return str(run.summary_path)
@@ -221,7 +221,7 @@ def check_weights_only(run: RunUnderCheck) -> str:
 
 
 def check_strict_loader(run: RunUnderCheck) -> str:
-    from src.checkpoint import load_checkpoint
+    from src.common.checkpoint import load_checkpoint
 
     run.checkpoint = load_checkpoint(run.final_path)
     return "load_checkpoint ok"
@@ -242,8 +242,8 @@ def check_architecture(run: RunUnderCheck) -> str:
 
 
 def check_rebuild(run: RunUnderCheck) -> str:
-    from src.data import dataset_info
-    from src.models import build_model
+    from src.training.data import dataset_info
+    from src.training.models import build_model
 
     checkpoint = run.checkpoint
     model = build_model(checkpoint["model_architecture"], dataset_info(checkpoint["dataset"]))
@@ -263,8 +263,8 @@ def check_step(run: RunUnderCheck) -> str:
 
 
 def check_accuracy(run: RunUnderCheck) -> str:
-    from src.data import load_dataset
     from src.trainer import evaluate
+    from src.training.data import load_dataset
 
     checkpoint, s = run.checkpoint, run.summary
     training = checkpoint["config"].get("training", {})
@@ -316,7 +316,7 @@ NEEDS = {
 
 def validate_run(name: str, architecture: str, folder: Path, data_dir: str) -> tuple[Checks, dict[str, Any] | None]:
     """Every check of one run's final checkpoint against its summary; returns (checks, summary)."""
-    from src.checkpoint import final_checkpoint_path
+    from src.common.checkpoint import final_checkpoint_path
 
     checks = Checks()
     run = RunUnderCheck(architecture, folder, data_dir, final_checkpoint_path(folder / "checkpoints", architecture))
@@ -433,8 +433,8 @@ def validate_all(
 
 def write_performance_report(output: Path) -> dict[str, str]:
     """The performance report of the three runs' artifacts: its files by kind, or the error that stopped it."""
-    from src.report import build_report, write_report
-    from src.report_inputs import ReportInputError, runs_from_dir
+    from src.reports.inputs import ReportInputError, runs_from_dir
+    from src.reports.report import build_report, write_report
 
     try:
         report = build_report(runs_from_dir(output / "artifacts"), inputs=[str(output / "artifacts")])

@@ -39,7 +39,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.cli import (
+from src.config import Config
+from src.launch.cli import (
     AMP_FLAGS,
     COMPRESSION_FLAGS,
     EMULATION_FLAGS,
@@ -57,7 +58,6 @@ from src.cli import (
     exit_status,
     write_artifacts_if_asked,
 )
-from src.config import Config
 from src.metrics import format_summary
 
 DEFAULTS = {
@@ -190,11 +190,11 @@ def checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 def run_role(args: argparse.Namespace, config: Config) -> None:
     """This process's role: one worker, the server alone, or the whole job here (real or virtual clock)."""
-    from src.ps_launcher import run_local, run_server, run_worker
+    from src.launch.ps import run_local, run_server, run_worker
 
     resume = args.resume
     if args.resume_unfinished:
-        from src.checkpoint import unfinished_run_checkpoint
+        from src.common.checkpoint import unfinished_run_checkpoint
 
         resume = unfinished_run_checkpoint(args.resume_unfinished, "parameter_server")
         print(
@@ -211,7 +211,7 @@ def run_role(args: argparse.Namespace, config: Config) -> None:
         )
         return
     if config.system.clock == "virtual":
-        from src.virtual_time import run_virtual
+        from src.virtual.run import run_virtual
 
         summary = run_virtual(config, summary_json=args.summary_json, resume=resume)
     else:
@@ -230,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc  # after flag checks: --help and flag errors stay fast
 
-    from src.ps_refusals import RunFailed
-    from src.ps_transport import AuthTokenMissing
-    from src.supervisor import LaunchError
+    from src.common.supervisor import LaunchError
+    from src.ps.refusals import RunFailed
+    from src.transport.grpc import AuthTokenMissing
     from src.worker import IncarnationRevoked
 
     return exit_status(

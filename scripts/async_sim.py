@@ -1,6 +1,6 @@
 """In-process simulation of asynchronous parameter-server training, for exploring corrections fast.
 
-The simulation is :mod:`src.async_simulation` (N virtual workers on a virtual clock, the server's
+The simulation is :mod:`src.studies.async_simulation` (N virtual workers on a virtual clock, the server's
 optimizer, the same shards, compression and error feedback as a real run); this is its command line,
 ``--repeats`` runs with the schedule seeded 0, 1, ... (``uniform`` is a harsh round robin,
 ``exponential`` memoryless staleness, ``--slowdown`` a slow worker). Prints each run's JSON
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from src.async_simulation import simulate_repeats, simulation_config
+from src.studies.async_simulation import simulate_repeats, simulation_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from src.async_stability import stability_rows, stability_table
+from src.studies.async_stability import stability_rows, stability_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from src.async_study import run_study, study_configs
+from src.studies.async_study import run_study, study_configs
 
 
 def main(argv: list[str] | None = None) -> int:

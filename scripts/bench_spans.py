@@ -6,9 +6,9 @@
   and no profiler (what every run without ``--trace`` pays per span);
 * ``span_on_us``: one span recorded into a ``trace.json``;
 * ``backward_wait_hook_us_per_parameter``: what one post-accumulate-grad hook of
-  :class:`src.exposed_comm.BackwardWait` adds to a backward pass (8 one-element parameters, with
+  :class:`src.telemetry.exposed_comm.BackwardWait` adds to a backward pass (8 one-element parameters, with
   the hooks minus without);
-* ``ddp_step_ms`` with and without :class:`src.exposed_comm.BackwardWait` (a post-accumulate-grad
+* ``ddp_step_ms`` with and without :class:`src.telemetry.exposed_comm.BackwardWait` (a post-accumulate-grad
   hook per parameter, on in every DDP run): ``simple_cnn`` at batch 64 on one gloo rank, steps
   alternated between the two so that machine load hits both alike; medians of ``--steps`` steps.
 """

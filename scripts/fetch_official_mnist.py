@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from src.dataset_files import DatasetFileError, write_official_mnist
+from src.training.dataset_files import DatasetFileError, write_official_mnist
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     python scripts/fidelity.py --config configs/experiments/fidelity_straggler_2.yaml
     python scripts/fidelity.py --config CONFIG --seeds 0 1 2 --out results/fidelity/straggler_2
 
-What it does and what the ratios mean: src/fidelity.py. The table of docs/virtual_time.md was made
+What it does and what the ratios mean: src/studies/fidelity.py. The table of docs/virtual_time.md was made
 with this script, one config at a time, on a machine with nothing else running.
 """
 
@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
 
-    from src.cli import exit_status
     from src.config import ConfigError, load_config
-    from src.fidelity import compare
+    from src.launch.cli import exit_status
+    from src.studies.fidelity import compare
 
     try:
         config = load_config(args.config, overrides={"system.architecture": "parameter_server"})

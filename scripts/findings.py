@@ -5,8 +5,8 @@
     python scripts/findings.py --check                           # exit 1 if docs/findings.md differs from the records
     python scripts/findings.py --write                           # rewrite docs/findings.md's generated blocks
 
-The figures and their statistics are :mod:`src.findings`, their Markdown :mod:`src.findings_render`; a
-matrix's record (what of each run is kept, a few KB) is :mod:`src.findings_record`. Exit status: 0 done,
+The figures and their statistics are :mod:`src.findings.figures`, their Markdown :mod:`src.findings.render`; a
+matrix's record (what of each run is kept, a few KB) is :mod:`src.findings.record`. Exit status: 0 done,
 1 the document differs (--check) or nothing to read, 2 bad arguments.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from src import findings
-from src.findings_document import check_document, update_document
-from src.findings_record import collect_matrix, load_records, write_record
-from src.findings_render import render
+from src.findings import figures as findings
+from src.findings.document import check_document, update_document
+from src.findings.record import collect_matrix, load_records, write_record
+from src.findings.render import render
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ the generated modules import each other as ``from src import ...`` without patch
 slightly different code does not count as stale, while any change to the protocol does.
 
 No ``_pb2_grpc`` service stubs are generated: both ends build their handlers and calls from the
-service descriptor in ``parameter_server_pb2`` (:mod:`src.ps_transport`), with serializers of their
+service descriptor in ``parameter_server_pb2`` (:mod:`src.transport.grpc`), with serializers of their
 own that count bytes and keep tensor bytes out of protobuf.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from src.proto_stubs import ROOT, ProtocError, generate, stale_reasons
+from src.transport.proto_stubs import ROOT, ProtocError, generate, stale_reasons
 
 
 def main(argv: list[str] | None = None) -> int:

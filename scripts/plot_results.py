@@ -1,4 +1,4 @@
-"""Plots and a Markdown table of finished experiment runs (:func:`src.report_plots.write_results`).
+"""Plots and a Markdown table of finished experiment runs (:func:`src.reports.plots.write_results`).
 
     python scripts/plot_results.py --results results/matrix_smoke
     python scripts/plot_results.py --results results/f1 results/f8 --out results/plots
@@ -25,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from src.report_plots import write_results
+from src.reports.plots import write_results
 
 
 def main(argv: list[str] | None = None) -> int:

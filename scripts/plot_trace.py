@@ -3,15 +3,15 @@
     python scripts/plot_trace.py reports/perf_report_trace.json --output docs/trace_timeline.png --start 1 --seconds 1.5
 
 Every trace.json under a folder is merged first when the input is a folder (a --trace run's log
-folder). See src/report_plots.py.
+folder). See src/reports/plots.py.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from src import tracing
-from src.report_plots import draw_timeline
+from src.reports.plots import draw_timeline
+from src.telemetry import tracing
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Run a matrix of experiments (axes crossed, resumable) under ``results/<matrix>/`` (:mod:`src.matrix`).
+"""Run a matrix of experiments (axes crossed, resumable) under ``results/<matrix>/`` (:mod:`src.launch.matrix`).
 
 python scripts/run_matrix.py --config configs/experiments/matrix_smoke.yaml
 python scripts/run_matrix.py --help
@@ -6,7 +6,7 @@ python scripts/run_matrix.py --help
 
 import sys
 
-from src.matrix import main
+from src.launch.matrix import main
 
 if __name__ == "__main__":
     sys.exit(main())

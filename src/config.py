@@ -32,8 +32,8 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from src.bounds import BOUND_NAMES, bounds_rule
-from src.controller_settings import ControllerSettings
+from src.adaptive.settings import ControllerSettings
+from src.common.bounds import BOUND_NAMES, bounds_rule
 
 DATASET_NAMES = ("mnist", "fashion_mnist", "cifar10", "mnist_5k", "synthetic")
 SECRET_FIELDS = ("system.auth_token",)
@@ -68,7 +68,7 @@ def _bounded(default: Any, *, why: str | None = None, **constraints: Any) -> Any
 
 def _controller_setting(name: str, **extra: Any) -> Any:
     """The ``system.controller_<name>`` field: its default and bounds are the controller's own
-    (:class:`src.controller_settings.ControllerSettings`, the one declaration of them)."""
+    (:class:`src.adaptive.settings.ControllerSettings`, the one declaration of them)."""
     setting = ControllerSettings.__dataclass_fields__[name]
     finite = {"allow_inf_nan": False} if isinstance(setting.default, float) else {}
     return Field(setting.default, **setting.metadata, **finite, **extra)
@@ -77,7 +77,7 @@ def _controller_setting(name: str, **extra: Any) -> Any:
 class LRScheduleConfig(_Section):
     """``training.lr_schedule``: the learning rate by step, applied by the parameter server's optimizer by
     version (sync and async; also the library's server) as torch's own schedulers would set it
-    (:mod:`src.lr_schedule`). A resumed server continues it from its checkpoint's version."""
+    (:mod:`src.training.lr_schedule`). A resumed server continues it from its checkpoint's version."""
 
     kind: Literal["constant", "step", "cosine"] = "constant"
     """constant (training.learning_rate), step (x gamma every step_size steps), cosine (down to min_lr at
@@ -128,7 +128,7 @@ class TrainingConfig(_Section):
     dataset: Literal["mnist", "fashion_mnist", "cifar10", "mnist_5k", "synthetic"] = "mnist_5k"
     """``mnist_5k`` is bundled and works offline; the torchvision sets download into ``data_dir``."""
     model_architecture: str = "simple_cnn"
-    """A name from ``src.models.MODELS``."""
+    """A name from ``src.training.models.MODELS``."""
     checkpoint_interval: PositiveInt = 1
     """Epochs between checkpoints (baseline, DDP) or server versions between checkpoints (PS)."""
     checkpoint_interval_steps: int = _bounded(0, ge=0, why="0 = checkpoint only at epoch ends")
@@ -169,7 +169,7 @@ class TrainingConfig(_Section):
     @field_validator("model_architecture")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        from src.models import MODELS  # models sit below config; imported late to keep loading cheap
+        from src.training.models import MODELS  # models sit below config; imported late to keep loading cheap
 
         if not value.strip():
             raise ValueError("must be a non-empty model name")
@@ -230,7 +230,7 @@ class SystemConfig(_Section):
     local_steps: PositiveInt = 1
     """Local optimizer steps (plain SGD at the learning rate) a PS worker takes between pushes; it
     pushes the sum of their gradients. 1 = one gradient per push."""
-    # --- async correction and adaptive compression (src/staleness.py, src/controller.py) ---
+    # --- async correction and adaptive compression (src/ps/staleness.py, src/adaptive/controller.py) ---
     async_correction: Literal["none", "implicit_momentum", "lookahead"] = "lookahead"
     """Async SGD's correction for staleness: lookahead (per-worker momentum, lr/N per push, pulls at the
     lookahead point: N async workers take the steps of N sync workers), implicit_momentum (explicit
@@ -272,14 +272,15 @@ class SystemConfig(_Section):
     """Times a PS worker process whose incarnation the server revoked (declared failed while it was
     alive: a partition, a long pause) registers again by itself as a new incarnation; then it exits 1."""
     inject_faults: list[str] = []
-    """Faults to inject on purpose (:mod:`src.faults`), e.g. ``kill:worker=1@step=40``, ``kill:server@version=150``."""
+    """Faults to inject on purpose (:mod:`src.common.faults`), e.g. ``kill:worker=1@step=40``,
+    ``kill:server@version=150``."""
     checkpoint_dir: str = "checkpoints"
     log_dir: str = "logs"
     server_address: str = "127.0.0.1:0"
     """Where the parameter server listens / workers connect; port 0 lets the local launcher pick."""
     transport: Literal["grpc", "tcp"] = "grpc"
     """How the parameter server and its workers talk: gRPC, or length-prefixed binary frames over TCP
-    (:mod:`src.tcp_transport`: same messages, auth, sessions, TLS and limits, fewer copies). Both ends
+    (:mod:`src.transport.tcp`: same messages, auth, sessions, TLS and limits, fewer copies). Both ends
     must use the same one."""
     auth_token: SecretStr | None = Field(default=None, exclude=True, repr=False)
     """Shared secret every RPC carries; ``None`` reads $DTS_AUTH_TOKEN or makes one per local run.
@@ -291,14 +292,15 @@ class SystemConfig(_Section):
     tls_ca_file: str | None = None
     clock: Literal["real", "virtual"] = "real"
     """real: processes on the wall clock; virtual: one process on a virtual clock, time from the cost model in
-    ``emulation`` (:mod:`src.virtual_time`): deterministic, and 64 workers fit on 2 cores."""
+    ``emulation`` (:mod:`src.virtual.run`): deterministic, and 64 workers fit on 2 cores."""
     allreduce: Literal["default", "ring"] = "default"
     """DDP gradient exchange: the backend's allreduce, or the explicit ring hook."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     trace: bool = False
-    """Write a Chrome trace-event timeline, ``trace.json`` in each process's log folder (:mod:`src.tracing`)."""
+    """Write a Chrome trace-event timeline, ``trace.json`` in each process's log folder
+    (:mod:`src.telemetry.tracing`)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    """Level of the Python log records every process of the run writes to stderr (:mod:`src.logs`)."""
+    """Level of the Python log records every process of the run writes to stderr (:mod:`src.telemetry.logs`)."""
     collective_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     """DDP: seconds a collective may wait for its peers (the process group's timeout), and seconds
     without a rank's heartbeat after which it counts as hung; either fails the attempt, and the
@@ -307,7 +309,7 @@ class SystemConfig(_Section):
     @field_validator("inject_faults")
     @classmethod
     def _faults_parse(cls, value: list[str]) -> list[str]:
-        from src.faults import parse_fault  # pure, stdlib only
+        from src.common.faults import parse_fault  # pure, stdlib only
 
         for text in value:
             parse_fault(text)  # raises ValueError naming the fault and what is wrong
@@ -360,7 +362,7 @@ class SystemConfig(_Section):
         return value
 
 
-# ----------------------------------------------------------------------------- emulation (src/netem.py)
+# ----------------------------------------------------------------------------- emulation (src/emulation/netem.py)
 
 
 _EMULATED_BOUNDS: dict[str, dict[str, Any]] = {
@@ -404,7 +406,7 @@ class WorkerEmulation(_EmulationSection):
 
 
 class EmulationConfig(_EmulationSection):
-    """Emulated stragglers and slow links of a parameter-server run (:mod:`src.netem`); the values
+    """Emulated stragglers and slow links of a parameter-server run (:mod:`src.emulation.netem`); the values
     here apply to every worker, ``workers`` overrides them per worker id. All off by default."""
 
     slowdown: float = _emulated("slowdown", 1.0)
@@ -452,7 +454,7 @@ class EmulationConfig(_EmulationSection):
         return value
 
 
-# ----------------------------------------------------------------------------- metrics sinks (src/trackers.py)
+# ---------------------------------------------------------------------- metrics sinks (src/telemetry/trackers.py)
 
 TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
 

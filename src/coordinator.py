@@ -11,7 +11,7 @@ has been silent (no heartbeat, no call) for ``heartbeat_timeout`` seconds, wheth
 or hangs, or at once when a new incarnation of the same id registers.
 
 **Work** (:class:`WorkPlan`). Each epoch's seeded permutation is split into the usual shards
-(:func:`src.data.make_shards`: worker k owns positions k, k+N, ...) and each shard into batches: plain
+(:func:`src.training.data.make_shards`: worker k owns positions k, k+N, ...) and each shard into batches: plain
 lists of sample indices with an id, queued for their owner. The plan hands batches out, and a batch
 is *done* only when an update containing it was applied. What a failed worker held (in flight, or
 carried after a rejected push) and what it had queued goes back to the queues of the live workers
@@ -40,7 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
-from src.data import make_shards
+from src.training.data import make_shards
 
 MemberState = Literal["live", "awaited", "failed", "replaced", "finished"]
 
@@ -70,7 +70,7 @@ class MembershipError(Exception):
     * ``unknown``: no such session here (the server restarted, or the worker never registered):
       the worker should register again.
     * ``revoked``: this incarnation was failed or replaced: it is over (the process may register
-      again as a new incarnation, :mod:`src.worker_protocol`, or stop).
+      again as a new incarnation, :mod:`src.ps.worker_protocol`, or stop).
     * ``finished``: this incarnation has finished.
     """
 
@@ -253,7 +253,7 @@ class WorkPlan:
         num_workers: configured workers (shards per epoch).
         batch_size: samples per batch (per worker per step).
         num_epochs: epochs to train.
-        seed: data-order seed (:func:`src.data.epoch_permutation`).
+        seed: data-order seed (:func:`src.training.data.epoch_permutation`).
         mode: ``sync`` (rounds) or ``async`` (on demand, with stealing).
         batches_per_step: batches handed out at once (local steps).
     """

@@ -1,6 +1,6 @@
 """One rank of ring-allreduce data parallelism: DistributedDataParallel over torch.distributed.
 
-Ranks are started by :mod:`src.ddp_launcher` (locally through torch's elastic agent, or by
+Ranks are started by :mod:`src.launch.ddp` (locally through torch's elastic agent, or by
 torchrun across machines); :func:`run_rank` joins the process group, trains with
 :class:`DDPTrainer` and leaves the group. gloo on CPU, nccl when the device is CUDA
 (``system.backend`` overrides). Each rank gets ``cores // local ranks`` intra-op threads so N ranks
@@ -15,13 +15,13 @@ large-batch mean even when the last step's batches are short or uneven. Every ra
 collectives) instead of using ``Join``: explicit, deterministic, and it keeps the comm hooks' step
 counters in lock-step.
 
-Gradient exchange: :mod:`src.comm_hooks` (built-in allreduce, ring hook, compressed hooks).
+Gradient exchange: :mod:`src.ddp.comm_hooks` (built-in allreduce, ring hook, compressed hooks).
 Evaluation: after every epoch, and every ``training.eval_interval`` steps when set, each rank scores
 its slice ``r::N`` of the test split and the sums are all-reduced, so every rank knows the accuracy;
 the first evaluation at ``training.target_accuracy`` gives the time to target. Time is a
 :class:`src.trainer.TrainingClock` (from the first training step; evaluation and checkpoints excluded).
 Adaptive compression (``system.adaptive_compression``, top-k only, needs ``training.eval_interval``):
-:mod:`src.ddp_control`: rank 0's controller decides at every evaluation from the eval loss and its
+:mod:`src.ddp.control`: rank 0's controller decides at every evaluation from the eval loss and its
 steps' timings, the decision is broadcast, and every rank switches its hook's top-k ratio at the
 same step (``controller`` events at the top level, ``control_applied`` in every rank's log, the
 summary's ``controller`` entry).
@@ -37,9 +37,9 @@ epoch at the next batch, so the data order, the hook state and the controller co
 Mixed precision (``training.amp``): :class:`src.trainer.MixedPrecision` around each step's forward
 pass; under fp16 every rank's GradScaler sees the same averaged gradients and skips the same steps;
 its state is checkpointed in ``extra["grad_scaler"]``. An emulated straggler (``emulation``,
-``slowdown`` / ``step_delay_s`` per rank) waits :class:`src.netem.ComputeDelay` after each backward.
+``slowdown`` / ``step_delay_s`` per rank) waits :class:`src.emulation.netem.ComputeDelay` after each backward.
 
-Hung ranks: :func:`run_rank` starts a :class:`src.ddp_watchdog.HangWatchdog` (heartbeats in the
+Hung ranks: :func:`run_rank` starts a :class:`src.ddp.watchdog.HangWatchdog` (heartbeats in the
 agent's store) and, once set up, limits every collective to ``system.collective_timeout_s``; a hung
 peer ends the attempt, which the agent then restarts like one whose rank died.
 
@@ -50,21 +50,21 @@ the agent's store (so an older job's checkpoints in the same folder are never ta
 attempt only. An expected error (missing dataset, unusable checkpoint, bad value) is recorded there
 too, so later attempts stop at once instead of repeating a run that cannot succeed.
 
-Exposed communication (:mod:`src.exposed_comm`): each step's wait at the end of the backward pass
+Exposed communication (:mod:`src.telemetry.exposed_comm`): each step's wait at the end of the backward pass
 for the gradient exchange, from the last gradient computed to ``backward()``'s return, as
 ``exposed_communication_s`` in the train scalars and the summaries (per rank; summed over ranks in
 the run summary). Timeline spans (``--trace``): ``step`` > ``forward_backward`` (>
 ``exchange_wait``), ``optimizer_step``; ``evaluate``; ``checkpoint``; and each bucket's
-``hook_exchange`` on the comm hook's thread (:mod:`src.comm_hooks`).
+``hook_exchange`` on the comm hook's thread (:mod:`src.ddp.comm_hooks`).
 
 Outputs under ``system.log_dir``: ``summary.json`` (rank 0, whole run), ``ddp_rank_<r>.json`` (per
 rank: samples, time, bytes), and per-rank TensorBoard + ``events.jsonl`` under ``rank_<r>/``; rank 0
 also logs run-level events (eval, checkpoints, restarts) at the top level.
 
 :class:`DDPTrainer` owns the epoch loop and hands the rest to its collaborators: the rank's place
-and set-up checks (:mod:`src.ddp_rank`), the job's record across restarts (:mod:`src.ddp_job`),
-resume and checkpoints (:mod:`src.ddp_checkpoints`), evaluation (:mod:`src.ddp_evaluation`), the
-logs (:mod:`src.ddp_run_logs`) and the summaries (:mod:`src.ddp_summary`).
+and set-up checks (:mod:`src.ddp.rank`), the job's record across restarts (:mod:`src.ddp.job`),
+resume and checkpoints (:mod:`src.ddp.checkpoints`), evaluation (:mod:`src.ddp.evaluation`), the
+logs (:mod:`src.ddp.run_logs`) and the summaries (:mod:`src.ddp.summary`).
 """
 
 from __future__ import annotations
@@ -84,24 +84,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src import netem, tracing
-from src.checkpoint import final_checkpoint_path
-from src.comm_hooks import CommHook, comm_hook_from_config
+from src.common.checkpoint import final_checkpoint_path
+from src.common.faults import FaultInjector
+from src.common.supervisor import LaunchError, leave_process
 from src.config import Config, SetupError
-from src.data import make_shards, steps_per_epoch
-from src.ddp_checkpoints import RankCheckpoints, ResumePoint, hook_restore_note, receive_resume_point
-from src.ddp_control import RankControl, config_problem
-from src.ddp_evaluation import RankEvaluation
-from src.ddp_job import EXPECTED_ERRORS, JobRecord, int_env
-from src.ddp_rank import RankContext, check_rank_setup, rank_device, select_backend, threads_per_rank
-from src.ddp_run_logs import RankLogs
-from src.ddp_summary import rank_and_run_summaries, run_description
-from src.ddp_watchdog import HangWatchdog
-from src.exposed_comm import BackwardWait
-from src.faults import FaultInjector
-from src.lr_schedule import set_scheduled_learning_rate
+from src.ddp.checkpoints import RankCheckpoints, ResumePoint, hook_restore_note, receive_resume_point
+from src.ddp.comm_hooks import CommHook, comm_hook_from_config
+from src.ddp.control import RankControl, config_problem
+from src.ddp.evaluation import RankEvaluation
+from src.ddp.job import EXPECTED_ERRORS, JobRecord, int_env
+from src.ddp.rank import RankContext, check_rank_setup, rank_device, select_backend, threads_per_rank
+from src.ddp.run_logs import RankLogs
+from src.ddp.summary import rank_and_run_summaries, run_description
+from src.ddp.watchdog import HangWatchdog
+from src.emulation import netem
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
-from src.supervisor import LaunchError, leave_process
+from src.telemetry import tracing
+from src.telemetry.exposed_comm import BackwardWait
 from src.trainer import (
     MixedPrecision,
     TrainingClock,
@@ -113,6 +112,8 @@ from src.trainer import (
     progress,
     samples_due,
 )
+from src.training.data import make_shards, steps_per_epoch
+from src.training.lr_schedule import set_scheduled_learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class DDPTrainer:
         summary_json: run summary path (default ``<log_dir>/summary.json``), written by rank 0.
         comm_hook: factory ``(module) -> CommHook`` replacing the config's choice (benchmarks, tests).
         job: the elastic job's shared record (newest checkpoint); default: none.
-        watchdog: this rank's hung-peer watchdog (:mod:`src.ddp_watchdog`), whose ``rank_hung``
+        watchdog: this rank's hung-peer watchdog (:mod:`src.ddp.watchdog`), whose ``rank_hung``
             events go into this run's logs; default: none.
     """
 
@@ -232,12 +233,12 @@ class DDPTrainer:
             control=self.control,
         )
         # DDP re-buckets after a process's first backward pass; a silent one now makes every
-        # training step see the final buckets (the compression units; see src.compression_hook_state).
+        # training step see the final buckets (the compression units; see src.ddp.hook_state).
         self.comm.settle_buckets(self.ddp, self.train_set.images[:1].to(context.device))
-        self.backward_wait = BackwardWait(self.model)  # exposed communication (src/exposed_comm.py)
+        self.backward_wait = BackwardWait(self.model)  # exposed communication (src/telemetry/exposed_comm.py)
 
     def _adaptive_control(self, point: ResumePoint | None) -> RankControl | None:
-        """Adaptive compression (src/ddp_control.py): rank 0's controller decides at evaluations, every
+        """Adaptive compression (src/ddp/control.py): rank 0's controller decides at evaluations, every
         rank sets its hook's top-k ratio from the same step; ``None`` without ``system.adaptive_compression``."""
         if not self.config.system.adaptive_compression:
             return None
@@ -434,7 +435,7 @@ class DDPTrainer:
             return self._write_summaries(logs, common, samples, clock.seconds, steps_run, started, checkpoint_path)
         except RuntimeError:
             # A collective timed out (or failed) before the watchdog's own verdict: a silent peer is
-            # the hung one (logged here; this process then ends, see src.ddp_watchdog), else re-raise.
+            # the hung one (logged here; this process then ends, see src.ddp.watchdog), else re-raise.
             if self.watchdog is not None:
                 self.watchdog.collective_failed()
             raise
@@ -508,7 +509,7 @@ def leave_rank_process(code: int) -> NoReturn:
 
     Once DDP has run, torch keeps the gloo process group, and its threads, alive after
     ``destroy_process_group`` (measured: its three gloo threads are still there after DDP is
-    deleted and the garbage collected); see :func:`src.supervisor.leave_process`.
+    deleted and the garbage collected); see :func:`src.common.supervisor.leave_process`.
     """
     leave_process(code)
 
@@ -550,9 +551,9 @@ def run_rank(
     """Join the process group as ``rank``, train, and leave the group (also on errors).
 
     The restart attempt comes from ``TORCHELASTIC_RESTART_COUNT`` (set by the elastic agent). Under
-    an elastic agent a :class:`~src.ddp_watchdog.HangWatchdog` watches the peers' heartbeats, and
+    an elastic agent a :class:`~src.ddp.watchdog.HangWatchdog` watches the peers' heartbeats, and
     training collectives wait at most ``system.collective_timeout_s``: a hung rank fails the attempt
-    (see :mod:`src.ddp_watchdog`).
+    (see :mod:`src.ddp.watchdog`).
 
     Args:
         store: rendezvous store; ``None`` joins through the elastic agent's store (``MASTER_ADDR``/

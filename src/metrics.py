@@ -1,5 +1,5 @@
 """Telemetry: ``events.jsonl`` (the source of truth), sinks fed from the same events (TensorBoard,
-the experiment trackers of :mod:`src.trackers`), and the run summary JSON every runner writes.
+the experiment trackers of :mod:`src.telemetry.trackers`), and the run summary JSON every runner writes.
 
 An event is one JSON object per line with ``time`` (unix seconds), ``kind`` and its fields.
 :class:`MetricsLogger` writes each event, then hands it to its sinks (:class:`MetricsSink`): scalar
@@ -125,7 +125,7 @@ class MetricsSink:
     """Where :class:`MetricsLogger` forwards what it writes; every method does nothing by default.
 
     Called from whichever thread logged the event (the parameter server logs from its RPC threads):
-    a sink that does slow I/O hands the work to a thread of its own (see :mod:`src.trackers`).
+    a sink that does slow I/O hands the work to a thread of its own (see :mod:`src.telemetry.trackers`).
     """
 
     def event(self, event: Mapping[str, Any]) -> None:
@@ -165,7 +165,7 @@ class MetricsLogger:
         log_dir: folder for ``events.jsonl`` and the TensorBoard event files.
         tensorboard: set False to write no TensorBoard files (benchmarks; ``metrics.trackers``
             without ``tensorboard``).
-        sinks: more receivers of the same events (:func:`src.trackers.open_trackers`); closed with
+        sinks: more receivers of the same events (:func:`src.telemetry.trackers.open_trackers`); closed with
             this logger.
         clock: the events' ``time`` (default ``time.time``; a virtual-time run passes its clock's).
         fields: added to every event (e.g. ``worker=1``).

@@ -1,26 +1,26 @@
-"""The parameter server: a driver of the server core (:mod:`src.ps_core`) over real connections.
+"""The parameter server: a driver of the server core (:mod:`src.ps.core`) over real connections.
 
 Everything the server decides (membership, the work plan, the sync barrier and async apply,
 staleness, the controller, the downlink, de-dup, checkpoints, events and the summary) is in
-:class:`~src.ps_core.ServerCore`; this module adds what a real network service needs, once for
+:class:`~src.ps.core.ServerCore`; this module adds what a real network service needs, once for
 every transport (``system.transport``):
 
 * the calls (``handle_register``, ``handle_push``, ...): each takes the core's lock, calls the core,
-  and lets a :class:`~src.ps_refusals.Refused` out for the transport to turn into its own error with the
-  same status name. The transports are thin: gRPC (:func:`~src.ps_transport.service_handler`, this
-  class's ``Register``/``Push``/... methods) and binary frames over TCP (:mod:`src.tcp_server`);
+  and lets a :class:`~src.ps.refusals.Refused` out for the transport to turn into its own error with the
+  same status name. The transports are thin: gRPC (:func:`~src.transport.grpc.service_handler`, this
+  class's ``Register``/``Push``/... methods) and binary frames over TCP (:mod:`src.ps.tcp_server`);
 * the waits: a Pull or Push whose work is not there yet (the sync barrier, or nothing unassigned)
   waits on the core's lock, waking every :data:`WAIT_POLL_S` to notice a call whose client went away;
 * push decoding outside the lock, so pushes of different workers decode in parallel, and replies
-  built as views of the parameters (:class:`~src.wire.SharedBuffers`) that are joined (gRPC) or
+  built as views of the parameters (:class:`~src.transport.wire.SharedBuffers`) that are joined (gRPC) or
   written to the socket (TCP) outside it;
 * the heartbeat monitor thread (failure detection lands within ``heartbeat_timeout`` + :data:`MONITOR_PERIOD_S`);
 * evaluations on a background thread, off the critical path of the pushes;
-* emulated downlinks (:mod:`src.netem`, the config's ``emulation`` section): a Pull or Push reply to
+* emulated downlinks (:mod:`src.emulation.netem`, the config's ``emulation`` section): a Pull or Push reply to
   a worker with a narrow downlink waits its transfer time (from its exact size on the wire, the
   transport's framing included) after it is built, outside the lock, before it is sent.
 
-Timeline spans (``--trace``, :mod:`src.tracing`): ``serve_push`` / ``serve_pull`` per RPC, with
+Timeline spans (``--trace``, :mod:`src.telemetry.tracing`): ``serve_push`` / ``serve_pull`` per RPC, with
 ``barrier_wait`` (the call waiting for its work), ``downlink_wait`` (emulated) and the core's
 ``decode``, ``apply``, ``reply``, ``evaluate`` and ``checkpoint`` inside.
 
@@ -40,19 +40,20 @@ from typing import Any, Callable, Iterator, Protocol
 import grpc
 from torch import nn
 
-from src import netem, tracing
 from src import parameter_server_pb2 as pb
-from src.aggregation import RequestLog
 from src.config import Config
 from src.coordinator import WorkPlan
-from src.ps_core import ServerCore
-from src.ps_refusals import PushRefused, Refused, RunFailed
-from src.ps_transport import require_auth_token, split, start_grpc_server
-from src.push_decode import ArrivingPush
-from src.staleness import StalenessPolicy
+from src.emulation import netem
+from src.ps.aggregation import RequestLog
+from src.ps.core import ServerCore
+from src.ps.push_decode import ArrivingPush
+from src.ps.refusals import PushRefused, Refused, RunFailed
+from src.ps.staleness import StalenessPolicy
+from src.ps.work_source import PlannedWork, WorkSource
+from src.telemetry import tracing
 from src.trainer import load_split, model_from_config
-from src.wire import MessageSplitter, Pieces, serialize
-from src.work_source import PlannedWork, WorkSource
+from src.transport.grpc import require_auth_token, split, start_grpc_server
+from src.transport.wire import MessageSplitter, Pieces, serialize
 
 WAIT_POLL_S = 0.5  # a waiting call wakes this often to notice a cancelled RPC
 MONITOR_PERIOD_S = 0.2  # failure detection runs this often: detection lands within timeout + this
@@ -61,7 +62,7 @@ PUSH_LARGE_FIELDS = ("gradients", "buffers")  # a push's tensors: views of the m
 
 @contextlib.contextmanager
 def refusals(context: grpc.ServicerContext) -> Iterator[None]:
-    """Turn the core's :class:`~src.ps_refusals.Refused` into the gRPC status of the same name."""
+    """Turn the core's :class:`~src.ps.refusals.Refused` into the gRPC status of the same name."""
     try:
         yield
     except Refused as refused:
@@ -123,7 +124,7 @@ def test_set_for(config: Config):
 
 
 class ParameterServer:
-    """A :class:`~src.ps_core.ServerCore` served over gRPC or TCP (see the module docstring).
+    """A :class:`~src.ps.core.ServerCore` served over gRPC or TCP (see the module docstring).
 
     Args:
         config: the run's config (mode, workers, optimizer, heartbeats, outputs).
@@ -137,7 +138,7 @@ class ParameterServer:
         faults: fire the config's ``kill:server@version=N`` faults (``False`` in a restarted server).
         on_event: called (outside the lock) with ``(kind, fields)`` for events a launcher acts on
             (``worker_failed``).
-        work: where work comes from (default: the dataset's plan); see :mod:`src.work_source`.
+        work: where work comes from (default: the dataset's plan); see :mod:`src.ps.work_source`.
         model_label, data_label: what checkpoints and summaries call the model and the data.
         max_message_bytes: the message limit while the model's size is not known yet (a server without a model).
         transport: ``"grpc"`` or ``"tcp"`` (default ``system.transport``).
@@ -191,7 +192,7 @@ class ParameterServer:
             for k in range(config.system.num_workers)
         }  # emulated server -> worker links
         self._stop_serving: Callable[[float], None] | None = None
-        self.transport_server: Any = None  # the grpc.Server or src.tcp_server.TCPServer, once started
+        self.transport_server: Any = None  # the grpc.Server or src.ps.tcp_server.TCPServer, once started
         self._monitor: threading.Thread | None = None
         self.port: int | None = None
 
@@ -212,7 +213,7 @@ class ParameterServer:
         system = self.config.system
         max_calls = 3 * system.num_workers + 8  # per worker: a waiting push, a heartbeat, a spare
         if self.transport == "tcp":
-            from src.tcp_server import TCPServer
+            from src.ps.tcp_server import TCPServer
 
             tcp = TCPServer(
                 self, system, token=self.token, max_message_bytes=self.core.max_message_bytes, max_connections=max_calls
@@ -283,7 +284,7 @@ class ParameterServer:
     def push_splitter(self, data) -> MessageSplitter:
         """A splitter of a push arriving into ``data``, for a transport that reads it in pieces (TCP): each
         gradient is checked as its bytes come in and decoded as soon as it is whole, outside the lock
-        (:class:`~src.push_decode.ArrivingPush`); pass the splitter to :meth:`handle_push` once every byte
+        (:class:`~src.ps.push_decode.ArrivingPush`); pass the splitter to :meth:`handle_push` once every byte
         has arrived."""
         layout = self.core.model.layout  # fixed once installed; a push before Initialize is refused later
         if layout is None:
@@ -355,7 +356,7 @@ class ParameterServer:
         with self.core.lock:
             return self.core.status()
 
-    # ----------------------------------------------------------------- gRPC methods (src.ps_transport.service_handler)
+    # ---------------------------------------------------------- gRPC methods (src.transport.grpc.service_handler)
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         with refusals(context):

@@ -1,7 +1,7 @@
 """Baseline single-process trainer, and the train/eval pieces the distributed trainers reuse.
 
 The baseline is the reference every distributed result is checked against: an epoch reads the
-seeded permutation of :func:`src.data.epoch_permutation` in batches of ``training.batch_size``, so
+seeded permutation of :func:`src.training.data.epoch_permutation` in batches of ``training.batch_size``, so
 sync PS with N workers of batch b, or DDP with N ranks of batch b, should match this trainer with
 batch N*b. It evaluates on the test split after every epoch (and every ``training.eval_interval``
 steps when set), checkpoints every ``training.checkpoint_interval`` epochs and at the end, and
@@ -34,8 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src import tracing
-from src.checkpoint import (
+from src.common.checkpoint import (
     KEEP_CHECKPOINTS,
     check_model_matches,
     final_checkpoint_path,
@@ -47,12 +46,13 @@ from src.checkpoint import (
     save_checkpoint,
 )
 from src.config import Config, SetupError
-from src.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
-from src.lr_schedule import set_scheduled_learning_rate
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
-from src.models import build_model
-from src.optimizers import build_optimizer, optimizer_from_config  # noqa: F401  (re-exported: the runners' registry)
-from src.trackers import open_trackers
+from src.telemetry import tracing
+from src.telemetry.trackers import open_trackers
+from src.training.data import TensorDataset, dataset_info, epoch_permutation, load_dataset
+from src.training.lr_schedule import set_scheduled_learning_rate
+from src.training.models import build_model
+from src.training.optimizers import build_optimizer, optimizer_from_config  # noqa: F401  (re-exported: the runners' registry)
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +250,8 @@ def evaluate_checkpoint(
     """Score any checkpoint (baseline, parameter server or DDP) on a dataset's test split (default: its own).
 
     Returns ``{"accuracy", "loss", "num_samples", "dataset", "checkpoint"}``. Raises
-    :class:`src.checkpoint.CheckpointError` for an unreadable file, ``ValueError`` when the dataset's
-    samples do not fit the checkpoint's model, :class:`src.data.DatasetUnavailableError` when its files
+    :class:`src.common.checkpoint.CheckpointError` for an unreadable file, ``ValueError`` when the dataset's
+    samples do not fit the checkpoint's model, :class:`src.training.data.DatasetUnavailableError` when its files
     are missing. A synthetic test split is regenerated with the size and seed the run trained with.
     """
     checkpoint = load_checkpoint(path)

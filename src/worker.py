@@ -21,18 +21,18 @@ ended: it was silent for longer than ``system.heartbeat_timeout``), the worker r
 what it held (a push the server did not apply is rolled back into the residual; the batches it
 carried were handed to others and are not its own any more), registers as a new incarnation and
 goes on, up to ``system.max_rejoins`` times; then it stops with :class:`IncarnationRevoked`. The
-decision is :func:`src.worker_protocol.failed_call`'s and the settling :meth:`WorkerStep.rejoined`'s,
+decision is :func:`src.ps.worker_protocol.failed_call`'s and the settling :meth:`WorkerStep.rejoined`'s,
 which the virtual-time worker runs too.
 
-Emulation (:mod:`src.netem`, the run config's ``emulation`` section, learnt from the server): a
+Emulation (:mod:`src.emulation.netem`, the run config's ``emulation`` section, learnt from the server): a
 slowed worker waits after each forward/backward (counted as gradient time), and a narrow uplink
 makes every message wait its transfer time in the client before it is sent (counted as
 communication time); ``emulated_delay_s`` in the totals is the sum of both waits.
 
 Measured per worker: gradient time (forward/backward), compression time, communication time (the
 push round trip, including waiting at the sync barrier; the worker computes nothing meanwhile, so
-all of it is exposed communication, :mod:`src.exposed_comm`), bytes sent and received (the serialized
-messages or frames of ``system.transport``, :func:`~src.transports.make_client`), samples, loss and accuracy.
+all of it is exposed communication, :mod:`src.telemetry.exposed_comm`), bytes sent and received (the serialized
+messages or frames of ``system.transport``, :func:`~src.transport.clients.make_client`), samples, loss and accuracy.
 Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the totals go to the server with each
 heartbeat and at Finish, which puts them in the run summary.
 """
@@ -48,17 +48,17 @@ from typing import Any
 import grpc
 
 from src import parameter_server_pb2 as pb
-from src import tracing
+from src.common.faults import FaultInjector
 from src.config import Config, validate_config
-from src.faults import FaultInjector
+from src.emulation.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.metrics import MetricsLogger
-from src.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
-from src.ps_transport import ParameterServerClient, Received, require_auth_token
+from src.ps.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
+from src.ps.worker_step import WorkerStep, check_layout
+from src.telemetry import tracing
 from src.trainer import load_split, model_from_config, resolve_device
-from src.transports import make_client
-from src.wire import chunk_size
-from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
-from src.worker_step import WorkerStep, check_layout
+from src.transport.clients import make_client
+from src.transport.grpc import ParameterServerClient, Received, require_auth_token
+from src.transport.wire import chunk_size
 
 logger = logging.getLogger(__name__)
 
@@ -95,14 +95,14 @@ def merge_run_config(local: Config, run_config_json: str) -> Config:
 class Worker:
     """One worker of a parameter-server run; :meth:`run` trains until the server says the run is finished.
 
-    A real process's driver of :class:`~src.worker_step.WorkerStep`: calls over ``system.transport``,
+    A real process's driver of :class:`~src.ps.worker_step.WorkerStep`: calls over ``system.transport``,
     wall-clock timings, emulated waits, heartbeats, re-registration.
 
     Args:
         config: this worker's config (its :data:`LOCAL_FIELDS` are used; the rest comes from the server).
         worker_id: ``0..num_workers-1``; it is also the shard the worker reads first.
         address: the server's ``host:port`` (default ``system.server_address``).
-        token: the run's auth token (default :func:`~src.ps_transport.require_auth_token`).
+        token: the run's auth token (default :func:`~src.transport.grpc.require_auth_token`).
         tensorboard: also write TensorBoard scalars next to ``events.jsonl``.
         connect_timeout_s: how long to wait for the server at (re-)registration.
         faults: fire this worker's ``system.inject_faults`` (``False`` for a restarted worker).
@@ -136,7 +136,7 @@ class Worker:
         self.compute_delay: ComputeDelay | None = None  # emulation, set once the run config is known
 
     def emulated_delay_s(self) -> float:
-        """Seconds this process waited for emulated compute and uplink (:mod:`src.netem`)."""
+        """Seconds this process waited for emulated compute and uplink (:mod:`src.emulation.netem`)."""
         uplink = self.client.uplink if self.client is not None else None
         return (self.compute_delay.delay_s if self.compute_delay else 0.0) + (uplink.delay_s if uplink else 0.0)
 
@@ -322,7 +322,7 @@ class Worker:
         return self._rejoin(failure, in_flight=request.request_id)
 
     def _failure(self, exc: grpc.RpcError) -> Failure:
-        """What ``exc`` means (:func:`src.worker_protocol.check_session_lost`); spends a rejoin when revoked."""
+        """What ``exc`` means (:func:`src.ps.worker_protocol.check_session_lost`); spends a rejoin when revoked."""
         return check_session_lost(exc, self.worker_id, self.rejoins)
 
     def _rejoin(self, failure: Failure, *, in_flight: int) -> bool:

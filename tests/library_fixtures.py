@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.config import Config, load_config
-from src.data import make_shards
+from src.training.data import make_shards
 from torch_asgc.server import ClientLoopServer
 
 TOKEN = "library-test-token-0123456789"
@@ -62,7 +62,7 @@ class LibraryServer:
         self.close()
 
 
-# ----------------------------------------------------------------------------- models defined here, not in src.models
+# ---------------------------------------------------------------------- models defined here, not in src.training.models
 
 
 class TinyConvNet(nn.Module):
@@ -106,8 +106,8 @@ def plain_loop(model, optimizer, train_set, batches: list[list[int]]) -> None:
 def equivalence_worker(address: str, worker: int, num_workers: int, config_dict: dict[str, Any]) -> None:
     """A worker process of the equivalence test: the registry's simple_cnn, our shard order, plain SGD settings."""
     from src.config import validate_config
-    from src.data import load_dataset
     from src.trainer import model_from_config
+    from src.training.data import load_dataset
     from torch_asgc import DistributedModel, DistributedOptimizer, connect
 
     torch.set_num_threads(1)
@@ -131,7 +131,7 @@ def equivalence_worker(address: str, worker: int, num_workers: int, config_dict:
 
 def topk_worker(address: str, worker: int, num_workers: int, epochs: int, ratio: float) -> None:
     """A worker process training :class:`TinyConvNet` on its half of mnist_5k with top-k + error feedback."""
-    from src.data import load_dataset
+    from src.training.data import load_dataset
     from torch_asgc import DistributedModel, DistributedOptimizer, build_compressor, connect
 
     torch.set_num_threads(1)
@@ -189,7 +189,7 @@ def _report_errors(target: Callable[..., None], args: tuple, errors) -> None:
 
 def worker_shard(worker: int, num_workers: int, max_samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Worker ``worker``'s share of the mnist_5k training set (images, labels), of its first ``max_samples``."""
-    from src.data import load_dataset
+    from src.training.data import load_dataset
 
     train_set = load_dataset("mnist_5k", "train", max_samples=max_samples)
     indices = make_shards(len(train_set), num_workers, 0, 0)[worker].indices
@@ -319,9 +319,9 @@ def huggingface_worker(
 
 def accuracy_of_checkpoint(path: str, module: nn.Module, prefix: str = "") -> float:
     """Test accuracy on mnist_5k of ``module`` loaded from a server checkpoint (keys under ``prefix``)."""
-    from src.checkpoint import load_checkpoint
-    from src.data import load_dataset
+    from src.common.checkpoint import load_checkpoint
     from src.trainer import evaluate
+    from src.training.data import load_dataset
 
     state = load_checkpoint(path)["model_state_dict"]
     module.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=False)

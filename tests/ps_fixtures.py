@@ -16,7 +16,7 @@ from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY
 from src.config import Config, load_config
 from src.parameter_server import ParameterServer
-from src.transports import TRANSPORTS, make_client
+from src.transport.clients import TRANSPORTS, make_client
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "run_parameter_server_training.py"

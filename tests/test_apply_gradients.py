@@ -1,4 +1,4 @@
-"""One optimizer step with given gradients (src.optimizers.apply_gradients): torch's SGD update called
+"""One optimizer step with given gradients (src.training.optimizers.apply_gradients): torch's SGD update called
 directly is ``optimizer.step()`` bit for bit; whatever it cannot take goes through ``step()``."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from src import optimizers
-from src.aggregation import ModelState
-from src.optimizers import apply_gradients
+from src.ps.aggregation import ModelState
+from src.training import optimizers
+from src.training.optimizers import apply_gradients
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Contract tests of src/async_simulation.py: with one worker the simulated async run is plain sequential
+"""Contract tests of src/studies/async_simulation.py: with one worker the simulated async run is plain sequential
 training with the server's optimizer; with several, staleness is counted as the server counts it.
 
 Tolerances: the one-worker case computes the same float32 operations in the same order as the
@@ -13,11 +13,11 @@ import json
 
 import torch
 
-from src.async_simulation import AsyncSimulation, simulate_repeats, simulation_config
 from src.config import validate_config
-from src.data import load_dataset, make_shards
-from src.staleness import server_optimizer
+from src.ps.staleness import server_optimizer
+from src.studies.async_simulation import AsyncSimulation, simulate_repeats, simulation_config
 from src.trainer import forward_backward, model_from_config
+from src.training.data import load_dataset, make_shards
 
 RTOL, ATOL = 1e-6, 1e-7
 

@@ -1,4 +1,4 @@
-"""The quadratic model of src/async_stability.py: heavy-ball momentum's known stability limit, and the order
+"""The quadratic model of src/studies/async_stability.py: heavy-ball momentum's known stability limit, and the order
 of the async variants' limits and speeds that docs/async.md reports.
 
 Tolerances: the limit is found on a log grid of 1,200 points from 1e-3 to 8 (neighbours 0.75% apart), and
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from src.async_stability import largest_stable_h, progress_per_epoch, stability_rows, stability_table
+from src.studies.async_stability import largest_stable_h, progress_per_epoch, stability_rows, stability_table
 
 
 def test_sync_momentum_is_stable_up_to_two_times_one_plus_momentum():

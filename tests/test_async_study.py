@@ -1,10 +1,10 @@
-"""The async study's configurations and its table (src/async_study.py), from results written by hand:
+"""The async study's configurations and its table (src/studies/async_study.py), from results written by hand:
 the runs themselves are real runner processes, too long for a unit test (the command is
 ``scripts/async_study.py``)."""
 
 from __future__ import annotations
 
-from src.async_study import preset, study_configs, table
+from src.studies.async_study import preset, study_configs, table
 
 
 def test_configurations_are_the_named_ones_then_the_presets_that_match():

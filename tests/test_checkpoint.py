@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src import checkpoint as ckpt
-from src.checkpoint import (
+from src.common import checkpoint as ckpt
+from src.common.checkpoint import (
     CheckpointError,
     load_checkpoint,
     load_latest_good,
@@ -118,7 +118,7 @@ def test_prune_keeps_newest(tmp_path):
 def test_unfinished_run_checkpoint_resumes_only_an_interrupted_run(tmp_path):
     import os
 
-    from src.checkpoint import final_checkpoint_path, numbered_path, unfinished_run_checkpoint
+    from src.common.checkpoint import final_checkpoint_path, numbered_path, unfinished_run_checkpoint
 
     assert unfinished_run_checkpoint(tmp_path, "parameter_server") is None  # nothing there: start afresh
     for number, mtime in ((10, 100), (20, 200)):

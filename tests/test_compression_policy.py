@@ -1,4 +1,4 @@
-"""Which compressor a send uses (src/compression_policy.py): identity during warm-up, skipped where compression
+"""Which compressor a send uses (src/compressors/policy.py): identity during warm-up, skipped where compression
 would not shrink, built from the config's system section."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from src.compression import (
     decompress,
     parse_header,
 )
-from src.compression_policy import CompressionPolicy
+from src.compressors.policy import CompressionPolicy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +64,7 @@ def test_policy_validation():
 
 
 def test_policy_from_config_builds_what_the_system_section_asks_for():
-    from src.compression_policy import policy_from_config
+    from src.compressors.policy import policy_from_config
     from src.config import SystemConfig
 
     assert policy_from_config(SystemConfig(compression_enabled=False)) is None

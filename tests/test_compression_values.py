@@ -22,9 +22,9 @@ from src.compression import (
     decompress,
     parse_header,
 )
-from src.compression_policy import CompressionPolicy, policy_from_config
+from src.compressors.error_feedback import ErrorFeedback
+from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.config import ConfigError, SystemConfig, validate_config
-from src.error_feedback import ErrorFeedback
 from tests.test_compression import _rewrite_header
 
 HALF = [torch.bfloat16, torch.float16]

@@ -154,7 +154,7 @@ def fresh_logging():
     """Logging as an unconfigured process has it, and back as it was afterwards."""
     import logging
 
-    from src import logs
+    from src.telemetry import logs
 
     saved = (
         logs._handler,
@@ -178,19 +178,19 @@ def fresh_logging():
 def test_setup_logging_sets_our_level_and_keeps_libraries_at_warning(fresh_logging, capsys):
     import logging
 
-    from src.logs import setup_logging
+    from src.telemetry.logs import setup_logging
 
     setup_logging("warning")
     logging.getLogger("src.trainer").info("hidden")
     logging.getLogger("src.trainer").warning("shown %d", 1)
     logging.getLogger("some.library").info("library info")
     setup_logging("debug")  # a second call changes the level only: no second handler
-    logging.getLogger("src.ps_launcher").debug("debug line")
+    logging.getLogger("src.launch.ps").debug("debug line")
     logging.getLogger("some.library").info("library info again")
     err = capsys.readouterr().err.splitlines()
     assert [line.split(" ", 1)[1] for line in err] == [
         "WARNING src.trainer: shown 1",
-        "DEBUG src.ps_launcher: debug line",
+        "DEBUG src.launch.ps: debug line",
     ]
     with pytest.raises(ValueError, match="system.log_level"):
         setup_logging("loud")

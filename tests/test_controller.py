@@ -1,4 +1,4 @@
-"""Event-driven tests of src/controller.py: streams of push and eval events in, decisions out.
+"""Event-driven tests of src/adaptive/controller.py: streams of push and eval events in, decisions out.
 
 The controller raises rho after a Loss Rebound, lowers it while training is stable and communication
 dominates, never leaves its bounds, ignores the fast early drop of the loss, and decides the same way
@@ -14,9 +14,9 @@ import re
 
 import pytest
 
+from src.adaptive.controller import CompressionController, loss_rebound
+from src.adaptive.settings import ControllerSettings
 from src.config import ConfigError, validate_config
-from src.controller import CompressionController, loss_rebound
-from src.controller_settings import ControllerSettings
 
 
 def push(communication: float = 0.8, gradient: float = 0.2, compression: float = 0.0) -> dict:
@@ -278,9 +278,9 @@ def test_decisions_reach_the_workers_payload_sizes(tmp_path):
     import torch
 
     from src.compression import build_compressor
-    from src.compression_policy import CompressionPolicy
+    from src.compressors.policy import CompressionPolicy
+    from src.launch.ps import run_local
     from src.metrics import read_events
-    from src.ps_launcher import run_local
     from src.trainer import model_from_config
     from tests.ps_fixtures import ps_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from src.coordinator import Membership, MembershipError, WorkPlan, check_coverage
-from src.data import make_shards
+from src.training.data import make_shards
 
 
 class FakeClock:

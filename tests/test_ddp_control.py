@@ -1,4 +1,4 @@
-"""The adaptive compression controller in DDP (src/ddp_control.py): every rank switches in the same step.
+"""The adaptive compression controller in DDP (src/ddp/control.py): every rank switches in the same step.
 
 * unit: rank 0's decision, broadcast as four float64 numbers, becomes the same switch on every rank,
   due from ``apply_from_step``; the hook's top-k ratio can be set and nothing else can; a run without
@@ -19,13 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from src.comm_hooks import CommHook, comm_hook_from_config, compression_hook
+from src.adaptive.controller import CompressionController
 from src.compression import build_compressor
-from src.compression_hook_state import CompressionHookState
-from src.compression_policy import CompressionPolicy
+from src.compressors.policy import CompressionPolicy
 from src.config import SetupError, validate_config
-from src.controller import CompressionController
-from src.ddp_control import RankControl, Switch, config_problem
+from src.ddp.comm_hooks import CommHook, comm_hook_from_config, compression_hook
+from src.ddp.control import RankControl, Switch, config_problem
+from src.ddp.hook_state import CompressionHookState
 from tests.ddp_fixtures import join_group, spawn_ranks
 
 WORLD = 2
@@ -134,8 +134,8 @@ def test_the_hooks_top_k_ratio_can_be_set_and_nothing_else():
 
 def test_a_run_without_evaluations_or_top_k_is_refused_naming_the_field(capsys, monkeypatch, tmp_path):
     import run_ddp_training
-    from src.ddp_launcher import check_launch
     from src.ddp_trainer import DDPTrainer, RankContext
+    from src.launch.ddp import check_launch
 
     no_eval = validate_config(
         {"system": {"architecture": "ddp", "adaptive_compression": True, "compression_enabled": True}}
@@ -174,7 +174,7 @@ def test_a_run_without_evaluations_or_top_k_is_refused_naming_the_field(capsys, 
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert exit_.value.code == 2 and "error: --adaptive-compression" in err and field in err
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
-    from src import experiment as rx
+    from src.launch import experiment as rx
 
     experiment, data = rx.split_experiment(
         {"experiment": {"controller": "on"}, "training": {"eval_interval": 4}, "system": {"architecture": "ddp"}}, "x"
@@ -263,7 +263,7 @@ def _events(root: Path, name: str, kind: str, rank: int | None = None) -> list[d
 def _assert_the_resumed_run_repeats_the_rest(tmp_path, rest, payload, final, parameters, controller):
     """Resumed from step 10 with the switch to 0.01 pending: the same decisions (``rest``, without their timings,
     measured anew), switches, payloads and final ``parameters`` as the uninterrupted run."""
-    from src.checkpoint import load_checkpoint
+    from src.common.checkpoint import load_checkpoint
 
     def decided(d: dict) -> tuple:  # a decision without its timings (measured anew)
         return (
@@ -292,7 +292,7 @@ def _assert_the_resumed_run_repeats_the_rest(tmp_path, rest, payload, final, par
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_rank_switches_in_the_same_step_to_the_payload_of_the_new_rho(tmp_path):
-    from src.checkpoint import load_checkpoint
+    from src.common.checkpoint import load_checkpoint
     from src.trainer import model_from_config
 
     mid_epoch = tmp_path / "adaptive" / "checkpoints" / "checkpoint_000010.pt"  # after the evaluation at step 10

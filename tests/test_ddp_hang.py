@@ -156,7 +156,7 @@ def test_a_sigstopped_rank_is_detected_and_the_group_resumes_exactly(tmp_path, s
         _kill_if_left(pid)
         _finish(process, tmp_path)
     assert code == 0, err[-3000:]
-    assert "restart 1/3: the group continues from" in err  # a log line (src/logs.py), as in test_ddp_cli
+    assert "restart 1/3: the group continues from" in err  # a log line (src/telemetry/logs.py), as in test_ddp_cli
     assert f"rank 0: rank 1 (pid {pid} on" in err and "hung; killed it" in err
     _assert_detected_and_resumed(tmp_path, 1, pid, stopped_at, slow_rank_run)
 

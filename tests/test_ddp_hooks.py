@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.comm_hooks import RingHookState, comm_hook_from_config, compression_hook, ring_allreduce_hook
-from src.comm_stats import CommStats, ring_allreduce_bytes
 from src.compression import build_compressor, decompress
-from src.compression_hook_state import CompressionHookState
-from src.compression_policy import CompressionPolicy
+from src.compressors.policy import CompressionPolicy
 from src.config import SystemConfig
-from src.ring_allreduce import ring_allreduce_
+from src.ddp.comm_hooks import RingHookState, comm_hook_from_config, compression_hook, ring_allreduce_hook
+from src.ddp.comm_stats import CommStats, ring_allreduce_bytes
+from src.ddp.hook_state import CompressionHookState
+from src.ddp.ring_allreduce import ring_allreduce_
 from tests.ddp_fixtures import join_group, spawn_ranks, tcp_bytes
 
 WORLD = 3

@@ -24,10 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from src.checkpoint import load_checkpoint, save_checkpoint
-from src.comm_hooks import comm_hook_from_config
+from src.common.checkpoint import load_checkpoint, save_checkpoint
 from src.config import validate_config
-from src.ddp_rank import RankContext
+from src.ddp.comm_hooks import comm_hook_from_config
+from src.ddp.rank import RankContext
 from src.ddp_trainer import DDPTrainer
 from src.metrics import SUMMARY_FIELDS, read_events
 from src.trainer import BaselineTrainer, model_from_config

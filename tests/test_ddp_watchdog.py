@@ -16,7 +16,7 @@ import time
 import pytest
 from torch.distributed import TCPStore
 
-from src.ddp_watchdog import DONE, HUNG_PEER_EXIT, HangWatchdog, heartbeat_interval, process_state
+from src.ddp.watchdog import DONE, HUNG_PEER_EXIT, HangWatchdog, heartbeat_interval, process_state
 from tests.ddp_fixtures import process_gone
 
 TIMEOUT_S = 10.0

@@ -1,5 +1,5 @@
-"""Error feedback (src/error_feedback.py): residuals conserve the gradient mass, a rejected push rolls back exactly,
-its state survives a checkpoint, bad input is refused."""
+"""Error feedback (src/compressors/error_feedback.py): residuals conserve the gradient mass, a rejected push rolls
+back exactly, its state survives a checkpoint, bad input is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from src.compression import (
     build_compressor,
     decompress,
 )
-from src.error_feedback import ErrorFeedback
+from src.compressors.error_feedback import ErrorFeedback
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from src import experiment as rx
-from src import matrix as run_matrix
+from src.launch import experiment as rx
+from src.launch import matrix as run_matrix
 from tests.ps_fixtures import ROOT, kill_group
 
 TINY = {
@@ -231,7 +231,7 @@ def _fake_run(folder: Path, name: str, seed: int, **summary) -> None:
 
 
 def _record(name: str, runs: list[tuple[str, int, dict]]) -> dict:
-    """A matrix record (src/findings_record.py) of runs given as (configuration, seed, summary fields)."""
+    """A matrix record (src/findings/record.py) of runs given as (configuration, seed, summary fields)."""
     out = []
     for configuration, seed, fields in runs:
         fields = dict(fields)
@@ -263,8 +263,8 @@ def _record(name: str, runs: list[tuple[str, int, dict]]) -> dict:
 
 
 def test_findings_figures_follow_their_definitions():
-    from src import findings
-    from src.findings_format import verdict
+    from src.findings import figures as findings
+    from src.findings.format import verdict
 
     # worker 1 four times slower: rates 100 and 25 samples/s in async -> ideal 125 / (2 x 25) = 2.5
     slow = [(500, 10, 1.0, 9.0), (500, 10, 10.0, 0.0)]
@@ -333,7 +333,7 @@ def test_findings_figures_follow_their_definitions():
 
 
 def test_the_results_table_has_a_row_per_run_and_per_configuration(tmp_path):
-    from src.results import find_runs, markdown_table
+    from src.reports.results import find_runs, markdown_table
 
     f2 = tmp_path / "f2"
     for name, accuracy, sent in (("identity", 0.95, 1000), ("topk_ef", 0.94, 20)):
@@ -345,7 +345,7 @@ def test_the_results_table_has_a_row_per_run_and_per_configuration(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_ddp_experiment_runs_through_the_elastic_launcher(tmp_path):
-    """``system.architecture: ddp`` runs real ranks (src.ddp_launcher) and leaves the experiment's folder."""
+    """``system.architecture: ddp`` runs real ranks (src.launch.ddp) and leaves the experiment's folder."""
     config_file = tmp_path / "ddp.yaml"
     config_file.write_text(
         yaml.safe_dump(

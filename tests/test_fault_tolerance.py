@@ -1,6 +1,6 @@
 """Fault tolerance of the parameter server, shown on real processes with real signals.
 
-Every run is a local job (:func:`src.ps_launcher.run_local`): a server process and worker processes.
+Every run is a local job (:func:`src.launch.ps.run_local`): a server process and worker processes.
 Faults come from ``system.inject_faults``: a worker SIGKILLs or SIGSTOPs itself at a step, the server
 SIGKILLs itself at a version. The assertions read only what the run wrote: the summary, and the
 events of the server, the workers and the launcher.
@@ -15,8 +15,8 @@ import pytest
 
 from src.config import Config
 from src.coordinator import check_coverage
+from src.launch.ps import run_local
 from src.metrics import read_events
-from src.ps_launcher import run_local
 from tests.ps_fixtures import ps_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -167,7 +167,7 @@ def test_a_failing_checkpoint_write_is_an_event_and_an_error(tmp_path):
         training__max_train_samples=128,
         system__checkpoint_dir=str(blocker / "ckpt"),
     )
-    from src.supervisor import LaunchError
+    from src.common.supervisor import LaunchError
 
     with pytest.raises(LaunchError, match=r"checkpoint at version 2 failed: .*not_a_folder"):
         run_local(config)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from src.common.faults import FaultInjector, FaultSpec, parse_fault
 from src.config import ConfigError, load_config
-from src.faults import FaultInjector, FaultSpec, parse_fault
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_injector_keeps_only_its_own_faults_in_order_and_fires_each_once():
 
 _CHILD = """
 import sys, time
-from src.faults import FaultInjector
+from src.common.faults import FaultInjector
 injector = FaultInjector([sys.argv[1]], "worker", 0)
 for step in range(1, 6):
     print(step, flush=True)

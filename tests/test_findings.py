@@ -19,15 +19,15 @@ import pytest
 import yaml
 
 from scripts import findings as findings_script  # a script: scripts/ is a namespace package under the root
-from src import experiment as rx
-from src import findings
-from src import matrix as run_matrix
 from src.config import ConfigError, validate_config
-from src.cost_model import CostModel
-from src.findings_document import check_document
-from src.findings_record import collect_matrix, load_records, write_record
-from src.findings_render import render
-from src.virtual_time import run_virtual
+from src.emulation.cost_model import CostModel
+from src.findings import figures as findings
+from src.findings.document import check_document
+from src.findings.record import collect_matrix, load_records, write_record
+from src.findings.render import render
+from src.launch import experiment as rx
+from src.launch import matrix as run_matrix
+from src.virtual.run import run_virtual
 from tests.ps_fixtures import ROOT, ps_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,18 +9,24 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from src.healthcheck import check, probe_address
-from src.ps_transport import SERVICE_NAME
+from src.transport.grpc import SERVICE_NAME
+from src.transport.healthcheck import check, probe_address
 from tests.ps_fixtures import ROOT, ServedServer, make_self_signed_cert, ps_config
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def probe(*args: str) -> subprocess.CompletedProcess:
-    """``python -m src.healthcheck ARGS`` as the container's healthcheck runs it (no token in its environment)."""
+    """``python -m src.transport.healthcheck ARGS`` as the container's healthcheck runs it (no token in its
+    environment)."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "src.healthcheck", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "src.transport.healthcheck", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

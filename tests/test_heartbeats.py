@@ -1,4 +1,4 @@
-"""The worker's heartbeat thread (src/worker_protocol.py ``Heartbeats``) is over once its owner has closed it.
+"""The worker's heartbeat thread (src/ps/worker_protocol.py ``Heartbeats``) is over once its owner has closed it.
 
 A beat still in flight when a worker process exits aborts the interpreter inside gRPC's C core
 (exit 134 after a finished run); ``stop_and_close`` therefore closes the channel under the beat
@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from src.worker_protocol import Heartbeats
+from src.ps.worker_protocol import Heartbeats
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,18 +1,32 @@
-"""The import graph of ``src/``: no circle, and the pure algorithm modules reach no gRPC, sockets or processes.
+"""The import graph of ``src/``: no circle, folders in the order ``docs/architecture.md`` draws, and the pure
+algorithm modules reach no gRPC, sockets or processes.
 
-Read from the source (every ``import`` statement, at the top or inside a function, outside
-``if TYPE_CHECKING:`` blocks), so a lazy import counts like any other.
+Read from the source: every ``import`` statement, at the top, inside a function or under
+``if TYPE_CHECKING:``, so a lazy or a type-only import counts like any other.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
-PURE = ("src.compression", "src.staleness", "src.controller", "src.coordinator", "src.aggregation")
-"""The spec's algorithms: free of I/O, so a unit test or the virtual clock can drive them alone."""
+PURE = (
+    "src.compression",
+    "src.compressors.registry",
+    "src.compressors.error_feedback",
+    "src.compressors.policy",
+    "src.ps.staleness",
+    "src.adaptive.controller",
+    "src.coordinator",
+    "src.ps.aggregation",
+    "src.ps.downlink",
+    "src.emulation.event_loop",
+)
+"""The spec's algorithms and the virtual clock's: free of I/O, so a unit test or the virtual clock can drive them
+alone."""
 IMPURE = (
     "grpc",
     "socket",
@@ -30,15 +44,15 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, name: str) -> set[str]:
-    tree = ast.parse(path.read_text(), str(path))
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return _imports_of_text(path.read_text(), name, package=path.name == "__init__.py")
+
+
+def _imports_of_text(source: str, name: str, package: bool = False) -> set[str]:
+    tree = ast.parse(source)
+    package = name if package else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -98,10 +112,77 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _layers() -> list[list[str]]:
+    """The layers of ``docs/architecture.md``'s drawing, top first: each line's folders (``ps/``) and top modules
+    (``config.py``), the names before the first word that is neither."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    drawing = re.search(r"## Layers\n.*?```\n(.*?)```", text, re.S).group(1)
+    layers = []
+    for line in drawing.splitlines():
+        names = []
+        for word in line.replace(",", " ").split():
+            if not re.fullmatch(r"[a-z_0-9]+(/|\.py)", word):
+                break
+            names.append(word)
+        if names:
+            layers.append(names)
+    return layers
+
+
+def _place(module: str) -> str:
+    """The layer name of a ``src`` module: its folder (``ps/``) or, at the top, its file (``config.py``)."""
+    parts = module.split(".")
+    return f"{parts[1]}/" if len(parts) > 2 or (SRC / parts[1]).is_dir() else f"{parts[1]}.py"
+
+
+def test_every_folder_and_top_module_has_one_layer():
+    drawn = [name for layer in _layers() for name in layer]
+    assert len(drawn) == len(set(drawn)), drawn
+    inside, _ = _graph()
+    assert {_place(m) for m in inside if m != "src"} == set(drawn)
+
+
+def _upward(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
+    """The imports of ``graph`` that leave their folder for one not below it in ``layers`` (top first)."""
+    level = {name: index for index, layer in enumerate(reversed(layers)) for name in layer}
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module != "src"
+        for target in targets
+        if target != "src" and _place(target) != _place(module) and level[_place(target)] >= level[_place(module)]
+    )
+
+
+def test_a_folder_imports_only_from_folders_below_it():
+    inside, _ = _graph()
+    assert _upward(inside, _layers()) == []
+
+
+def test_the_layer_check_finds_a_planted_upward_or_sideways_import():
+    assert (_place("src.ps.core"), _place("src.config"), _place("src.torch_asgc")) == (
+        "ps/",
+        "config.py",
+        "torch_asgc/",
+    )
+    layers = [["launch/"], ["ps/", "worker.py"], ["common/"]]
+    graph = {"src.ps.core": {"src.common.seeds", "src.ps.model"}, "src.launch.ps": {"src.ps.core"}}
+    assert _upward(graph, layers) == []
+    graph["src.common.seeds"] = {"src.launch.ps"}
+    graph["src.worker"] = {"src.ps.core"}
+    assert _upward(graph, layers) == ["src.common.seeds -> src.launch.ps", "src.worker -> src.ps.core"]
+
+
 def test_no_import_circle_in_src():
     inside, _ = _graph()
-    assert len(inside) > 40
+    assert len(inside) > 100
     assert _circles(inside) == []
+
+
+def test_type_checking_and_lazy_imports_count():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from src.ps.core import ServerCore\n"
+    source += "def f():\n    from .seeds import derive_seed\n"
+    assert {"src.ps.core", "src.common.seeds"} <= _imports_of_text(source, "src.common.planted")
 
 
 def test_the_circle_finder_finds_a_planted_circle():

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.compression import build_compressor
-from src.compression_policy import CompressionPolicy
+from src.compressors.policy import CompressionPolicy
 from src.config import SetupError
-from src.served_model import import_factory, model_from_layout
-from src.staleness import StalenessPolicy
+from src.ps.served_model import import_factory, model_from_layout
+from src.ps.staleness import StalenessPolicy
 from tests.library_fixtures import TOKEN, LibraryServer, TinyConvNet, library_config, small_mlp
 from tests.ps_fixtures import transport  # noqa: F401  (fixture: each transport)
 from torch_asgc import DistributedModel, DistributedOptimizer, connect
@@ -244,7 +244,7 @@ def test_library_optimizer_pushes_the_bytes_the_ps_worker_step_encodes(served, t
     and keeps the same residuals."""
     from src import parameter_server_pb2 as pb
     from src.metrics import MetricsLogger
-    from src.worker_step import WorkerStep
+    from src.ps.worker_step import WorkerStep
 
     server = served(
         system__compression_enabled=True,
@@ -427,8 +427,8 @@ def test_server_that_plans_its_own_work_is_named(tmp_path):
 
 
 def test_lost_push_settles_by_whether_it_was_applied_and_redone():
-    from src.error_feedback import ErrorFeedback
-    from src.worker_protocol import encode_gradients, settle_lost_push
+    from src.compressors.error_feedback import ErrorFeedback
+    from src.ps.worker_protocol import encode_gradients, settle_lost_push
 
     policy = CompressionPolicy(build_compressor("topk", ratio=0.25))
     gradient = torch.arange(8.0)

@@ -21,7 +21,7 @@ from tests.test_ddp_hooks import single_rank_group  # noqa: F401  (a fixture)
 
 
 class Regressor(nn.Module):
-    """A model of the user's own (not in src/models.py)."""
+    """A model of the user's own (not in src/training/models.py)."""
 
     def __init__(self) -> None:
         super().__init__()

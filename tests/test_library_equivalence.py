@@ -1,8 +1,8 @@
 """torch_asgc contracts: a plain user loop through the library takes exactly our PS runner's steps.
 
 * sync, 2 worker processes, each looping over the batches our own worker k would be handed
-  (:func:`src.data.make_shards` order), equals ``run_parameter_server_training.py``'s run
-  (:func:`src.ps_launcher.run_local`) on the same config;
+  (:func:`src.training.data.make_shards` order), equals ``run_parameter_server_training.py``'s run
+  (:func:`src.launch.ps.run_local`) on the same config;
 * async with one worker equals single-process SGD (the baseline trainer).
 
 Tolerances are those of ``tests/test_ps_equivalence.py``.
@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.checkpoint import load_checkpoint
-from src.data import load_dataset
-from src.ps_launcher import run_local
+from src.common.checkpoint import load_checkpoint
+from src.launch.ps import run_local
 from src.trainer import model_from_config
+from src.training.data import load_dataset
 from tests.library_fixtures import (
     TOKEN,
     LibraryServer,

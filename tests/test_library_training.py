@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.data import load_dataset
 from src.trainer import evaluate
+from src.training.data import load_dataset
 from tests.library_fixtures import (
     TOKEN,
     LibraryServer,

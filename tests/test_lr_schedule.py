@@ -1,4 +1,5 @@
-"""Learning-rate schedules that reach the server (src/lr_schedule.py, training.lr_schedule, PushRequest.learning_rate).
+"""Learning-rate schedules that reach the server (src/training/lr_schedule.py, training.lr_schedule,
+PushRequest.learning_rate).
 
 Claims: each kind, with and without warm-up, gives torch's own scheduler's rate at every step; the
 parameter server's update at version v steps at that rate for v (its events say so, and its
@@ -17,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.checkpoint import load_checkpoint
+from src.common.checkpoint import load_checkpoint
 from src.config import load_config
-from src.lr_schedule import scheduled_learning_rate
 from src.metrics import read_events
-from src.virtual_time import run_virtual
+from src.training.lr_schedule import scheduled_learning_rate
+from src.virtual.run import run_virtual
 from tests.ps_fixtures import ps_config
 from tests.test_ps_equivalence import assert_same_parameters
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.data import DATASETS
-from src.models import MODELS, build_model
+from src.training.data import DATASETS
+from src.training.models import MODELS, build_model
 
 
 @pytest.mark.parametrize("dataset", ["mnist_5k", "cifar10"])

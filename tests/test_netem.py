@@ -1,4 +1,4 @@
-"""Emulated stragglers and links (src/netem.py): the arithmetic, the config, and real runs against it.
+"""Emulated stragglers and links (src/emulation/netem.py): the arithmetic, the config, and real runs against it.
 
 The slow tests run real parameter-server processes: a run's communication time against bytes /
 bandwidth + latency, a straggler run async vs sync, and an emulated link against the same link
@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from src import netem
 from src.config import ConfigError, SetupError, load_config
+from src.emulation import netem
 from src.metrics import read_events
 from tests.netns_fixtures import remove_namespace, shape_egress
 from tests.ps_fixtures import ROOT, RUNNER, TOKEN, kill_group, ps_config
@@ -98,7 +98,7 @@ def test_bad_emulation_fields_are_named(overrides, expected):
 
 def test_emulation_flags_map_onto_the_config():
     import run_parameter_server_training as runner  # the root runner (pytest puts the root on sys.path)
-    from src.cli import EMULATION_FLAGS, config_from_args
+    from src.launch.cli import EMULATION_FLAGS, config_from_args
 
     args = runner.build_parser().parse_args(
         "--slow-worker 1=4 --slow-worker 0=1.5 --uplink-mbps 250 --downlink-latency-ms 3 --step-delay-s 0.01".split()
@@ -122,7 +122,7 @@ def test_emulation_flags_map_onto_the_config():
 def test_a_runs_communication_time_matches_bytes_over_bandwidth_plus_latency(tmp_path):
     """One worker, 10 Mbit/s each way + 20 ms latency: each step's round trip is ~1.5 s of link time, so
     the real work (serializing, the server's update) is a few percent of it."""
-    from src.ps_launcher import run_local
+    from src.launch.ps import run_local
 
     up, down, latency_up_ms, latency_down_ms = 10.0, 10.0, 20.0, 20.0
     config = ps_config(
@@ -162,7 +162,7 @@ def test_a_runs_communication_time_matches_bytes_over_bandwidth_plus_latency(tmp
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_async_beats_sync_to_the_same_accuracy_with_one_worker_4x_slower(tmp_path):
-    from src.ps_launcher import run_local
+    from src.launch.ps import run_local
 
     summaries = {}
     for mode in ("sync", "async"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from src.paired_stats import (
+from src.findings.paired_stats import (
     area_under_curve,
     bootstrap_ci,
     estimate,

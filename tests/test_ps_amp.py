@@ -1,4 +1,4 @@
-"""Mixed precision in the parameter-server worker (training.amp, src/worker_step.py, src/trainer.py MixedPrecision).
+"""Mixed precision in the parameter-server worker (training.amp, src/ps/worker_step.py, src/trainer.py MixedPrecision).
 
 Claims: ``--amp bf16`` trains within 1 point of float32 (one-sided, as tests/test_ddp_precision.py),
 the server's parameters and checkpoint stay float32; under fp16 a gradient that overflowed is not
@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.checkpoint import load_checkpoint
+from src.common.checkpoint import load_checkpoint
 from src.coordinator import check_coverage
-from src.data import load_dataset
 from src.metrics import MetricsLogger, read_events
+from src.ps.worker_step import WorkerStep
 from src.trainer import MixedPrecision, forward_backward, model_from_config
-from src.virtual_time import run_virtual
-from src.worker_step import WorkerStep
+from src.training.data import load_dataset
+from src.virtual.run import run_virtual
 from tests.ps_fixtures import ps_config
 
 pytestmark = pytest.mark.timeout(300)

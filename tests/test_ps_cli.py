@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from src.checkpoint import load_checkpoint
+from src.common.checkpoint import load_checkpoint
 from src.metrics import SUMMARY_FIELDS, read_events
 from tests.ps_fixtures import RUNNER, group_members, kill_group, run_cli
 
@@ -133,7 +133,7 @@ def test_ctrl_c_stops_every_child(tmp_path):
                 (pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120])
                 for pid in group_members(process.pid)
             ]
-            os.kill(process.pid, signal.SIGUSR1)  # the runner prints every thread's stack (src.cli.exit_status)
+            os.kill(process.pid, signal.SIGUSR1)  # the runner prints every thread's stack (src.launch.cli.exit_status)
             try:
                 _, stderr = process.communicate(timeout=5)
             except subprocess.TimeoutExpired as exc:

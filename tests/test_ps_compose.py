@@ -6,7 +6,7 @@ instead of installing torch into the image, and training_net is internal, so not
 machine. Each run checks that the three services train mnist_5k to completion over training_net
 and that the final checkpoint on the host volume evaluates to the accuracy the server reported.
 The server's container turns healthy by its healthcheck (the standard gRPC health check,
-``python -m src.healthcheck``), which the test waits on, and the workers start on it
+``python -m src.transport.healthcheck``), which the test waits on, and the workers start on it
 (``depends_on: condition: service_healthy``).
 The plain run also checks that compose refuses to start without DTS_AUTH_TOKEN, that a container
 with a wrong token is refused by the server, and that a worker killed mid-run is restarted by
@@ -36,9 +36,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from src.checkpoint import load_checkpoint
-from src.data import load_dataset
+from src.common.checkpoint import load_checkpoint
 from src.metrics import read_events
+from src.training.data import load_dataset
 from tests.ps_fixtures import ROOT, make_self_signed_cert
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -307,7 +307,7 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
             _assert_no_token_starts_nothing(compose)
         compose("up", "-d", "--no-build", "parameter_server")
         server_state = wait_until_healthy(compose, "parameter_server", deadline_s=300)
-        assert server_state["Config"]["Healthcheck"]["Test"][:4] == ["CMD", "python", "-m", "src.healthcheck"]
+        assert server_state["Config"]["Healthcheck"]["Test"][:4] == ["CMD", "python", "-m", "src.transport.healthcheck"]
         # Healthy means serving: its listening event is written as it starts to serve (right after).
         wait_for_event(compose, server_events, lambda e: e["kind"] == "listening", "listening event", deadline_s=30)
         server_ip = server_state["NetworkSettings"]["Networks"][compose.network]["IPAddress"]

@@ -57,7 +57,7 @@ def test_compose_services_network_and_volumes(compose):
         assert worker["environment"]["DTS_SERVER_ADDRESS"] == "parameter_server:50051"
         assert worker["depends_on"] == {"parameter_server": {"condition": "service_healthy"}}  # started once serving
         assert worker["restart"].startswith("on-failure"), "a failed worker is restarted and registers again"
-    assert server["healthcheck"]["test"] == ["CMD", "python", "-m", "src.healthcheck"]
+    assert server["healthcheck"]["test"] == ["CMD", "python", "-m", "src.transport.healthcheck"]
 
 
 def test_local_override_builds_on_the_local_base_and_stays_on_this_machine():

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.checkpoint import load_checkpoint
+from src.common.checkpoint import load_checkpoint
 from src.config import load_config
-from src.ps_launcher import run_local
+from src.launch.ps import run_local
 from src.trainer import BaselineTrainer
 from tests.ps_fixtures import ps_config
 

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from src import parameter_server_pb2 as pb
-from src.ps_transport import Outgoing, serialize
-from src.transports import TRANSPORTS
+from src.transport.clients import TRANSPORTS
+from src.transport.grpc import Outgoing, serialize
 from tests.ps_fixtures import TOKEN, ServedServer, ps_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -88,7 +88,7 @@ def attempt(target, body: bytes) -> None:
 
 def mutate(data, body: bytearray, kinds: list[str]) -> None:
     """Apply one mutation, of a kind drawn from ``kinds``, to ``body`` in place."""
-    from src.tcp_frames import HEADER
+    from src.transport.tcp_frames import HEADER
 
     kind = data.draw(st.sampled_from(kinds), label="kind")
     # drawn from a fixed range: the valid body's length depends on the server's state, and hypothesis
@@ -137,7 +137,7 @@ REFUSED_FRAMES = REFUSALS | {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RE
 @pytest.fixture(scope="module")
 def frames_target(tmp_path_factory):
     """A TCP-transport server with a registered worker, and a valid frame of each kind a client sends."""
-    from src.tcp_frames import Kind, Method, pack_header
+    from src.transport.tcp_frames import Kind, Method, pack_header
 
     served = fuzz_server(tmp_path_factory, "tcp")
     worker = served.worker(0)
@@ -169,7 +169,7 @@ class FrameTarget(tuple):
 
 def raw_exchange(served, data: bytes) -> list[tuple]:
     """Send ``data`` on a new connection and half-close it; the frames the server sent back until it closed."""
-    from src.tcp_frames import HEADER_BYTES, parse_header
+    from src.transport.tcp_frames import HEADER_BYTES, parse_header
 
     received = bytearray()
     with socket.create_connection(("127.0.0.1", served.port), timeout=ATTEMPT_S) as sock:
@@ -194,7 +194,7 @@ def raw_exchange(served, data: bytes) -> list[tuple]:
 
 
 def frame_attempt(target, data: bytes, *, authenticated_prefix: bool) -> None:
-    from src.tcp_frames import STATUS_BY_NUMBER, Kind, Method
+    from src.transport.tcp_frames import STATUS_BY_NUMBER, Kind, Method
 
     served, worker, frames = target
     before_version = served.server.state.version

@@ -15,7 +15,7 @@ import torch
 from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
 from src.metrics import read_events
-from src.transports import TRANSPORTS, make_client
+from src.transport.clients import TRANSPORTS, make_client
 from src.worker import Worker
 from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config, transport  # noqa: F401
 

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from src import proto_stubs
-from src.checkpoint import load_checkpoint
+from src.common.checkpoint import load_checkpoint
+from src.launch.ps import run_local
 from src.metrics import read_events
-from src.ps_launcher import run_local
+from src.transport import proto_stubs
 from tests.ps_fixtures import ps_config
 
 CONVERGENCE_RUNS = {

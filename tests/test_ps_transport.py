@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from src import parameter_server_pb2 as pb
-from src.ps_transport import Outgoing, copy_bytes_into, serialize, split, tensor_to_bytes, tensor_view
-from src.wire import MessageSplitter, encode
+from src.transport.grpc import Outgoing, copy_bytes_into, serialize, split, tensor_to_bytes, tensor_view
+from src.transport.wire import MessageSplitter, encode
 
 
 def full_push(gradients, buffers) -> pb.PushRequest:
@@ -41,7 +41,7 @@ def test_serialize_equals_protobuf_and_split_inverts_it(sizes):
 
 def test_an_identity_payload_in_parts_is_the_payload_and_sends_the_gradient_from_its_own_memory():
     from src.compression import IDENTITY
-    from src.wire import chunk_size
+    from src.transport.wire import chunk_size
 
     gradient = torch.randn(300, 70)  # 84,000 bytes: a large piece, sent as a view
     header, values = IDENTITY.parts(gradient)
@@ -151,7 +151,7 @@ def test_tensor_bytes_round_trip_without_copies_on_the_way_out():
 
 
 def test_shared_buffers_keep_a_sends_bytes_and_copy_only_when_the_memory_changes_under_it():
-    from src.wire import SharedBuffers
+    from src.transport.wire import SharedBuffers
 
     tensor = torch.arange(6, dtype=torch.float32)
     before = tensor_to_bytes(tensor)

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from src import parameter_server_pb2 as pb
-from src.aggregation import ModelState
 from src.compression import IDENTITY
-from src.ps_refusals import PushRefused
-from src.push_decode import ModelLayout
-from src.wire import Received
+from src.ps.aggregation import ModelState
+from src.ps.push_decode import ModelLayout
+from src.ps.refusals import PushRefused
+from src.transport.wire import Received
 
 
 def _layout() -> tuple[ModelLayout, nn.Module]:

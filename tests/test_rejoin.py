@@ -1,4 +1,4 @@
-"""A worker declared failed while it was alive rejoins by itself (src/worker_protocol.py, src/supervisor.py).
+"""A worker declared failed while it was alive rejoins by itself (src/ps/worker_protocol.py, src/common/supervisor.py).
 
 Claims: what a failed call means and the rejoin budget (``system.max_rejoins``), one line when it
 is spent; the launchers' grace for a revoked process (rejoin, or hung and killed, never both); in
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from src.common.supervisor import RejoinGrace
 from src.coordinator import check_coverage
 from src.metrics import read_events
-from src.supervisor import RejoinGrace
-from src.virtual_time import run_virtual
-from src.worker_protocol import IncarnationRevoked, Rejoins, failed_call
+from src.ps.worker_protocol import IncarnationRevoked, Rejoins, failed_call
+from src.virtual.run import run_virtual
 from tests.ps_fixtures import ps_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -183,7 +183,7 @@ def library_rejoin_worker(address: str, steps: int) -> None:
     """A user's loop over the library (a spawned process the test SIGSTOPs and SIGCONTs from outside)."""
     import torch.nn.functional as F
 
-    from src.data import load_dataset
+    from src.training.data import load_dataset
     from tests.library_fixtures import TOKEN, small_mlp
     from torch_asgc import DistributedModel, DistributedOptimizer, build_compressor, connect
 
@@ -257,7 +257,7 @@ def test_a_library_worker_stopped_past_the_timeout_rejoins_when_continued(tmp_pa
 def test_under_the_local_launcher_a_paused_worker_rejoins_and_is_neither_killed_nor_restarted(tmp_path):
     """A real SIGSTOP for 5 s (a helper sends the SIGCONT) with a 3 s timeout: the server fails worker 1,
     the launcher gives it its grace instead of killing it, and it rejoins as a new incarnation."""
-    from src.ps_launcher import run_local
+    from src.launch.ps import run_local
 
     config = ps_config(
         tmp_path,

@@ -20,9 +20,9 @@ import pytest
 
 import generate_performance_report
 from src.benchmarks import suite
-from src.report import build_report, run_labels
-from src.report_inputs import Run, ddp_summary_from_ranks, read_event_file, select_run_events
-from src.report_names import PLOTS, SECTIONS
+from src.reports.inputs import Run, ddp_summary_from_ranks, read_event_file, select_run_events
+from src.reports.names import PLOTS, SECTIONS
+from src.reports.report import build_report, run_labels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -252,7 +252,7 @@ def test_faults_give_detection_and_recovery_times_and_staleness_comes_from_pushe
 @pytest.mark.slow  # matplotlib: a few seconds
 @pytest.mark.timeout(120)
 def test_fault_section_and_timeline_are_rendered(tmp_path):
-    from src.report import write_report
+    from src.reports.report import write_report
 
     summary = {**SUMMARY, "architecture": "parameter_server", "num_workers": 2, "aggregation_mode": "async"}
     events = [

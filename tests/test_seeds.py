@@ -1,11 +1,12 @@
-"""One helper derives every seed (src/seeds.py): its formula is held, streams differ, no module has its own formula."""
+"""One helper derives every seed (src/common/seeds.py): its formula is held, streams differ, no module has its own
+formula."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-from src.seeds import DELAY_STREAM, SEED_MODULUS, SEED_MULTIPLIER, derive_seed
+from src.common.seeds import DELAY_STREAM, SEED_MODULUS, SEED_MULTIPLIER, derive_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,4 +38,4 @@ def test_no_module_derives_a_seed_by_its_own_formula():
     offenders = [
         str(path.relative_to(ROOT)) for path in files if path.name != "seeds.py" and multiplier.search(path.read_text())
     ]
-    assert not offenders, f"seeds derived outside src/seeds.py (use derive_seed): {offenders}"
+    assert not offenders, f"seeds derived outside src/common/seeds.py (use derive_seed): {offenders}"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.checkpoint import load_checkpoint
+from src.common.checkpoint import load_checkpoint
 from src.coordinator import check_coverage
 from src.metrics import read_events
 from tests.ps_fixtures import ROOT

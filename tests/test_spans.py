@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src import tracing
-from src.exposed_comm import BackwardWait
 from src.metrics import read_events
-from src.report import Run, build_report, report_blocks, to_markdown
+from src.reports.report import Run, build_report, report_blocks, to_markdown
+from src.telemetry import tracing
+from src.telemetry.exposed_comm import BackwardWait
 from tests.netns_fixtures import remove_namespace, shape_egress
 from tests.ps_fixtures import ROOT, ps_config
 from tests.test_report import SUMMARY
@@ -78,7 +78,7 @@ def _push_waits_s(logs: Path, worker: int) -> float:
 @pytest.fixture(scope="module")
 def ps_run(tmp_path_factory):
     """2 async workers, an mlp (0.94 MB pushes), a 25 Mbit/s emulated uplink, --trace; (log folder, summary)."""
-    from src.ps_launcher import run_local
+    from src.launch.ps import run_local
 
     tmp = tmp_path_factory.mktemp("ps_trace")
     config = ps_config(
@@ -140,7 +140,7 @@ def test_a_traced_ps_run_has_every_step_in_its_spans_on_one_clock(ps_run):
 
 def test_ps_exposed_communication_is_the_workers_time_blocked_on_the_reply(ps_run, tmp_path):
     """One worker: nothing but its own push is in the round trip, so it is the uplink's wait and a little more."""
-    from src.ps_launcher import run_local
+    from src.launch.ps import run_local
 
     config = ps_config(
         tmp_path, training__model_architecture="mlp", training__max_train_samples=96, emulation__uplink_mbps=UPLINK_MBPS
@@ -160,7 +160,7 @@ def test_ps_exposed_communication_is_the_workers_time_blocked_on_the_reply(ps_ru
 
 
 def test_a_virtual_run_writes_the_same_step_spans_on_its_virtual_clock(tmp_path):
-    from src.virtual_time import run_virtual
+    from src.virtual.run import run_virtual
     from tests.test_virtual_time import virtual_config
 
     config = virtual_config(
@@ -370,7 +370,7 @@ def test_ddp_exposed_communication_grows_as_a_tc_shaped_link_narrows(ddp_run, sh
 
 
 def test_a_trace_is_drawn_one_lane_per_thread_with_nested_spans_below_their_parents(ddp_run, tmp_path, capsys):
-    from src.report_plots import draw_timeline, lanes
+    from src.reports.plots import draw_timeline, lanes
 
     logs, summary = ddp_run
     events = tracing.merge_traces(tracing.read_trace(p) for p in tracing.find_traces(logs))

@@ -1,4 +1,4 @@
-"""Contract tests of src/staleness.py: policy verdicts follow the formulas; LookaheadMomentum equals
+"""Contract tests of src/ps/staleness.py: policy verdicts follow the formulas; LookaheadMomentum equals
 torch's SGD with one worker and synchronous momentum SGD on the mean gradient with N workers.
 
 Tolerances: verdict weights are exact formulas (1e-12); optimizer trajectories are float32 sums in a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from src.config import validate_config
-from src.staleness import (
+from src.ps.staleness import (
     LookaheadMomentum,
     StalenessPolicy,
     compensated_momentum,
@@ -395,7 +395,7 @@ def test_over_a_whole_run_computed_gradients_are_applied_or_still_in_the_residua
     """Server and worker processes, a hard bound of 0 that turns most pushes away: every gradient a worker
     computed was applied by the server or waits in its residual (Residual Rollback, also without
     compression), and every sample counts once."""
-    from src.ps_launcher import run_local
+    from src.launch.ps import run_local
     from tests.ps_fixtures import ps_config
 
     config = ps_config(

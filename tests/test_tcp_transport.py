@@ -18,7 +18,8 @@ import grpc
 import pytest
 
 from src import parameter_server_pb2 as pb
-from src.tcp_frames import (
+from src.transport.tcp import TCPParameterServerClient
+from src.transport.tcp_frames import (
     HEADER_BYTES,
     HELLO_MAX_BYTES,
     STATUS_BY_NUMBER,
@@ -28,8 +29,7 @@ from src.tcp_frames import (
     parse_header,
     receive_body,
 )
-from src.tcp_transport import TCPParameterServerClient
-from src.wire import serialize
+from src.transport.wire import serialize
 from tests.ps_fixtures import TOKEN, ServedServer, ps_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -167,7 +167,7 @@ def test_the_client_reconnects_through_a_server_restart(tmp_path):
 
 
 def test_health_probe_needs_no_token(served, capsys):
-    from src.healthcheck import main
+    from src.transport.healthcheck import main
 
     assert main(["--transport", "tcp", "--address", served.address]) == 0
     assert capsys.readouterr().out.strip() == f"{served.address}: SERVING"
@@ -176,7 +176,7 @@ def test_health_probe_needs_no_token(served, capsys):
 
 
 def test_a_grpc_client_at_a_tcp_server_is_told_in_one_line(served):
-    from src.ps_transport import ParameterServerClient
+    from src.transport.grpc import ParameterServerClient
 
     with ParameterServerClient(served.address, token=TOKEN, retries=0) as client:
         with pytest.raises(grpc.RpcError) as refused:
@@ -196,8 +196,8 @@ def test_a_killed_server_is_rejoined_over_tcp(tmp_path):
     version-9 checkpoint on the same port, the workers' connections are dead, they reconnect, register
     again and finish the run with every sample applied once (the lost version's redone)."""
     from src.coordinator import check_coverage
+    from src.launch.ps import run_local
     from src.metrics import read_events
-    from src.ps_launcher import run_local
 
     config = ps_config(
         tmp_path,
@@ -258,8 +258,8 @@ def test_a_reply_on_the_wire_while_the_model_changes_keeps_its_version():
     import numpy as np
     import torch
 
-    from src.tcp_frames import send_frame
-    from src.wire import Outgoing, SharedBuffers, encode, split, tensor_view
+    from src.transport.tcp_frames import send_frame
+    from src.transport.wire import Outgoing, SharedBuffers, encode, split, tensor_view
 
     tensor = torch.randn(4 << 20)  # 16 MB: more than the socket buffers hold
     expected = tensor.numpy().tobytes()
@@ -288,8 +288,8 @@ def test_a_reply_on_the_wire_while_the_model_changes_keeps_its_version():
 def test_a_large_body_is_read_in_bounded_reads_and_whole():
     """Reads take at most RECEIVE_CHUNK_BYTES each (reads of several MB stalled loopback senders), progress
     follows each, and the body arrives byte for byte."""
-    from src.tcp_frames import RECEIVE_CHUNK_BYTES
-    from src.tcp_frames import receive_exactly as read_frame_body
+    from src.transport.tcp_frames import RECEIVE_CHUNK_BYTES
+    from src.transport.tcp_frames import receive_exactly as read_frame_body
 
     payload = bytes(range(256)) * ((3 * RECEIVE_CHUNK_BYTES + 1234) // 256)
     left, right = socket.socketpair()

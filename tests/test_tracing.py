@@ -13,8 +13,8 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from src import tracing
 from src.metrics import read_events
+from src.telemetry import tracing
 from tests.ps_fixtures import ROOT
 from tests.test_config_cli import _runner
 
@@ -104,7 +104,7 @@ def test_a_killed_process_leaves_a_readable_trace(tmp_path):
 
 _TRACED_PROCESS = """
 import sys
-from src import tracing
+from src.telemetry import tracing
 with tracing.trace_to(sys.argv[1], sys.argv[2]):
     with tracing.span("work"):
         sum(range(100000))

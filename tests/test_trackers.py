@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from src.config import load_config
 from src.metrics import MetricsLogger, read_events
-from src.trackers import TRACKER_RUNS_FILE, Tracker, TrackerSink, open_trackers, summary_metrics
+from src.telemetry.trackers import TRACKER_RUNS_FILE, Tracker, TrackerSink, open_trackers, summary_metrics
 from tests.ps_fixtures import ROOT
 from tests.test_config_cli import _runner
 
@@ -301,12 +301,12 @@ def test_per_worker_figures_are_prefixed_metrics_and_a_failing_tracker_does_not_
     assert ("artifacts", [tmp_path / "events.jsonl"]) in tracker.calls
 
     failing = _Recording(fail=True)
-    with caplog.at_level("WARNING", logger="src.trackers"):
+    with caplog.at_level("WARNING", logger="src.telemetry.trackers"):
         with MetricsLogger(tmp_path / "failing", tensorboard=False, sinks=[TrackerSink(failing, None, {})]) as log:
             for step in range(3):
                 log.scalars("train", step, {"loss": 1.0})
     assert failing.calls == [("end", False)]  # closed without finish: the run is marked failed
-    warnings = [r.getMessage() for r in caplog.records if r.name == "src.trackers"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "src.telemetry.trackers"]
     assert len(warnings) == 1 and "recording tracker: ConnectionError: tracker unreachable" in warnings[0]
     assert summary_metrics({"workers": []}) == ({}, {})
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from src.checkpoint import load_checkpoint, numbered_path
+from src.common.checkpoint import load_checkpoint, numbered_path
 from src.config import load_config
 from src.metrics import SUMMARY_FIELDS, read_events
 from src.trainer import BaselineTrainer, TrainingClock
@@ -170,8 +170,8 @@ def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
     assert summary["samples_processed"] == 512 and summary["architecture"] == "baseline"
 
     # torchvision's MNIST layout, written here from the bundled test digits
-    test_images = np.load(ROOT / "src" / "assets" / "mnist_5k.npz")["test_images"][:300]
-    test_labels = np.load(ROOT / "src" / "assets" / "mnist_5k.npz")["test_labels"][:300]
+    test_images = np.load(ROOT / "src" / "training" / "assets" / "mnist_5k.npz")["test_images"][:300]
+    test_labels = np.load(ROOT / "src" / "training" / "assets" / "mnist_5k.npz")["test_labels"][:300]
     raw = tmp_path / "data" / "MNIST" / "raw"
     raw.mkdir(parents=True)
     (raw / "t10k-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, 300, 28, 28) + test_images.tobytes())

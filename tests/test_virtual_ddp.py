@@ -1,4 +1,4 @@
-"""DDP in virtual time (src/virtual_ddp.py): the same gradients as real DDP, and the ring model's time.
+"""DDP in virtual time (src/virtual/ddp.py): the same gradients as real DDP, and the ring model's time.
 
 Claims: an uncompressed virtual DDP run is large-batch SGD (the real DDP's contract); a compressed
 one ends on a real 2-rank gloo run's parameters and sends its exact bytes (the hook's own code over
@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from src.checkpoint import load_checkpoint
-from src.compression_hook_state import rebuilt_buckets
+from src.common.checkpoint import load_checkpoint
 from src.config import SetupError, load_config
-from src.cost_model import ring_allreduce_s
-from src.ddp_launcher import run_local
-from src.virtual_ddp import run_virtual_ddp
+from src.ddp.hook_state import rebuilt_buckets
+from src.emulation.cost_model import ring_allreduce_s
+from src.launch.ddp import run_local
+from src.virtual.ddp import run_virtual_ddp
 from tests.test_ps_equivalence import assert_same_parameters, baseline_parameters
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,8 +73,8 @@ def test_a_step_takes_the_slowest_rank_plus_the_ring_all_reduce(tmp_path):
 
 def test_the_buckets_are_the_ones_the_real_hook_learns(tmp_path):
     """The compression units of a real DDP run of simple_cnn (read from its checkpoint's hook state)."""
-    from src.data import load_dataset
     from src.trainer import model_from_config
+    from src.training.data import load_dataset
 
     config = ddp_config(tmp_path, "buckets")
     buckets = rebuilt_buckets(model_from_config(config), load_dataset("mnist_5k", "train").images[:1])

@@ -1,4 +1,4 @@
-"""Virtual time: the real server core and the real worker step on a simulated clock (src/virtual_time.py).
+"""Virtual time: the real server core and the real worker step on a simulated clock (src/virtual/run.py).
 
 Claims: the event loop, the fair-share NIC and the serial server do what their docstrings say; a
 virtual run is deterministic (the same summary and events twice, once while other processes load
@@ -19,16 +19,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from src.checkpoint import load_checkpoint
+from src.common.checkpoint import load_checkpoint
 from src.config import SetupError
 from src.coordinator import check_coverage
-from src.cost_model import CostModel, all_gather_s, ring_allreduce_s
-from src.event_loop import EventLoop, SerialServer, SharedLink
+from src.emulation.cost_model import CostModel, all_gather_s, ring_allreduce_s
+from src.emulation.event_loop import EventLoop, SerialServer, SharedLink
 from src.metrics import read_events
 from src.parameter_server import MONITOR_PERIOD_S
-from src.virtual_server import ServerKilled, VirtualServer
-from src.virtual_time import run_virtual
-from src.virtual_timelines import VirtualTimelines
+from src.virtual.run import run_virtual
+from src.virtual.server import ServerKilled, VirtualServer
+from src.virtual.timelines import VirtualTimelines
 from tests.ps_fixtures import ROOT, ps_config
 from tests.test_ps_equivalence import assert_same_parameters, baseline_parameters
 
@@ -327,8 +327,8 @@ def test_a_killed_a_hung_worker_and_a_killed_server_are_survived_in_virtual_time
 def test_calibration_measures_every_figure_a_config_needs_and_prints_them_as_config_lines(tmp_path):
     import yaml
 
-    from src.calibration import as_yaml, calibrate
     from src.config import validate_config
+    from src.virtual.calibration import as_yaml, calibrate
 
     config = ps_config(
         tmp_path,
@@ -358,8 +358,8 @@ def test_calibration_measures_every_figure_a_config_needs_and_prints_them_as_con
 
 
 def test_calibration_reads_a_matrix_files_run_sections_with_the_flags_fields_set():
-    from src.calibration import calibration_config
     from src.config import ConfigError
+    from src.virtual.calibration import calibration_config
 
     config = calibration_config(
         ROOT / "configs" / "experiments" / "virtual_ps_vs_ddp.yaml",
@@ -382,7 +382,7 @@ def test_virtual_time_matches_a_real_run_of_the_same_experiment_calibrated_here(
     straggler case's real runs alone spread by 17% here (a 4x slowdown stretches the measured compute, noise
     included), so one seed of it cannot hold a 15% bound, and CI once measured 1.19 there."""
     from src.config import load_config
-    from src.fidelity import compare
+    from src.studies.fidelity import compare
 
     config = load_config(
         Path(__file__).resolve().parent.parent / "configs" / "experiments" / "fidelity_uplink_25.yaml",

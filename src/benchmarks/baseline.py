@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from src.config import load_config
-from src.data import dataset_info, epoch_permutation, load_dataset
-from src.models import build_model
 from src.trainer import BaselineTrainer
+from src.training.data import dataset_info, epoch_permutation, load_dataset
+from src.training.models import build_model
 
 
 def plain_loop(epochs: int, batch_size: int, lr: float, momentum: float, seed: int) -> float:

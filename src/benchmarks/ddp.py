@@ -28,15 +28,15 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from src.comm_hooks import CommHook, comm_hook_from_config
-from src.comm_stats import gradient_bytes, ring_allreduce_bytes
 from src.compression import build_compressor
-from src.compression_policy import CompressionPolicy
+from src.compressors.policy import CompressionPolicy
 from src.config import Config, validate_config
-from src.data import make_shards
-from src.ddp_rank import RankContext, threads_per_rank
+from src.ddp.comm_hooks import CommHook, comm_hook_from_config
+from src.ddp.comm_stats import gradient_bytes, ring_allreduce_bytes
+from src.ddp.rank import RankContext, threads_per_rank
 from src.ddp_trainer import DDPTrainer, leave_rank_process
 from src.trainer import load_splits, model_from_config, optimizer_from_config
+from src.training.data import make_shards
 
 BEFORE = {"topk_vs_allreduce": 0.78, "ring_vs_allreduce": 0.72, "topk_over_powersgd_train_time": 1.2}
 """The issue's figures before bucketing and overlapping (per-parameter, synchronous hooks)."""

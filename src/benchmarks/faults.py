@@ -66,10 +66,10 @@ def _analyse(log_dir: Path, fault_time: float | None, window_s: float, heartbeat
 
 def run_benchmark(scenarios: list[str], window_s: float, heartbeat_timeout: float) -> dict:
     """The fault-free run, then one run per scenario of ``SCENARIOS`` with the same seed; their figures."""
+    from src.common.supervisor import stdout_to_stderr
     from src.config import load_config
     from src.coordinator import check_coverage
-    from src.ps_launcher import run_local
-    from src.supervisor import stdout_to_stderr
+    from src.launch.ps import run_local
 
     results: dict = {
         "setup": "3 workers, sync, mnist_5k (4000 train / 1000 test), 2 epochs, batch 32, momentum 0.9, "

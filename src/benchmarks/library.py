@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from src import parameter_server_pb2 as pb
 from src.compression import build_compressor
-from src.compression_policy import CompressionPolicy
+from src.compressors.error_feedback import ErrorFeedback
+from src.compressors.policy import CompressionPolicy
 from src.config import load_config
-from src.data import dataset_info, load_dataset
-from src.error_feedback import ErrorFeedback
-from src.models import build_model
-from src.ps_transport import ParameterServerClient
-from src.worker_protocol import encode_gradients, load_reply, settle_push
+from src.ps.worker_protocol import encode_gradients, load_reply, settle_push
+from src.training.data import dataset_info, load_dataset
+from src.training.models import build_model
+from src.transport.grpc import ParameterServerClient
 from torch_asgc import DistributedModel, DistributedOptimizer, connect
 from torch_asgc.server import ClientLoopServer
 

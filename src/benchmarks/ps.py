@@ -22,7 +22,7 @@ from concurrent import futures
 from typing import Any
 
 from src.benchmarks.common import log
-from src.tcp_frames import RECEIVE_CHUNK_BYTES
+from src.transport.tcp_frames import RECEIVE_CHUNK_BYTES
 
 ECHO_SERVICE = "bench.Echo"
 NUM_TENSORS = 8
@@ -38,8 +38,8 @@ def _model(size_mb: float):
     import torch
     from torch import nn
 
-    from src.data import dataset_info
-    from src.models import build_model
+    from src.training.data import dataset_info
+    from src.training.models import build_model
 
     if size_mb >= 40:
         return build_model("resnet18", dataset_info("cifar10"))
@@ -75,7 +75,7 @@ def _raw_tcp_echo(listener: socket.socket, reply_size: list[int], chunk: int) ->
     """Thread: per exchange, read an 8-byte length and that many bytes into a preallocated buffer (at most
     ``chunk`` bytes a read), send back ``reply_size[0]`` bytes from a preallocated (random) buffer. No server
     work: the wire's cost."""
-    from src.tcp_transport import tune_socket
+    from src.transport.tcp import tune_socket
 
     connection, _ = listener.accept()
     tune_socket(connection)
@@ -105,9 +105,9 @@ def _stepping_tcp_echo(listener: socket.socket, model, reply_size: list[int]) ->
     with the step on tensors the transfers have just gone past, as a server's step is."""
     import torch
 
-    from src.tcp_frames import send_frame
-    from src.tcp_transport import tune_socket
-    from src.wire import tensor_view
+    from src.transport.tcp import tune_socket
+    from src.transport.tcp_frames import send_frame
+    from src.transport.wire import tensor_view
 
     params = [torch.nn.Parameter(param.detach().clone()) for param in model.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=True)
@@ -149,7 +149,7 @@ def _fill(sock: socket.socket, view: memoryview, chunk: int):
 def _grpc_echo(state: dict):
     import grpc
 
-    from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, message_options
+    from src.transport.grpc import CLIENT_MAX_MESSAGE_BYTES, message_options
 
     def size(request: bytes, context) -> bytes:
         state["reply"] = os.urandom(int(request))
@@ -183,7 +183,7 @@ def _serve(transport: str, size_mb: float, token: str, report, stop) -> None:
     import torch
 
     from src.parameter_server import ParameterServer
-    from src.ps_transport import reuse_freed_memory
+    from src.transport.grpc import reuse_freed_memory
 
     torch.set_num_threads(1)
     reuse_freed_memory()  # as run_server does
@@ -338,7 +338,7 @@ def _pusher(client, registration):
 
     from src import parameter_server_pb2 as pb
     from src.compression import IDENTITY
-    from src.ps_transport import tensor_view
+    from src.transport.grpc import tensor_view
 
     caller = pb.Caller(worker_id=registration.worker_id, session=registration.session)
     gradients = [IDENTITY.compress(torch.full(tuple(spec.shape), 1e-6)) for spec in registration.parameter_specs]
@@ -364,7 +364,7 @@ def _pusher(client, registration):
 def _raw_echo(port: int, payload: bytes, reply_size: int, chunk: int):
     """A raw TCP echo of ``payload`` answered with ``reply_size`` bytes, both ends reading at most ``chunk``
     bytes a read: (its socket, one exchange)."""
-    from src.tcp_transport import tune_socket
+    from src.transport.tcp import tune_socket
 
     raw = socket.create_connection(("127.0.0.1", port))
     tune_socket(raw)
@@ -391,7 +391,7 @@ def _grpc_exchange(port: int, payload: bytes, reply_bytes: int):
     """A plain gRPC echo service's exchange of ``payload`` for ``reply_bytes``: (its channel, one call)."""
     import grpc
 
-    from src.ps_transport import CLIENT_MAX_MESSAGE_BYTES, message_options
+    from src.transport.grpc import CLIENT_MAX_MESSAGE_BYTES, message_options
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=message_options(CLIENT_MAX_MESSAGE_BYTES))
     channel.unary_unary(f"/{ECHO_SERVICE}/Size")(str(reply_bytes).encode())
@@ -440,8 +440,8 @@ def _round_trip_entry(
 
 def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
     """Our push round trip against a raw TCP echo (and a plain gRPC echo) of the same bytes, alternating."""
-    from src.tcp_frames import HEADER_BYTES
-    from src.transports import make_client
+    from src.transport.clients import make_client
+    from src.transport.tcp_frames import HEADER_BYTES
 
     token = secrets.token_urlsafe(16)
     with _server_process(_serve, transport, size_mb, token) as (report, stop):
@@ -500,7 +500,7 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
 def _ceiling_server(transport: str, num_workers: int, token: str, report, stop) -> None:
     import torch
 
-    from src.ps_transport import reuse_freed_memory
+    from src.transport.grpc import reuse_freed_memory
     from torch_asgc.server import ClientLoopServer
 
     torch.set_num_threads(1)
@@ -517,8 +517,8 @@ def _ceiling_server(transport: str, num_workers: int, token: str, report, stop) 
 
 def _ceiling_clients(transport: str, address: str, token: str, num_clients: int, seconds: float, report) -> None:
     """Client process: ``num_clients`` threads pushing as fast as the server answers, for ``seconds``."""
-    from src.ps_transport import reuse_freed_memory
-    from src.transports import make_client
+    from src.transport.clients import make_client
+    from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()
     clients = [make_client(address, transport=transport, token=token) for _ in range(num_clients)]
@@ -596,10 +596,10 @@ def bench_ceiling(transport: str, clients: list[int], seconds: float) -> dict:
 
 def bench_training(num_epochs: int, batch_size: int, transports: list[str], repeats: int) -> dict:
     """Each run ``repeats`` times, in turns (the order flips every repeat); samples/s are medians."""
+    from src.common.supervisor import stdout_to_stderr
     from src.config import load_config
-    from src.ddp_launcher import run_local as run_ddp
-    from src.ps_launcher import run_local
-    from src.supervisor import stdout_to_stderr
+    from src.launch.ddp import run_local as run_ddp
+    from src.launch.ps import run_local
 
     common = {
         "training.dataset": "mnist_5k",
@@ -686,7 +686,7 @@ def run_benchmark(
     training: bool = True,
 ) -> dict:
     """The sections asked for (``round_trips``, ``ceiling``, ``training``) with the machine's load around them."""
-    from src.ps_transport import reuse_freed_memory
+    from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()  # the client side, as run_worker does (the echo clients share this process)
     result: dict = {"machine": f"{os.cpu_count()} CPUs", "load_average_before": os.getloadavg()[0]}

@@ -22,7 +22,7 @@ def _per_call_us(function, calls: int) -> float:
 
 
 def span_costs(calls: int) -> dict[str, float]:
-    from src import tracing
+    from src.telemetry import tracing
 
     def span() -> None:
         with tracing.span("x", step=1):
@@ -42,7 +42,7 @@ def hook_cost_us(calls: int) -> float:
     import torch
     from torch import nn
 
-    from src.exposed_comm import BackwardWait
+    from src.telemetry.exposed_comm import BackwardWait
 
     module = nn.ParameterList([nn.Parameter(torch.ones(1)) for _ in range(8)])
 
@@ -62,9 +62,9 @@ def ddp_step_costs(steps: int) -> dict[str, float]:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from src.data import load_dataset
-    from src.exposed_comm import BackwardWait
-    from src.models import build_model
+    from src.telemetry.exposed_comm import BackwardWait
+    from src.training.data import load_dataset
+    from src.training.models import build_model
 
     torch.set_num_threads(1)
     data = load_dataset("mnist_5k", "train", max_samples=64)

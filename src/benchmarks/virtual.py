@@ -43,8 +43,8 @@ def _gradients_only(config, pushes: int) -> float:
     """Seconds of ``pushes`` forward/backward passes of the config's model on its batches, nothing else."""
     import torch
 
-    from src.data import load_dataset
     from src.trainer import forward_backward, model_from_config
+    from src.training.data import load_dataset
 
     t = config.training
     train = load_dataset(t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples, seed=t.seed)
@@ -69,7 +69,7 @@ COMPRESSED = {
 
 
 def _overhead(report, fields) -> None:
-    from src.virtual_time import run_virtual
+    from src.virtual.run import run_virtual
 
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(tmp, **fields)
@@ -99,7 +99,7 @@ def _overhead(report, fields) -> None:
 
 
 def _memory(report, fields) -> None:
-    from src.virtual_time import run_virtual
+    from src.virtual.run import run_virtual
 
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(

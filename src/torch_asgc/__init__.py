@@ -24,9 +24,9 @@ The server: ``python -m torch_asgc.server`` (:mod:`torch_asgc.server`). Integrat
 """
 
 from src.compression import build_compressor
-from src.compression_policy import CompressionPolicy
-from src.error_feedback import ErrorFeedback
-from src.worker_protocol import IncarnationRevoked
+from src.compressors.error_feedback import ErrorFeedback
+from src.compressors.policy import CompressionPolicy
+from src.ps.worker_protocol import IncarnationRevoked
 
 from . import ddp
 from .client import WorkerClient, connect

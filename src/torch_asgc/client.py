@@ -8,7 +8,7 @@ registration carries the session, so a late call from a failed incarnation is re
 whose incarnation the server declared failed while it was alive (a partition, a long pause) rejoins:
 it registers again as a new incarnation and goes on (a push whose reply it lost is committed or
 rolled back by what the server says, as after a restart), up to ``max_rejoins`` times (default the
-server's ``system.max_rejoins``); then the call raises :class:`~src.worker_protocol.IncarnationRevoked`.
+server's ``system.max_rejoins``); then the call raises :class:`~src.ps.worker_protocol.IncarnationRevoked`.
 
 It moves no tensors by itself: :class:`~torch_asgc.model.DistributedModel` pulls and initializes
 through it, :class:`~torch_asgc.optim.DistributedOptimizer` pushes through it. ``close()`` (or the end
@@ -28,18 +28,23 @@ import logging
 import os
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, SystemConfig, validate_config
-from src.ps_transport import AUTH_TOKEN_ENV, Received
-from src.transports import TRANSPORTS, make_client
-from src.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost
+from src.ps.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost
+from src.transport.clients import TRANSPORTS, make_client
+from src.transport.grpc import AUTH_TOKEN_ENV, Received
 
-if TYPE_CHECKING:
-    from .model import DistributedModel
+
+class ModelUser(Protocol):
+    """What the client asks of the model that uses it (:class:`~torch_asgc.model.DistributedModel` is one): to
+    offer its layout again, to a server that restarted before its first checkpoint."""
+
+    def offer(self) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +88,7 @@ class WorkerClient:
         self.caller = pb.Caller()
         self.config: Config | None = None
         self.registration: pb.RegisterReply | None = None
-        self.model: DistributedModel | None = None
+        self.model: ModelUser | None = None
         self.totals: dict[str, Any] = dict(
             samples=0,
             steps=0,

@@ -1,6 +1,6 @@
 """torch_asgc.ddp: our gradient exchange on your own ``DistributedDataParallel`` model, in one call.
 
-The same hooks the DDP runner uses (:mod:`src.comm_hooks`), for any model and any training loop::
+The same hooks the DDP runner uses (:mod:`src.ddp.comm_hooks`), for any model and any training loop::
 
     model = DistributedDataParallel(net)
     hook = torch_asgc.ddp.register_compression_hook(model, "topk", ratio=0.01, value_dtype="bfloat16",
@@ -41,11 +41,11 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from src.comm_hooks import CommHook, compression_comm_hook, ring_comm_hook
-from src.comm_stats import CommStats
 from src.compression import Compressor, build_compressor
-from src.compression_policy import CompressionPolicy
-from src.ring_allreduce import PLAIN_ALLREDUCE
+from src.compressors.policy import CompressionPolicy
+from src.ddp.comm_hooks import CommHook, compression_comm_hook, ring_comm_hook
+from src.ddp.comm_stats import CommStats
+from src.ddp.ring_allreduce import PLAIN_ALLREDUCE
 
 __all__ = ["CommHook", "CommStats", "register_compression_hook", "register_ring_hook"]
 

@@ -28,9 +28,9 @@ from torch import nn
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError
-from src.ps_transport import Received, tensor_view
-from src.served_model import layout_mismatch
-from src.worker_protocol import load_reply, served_tensors
+from src.ps.served_model import layout_mismatch
+from src.ps.worker_protocol import load_reply, served_tensors
+from src.transport.grpc import Received, tensor_view
 
 from .client import WorkerClient
 

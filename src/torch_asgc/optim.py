@@ -7,7 +7,7 @@ optimizer; per parameter of the :class:`~torch_asgc.model.DistributedModel` it
 
 1. takes the gradient (unscaled first under AMP, see below; zero for a parameter that got none),
 2. adds the error-feedback residual (``compensate``), compresses, keeps what was left out
-   (``update``): a :class:`src.worker_protocol.PushCodec`, the same code our own workers run,
+   (``update``): a :class:`src.ps.worker_protocol.PushCodec`, the same code our own workers run,
 3. pushes the payloads with the Worker Version and the step's sample count, and
 4. on the reply: commits the residuals (accepted) or rolls them back (rejected by the staleness
    policy: the whole compensated gradient waits in the residual for the next push, no gradient mass
@@ -52,12 +52,12 @@ import torch
 
 from src import parameter_server_pb2 as pb
 from src.compression import Compressor
-from src.compression_policy import CompressionPolicy, policy_from_config
+from src.compressors.error_feedback import ErrorFeedback
+from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
-from src.error_feedback import ErrorFeedback
-from src.lr_schedule import is_constant
-from src.wire import chunk_size
-from src.worker_protocol import PushCodec, count_push
+from src.ps.worker_protocol import PushCodec, count_push
+from src.training.lr_schedule import is_constant
+from src.transport.wire import chunk_size
 
 from .client import WorkerClient
 
@@ -106,7 +106,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         client: the connected client whose model is that DistributedModel.
         compression: ``None`` (the server's ``system.compression_*`` settings), ``"none"``, a
             :class:`~src.compression.Compressor` (e.g. ``build_compressor("topk", ratio=0.01)``) or a
-            :class:`~src.compression_policy.CompressionPolicy` (warm-up steps, small-tensor skipping).
+            :class:`~src.compressors.policy.CompressionPolicy` (warm-up steps, small-tensor skipping).
         error_feedback: keep what compression leaves out and add it to the next gradient.
         seed: seed of the stochastic rounding of quantization (default ``training.seed`` + worker id).
         send_learning_rate: push the wrapped optimizer's learning rate with each step, for the server to

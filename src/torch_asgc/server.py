@@ -42,9 +42,9 @@ from torch import nn
 
 from src.config import Config, SetupError
 from src.parameter_server import ParameterServer
-from src.ps_refusals import RunFailed
-from src.served_model import import_factory
-from src.work_source import ClientWork
+from src.ps.refusals import RunFailed
+from src.ps.served_model import import_factory
+from src.ps.work_source import ClientWork
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class ClientLoopServer(ParameterServer):
     """A parameter server whose workers run their own training loop on their own data (see the module docstring).
 
     The service of :class:`~src.parameter_server.ParameterServer` over the same core, with the
-    workers' own loops as its work source (:class:`~src.work_source.ClientWork`) and no evaluation.
+    workers' own loops as its work source (:class:`~src.ps.work_source.ClientWork`) and no evaluation.
 
     Args:
         config: the run's config: ``system`` (workers, mode, compression, heartbeats, outputs, TLS) and
@@ -137,7 +137,7 @@ DEFAULTS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from src.cli import add_compression_flags, add_config_flags, add_observability_flags
+    from src.launch.cli import add_compression_flags, add_config_flags, add_observability_flags
 
     parser = argparse.ArgumentParser(
         prog="python -m torch_asgc.server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -203,7 +203,7 @@ def serve(
     Args:
         token: the auth token (default: ``system.auth_token`` or ``$DTS_AUTH_TOKEN``).
     """
-    from src import tracing
+    from src.telemetry import tracing
 
     server = ClientLoopServer(config, model_source=model_source, token=token, resume=resume)
     with tracing.trace_to(
@@ -242,8 +242,8 @@ def summary_lines(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from src.cli import COMPRESSION_FLAGS, config_from_args, exit_status
-    from src.ps_transport import AuthTokenMissing
+    from src.launch.cli import COMPRESSION_FLAGS, config_from_args, exit_status
+    from src.transport.grpc import AuthTokenMissing
 
     args = build_parser().parse_args(argv)
     config = config_from_args(

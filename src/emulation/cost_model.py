@@ -1,0 +1,161 @@
+"""The cost model of a virtual-time run: how long each thing takes, from the config's ``emulation`` section.
+
+Nothing is measured during a virtual run (:mod:`src.virtual.run`): every duration is computed
+from these figures, so a run gives the same times on any machine under any load. The figures a
+config lacks are measured once, on the machine to be modelled, by ``scripts/calibrate.py``, which
+prints the ``emulation:`` lines to paste.
+
+* **compute**: a step of worker k on ``n`` samples takes ``t = compute_s * n / batch_size``
+  (``compute_s`` per worker in ``emulation.workers``), stretched as a real emulated run stretches
+  it (:class:`src.emulation.netem.ComputeDelay`: ``slowdown * t + step_delay_s``, log-normal with
+  ``step_delay_sigma``, seeded per worker). Plus ``compress_s`` per push for error feedback and
+  compression when the run compresses.
+* **links**: each message of ``n`` serialized bytes (the exact bytes a real run sends) crosses the
+  worker's link at ``uplink_mbps`` / ``downlink_mbps`` and the server NIC at ``server_mbps``, which
+  concurrent transfers share fairly (:class:`src.emulation.event_loop.SharedLink`), then waits the link's
+  latency. ``uplink_schedule`` changes every uplink mid-run (:meth:`CostModel.uplink_bps`): a message
+  crosses at the rate in force when it starts.
+* **the server**: ``server_update_s`` per push it takes in, ``server_reply_s`` per reply it builds,
+  one at a time (its lock).
+* **faults**: a killed (or hung, then killed) process takes ``restart_s`` to start again.
+* **DDP** (:func:`ring_allreduce_s`, :func:`all_gather_s`): the standard ring model,
+  ``2(N-1)/N * bytes / bandwidth + 2(N-1) * latency`` for an all-reduce, ``(N-1) * payload /
+  bandwidth + (N-1) * latency`` for an all-gather of one payload per rank.
+
+What it does not model: contention for CPU cores (a real worker computing beside N others on two
+cores is slower than its calibrated figure), OS jitter, and any transport overhead beyond what the
+calibrated server times hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from src.common.faults import parse_fault
+from src.config import Config, SetupError
+from src.emulation.netem import BITS_PER_MEGABIT, ComputeDelay, WorkerConditions, conditions_for, worker_seed
+
+CALIBRATE = "python scripts/calibrate.py --config CONFIG"
+"""The command that measures the figures a virtual run needs (it prints them as emulation fields)."""
+
+
+def _mbps_to_bps(mbps: float | None) -> float | None:
+    return None if mbps is None else mbps * BITS_PER_MEGABIT
+
+
+def _required(value: float | None, field: str, why: str) -> float:
+    if value is None:
+        raise SetupError(f"emulation.{field}: a virtual-time run needs it ({why}); measure it with `{CALIBRATE}`")
+    return value
+
+
+@dataclass
+class WorkerCosts:
+    """One worker's figures (``conditions`` with ``emulation.workers`` overrides resolved)."""
+
+    conditions: WorkerConditions
+    compute_s: float
+    delay: ComputeDelay
+
+    @property
+    def uplink_bps(self) -> float | None:
+        return _mbps_to_bps(self.conditions.uplink_mbps)
+
+    @property
+    def downlink_bps(self) -> float | None:
+        return _mbps_to_bps(self.conditions.downlink_mbps)
+
+    @property
+    def uplink_latency_s(self) -> float:
+        return self.conditions.uplink_latency_ms / 1000.0
+
+    @property
+    def downlink_latency_s(self) -> float:
+        return self.conditions.downlink_latency_ms / 1000.0
+
+
+class CostModel:
+    """Every duration of a virtual run (see the module docstring).
+
+    Args:
+        config: the run's config; its ``emulation`` section holds the figures.
+        server: whether a parameter server's figures are needed (``False`` for DDP).
+
+    Raises:
+        SetupError: a figure the run needs is missing (one line naming the field and the calibration command).
+    """
+
+    def __init__(self, config: Config, *, server: bool = True):
+        emulation, system, t = config.emulation, config.system, config.training
+        self.batch_size = t.batch_size
+        self.workers: list[WorkerCosts] = []
+        for k in range(system.num_workers):
+            conditions = conditions_for(emulation, k)
+            compute_s = _required(
+                conditions.compute_s,
+                "compute_s" if k not in emulation.workers else f"compute_s (or emulation.workers.{k}.compute_s)",
+                "seconds per step",
+            )
+            self.workers.append(WorkerCosts(conditions, compute_s, ComputeDelay(conditions, worker_seed(t.seed, k))))
+        self.compress_s = (
+            _required(emulation.compress_s, "compress_s", "the run compresses its gradients")
+            if system.compression_enabled
+            else (emulation.compress_s or 0.0)
+        )
+        self.server_update_s = self.server_reply_s = 0.0
+        if server:
+            self.server_update_s = _required(emulation.server_update_s, "server_update_s", "the server's time per push")
+            self.server_reply_s = _required(emulation.server_reply_s, "server_reply_s", "the server's time per reply")
+        self.server_bps = _mbps_to_bps(emulation.server_mbps)
+        self.uplink_schedule = [(float(t), float(mbps)) for t, mbps in emulation.uplink_schedule]
+        faults = [parse_fault(text) for text in system.inject_faults]
+        self.restart_s = (
+            _required(emulation.restart_s, "restart_s", "a faulted process restarts")
+            if faults
+            else (emulation.restart_s or 0.0)
+        )
+
+    def uplink_bps(self, worker: int, now_s: float) -> float | None:
+        """Worker ``worker``'s uplink bandwidth at virtual second ``now_s``: the latest ``uplink_schedule``
+        entry at or before it, else its own ``uplink_mbps`` (``None``: not limited)."""
+        scheduled = [mbps for t, mbps in self.uplink_schedule if t <= now_s]
+        return _mbps_to_bps(scheduled[-1]) if scheduled else self.workers[worker].uplink_bps
+
+    def step_s(self, worker: int, samples: int) -> tuple[float, float]:
+        """Seconds of worker ``worker``'s forward/backward over ``samples`` samples (draws its delay), and the
+        part of them that is emulated slowness (what a real run reports as ``emulated_delay_s``)."""
+        costs = self.workers[worker]
+        measured = costs.compute_s * samples / self.batch_size
+        extra = costs.delay.extra_s(measured)
+        return measured + extra, extra
+
+    def describe(self) -> dict[str, Any]:
+        """The figures, for the run summary."""
+        return {
+            "compute_s": {str(k): w.compute_s for k, w in enumerate(self.workers)},
+            "compress_s": self.compress_s,
+            "server_update_s": self.server_update_s,
+            "server_reply_s": self.server_reply_s,
+            "server_mbps": None if self.server_bps is None else self.server_bps / BITS_PER_MEGABIT,
+            "restart_s": self.restart_s,
+            **({"uplink_schedule": [list(entry) for entry in self.uplink_schedule]} if self.uplink_schedule else {}),
+        }
+
+
+def ring_allreduce_s(world_size: int, num_bytes: int, bandwidth_bps: float | None, latency_s: float) -> float:
+    """Seconds of a ring all-reduce of ``num_bytes``: ``2(N-1)/N * 8 bytes / bandwidth + 2(N-1) * latency``."""
+    if world_size <= 1:
+        return 0.0
+    steps = 2 * (world_size - 1)
+    transfer = steps / world_size * 8 * num_bytes / bandwidth_bps if bandwidth_bps else 0.0
+    return transfer + steps * latency_s
+
+
+def all_gather_s(world_size: int, payload_bytes: list[int], bandwidth_bps: float | None, latency_s: float) -> float:
+    """Seconds of a ring all-gather of one payload per rank: each rank forwards the N-1 others' payloads."""
+    if world_size <= 1:
+        return 0.0
+    largest_share = max(sum(payload_bytes) - b for b in payload_bytes)  # what the busiest rank receives
+    transfer = 8 * largest_share / bandwidth_bps if bandwidth_bps else 0.0
+    return transfer + (world_size - 1) * latency_s

@@ -1,0 +1,1 @@
+"""Starting runs: the PS and DDP launchers, the runners' shared flags, experiments and matrices, provenance."""

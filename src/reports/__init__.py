@@ -1,0 +1,1 @@
+"""The performance report and the experiments' results: inputs, sections, plots, rendering."""

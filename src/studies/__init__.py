@@ -1,0 +1,1 @@
+"""Studies of async training: simulations, stability analysis, configuration studies, virtual-time fidelity."""

@@ -1,0 +1,1 @@
+"""Telemetry beside ``src/metrics.py``: timelines (tracing), experiment trackers, exposed communication, logging."""

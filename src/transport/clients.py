@@ -1,0 +1,33 @@
+"""Choosing a transport: ``system.transport`` -> the client of that transport.
+
+The gRPC client (:mod:`src.transport.grpc`) and the TCP one (:mod:`src.transport.tcp`, built on the
+former's protocol calls) sit below this module, so neither needs to import the other's chooser.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from src.config import SetupError
+from src.transport.grpc import ParameterServerClient
+from src.transport.tcp import TCPParameterServerClient
+
+TRANSPORTS = ("grpc", "tcp")
+
+
+def make_client(address: str, *, transport: str = "grpc", **kwargs: Any):
+    """A client of the parameter server at ``address`` over ``transport`` (``system.transport``).
+
+    Both clients have the same calls, byte counters, uplink emulation and retries, and fail with a
+    :class:`grpc.RpcError` carrying the same status codes (:class:`~src.transport.grpc.ParameterServerClient` for gRPC,
+    :class:`src.transport.tcp.TCPParameterServerClient` for TCP). ``kwargs``: as the clients take
+    (``token``, ``system``, ``connect_timeout_s``, ``retries``, ``uplink``).
+
+    Raises:
+        SetupError: an unknown transport.
+    """
+    if transport == "tcp":
+        return TCPParameterServerClient(address, **kwargs)
+    if transport == "grpc":
+        return ParameterServerClient(address, **kwargs)
+    raise SetupError(f"system.transport: must be one of {', '.join(TRANSPORTS)}, got {transport!r}")

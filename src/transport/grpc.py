@@ -1,0 +1,514 @@
+"""gRPC plumbing of the parameter server: security, channels, message limits, tensor bytes, client.
+
+What lives here is what both ends of the wire must agree on, so that :mod:`src.parameter_server`
+and :mod:`src.worker` contain only their algorithms:
+
+* **Auth.** Every RPC carries ``authorization: Bearer <token>`` metadata; the server's
+  interceptor refuses anything else with ``UNAUTHENTICATED`` before a handler runs. The token comes
+  from ``system.auth_token``, else ``$DTS_AUTH_TOKEN`` (:func:`resolve_auth_token`); the local
+  launcher makes a random one per run. The one exception is the standard gRPC health service
+  (``grpc.health.v1.Health``, registered by :func:`start_grpc_server`: ``SERVING`` while the server
+  runs), which a probe (``python -m src.transport.healthcheck``, a container healthcheck, a load balancer)
+  calls without the token: it tells nothing but whether the server is up.
+* **TLS.** ``system.tls_cert_file`` + ``tls_key_file`` make the server speak TLS; a client uses TLS
+  when it has ``tls_ca_file`` (or, for a self-signed server, ``tls_cert_file``) to verify against.
+* **Message size.** gRPC refuses messages over 4 MB by default; a resnet18 is ~45 MB of float32.
+  Both ends raise the limits instead of chunking: one unary message per pull and per push keeps the
+  protocol simple (``scripts/bench_ps.py`` compares it with raw gRPC). The server sizes its receive
+  limit from the model, so a client cannot make it buffer gigabytes.
+* **Tensor bytes.** The messages' bytes are made and read by :mod:`src.transport.wire` (its names are
+  re-exported here): the same bytes on every transport and on the virtual clock.
+* **Counted client.** :class:`ParameterServerClient` serializes requests and parses replies itself,
+  so ``bytes_sent`` / ``bytes_received`` are the lengths of the exact serialized messages that went
+  through gRPC, and retries a call that failed in transport with the same request (a push keeps its
+  request id, which the server applies at most once).
+* **Choosing a transport.** :func:`src.transport.clients.make_client` returns this client or the TCP
+  transport's (:mod:`src.transport.tcp`, same interface) for ``system.transport``; the TLS files,
+  token and limits above mean the same on both.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from src import parameter_server_pb2 as pb
+from src.config import SetupError, SystemConfig
+from src.transport.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
+    Outgoing,
+    Received,
+    check_float32_bytes,
+    copy_bytes_into,
+    field_number,
+    serialize,
+    split,
+    tensor_to_bytes,
+    tensor_view,
+)
+
+AUTH_METADATA_KEY = "authorization"
+AUTH_TOKEN_ENV = "DTS_AUTH_TOKEN"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+"""The health service's methods answer without the auth token (see the module docstring)."""
+# A client accepts whatever its server sends (the server is trusted); 2 GiB is protobuf's ceiling.
+CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
+# Statuses worth retrying with the same request: the call may not have reached the server.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class AuthTokenMissing(SetupError):
+    """No token was configured for a role that needs one."""
+
+
+def resolve_auth_token(system: SystemConfig) -> str | None:
+    """The configured token: ``system.auth_token``, else ``$DTS_AUTH_TOKEN``, else ``None``."""
+    configured = system.auth_token.get_secret_value() if system.auth_token is not None else None
+    return configured or os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+def require_auth_token(system: SystemConfig) -> str:
+    """Like :func:`resolve_auth_token`, but a missing token is an error.
+
+    Raises:
+        AuthTokenMissing: neither the config nor the environment has one.
+    """
+    token = resolve_auth_token(system)
+    if not token:
+        raise AuthTokenMissing(f"no auth token: set system.auth_token in the config or ${AUTH_TOKEN_ENV}")
+    return token
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; IPv6 hosts may be bracketed (``[::1]:50051``)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# ----------------------------------------------------------------------------- memory
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8  # glibc mallopt parameters
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc keep and reuse freed memory instead of returning it to the kernel at once.
+
+    Every step allocates and frees message-sized buffers (the serialized push, the pull reply,
+    decompressed gradients, gRPC's own copies of each message). By default glibc serves such sizes
+    with fresh ``mmap`` pages and unmaps them on free, so each step pays a page fault per 4 KB
+    touched: on a VM that is several times the cost of copying the bytes. So:
+
+    * the mmap threshold goes to its ceiling (32 MB) and the trim threshold to 1 GB;
+    * ``mmap`` for single blocks is turned off (``M_MMAP_MAX=0``), since a resnet18's ~45 MB
+      messages are above any threshold: a 45 MB ``bytes`` copy takes ~30 ms with fresh pages and
+      ~5 ms in reused ones here;
+    * one malloc arena for all threads (``M_ARENA_MAX=1``): gRPC handles each call on whichever
+      pool thread is free, each thread would get its own arena, and a thread arena hands a heap
+      that falls empty back to the kernel whatever the trim threshold (measured: the server's
+      16 MB pull reply faulted 2,048 pages on every version; none with one arena).
+
+    Together: resnet18 push + pull ~150 ms -> ~90 ms (``scripts/bench_ps.py``; the raw echo gains
+    as much). The price is that the process keeps its peak heap. Call it once at the start of a
+    server or worker process, before it starts threads; a no-op returning ``False`` off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return (
+        bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
+        and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+        and bool(mallopt(_M_MMAP_MAX, 0))
+        and bool(mallopt(_M_ARENA_MAX, 1))
+    )
+
+
+# ----------------------------------------------------------------------------- security
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise SetupError(f"{what}: cannot read {path} ({exc.strerror})") from None
+
+
+def server_tls_files(system: SystemConfig) -> tuple[bytes, bytes] | None:
+    """The server's PEM certificate and key when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None``.
+
+    Raises:
+        SetupError: only one of the two is set, or a file cannot be read.
+    """
+    if bool(system.tls_cert_file) != bool(system.tls_key_file):
+        raise SetupError("system.tls_cert_file and system.tls_key_file: set both for TLS, or neither")
+    if not system.tls_cert_file:
+        return None
+    return _read(system.tls_cert_file, "system.tls_cert_file"), _read(system.tls_key_file, "system.tls_key_file")
+
+
+def client_tls_roots(system: SystemConfig) -> bytes | None:
+    """The PEM a client verifies the server against: ``tls_ca_file``, else ``tls_cert_file``; ``None``: plaintext."""
+    roots_file = system.tls_ca_file or system.tls_cert_file
+    return _read(roots_file, "system.tls_ca_file") if roots_file else None
+
+
+def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None`` (plaintext).
+
+    Raises:
+        SetupError: only one of the two is set, or a file cannot be read.
+    """
+    files = server_tls_files(system)
+    if files is None:
+        return None
+    cert, key = files
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def channel_credentials(system: SystemConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials verifying the server against ``tls_ca_file`` (else ``tls_cert_file``), or ``None``."""
+    roots = client_tls_roots(system)
+    return grpc.ssl_channel_credentials(root_certificates=roots) if roots is not None else None
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"missing or wrong auth token (metadata '{AUTH_METADATA_KEY}: Bearer <token>'; "
+                f"system.auth_token or ${AUTH_TOKEN_ENV})",
+            )
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
+            return continuation(handler_call_details)  # says only SERVING or not: no token needed
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):  # constant time: no timing oracle
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+KEEPALIVE_TIME_MS = 30_000
+"""Both ends ping an idle connection this often, and the server accepts pings that often: without the
+server's side of it, a client pinging during a long barrier wait earns a ``too_many_pings`` GOAWAY."""
+KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+"""A client retries a lost server at least every second (gRPC's default back-off grows to minutes): a
+restarted server waits one heartbeat timeout for the workers of its checkpoint before it fails them."""
+
+
+def keepalive_options(*, server: bool) -> list[tuple[str, int]]:
+    """The keepalive settings of one end; the server's admit exactly the client's ping rate."""
+    options = [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if server:
+        options += [
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
+    return options
+
+
+def service_handler(servicer) -> grpc.GenericRpcHandler:
+    """The ParameterServer service with this module's (de)serializers.
+
+    Pull and Push return pre-serialized bytes (:func:`serialize`: the model's tensors are joined in
+    without protobuf); Push and Initialize receive the raw request bytes so the handler can
+    :func:`split` them and refuse a malformed one with INVALID_ARGUMENT.
+    """
+
+    def unary(method, request_type, reply_type):
+        return grpc.unary_unary_rpc_method_handler(
+            method,
+            request_deserializer=request_type.FromString if request_type is not None else None,
+            response_serializer=serialize if reply_type is None else reply_type.SerializeToString,
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Register": unary(servicer.Register, pb.RegisterRequest, pb.RegisterReply),
+            "Initialize": unary(servicer.Initialize, None, pb.InitializeReply),
+            "Pull": unary(servicer.Pull, pb.PullRequest, None),
+            "Push": unary(servicer.Push, None, None),
+            "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+            "Finish": unary(servicer.Finish, pb.FinishRequest, pb.FinishReply),
+            "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
+        },
+    )
+
+
+def start_grpc_server(
+    servicer,
+    system: SystemConfig,
+    *,
+    token: str,
+    max_message_bytes: int,
+    max_threads: int,
+) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for ``servicer`` (see :func:`service_handler`) on ``system.server_address``.
+
+    Returns the server and the bound port. The server also answers the standard health service
+    (``grpc.health.v1.Health``): ``SERVING`` for the whole server (service ``""``) and for
+    :data:`SERVICE_NAME` from the moment it has started.
+
+    Port 0 binds a free port (reported back, for the launcher and tests).
+
+    Raises:
+        ValueError: bad TLS settings, or the address cannot be bound.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="ps-rpc"),
+        interceptors=[TokenAuthInterceptor(token)],
+        options=message_options(max_message_bytes) + keepalive_options(server=True),
+    )
+    server.add_generic_rpc_handlers([service_handler(servicer)])
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    credentials = server_credentials(system)
+    address = system.server_address
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise SetupError(f"system.server_address: cannot bind {address} ({exc})") from None
+    if port == 0:
+        raise SetupError(f"system.server_address: cannot bind {address} (in use or not a local address)")
+    server.start()
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class ProtocolClient:
+    """The parameter server's calls as a worker (or a tool) makes them, whatever the transport.
+
+    A subclass sends one attempt of a call (:meth:`_attempt`: the call's name, its request message
+    or :class:`~src.transport.wire.Outgoing`, raising a :class:`grpc.RpcError` on failure); this class builds
+    the requests and retries a call that failed in transport (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``)
+    ``retries`` times with backoff, resending the same request (a push keeps its request id, which the
+    server applies at most once). Subclasses set ``retries`` and ``connect_timeout_s``.
+    """
+
+    retries: int
+    connect_timeout_s: float
+
+    def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
+        raise NotImplementedError
+
+    def _call(
+        self, name: str, request, *, timeout: float | None = None, wait_for_ready: bool = False, retry: bool = True
+    ):
+        attempt = 0
+        while True:
+            try:
+                return self._attempt(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
+            except grpc.RpcError as exc:
+                if not retry or exc.code() not in RETRYABLE or attempt >= self.retries:
+                    raise
+                attempt += 1
+                time.sleep(min(0.2 * 2**attempt, 1.0))  # backoff before resending the same request (a restarted
+                # server is found within a second of coming up: it waits one heartbeat timeout for its workers)
+
+    def register(
+        self,
+        worker_id: int,
+        last_request_id: int = 0,
+        carried_batch_ids: Sequence[int] = (),
+        *,
+        timeout: float | None = None,
+        any_worker_id: bool = False,
+    ) -> pb.RegisterReply:
+        """Join the run (again); waits up to ``timeout`` (default ``connect_timeout_s``) for the server.
+
+        Args:
+            last_request_id: the last push this process sent, if it lost its session (the reply says
+                whether it was applied).
+            any_worker_id: let the server pick a free worker id (the reply's ``worker_id``).
+        """
+        request = pb.RegisterRequest(
+            worker_id=worker_id,
+            last_request_id=last_request_id,
+            carried_batch_ids=carried_batch_ids,
+            pid=os.getpid(),
+            any_worker_id=any_worker_id,
+        )
+        # wait_for_ready: reconnect with backoff until the server accepts or the deadline passes.
+        return self._call(
+            "Register", request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True, retry=False
+        )
+
+    def initialize(
+        self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]
+    ) -> pb.InitializeReply:
+        """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
+        return self._call("Initialize", Outgoing(request, {"parameters": parameters, "buffers": buffers}))
+
+    def pull(self, caller: pb.Caller) -> Received:
+        """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views)."""
+        return self._call("Pull", pb.PullRequest(caller=caller))
+
+    def push(
+        self,
+        request: pb.PushRequest,
+        gradients: Sequence[Any] = (),
+        buffers: Sequence[Any] = (),
+        *,
+        wait_for_ready: bool = False,
+        timeout: float | None = None,
+    ) -> Received:
+        """Send one step; the reply (a :class:`~pb.PushReply` and views) carries the next parameters and work.
+
+        A retry resends the same bytes (same request id), which the server applies at most once.
+        """
+        return self._call(
+            "Push",
+            Outgoing(request, {"gradients": gradients, "buffers": buffers}),
+            wait_for_ready=wait_for_ready,
+            timeout=timeout,
+        )
+
+    def push_bytes(self, data: bytes, *, timeout: float | None = None) -> Received:
+        """Send ``data`` as a Push message as it is, without a retry (tools and tests of the server's parser)."""
+        return self._call("Push", data, timeout=timeout, retry=False)
+
+    def heartbeat(self, caller: pb.Caller, stats: pb.WorkerStats, timeout: float) -> pb.HeartbeatReply:
+        """One heartbeat (no retry: the next one follows soon)."""
+        return self._call("Heartbeat", pb.HeartbeatRequest(caller=caller, stats=stats), timeout=timeout, retry=False)
+
+    def finish(self, caller: pb.Caller, stats: pb.WorkerStats) -> pb.FinishReply:
+        return self._call("Finish", pb.FinishRequest(caller=caller, stats=stats))
+
+    def status(self, timeout: float | None = 10.0, wait_for_ready: bool = False) -> pb.StatusReply:
+        return self._call("Status", pb.StatusRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ParameterServerClient(ProtocolClient):
+    """A worker's (or a tool's) connection to the parameter server, counting the bytes it moves.
+
+    Args:
+        address: ``host:port`` of the server.
+        token: the run's auth token (``None`` sends none: useful only to test refusal).
+        system: TLS settings (``tls_ca_file`` / ``tls_cert_file``).
+        connect_timeout_s: how long :meth:`register` waits for the server to come up.
+        retries: extra attempts of a call that failed with UNAVAILABLE or DEADLINE_EXCEEDED.
+        uplink: an emulated link (:class:`src.emulation.netem.Link`): every message waits its transfer time,
+            from its exact serialized size, before it is sent.
+
+    ``bytes_sent`` / ``bytes_received`` count every serialized message, heartbeats included; they
+    are safe to read from another thread (each is one integer updated by one call at a time).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None,
+        system: SystemConfig | None = None,
+        connect_timeout_s: float = 300.0,
+        retries: int = 8,
+        uplink: Any = None,
+    ):
+        options = message_options(CLIENT_MAX_MESSAGE_BYTES) + keepalive_options(server=False) + RECONNECT_OPTIONS
+        credentials = channel_credentials(system) if system is not None else None
+        if credentials is not None:
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.uplink = uplink
+        self._lock = threading.Lock()
+        self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        model_state = ("parameters", "buffers")
+        self._calls = {
+            name: self.channel.unary_unary(
+                f"/{SERVICE_NAME}/{name}",
+                request_serializer=self._serialize,
+                response_deserializer=self._parser(reply_type, large_fields),
+            )
+            for name, reply_type, large_fields in (
+                ("Register", pb.RegisterReply, None),
+                ("Initialize", pb.InitializeReply, None),
+                ("Pull", pb.PullReply, model_state),
+                ("Push", pb.PushReply, model_state + ("parameter_deltas",)),
+                ("Heartbeat", pb.HeartbeatReply, None),
+                ("Finish", pb.FinishReply, None),
+                ("Status", pb.StatusReply, None),
+            )
+        }
+
+    def _serialize(self, outgoing) -> bytes:
+        data = serialize(outgoing)
+        with self._lock:
+            self.bytes_sent += len(data)
+        if self.uplink is not None:  # emulation: gRPC calls this in the caller's thread, before sending
+            self.uplink.transmit(len(data))
+        return data
+
+    def _parser(self, reply_type, large_fields) -> Callable[[bytes], Any]:
+        def parse(data: bytes):
+            with self._lock:
+                self.bytes_received += len(data)
+            return split(data, reply_type, large_fields) if large_fields else reply_type.FromString(data)
+
+        return parse
+
+    def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
+        return self._calls[name](request, metadata=self._metadata, timeout=timeout, wait_for_ready=wait_for_ready)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,306 @@
+"""The worker's client of the parameter server over the binary TCP transport (``system.transport: tcp``).
+
+:class:`TCPParameterServerClient` has the interface of the gRPC client
+(:class:`src.transport.grpc.ParameterServerClient`): the same calls, the same messages, the same
+byte counters, emulated uplink and retries, and failures as :class:`~src.transport.tcp_frames.TransportError`
+(a :class:`grpc.RpcError` with the same status codes), so the worker, the library and the tools
+choose a transport and nothing else (:func:`src.transport.clients.make_client`). The frames are
+:mod:`src.transport.tcp_frames`'; the server is :mod:`src.ps.tcp_server`.
+
+* **Connections.** A call takes an idle connection (one whose server has not closed it) or opens
+  one: TCP (``TCP_NODELAY``, keepalive), TLS when the config has a CA or certificate to verify the
+  server against (``system.tls_ca_file`` / ``tls_cert_file``, the gRPC transport's files), then a
+  HELLO frame with the auth token. One call at a time per connection; the heartbeat thread's call
+  and a push waiting at the barrier each have their own.
+* **Deadlines.** A call's ``timeout`` bounds it end to end and travels in the frame, so the server
+  stops waiting for work when the caller has given up. A passed deadline is ``DEADLINE_EXCEEDED``
+  and closes that connection (its reply may still come).
+* **Retries.** A call that failed in transport (``UNAVAILABLE``: the connection broke or could not
+  be made; ``DEADLINE_EXCEEDED``) is sent again, the same bytes (a push keeps its request id, which
+  the server applies at most once), after a backoff; ``wait_for_ready`` (Register) keeps trying to
+  connect until the deadline, which carries a worker through a server restart.
+* **Bytes.** ``bytes_sent`` / ``bytes_received`` count every frame, header included (hellos too); an
+  emulated uplink (:class:`src.emulation.netem.Link`) makes every frame wait its transfer time before it goes out.
+* **Zero copy.** A request's tensors are sent from their own memory (a gather write of the
+  message's :class:`~src.transport.wire.Pieces`); a reply is read straight into one buffer whose views are the
+  reply's tensors (:class:`~src.transport.wire.Received`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import select
+import socket
+import ssl
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from src import parameter_server_pb2 as pb
+from src.config import SetupError, SystemConfig
+from src.transport.grpc import ProtocolClient, client_tls_roots, split_address
+from src.transport.tcp_frames import (
+    HEADER_BYTES,
+    FrameError,
+    Kind,
+    Method,
+    PeerClosed,
+    TransportError,
+    error_of,
+    pack_header,
+    receive_body,
+    receive_header,
+    send_frame,
+)
+from src.transport.wire import Pieces, encode, split
+
+CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
+"""Largest reply a client reads (the server is trusted; protobuf's ceiling)."""
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 2
+"""An idle connection is probed after 30 s and given up after two unanswered probes (gRPC's keepalive
+here is 30 s + 20 s): a vanished host is noticed even by a call waiting at the barrier."""
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Send and receive buffers of each connection: a few MB lets a large message stream without stalls."""
+_MODEL_STATE = ("parameters", "buffers")
+_REPLIES: dict[Method, tuple[Any, tuple[str, ...] | None]] = {
+    Method.REGISTER: (pb.RegisterReply, None),
+    Method.INITIALIZE: (pb.InitializeReply, None),
+    Method.PULL: (pb.PullReply, _MODEL_STATE),
+    Method.PUSH: (pb.PushReply, _MODEL_STATE + ("parameter_deltas",)),
+    Method.HEARTBEAT: (pb.HeartbeatReply, None),
+    Method.FINISH: (pb.FinishReply, None),
+    Method.STATUS: (pb.StatusReply, None),
+}
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Options both ends set on a connection: no Nagle delay, keepalive, large buffers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+
+def client_tls_context(system: SystemConfig | None) -> ssl.SSLContext | None:
+    """A TLS context verifying the server against ``tls_ca_file`` (else ``tls_cert_file``), or ``None``.
+
+    Raises:
+        SetupError: the file cannot be read or holds no certificate.
+    """
+    roots = client_tls_roots(system) if system is not None else None
+    if roots is None:
+        return None
+    try:
+        return ssl.create_default_context(cadata=roots.decode("ascii", "replace"))
+    except (ssl.SSLError, ValueError) as exc:
+        raise SetupError(f"system.tls_ca_file: not a PEM certificate ({exc})") from None
+
+
+class _Connection:
+    """One authenticated connection to the server."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.header = bytearray(HEADER_BYTES)
+
+    def alive(self) -> bool:
+        """An idle connection has nothing to read; anything readable means the server closed it (or broke it)."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class TCPParameterServerClient(ProtocolClient):
+    """A worker's (or a tool's) connection to a TCP-transport parameter server, counting the bytes it moves.
+
+    Args:
+        address: ``host:port`` of the server.
+        token: the run's auth token (``None`` sends no HELLO: useful only to test refusal).
+        system: TLS settings (``tls_ca_file`` / ``tls_cert_file``).
+        connect_timeout_s: how long :meth:`register` waits for the server to come up.
+        retries: extra attempts of a call that failed with UNAVAILABLE or DEADLINE_EXCEEDED.
+        uplink: an emulated link (:class:`src.emulation.netem.Link`): every frame waits its transfer time, from
+            its exact size, before it is sent.
+
+    ``bytes_sent`` / ``bytes_received`` count every frame, heartbeats and hellos included; they are
+    safe to read from another thread.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None,
+        system: SystemConfig | None = None,
+        connect_timeout_s: float = 300.0,
+        retries: int = 8,
+        uplink: Any = None,
+    ):
+        try:
+            self._host, self._port = split_address(address)
+        except ValueError:
+            raise SetupError(f"server address {address!r}: expected host:port") from None
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        self.uplink = uplink
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.closed = False
+        self._token = token.encode() if token else None
+        self._tls = client_tls_context(system)
+        self._idle: list[_Connection] = []
+        self._lock = threading.Lock()
+        self._calls = itertools.count(1)
+
+    def close(self) -> None:
+        """Close every connection; calls after this raise ``ValueError`` (as a closed gRPC channel's do)."""
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+    # ------------------------------------------------------------------------- one attempt of a call
+
+    def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
+        """One frame out, one back (retries are :class:`~src.transport.grpc.ProtocolClient`'s)."""
+        method, pieces = Method[name.upper()], encode(request)
+        if self.closed:
+            raise ValueError("the client is closed")
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        connection = self._connection(deadline, wait_for_ready)
+        call = next(self._calls) & 0xFFFFFFFF
+        deadline_ms = max(1, int(1000 * (deadline - time.monotonic()))) if deadline is not None else 0
+        header = pack_header(Kind.REQUEST, method, len(pieces), call=call, deadline_ms=deadline_ms)
+        reply_header, body = self._exchange(connection, header, pieces, deadline)
+        if reply_header.call != call or reply_header.method != method:
+            connection.close()
+            raise TransportError(
+                grpc.StatusCode.INTERNAL,
+                f"the server answered call {reply_header.call} "
+                f"({reply_header.method.name}) to call {call} ({method.name})",
+            )
+        self._release(connection, reply_header.closing)
+        if reply_header.kind == Kind.ERROR:
+            raise error_of(reply_header, body)
+        reply_type, large_fields = _REPLIES[method]
+        try:
+            return split(body, reply_type, large_fields) if large_fields else reply_type.FromString(body)
+        except Exception as exc:  # ValueError from split, protobuf's DecodeError
+            raise TransportError(grpc.StatusCode.INTERNAL, f"malformed {method.name} reply: {exc}") from None
+
+    def _exchange(self, connection: _Connection, header: bytes, pieces: Pieces, deadline: float | None):
+        """Send one request frame and read its reply frame, counting and emulating; transport failures close
+        the connection and become ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED``."""
+        sock = connection.sock
+        size = HEADER_BYTES + len(pieces)
+        with self._lock:
+            self.bytes_sent += size
+        if self.uplink is not None:  # emulation: the frame waits its transfer time before it leaves
+            self.uplink.transmit(size)
+        try:
+            sock.settimeout(_remaining(deadline))
+            send_frame(sock, header, pieces.buffers)
+            sock.settimeout(_remaining(deadline))
+            reply_header = receive_header(sock, connection.header)
+            if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
+                raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {reply_header.length} bytes")
+            body = receive_body(sock, reply_header.length)
+        except socket.timeout:
+            connection.close()
+            raise TransportError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply from {self.address} before the deadline"
+            ) from None
+        except FrameError as exc:
+            connection.close()
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"bad frame from {self.address}: {exc.message}") from None
+        except (OSError, PeerClosed) as exc:
+            connection.close()
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"connection to {self.address} lost: {exc}") from None
+        with self._lock:
+            self.bytes_received += HEADER_BYTES + reply_header.length
+        return reply_header, body
+
+    # ------------------------------------------------------------------------- connections
+
+    def _connection(self, deadline: float | None, wait_for_ready: bool) -> _Connection:
+        with self._lock:
+            while self._idle:
+                connection = self._idle.pop()
+                if connection.alive():
+                    return connection
+                connection.close()
+        backoff = 0.1
+        while True:
+            try:
+                return self._connect(deadline)
+            except TransportError as exc:
+                waiting = wait_for_ready and exc.code() == grpc.StatusCode.UNAVAILABLE and not self.closed
+                left = _remaining(deadline)
+                if not waiting or (left is not None and left <= backoff):
+                    if waiting:
+                        raise TransportError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{self.address} did not accept a connection before the deadline ({exc.details()})",
+                        ) from None
+                    raise
+                time.sleep(backoff)  # the server is (re)starting: try again until the deadline
+                backoff = min(2 * backoff, 1.0)
+
+    def _connect(self, deadline: float | None) -> _Connection:
+        left = _remaining(deadline)
+        try:
+            raw = socket.create_connection((self._host, self._port), timeout=left if left is not None else 30.0)
+        except socket.timeout:
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"connecting to {self.address} timed out") from None
+        except OSError as exc:
+            raise TransportError(
+                grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.address}: {exc.strerror or exc}"
+            ) from None
+        try:
+            tune_socket(raw)
+            sock = self._tls.wrap_socket(raw, server_hostname=self._host) if self._tls is not None else raw
+        except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
+            raw.close()
+            raise TransportError(
+                grpc.StatusCode.UNAVAILABLE, f"TLS handshake with {self.address} failed: {exc}"
+            ) from None
+        connection = _Connection(sock)
+        if self._token is not None:
+            self._hello(connection, deadline)
+        return connection
+
+    def _hello(self, connection: _Connection, deadline: float | None) -> None:
+        """Authenticate ``connection`` with the token (the server closes it on a wrong one)."""
+        header = pack_header(Kind.REQUEST, Method.HELLO, len(self._token))
+        reply_header, body = self._exchange(connection, header, Pieces((self._token,), len(self._token)), deadline)
+        if reply_header.kind == Kind.ERROR:
+            connection.close()
+            raise error_of(reply_header, body)
+
+    def _release(self, connection: _Connection, closing: bool) -> None:
+        with self._lock:
+            if not closing and not self.closed:
+                self._idle.append(connection)
+                return
+        connection.close()
+
+
+def _remaining(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (at least a millisecond: a socket timeout of 0 would mean non-blocking)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 1e-3)

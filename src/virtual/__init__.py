@@ -1,0 +1,3 @@
+"""Virtual time: a PS or DDP job in one process, its time from a cost model; the virtual server, workers,
+launcher, calibration.
+"""

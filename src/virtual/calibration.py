@@ -1,0 +1,283 @@
+"""Measure a virtual-time run's cost-model figures on this machine (``scripts/calibrate.py`` prints them).
+
+Each figure is measured on the code a real run executes, so a virtual run of a config models this
+machine running that config:
+
+* ``compute_s``: the worker's forward/backward of one batch (:meth:`src.ps.worker_step.WorkerStep.compute`),
+  median over steps after a warm-up; with ``concurrent`` > 1, measured in that many processes at
+  once (what N workers on this machine's cores see: they share the cores).
+* ``compress_s``: the worker's error feedback and compression of one push
+  (:meth:`~src.ps.worker_step.WorkerStep.encode`, with the config's compression).
+* ``server_update_s``: the server core's work per push: parse, admit, decode and apply
+  (:class:`src.ps.core.ServerCore`, async, one worker).
+* ``server_reply_s``: the core's work per reply (the next work, the parameters, serialized), plus
+  the transport's own time per round trip: a real gRPC push on loopback minus the core's work, so a
+  virtual run's server time holds everything a real round trip costs beyond the links.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from src import parameter_server_pb2 as pb
+from src.config import Config, config_from_data, read_config_file
+from src.metrics import MetricsLogger
+from src.trainer import model_from_config
+from src.training.data import load_dataset
+from src.transport.wire import Outgoing, serialize, split
+
+WARMUP_STEPS = 3
+
+
+def _worker_step(config: Config, log_dir: str):
+    from src.ps.worker_step import WorkerStep
+
+    t = config.training
+    train_set = load_dataset(
+        t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples, num_samples=t.num_samples, seed=t.seed
+    )
+    model = model_from_config(config)
+    model.train()
+    log = MetricsLogger(log_dir, tensorboard=False)
+    return WorkerStep(config, 0, model=model, train_set=train_set, device=torch.device("cpu"), log=log), train_set, log
+
+
+def _batches(config: Config, train_set, count: int) -> list[pb.Batch]:
+    size = config.training.batch_size
+    return [
+        pb.Batch(batch_id=i + 1, epoch=0, indices=[(i * size + j) % len(train_set) for j in range(size)])
+        for i in range(count)
+    ]
+
+
+def measure_worker(config: Config, *, steps: int = 20) -> dict[str, float]:
+    """Median seconds of one worker step's compute and of its compression (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        step, train_set, log = _worker_step(config, tmp)
+        compute, compress = [], []
+        for batch in _batches(config, train_set, steps + WARMUP_STEPS):
+            started = time.perf_counter()
+            step.compute([batch])
+            computed = time.perf_counter()
+            step.encode([batch])
+            compress.append(time.perf_counter() - computed)
+            compute.append(computed - started)
+        log.close()
+    return {
+        "compute_s": statistics.median(compute[WARMUP_STEPS:]),
+        "compress_s": statistics.median(compress[WARMUP_STEPS:]),
+    }
+
+
+def _concurrent_worker(config_json: str, steps: int, report) -> None:
+    import json
+
+    from src.config import validate_config
+
+    torch.set_num_threads(1)
+    report.send(measure_worker(validate_config(json.loads(config_json)), steps=steps))
+
+
+def measure_worker_concurrently(config: Config, processes: int, *, steps: int = 20) -> dict[str, float]:
+    """:func:`measure_worker` in ``processes`` processes at once (one thread each); the median of their figures."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    pipes, children = [], []
+    for _ in range(processes):
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_concurrent_worker, args=(config.model_dump_json(), steps, send))
+        child.start()
+        pipes.append(receive)
+        children.append(child)
+    results = [pipe.recv() for pipe in pipes]
+    for child in children:
+        child.join()
+    return {name: statistics.median(r[name] for r in results) for name in results[0]}
+
+
+def _server_config(config: Config, tmp: str) -> Config:
+    """One worker, async, work for every push, nothing written that is not needed."""
+    from src.config import validate_config
+
+    data = config.to_dict()
+    data["system"].update(
+        num_workers=1,
+        aggregation_mode="async",
+        inject_faults=[],
+        adaptive_compression=False,
+        staleness_policy="none",
+        log_dir=f"{tmp}/logs",
+        checkpoint_dir=f"{tmp}/ckpt",
+        auth_token="calibration",
+        clock="real",
+    )
+    data["training"].update(checkpoint_interval=10**9, num_epochs=1000, eval_interval=0)
+    data["emulation"] = {}
+    return validate_config(data)
+
+
+def _register_with_core(core) -> pb.Caller:
+    """Worker 0 registered with the core and its first pull answered: the caller its pushes name."""
+    with core.lock:
+        registration, _ = core.register(pb.RegisterRequest(worker_id=0), "calibration")
+        caller = pb.Caller(worker_id=0, session=registration.session)
+        member = core.begin_pull(caller)
+        core.pull_reply(member, core.poll_work(member))
+    return caller
+
+
+def _time_core_push(core, caller: pb.Caller, request_id: int, payloads, buffers) -> tuple[float, float]:
+    """Seconds the core alone spends on one push (parse, admit, decode, apply) and on its reply."""
+    with core.lock:
+        held = core.work.plan.holding(0)
+        request = pb.PushRequest(
+            caller=caller,
+            base_version=core.version,
+            request_id=request_id,
+            num_samples=sum(len(b.indices) for b in held),
+            batch_ids=[b.batch_id for b in held],
+        )
+        data = serialize(Outgoing(request, {"gradients": payloads, "buffers": buffers}))
+        started = time.perf_counter()
+        split_request = split(data, pb.PushRequest, ("gradients", "buffers"))
+        admitted = core.begin_push(caller, split_request.message)
+        verdict = core.apply_push(admitted, split_request.message, core.decode(0, split_request))
+        applied = time.perf_counter()
+        core.push_reply(admitted, request_id, verdict, core.poll_work(admitted))
+        return applied - started, time.perf_counter() - applied
+
+
+def _time_round_trip(client, caller: pb.Caller, received, request_id: int, payloads, buffers):
+    """One real gRPC push of the work ``received`` holds: (the reply, the round trip's seconds)."""
+    work = received.message.work
+    request = pb.PushRequest(
+        caller=caller,
+        base_version=received.message.version,
+        request_id=request_id,
+        num_samples=sum(len(b.indices) for b in work.batches),
+        batch_ids=[b.batch_id for b in work.batches],
+    )
+    started = time.perf_counter()
+    reply = client.push(request, payloads, buffers)
+    return reply, time.perf_counter() - started
+
+
+def _server_figures(update: list[float], reply: list[float], trips: list[float]) -> dict[str, float]:
+    """The medians after the warm-up, the server's share of a round trip split into update and reply."""
+    core_update = statistics.median(update[WARMUP_STEPS:])
+    core_reply = statistics.median(reply[WARMUP_STEPS:])
+    round_trip = statistics.median(trips[WARMUP_STEPS:])
+    server_update = min(core_update, round_trip)  # a round trip holds the update: never more than all of it
+    return {
+        "server_update_s": server_update,
+        "server_reply_s": max(core_reply, round_trip - server_update),
+        "core_update_s": core_update,
+        "core_reply_s": core_reply,
+        "round_trip_s": round_trip,
+    }
+
+
+def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
+    """Median seconds of the server core's work per push and per reply, and of a real gRPC round trip.
+
+    The core alone and the gRPC round trips alternate push by push, so a load that comes and goes
+    on the machine weighs on both alike.
+    """
+    from src.parameter_server import ParameterServer, planned_work
+    from src.ps.core import ServerCore
+    from src.transport.grpc import ParameterServerClient
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = _server_config(config, tmp)
+        step, train_set, log = _worker_step(run, f"{tmp}/worker")
+        batch = _batches(run, train_set, 1)[0]
+        step.compute([batch])
+        payloads = step.encode([batch])
+        buffers = step.buffers_to_send([batch])
+        batch_size = run.training.batch_size
+        core = ServerCore(run, work=planned_work(run, batch_size), model=model_from_config(run), tensorboard=False)
+        server = ParameterServer(
+            run, token="calibration", evaluate=False, tensorboard=False, num_train_samples=batch_size
+        )
+        client = ParameterServerClient(f"127.0.0.1:{server.start()}", token="calibration")
+        update, reply, trips = [], [], []
+        try:
+            core_caller = _register_with_core(core)
+            registration = client.register(0)
+            caller = pb.Caller(worker_id=0, session=registration.session)
+            received = client.pull(caller)
+            for request_id in range(1, pushes + WARMUP_STEPS + 1):
+                # The core alone: the work a push and its reply cost the server.
+                update_s, reply_s = _time_core_push(core, core_caller, request_id, payloads, buffers)
+                update.append(update_s)
+                reply.append(reply_s)
+                # A real gRPC server and client on loopback: the whole round trip.
+                received, trip_s = _time_round_trip(client, caller, received, request_id, payloads, buffers)
+                trips.append(trip_s)
+        finally:
+            client.close()
+            server.stop(grace=0)
+            core.close()
+            log.close()
+    return _server_figures(update, reply, trips)
+
+
+def calibration_config(
+    path: str | Path | None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    assignments: dict[str, Any] | None = None,
+) -> Config:
+    """The config a calibration measures: a run's config file (or an experiment or matrix file, whose
+    run sections are its base), then ``overrides`` (dotted fields, ``None`` ignored) and ``assignments``.
+
+    Raises:
+        ConfigError: the file or a field is invalid (each problem names it).
+    """
+    data = read_config_file(path) if path else {}
+    for section in ("experiment", "matrix"):
+        data.pop(section, None)
+    return config_from_data(data, overrides=overrides, assignments=assignments)
+
+
+def calibrate(config: Config, *, concurrent: int = 1, steps: int = 20, server: bool = True) -> dict[str, Any]:
+    """Every figure of the cost model for ``config`` on this machine (see the module docstring)."""
+    worker = (
+        measure_worker_concurrently(config, concurrent, steps=steps)
+        if concurrent > 1
+        else measure_worker(config, steps=steps)
+    )
+    figures: dict[str, Any] = {"compute_s": worker["compute_s"]}
+    if config.system.compression_enabled:
+        figures["compress_s"] = worker["compress_s"]
+    details = {"compress_s_measured": worker["compress_s"], "concurrent": concurrent}
+    if server:
+        measured = measure_server(config, pushes=steps)
+        figures["server_update_s"] = measured["server_update_s"]
+        figures["server_reply_s"] = measured["server_reply_s"]
+        details.update(
+            core_update_s=measured["core_update_s"],
+            core_reply_s=measured["core_reply_s"],
+            round_trip_s=measured["round_trip_s"],
+        )
+    return {"emulation": figures, "measured": details}
+
+
+def as_yaml(result: dict[str, Any], config: Config, config_path: str | Path | None) -> str:
+    """The figures as ``emulation:`` lines to paste into a config, with what they were measured on."""
+    t = config.training
+    lines = [
+        f"# measured by scripts/calibrate.py on {t.model_architecture}, {t.dataset}, batch {t.batch_size}"
+        f"{' (' + str(config_path) + ')' if config_path else ''}; "
+        f"{result['measured']['concurrent']} process(es) at once",
+        "emulation:",
+    ]
+    lines += [f"  {name}: {value:.6g}" for name, value in result["emulation"].items()]
+    return "\n".join(lines)

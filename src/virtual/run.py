@@ -1,0 +1,163 @@
+"""Virtual time: a parameter-server job in one process, where time is computed by a cost model, not measured.
+
+``run_parameter_server_training.py --clock virtual`` (``system.clock: virtual``) runs the same job
+as a real run: the real server core (:class:`~src.ps.core.ServerCore`: membership, the work plan,
+the barrier and async apply, staleness, the controller, the downlink, de-dup, checkpoints, events,
+the summary) and N simulated workers, each doing the real worker's step
+(:class:`~src.ps.worker_step.WorkerStep`: its real gradient on its real batch at the parameters it
+last received, error feedback, compression, rollback on rejection, local steps). Only *when* things
+happen is simulated, by a discrete-event loop (:mod:`src.emulation.event_loop`) over the cost model
+(:mod:`src.emulation.cost_model`): a worker's step takes its compute seconds, a message crosses the worker's
+link and the server NIC (shared fairly by concurrent transfers) in its exact serialized bytes, the
+server spends its per-push and per-reply seconds one task at a time. So a run gives the same
+numbers on any machine under any load, and 64 workers fit on two cores: they take turns on one
+compute model, each keeping only its parameter replica and its residuals.
+
+The messages are the real protocol's bytes (:mod:`src.transport.wire`), so byte counts are exact and the core
+cannot tell a simulated worker from a real one. :class:`VirtualRun` ties the pieces together: the
+server process (:mod:`src.virtual.server`), the worker processes (:mod:`src.virtual.worker`) and the
+launcher (:mod:`src.virtual.launcher`). The launcher's part is simulated too:
+``--inject-fault`` kills (``kill``), stops (``hang``) or pauses (``pause=SECONDS``) a simulated worker
+at its step, or kills the server at a version; the server detects silence by the virtual
+heartbeats; a worker declared failed while it runs gets a heartbeat timeout to rejoin by itself (a
+paused one does, as the real worker, :func:`src.ps.worker_protocol.failed_call`), else it is hung and
+killed (:class:`~src.common.supervisor.RejoinGrace`); a dead process is restarted after
+``emulation.restart_s`` (budget ``system.max_restarts``), a restarted server resumes from its newest
+checkpoint and the workers register with it again, exactly as :mod:`src.launch.ps` does for real
+processes.
+
+Outputs are a real run's (``summary.json`` with ``clock: virtual``, ``events.jsonl`` per role with
+virtual times, TensorBoard, checkpoints, and with ``system.trace`` a ``trace.json`` per simulated
+process whose spans are in virtual microseconds from 0: :mod:`src.virtual.timelines`), so the report,
+plots and findings scripts read them as they are. Evaluations and checkpoints take no virtual time.
+The summary lists in ``wall_time_fields`` the fields that are wall time (they differ between two runs
+of the same config):
+``wall_time_s`` (set-up and event loop), ``wall_loop_s`` (the event loop alone; the final evaluation
+and checkpoint come after both) and ``wall_compute_s`` (the part of the loop spent computing the
+workers' forward/backward passes: ``wall_loop_s / wall_compute_s`` is the driver's own overhead).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from src.common.supervisor import LaunchError
+from src.config import Config, SetupError
+from src.emulation.cost_model import CostModel
+from src.emulation.event_loop import EventLoop
+from src.trainer import load_splits, model_from_config
+from src.virtual.launcher import VirtualLauncher
+from src.virtual.server import VirtualServer
+from src.virtual.timelines import VirtualTimelines
+from src.virtual.worker import VirtualWorker
+
+
+class VirtualRun:
+    """One virtual-time job: the server process, the simulated workers and launcher, and the event loop.
+
+    Args:
+        config: the run's config (``emulation`` holds the cost model's figures).
+        resume: continue the server from this checkpoint (file or folder).
+        tensorboard: TensorBoard scalars beside the events (off for benchmarks).
+
+    Raises:
+        SetupError: a figure the cost model needs is missing (names the field and the calibration command).
+    """
+
+    def __init__(self, config: Config, *, resume: str | Path | None = None, tensorboard: bool = True):
+        self.config = config
+        self.cost = CostModel(config)
+        self.loop = EventLoop()
+        self.clock = self.loop.clock
+        self.tensorboard = tensorboard
+        self.resume = resume
+        self.train_set, test_set = load_splits(config)
+        self.compute_wall_s = 0.0  # wall seconds spent computing the workers' gradients (the benchmark's reference)
+        self.timelines = VirtualTimelines(config, self.clock)
+        self.compute_model = model_from_config(config)  # every simulated worker computes in it, in turn
+        self.compute_model.train()
+        self.workers = [VirtualWorker(self, k) for k in range(config.system.num_workers)]
+        self.launcher = VirtualLauncher(config, self.loop, self.cost.restart_s, self.workers)
+        self.server = VirtualServer(
+            config,
+            self.cost,
+            self.loop,
+            self.timelines,
+            self.launcher,
+            num_train_samples=len(self.train_set),
+            test_set=test_set,
+            tensorboard=tensorboard,
+        )
+
+    def run(self, summary_json: str | Path | None = None) -> dict[str, Any]:
+        """Simulate the job to its end; returns the run summary (also written, as a real run's).
+
+        Raises:
+            LaunchError: the run cannot finish (every worker's restart budget spent, the server's too).
+        """
+        started = time.perf_counter()
+        server = self.server
+        try:
+            server.start(resume=self.resume, faults=True)
+            for worker in self.workers:
+                worker.start(faults=True)
+            looping = time.perf_counter()
+            finished = self.loop.run(until=lambda: server.core is not None and server.core.done.is_set())
+            if not finished:
+                raise LaunchError(
+                    f"the virtual run stalled at virtual time {self.clock.now:.3f} s with nothing left to "
+                    f"happen (every process dead or waiting)"
+                )
+            if server.core.fatal is not None:
+                raise server.core.fatal
+            # The last Finish replies are still on their way: deliver them (the worker then writes its
+            # run_end and gradient ledger), as a real launcher waits for its workers to exit.
+            self.loop.run(until=lambda: not any(w.finishing for w in self.workers))
+            looped = time.perf_counter()
+            return server.core.finalize(
+                summary_json,
+                downlink_delay_s=self._downlink_delays(),
+                extra={
+                    "wall_time_s": looped - started,
+                    "wall_loop_s": looped - looping,
+                    "wall_compute_s": self.compute_wall_s,
+                    "wall_time_fields": ["wall_time_s", "wall_loop_s", "wall_compute_s"],
+                    "cost_model": self.cost.describe(),
+                    "virtual_events": self.loop.processed,
+                },
+            )
+        finally:
+            for worker in self.workers:
+                worker.close_log()
+            if server.core is not None:
+                server.core.close()
+            self.launcher.close()
+            self.timelines.close()
+
+    def _downlink_delays(self) -> dict[int, float]:
+        """Seconds each worker's replies spent on its emulated downlink (workers with one)."""
+        return {
+            k: self.server.downlink_delay_s[k]
+            for k, w in enumerate(self.cost.workers)
+            if w.conditions.downlink is not None
+        }
+
+
+def run_virtual(
+    config: Config,
+    *,
+    summary_json: str | Path | None = None,
+    resume: str | Path | None = None,
+    tensorboard: bool = True,
+) -> dict[str, Any]:
+    """Run a parameter-server job in virtual time (see the module docstring); returns the run summary.
+
+    Raises:
+        SetupError: the config lacks a figure the cost model needs, or is not a parameter-server run.
+        LaunchError: the run cannot finish.
+    """
+    if config.system.architecture != "parameter_server":
+        raise SetupError(f"system.clock: virtual runs a parameter-server job here, not {config.system.architecture}")
+    return VirtualRun(config, resume=resume, tensorboard=tensorboard).run(summary_json)

@@ -1,0 +1,336 @@
+"""The server process of a virtual-time run: the real server core driven by simulated messages.
+
+:class:`VirtualServer` is a driver of :class:`~src.ps.core.ServerCore`, as the gRPC service
+(:mod:`src.parameter_server`) and the TCP server are: it calls the same core methods in the same
+order, under the core's lock, with the real protocol's bytes. What it adds is *when*: a message
+crosses the sending worker's link and the server NIC (:class:`~src.emulation.event_loop.SharedLink`, shared
+fairly by concurrent transfers) in its serialized size; a push takes ``server_update_s`` and each
+reply ``server_reply_s`` of the server's one CPU (:class:`~src.emulation.event_loop.SerialServer`); a Pull or
+Push whose work is not there yet (the sync barrier) is parked until it is. An injected server kill
+(:class:`ServerKilled`) fails every open call and hands the restart to the launcher
+(:class:`~src.virtual.launcher.VirtualLauncher`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from src import parameter_server_pb2 as pb
+from src.common.faults import FaultSpec
+from src.config import Config
+from src.coordinator import Member
+from src.emulation.cost_model import CostModel
+from src.emulation.event_loop import EventLoop, SerialServer, SharedLink
+from src.parameter_server import MONITOR_PERIOD_S, planned_work
+from src.ps.aggregation import RequestLog
+from src.ps.core import PushRefused, Refused, ServerCore
+from src.trainer import model_from_config
+from src.transport.wire import split
+from src.virtual.launcher import VirtualLauncher
+from src.virtual.timelines import VirtualTimelines
+from src.virtual.worker import VirtualWorker
+
+
+class ServerKilled(BaseException):
+    """The simulated server process was killed by an injected fault: whatever it was doing stops."""
+
+
+@dataclass(eq=False)
+class Call:
+    """One call of a worker process that the server has not answered yet."""
+
+    worker: VirtualWorker
+    process: int
+    on_reply: Callable[[bytes], None]
+    on_error: Callable[[str, str], None]
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A Pull or Push parked at the server until its worker's work is there (the sync barrier, or none left)."""
+
+    call: Call
+    member: Member
+    push: tuple[int, pb.PushReply] | None = None  # (request id, verdict) for a push
+    parked_at: float = 0.0  # virtual seconds
+
+
+class VirtualServer:
+    """The simulated server process: the core (one per process), its NIC, its CPU and its open calls.
+
+    Args:
+        config: the run's config.
+        cost: the cost model (link, NIC and server figures).
+        loop: the event loop everything is scheduled on.
+        timelines: where the server's spans go (``system.trace``).
+        launcher: the simulated launcher: told of the core's events and of the process's death.
+        num_train_samples: the training set's size (the work plan).
+        test_set: the split the core evaluates on.
+        tensorboard: TensorBoard scalars beside the server's events.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        cost: CostModel,
+        loop: EventLoop,
+        timelines: VirtualTimelines,
+        launcher: VirtualLauncher,
+        *,
+        num_train_samples: int,
+        test_set,
+        tensorboard: bool,
+    ):
+        self.config = config
+        self.cost = cost
+        self.loop = loop
+        self.clock = loop.clock
+        self.timelines = timelines
+        self.launcher = launcher
+        self.num_train_samples = num_train_samples
+        self.test_set = test_set
+        self.tensorboard = tensorboard
+        self.nic_in = SharedLink(loop, cost.server_bps)
+        self.nic_out = SharedLink(loop, cost.server_bps)
+        self.cpu = SerialServer(loop)
+        self.core: ServerCore | None = None
+        self.running = False
+        self.epoch = 0  # one per server process: a call sent to an earlier one fails
+        # By arrival, not a set: when the server dies its calls fail in an order that does not depend on memory
+        # addresses (Call hashes by identity), so a run is the same whatever else the process allocated.
+        self.open_calls: dict[Call, None] = {}
+        self.waiting: dict[int, Waiter] = {}
+        self.held_for_server: list[Callable[[], None]] = []  # registrations waiting for a server to come up
+        self.downlink_delay_s: Counter[int] = Counter()
+
+    # ------------------------------------------------------------------------- the process
+
+    def start(self, *, resume: str | Path | None, faults: bool) -> None:
+        """A new server process: a core resumed from ``resume`` (if any), then the registrations held for it."""
+        self.core = ServerCore(
+            self.config,
+            work=planned_work(self.config, self.num_train_samples),
+            model=model_from_config(self.config),
+            test_set=self.test_set,
+            tensorboard=self.tensorboard,
+            resume=resume,
+            faults=faults,
+            fire_fault=self._fault,
+            clock=self.clock,
+        )
+        self.core.serving = True
+        self.running = True
+        self.epoch += 1
+        self.core.log.event("listening", address="virtual", port=0)
+        self._monitor(self.epoch)
+        held, self.held_for_server = self.held_for_server, []
+        for deliver in held:
+            deliver()
+
+    def _monitor(self, epoch: int) -> None:
+        """Failure detection every :data:`MONITOR_PERIOD_S`, as the real server's monitor thread."""
+        if epoch != self.epoch or not self.running or self.core.done.is_set():
+            return
+        self._serve(lambda: self.launcher.publish(self.core.expire()))
+        self.loop.after(MONITOR_PERIOD_S, lambda: self._monitor(epoch))
+
+    def _fault(self, fault: FaultSpec) -> None:
+        raise ServerKilled(str(fault))
+
+    def _died(self, reason: str) -> None:
+        """The server process is gone: its open calls fail; the launcher restarts it from its newest checkpoint."""
+        self.core.log.close()
+        self.running = False
+        self.cpu.reset()
+        self.waiting.clear()
+        for call in list(self.open_calls):
+            self._fail(call, "UNAVAILABLE", "the parameter server went away")
+        self.launcher.server_died(reason, lambda checkpoint: self.start(resume=checkpoint, faults=False))
+
+    def _serve(self, action: Callable[[], None]) -> None:
+        """Run one server action (lock held), then let waiting calls whose work is now there go on."""
+        try:
+            with self.core.lock:
+                action()
+                self._wake()
+        except ServerKilled as killed:
+            self._died(f"killed by SIGKILL ({killed})")
+
+    # ------------------------------------------------------------------------- messages
+
+    def call(
+        self,
+        worker: VirtualWorker,
+        data: bytes,
+        handle: Callable[[Call, bytes], None],
+        on_reply: Callable[[bytes], None],
+        on_error: Callable[[str, str], None],
+        *,
+        wait_for_server: bool = False,
+    ) -> None:
+        """Send ``data`` from ``worker`` over its uplink and the server NIC; the server ``handle``\\ s it on arrival.
+
+        ``wait_for_server``: a server that is down takes the call when it is up again (gRPC's
+        ``wait_for_ready``, which registration uses); otherwise the call fails UNAVAILABLE.
+        """
+        costs = self.cost.workers[worker.worker_id]
+        call = Call(worker, worker.process, on_reply, on_error)
+        epoch = self.epoch
+        sent_at = self.clock.now
+        worker.bytes_sent += len(data)
+
+        def arrived() -> None:
+            worker.uplink_delay_s += self.clock.now - sent_at
+            if self.running and (epoch == self.epoch or wait_for_server):
+                self.open_calls[call] = None
+                self._serve(lambda: handle(call, data))
+            elif wait_for_server:
+                self.held_for_server.append(
+                    lambda: (self.open_calls.setdefault(call), self._serve(lambda: handle(call, data)))
+                )
+            else:
+                self._deliver(call, lambda: call.on_error("UNAVAILABLE", "the parameter server is not reachable"))
+
+        self.nic_in.send(
+            8 * len(data),
+            self.cost.uplink_bps(worker.worker_id, sent_at),
+            lambda: self.loop.after(costs.uplink_latency_s, arrived),
+        )
+
+    def _reply(self, call: Call, data: bytes) -> None:
+        """Send the server's reply back over the server NIC and the worker's downlink."""
+        self.open_calls.pop(call, None)
+        worker = call.worker
+        costs = self.cost.workers[worker.worker_id]
+        sent_at = self.clock.now
+
+        def arrived() -> None:
+            self.downlink_delay_s[worker.worker_id] += self.clock.now - sent_at
+            if worker.reachable(call.process):
+                worker.bytes_received += len(data)
+                call.on_reply(data)
+
+        self.nic_out.send(8 * len(data), costs.downlink_bps, lambda: self.loop.after(costs.downlink_latency_s, arrived))
+
+    def _fail(self, call: Call, code: str, message: str) -> None:
+        """The call ends with an error status (a small message: its latency only)."""
+        self.open_calls.pop(call, None)
+        costs = self.cost.workers[call.worker.worker_id]
+        self.loop.after(costs.downlink_latency_s, lambda: self._deliver(call, lambda: call.on_error(code, message)))
+
+    @staticmethod
+    def _deliver(call: Call, callback: Callable[[], None]) -> None:
+        if call.worker.reachable(call.process):
+            callback()
+
+    # ------------------------------------------------------------------------- the server's side of each call
+
+    def serve_register(self, call: Call, data: bytes) -> None:
+        try:
+            reply, events = self.core.register(
+                pb.RegisterRequest.FromString(data), f"virtual:worker-{call.worker.worker_id}"
+            )
+        except Refused as refused:
+            self._fail(call, refused.code, refused.message)
+            return
+        self._reply(call, reply.SerializeToString())
+        self.launcher.publish(events)
+
+    def serve_pull(self, call: Call, data: bytes) -> None:
+        try:
+            member = self.core.begin_pull(pb.PullRequest.FromString(data).caller)
+        except Refused as refused:
+            self._fail(call, refused.code, refused.message)
+            return
+        self.waiting[member.worker_id] = Waiter(call, member, parked_at=self.clock.now)
+
+    def serve_push(self, call: Call, data: bytes) -> None:
+        """The push takes ``server_update_s`` of the server's time; its reply follows at once when its work is there."""
+
+        def take() -> None:
+            self.timelines.server("apply", self.clock.now - self.cost.server_update_s, worker=call.worker.worker_id)
+            self._serve(lambda: self._take_push(call, data))
+
+        self.cpu.submit(self.cost.server_update_s, take)
+
+    def _take_push(self, call: Call, data: bytes) -> None:
+        core = self.core
+        try:
+            received = split(data, pb.PushRequest, ("gradients", "buffers"))
+        except ValueError as exc:
+            refused = PushRefused("INVALID_ARGUMENT", f"push: {exc}")
+            core.refused(None, 0, refused)
+            self._fail(call, refused.code, refused.message)
+            return
+        request = received.message
+        worker_id, request_id = request.caller.worker_id, request.request_id
+        try:
+            admitted = core.begin_push(request.caller, request)
+            if admitted is RequestLog.IN_PROGRESS:
+                raise RuntimeError(f"worker {worker_id}: a second copy of push {request_id} while the first is handled")
+            if isinstance(admitted, bytes):
+                self._reply(call, admitted)  # a retry: answer again, apply nothing
+                return
+            try:
+                verdict = core.apply_push(admitted, request, core.decode(worker_id, received))
+            except Refused:
+                core.abandon(worker_id, request_id)
+                raise
+        except Refused as refused:
+            if isinstance(refused, PushRefused):
+                core.refused(worker_id, request_id, refused)
+            self._fail(call, refused.code, refused.message)
+            return
+        self.waiting[worker_id] = Waiter(call, admitted, (request_id, verdict), parked_at=self.clock.now)
+        self._wake(first=worker_id)
+
+    def serve_heartbeat(self, call: Call, data: bytes) -> None:
+        request = pb.HeartbeatRequest.FromString(data)
+        self._answer(call, lambda: self.core.heartbeat(request.caller, request.stats))
+
+    def serve_finish(self, call: Call, data: bytes) -> None:
+        request = pb.FinishRequest.FromString(data)
+        self._answer(call, lambda: self.core.finish(request.caller, request.stats))
+
+    def _answer(self, call: Call, respond: Callable[[], Any]) -> None:
+        """Reply with the message ``respond`` returns, or fail the call with the core's refusal."""
+        try:
+            self._reply(call, respond().SerializeToString())
+        except Refused as refused:
+            self._fail(call, refused.code, refused.message)
+
+    def _wake(self, first: int | None = None) -> None:
+        """Every parked call whose work is there now gets its reply built (``server_reply_s`` each, in worker
+        order; ``first``'s right away: the real server builds it under the same lock as the push)."""
+        core = self.core
+        for worker_id in sorted(self.waiting, key=lambda w: (w != first, w)):
+            waiter = self.waiting[worker_id]
+            try:
+                work = core.poll_work(waiter.member)
+            except Refused as refused:
+                del self.waiting[worker_id]
+                if waiter.push is not None:
+                    core.abandon(worker_id, waiter.push[0])
+                self._fail(waiter.call, refused.code, refused.message)
+                continue
+            if work is None:
+                continue
+            del self.waiting[worker_id]
+            self.timelines.server("barrier_wait", waiter.parked_at, calls_of=worker_id, worker=worker_id)
+            self.cpu.submit(
+                self.cost.server_reply_s,
+                lambda w=waiter, work=work: self._serve(lambda: self._build_reply(w, work)),
+                first=worker_id == first,
+            )
+
+    def _build_reply(self, waiter: Waiter, work) -> None:
+        self.timelines.server("reply", self.clock.now - self.cost.server_reply_s, worker=waiter.member.worker_id)
+        if waiter.push is None:
+            data = self.core.pull_reply(waiter.member, work)
+        else:
+            request_id, verdict = waiter.push
+            data = self.core.push_reply(waiter.member, request_id, verdict, work)
+        self._reply(waiter.call, data)

@@ -1,0 +1,400 @@
+"""A simulated worker process of a virtual-time run: the real worker's protocol, driven by events.
+
+:class:`VirtualWorker` sends the messages :class:`src.worker.Worker` sends (register, pull, push,
+heartbeat, finish: the real protocol's bytes) to the simulated server
+(:class:`~src.virtual.server.VirtualServer`) and does the real worker's step
+(:class:`~src.ps.worker_step.WorkerStep`) on its real batches; only its timing comes from the cost
+model: the step's compute seconds, then ``compress_s``, then the push. Injected faults kill, stop
+(``hang``) or pause it at a step; a failed call is handled as the real worker does
+(:func:`src.ps.worker_protocol.failed_call`: register again, or exit for the launcher to restart it).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from src import parameter_server_pb2 as pb
+from src.common.clock import VirtualClock
+from src.common.faults import FaultInjector, FaultSpec
+from src.common.seeds import derive_seed
+from src.common.supervisor import LaunchError
+from src.config import Config
+from src.emulation.cost_model import CostModel
+from src.emulation.event_loop import EventLoop
+from src.metrics import MetricsLogger
+from src.ps.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
+from src.ps.worker_step import WorkerStep, check_layout
+from src.transport.wire import Outgoing, chunk_size, serialize, split
+from src.virtual.timelines import VirtualTimelines
+
+MODEL_STATE = ("parameters", "buffers")
+
+Handler = Callable[[Any, bytes], None]
+"""A server's handler of one message: the call it arrived on, and its bytes."""
+
+
+class ServerCalls(Protocol):
+    """What a simulated worker calls on the simulated server (:class:`src.virtual.server.VirtualServer` is one)."""
+
+    serve_register: Handler
+    serve_heartbeat: Handler
+    serve_pull: Handler
+    serve_push: Handler
+    serve_finish: Handler
+
+    def call(
+        self,
+        worker: VirtualWorker,
+        data: bytes,
+        handle: Handler,
+        on_reply: Callable[[bytes], None],
+        on_error: Callable[[str, str], None],
+        *,
+        wait_for_server: bool = False,
+    ) -> None: ...
+
+
+class ProcessEnds(Protocol):
+    """What a simulated worker tells its launcher (:class:`src.virtual.launcher.VirtualLauncher` is one)."""
+
+    def process_ended(self, worker: VirtualWorker, exit_description: str) -> None: ...
+
+
+class WorkerRun(Protocol):
+    """What a simulated worker reads from its run (:class:`src.virtual.run.VirtualRun` is one): the config, the
+    clock and cost model, the shared compute model and data, and the server and launcher it talks to."""
+
+    config: Config
+    cost: CostModel
+    loop: EventLoop
+    clock: VirtualClock
+    tensorboard: bool
+    compute_wall_s: float
+    timelines: VirtualTimelines
+    compute_model: nn.Module
+    train_set: TensorDataset
+    server: ServerCalls
+    launcher: ProcessEnds
+
+
+class VirtualWorker:
+    """A simulated worker process: the real worker's protocol (:class:`src.worker.Worker`) driven by events.
+
+    Its parameter replica (what the server last sent it) outlives its processes: a restarted process
+    pulls into the same tensors.
+    """
+
+    def __init__(self, run: WorkerRun, worker_id: int):
+        self.run = run
+        self.worker_id = worker_id
+        self.config = run.config
+        self.process = 0
+        self.alive = False
+        self.hung = False
+        self.pause_s: float | None = None  # a pause fault: how long until the stopped process runs again
+        self.beating = 0  # the heartbeat chain that is current (a resumed process starts a new one)
+        self.rejoins = Rejoins(worker_id, run.config.system.max_rejoins)
+        self.last_failure: Failure | None = None
+        self.finishing = False  # a Finish is on its way
+        model = run.compute_model
+        self.replica = (
+            [torch.zeros_like(p) for p in model.parameters() if p.requires_grad],
+            [torch.zeros_like(b) for b in model.buffers() if b.is_floating_point()],
+        )
+        self.step: WorkerStep | None = None
+        self.log: MetricsLogger | None = None
+        self.caller = pb.Caller(worker_id=worker_id)
+        self.incarnation = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.uplink_delay_s = self.compute_extra_s = 0.0
+        self.started_at = 0.0
+        self.step_started = 0.0  # virtual seconds: when the step now computing was handed its work
+
+    @property
+    def pid(self) -> int:
+        """A process id unique to this worker's process number (what registration reports)."""
+        return (self.worker_id + 1) * 10_000 + self.process
+
+    def reachable(self, process: int) -> bool:
+        """Whether a message for ``process`` still reaches a running, unstopped process."""
+        return self.alive and not self.hung and self.process == process
+
+    def _now(self) -> float:
+        return self.run.clock.now
+
+    # ------------------------------------------------------------------------- life
+
+    def start(self, *, faults: bool) -> None:
+        """A new process of this worker: register, then pull and train."""
+        self.process += 1
+        self.alive, self.hung, self.pause_s = True, False, None
+        self.rejoins = Rejoins(self.worker_id, self.config.system.max_rejoins)  # a new process: a new budget
+        self.step = None
+        self.caller = pb.Caller(worker_id=self.worker_id)
+        self.bytes_sent = self.bytes_received = 0
+        self.uplink_delay_s = self.compute_extra_s = 0.0
+        self.started_at = self._now()
+        self.faults = FaultInjector(self.config.system.inject_faults, "worker", self.worker_id, enabled=faults)
+        self._register(0, [], self._first_registration)
+
+    def end(self, exit_description: str | None) -> None:
+        """This process ends (``None``: it finished; otherwise how it died, for the launcher)."""
+        if not self.alive:
+            return
+        self.alive = self.finishing = False
+        self.close_log()
+        if exit_description is not None:
+            self.run.launcher.process_ended(self, exit_description)
+
+    def close_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def _fault(self, fault: FaultSpec) -> None:
+        if fault.action == "kill":
+            self.end("killed by SIGKILL")
+        else:  # SIGSTOP: no more steps, no more heartbeats; the server will declare it failed
+            self.hung = True
+            self.pause_s = fault.seconds  # pause: it runs again that much later (hang: never)
+
+    def _resumed(self, process: int, go_on: Callable[[], None]) -> None:
+        """SIGCONT after a pause: the process goes on where it stopped, heartbeats again (if it still exists)."""
+        if not (self.alive and self.process == process):
+            return  # the launcher killed it meanwhile
+        self.hung, self.pause_s = False, None
+        self._heartbeat(process, self._new_heartbeat_chain())
+        go_on()
+
+    # ------------------------------------------------------------------------- calls
+
+    def _call(self, data: bytes, handle, on_reply, on_error=None, *, wait_for_server: bool = False) -> None:
+        self.run.server.call(self, data, handle, on_reply, on_error or self._failed, wait_for_server=wait_for_server)
+
+    def _failed(self, code: str, message: str) -> None:
+        """A call failed for a reason the real worker does not recover from."""
+        raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {code}: {message}")
+
+    def _after_failure(self, code: str, message: str, then: Callable[[], None], *, in_flight: int = 0) -> None:
+        """A call failed: register again after a lost session or a revoked incarnation and go on with ``then``
+        (settling the push ``in_flight``, its request id), as the real worker; a revoked worker whose
+        rejoin budget is spent exits 1; any other failure is the run's error."""
+        try:
+            failure = failed_call(code, message, self.worker_id, self.rejoins)
+        except IncarnationRevoked:
+            self.end("exited with status 1")  # the launcher restarts it
+            return
+        if failure is None:
+            self._failed(code, message)
+            return
+        step = self.step
+        self.last_failure = failure
+        if failure == "revoked":
+            step.begin_incarnation(self._stats())
+
+        def registered(registration: pb.RegisterReply) -> None:
+            applied = bool(in_flight) and registration.last_request_applied
+            step.rejoined(failure, in_flight=bool(in_flight), applied=applied)
+            then()
+
+        self._register(in_flight, step.carried_to_register(failure), registered)
+
+    def _register(
+        self, last_request_id: int, carried: list[pb.Batch], then: Callable[[pb.RegisterReply], None]
+    ) -> None:
+        request = pb.RegisterRequest(
+            worker_id=self.worker_id,
+            last_request_id=last_request_id,
+            carried_batch_ids=[b.batch_id for b in carried],
+            pid=self.pid,
+        )
+
+        def registered(data: bytes) -> None:
+            registration = pb.RegisterReply.FromString(data)
+            self.caller = pb.Caller(worker_id=self.worker_id, session=registration.session)
+            self.incarnation = registration.incarnation
+            then(registration)
+
+        self._call(request.SerializeToString(), self.run.server.serve_register, registered, wait_for_server=True)
+
+    def _first_registration(self, registration: pb.RegisterReply) -> None:
+        run, config = self.run, self.config
+        check_layout(self.worker_id, config, run.compute_model, registration)
+        self.log = MetricsLogger(
+            Path(config.system.log_dir) / f"worker_{self.worker_id}",
+            tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
+            role="worker",
+            worker=self.worker_id,
+            clock=run.clock.time,
+        )
+        seed = random.Random(derive_seed(config.training.seed, self.worker_id, self.process))  # its request ids
+        self.step = WorkerStep(
+            config,
+            self.worker_id,
+            model=run.compute_model,
+            train_set=run.train_set,
+            device=torch.device("cpu"),
+            log=self.log,
+            replica=self.replica,
+            faults=self.faults,
+            fire_fault=self._fault,
+            request_ids=seed.getrandbits(62) or 1,
+        )
+        self._heartbeat(self.process, self._new_heartbeat_chain())
+        self._pull(first=True)
+
+    def _new_heartbeat_chain(self) -> int:
+        self.beating += 1
+        return self.beating
+
+    def _heartbeat(self, process: int, chain: int) -> None:
+        """Every ``heartbeat_interval`` from the first registration on, while the process runs (not when stopped)."""
+        if not self.reachable(process) or chain != self.beating:
+            return
+        if self.step is not None:
+            request = pb.HeartbeatRequest(caller=self.caller, stats=self._stats())
+            self._call(
+                request.SerializeToString(),
+                self.run.server.serve_heartbeat,
+                lambda data: None,
+                lambda code, message: None,
+            )  # a failed heartbeat is ignored, as the real worker's
+        self.run.loop.after(self.config.system.heartbeat_interval, lambda: self._heartbeat(process, chain))
+
+    def _stats(self) -> pb.WorkerStats:
+        return self.step.stats(
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            total_time_s=self._now() - self.started_at,
+            emulated_delay_s=self.compute_extra_s + self.uplink_delay_s,
+        )
+
+    # ------------------------------------------------------------------------- training
+
+    def _pull(self, *, first: bool = False) -> None:
+        def pulled(data: bytes) -> None:
+            received = split(data, pb.PullReply, MODEL_STATE)
+            self.step.load(received)
+            if first:
+                self.log.event("run_start", address="virtual", incarnation=self.incarnation, version=self.step.version)
+            else:
+                self.log.event(
+                    "rejoined", incarnation=self.incarnation, version=self.step.version, after=self.last_failure
+                )
+            self._work(received)
+
+        request = pb.PullRequest(caller=self.caller)
+        self._call(
+            request.SerializeToString(),
+            self.run.server.serve_pull,
+            pulled,
+            lambda code, message: self._after_failure(code, message, lambda: self._pull(first=first)),
+        )
+
+    def _work(self, received) -> None:
+        """A reply arrived: finish, or compute the handed batches (their compute seconds from now)."""
+        if received.message.work.finished:
+            self._finish()
+            return
+        batches = list(received.message.work.batches)
+        step_s, extra_s = (
+            self.run.cost.step_s(self.worker_id, sum(len(b.indices) for b in batches)) if batches else (0.0, 0.0)
+        )
+        process = self.process
+        self.step_started = self._now()
+        self.run.loop.after(step_s, lambda: self._computed(process, batches, step_s, extra_s))
+
+    def _computed(self, process: int, batches: list[pb.Batch], step_s: float, extra_s: float) -> None:
+        """The step's compute time has passed: its real gradient and payloads, then the push after ``compress_s``."""
+        if not self.reachable(process):
+            return
+        step = self.step
+        computing = time.perf_counter()
+        loss, correct, samples = step.compute(batches)
+        self.run.compute_wall_s += time.perf_counter() - computing
+        self.compute_extra_s += extra_s
+        self.run.timelines.worker(
+            self.worker_id, "forward_backward", self._now() - step_s, step=step.totals["steps"] + 1
+        )
+        step.reach_step()
+        if not (self.alive and self.process == process) or (self.hung and self.pause_s is None):
+            return  # the fault killed or stopped this process before it sent anything
+        # Encoded now, while the shared compute model holds this worker's gradient (a real paused process
+        # encodes once it runs again: the same payloads, since nothing they are made of changes meanwhile).
+        payloads = step.encode(batches)
+        compress_s = self.run.cost.compress_s
+        request = step.request(
+            self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
+        )
+        data = serialize(Outgoing(request, {"gradients": payloads, "buffers": step.buffers_to_send(batches)}))
+        payload_bytes = sum(chunk_size(p) for p in payloads)
+        del payloads
+        step_started = self.step_started
+
+        def send() -> None:
+            if not self.reachable(process):
+                return
+            sent_at = self._now()
+            received_before = self.bytes_received
+            self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
+
+            def replied(reply_data: bytes) -> None:
+                reply = split(reply_data, pb.PushReply, MODEL_STATE + ("parameter_deltas",))
+                step.settle(
+                    reply,
+                    batches,
+                    request,
+                    payload_bytes=payload_bytes,
+                    loss=loss,
+                    correct=correct,
+                    samples=samples,
+                    gradient_time_s=step_s,
+                    compression_time_s=compress_s,
+                    communication_time_s=self._now() - sent_at,
+                    push_bytes=len(data),
+                    reply_bytes=self.bytes_received - received_before,
+                    bytes_sent=self.bytes_sent,
+                    bytes_received=self.bytes_received,
+                )
+                timelines = self.run.timelines
+                timelines.worker(self.worker_id, "push", sent_at, request_id=request.request_id)
+                timelines.worker(self.worker_id, "step", step_started, step=step.totals["steps"])
+                self._work(reply)
+
+            def failed(code: str, message: str) -> None:
+                self._after_failure(code, message, self._pull, in_flight=request.request_id)
+
+            self._call(data, self.run.server.serve_push, replied, failed)
+
+        if self.hung:  # paused: the process goes on (compresses, pushes) once it runs again
+            self.run.loop.after(
+                self.pause_s, lambda: self._resumed(process, lambda: self.run.loop.after(compress_s, send))
+            )
+        else:
+            self.run.loop.after(compress_s, send)
+
+    def _finish(self) -> None:
+        stats = self._stats()
+        self.finishing = True
+
+        def finished(data: bytes) -> None:
+            self.finishing = False
+            result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
+            self.step.write_ledger(self.config.system.log_dir)
+            self.log.event("run_end", incarnation=self.incarnation, **result)
+            self.end(None)
+
+        request = pb.FinishRequest(caller=self.caller, stats=stats)
+
+        def failed(code: str, message: str) -> None:
+            self.finishing = False
+            self._after_failure(code, message, self._pull)
+
+        self._call(request.SerializeToString(), self.run.server.serve_finish, finished, failed)
