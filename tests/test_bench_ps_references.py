@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from src.benchmarks.ps import _LENGTH, _fill, _gradient_payload, _stepping_tcp_echo
+from src.benchmarks.ps.references import LENGTH, fill, gradient_payload, stepping_tcp_echo
 
 
 def test_the_stepping_echo_replies_with_the_parameters_torchs_sgd_makes_of_the_pushed_gradients():
@@ -18,18 +18,18 @@ def test_the_stepping_echo_replies_with_the_parameters_torchs_sgd_makes_of_the_p
     numel = sum(p.numel() for p in model.parameters())
     push_size, reply_size = numel * 4 + 13, numel * 4 + 9
     listener = socket.create_server(("127.0.0.1", 0))
-    server = threading.Thread(target=_stepping_tcp_echo, args=(listener, model, [reply_size]), daemon=True)
+    server = threading.Thread(target=stepping_tcp_echo, args=(listener, model, [reply_size]), daemon=True)
     server.start()
-    payload = _gradient_payload(push_size, numel)
+    payload = gradient_payload(push_size, numel)
     assert len(payload) == push_size
     connection = socket.create_connection(listener.getsockname())
     reference = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
     optimizer = torch.optim.SGD(reference, lr=0.01, momentum=0.9)
     replies = []
     for _ in range(3):
-        connection.sendall(_LENGTH.pack(push_size) + payload)
+        connection.sendall(LENGTH.pack(push_size) + payload)
         reply = bytearray(reply_size)
-        assert _fill(connection, memoryview(reply), 32 * 1024) == reply_size
+        assert fill(connection, memoryview(reply), 32 * 1024) == reply_size
         replies.append(bytes(reply))
         for param in reference:
             param.grad = torch.full_like(param, 1e-6)

@@ -1,0 +1,160 @@
+"""What the round trips and the ceiling share: the model of a given size, the server's config, a server in a
+spawned process, the server core timed per push, and a client's protocol step (a push of identity gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import secrets
+import time
+
+NUM_TENSORS = 8
+BATCH = 64
+
+
+def sized_model(size_mb: float):
+    """``resnet18`` for >= 40 MB (the real layout), else 8 equal float32 tensors of ``size_mb`` in all."""
+    import torch
+    from torch import nn
+
+    from src.training.data import dataset_info
+    from src.training.models import build_model
+
+    if size_mb >= 40:
+        return build_model("resnet18", dataset_info("cifar10"))
+    numel = int(size_mb * 2**20 / 4 / NUM_TENSORS)
+    model = nn.Module()
+    for index in range(NUM_TENSORS):
+        model.register_parameter(f"tensor_{index}", nn.Parameter(torch.zeros(numel)))
+    return model
+
+
+def server_config(tmp: str, transport: str, num_workers: int = 1):
+    """The benchmarked server's config: async with no correction (the plain optimizer), 1000 epochs (work for
+    every push), no checkpoint; its folders under ``tmp``."""
+    from src.config import load_config
+
+    return load_config(
+        overrides={
+            "system.num_workers": num_workers,
+            "system.aggregation_mode": "async",
+            "system.async_correction": "none",
+            "system.transport": transport,
+            "training.checkpoint_interval": 10**9,
+            "training.batch_size": BATCH,
+            "training.num_epochs": 1000,
+            "system.log_dir": f"{tmp}/logs",
+            "system.checkpoint_dir": f"{tmp}/ckpt",
+        }
+    )
+
+
+@contextlib.contextmanager
+def server_process(target, *args):
+    """A spawned process running ``target(*args, report, stop)``: yields (its reports, our stop signals) and
+    joins it after (killed if it has not exited within 30 s)."""
+    context = multiprocessing.get_context("spawn")
+    report, child_report = context.Pipe(duplex=False)
+    stop_child, stop = context.Pipe(duplex=False)
+    server = context.Process(target=target, args=(*args, child_report, stop_child))
+    server.start()
+    try:
+        yield report, stop
+    finally:
+        server.join(30)
+        if server.is_alive():
+            server.kill()
+
+
+def instrument(core) -> dict[str, list[float]]:
+    """Time the core's pieces per push: decode (of which while the push arrived: TCP), the optimizer step,
+    building the reply, the locked part."""
+    timings: dict[str, list[float]] = {
+        "decode": [],
+        "decode_while_receiving": [],
+        "step": [],
+        "reply": [],
+        "locked": [],
+    }
+    early = [0.0]  # this push's gradients decoded as they arrived (src.parameter_server.push_splitter)
+    layout, gradient = core.model.layout, core.model.layout.gradient
+
+    def early_gradient(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return gradient(*args, **kwargs)
+        finally:
+            early[0] += time.perf_counter() - started
+
+    layout.gradient = early_gradient
+
+    def timed(owner, name: str, into: str):
+        method = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                timings[into].append(time.perf_counter() - started)
+
+        setattr(owner, name, wrapper)
+
+    decode = core.decode
+
+    def all_decoding(*args, **kwargs):  # the part left for handle_push, plus what was decoded on arrival
+        on_arrival, started = early[0], time.perf_counter()
+        try:
+            return decode(*args, **kwargs)
+        finally:
+            timings["decode"].append(on_arrival + time.perf_counter() - started)
+            timings["decode_while_receiving"].append(on_arrival)
+            early[0] = 0.0
+
+    core.decode = all_decoding
+    timed(core.state, "step", "step")
+    timed(core.replies, "serialize", "reply")
+    apply_push, push_reply = core.apply_push, core.push_reply
+
+    def locked_apply(*args, **kwargs):  # apply_push + push_reply run under one hold of the lock
+        core._held_since = time.perf_counter()
+        return apply_push(*args, **kwargs)
+
+    def locked_reply(*args, **kwargs):
+        try:
+            return push_reply(*args, **kwargs)
+        finally:
+            timings["locked"].append(time.perf_counter() - core._held_since)
+
+    core.apply_push, core.push_reply = locked_apply, locked_reply
+    return timings
+
+
+def pusher(client, registration):
+    """A function doing one protocol step (push identity gradients, take the reply's next work) on ``client``."""
+    import torch
+
+    from src import parameter_server_pb2 as pb
+    from src.compression import IDENTITY
+    from src.transport.grpc import tensor_view
+
+    caller = pb.Caller(worker_id=registration.worker_id, session=registration.session)
+    gradients = [IDENTITY.compress(torch.full(tuple(spec.shape), 1e-6)) for spec in registration.parameter_specs]
+    buffers = [tensor_view(torch.zeros(tuple(spec.shape))) for spec in registration.buffer_specs]
+    # a random start, as the library's client does: a new process's ids must not collide with an earlier one's
+    state = {"reply": client.pull(caller).message, "request_id": secrets.randbits(40)}
+
+    def step() -> None:
+        state["request_id"] += 1
+        batches = state["reply"].work.batches
+        request = pb.PushRequest(
+            caller=caller,
+            base_version=state["reply"].version,
+            request_id=state["request_id"],
+            num_samples=sum(len(b.indices) for b in batches) or BATCH,
+            batch_ids=[b.batch_id for b in batches],
+        )
+        state["reply"] = client.push(request, gradients, buffers).message
+
+    return step
