@@ -20,17 +20,16 @@ interface, identity, top-k, quantization), their registry (:func:`build_compress
 any payload (:func:`parse_header`, :func:`decompress`, :func:`wire_size`), error feedback and the
 compression policy. The folder, one concept per module:
 
-* ``src/compressors/base.py``               the :class:`Compressor` interface; reading any payload.
-* ``src/compressors/identity.py``, ``topk.py``, ``quantization.py``  the three compressors.
-* ``src/compressors/registry.py``           the compressors by name, checked complete; ``build_compressor``.
-
-* ``src/compressors/payload_format.py``      the 56-byte header, its codes, and values in 32 or 16 bits.
-* ``src/compressors/checks.py``  what ``compress`` accepts; finite values in one pass.
-* ``src/compressors/topk_selection.py``      which entries top-k keeps (exact or sampled threshold).
-* ``src/compressors/quantization_codes.py``  QSGD scales, stochastic rounding and the 2/4/8-bit packing.
-* ``src/compressors/error_feedback.py``      :class:`ErrorFeedback`: residuals, rollback.
-* ``src/compressors/policy.py``  :class:`~src.compressors.policy.CompressionPolicy` (warm-up,
-  skipping small tensors) and ``policy_from_config``.
+* ``base.py``                the :class:`Compressor` interface; reading any payload.
+* ``identity.py``, ``topk.py``, ``quantization.py``: the three compressors.
+* ``registry.py``            the compressors by name, checked complete; ``build_compressor``.
+* ``payload_format.py``      the 56-byte header, its codes, and values in 32 or 16 bits.
+* ``checks.py``              what ``compress`` accepts; finite values in one pass.
+* ``topk_selection.py``      which entries top-k keeps (exact or sampled threshold).
+* ``quantization_codes.py``  QSGD scales, stochastic rounding and the 2/4/8-bit packing.
+* ``error_feedback.py``      :class:`ErrorFeedback`: residuals, rollback.
+* ``policy.py``              :class:`CompressionPolicy` (warm-up, skipping small tensors) and
+  ``policy_from_config``.
 
 Every payload is ``HEADER_SIZE`` (56) bytes of fixed header followed by the compressor's buffers:
 

@@ -1,5 +1,6 @@
 """README.md stays a true front door: its commands run, its links and the docs' links resolve,
-CI uses its set-up as written, and docs/architecture.md has a line for every module in src/.
+CI uses its set-up as written, and docs/architecture.md has a section for every folder of src/ and a line for every
+module in it.
 
 A command is checked as far as it can be without training: every distinct ``python SCRIPT`` or
 ``python -m MODULE`` in README's bash blocks is run once with ``--help`` (exit 0), one process at a
@@ -100,13 +101,76 @@ def test_ci_runs_the_readme_setup_as_written():
     assert (ROOT / "requirements.txt").read_text().strip().splitlines()[-1].startswith("-e .[")
 
 
+MODULE_ROW = re.compile(r"^\| (`src/[^|]*?`) \|", re.M)
+FOLDER_SECTION = re.compile(r"^### `(src/(?:\w+/)*)`$", re.M)
+
+
+def module_sections(page: str) -> dict[str, list[str]]:
+    """``{folder: the modules its rows name}`` of the page's "## Modules": one ``### `src/folder/``` section per
+    folder, a row per module (its first cell may name several files, in code spans)."""
+    body = page[page.index("\n## Modules\n") :]
+    body = body[: body.index("\n## ", 1)]
+    heads = list(FOLDER_SECTION.finditer(body))
+    sections: dict[str, list[str]] = {}
+    for head, following in zip(heads, heads[1:] + [None]):
+        text = body[head.end() : following.start() if following else len(body)]
+        cells = MODULE_ROW.findall(text)
+        sections.setdefault(head.group(1), []).extend(m for cell in cells for m in re.findall(r"`([^`]+)`", cell))
+    return sections
+
+
+def architecture_problems(page: str, root: Path) -> list[str]:
+    """What docs/architecture.md's module sections get wrong about ``root/src``: a module without a row, a row
+    naming no file or a file outside its section's folder, a package folder without its section."""
+    src = root / "src"
+    modules = {p.relative_to(root).as_posix() for p in src.rglob("*.py") if "_pb2" not in p.name}
+    folders = {p.parent.relative_to(root).as_posix() + "/" for p in src.rglob("*.py")}
+    sections = module_sections(page)
+    named = {m for rows in sections.values() for m in rows}
+    problems = [f"no section for folder {f}" for f in sorted(folders - set(sections))]
+    problems += [f"a section for {f}, which holds no module" for f in sorted(set(sections) - folders)]
+    problems += [f"no row for {m}" for m in sorted(modules - named)]
+    for folder, rows in sections.items():
+        for m in rows:
+            if not (root / m).is_file():
+                problems.append(f"a row for {m}, which does not exist")
+            elif m.rpartition("/")[0] + "/" != folder:
+                problems.append(f"{m} is listed under {folder}")
+    duplicated = sorted({m for m in named if sum(rows.count(m) for rows in sections.values()) > 1})
+    problems += [f"more than one row for {m}" for m in duplicated]
+    return problems
+
+
 def test_architecture_page_names_every_module_in_src():
     page = (ROOT / "docs" / "architecture.md").read_text()
-    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "src").rglob("*.py") if "_pb2" not in p.name)
-    assert len(modules) > 40, modules
-    missing = [m for m in modules if f"`{m}`" not in page]
-    assert not missing, f"docs/architecture.md has no line for: {missing}"
-    assert "`src/parameter_server_pb2.py`" in page  # the generated stubs, one line together
+    sections = module_sections(page)
+    assert len(sections) > 10 and sum(map(len, sections.values())) > 100, sections
+    problems = architecture_problems(page, ROOT)
+    assert not problems, "docs/architecture.md:\n" + "\n".join(problems)
+    assert "src/parameter_server_pb2.py" in sections["src/"]  # the generated stubs, one line together
+
+
+def test_the_architecture_check_finds_a_missing_row_a_stale_row_and_a_missing_section(tmp_path):
+    for name in ("src/__init__.py", "src/config.py", "src/ps/__init__.py", "src/ps/core.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    rows = "| module | what |\n|---|---|\n"
+    page = (
+        f"# Page\n\n## Modules\n\n### `src/`\n\n{rows}| `src/__init__.py` | x |\n| `src/config.py` | x |\n\n"
+        f"### `src/ps/`\n\n{rows}| `src/ps/__init__.py` | x |\n| `src/ps/core.py` | x |\n\n## Next\n"
+    )
+    assert architecture_problems(page, tmp_path) == []
+    missing_row = page.replace("| `src/ps/core.py` | x |\n", "")
+    assert architecture_problems(missing_row, tmp_path) == ["no row for src/ps/core.py"]
+    assert architecture_problems(page.replace("ps/core.py", "ps/ps_core.py"), tmp_path) == [
+        "no row for src/ps/core.py",
+        "a row for src/ps/ps_core.py, which does not exist",
+    ]
+    assert architecture_problems(page.replace("### `src/ps/`\n", ""), tmp_path) == [
+        "no section for folder src/ps/",
+        "src/ps/__init__.py is listed under src/",
+        "src/ps/core.py is listed under src/",
+    ]
 
 
 @pytest.mark.parametrize(
