@@ -1,4 +1,5 @@
-"""Shared helpers for the torch_asgc tests: a served ClientLoopServer, configs, small models, worker processes.
+"""Shared helpers for the torch_asgc tests (tests/test_torch_asgc/, and the root tests that drive the library:
+test_rejoin.py, test_lr_schedule.py): a served ClientLoopServer, configs, small models, worker processes.
 
 Worker processes are started with ``spawn`` and run functions of this module (importable by name
 in the child); every helper that starts processes kills what is left of them when it returns.

@@ -315,12 +315,14 @@ def session(tmp_path_factory) -> list[dict]:
 # ----------------------------------------------------------------------------- ring
 
 
+@pytest.mark.slow
 def test_ring_allreduce_equals_dist_all_reduce(session):
     for rank, results in enumerate(session):
         for check in results["ring"]:
             assert check["error"] <= 1e-5 * max(1.0, check["scale"]), (rank, check)
 
 
+@pytest.mark.slow
 def test_ring_allreduce_sends_2_n_minus_1_over_n_of_the_tensor(session):
     for check_index, shape in enumerate(RING_SIZES):
         numel = torch.Size(shape).numel()
@@ -341,6 +343,7 @@ def test_ring_allreduce_sends_2_n_minus_1_over_n_of_the_tensor(session):
         )
 
 
+@pytest.mark.slow
 def test_ring_hook_matches_default_ddp_allreduce(session):
     for results in session:
         hook = results["ring_hook"]
@@ -357,6 +360,7 @@ def test_ring_hook_matches_default_ddp_allreduce(session):
 # ----------------------------------------------------------------------------- compression
 
 
+@pytest.mark.slow
 def test_topk_hook_matches_compression_api_with_error_feedback(session):
     for results in session:
         topk = results["topk"]
@@ -370,17 +374,20 @@ def test_topk_hook_matches_compression_api_with_error_feedback(session):
         assert topk["residual_matches"]
 
 
+@pytest.mark.slow
 def test_compression_units_follow_ddp_buckets(session):
     for results in session:
         # the first pass has DDP's single provisional bucket, later ones the rebuilt one (here also one)
         assert results["topk"]["layouts"] == [[4]] * STEPS
 
 
+@pytest.mark.slow
 def test_overlapping_hooks_equal_the_synchronous_ones(session):
     for results in session:
         assert results["overlap"] == {"ring": 0.0, "topk": 0.0}
 
 
+@pytest.mark.slow
 def test_hook_state_resumes_exactly_in_a_new_ddp_process(session):
     for results in session:
         # the rebuilt bucket (reverse order) is the learned unit; the resumed process's first,
@@ -389,12 +396,14 @@ def test_hook_state_resumes_exactly_in_a_new_ddp_process(session):
         assert results["resume"]["difference"] == 0.0
 
 
+@pytest.mark.slow
 def test_quantization_hook_error_is_within_one_level(session):
     for results in session:
         for record in results["quantization"]["steps"]:
             assert 0 < record["changed"] <= record["bound"] + 1e-7, record
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["topk", "quantization"])
 def test_hook_counts_the_bytes_the_kernel_saw_sent(session, kind):
     # The hook's count against the kernel's count of this process's TCP payload bytes in the same

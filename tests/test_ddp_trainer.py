@@ -142,6 +142,7 @@ def _max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process_with_twice_the_batch(runs, tmp_path):
     config = validate_config(
         _config(tmp_path, "baseline", {"batch_size": 32}, {"architecture": "baseline", "num_workers": 1})
@@ -158,6 +159,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(runs, tmp_path):
     assert max(float((a - b).abs().max()) for a, b in zip(momentum, reference)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_rank_whose_shard_ran_out_takes_empty_steps(runs):
     ranks = [_summary(runs, "default", rank) for rank in range(WORLD)]
     # 97 samples: rank 0 owns 49, rank 1 owns 48 and takes an empty 4th step each epoch
@@ -180,6 +182,7 @@ def _assert_counts_match_the_wire(root: Path, name: str) -> list[list[dict]]:
     return ranks
 
 
+@pytest.mark.slow
 def test_ring_hook_matches_backend_allreduce_and_both_byte_counts_match_the_wire(runs):
     assert (
         _max_difference(_final(runs, "ring")["model_state_dict"], _final(runs, "default")["model_state_dict"]) <= 1e-6
@@ -197,6 +200,7 @@ def test_ring_hook_matches_backend_allreduce_and_both_byte_counts_match_the_wire
     assert ring["bytes_sent_per_rank_per_step"] == pytest.approx(gradient_bytes, rel=1e-4)  # 2 ranks: 2(N-1)/N = 1
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_trajectory_hook_state_included(runs):
     uninterrupted, resumed = _final(runs, "topk"), _final(runs, "topk_resumed")
     stateless = _final(runs, "topk_stateless")
@@ -217,6 +221,7 @@ def test_resume_continues_the_same_trajectory_hook_state_included(runs):
     assert not torch.equal(first, second)  # residuals are per rank
 
 
+@pytest.mark.slow
 def test_mid_epoch_checkpoint_resumes_exactly_data_order_and_hook_state(runs):
     uninterrupted = _final(runs, "topk")
     # evaluating every 3 steps and checkpointing every 5 leaves the training itself untouched ...
@@ -236,6 +241,7 @@ def test_mid_epoch_checkpoint_resumes_exactly_data_order_and_hook_state(runs):
     assert names == ["checkpoint_000010.pt", "checkpoint_000015.pt", "checkpoint_000016.pt", "ddp_final.pt"]
 
 
+@pytest.mark.slow
 def test_eval_every_k_steps_and_time_to_target(runs):
     summary = _summary(runs, "topk_every")
     evals = list(read_events(runs / "topk_every" / "logs" / "events.jsonl", "eval"))
@@ -250,6 +256,7 @@ def test_eval_every_k_steps_and_time_to_target(runs):
     assert _summary(runs, "topk")["time_to_target_s"] is None  # no target asked
 
 
+@pytest.mark.slow
 def test_compressed_hooks_count_what_goes_on_the_wire(runs):
     dense = 4 * sum(p.numel() for p in model_from_config(validate_config(_config(Path("."), "x"))).parameters())
     topk = _assert_counts_match_the_wire(runs, "topk")
@@ -266,6 +273,7 @@ def test_compressed_hooks_count_what_goes_on_the_wire(runs):
         assert all(step["measured"] / dense < 0.26 for step in steps[3:])  # 1 byte per entry + scales
 
 
+@pytest.mark.slow
 def test_outputs_per_rank_and_for_the_run(runs):
     logs = runs / "default" / "logs"
     summary = _summary(runs, "default")
@@ -285,6 +293,7 @@ def test_outputs_per_rank_and_for_the_run(runs):
     torch.load(runs / "default" / "checkpoints" / "ddp_final.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_without_epoch_evaluations_only_the_runs_end_is_evaluated_and_training_is_the_same(runs):
     evals = list(read_events(runs / "final_eval_only" / "logs" / "events.jsonl", "eval"))
     assert [e["epoch"] for e in evals] == [2]
@@ -293,6 +302,7 @@ def test_without_epoch_evaluations_only_the_runs_end_is_evaluated_and_training_i
     assert _max_difference(final_only["model_state_dict"], every_epoch["model_state_dict"]) == 0.0
 
 
+@pytest.mark.slow
 def test_compression_ratio_is_logged_per_step_when_compressing(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -113,9 +113,10 @@ def test_the_controller_needs_evaluations_and_turns_adaptive_compression_on(tmp_
 
 
 def test_the_shipped_experiment_configs_are_valid(tmp_path):
-    folder = ROOT / "configs" / "experiments"
-    files = sorted(folder.glob("*.yaml"))
-    assert any(f.name == "smoke.yaml" for f in files)
+    configs = ROOT / "configs"
+    patterns = ("experiments/*.yaml", "smoke_*.yaml", "matrix_*.yaml", "baselines/*.yaml", "adaptive/*.yaml")
+    files = sorted(path for pattern in patterns for path in configs.glob(pattern))
+    assert {"smoke.yaml", "smoke_fmnist.yaml", "matrix_cifar_full.yaml"} <= {f.name for f in files}
     for path in files:
         data = yaml.safe_load(path.read_text())
         if "matrix" in data:
@@ -124,6 +125,55 @@ def test_the_shipped_experiment_configs_are_valid(tmp_path):
             runs = [rx.split_experiment(data, path.stem)]
         for experiment, run_data in runs:
             rx.build_config(experiment, run_data, tmp_path / experiment["name"])
+
+
+def test_set_changes_the_matrix_file_before_it_is_expanded(tmp_path, capsys):
+    matrix_file = tmp_path / "grid.yaml"
+    matrix_file.write_text(yaml.safe_dump({"matrix": {"name": "grid", "axes": {"mode": ["sync"], "seed": [0, 1]}}}))
+    args = ["--config", str(matrix_file), "--results-dir", str(tmp_path / "r"), "--list"]
+    assert run_matrix.main([*args, "--set", "matrix.name=renamed", "--set", "matrix.axes.seed=[3]"]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "r" / "renamed" / "sync__seed-3")]
+    assert run_matrix.main([*args, "--set", "training.batch_size=0"]) == 2
+    assert capsys.readouterr().err.startswith("config error: training.batch_size: ")
+    with pytest.raises(SystemExit) as exited:
+        run_matrix.main([*args, "--set", "batch_size"])
+    assert exited.value.code == 2 and "expected dotted.field=value" in capsys.readouterr().err
+
+
+def test_plots_names_no_run_and_no_matrix():  # plot_results.py draws a results folder's single runs into plots/
+    with pytest.raises(rx.ExperimentError, match="experiment.name: 'plots' is where scripts/plot_results.py draws"):
+        rx.split_experiment({"experiment": {"name": "plots"}, **TINY}, "x")
+    with pytest.raises(rx.ExperimentError, match="matrix.name: 'plots' is where scripts/plot_results.py draws"):
+        run_matrix.expand({"matrix": {"name": "plots", "axes": {"seed": [0]}}, **TINY}, "m")
+
+
+def test_a_results_folder_is_read_as_its_matrices_and_its_single_runs(tmp_path, capsys):
+    from scripts import plot_results  # a script: scripts/ is a namespace package under the root
+    from src.reports.results import result_sets
+
+    results = tmp_path / "results"
+    one_worker = [(100, 10, 0.1, 0.1)]
+    for name in ("identity__seed-0", "topk_ef__seed-0"):
+        _fake_run(results / "grid", name, 0, workers=one_worker)
+    _fake_run(results / "broken_grid", "identity__seed-0", 0, workers=one_worker)
+    (results / "broken_grid" / "identity__seed-0" / "experiment.json").write_text('{"status": "failed"}')
+    _fake_run(results, "smoke", 0, workers=one_worker)
+    (results / "failed_smoke").mkdir()
+    (results / "failed_smoke" / "experiment.json").write_text('{"status": "failed"}')
+    _fake_run(results / "plots", "not_a_run", 0, workers=one_worker)  # a folder of plots is never read as runs
+    sets = result_sets(results)
+    assert [(folder, [run.name for run in runs]) for folder, runs in sets] == [
+        (results / "grid", ["identity__seed-0", "topk_ef__seed-0"]),
+        (results, ["smoke"]),
+    ]
+    assert plot_results.main(["--results-dir", str(tmp_path / "nothing")]) == 1
+    where = "scripts/run_experiment.py and scripts/run_matrix.py write runs there"
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nothing'}: no such folder ({where})\n"
+    assert plot_results.main(["--results-dir", str(results / "broken_grid")]) == 1
+    assert "no finished run in it" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        plot_results.main(["--out", str(tmp_path / "plots")])
+    assert exited.value.code == 2 and "--out goes with --results" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # starts a process

@@ -20,6 +20,7 @@ from tests.ps_fixtures import RUNNER, group_members, kill_group, run_cli
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_spec_smoke_run_writes_the_spec_outputs(tmp_path):
     """The spec's fast smoke command (mnist_5k here), with the default output folders."""
     result = run_cli(
@@ -97,6 +98,7 @@ def test_worker_role_without_a_token_says_so(tmp_path):
     assert process.stderr.strip() == "error: no auth token: set system.auth_token in the config or $DTS_AUTH_TOKEN"
 
 
+@pytest.mark.slow
 def test_server_that_cannot_start_fails_the_run(tmp_path):
     result = run_cli(["--server-address", "192.0.2.1:0", "--max-train-samples", "64"], cwd=tmp_path, timeout=120)
     assert result.returncode == 1
@@ -104,6 +106,7 @@ def test_server_that_cannot_start_fails_the_run(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_child(tmp_path):
     process = subprocess.Popen(
         [sys.executable, str(RUNNER), "--workers", "2", "--num-epochs", "50"],

@@ -96,6 +96,7 @@ def test_sync_with_uneven_shards_matches_large_batch_baseline(tmp_path):
     assert_same_parameters(expected, actual)
 
 
+@pytest.mark.slow
 def test_async_single_worker_matches_baseline(tmp_path):
     # The plain server optimizer; with the lookahead correction one worker takes Nesterov's steps
     # (tests/test_staleness.py checks that against torch's Nesterov SGD).
@@ -113,6 +114,7 @@ def test_async_single_worker_matches_baseline(tmp_path):
     assert_same_parameters(expected, actual)
 
 
+@pytest.mark.slow
 def test_sync_differs_from_baseline_when_batches_differ(tmp_path):
     """The comparison above can fail: the same PS run against a baseline of the wrong batch size."""
     expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=128, momentum=0.0)

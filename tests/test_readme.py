@@ -60,6 +60,7 @@ def anchors(path: Path) -> set[str]:
     return {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
 
 
+@pytest.mark.slow
 def test_readme_commands_run_at_least_as_help():
     targets = python_targets(README.read_text())
     scripts = {t[0] for t in targets if t[0] != "-m"}

@@ -94,6 +94,7 @@ def ps_run(tmp_path_factory):
     return tmp / "run" / "logs", run_local(config)
 
 
+@pytest.mark.slow
 def test_a_traced_ps_run_has_every_step_in_its_spans_on_one_clock(ps_run):
     logs, summary = ps_run
     server = _closed_trace(logs / "server" / tracing.TRACE_FILE)
@@ -138,6 +139,7 @@ def test_a_traced_ps_run_has_every_step_in_its_spans_on_one_clock(ps_run):
     assert len({p["pid"] for p in merged["processes"]}) == 3
 
 
+@pytest.mark.slow
 def test_ps_exposed_communication_is_the_workers_time_blocked_on_the_reply(ps_run, tmp_path):
     """One worker: nothing but its own push is in the round trip, so it is the uplink's wait and a little more."""
     from src.launch.ps import run_local
@@ -242,6 +244,7 @@ def ddp_run(tmp_path_factory):
     return logs, _ddp(logs, ["--trace", "--set", "training.checkpoint_interval_steps=3"])
 
 
+@pytest.mark.slow
 def test_a_traced_ddp_run_has_every_step_in_its_spans_on_one_clock(ddp_run):
     logs, summary = ddp_run
     steps = summary["steps"]
@@ -369,6 +372,7 @@ def test_ddp_exposed_communication_grows_as_a_tc_shaped_link_narrows(ddp_run, sh
 # ----------------------------------------------------------------------------- the picture
 
 
+@pytest.mark.slow
 def test_a_trace_is_drawn_one_lane_per_thread_with_nested_spans_below_their_parents(ddp_run, tmp_path, capsys):
     from src.reports.plots import draw_timeline, lanes
 
@@ -400,6 +404,7 @@ def test_a_trace_is_drawn_one_lane_per_thread_with_nested_spans_below_their_pare
 # ----------------------------------------------------------------------------- the report
 
 
+@pytest.mark.slow
 def test_the_report_shows_exposed_communication_for_every_architecture(ps_run, ddp_run):
     (_, ps), (ddp_logs, ddp) = ps_run, ddp_run
     ranks = [json.loads((ddp_logs / f"ddp_rank_{r}.json").read_text()) for r in (0, 1)]

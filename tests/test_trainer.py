@@ -151,6 +151,7 @@ def _evaluate_on_mnist_files(checkpoint, data_dir) -> dict:
     return json.loads(evaluated.stdout)
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     result = run_cli(

@@ -1,11 +1,15 @@
 r"""Run one experiment into ``results/<name>/``: its config, events, summary and TensorBoard logs.
 
+    python scripts/run_experiment.py --config configs/smoke_fmnist.yaml
+    python scripts/run_experiment.py --config configs/smoke_fmnist.yaml --set training.data_dir=/data/torchvision
     python scripts/run_experiment.py --config configs/experiments/smoke.yaml
     python scripts/run_experiment.py --config configs/experiments/smoke.yaml --seed 1 --name smoke_seed1
     python scripts/run_experiment.py --config configs/experiments/smoke.yaml \
         --set training.weight_decay=1e-4 --print-config
 
-An experiment file is a run config (``training``, ``system``, ``emulation``: see
+Experiment files: ``configs/smoke_*.yaml`` (smoke runs), ``configs/baselines/`` (dense and fixed-compression
+baselines), ``configs/adaptive/`` (the adaptive controller), ``configs/experiments/`` (the findings' experiments
+and matrices). An experiment file is a run config (``training``, ``system``, ``emulation``: see
 configs/example_config.yaml and src/emulation/netem.py) plus an ``experiment`` section::
 
     experiment:
@@ -25,6 +29,10 @@ clock, src/virtual/run.py) all come from the config. What lands in ``<results-di
 | ``checkpoints/`` | the final checkpoint |
 | ``output.log`` | what the processes printed (matrix runs; a single run prints to the terminal) |
 
+The dataset's files are looked for (and downloaded, when online) before the run's folder is made: where they
+are missing, the run stops at once with one ``error:`` line saying where to put them (``--set
+training.data_dir=DIR`` points a config at another folder).
+
 Exit status: 0 done, 1 the run failed (one ``error:`` line), 2 a bad experiment file.
 """
 
@@ -42,6 +50,7 @@ from typing import Any, Mapping
 
 from src.config import Config, ConfigError, SetupError, apply_assignments, read_config_file, validate_config
 from src.launch.cli import add_config_flags, add_observability_flags, format_config
+from src.reports.results import PLOTS_FOLDER
 from src.telemetry.logs import setup_logging
 
 CONTROLLER_FIELD = "adaptive_compression"
@@ -65,6 +74,8 @@ def split_experiment(data: Mapping[str, Any], default_name: str) -> tuple[dict[s
     experiment["controller"] = parse_switch(experiment.get("controller", False), "experiment.controller")
     if not str(experiment["name"]).strip() or "/" in str(experiment["name"]):
         raise ExperimentError(f"experiment.name: must be a non-empty folder name, got {experiment['name']!r}")
+    if str(experiment["name"]) == PLOTS_FOLDER:
+        raise ExperimentError(f"experiment.name: {PLOTS_FOLDER!r} is where scripts/plot_results.py draws; pick another")
     return experiment, data
 
 
@@ -222,6 +233,17 @@ def run_experiment(
     return summary
 
 
+def check_data(config: Config) -> None:
+    """Make sure the config's dataset loads, both splits (downloading it once, here, when online).
+
+    Raises:
+        DatasetUnavailableError: its files are missing and cannot be downloaded (the message says where to put them).
+    """
+    from src.launch.ddp import check_dataset  # loads torch: only once the config is good
+
+    check_dataset(config)
+
+
 def load_experiment_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     path = Path(path)
     return split_experiment(read_config_file(path), path.stem)
@@ -264,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     from src.metrics import format_summary
 
     def run() -> None:
+        check_data(config)  # a missing dataset is one line now, not a failed run folder later
         summary = run_experiment(experiment, run_data, Path(args.results_dir))
         print(format_summary(summary))
         print(f"Results: {Path(args.results_dir) / str(experiment['name'])}")

@@ -1,8 +1,10 @@
 """Run a grid of experiments: every combination of the axes' levels, resumable, one line per run.
 
+    python scripts/run_matrix.py --config configs/matrix_cifar_full.yaml      # the CIFAR-10 evaluation matrix
     python scripts/run_matrix.py --config configs/experiments/matrix_smoke.yaml
     python scripts/run_matrix.py --config configs/experiments/f1_stragglers.yaml --results-dir results
     python scripts/run_matrix.py --config FILE --list          # print the runs, run nothing
+    python scripts/run_matrix.py --config FILE --set training.data_dir=DIR --set matrix.axes.seed=[0]
 
 A matrix file holds a base experiment and the axes to vary::
 
@@ -29,11 +31,17 @@ Compression levels: ``identity`` (off), ``topk`` (top-k without error feedback),
 with error feedback), ``quantization`` (QSGD at ``system.quantization_bits``); top-k keeps the base's
 ``system.compression_ratio``. Axes are expanded in the order written, the last varying fastest.
 
+``--set FIELD=VALUE`` (repeatable, the value read as YAML) sets a field of the matrix file before it is
+expanded: the base experiment's (``training.data_dir=DIR``) or the matrix's own (``matrix.axes.seed=[0]``);
+an axis level's overrides still win over the base's.
+
 Resumable: a run whose folder holds a finished summary is skipped; a run that was interrupted (its
 folder exists without one) is removed and redone. Every run's config is checked before the first
 one starts, so a bad level (or ``controller: on`` without evaluations, or in DDP without top-k)
-fails at once with one line. Exit status: 0 all runs finished, 1 some run failed (the others still ran),
-2 a bad matrix file.
+fails at once with one line; so does a dataset whose files are missing (each dataset the runs use is
+looked for, and downloaded when online, before the first run: one ``error:`` line saying where to put
+them, exit status 1; ``--list`` needs no data). Exit status: 0 all runs finished, 1 some run failed (the
+others still ran) or a dataset is missing, 2 a bad matrix file.
 """
 
 from __future__ import annotations
@@ -46,8 +54,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from src.config import ConfigError, read_config_file
+from src.config import Config, ConfigError, apply_assignments, read_config_file
 from src.launch import experiment as rx
+from src.launch.cli import parse_assignment
+from src.reports.results import PLOTS_FOLDER
 
 COMPRESSION_LEVELS: dict[str, dict[str, Any]] = {
     "identity": {"system.compression_enabled": False},
@@ -162,6 +172,8 @@ def expand(
     if unknown:
         raise rx.ExperimentError(f"matrix.{unknown[0]}: unknown key (known: axes, name)")
     name = str(matrix.get("name") or default_name)
+    if name == PLOTS_FOLDER:
+        raise rx.ExperimentError(f"matrix.name: {PLOTS_FOLDER!r} is where scripts/plot_results.py draws; pick another")
     axes = matrix.get("axes") or {}
     if not isinstance(axes, Mapping) or not axes:
         raise rx.ExperimentError("matrix.axes: required, a mapping of axis name -> levels")
@@ -185,6 +197,20 @@ def expand(
     return name, runs
 
 
+def check_datasets(configs: list[Config]) -> None:
+    """Make sure every dataset the runs use loads (each distinct dataset and folder once, before the first run).
+
+    Raises:
+        DatasetUnavailableError: a dataset's files are missing and cannot be downloaded.
+    """
+    checked = set()
+    for config in configs:
+        key = (config.training.dataset, config.training.data_dir, config.training.num_samples)
+        if key not in checked:
+            checked.add(key)
+            rx.check_data(config)
+
+
 def describe(summary: Mapping[str, Any]) -> str:
     parts = [
         f"accuracy {summary['final_accuracy']:.4f}",
@@ -204,12 +230,22 @@ def main(argv: list[str] | None = None) -> int:
         "--results-dir", default="results", help="runs go to <results-dir>/<matrix name>/ (default results)"
     )
     parser.add_argument("--list", action="store_true", help="print the runs the matrix expands into and exit")
+    parser.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        type=parse_assignment,
+        metavar="FIELD=VALUE",
+        help="set a field of the matrix file before it is expanded, repeatable: --set training.data_dir=/data "
+        "--set matrix.axes.seed=[0] (value read as YAML; an axis level's overrides win over the base's)",
+    )
     args = parser.parse_args(argv)
     try:
-        name, runs = expand(read_config_file(args.config), Path(args.config).stem)
+        data = apply_assignments(read_config_file(args.config), dict(args.assignments or []))
+        name, runs = expand(data, Path(args.config).stem)
         root = Path(args.results_dir) / name
-        for experiment, run_data in runs:  # every run checked before the first starts
-            rx.build_config(experiment, run_data, root / experiment["name"])
+        # every run checked before the first starts
+        configs = [rx.build_config(experiment, run_data, root / experiment["name"]) for experiment, run_data in runs]
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config error: {problem}", file=sys.stderr)
@@ -221,6 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         for experiment, _ in runs:
             print(root / experiment["name"])
         return 0
+
+    from src.training.data import DatasetUnavailableError  # loads torch: only once the matrix file is good
+
+    try:
+        check_datasets(configs)
+    except DatasetUnavailableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: no run was started", file=sys.stderr)
+        return 130
 
     failed = 0
     total = len(runs)

@@ -5,8 +5,9 @@ Two sets share one set-up (headless backend, colours, figure size, the empty plo
 * the **performance report's** (:func:`draw_all`): every plot of :data:`src.reports.names.PLOTS`, drawn
   from the report dict only (:func:`src.reports.report.build_report`), so the plots show exactly the numbers of
   the JSON and Markdown reports;
-* the **experiments'** (:func:`write_results`, the command ``scripts/plot_results.py``): every plot of
-  :data:`RESULTS_PLOTS`, drawn from finished runs (:mod:`src.reports.results`), beside their Markdown table.
+* the **experiments'** (:func:`write_results`, the command ``scripts/plot_results.py``; :func:`write_results_under`
+  for everything in a results folder): every plot of :data:`RESULTS_PLOTS`, drawn from finished runs
+  (:mod:`src.reports.results`), beside their Markdown table.
 
 And a trace's timeline (:func:`draw_timeline`, the command ``scripts/plot_trace.py``): a still image of
 a (merged) trace for documents and machines without a browser (Perfetto and ``chrome://tracing`` are
@@ -34,7 +35,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from src.reports.names import NOT_RECORDED, PLOTS  # noqa: E402
-from src.reports.results import Run, find_runs, groups_of, markdown_table  # noqa: E402
+from src.reports.results import PLOTS_FOLDER, Run, find_runs, groups_of, markdown_table, result_sets  # noqa: E402
 
 RESULTS_PLOTS = ("accuracy_vs_time", "accuracy_vs_bytes", "time_to_target", "bytes_per_run", "staleness", "controller")
 """The experiments' plots (``<name>.png``), written with ``results.md`` by :func:`write_results`."""
@@ -435,7 +436,23 @@ def write_results(folders: list[Path], out: Path | None = None) -> list[Path]:
     runs = find_runs(folders)
     if not runs:
         raise ValueError(f"no finished runs in {', '.join(map(str, folders))}")
-    out = out if out is not None else folders[0] / "plots"
+    return _write_runs(runs, out if out is not None else folders[0] / PLOTS_FOLDER)
+
+
+def write_results_under(root: Path) -> list[Path]:
+    """The plots and ``results.md`` of everything in a results folder (:func:`src.reports.results.result_sets`):
+    each matrix's in ``<matrix>/plots/``, the single runs' together in ``<root>/plots/``; returns the files
+    written. ``ValueError`` says that ``root`` is no folder or holds no finished run."""
+    where = "scripts/run_experiment.py and scripts/run_matrix.py write runs there"
+    if not root.is_dir():
+        raise ValueError(f"{root}: no such folder ({where})")
+    sets = result_sets(root)
+    if not sets:
+        raise ValueError(f"{root}: no finished run in it ({where})")
+    return [path for folder, runs in sets for path in _write_runs(runs, folder / PLOTS_FOLDER)]
+
+
+def _write_runs(runs: list[Run], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [
         _save(

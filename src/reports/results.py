@@ -3,8 +3,9 @@
 A run folder (from :mod:`src.launch.experiment`) holds ``summary.json``, ``config.yaml`` and the logs' ``events.jsonl``
 files (the source of truth); a matrix (:mod:`src.launch.matrix`) is a folder of them. :func:`find_runs` loads the
 finished ones with the series the plots need (:func:`src.reports.plots.write_results` draws them, the command is
-``scripts/plot_results.py``); :func:`markdown_table` is their table: every run, and every configuration (a run
-name without its ``seed-N`` part) over its seeds, mean ± std.
+``scripts/plot_results.py``), :func:`result_sets` every matrix and the single runs of a results folder (what the
+command draws with no ``--results``); :func:`markdown_table` is their table: every run, and every configuration (a
+run name without its ``seed-N`` part) over its seeds, mean ± std.
 """
 
 from __future__ import annotations
@@ -105,6 +106,35 @@ def find_runs(folders: Iterable[Path]) -> list[Run]:
             if run is not None:
                 runs.append(run)
     return runs
+
+
+PLOTS_FOLDER = "plots"
+"""Where a folder's plots go (``<matrix>/plots``; under a results folder, its single runs' plots): never a run."""
+
+
+def is_run_folder(path: Path) -> bool:
+    """A folder run_experiment.py made (finished or not), as opposed to a matrix's folder of them."""
+    return any((path / name).is_file() for name in ("summary.json", "experiment.json", "config.yaml"))
+
+
+def result_sets(root: Path) -> list[tuple[Path, list[Run]]]:
+    """``[(folder, its finished runs)]`` in a results folder (``--results-dir`` of run_experiment.py and
+    run_matrix.py): each matrix folder in it with its runs, in name order, then ``(root, the single runs in it)``.
+    Folders holding no finished run (a failed or interrupted one, an earlier ``plots/``) are left out."""
+    sets: list[tuple[Path, list[Run]]] = []
+    single: list[Run] = []
+    for child in sorted(p for p in root.iterdir() if p.is_dir() and p.name != PLOTS_FOLDER):
+        if is_run_folder(child):
+            run = load_run(child)
+            if run is not None:
+                single.append(run)
+        else:
+            runs = find_runs([child])
+            if runs:
+                sets.append((child, runs))
+    if single:
+        sets.append((root, single))
+    return sets
 
 
 # ----------------------------------------------------------------------------- derived figures

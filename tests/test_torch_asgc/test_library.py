@@ -1,7 +1,7 @@
 """torch_asgc surfaces, fast: client, DistributedModel, DistributedOptimizer, AMP, plugins.
 
 A real :class:`ClientLoopServer` serves on a loopback port in this process; the "workers" are the
-test's own loops (threads where two must run at once). Runs alone: ``pytest tests/test_library.py``.
+test's own loops (threads where two must run at once). Runs alone: ``pytest tests/test_torch_asgc/test_library.py``.
 The plugin tests import Lightning and transformers (seconds of imports), so they are marked slow.
 """
 
