@@ -472,6 +472,8 @@ def print_outcome(runs: dict[str, Any], speedup: dict[str, Any], output: Path, r
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The runners start in the checkout (cwd=ROOT); the user's relative paths mean where they ran this.
+    args.data_dir, args.output_dir = str(Path(args.data_dir).resolve()), str(Path(args.output_dir).resolve())
     output = Path(args.output_dir)
     dataset, note = resolve_dataset(args.dataset, args.data_dir)
     if note:

@@ -15,10 +15,7 @@ test checks what it stands for instead:
   before its first run with the one-line missing-dataset error (the whole matrix is hours of ResNet-18);
 * ``pip install -e .``: ``torch_asgc`` is importable from outside the checkout, from this checkout;
 * the runners that feed ``generate_performance_report.py`` are run with ``--artifacts-dir artifacts``, the
-  flag that writes the report's inputs (the report command names them);
-* ``run_final_checkpoint_validation.py`` starts its runners in the checkout, not in the folder it is run from,
-  so it is given this folder's ``--data-dir`` and ``--output-dir`` as absolute paths (its relative defaults
-  would be the checkout's).
+  flag that writes the report's inputs (the report command names them).
 
 What is not run (:data:`NOT_RUN`) says why. Every command starts its own processes under a timeout.
 """
@@ -157,10 +154,6 @@ def ran(workspace: Path, command: str, *, timeout: float = 420) -> subprocess.Co
         line = command
         if command in REPORT_INPUTS:
             line += " --artifacts-dir artifacts"
-        if command.startswith("python run_final_checkpoint_validation.py"):
-            # It starts its runners in the checkout, so its relative default folders would be the checkout's
-            # (./data, reports/final_validation): this folder's, given whole.
-            line += f" --data-dir {workspace / 'data'} --output-dir {workspace / 'reports' / 'final_validation'}"
         result = run_command(line, workspace, timeout=timeout)
         assert result.returncode == 0, f"{line}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr}"
         _RAN[(workspace, command)] = result
