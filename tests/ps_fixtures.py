@@ -141,12 +141,13 @@ def make_self_signed_cert(
     return cert, key
 
 
-def run_cli(
-    args: list[str], *, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+def run_process(
+    argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run the PS runner to completion; kills its whole process group if it overruns."""
+    """Run ``argv`` to completion in its own session; its whole process group is killed when it ends or overruns
+    (a failed test names the command and what it printed)."""
     process = subprocess.Popen(
-        [sys.executable, str(RUNNER), *args],
+        argv,
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -159,10 +160,17 @@ def run_cli(
     except subprocess.TimeoutExpired:
         kill_group(process)
         stdout, stderr = process.communicate()
-        pytest.fail(f"runner timed out after {timeout}s:\n{stdout}\n{stderr}")
+        pytest.fail(f"{' '.join(map(str, argv))} timed out after {timeout}s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
     finally:
         kill_group(process)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run_cli(
+    args: list[str], *, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the PS runner to completion; kills its whole process group if it overruns."""
+    return run_process([sys.executable, str(RUNNER), *args], cwd=cwd, timeout=timeout, env=env)
 
 
 def kill_group(process: subprocess.Popen) -> None:

@@ -12,7 +12,7 @@ import yaml
 
 from src.launch import experiment as rx
 from src.launch import matrix as run_matrix
-from tests.ps_fixtures import ROOT, kill_group
+from tests.ps_fixtures import ROOT, run_process
 
 TINY = {
     "training": {
@@ -30,23 +30,7 @@ TINY = {
 
 
 def script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / name), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(process)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{name} timed out after {timeout}s:\n{stdout}\n{stderr}")
-    finally:
-        kill_group(process)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return run_process([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- expansion and checks (no runs)

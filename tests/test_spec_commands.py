@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import yaml
 from src.common.checkpoint import load_checkpoint
 from src.launch import experiment as rx
 from src.launch import matrix as run_matrix
-from tests.ps_fixtures import ROOT, kill_group
+from tests.ps_fixtures import ROOT, run_process
 from tests.test_data import _write_idx
 from tests.test_findings import _cifar_files, _fashion_files
 
@@ -120,24 +119,7 @@ def run_command(command: str, cwd: Path, *, timeout: float, env: dict[str, str] 
     words = shlex.split(command)
     if words[0] == "python":
         words[0] = sys.executable
-    process = subprocess.Popen(
-        words,
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(process)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{command} timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    finally:
-        kill_group(process)
-    return subprocess.CompletedProcess(words, process.returncode, stdout, stderr)
+    return run_process(words, cwd=cwd, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
