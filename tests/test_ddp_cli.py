@@ -308,7 +308,7 @@ def test_missing_resume_checkpoint_is_one_line_error(capsys, tmp_path):
 def test_missing_dataset_is_one_line_before_any_rank_starts(capsys, monkeypatch, tmp_path):
     import torch.distributed.launcher.api as elastic
 
-    from src.launch import ddp as ddp_launcher
+    from src.training import data
     from src.training.data import DatasetUnavailableError
 
     def missing(name, split, **_):
@@ -317,7 +317,7 @@ def test_missing_dataset_is_one_line_before_any_rank_starts(capsys, monkeypatch,
     def no_agent(*_, **__):
         raise AssertionError("the elastic agent was started for a run that cannot succeed")
 
-    monkeypatch.setattr(ddp_launcher, "load_dataset", missing)
+    monkeypatch.setattr(data, "load_dataset", missing)  # what check_dataset loads
     monkeypatch.setattr(elastic, "elastic_launch", no_agent)
     code, err = _main(capsys, "--dataset", "mnist", "--max-restarts", "3", "--log-dir", str(tmp_path / "logs"))
     assert code == 1

@@ -42,7 +42,7 @@ from src.common.supervisor import LaunchError
 from src.config import Config, SetupError, validate_config
 from src.telemetry import tracing
 from src.telemetry.logs import setup_logging
-from src.training.data import load_dataset
+from src.training.data import check_dataset
 
 LOCAL_HOST = "127.0.0.1"
 _TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
@@ -98,17 +98,6 @@ def check_launch(config: Config, *, local_world_size: int) -> None:
             raise SetupError(
                 f"system.num_workers: {local_world_size} local ranks but only {torch.cuda.device_count()} CUDA devices"
             )
-
-
-def check_dataset(config: Config) -> None:
-    """Make sure both splits load (downloading once, here, rather than in every rank at the same time).
-
-    Raises:
-        DatasetUnavailableError: the files are missing and cannot be downloaded.
-    """
-    t = config.training
-    for split in ("train", "test"):
-        load_dataset(t.dataset, split, data_dir=t.data_dir, max_samples=1, num_samples=t.num_samples, seed=t.seed)
 
 
 def resolve_resume(config: Config, target: str | Path | None, *, world_size: int) -> str | None:
@@ -210,7 +199,7 @@ def run_local(
 
     world, max_restarts = config.system.num_workers, config.system.max_restarts
     check_launch(config, local_world_size=world)
-    check_dataset(config)
+    check_dataset(config.training)
     resume_path = resolve_resume(config, resume, world_size=world)
     summary_path = Path(summary_json) if summary_json else Path(config.system.log_dir) / "summary.json"
     # We say what happened; torch's "Terminating process ..." warnings and tracebacks only add noise,

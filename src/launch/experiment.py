@@ -233,17 +233,6 @@ def run_experiment(
     return summary
 
 
-def check_data(config: Config) -> None:
-    """Make sure the config's dataset loads, both splits (downloading it once, here, when online).
-
-    Raises:
-        DatasetUnavailableError: its files are missing and cannot be downloaded (the message says where to put them).
-    """
-    from src.launch.ddp import check_dataset  # loads torch: only once the config is good
-
-    check_dataset(config)
-
-
 def load_experiment_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     path = Path(path)
     return split_experiment(read_config_file(path), path.stem)
@@ -284,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     from src.common.supervisor import LaunchError
     from src.launch.cli import exit_status
     from src.metrics import format_summary
+    from src.training.data import check_dataset
 
     def run() -> None:
-        check_data(config)  # a missing dataset is one line now, not a failed run folder later
+        check_dataset(config.training)  # a missing dataset is one line now, not a failed run folder later
         summary = run_experiment(experiment, run_data, Path(args.results_dir))
         print(format_summary(summary))
         print(f"Results: {Path(args.results_dir) / str(experiment['name'])}")

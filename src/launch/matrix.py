@@ -203,12 +203,14 @@ def check_datasets(configs: list[Config]) -> None:
     Raises:
         DatasetUnavailableError: a dataset's files are missing and cannot be downloaded.
     """
+    from src.training.data import check_dataset  # loads torch: only once the matrix file is good
+
     checked = set()
     for config in configs:
         key = (config.training.dataset, config.training.data_dir, config.training.num_samples)
         if key not in checked:
             checked.add(key)
-            rx.check_data(config)
+            check_dataset(config.training)
 
 
 def describe(summary: Mapping[str, Any]) -> str:

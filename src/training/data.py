@@ -239,6 +239,19 @@ class Shard:
             yield self.indices[start : start + batch_size]
 
 
+def check_dataset(training) -> None:
+    """Make sure both splits of a config's ``training`` section's dataset load: downloading it once, here, when
+    online, rather than in every process of the run at the same time.
+
+    Raises:
+        DatasetUnavailableError: its files are missing and cannot be downloaded (the message says where to put
+            them).
+    """
+    t = training
+    for split in ("train", "test"):
+        load_dataset(t.dataset, split, data_dir=t.data_dir, max_samples=1, num_samples=t.num_samples, seed=t.seed)
+
+
 def epoch_permutation(num_samples: int, epoch: int, seed: int) -> list[int]:
     """The order of sample indices in ``epoch``: a permutation fixed by ``(seed, epoch)``."""
     if num_samples < 0:
