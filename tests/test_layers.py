@@ -23,6 +23,7 @@ PURE = (
     "src.coordinator",
     "src.ps.aggregation",
     "src.ps.downlink",
+    "src.ps.placement",
     "src.emulation.event_loop",
 )
 """The spec's algorithms and the virtual clock's: free of I/O, so a unit test or the virtual clock can drive them

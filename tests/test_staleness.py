@@ -456,17 +456,23 @@ def test_the_specs_async_command_trains_near_sync(tmp_path):
     assert sum(accuracy["async"]) / 2 >= accuracy["sync"][0] - 0.02, accuracy
 
 
+VIRTUAL_COSTS = "--clock virtual --compute-s 0.02 --compress-s 0.001 --server-update-s 0.002 --server-reply-s 0.001"
+"""The virtual clock and a cost model of this machine's order (scripts/calibrate.py; README's virtual example)."""
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_the_specs_async_command_with_4_workers_trains_as_well_as_sync_over_seeds(tmp_path):
-    """4 workers: at the spec's settings sync itself is on the edge of stability (one seed in six
-    diverges, the others end between 75% and 85% after a loss spike mid-run; docs/async.md, section
-    4), so one sync run is no reference. Over seeds 0-4 the median async run must be within 2 points
-    of the median sync run, less the noise of that difference: the async runs' final accuracy depends on
-    the processes' timing (it moved by 8 points on average under the full suite's load on a slow day,
-    spread over 15-20 points), so the bar widens by the standard error of the difference of the two
-    medians, estimated from each mode's interquartile range. The median is robust to one diverged run on
-    either side, the inclusive quartiles too. A consistently worse async (or a broken one) still fails."""
+@pytest.mark.timeout(600)
+def test_the_specs_async_command_with_4_workers_trains_as_well_as_sync_over_seeds_on_the_virtual_clock(tmp_path):
+    """4 workers: at the spec's settings sync itself is on the edge of stability (one seed in five
+    diverges, the others end between 75% and 85% after a loss spike mid-run; docs/async.md, section 4),
+    so one sync run is no reference. Over seeds 0-4 the median async run must be within 2 points of the
+    median sync run. Real async runs depend on the processes' timing (under the full suite's load they
+    moved by 8 points on average), so the claim is checked on the virtual clock: the same command, the
+    same gradients and the same staleness policy, with arrivals from a cost model, so the same numbers
+    under any load (measured: sync 82.2 / 75.9 / 80.4 / 11.8 / 75.5, async 78.8 / 61.2 / 82.5 / 85.1 /
+    64.5; medians 75.9 and 78.8). The real runs' table is in docs/async.md; the real async path with 2
+    workers is ``test_the_specs_async_command_trains_near_sync``. A consistently worse async (or a broken
+    one) fails."""
     import json
     import statistics
 
@@ -477,32 +483,10 @@ def test_the_specs_async_command_with_4_workers_trains_as_well_as_sync_over_seed
         for mode in ("sync", "async"):
             folder = tmp_path / f"{mode}{seed}"
             folder.mkdir()
-            result = run_cli(
-                ["--workers", "4", *SPECS_ASYNC_COMMAND, "--seed", str(seed), "--aggregation-mode", mode],
-                cwd=folder,
-                timeout=420,
-            )
+            command = ["--workers", "4", *SPECS_ASYNC_COMMAND, "--seed", str(seed), "--aggregation-mode", mode]
+            result = run_cli([*command, *VIRTUAL_COSTS.split()], cwd=folder, timeout=300)
             assert result.returncode == 0, result.stderr[-3000:]
-            accuracy[mode].append(
-                json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())["final_accuracy"]
-            )
-    noise = math.hypot(_median_standard_error(accuracy["sync"]), _median_standard_error(accuracy["async"]))
-    bar = statistics.median(accuracy["sync"]) - 0.02 - noise
-    assert statistics.median(accuracy["async"]) >= bar, (accuracy, bar)
-
-
-def _median_standard_error(values: list[float]) -> float:
-    """The standard error of the median of ``values``, from their interquartile range as a normal spread's
-    (sigma = IQR / 1.349; the median's error 1.2533 sigma / sqrt(n))."""
-    import statistics
-
-    first, _, third = statistics.quantiles(values, n=4, method="inclusive")
-    return 1.2533 * (third - first) / 1.349 / math.sqrt(len(values))
-
-
-def test_the_median_standard_error_reads_the_middle_runs_spread():
-    """The bar's noise term: one diverged run does not widen it; a wider middle does, in proportion."""
-    runs = [0.821, 0.751, 0.804, 0.118, 0.761]
-    assert _median_standard_error(runs) == pytest.approx(1.2533 * (0.804 - 0.751) / 1.349 / math.sqrt(5))
-    assert _median_standard_error([0.8, 0.8, 0.8, 0.8, 0.8]) == 0.0
-    assert _median_standard_error([2 * v for v in runs]) == pytest.approx(2 * _median_standard_error(runs))
+            summary = json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())
+            assert summary["clock"] == "virtual", summary.get("clock")
+            accuracy[mode].append(summary["final_accuracy"])
+    assert statistics.median(accuracy["async"]) >= statistics.median(accuracy["sync"]) - 0.02, accuracy
