@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -239,7 +239,7 @@ class Shard:
             yield self.indices[start : start + batch_size]
 
 
-def check_dataset(training) -> None:
+def check_dataset(training: Any) -> None:
     """Make sure both splits of a config's ``training`` section's dataset load: downloading it once, here, when
     online, rather than in every process of the run at the same time.
 
@@ -247,9 +247,15 @@ def check_dataset(training) -> None:
         DatasetUnavailableError: its files are missing and cannot be downloaded (the message says where to put
             them).
     """
-    t = training
     for split in ("train", "test"):
-        load_dataset(t.dataset, split, data_dir=t.data_dir, max_samples=1, num_samples=t.num_samples, seed=t.seed)
+        load_dataset(
+            training.dataset,
+            split,
+            data_dir=training.data_dir,
+            max_samples=1,
+            num_samples=training.num_samples,
+            seed=training.seed,
+        )
 
 
 def epoch_permutation(num_samples: int, epoch: int, seed: int) -> list[int]:
