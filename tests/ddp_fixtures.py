@@ -1,6 +1,8 @@
-"""Helpers for the DDP tests: spawn real gloo ranks with a deadline, and always reap them.
+"""Helpers for the DDP tests: start real gloo ranks with a deadline, and always reap them.
 
-A test's rank function runs in a spawned child as ``fn(rank, world_size, port, *args)``; it calls
+A test's rank function runs in a child process as ``fn(rank, world_size, port, *args)``, forked from the
+framework's forkserver with torch imported (:mod:`src.common.child_processes`) and given the test's
+environment as it is when the ranks start; it calls
 :func:`join_group` to join a gloo group whose store the parent hosts on an OS-chosen port.
 """
 
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from src.common.child_processes import START_METHOD, use_forkserver
 from src.ddp_trainer import leave_rank_process
 
 SPAWN_TIMEOUT_S = 240
@@ -37,7 +40,9 @@ def join_group(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
-def _rank_entry(rank: int, fn, *args) -> None:
+def _rank_entry(rank: int, environment: dict, fn, *args) -> None:
+    os.environ.clear()
+    os.environ.update(environment)  # the test's, not the forkserver's (frozen when it started)
     fn(rank, *args)
     # Succeeded: leave without interpreter shutdown, where torch's lingering gloo threads can
     # abort the process (see src.ddp_trainer.leave_rank_process).
@@ -45,14 +50,19 @@ def _rank_entry(rank: int, fn, *args) -> None:
 
 
 def spawn_ranks(fn, world_size: int, *args, timeout: float = SPAWN_TIMEOUT_S) -> None:
-    """Run ``fn`` on ``world_size`` spawned ranks; raise if one fails or the deadline passes.
+    """Run ``fn`` on ``world_size`` ranks; raise if one fails or the deadline passes.
 
     Every child is terminated (then killed) and reaped before this returns, whatever happens.
     """
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    use_forkserver()
     context = mp.start_processes(
-        _rank_entry, args=(fn, world_size, store.port, *args), nprocs=world_size, join=False, start_method="spawn"
+        _rank_entry,
+        args=(dict(os.environ), fn, world_size, store.port, *args),
+        nprocs=world_size,
+        join=False,
+        start_method=START_METHOD,
     )
     deadline = time.monotonic() + timeout
     try:

@@ -1,13 +1,13 @@
 """Shared helpers for the torch_asgc tests (tests/test_torch_asgc/, and the root tests that drive the library:
 test_rejoin.py, test_lr_schedule.py): a served ClientLoopServer, configs, small models, worker processes.
 
-Worker processes are started with ``spawn`` and run functions of this module (importable by name
-in the child); every helper that starts processes kills what is left of them when it returns.
+Worker processes are forked from the framework's forkserver (:mod:`src.common.child_processes`) and run
+functions of this module (importable by name in the child); every helper that starts processes kills what
+is left of them when it returns.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from src.common.child_processes import process_context
 from src.config import Config, load_config
 from src.training.data import make_shards
 from torch_asgc.server import ClientLoopServer
@@ -152,8 +153,8 @@ def topk_worker(address: str, worker: int, num_workers: int, epochs: int, ratio:
 
 
 def run_worker_processes(target: Callable[..., None], args_per_worker: list[tuple], timeout: float) -> None:
-    """Run ``target(*args)`` in one spawned process per entry; fail naming the first that did not exit 0."""
-    context = multiprocessing.get_context("spawn")
+    """Run ``target(*args)`` in one child process per entry; fail naming the first that did not exit 0."""
+    context = process_context()
     errors = context.Queue()
     processes = [
         context.Process(target=_report_errors, args=(target, args, errors), name=f"library-worker-{k}")

@@ -17,6 +17,7 @@ from src.compression import IDENTITY
 from src.config import Config, load_config
 from src.parameter_server import ParameterServer
 from src.transport.clients import TRANSPORTS, make_client
+from tests.python_command import TimedOut, run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "run_parameter_server_training.py"
@@ -145,25 +146,13 @@ def run_process(
     argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``argv`` to completion in its own session; its whole process group is killed when it ends or overruns
-    (a failed test names the command and what it printed)."""
-    process = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
+    (a failed test names the command and what it printed). A Python command is forked with torch imported
+    (:mod:`tests.python_command`), anything else is executed."""
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(process)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{' '.join(map(str, argv))} timed out after {timeout}s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    finally:
-        kill_group(process)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        return run_command(argv, cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
+    except TimedOut as exc:
+        command = " ".join(map(str, argv))
+        pytest.fail(f"{command} timed out after {timeout}s:\n{exc.stdout[-3000:]}\n{exc.stderr[-3000:]}")
 
 
 def run_cli(

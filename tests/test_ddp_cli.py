@@ -21,6 +21,7 @@ from torch.distributed import TCPStore
 import run_ddp_training
 from src.metrics import read_events
 from tests.ddp_fixtures import process_gone, run_together, torchrun_command
+from tests.python_command import run_command
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = str(REPO / "run_ddp_training.py")
@@ -33,9 +34,7 @@ def _clean_env() -> dict[str, str]:
 
 
 def _run(args: list[str], cwd: Path, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, RUNNER, *args], cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return run_command([sys.executable, RUNNER, *args], cwd=cwd, env=_clean_env(), timeout=timeout)
 
 
 def _outputs(cwd: Path, world: int) -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from src.common.child_processes import process_context
 from src.common.supervisor import RejoinGrace
 from src.coordinator import check_coverage
 from src.metrics import read_events
@@ -218,7 +219,6 @@ def test_a_library_worker_stopped_past_the_timeout_rejoins_when_continued(tmp_pa
     """A real SIGSTOP of a process training through torch_asgc: the server fails it; after SIGCONT its next
     push is refused (ABORTED), it registers again as a new incarnation of the same process, trains on and
     leaves cleanly (exit 0)."""
-    import multiprocessing
     import os
     import signal
 
@@ -228,7 +228,7 @@ def test_a_library_worker_stopped_past_the_timeout_rejoins_when_continued(tmp_pa
     log = Path(config.system.log_dir) / "server" / "events.jsonl"
     server_events = lambda kind: list(read_events(log, kind)) if log.is_file() else []
     with LibraryServer(config) as served:
-        process = multiprocessing.get_context("spawn").Process(target=library_rejoin_worker, args=(served.address, 400))
+        process = process_context().Process(target=library_rejoin_worker, args=(served.address, 400))
         process.start()
         try:
             _wait_for(lambda: len(server_events("push")) >= 5, 120, "the worker's fifth push")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from src.benchmarks import suite
 from src.reports.inputs import Run, ddp_summary_from_ranks, read_event_file, select_run_events
 from src.reports.names import PLOTS, SECTIONS
 from src.reports.report import build_report, run_labels
+from tests.python_command import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,21 +61,7 @@ RANK = {
 
 def run_cli(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     """Run a repository script in its own process group; on timeout kill the whole group (workers too)."""
-    process = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return run_command([sys.executable, *args], cwd=ROOT, env=dict(os.environ), timeout=timeout_s)
 
 
 def _write(path: Path, data) -> Path:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
 
 import pytest
 
 from src.config import ConfigError, load_config
 from tests.ps_fixtures import ROOT
+from tests.python_command import run_command
 
 TOKEN = "sekrit-Token-5f0c2d9e"
 
@@ -40,20 +41,18 @@ def test_no_output_file_of_any_runner_holds_the_token(tmp_path):
     ]
     printed = []
     for args in runs:
-        done = subprocess.run(
+        done = run_command(
             [sys.executable, str(ROOT / args[0]), "--config", str(config_file), *args[1:]],
             cwd=outputs,
-            capture_output=True,
-            text=True,
+            env=dict(os.environ),
             timeout=300,
         )
         assert done.returncode == 0, done.stderr
         printed += [done.stdout, done.stderr]
-        helped = subprocess.run(
+        helped = run_command(
             [sys.executable, str(ROOT / args[0]), "--config", str(config_file), "--help"],
             cwd=outputs,
-            capture_output=True,
-            text=True,
+            env=dict(os.environ),
             timeout=60,
         )
         printed += [helped.stdout, helped.stderr]

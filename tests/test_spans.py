@@ -35,6 +35,7 @@ from src.telemetry import tracing
 from src.telemetry.exposed_comm import BackwardWait
 from tests.netns_fixtures import remove_namespace, shape_egress
 from tests.ps_fixtures import ROOT, ps_config
+from tests.python_command import run_command
 from tests.test_report import SUMMARY
 from tests.test_tracing import assert_spans_nest, complete_events
 
@@ -215,7 +216,7 @@ def _clean_env() -> dict[str, str]:
 
 
 def _ddp(logs: Path, extra: list[str] = (), prefix: list[str] = ()) -> dict:
-    done = subprocess.run(
+    done = run_command(
         [
             *prefix,
             sys.executable,
@@ -229,8 +230,6 @@ def _ddp(logs: Path, extra: list[str] = (), prefix: list[str] = ()) -> dict:
         ],
         cwd=ROOT,
         env=_clean_env(),
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from src.config import load_config
 from src.metrics import MetricsLogger, read_events
 from src.telemetry.trackers import TRACKER_RUNS_FILE, Tracker, TrackerSink, open_trackers, summary_metrics
 from tests.ps_fixtures import ROOT
+from tests.python_command import run_command
 from tests.test_config_cli import _runner
 
 pytestmark = pytest.mark.timeout(180)
@@ -323,7 +323,7 @@ def test_per_worker_figures_are_prefixed_metrics_and_a_failing_tracker_does_not_
 def test_a_two_rank_ddp_run_is_one_tracker_run_logged_by_rank_0(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run(
+    done = run_command(
         [
             sys.executable,
             str(ROOT / "run_ddp_training.py"),
@@ -336,8 +336,6 @@ def test_a_two_rank_ddp_run_is_one_tracker_run_logged_by_rank_0(tmp_path):
         ],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from src.common.checkpoint import load_checkpoint, numbered_path
 from src.config import load_config
 from src.metrics import SUMMARY_FIELDS, read_events
 from src.trainer import BaselineTrainer, TrainingClock
+from tests.python_command import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,7 +142,7 @@ def test_training_clock_counts_only_while_running():
 
 
 def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return run_command([sys.executable, *args], cwd=ROOT, env=dict(os.environ), timeout=timeout)
 
 
 def _evaluate_on_mnist_files(checkpoint, data_dir) -> dict:

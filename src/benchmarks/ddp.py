@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from src.common.child_processes import START_METHOD, use_forkserver
 from src.compression import build_compressor
 from src.compressors.policy import CompressionPolicy
 from src.config import Config, validate_config
@@ -489,6 +490,7 @@ def run_benchmark(
     }
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    use_forkserver()
     with tempfile.TemporaryDirectory(prefix="bench_ddp_out_") as scratch:
         output = Path(scratch) / "report.json"
         context = mp.start_processes(
@@ -496,7 +498,7 @@ def run_benchmark(
             args=(world_size, store.port, options, str(output)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
         try:
             while not context.join():

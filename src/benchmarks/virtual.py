@@ -6,10 +6,11 @@ hide in the other's.
 
 from __future__ import annotations
 
-import multiprocessing
 import resource
 import tempfile
 import time
+
+from src.common.child_processes import process_context
 
 WORKERS = 64
 
@@ -129,7 +130,7 @@ def _memory(report, fields) -> None:
 
 
 def _in_child(target, fields=None) -> dict:
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=target, args=(send, fields or {}))
     child.start()

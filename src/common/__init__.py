@@ -1,1 +1,2 @@
-"""What every part of the framework shares: seeds, clocks, numeric bounds, checkpoints, process supervision, faults."""
+"""What every part of the framework shares: seeds, clocks, numeric bounds, checkpoints, starting and supervising
+processes, faults."""

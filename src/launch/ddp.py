@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from src.common.checkpoint import load_latest_good
+from src.common.child_processes import START_METHOD, use_forkserver
 from src.common.supervisor import LaunchError
 from src.config import Config, SetupError, validate_config
 from src.telemetry import tracing
@@ -211,6 +212,7 @@ def run_local(
         os.environ["PYTHONWARNINGS"] = ",".join(
             filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET_RESOURCE_TRACKER])
         )
+    use_forkserver()
     with tempfile.TemporaryDirectory(prefix="ddp_launch_") as scratch:
         error_dir = Path(scratch, "errors")
         error_dir.mkdir()
@@ -224,7 +226,7 @@ def run_local(
             local_addr=LOCAL_HOST,
             max_restarts=max_restarts,
             monitor_interval=MONITOR_INTERVAL_S,
-            start_method="spawn",
+            start_method=START_METHOD,
             logs_specs=DefaultLogsSpecs(log_dir=str(Path(scratch, "agent"))),
         )
         try:

@@ -42,6 +42,7 @@ from multiprocessing import connection
 from pathlib import Path
 from typing import Any, Callable
 
+from src.common.child_processes import process_context
 from src.common.supervisor import (
     LaunchError,
     RejoinGrace,
@@ -215,9 +216,7 @@ class _LocalRun:
     """The processes of one local run and what the launcher does when one of them ends."""
 
     def __init__(self, config: Config, summary_json: str | Path | None):
-        import multiprocessing
-
-        self.context = multiprocessing.get_context("spawn")
+        self.context = process_context()
         self.config = config
         self.summary_json = str(summary_json) if summary_json else None
         self.token = resolve_auth_token(config.system) or secrets.token_urlsafe(32)

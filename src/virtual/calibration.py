@@ -86,9 +86,9 @@ def _concurrent_worker(config_json: str, steps: int, report) -> None:
 
 def measure_worker_concurrently(config: Config, processes: int, *, steps: int = 20) -> dict[str, float]:
     """:func:`measure_worker` in ``processes`` processes at once (one thread each); the median of their figures."""
-    import multiprocessing
+    from src.common.child_processes import process_context
 
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     pipes, children = [], []
     for _ in range(processes):
         receive, send = context.Pipe(duplex=False)

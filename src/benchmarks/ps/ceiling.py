@@ -7,7 +7,6 @@ The server and the clients run in spawned processes of their own.
 
 from __future__ import annotations
 
-import multiprocessing
 import secrets
 import statistics
 import tempfile
@@ -16,6 +15,7 @@ import time
 
 from src.benchmarks.common import log
 from src.benchmarks.ps.common import instrument, pusher, server_config, server_process, sized_model
+from src.common.child_processes import process_context
 
 CEILING_MB = 4
 
@@ -75,7 +75,7 @@ def _ceiling_clients(transport: str, address: str, token: str, num_clients: int,
 
 def bench_ceiling(transport: str, clients: list[int], seconds: float) -> dict:
     """One server over ``transport``, pushed into by each count of ``clients`` in turn for ``seconds``."""
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     token = secrets.token_urlsafe(16)
     rows = []
     with server_process(_ceiling_server, transport, max(clients), token) as (report, stop):

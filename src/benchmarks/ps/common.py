@@ -5,9 +5,10 @@ spawned process, the server core timed per push, and a client's protocol step (a
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import secrets
 import time
+
+from src.common.child_processes import process_context
 
 NUM_TENSORS = 8
 BATCH = 64
@@ -54,7 +55,7 @@ def server_config(tmp: str, transport: str, num_workers: int = 1):
 def server_process(target, *args):
     """A spawned process running ``target(*args, report, stop)``: yields (its reports, our stop signals) and
     joins it after (killed if it has not exited within 30 s)."""
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     report, child_report = context.Pipe(duplex=False)
     stop_child, stop = context.Pipe(duplex=False)
     server = context.Process(target=target, args=(*args, child_report, stop_child))
