@@ -163,22 +163,56 @@ class TimedOut(Exception):
         self.stdout, self.stderr = stdout, stderr
 
 
+class ForkedPopen:
+    """A Python command started forked (see :func:`forkable`), with what a test uses of :class:`subprocess.Popen`:
+    ``pid`` (the leader of its own session), ``args``, ``returncode``, :meth:`poll`, :meth:`wait` and
+    :meth:`communicate` (text; stderr ``None`` with ``merge_stderr``, whose output goes to stdout as
+    ``stderr=subprocess.STDOUT`` does)."""
+
+    def __init__(self, argv: list[str], *, cwd: str | Path, env: dict[str, str], merge_stderr: bool = False):
+        self.args = list(argv)
+        self.returncode: int | None = None
+        self._scratch = tempfile.TemporaryDirectory(prefix="python_command_")
+        self._out = os.path.join(self._scratch.name, "stdout")
+        self._err = self._out if merge_stderr else os.path.join(self._scratch.name, "stderr")
+        self._merged = merge_stderr
+        self._process = process_context().Process(
+            target=_as_python, args=(self.args, str(cwd), dict(env), self._out, self._err), name="python-command"
+        )
+        self._process.start()
+        self.pid = self._process.pid
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._process.is_alive():
+            self._process.join()
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        return self._read(self._out), None if self._merged else self._read(self._err)
+
+    @staticmethod
+    def _read(path: str) -> str:
+        return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+
+
 def run_forked(argv: list[str], *, cwd: str | Path, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
     """``(exit status, stdout, stderr)`` of ``argv`` run to completion (see :func:`forkable`); whatever is left
     of its process group is killed when it ends. Raises :class:`TimedOut` past ``timeout`` seconds."""
-    context = process_context()
-    with tempfile.TemporaryDirectory(prefix="python_command_") as scratch:
-        out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
-        process = context.Process(
-            target=_as_python, args=(list(argv), str(cwd), dict(env), out, err), name="python-command"
-        )
-        process.start()
-        process.join(timeout)
-        timed_out = process.is_alive()
+    process = ForkedPopen(argv, cwd=cwd, env=env)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
         _kill_group(process.pid)
-        process.join()
-        stdout = Path(out).read_text(errors="replace") if os.path.exists(out) else ""
-        stderr = Path(err).read_text(errors="replace") if os.path.exists(err) else ""
-    if timed_out:
-        raise TimedOut(stdout, stderr)
-    return process.exitcode, stdout, stderr
+        process.wait()
+        raise TimedOut(*process.communicate()) from None
+    finally:
+        _kill_group(process.pid)
+    return process.returncode, *process.communicate()

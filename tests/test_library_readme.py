@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.ps_fixtures import ROOT, kill_group
+from tests.python_command import ForkedPopen, forkable
 
 EXAMPLES = ["train.py", "train_lightning.py", "train_hf.py"]
 USER_PACKAGES = {"sys", "torch", "torch_asgc", "pytorch_lightning", "transformers"}
@@ -43,10 +45,13 @@ def free_port() -> str:
         return str(probe.getsockname()[1])
 
 
-def start(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+def start(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen | ForkedPopen:
+    """``command`` (no shell syntax) started in its own session, stderr into stdout; forked when it can be."""
+    argv = shlex.split(command)
+    if forkable(argv, env):
+        return ForkedPopen(argv, cwd=cwd, env=env, merge_stderr=True)
     return subprocess.Popen(
-        command,
-        shell=True,
+        argv,
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,

@@ -227,6 +227,7 @@ class _LocalRun:
         self.server = None
         self.workers: dict[int, Any] = {}
         self.receivers: list = []
+        self.ended: set = set()  # processes whose end the launcher has acted on (restarted, or let go)
         self.pipe_of: dict[Any, Any] = {}  # process -> the receiving end of its report pipe
         self.port: int | None = None
         self.revoked = RejoinGrace(rejoin_grace_s(config.system))  # workers failed while alive: hung, or rejoining
@@ -330,10 +331,15 @@ def _await_message(run: _LocalRun, wanted: str, timeout: float | None):
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         _kill_hung(run)
-        watched = {p.sentinel: p for p in run.processes() if p.exitcode is None}
+        # A process's end is acted on once, whoever saw it first: its sentinel below, or a poll elsewhere
+        # (``is_alive``, ``exitcode``) that already collected its status, after which its sentinel never fires.
+        unhandled = [p for p in run.processes() if p not in run.ended]
+        watched = {p.sentinel: p for p in unhandled if p.exitcode is None}
+        ended = [p for p in unhandled if p.sentinel not in watched]
         wake = [t for t in (deadline, run.revoked.next_deadline()) if t is not None]
-        ready = connection.wait([*run.receivers, *watched], max(0.0, min(wake) - time.monotonic()) if wake else None)
-        if not ready:
+        limit = 0.0 if ended else max(0.0, min(wake) - time.monotonic()) if wake else None
+        ready = connection.wait([*run.receivers, *watched], limit)
+        if not ready and not ended:
             if deadline is not None and time.monotonic() >= deadline:
                 raise LaunchError(f"timed out after {timeout:.0f}s waiting for the parameter server to be {wanted}")
             continue
@@ -341,8 +347,8 @@ def _await_message(run: _LocalRun, wanted: str, timeout: float | None):
             found, value = _drain(run, receive, wanted)
             if found:
                 return value
-        for sentinel in [s for s in ready if s in watched]:
-            process = watched[sentinel]
+        for process in [*ended, *(watched[s] for s in ready if s in watched)]:
+            run.ended.add(process)
             process.join()
             found, value = _drain(run, run.pipe_of.get(process), wanted)  # its last words come first
             if found:
