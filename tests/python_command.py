@@ -167,14 +167,24 @@ class ForkedPopen:
     """A Python command started forked (see :func:`forkable`), with what a test uses of :class:`subprocess.Popen`:
     ``pid`` (the leader of its own session), ``args``, ``returncode``, :meth:`poll`, :meth:`wait` and
     :meth:`communicate` (text; stderr ``None`` with ``merge_stderr``, whose output goes to stdout as
-    ``stderr=subprocess.STDOUT`` does)."""
+    ``stderr=subprocess.STDOUT`` does). ``stdout``/``stderr``: files to write them to (a test that reads
+    them while the command runs), else files of its own."""
 
-    def __init__(self, argv: list[str], *, cwd: str | Path, env: dict[str, str], merge_stderr: bool = False):
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        cwd: str | Path,
+        env: dict[str, str],
+        merge_stderr: bool = False,
+        stdout: str | Path | None = None,
+        stderr: str | Path | None = None,
+    ):
         self.args = list(argv)
         self.returncode: int | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="python_command_")
-        self._out = os.path.join(self._scratch.name, "stdout")
-        self._err = self._out if merge_stderr else os.path.join(self._scratch.name, "stderr")
+        self._out = str(stdout or os.path.join(self._scratch.name, "stdout"))
+        self._err = self._out if merge_stderr else str(stderr or os.path.join(self._scratch.name, "stderr"))
         self._merged = merge_stderr
         self._process = process_context().Process(
             target=_as_python, args=(self.args, str(cwd), dict(env), self._out, self._err), name="python-command"

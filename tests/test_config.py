@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from src.config import Config, ConfigError, load_config, validate_config
+from tests.python_command import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -211,12 +212,8 @@ def test_every_shipped_config_loads():
 def test_cli_bad_config_exits_2_with_one_line_per_problem(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("system:\n  compression_ratio: 1.5\n  heartbeat_interval: 3\n  heartbeat_timeout: 1\n")
-    result = subprocess.run(
-        [sys.executable, "run_baseline_training.py", "--config", str(path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_command(
+        [sys.executable, "run_baseline_training.py", "--config", str(path)], cwd=ROOT, env=dict(os.environ), timeout=120
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

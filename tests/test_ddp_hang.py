@@ -29,6 +29,7 @@ from torch.distributed import TCPStore
 
 from src.metrics import read_events
 from tests.ddp_fixtures import process_gone, torchrun_command
+from tests.python_command import ForkedPopen, forkable
 from tests.test_ddp_cli import RUN_ARGS, RUN_TIMEOUT_S, RUNNER, _assert_same_training, _clean_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -38,8 +39,11 @@ DETECTION_SLACK_S = 5.0
 STEP_DELAY = {"step_delay_s": 0.1}
 
 
-def _start(command: list[str], cwd: Path, emulation: dict) -> subprocess.Popen:
+def _start(command: list[str], cwd: Path, emulation: dict) -> subprocess.Popen | ForkedPopen:
     (cwd / "emulation.yaml").write_text(yaml.safe_dump({"emulation": emulation}))
+    argv, env = [*command, "--config", "emulation.yaml"], _clean_env()
+    if forkable(argv, env):
+        return ForkedPopen(argv, cwd=cwd, env=env, stdout=cwd / "out.txt", stderr=cwd / "err.txt")
     with open(cwd / "out.txt", "w") as out, open(cwd / "err.txt", "w") as err:
         return subprocess.Popen(
             [*command, "--config", "emulation.yaml"],

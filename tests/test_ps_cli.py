@@ -16,6 +16,7 @@ import pytest
 from src.common.checkpoint import load_checkpoint
 from src.metrics import SUMMARY_FIELDS, read_events
 from tests.ps_fixtures import RUNNER, group_members, kill_group, run_cli
+from tests.python_command import run_command
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,12 +87,10 @@ def test_bad_flags_exit_nonzero_with_one_line(tmp_path, args, message):
 
 def test_worker_role_without_a_token_says_so(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "DTS_AUTH_TOKEN"}
-    process = subprocess.run(
+    process = run_command(
         [sys.executable, str(RUNNER), *"--role worker --worker-id 0 --server-address 127.0.0.1:1".split()],
         cwd=tmp_path,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert process.returncode == 1
