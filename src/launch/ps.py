@@ -332,7 +332,8 @@ def _await_message(run: _LocalRun, wanted: str, timeout: float | None):
     while True:
         _kill_hung(run)
         # A process's end is acted on once, whoever saw it first: its sentinel below, or a poll elsewhere
-        # (``is_alive``, ``exitcode``) that already collected its status, after which its sentinel never fires.
+        # (``is_alive``, ``exitcode``) that already collected its status: such a process is no longer
+        # watched, and is acted on here at once.
         unhandled = [p for p in run.processes() if p not in run.ended]
         watched = {p.sentinel: p for p in unhandled if p.exitcode is None}
         ended = [p for p in unhandled if p.sentinel not in watched]
