@@ -32,7 +32,7 @@ from tests.ddp_fixtures import process_gone, torchrun_command
 from tests.python_command import ForkedPopen, forkable
 from tests.test_ddp_cli import RUN_ARGS, RUN_TIMEOUT_S, RUNNER, _assert_same_training, _clean_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(300)]
 
 HANG_TIMEOUT_S = 5.0
 DETECTION_SLACK_S = 5.0

@@ -19,6 +19,8 @@ from torch.distributed import TCPStore
 from src.ddp.watchdog import DONE, HUNG_PEER_EXIT, HangWatchdog, heartbeat_interval, process_state
 from tests.ddp_fixtures import process_gone
 
+pytestmark = pytest.mark.alone
+
 TIMEOUT_S = 10.0
 
 

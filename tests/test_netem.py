@@ -22,6 +22,8 @@ from src.metrics import read_events
 from tests.netns_fixtures import remove_namespace, shape_egress
 from tests.ps_fixtures import ROOT, RUNNER, TOKEN, kill_group, ps_config
 
+pytestmark = pytest.mark.alone
+
 # ----------------------------------------------------------------------------- arithmetic and config
 
 

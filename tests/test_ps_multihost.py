@@ -18,7 +18,7 @@ from src.metrics import read_events
 from tests.netns_fixtures import remove_namespace
 from tests.ps_fixtures import ROOT, TOKEN, kill_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SERVER_IP, WORKER_IPS = "10.77.0.1", ("10.77.0.2", "10.77.0.3")
 

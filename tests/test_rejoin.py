@@ -24,7 +24,7 @@ from src.ps.worker_protocol import IncarnationRevoked, Rejoins, failed_call
 from src.virtual.run import run_virtual
 from tests.ps_fixtures import ps_config
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.alone, pytest.mark.timeout(300)]
 
 SAMPLES = 1000
 

@@ -26,6 +26,8 @@ from src.metrics import read_events
 from tests.ps_fixtures import ROOT
 from tests.slurm_fixtures import FINISHED_STATES, SlurmCluster, skip_or_fail, slurm_unavailable
 
+pytestmark = pytest.mark.alone
+
 PS_SCRIPT = ROOT / "deploy" / "slurm" / "ps.sbatch"
 DDP_SCRIPT = ROOT / "deploy" / "slurm" / "ddp.sbatch"
 NUM_TRAIN = 4000  # mnist_5k's training split

@@ -39,7 +39,7 @@ from tests.python_command import run_command
 from tests.test_report import SUMMARY
 from tests.test_tracing import assert_spans_nest, complete_events
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.alone, pytest.mark.timeout(300)]
 
 UPLINK_MBPS = 25.0
 DDP_RUNNER = str(ROOT / "run_ddp_training.py")

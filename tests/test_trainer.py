@@ -125,6 +125,7 @@ def test_without_epoch_evaluations_only_the_runs_end_is_evaluated_and_training_i
         assert torch.equal(value, final_parameters(final_only)[name]), name
 
 
+@pytest.mark.alone  # it times sleeps of 20 ms to a few ms
 def test_training_clock_counts_only_while_running():
     clock = TrainingClock()
     assert clock.seconds == 0.0

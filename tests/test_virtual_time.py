@@ -377,6 +377,7 @@ def test_calibration_reads_a_matrix_files_run_sections_with_the_flags_fields_set
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a real run's measured times against the virtual clock's
 def test_virtual_time_matches_a_real_run_of_the_same_experiment_calibrated_here(tmp_path):
     """2 sync workers behind 25 Mbit/s uplinks (configs/experiments/fidelity_uplink_25.yaml, one epoch): the
     virtual run's throughput within 15% of the real run's, its accuracy within a point (sync: the same updates).

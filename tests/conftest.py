@@ -1,0 +1,57 @@
+"""The suite's two lanes: pytest.ini runs ``-n 2 --dist loadfile`` (pytest-xdist), so two workers take test
+files in turn, and a test marked ``alone`` has the machine to itself.
+
+Most tests are CPU-bound processes that do not care what runs beside them, and on 2 cores two of them at a time
+finish sooner than one after the other. Some do care: those that time something (a link's measured rate, a
+virtual run calibrated against a real one), those that detect a hang or a partition from seconds of silence,
+and those that build shared machinery (network namespaces, the Slurm cluster, the Docker compose project). They
+are marked ``alone`` (a module's ``pytestmark``, or one test's mark) and run as they would in a serial run:
+tests/lanes.py's lock, held from a test's first fixture set-up to its last teardown. The lock wraps
+pytest-timeout's own wrapper, so a test's timeout does not count the wait. Without xdist (``-n 0``, or
+``-p no:xdist``) nothing is locked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+from tests.lanes import holding, lock_folder
+
+# Python's default, where the environment turned it off (PYTHONDONTWRITEBYTECODE=1 on the CI machine): compiled
+# modules are kept in __pycache__ (git ignores it), for pytest's rewritten test modules and for every process a
+# test starts (each imports some 60 of src's modules; compiling them costs a few tenths of a second each time).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# OpenMP threads that wait for work sleep instead of spinning (libgomp spins by default): with two lanes, a
+# process's spinning threads take the cores the other lane's process computes on. Measured here, two 4-worker
+# virtual PS runs at once: 28.5 s and 56 CPU-s spinning, 15.0 s and 29 CPU-s passive (one alone: 11 to 12 s
+# either way). It changes no result: the thread counts, and so the arithmetic, are the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a lane, files with more slow tests first (a file's count of them is a fair guess at its time), so the
+    last files the lanes take are the small ones that even them out. Both lanes sort alike (xdist checks)."""
+    if not hasattr(config, "workerinput"):
+        return
+    slow_tests: dict[str, int] = {}
+    for item in items:
+        slow_tests[item.path] = slow_tests.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow_tests[item.path])  # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if not hasattr(item.config, "workerinput"):  # not an xdist worker: one lane, nothing to share
+        return (yield)
+    with holding(lock_folder(os.getppid()), exclusive=item.get_closest_marker("alone") is not None):
+        return (yield)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist), once every worker has ended
+        shutil.rmtree(lock_folder(os.getpid()), ignore_errors=True)

@@ -1,0 +1,37 @@
+"""The machine lock between the suite's two lanes (pytest-xdist workers): a readers-writer lock on two files.
+
+Every test holds the machine lock shared; a test marked ``alone`` holds it exclusive, so nothing else runs
+beside it (tests/conftest.py takes it around each test). Both are ``flock`` locks on one run's files, so a
+lane that dies lets go of them. A turnstile, taken before the machine lock and let go once it is held, keeps
+a waiting exclusive holder from being overtaken for ever by the other lane's shared ones: while it waits it
+holds the turnstile, and the next shared holder queues behind it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def lock_folder(controller_pid: int) -> Path:
+    """The folder of one xdist run's two lock files, named by the controller's pid (the workers' parent)."""
+    return Path(tempfile.gettempdir()) / f"dts-pytest-lanes-{controller_pid}"
+
+
+@contextmanager
+def holding(folder: Path, exclusive: bool) -> Iterator[None]:
+    """Hold the machine lock in ``folder``, shared or exclusive, for the ``with`` block (through the turnstile)."""
+    folder.mkdir(exist_ok=True)
+    with open(folder / "turnstile", "a") as turnstile, open(folder / "machine", "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
