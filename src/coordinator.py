@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
+from src.common.sessions import SessionSigner
 from src.training.data import make_shards
 
 MemberState = Literal["live", "awaited", "failed", "replaced", "finished"]
@@ -88,6 +89,9 @@ class Membership:
         heartbeat_timeout_s: silence after which a live incarnation is failed by :meth:`expire`.
         clock: monotonic seconds (injectable for tests).
         first_incarnation: incarnations are numbered from here (a resumed server continues its count).
+        session_bytes: random bytes for a session (injectable for tests).
+        signer: sign sessions with the run's key instead (shard 0 of a sharded server:
+            :mod:`src.ps.shard_sessions` checks them on the other shards).
     """
 
     def __init__(
@@ -98,12 +102,14 @@ class Membership:
         clock: Callable[[], float] = time.monotonic,
         first_incarnation: int = 1,
         session_bytes: Callable[[int], bytes] = secrets.token_bytes,
+        signer: SessionSigner | None = None,
     ):
         self.num_workers = num_workers
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.next_incarnation = first_incarnation
         self._session_bytes = session_bytes
+        self.signer = signer
         self.current: dict[int, Member] = {}
         """The newest incarnation of each worker id that ever registered."""
         self.history: list[Member] = []
@@ -125,7 +131,9 @@ class Membership:
         else:
             replaced = None
         now = self.clock()
-        member = Member(worker_id, self.next_incarnation, self._session_bytes(16), now, now, pid=pid)
+        member = Member(
+            worker_id, self.next_incarnation, self._session(worker_id, self.next_incarnation), now, now, pid=pid
+        )
         self.next_incarnation += 1
         self.current[worker_id] = member
         self.history.append(member)
@@ -140,9 +148,15 @@ class Membership:
         so a registration after that is a rejoin.
         """
         now = self.clock()
-        member = Member(worker_id, incarnation, self._session_bytes(16), now, now, state="awaited", pid=pid)
+        member = Member(
+            worker_id, incarnation, self._session(worker_id, incarnation), now, now, state="awaited", pid=pid
+        )
         self.current[worker_id] = member
         return member
+
+    def _session(self, worker_id: int, incarnation: int) -> bytes:
+        """A new session secret: random, or signed (checkable by every shard of a sharded server)."""
+        return self.signer.issue(worker_id, incarnation) if self.signer is not None else self._session_bytes(16)
 
     def awaited(self) -> list[int]:
         """Ids of workers a restarted server still waits for, ascending."""

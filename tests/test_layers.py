@@ -24,6 +24,10 @@ PURE = (
     "src.ps.aggregation",
     "src.ps.downlink",
     "src.ps.placement",
+    "src.ps.shard_model",
+    "src.ps.shard_sessions",
+    "src.ps.shard_rounds",
+    "src.common.sessions",
     "src.emulation.event_loop",
 )
 """The spec's algorithms and the virtual clock's: free of I/O, so a unit test or the virtual clock can drive them
