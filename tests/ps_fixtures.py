@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from src.compression import IDENTITY
 from src.config import Config, load_config
 from src.parameter_server import ParameterServer
 from src.transport.clients import TRANSPORTS, make_client
-from tests.python_command import TimedOut, run_command
+from tests.python_command import TimedOut, kill_process_group, run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "run_parameter_server_training.py"
@@ -164,10 +163,7 @@ def run_cli(
 
 def kill_group(process: subprocess.Popen) -> None:
     """SIGKILL every process left in ``process``'s session/group (the runner and its children)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_process_group(process.pid)
 
 
 def group_members(pgid: int) -> list[int]:

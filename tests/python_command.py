@@ -141,14 +141,15 @@ def run_executed(argv: list[str], *, cwd: str | Path, env: dict[str, str], timeo
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(process.pid)
+        kill_process_group(process.pid)
         raise TimedOut(*process.communicate()) from None
     finally:
-        _kill_group(process.pid)
+        kill_process_group(process.pid)
     return process.returncode, stdout, stderr
 
 
-def _kill_group(pid: int) -> None:
+def kill_process_group(pid: int) -> None:
+    """SIGKILL every process left in process group ``pid`` (nothing if the group is gone already)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -220,9 +221,9 @@ def run_forked(argv: list[str], *, cwd: str | Path, env: dict[str, str], timeout
     try:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(process.pid)
+        kill_process_group(process.pid)
         process.wait()
         raise TimedOut(*process.communicate()) from None
     finally:
-        _kill_group(process.pid)
+        kill_process_group(process.pid)
     return process.returncode, *process.communicate()

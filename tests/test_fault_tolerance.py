@@ -23,6 +23,11 @@ pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(600)]
 
 HEARTBEAT = {"system__heartbeat_interval": 0.5, "system__heartbeat_timeout": 3.0}
 NUM_TRAIN = 4000  # all of mnist_5k's training split
+ACCURACY_TOLERANCE = {"sync": 0.02, "async": 0.03}
+"""How far a faulted run's final accuracy may be from the fault-free reference's. Async is not deterministic (the
+staleness of each push depends on timing), so both runs draw from a spread: eight fault-free async runs of this
+job here scored 0.948 to 0.969, and eight of the async chaos run 0.942 to 0.969 (one in CI 0.944 against a
+reference's 0.965)."""
 
 
 def job(tmp_path: Path, name: str, mode: str, faults: list[str] = (), **fields) -> Config:
@@ -107,7 +112,10 @@ def test_a_killed_and_a_hung_worker_are_survived(tmp_path, reference, mode):
     assert events(config, "server", kind="work_reassigned")
     assert_every_sample_once(config)
     assert summary["samples_processed"] == 2 * NUM_TRAIN and summary["faults"]["worker_failures"] >= 2
-    assert abs(summary["final_accuracy"] - reference[mode]["final_accuracy"]) <= 0.02, (summary, reference[mode])
+    assert abs(summary["final_accuracy"] - reference[mode]["final_accuracy"]) <= ACCURACY_TOLERANCE[mode], (
+        summary,
+        reference[mode],
+    )
 
 
 def test_a_killed_server_resumes_from_its_checkpoint(tmp_path, reference):
@@ -124,7 +132,7 @@ def test_a_killed_server_resumes_from_its_checkpoint(tmp_path, reference):
     report = assert_every_sample_once(config)  # no request applied twice either
     assert report["voided"] == recovered[0]["versions_lost"]
     assert [e["attempt"] for e in events(config, "launcher", kind="server_restarted")] == [1]
-    assert abs(summary["final_accuracy"] - reference["sync"]["final_accuracy"]) <= 0.02
+    assert abs(summary["final_accuracy"] - reference["sync"]["final_accuracy"]) <= ACCURACY_TOLERANCE["sync"]
 
 
 @pytest.mark.parametrize("mode, seed", [("sync", 11), ("async", 12)])
@@ -149,7 +157,7 @@ def test_seeded_chaos(tmp_path, reference, mode, seed):
     for recovered in events(config, "server", kind="server_recovered"):
         assert recovered["versions_lost"] <= config.training.checkpoint_interval
     assert summary["samples_processed"] == 2 * NUM_TRAIN
-    assert abs(summary["final_accuracy"] - reference[mode]["final_accuracy"]) <= 0.02, (
+    assert abs(summary["final_accuracy"] - reference[mode]["final_accuracy"]) <= ACCURACY_TOLERANCE[mode], (
         faults,
         summary["final_accuracy"],
     )
