@@ -108,6 +108,32 @@ def test_a_virtual_run_without_a_figure_it_needs_is_refused_naming_it(tmp_path):
         CostModel(faulty)
 
 
+def test_a_virtual_run_without_its_figures_measures_them_here_says_so_and_names_them_in_the_summary(tmp_path, capsys):
+    config = ps_config(
+        tmp_path, "measured", system__clock="virtual", training__max_train_samples=256, training__num_epochs=1
+    )
+    summary = run_virtual(config, tensorboard=False)
+    said = capsys.readouterr().err
+    missing = ["compute_s", "server_update_s", "server_reply_s"]
+    assert f"virtual time: {', '.join('emulation.' + m for m in missing)} not in the config; measuring them" in said
+    cost = summary["cost_model"]
+    assert cost["measured_here"] == sorted(missing)
+    assert all(f"{name}={cost[name]:.6g}" in said for name in ("server_update_s", "server_reply_s"))
+    assert cost["compute_s"]["0"] > 0 and cost["server_update_s"] > 0 and cost["server_reply_s"] > 0
+    assert summary["samples_processed"] == 256
+    given = run_virtual(virtual_config(tmp_path, "given", training__max_train_samples=64), tensorboard=False)
+    assert "measured_here" not in given["cost_model"] and "virtual time:" not in capsys.readouterr().err
+
+
+def test_a_virtual_run_with_faults_and_no_restart_time_is_refused_before_measuring_naming_every_missing_figure(
+    tmp_path, capsys
+):
+    config = ps_config(tmp_path, "faulty", system__clock="virtual", system__inject_faults=["kill:worker=0@step=2"])
+    with pytest.raises(SetupError, match=r"^emulation.restart_s: .*; emulation.compute_s, .*server_reply_s are"):
+        run_virtual(config, tensorboard=False)
+    assert "measuring" not in capsys.readouterr().err
+
+
 def test_ring_and_all_gather_costs():
     # 4 ranks, 1 MB, 8 Mbit/s, 1 ms: 2*3/4 of 8e6 bits at 8e6 bit/s, plus 6 latencies.
     assert ring_allreduce_s(4, 1_000_000, 8e6, 0.001) == pytest.approx(1.5 + 0.006)

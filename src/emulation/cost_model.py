@@ -3,7 +3,8 @@
 Nothing is measured during a virtual run (:mod:`src.virtual.run`): every duration is computed
 from these figures, so a run gives the same times on any machine under any load. The figures a
 config lacks are measured once, on the machine to be modelled, by ``scripts/calibrate.py``, which
-prints the ``emulation:`` lines to paste.
+prints the ``emulation:`` lines to paste; a virtual run that lacks some measures them itself before it
+starts (:func:`src.virtual.calibration.with_measured_figures`). This class refuses a config without them.
 
 * **compute**: a step of worker k on ``n`` samples takes ``t = compute_s * n / batch_size``
   (``compute_s`` per worker in ``emulation.workers``), stretched as a real emulated run stretches
@@ -109,6 +110,9 @@ class CostModel:
             self.server_reply_s = _required(emulation.server_reply_s, "server_reply_s", "the server's time per reply")
         self.server_bps = _mbps_to_bps(emulation.server_mbps)
         self.uplink_schedule = [(float(t), float(mbps)) for t, mbps in emulation.uplink_schedule]
+        self.measured_here: dict[str, float] = {}
+        """The figures the config lacked and this machine measured before the run
+        (:func:`src.virtual.calibration.with_measured_figures`); the summary names them."""
         faults = [parse_fault(text) for text in system.inject_faults]
         self.restart_s = (
             _required(emulation.restart_s, "restart_s", "a faulted process restarts")
@@ -140,6 +144,7 @@ class CostModel:
             "server_mbps": None if self.server_bps is None else self.server_bps / BITS_PER_MEGABIT,
             "restart_s": self.restart_s,
             **({"uplink_schedule": [list(entry) for entry in self.uplink_schedule]} if self.uplink_schedule else {}),
+            **({"measured_here": sorted(self.measured_here)} if self.measured_here else {}),
         }
 
 

@@ -13,6 +13,11 @@ machine running that config:
 * ``server_reply_s``: the core's work per reply (the next work, the parameters, serialized), plus
   the transport's own time per round trip: a real gRPC push on loopback minus the core's work, so a
   virtual run's server time holds everything a real round trip costs beyond the links.
+
+A virtual run whose config lacks some of these figures measures them first (:func:`with_measured_figures`:
+the same measurements, the missing ones only) and says what it measured, rather than stopping at the first
+missing one. ``restart_s`` (a run with faults) is not measured: it is refused at once, with every other
+missing figure named in the same line.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from src import parameter_server_pb2 as pb
-from src.config import Config, config_from_data, read_config_file
+from src.config import Config, SetupError, config_from_data, read_config_file
+from src.emulation.cost_model import CALIBRATE
+from src.emulation.netem import conditions_for
 from src.metrics import MetricsLogger
 from src.trainer import model_from_config
 from src.training.data import load_dataset
@@ -281,3 +288,59 @@ def as_yaml(result: dict[str, Any], config: Config, config_path: str | Path | No
     ]
     lines += [f"  {name}: {value:.6g}" for name, value in result["emulation"].items()]
     return "\n".join(lines)
+
+
+def missing_figures(config: Config, *, server: bool) -> list[str]:
+    """The ``emulation`` figures a virtual run of ``config`` needs and lacks (``server``: a parameter server's
+    too), in the order :class:`~src.emulation.cost_model.CostModel` asks for them."""
+    emulation, system = config.emulation, config.system
+    missing = []
+    if any(conditions_for(emulation, k).compute_s is None for k in range(system.num_workers)):
+        missing.append("compute_s")
+    if system.compression_enabled and emulation.compress_s is None:
+        missing.append("compress_s")
+    if server:
+        missing += [name for name in ("server_update_s", "server_reply_s") if getattr(emulation, name) is None]
+    if server and system.inject_faults and emulation.restart_s is None:  # virtual DDP refuses faults
+        missing.append("restart_s")
+    return missing
+
+
+def with_measured_figures(
+    config: Config, *, server: bool, say: Callable[[str], None], steps: int = 20
+) -> tuple[Config, dict[str, float]]:
+    """``config`` with the cost-model figures it lacks measured on this machine (as :func:`calibrate` measures
+    them, one process), and those figures; ``say`` is told what is measured, and what came of it.
+
+    Raises:
+        SetupError: ``emulation.restart_s`` is missing from a run with faults (it is not measured here).
+    """
+    missing = missing_figures(config, server=server)
+    if not missing:
+        return config, {}
+    if "restart_s" in missing:
+        others = ", ".join(f"emulation.{name}" for name in missing if name != "restart_s")
+        raise SetupError(
+            "emulation.restart_s: a virtual-time run with faults needs it (the seconds a faulted process takes to "
+            "start again), and it is not measured here"
+            + (f"; {others} are missing too: `{CALIBRATE}` measures them" if others else "")
+        )
+    say(
+        f"virtual time: {', '.join('emulation.' + name for name in missing)} not in the config; measuring "
+        f"{'it' if len(missing) == 1 else 'them'} on this machine, as `{CALIBRATE}` does"
+    )
+    started = time.perf_counter()
+    measured: dict[str, float] = {}
+    if "compute_s" in missing or "compress_s" in missing:
+        worker = measure_worker(config, steps=steps)
+        measured.update({name: worker[name] for name in ("compute_s", "compress_s") if name in missing})
+    if "server_update_s" in missing or "server_reply_s" in missing:
+        figures = measure_server(config, pushes=steps)
+        measured.update({name: figures[name] for name in ("server_update_s", "server_reply_s") if name in missing})
+    say(
+        f"virtual time: measured in {time.perf_counter() - started:.1f} s: "
+        + ", ".join(f"{name}={value:.6g}" for name, value in measured.items())
+        + " (put them in the config's emulation section to run with the same figures again)"
+    )
+    emulation = config.emulation.model_copy(update=measured)
+    return config.model_copy(update={"emulation": emulation}), measured

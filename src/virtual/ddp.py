@@ -27,6 +27,7 @@ simulated for DDP (the parameter server's are, :mod:`src.virtual.run`): a config
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from src.trainer import (
     samples_due,
 )
 from src.training.data import make_shards, steps_per_epoch
+from src.virtual.calibration import with_measured_figures
 
 
 class VirtualDDP:
@@ -65,11 +67,7 @@ class VirtualDDP:
 
     def __init__(self, config: Config, *, tensorboard: bool = True):
         system, t = config.system, config.training
-        if system.inject_faults:
-            raise SetupError(
-                "system.inject_faults: faults are simulated in virtual time for the parameter server only; "
-                "run DDP faults on the real clock"
-            )
+        _refuse_faults(config)
         self.config = config
         self.cost = CostModel(config, server=False)
         self.clock = VirtualClock()
@@ -341,5 +339,20 @@ class VirtualDDP:
 def run_virtual_ddp(
     config: Config, *, summary_json: str | Path | None = None, tensorboard: bool = True
 ) -> dict[str, Any]:
-    """Run a DDP job in virtual time (see the module docstring); returns the run summary."""
-    return VirtualDDP(config, tensorboard=tensorboard).run(summary_json)
+    """Run a DDP job in virtual time (see the module docstring); returns the run summary. The figures the config
+    lacks are measured on this machine first, and said on stderr (as :func:`src.virtual.run.run_virtual` does)."""
+    _refuse_faults(config)  # before any measuring
+    config, measured = with_measured_figures(
+        config, server=False, say=lambda line: print(line, file=sys.stderr, flush=True)
+    )
+    run = VirtualDDP(config, tensorboard=tensorboard)
+    run.cost.measured_here = measured
+    return run.run(summary_json)
+
+
+def _refuse_faults(config: Config) -> None:
+    if config.system.inject_faults:
+        raise SetupError(
+            "system.inject_faults: faults are simulated in virtual time for the parameter server only; "
+            "run DDP faults on the real clock"
+        )

@@ -39,6 +39,7 @@ workers' forward/backward passes: ``wall_loop_s / wall_compute_s`` is the driver
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from src.config import Config, SetupError
 from src.emulation.cost_model import CostModel
 from src.emulation.event_loop import EventLoop
 from src.trainer import load_splits, model_from_config
+from src.virtual.calibration import with_measured_figures
 from src.virtual.launcher import VirtualLauncher
 from src.virtual.server import VirtualServer
 from src.virtual.timelines import VirtualTimelines
@@ -154,10 +156,20 @@ def run_virtual(
 ) -> dict[str, Any]:
     """Run a parameter-server job in virtual time (see the module docstring); returns the run summary.
 
+    The cost-model figures the config lacks are measured on this machine first, and said on stderr
+    (:func:`~src.virtual.calibration.with_measured_figures`); the summary's ``cost_model.measured_here`` names them.
+
     Raises:
-        SetupError: the config lacks a figure the cost model needs, or is not a parameter-server run.
+        SetupError: the config lacks ``emulation.restart_s`` for its faults, or is not a parameter-server run.
         LaunchError: the run cannot finish.
     """
     if config.system.architecture != "parameter_server":
         raise SetupError(f"system.clock: virtual runs a parameter-server job here, not {config.system.architecture}")
-    return VirtualRun(config, resume=resume, tensorboard=tensorboard).run(summary_json)
+    config, measured = with_measured_figures(config, server=True, say=_say)
+    run = VirtualRun(config, resume=resume, tensorboard=tensorboard)
+    run.cost.measured_here = measured
+    return run.run(summary_json)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
