@@ -32,6 +32,13 @@ def session_key(secret: bytes) -> bytes:
     return hmac.new(secret, b"dts worker sessions v1", hashlib.sha256).digest()
 
 
+def signature(key: bytes, purpose: bytes, body: bytes) -> bytes:
+    """The run's 16-byte tag of ``body`` for ``purpose`` (HMAC-SHA256 under ``key``, cut): what a session and a
+    shard's round certificate (:mod:`src.ps.shard_rounds`) carry; the purpose keeps one's tag from passing as
+    the other's. Compare tags with :func:`hmac.compare_digest`."""
+    return hmac.new(key, purpose + body, hashlib.sha256).digest()[:TAG_BYTES]
+
+
 class ForgedSession(ValueError):
     """A session that no holder of the key issued (or not to this worker id)."""
 
@@ -58,4 +65,4 @@ class SessionSigner:
         return _HEADER.unpack(header)[0]
 
     def _tag(self, worker_id: int, header: bytes) -> bytes:
-        return hmac.new(self._key, struct.pack(">i", worker_id) + header, hashlib.sha256).digest()[:TAG_BYTES]
+        return signature(self._key, b"dts session v1", struct.pack(">i", worker_id) + header)

@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from src.common.faults import parse_fault
 from src.config import Config, SetupError
 from src.emulation.netem import BITS_PER_MEGABIT, ComputeDelay, WorkerConditions, conditions_for, worker_seed
 
@@ -45,10 +44,48 @@ def _mbps_to_bps(mbps: float | None) -> float | None:
     return None if mbps is None else mbps * BITS_PER_MEGABIT
 
 
-def _required(value: float | None, field: str, why: str) -> float:
-    if value is None:
-        raise SetupError(f"emulation.{field}: a virtual-time run needs it ({why}); measure it with `{CALIBRATE}`")
-    return value
+NEEDED_FOR = {
+    "compute_s": "seconds per step",
+    "compress_s": "the run compresses its gradients",
+    "server_update_s": "the server's time per push",
+    "server_reply_s": "the server's time per reply",
+    "restart_s": "a faulted process restarts",
+}
+"""Each figure a virtual run may need, and why it needs it."""
+
+
+def missing_figures(config: Config, *, server: bool = True) -> list[str]:
+    """The ``emulation`` figures a virtual run of ``config`` needs and lacks (``server``: a parameter server's
+    too), in :data:`NEEDED_FOR`'s order: ``compute_s`` when a worker has none, ``compress_s`` when the run
+    compresses, the server's two, ``restart_s`` when it injects faults."""
+    emulation, system = config.emulation, config.system
+    needed = {
+        "compute_s": _worker_without_compute(config) is not None,
+        "compress_s": system.compression_enabled and emulation.compress_s is None,
+        "server_update_s": server and emulation.server_update_s is None,
+        "server_reply_s": server and emulation.server_reply_s is None,
+        "restart_s": bool(system.inject_faults) and emulation.restart_s is None,
+    }
+    return [name for name in NEEDED_FOR if needed[name]]
+
+
+def _worker_without_compute(config: Config) -> int | None:
+    emulation = config.emulation
+    return next((k for k in range(config.system.num_workers) if conditions_for(emulation, k).compute_s is None), None)
+
+
+def _refuse_missing(config: Config, server: bool) -> None:
+    """Raise a one-line error naming the first missing figure, why the run needs it, and the calibration command."""
+    missing = missing_figures(config, server=server)
+    if not missing:
+        return
+    name = field = missing[0]
+    worker = _worker_without_compute(config)
+    if name == "compute_s" and worker in config.emulation.workers:
+        field = f"compute_s (or emulation.workers.{worker}.compute_s)"
+    raise SetupError(
+        f"emulation.{field}: a virtual-time run needs it ({NEEDED_FOR[name]}); measure it with `{CALIBRATE}`"
+    )
 
 
 @dataclass
@@ -88,37 +125,23 @@ class CostModel:
     """
 
     def __init__(self, config: Config, *, server: bool = True):
+        _refuse_missing(config, server)
         emulation, system, t = config.emulation, config.system, config.training
         self.batch_size = t.batch_size
         self.workers: list[WorkerCosts] = []
         for k in range(system.num_workers):
             conditions = conditions_for(emulation, k)
-            compute_s = _required(
-                conditions.compute_s,
-                "compute_s" if k not in emulation.workers else f"compute_s (or emulation.workers.{k}.compute_s)",
-                "seconds per step",
-            )
-            self.workers.append(WorkerCosts(conditions, compute_s, ComputeDelay(conditions, worker_seed(t.seed, k))))
-        self.compress_s = (
-            _required(emulation.compress_s, "compress_s", "the run compresses its gradients")
-            if system.compression_enabled
-            else (emulation.compress_s or 0.0)
-        )
-        self.server_update_s = self.server_reply_s = 0.0
-        if server:
-            self.server_update_s = _required(emulation.server_update_s, "server_update_s", "the server's time per push")
-            self.server_reply_s = _required(emulation.server_reply_s, "server_reply_s", "the server's time per reply")
+            delay = ComputeDelay(conditions, worker_seed(t.seed, k))
+            self.workers.append(WorkerCosts(conditions, conditions.compute_s, delay))
+        self.compress_s = emulation.compress_s or 0.0
+        self.server_update_s = emulation.server_update_s if server else 0.0
+        self.server_reply_s = emulation.server_reply_s if server else 0.0
         self.server_bps = _mbps_to_bps(emulation.server_mbps)
         self.uplink_schedule = [(float(t), float(mbps)) for t, mbps in emulation.uplink_schedule]
+        self.restart_s = emulation.restart_s or 0.0
         self.measured_here: dict[str, float] = {}
         """The figures the config lacked and this machine measured before the run
         (:func:`src.virtual.calibration.with_measured_figures`); the summary names them."""
-        faults = [parse_fault(text) for text in system.inject_faults]
-        self.restart_s = (
-            _required(emulation.restart_s, "restart_s", "a faulted process restarts")
-            if faults
-            else (emulation.restart_s or 0.0)
-        )
 
     def uplink_bps(self, worker: int, now_s: float) -> float | None:
         """Worker ``worker``'s uplink bandwidth at virtual second ``now_s``: the latest ``uplink_schedule``

@@ -31,14 +31,12 @@ Pure: no I/O; the follower's server core calls it with its lock held.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from src.common.sessions import signature
 from src.ps.aggregation import Contribution, ModelState
-
-_TAG_BYTES = 16
 
 
 class ShardBehind(RuntimeError):
@@ -71,11 +69,11 @@ def certify(key: bytes, version: int, contributors: list[tuple[int, int]], learn
     if not contributors:
         raise ValueError(f"version {version}: a certificate needs at least one contributor")
     unsigned = RoundCertificate(version, tuple(sorted(contributors)), float(learning_rate))
-    return RoundCertificate(unsigned.version, unsigned.contributors, unsigned.learning_rate, _tag(key, unsigned))
+    return replace(unsigned, tag=_tag(key, unsigned))
 
 
 def _tag(key: bytes, certificate: RoundCertificate) -> bytes:
-    return hmac.new(key, b"dts round v1" + certificate.body(), hashlib.sha256).digest()[:_TAG_BYTES]
+    return signature(key, b"dts round v1", certificate.body())
 
 
 class FollowerRounds:
@@ -91,8 +89,6 @@ class FollowerRounds:
         self._key = key
         self.held: dict[int, Contribution] = {}
         """The contributions held for the next version (``state.version + 1``), by worker id."""
-        self.last: RoundCertificate | None = None
-        """The certificate of the newest version applied here."""
 
     @property
     def next_version(self) -> int:
@@ -150,5 +146,4 @@ class FollowerRounds:
         self.state.set_learning_rate(certificate.learning_rate)
         self.state.step(*self.state.average(contributions))
         self.held.clear()  # what an uncertified worker sent is voided with the version
-        self.last = certificate
         return True

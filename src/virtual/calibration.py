@@ -23,6 +23,7 @@ missing figure named in the same line.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +33,7 @@ import torch
 
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, config_from_data, read_config_file
-from src.emulation.cost_model import CALIBRATE
-from src.emulation.netem import conditions_for
+from src.emulation.cost_model import CALIBRATE, missing_figures
 from src.metrics import MetricsLogger
 from src.trainer import model_from_config
 from src.training.data import load_dataset
@@ -290,27 +290,12 @@ def as_yaml(result: dict[str, Any], config: Config, config_path: str | Path | No
     return "\n".join(lines)
 
 
-def missing_figures(config: Config, *, server: bool) -> list[str]:
-    """The ``emulation`` figures a virtual run of ``config`` needs and lacks (``server``: a parameter server's
-    too), in the order :class:`~src.emulation.cost_model.CostModel` asks for them."""
-    emulation, system = config.emulation, config.system
-    missing = []
-    if any(conditions_for(emulation, k).compute_s is None for k in range(system.num_workers)):
-        missing.append("compute_s")
-    if system.compression_enabled and emulation.compress_s is None:
-        missing.append("compress_s")
-    if server:
-        missing += [name for name in ("server_update_s", "server_reply_s") if getattr(emulation, name) is None]
-    if server and system.inject_faults and emulation.restart_s is None:  # virtual DDP refuses faults
-        missing.append("restart_s")
-    return missing
-
-
 def with_measured_figures(
-    config: Config, *, server: bool, say: Callable[[str], None], steps: int = 20
+    config: Config, *, server: bool, say: Callable[[str], None] | None = None, steps: int = 20
 ) -> tuple[Config, dict[str, float]]:
-    """``config`` with the cost-model figures it lacks measured on this machine (as :func:`calibrate` measures
-    them, one process), and those figures; ``say`` is told what is measured, and what came of it.
+    """``config`` with the cost-model figures it lacks (:func:`~src.emulation.cost_model.missing_figures`)
+    measured on this machine (as :func:`calibrate` measures them, one process), and those figures; ``say`` (default:
+    a line on stderr) is told what is measured, and what came of it.
 
     Raises:
         SetupError: ``emulation.restart_s`` is missing from a run with faults (it is not measured here).
@@ -318,6 +303,7 @@ def with_measured_figures(
     missing = missing_figures(config, server=server)
     if not missing:
         return config, {}
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     if "restart_s" in missing:
         others = ", ".join(f"emulation.{name}" for name in missing if name != "restart_s")
         raise SetupError(

@@ -27,7 +27,6 @@ simulated for DDP (the parameter server's are, :mod:`src.virtual.run`): a config
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -342,9 +341,7 @@ def run_virtual_ddp(
     """Run a DDP job in virtual time (see the module docstring); returns the run summary. The figures the config
     lacks are measured on this machine first, and said on stderr (as :func:`src.virtual.run.run_virtual` does)."""
     _refuse_faults(config)  # before any measuring
-    config, measured = with_measured_figures(
-        config, server=False, say=lambda line: print(line, file=sys.stderr, flush=True)
-    )
+    config, measured = with_measured_figures(config, server=False)
     run = VirtualDDP(config, tensorboard=tensorboard)
     run.cost.measured_here = measured
     return run.run(summary_json)

@@ -39,7 +39,6 @@ workers' forward/backward passes: ``wall_loop_s / wall_compute_s`` is the driver
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -165,11 +164,7 @@ def run_virtual(
     """
     if config.system.architecture != "parameter_server":
         raise SetupError(f"system.clock: virtual runs a parameter-server job here, not {config.system.architecture}")
-    config, measured = with_measured_figures(config, server=True, say=_say)
+    config, measured = with_measured_figures(config, server=True)
     run = VirtualRun(config, resume=resume, tensorboard=tensorboard)
     run.cost.measured_here = measured
     return run.run(summary_json)
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
