@@ -109,10 +109,14 @@ class Control(_message.Message):
     def __init__(self, compression_ratio: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("caller",)
+    __slots__ = ("caller", "certificate", "parameters_only")
     CALLER_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_ONLY_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ...) -> None: ...
+    certificate: bytes
+    parameters_only: bool
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., certificate: _Optional[bytes] = ..., parameters_only: _Optional[bool] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("version", "parameters", "buffers", "work", "control")
@@ -147,7 +151,7 @@ class StepMetrics(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., gradient_time_s: _Optional[float] = ..., compression_time_s: _Optional[float] = ..., communication_time_s: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics", "learning_rate")
+    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics", "learning_rate", "hold", "commit")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +161,8 @@ class PushRequest(_message.Message):
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     base_version: int
     request_id: int
@@ -166,10 +172,12 @@ class PushRequest(_message.Message):
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
     metrics: StepMetrics
     learning_rate: float
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+    hold: bool
+    commit: bool
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ..., hold: _Optional[bool] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control")
+    __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control", "certificate")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +188,7 @@ class PushReply(_message.Message):
     PARAMETER_DELTAS_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     version: int
@@ -190,7 +199,8 @@ class PushReply(_message.Message):
     parameter_deltas: _containers.RepeatedScalarFieldContainer[bytes]
     work: Work
     control: Control
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., parameter_deltas: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
+    certificate: bytes
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., parameter_deltas: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("samples", "steps", "bytes_sent", "bytes_received", "gradient_time_s", "compression_time_s", "communication_time_s", "total_time_s", "train_loss", "train_accuracy", "pushes_rejected", "payload_bytes", "dense_bytes", "emulated_delay_s")

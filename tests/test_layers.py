@@ -26,6 +26,7 @@ PURE = (
     "src.ps.placement",
     "src.ps.shard_model",
     "src.ps.shard_sessions",
+    "src.ps.sharding",
     "src.ps.shard_rounds",
     "src.common.sessions",
     "src.emulation.event_loop",

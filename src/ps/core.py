@@ -72,6 +72,7 @@ from src import parameter_server_pb2 as pb
 from src.common.checkpoint import final_checkpoint_path
 from src.common.clock import REAL_CLOCK, Clock
 from src.common.faults import FaultInjector, FaultSpec
+from src.common.sessions import SessionSigner
 from src.config import Config, SetupError
 from src.coordinator import Batch, Member, Membership, MembershipError
 from src.emulation import netem
@@ -83,10 +84,11 @@ from src.ps.evaluation import ServerEvaluations
 from src.ps.model import ServedModel
 from src.ps.pushes import Pushes
 from src.ps.refusals import MEMBERSHIP_CODES, PushRefused, Refused, RunFailed
+from src.ps.sharding import Sharding
 from src.ps.staleness import StalenessPolicy
 from src.ps.totals import RunTotals, emulation_summary
 from src.ps.updates import Updates
-from src.ps.work_source import WorkSource
+from src.ps.work_source import WorkRefused, WorkSource
 from src.ps.workers import Workers
 from src.telemetry import tracing
 from src.telemetry.trackers import open_trackers
@@ -118,6 +120,9 @@ class ServerCore:
         events_after_replies: a push's ``push`` and ``update`` events are recorded under the lock and
             written by :meth:`flush_events`, which the driver calls once the push's reply is on its way
             (a killed server may lose the events of replies it had just sent). Default: written at once.
+        sharding: serve shard 0 of a sharded server (:class:`~src.ps.sharding.Sharding`): its part of ``model``,
+            signed sessions every shard checks, pushes held then committed, a certificate per sync version
+            (:mod:`src.ps.shard_rounds`). Default: the whole model.
     """
 
     def __init__(
@@ -138,8 +143,11 @@ class ServerCore:
         background: Executor | None = None,
         reply_views: bool = False,
         events_after_replies: bool = False,
+        sharding: Sharding | None = None,
     ):
         self.config = config
+        self.sharding = sharding
+        self._held: dict[int, Contribution] = {}  # sharded: pushes held until their commit, by worker
         self._events_after_replies = events_after_replies
         t, system = config.training, config.system
         self.clock = clock
@@ -161,7 +169,11 @@ class ServerCore:
         netem.check_workers(config.emulation, self.num_workers)
         self.model = ServedModel(config, reply_views=reply_views)
         self.lock = threading.Condition()  # re-entrant: an inline evaluation decides under the caller's lock
-        self.members = Membership(self.num_workers, system.heartbeat_timeout, clock=clock.monotonic)
+        refusal = sharding.refusal(config, model, test_set) if sharding is not None else None
+        if refusal is not None:
+            raise SetupError(refusal)
+        signer = SessionSigner(sharding.key) if sharding is not None else None
+        self.members = Membership(self.num_workers, system.heartbeat_timeout, clock=clock.monotonic, signer=signer)
         self.requests = RequestLog()
         self.stopping = False
         self.fatal: BaseException | None = None
@@ -179,7 +191,7 @@ class ServerCore:
         )
         self._make_collaborators(test_set, background, model_label or t.model_architecture, data_label or t.dataset)
         if model is not None:
-            self._install_model(model)
+            self._install_model(sharding.part(model) if sharding is not None else model)
         else:
             self.model.warm_up()
         self.resumed_from: Path | None = self._restore(resume) if resume is not None else None
@@ -208,6 +220,7 @@ class ServerCore:
             on_update=self._after_update,
             check_done=self._check_done,
             events_later=self._events_after_replies,
+            certify=self.sharding.certify if self.sharding is not None else None,
             **parts,
             **shared,
         )
@@ -288,24 +301,71 @@ class ServerCore:
         self.model.require()
         return self.pushes.admit(member, request)
 
-    def decode(self, worker_id: int, received: Received) -> Contribution:
-        """Check and decompress a push's tensors (no lock needed); raises :class:`Refused` naming the problem."""
-        with tracing.span("decode", worker=worker_id, request_id=received.message.request_id):
+    def decode(self, worker_id: int, received: Received) -> Contribution | None:
+        """Check and decompress a push's tensors (no lock needed); raises :class:`Refused` naming the problem.
+        ``None`` for a sharded server's commit (it carries none: :meth:`apply_push` takes the held push)."""
+        request = received.message
+        if self.sharding is not None or request.hold or request.commit:
+            Sharding.check_push(self.sharding, request)
+            if request.commit:
+                return None
+        with tracing.span("decode", worker=worker_id, request_id=request.request_id):
             return self.model.layout.decode(worker_id, received, owns_data=self.work.owns_data)
 
-    def apply_push(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> pb.PushReply:
-        """Add the decoded push to the barrier (sync) or apply it with its staleness weight (async): the verdict."""
+    def hold(self, member: Member, request: pb.PushRequest, contribution: Contribution) -> bytes:
+        """A sharded server: hold a decoded push (``PushRequest.hold``) until its commit; the acknowledgement.
+
+        Its batches must be the worker's work, as any push's; it joins the barrier only when committed
+        (:mod:`src.ps.shard_rounds`), and a later hold of the same worker replaces it.
+        """
+        try:
+            self.work.check_covers(member.worker_id, request)
+        except WorkRefused as exc:
+            raise PushRefused(exc.code, exc.message) from None
+        self._held[member.worker_id] = contribution
+        return pb.PushReply(accepted=True, version=self.version).SerializeToString()
+
+    def apply_push(self, member: Member, request: pb.PushRequest, contribution: Contribution | None) -> pb.PushReply:
+        """Add the decoded push to the barrier (sync) or apply it with its staleness weight (async): the verdict.
+        A sharded server's commit (``contribution`` ``None``) adds the push it holds under the same request id."""
+        if request.commit:
+            contribution = self._committed(member.worker_id, request)
         verdict = self.updates.apply(member, request, contribution)
         self.lock.notify_all()
         return verdict
 
+    def _committed(self, worker: int, request: pb.PushRequest) -> Contribution:
+        held = self._held.get(worker)
+        if held is None or held.request_id != request.request_id:
+            raise PushRefused(
+                "FAILED_PRECONDITION",
+                f"commit of push {request.request_id} of worker {worker}, which this shard does not hold "
+                f"(send it with hold=true to every shard first)",
+            )
+        if held.num_samples != request.num_samples:
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                f"commit of push {request.request_id} of worker {worker}: num_samples {request.num_samples}, "
+                f"the held push has {held.num_samples}",
+            )
+        return self._held.pop(worker)
+
     def push_reply(
         self, member: Member, request_id: int, verdict: pb.PushReply, work: tuple[list[Batch] | None, bool]
     ) -> bytes | Pieces:
-        """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``."""
-        reply = self.pushes.reply(member, request_id, verdict, work)
+        """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``.
+        A sharded server's: the newest version's certificate instead of the parameters (the worker pulls
+        every shard's)."""
+        if self.sharding is not None:
+            verdict.certificate = self.updates.certificate
+        reply = self.pushes.reply(member, request_id, verdict, work, parameters=self.sharding is None)
         self.lock.notify_all()
         return reply
+
+    def parameters(self, member: Member) -> bytes | Pieces:
+        """A sharded server's ``PullRequest.parameters_only``: this shard's parameters at its version, no work."""
+        with tracing.span("reply", worker=member.worker_id):
+            return self.replies.serialize(pb.PullReply(version=self.version), member.worker_id)
 
     def abandon(self, worker_id: int, request_id: int) -> None:
         """A push ended without a reply (refused, or its caller gone): a retry is handled afresh."""

@@ -66,15 +66,26 @@ class Pushes:
         return member
 
     def reply(
-        self, member: Member, request_id: int, verdict: pb.PushReply, work: tuple[list[Batch] | None, bool]
+        self,
+        member: Member,
+        request_id: int,
+        verdict: pb.PushReply,
+        work: tuple[list[Batch] | None, bool],
+        *,
+        parameters: bool = True,
     ) -> bytes | Pieces:
-        """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``."""
+        """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``;
+        ``parameters=False``: without them (a sharded server's commit reply: the worker pulls every shard's), kept
+        as it is."""
         verdict.work.CopyFrom(self.work.message(*work))
         verdict.version = self.model.state.version
         verdict.control.CopyFrom(self.control.control)
         with tracing.span("reply", worker=member.worker_id):
-            reply = self.model.replies.serialize(verdict, member.worker_id)
-        stored = self.model.replies.kept_for_retry(reply, verdict)
+            if parameters:
+                reply = self.model.replies.serialize(verdict, member.worker_id)
+                stored = self.model.replies.kept_for_retry(reply, verdict)
+            else:
+                reply = stored = verdict.SerializeToString()
         self.requests.finish(member.worker_id, request_id, stored, applied=verdict.accepted)
         return reply
 

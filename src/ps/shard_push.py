@@ -9,18 +9,22 @@ and the error feedback are the same objects as unsharded), with the residuals ke
 shard: a push rejected by one shard (async, its own staleness) rolls back that shard's slices only, the
 spec's Residual Rollback per slice, and no gradient mass is lost on any shard.
 
-The first piece of the sharded server's worker side (issue 33): the server shards and the worker's
-connections to them are not built yet, so no driver calls this today.
+The way back: :func:`load_shard_reply` puts one shard's reply (its slices, and on shard 0 the buffers) into the
+worker's whole model, so the worker trains on the model as the shards hold it together.
+
+The sharded server's worker side (issue 33): the shard cores and their protocol are built and tested in one
+process (``tests/test_shard_protocol.py``); the worker's connections to the shard processes are not built yet.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from src.ps.placement import Placement
 from src.ps.worker_protocol import PushCodec, settle_lost_push, settle_push
+from src.transport.wire import Received, copy_bytes_into
 
 
 def shard_gradients(
@@ -61,3 +65,32 @@ class ShardedPushCodec:
     def settle_lost(self, shard: int, *, applied: bool, redone: bool) -> None:
         """Shard ``shard``'s reply was lost; its registration says whether it was ``applied`` (as unsharded)."""
         settle_lost_push(self.codec.feedback, self.keys[shard], applied=applied, redone=redone)
+
+
+def load_shard_reply(
+    placement: Placement,
+    shard: int,
+    params: Mapping[str, torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    reply: Received,
+) -> int:
+    """Put shard ``shard``'s reply (a Pull or Push reply with its slices, dense, in the placement's order, and on
+    shard 0 the buffers) into the worker's ``params`` (by name) and ``buffers`` (the model's float buffers, in
+    order); returns the reply's version.
+
+    Raises:
+        ValueError: the reply holds another number of slices or buffers, or a slice of another size.
+    """
+    pieces = placement.on_shard(shard)
+    sent, sent_buffers = reply.large["parameters"], reply.large["buffers"]
+    expected_buffers = len(buffers) if shard == 0 else 0
+    if len(sent) != len(pieces) or len(sent_buffers) != expected_buffers:
+        raise ValueError(
+            f"shard {shard} sent {len(sent)} slices and {len(sent_buffers)} buffers, the placement gives it "
+            f"{len(pieces)} and {expected_buffers}"
+        )
+    for piece, data in zip(pieces, sent):
+        copy_bytes_into(params[piece.name].data.view(-1)[piece.start : piece.stop], data, f"slice {piece.key}")
+    for index, (buffer, data) in enumerate(zip(buffers, sent_buffers)):
+        copy_bytes_into(buffer, data, f"buffer {index}")
+    return reply.message.version

@@ -2,24 +2,29 @@
 
 With the server split across shards (:mod:`src.ps.placement`), shard 0 keeps what one process must decide:
 membership, the work plan and the sync barrier. The other shards (*followers*) apply what shard 0 decided,
-on their own slices. The protocol, per sync version v:
+on their own slices. The protocol, per sync version v (the worker's messages to different shards go out at once,
+so each shard's link carries only its share of the bytes):
 
-1. A worker handed work for v sends its slices to every follower. A follower *holds* the contribution
-   (decoded, not applied: :meth:`FollowerRounds.hold`) and acknowledges it.
-2. Once every follower has acknowledged, the worker pushes its own slices to shard 0. Shard 0's barrier
-   counts only such pushes, so every contribution it applies is held on every follower.
-3. Shard 0 closes the barrier as today (a worker that failed is dropped with its contribution), applies its
-   slices, and signs a :class:`RoundCertificate`: the version, the contributors (worker id and request id)
-   and the learning rate of the step. Its reply to each worker carries the certificate.
-4. The worker's next message to each follower carries the certificate (the first to arrive wins; the others
-   are answered as already applied). The follower applies v from exactly the certified contributions, in
-   worker-id order with shard 0's rate (:meth:`FollowerRounds.apply`): the same arithmetic on its slices as
-   shard 0's on its own and as one unsharded server's on the whole model (the optimizers are elementwise,
-   ``tests/test_shard_model.py``). What it held from a worker that is not certified is dropped: a worker that
-   failed mid-push contributes on no shard for that version.
+1. **Hold.** A worker handed work for v sends its slices to every shard (``PushRequest.hold``). Each shard
+   *holds* the contribution (decoded, not applied: :meth:`FollowerRounds.hold` on a follower, a held push on
+   shard 0) and acknowledges it.
+2. **Commit.** Once every shard has acknowledged, the worker commits the push to shard 0
+   (``PushRequest.commit``, no tensors). Shard 0's barrier counts only committed pushes, so every contribution
+   it applies is held on every follower.
+3. **Certificate.** Shard 0 closes the barrier as today (a worker that failed is dropped with its
+   contribution), applies its slices, and signs a :class:`RoundCertificate`: the version, the contributors
+   (worker id and request id) and the learning rate of the step. Its commit reply carries the verdict, the next
+   work and the certificate (``PushReply.certificate``), and no parameters.
+4. **Pull.** The worker pulls every shard's slices at once (``PullRequest.parameters_only``); a pull from a
+   follower carries the certificate. The follower applies v from exactly the certified contributions (the first
+   pull to arrive applies it; the others find it applied), in worker-id order with shard 0's rate
+   (:meth:`FollowerRounds.apply`): the same arithmetic on its slices as shard 0's on its own and as one
+   unsharded server's on the whole model (the optimizers are elementwise, ``tests/test_shard_model.py``). What it
+   held from a worker that is not certified is dropped: a worker that failed mid-push contributes on no shard
+   for that version.
 
-A follower never sees a push for v+1 before it can apply v: the worker gets v's certificate before it is
-handed work for v+1, and carries it with that push. A follower that cannot apply a certificate (it lacks a
+A follower never holds a push for v+1 before it can apply v: a worker computes v+1's gradient on the parameters
+its certificate-carrying pull of v returned. A follower that cannot apply a certificate (it lacks a
 certified contribution, or is more than one version behind: it restarted from an older checkpoint) raises
 :class:`ShardBehind`; redoing those versions is the shard recovery's job.
 
@@ -35,8 +40,11 @@ import hmac
 import struct
 from dataclasses import dataclass, replace
 
-from src.common.sessions import signature
+from src.common.sessions import TAG_BYTES, signature
 from src.ps.aggregation import Contribution, ModelState
+
+_HEAD = struct.Struct(">Qd")  # version, learning rate
+_CONTRIBUTOR = struct.Struct(">iQ")  # worker id, request id
 
 
 class ShardBehind(RuntimeError):
@@ -59,8 +67,26 @@ class RoundCertificate:
 
     def body(self) -> bytes:
         """The signed bytes: version, rate, then each contributor."""
-        head = struct.pack(">Qd", self.version, self.learning_rate)
-        return head + b"".join(struct.pack(">iQ", worker, request) for worker, request in self.contributors)
+        head = _HEAD.pack(self.version, self.learning_rate)
+        return head + b"".join(_CONTRIBUTOR.pack(worker, request) for worker, request in self.contributors)
+
+    def encode(self) -> bytes:
+        """The certificate on the wire (``PushReply.certificate``, ``PullRequest.certificate``): body, then tag."""
+        return self.body() + self.tag
+
+    @classmethod
+    def decode(cls, data: bytes) -> RoundCertificate:
+        """The certificate in ``data`` (:meth:`encode`'s bytes; the tag is checked where it is applied).
+
+        Raises:
+            ForgedCertificate: ``data`` is not a certificate's length.
+        """
+        count, rest = divmod(len(data) - _HEAD.size - TAG_BYTES, _CONTRIBUTOR.size)
+        if count < 1 or rest:
+            raise ForgedCertificate(f"a round certificate of {len(data)} bytes is malformed")
+        version, learning_rate = _HEAD.unpack_from(data)
+        contributors = tuple(_CONTRIBUTOR.unpack_from(data, _HEAD.size + i * _CONTRIBUTOR.size) for i in range(count))
+        return cls(version, contributors, learning_rate, bytes(data[len(data) - TAG_BYTES :]))
 
 
 def certify(key: bytes, version: int, contributors: list[tuple[int, int]], learning_rate: float) -> RoundCertificate:

@@ -28,6 +28,7 @@ from src.ps.aggregation import Contribution, ModelState, RequestLog, SyncRound
 from src.ps.control import ServerControl
 from src.ps.model import ServedModel
 from src.ps.refusals import PushRefused
+from src.ps.shard_rounds import RoundCertificate
 from src.ps.totals import RunTotals
 from src.ps.work_source import WorkSource
 from src.telemetry import tracing
@@ -42,6 +43,8 @@ class Updates:
     Args:
         on_update: called after each update with ``(version, epochs it finished, samples applied before it)``.
         check_done: called when handing out work may have ended the run.
+        certify: shard 0 of a sharded server: signs each sync version's certificate (``(version, pushes,
+            rate)``; :func:`src.ps.shard_rounds.certify` with the run's key), kept in :attr:`certificate`.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Updates:
         on_update: Callable[[int, list[int], int], None],
         check_done: Callable[[], None],
         events_later: bool = False,
+        certify: Callable[[int, list[tuple[int, int]], float], RoundCertificate] | None = None,
     ):
         self.config = config
         self._events_later = events_later  # push and update events: written once the reply is out (ServerCore)
@@ -72,6 +76,10 @@ class Updates:
         self._to_deliver: dict[int, list[Batch]] = {}  # work handed out, not yet in a reply
         self._ledger: list[torch.Tensor] | None = None  # system.gradient_ledger: sum of the applied gradients (float64)
         self._overriding_schedule: set[int] = set()  # workers warned that their own learning rates win
+        self._certify = certify
+        self.certificate = b""
+        """Shard 0 of a sharded server (``certify``): the encoded certificate of the newest sync version
+        (:mod:`src.ps.shard_rounds`); empty before the first."""
 
     @property
     def state(self) -> ModelState | None:
@@ -112,8 +120,12 @@ class Updates:
             contributions = round_.contributions()
             gradients, buffers = self.state.average(contributions)
             self._set_step_learning_rate(contributions)
+            rate = self.state.learning_rate
             self.state.step(gradients, buffers)
             self._round = None
+            if self._certify is not None:  # shard 0 of a sharded server: the followers apply what this says
+                pushes = [(c.worker, c.request_id) for c in contributions]
+                self.certificate = self._certify(self.state.version, pushes, rate).encode()
             self._applied(contributions)
         if self._round is None or not self._round.expected:
             self._round = None

@@ -1,0 +1,70 @@
+"""Shard 0's part in a sharded parameter server: what its server core does differently from an unsharded one.
+
+With ``S > 1`` shards (:mod:`src.ps.placement`), shard 0's :class:`~src.ps.core.ServerCore` serves its part of the
+model (:func:`~src.ps.shard_model.shard_module`), signs the sessions it issues so that every shard checks them
+alone (:mod:`src.common.sessions`), takes a worker's push in two calls (held, then committed once every shard
+holds its slices) and signs a certificate of each sync version for the followers
+(:mod:`src.ps.shard_rounds`). :class:`Sharding` is that role's settings and checks; the core calls it.
+
+What a sharded run does not do yet (:meth:`Sharding.refusal` says which, in one line): async aggregation, a
+model that a worker brings (Initialize), evaluation on the server (shard 0 holds a part of the model), downlink
+compression.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from src import parameter_server_pb2 as pb
+from src.ps.placement import Placement
+from src.ps.refusals import PushRefused
+from src.ps.shard_model import shard_module
+from src.ps.shard_rounds import RoundCertificate, certify
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Shard 0 of a server split by ``placement``; ``key``: the run's session key, which signs sessions and
+    certificates (:func:`~src.common.sessions.session_key`)."""
+
+    placement: Placement
+    key: bytes
+
+    def refusal(self, config: Any, model: nn.Module | None, test_set: Any) -> str | None:
+        """Why this role cannot serve the run of ``config`` (a :class:`~src.config.Config`, not imported: the config's
+        module reaches processes) yet, in one line (``None``: it can)."""
+        system = config.system
+        refusals = [
+            (system.aggregation_mode != "sync", "system.aggregation_mode: a sharded server runs sync only so far"),
+            (model is None, "a sharded server needs its model at start (a worker's Initialize is not sharded)"),
+            (test_set is not None, "a sharded server does not evaluate (shard 0 holds a part of the model)"),
+            (system.downlink_compression != "none", "system.downlink_compression: not with a sharded server so far"),
+        ]
+        return next((message for refused, message in refusals if refused), None)
+
+    def part(self, model: nn.Module) -> nn.Module:
+        """Shard 0's part of ``model``."""
+        return shard_module(model, self.placement, 0)
+
+    def certify(self, version: int, pushes: list[tuple[int, int]], learning_rate: float) -> RoundCertificate:
+        """The signed certificate of sync version ``version``."""
+        return certify(self.key, version, pushes, learning_rate)
+
+    @staticmethod
+    def check_push(sharding: Sharding | None, request: pb.PushRequest) -> None:
+        """Refuse a push a server of this kind does not take: a hold or commit to an unsharded server, a plain push
+        (or one both held and committed) to a sharded one."""
+        if sharding is None:
+            raise PushRefused(
+                "INVALID_ARGUMENT", "push: hold and commit are for a sharded server (system.num_servers > 1)"
+            )
+        if request.hold == request.commit:
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                "push: a sharded server takes a push in two calls, hold=true with the tensors, then commit=true",
+            )
