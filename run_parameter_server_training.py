@@ -67,6 +67,7 @@ DEFAULTS = {
 }
 PS_FLAGS = {
     "workers": "system.num_workers",
+    "servers": "system.num_servers",
     "aggregation_mode": "system.aggregation_mode",
     "server_address": "system.server_address",
     "transport": "system.transport",
@@ -85,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_flags(parser)
     ps = parser.add_argument_group("parameter server")
     ps.add_argument("--workers", type=int, help="number of workers (default 2)")
+    ps.add_argument(
+        "--servers",
+        type=int,
+        help="parameter-server shards: the model split across this many server processes, each worker pushing "
+        "to all at once (default 1; sync, --role local so far)",
+    )
     ps.add_argument(
         "--aggregation-mode",
         choices=("sync", "async"),
@@ -183,6 +190,17 @@ def checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         )
     if config.system.clock == "virtual" and args.role != "local":
         parser.error("--clock virtual simulates the whole job in this process: use it with --role local")
+    if config.system.num_servers > 1:
+        not_yet = [
+            (args.role != "local", f"--role {args.role}"),
+            (config.system.clock == "virtual", "--clock virtual"),
+            (bool(args.resume or args.resume_unfinished), "--resume"),
+        ]
+        for refused, flag in not_yet:
+            if refused:
+                parser.error(
+                    f"--servers {config.system.num_servers}: not with {flag} yet (sharded runs are local so far)"
+                )
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
     return config

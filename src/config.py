@@ -278,6 +278,15 @@ class SystemConfig(_Section):
     log_dir: str = "logs"
     server_address: str = "127.0.0.1:0"
     """Where the parameter server listens / workers connect; port 0 lets the local launcher pick."""
+    num_servers: PositiveInt = 1
+    """Parameter-server shards: the model split across this many server processes (:mod:`src.ps.placement`;
+    sync only so far); 1: one server holds every parameter."""
+    shard_slice_bytes: PositiveInt = 4 << 20
+    """With num_servers > 1: a tensor above this many bytes is cut into slices across the shards (BytePS's 4 MB
+    partitions); smaller ones go whole to the shard with the fewest bytes."""
+    shard_addresses: list[str] = []
+    """Every shard's ``host:port``, shard 0 first, for a sharded run across hosts (each shard binds its own
+    entry, workers connect to all); empty: the local launcher picks them."""
     transport: Literal["grpc", "tcp"] = "grpc"
     """How the parameter server and its workers talk: gRPC, or length-prefixed binary frames over TCP
     (:mod:`src.transport.tcp`: same messages, auth, sessions, TLS and limits, fewer copies). Both ends
@@ -359,6 +368,25 @@ class SystemConfig(_Section):
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError("must be host:port with a port in 0..65535")
+        return value
+
+    @field_validator("num_servers")
+    @classmethod
+    def _sharded_sync(cls, value: int, info) -> int:
+        if value > 1 and info.data.get("aggregation_mode") != "sync":
+            raise ValueError("more than one server shard runs sync only so far (system.aggregation_mode: sync)")
+        return value
+
+    @field_validator("shard_addresses")
+    @classmethod
+    def _one_address_per_shard(cls, value: list[str], info) -> list[str]:
+        shards = info.data.get("num_servers")
+        if value and shards is not None and len(value) != shards:
+            raise ValueError(
+                f"{len(value)} addresses for system.num_servers = {shards} shards (one each, shard 0 first)"
+            )
+        for address in value:
+            cls._host_port(address)
         return value
 
 

@@ -7,8 +7,9 @@ every transport (``system.transport``):
 
 * the calls (``handle_register``, ``handle_push``, ...): each takes the core's lock, calls the core,
   and lets a :class:`~src.ps.refusals.Refused` out for the transport to turn into its own error with the
-  same status name. The transports are thin: gRPC (:func:`~src.transport.grpc.service_handler`, this
-  class's ``Register``/``Push``/... methods) and binary frames over TCP (:mod:`src.ps.tcp_server`);
+  same status name. The transports are thin: gRPC (:func:`~src.transport.grpc.service_handler`, the
+  ``Register``/``Push``/... methods of :class:`~src.ps.grpc_service.GrpcMethods`) and binary frames over TCP
+  (:mod:`src.ps.tcp_server`);
 * the waits: a Pull or Push whose work is not there yet (the sync barrier, or nothing unassigned)
   waits on the core's lock, waking every :data:`WAIT_POLL_S` to notice a call whose client went away;
 * push decoding outside the lock, so pushes of different workers decode in parallel, and replies
@@ -30,14 +31,12 @@ Use: :meth:`ParameterServer.start` -> workers train -> :meth:`~ParameterServer.w
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable
 
-import grpc
 from torch import nn
 
 from src import parameter_server_pb2 as pb
@@ -46,58 +45,19 @@ from src.coordinator import WorkPlan
 from src.emulation import netem
 from src.ps.aggregation import RequestLog
 from src.ps.core import ServerCore
+from src.ps.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
 from src.ps.push_decode import ArrivingPush
 from src.ps.refusals import PushRefused, Refused, RunFailed
+from src.ps.sharding import Sharding
 from src.ps.staleness import StalenessPolicy
 from src.ps.work_source import PlannedWork, WorkSource
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config
 from src.transport.grpc import require_auth_token, split, start_grpc_server
-from src.transport.wire import MessageSplitter, Pieces, serialize
+from src.transport.wire import MessageSplitter, Pieces
 
 WAIT_POLL_S = 0.5  # a waiting call wakes this often to notice a cancelled RPC
 MONITOR_PERIOD_S = 0.2  # failure detection runs this often: detection lands within timeout + this
-PUSH_LARGE_FIELDS = ("gradients", "buffers")  # a push's tensors: views of the message, never parsed by protobuf
-
-
-@contextlib.contextmanager
-def refusals(context: grpc.ServicerContext) -> Iterator[None]:
-    """Turn the core's :class:`~src.ps.refusals.Refused` into the gRPC status of the same name."""
-    try:
-        yield
-    except Refused as refused:
-        context.abort(grpc.StatusCode[refused.code], refused.message)
-
-
-class Call(Protocol):
-    """What a transport tells the driver about one call in progress."""
-
-    peer: str
-    """The caller's address, as gRPC writes it (``ipv4:10.0.0.2:51234``)."""
-    framing_bytes: int
-    """The transport's own bytes around a reply message (a frame header), counted on an emulated downlink."""
-
-    def is_active(self) -> bool:
-        """``False`` once the caller went away or its deadline passed: a waiting call stops waiting."""
-
-
-class _GrpcCall:
-    framing_bytes = 0  # gRPC's own framing is not counted (the byte counters count messages)
-
-    def __init__(self, context: grpc.ServicerContext):
-        self.context = context
-        self.peer = context.peer()
-
-    def is_active(self) -> bool:
-        return self.context.is_active()
-
-
-def _joined(reply: Pieces) -> bytes:
-    """gRPC sends ``bytes``: the reply's pieces joined (one copy, outside the core's lock), its lease given back."""
-    try:
-        return serialize(reply)
-    finally:
-        reply.release()
 
 
 def planned_work(config: Config, num_train_samples: int | None = None) -> PlannedWork:
@@ -123,7 +83,7 @@ def test_set_for(config: Config):
     return load_split(config, "test")
 
 
-class ParameterServer:
+class ParameterServer(GrpcMethods):
     """A :class:`~src.ps.core.ServerCore` served over gRPC or TCP (see the module docstring).
 
     Args:
@@ -142,6 +102,8 @@ class ParameterServer:
         model_label, data_label: what checkpoints and summaries call the model and the data.
         max_message_bytes: the message limit while the model's size is not known yet (a server without a model).
         transport: ``"grpc"`` or ``"tcp"`` (default ``system.transport``).
+        sharding: serve shard 0 of a sharded server (:class:`~src.ps.sharding.Sharding`; default: the run's own
+            when ``system.num_servers`` > 1). It does not evaluate: shard 0 holds a part of the model.
     """
 
     def __init__(
@@ -163,6 +125,7 @@ class ParameterServer:
         data_label: str | None = None,
         max_message_bytes: int | None = None,
         transport: str | None = None,
+        sharding: Sharding | None = None,
     ):
         self.config = config
         self.transport = transport or config.system.transport
@@ -170,13 +133,15 @@ class ParameterServer:
         self.on_event = on_event
         if model is None and not serve_without_model:
             model = model_from_config(config)
+        if sharding is None and config.system.num_servers > 1 and model is not None:
+            sharding = Sharding.of_run(model, config.system, self.token)
         self.core = ServerCore(
             config,
             work=work or planned_work(config, num_train_samples),
             model=model,
             model_label=model_label,
             data_label=data_label,
-            test_set=test_set_for(config) if evaluate else None,
+            test_set=test_set_for(config) if evaluate and sharding is None else None,
             staleness_policy=staleness_policy,
             tensorboard=tensorboard,
             resume=resume,
@@ -184,6 +149,7 @@ class ParameterServer:
             background=ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-background"),
             reply_views=True,  # replies are built from the tensors' memory and joined or sent outside the lock
             events_after_replies=True,  # a push's events are written once its reply is out (after_reply)
+            sharding=sharding,
         )
         if max_message_bytes is not None and self.core.state is None:
             self.core.model.max_message_bytes = max_message_bytes
@@ -272,8 +238,12 @@ class ParameterServer:
 
     def handle_pull(self, request: pb.PullRequest, call: Call) -> bytes | Pieces:
         with tracing.span("serve_pull", worker=request.caller.worker_id), self.core.lock:
-            member = self.core.begin_pull(request.caller)
-            reply = self.core.pull_reply(member, self._await_work(member, call))
+            if request.parameters_only:  # a sharded server's worker, after its commit
+                member = self.core.member(request.caller)
+                reply = self.core.parameters(member)
+            else:
+                member = self.core.begin_pull(request.caller)
+                reply = self.core.pull_reply(member, self._await_work(member, call))
         self._emulate_downlink(member.worker_id, len(reply) + call.framing_bytes)
         return reply
 
@@ -316,6 +286,8 @@ class ParameterServer:
             self._refused(None, 0, PushRefused("INVALID_ARGUMENT", f"push: {exc}"))
         request = received.message
         worker_id, request_id = request.caller.worker_id, request.request_id
+        if request.hold:
+            return self._hold(received)
         try:
             with core.lock:
                 admitted = core.begin_push(request.caller, request)
@@ -340,6 +312,20 @@ class ParameterServer:
         self._emulate_downlink(worker_id, len(reply) + call.framing_bytes)
         return reply
 
+    def _hold(self, received) -> bytes:
+        """A sharded server's held push (:meth:`ServerCore.hold <src.ps.core.ServerCore.hold>`): decoded outside the
+        lock, acknowledged at once."""
+        core, request = self.core, received.message
+        worker_id = request.caller.worker_id
+        try:
+            with core.lock:
+                core.member(request.caller)
+            contribution = core.decode(worker_id, received)
+            with core.lock:
+                return core.hold(core.member(request.caller), request, contribution)
+        except PushRefused as refused:
+            self._refused(worker_id, request.request_id, refused)
+
     def after_reply(self) -> None:
         """A call's reply is on its way: write the events its handling recorded (no lock held)."""
         self.core.flush_events()
@@ -355,38 +341,6 @@ class ParameterServer:
     def handle_status(self) -> pb.StatusReply:
         with self.core.lock:
             return self.core.status()
-
-    # ---------------------------------------------------------- gRPC methods (src.transport.grpc.service_handler)
-
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        with refusals(context):
-            return self.handle_register(request, context.peer())
-
-    def Initialize(self, data: bytes, context: grpc.ServicerContext) -> pb.InitializeReply:
-        with refusals(context):
-            return self.handle_initialize(data)
-
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
-        with refusals(context):
-            return _joined(self.handle_pull(request, _GrpcCall(context)))
-
-    def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:
-        with refusals(context):
-            try:
-                return _joined(self.handle_push(data, _GrpcCall(context)))
-            finally:
-                self.after_reply()  # gRPC sends the reply after this returns: as late as this transport allows
-
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        with refusals(context):
-            return self.handle_heartbeat(request)
-
-    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
-        with refusals(context):
-            return self.handle_finish(request)
-
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        return self.handle_status()
 
     # ------------------------------------------------------------------------- refusals and waits
 

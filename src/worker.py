@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,10 @@ import grpc
 
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector
-from src.config import Config, validate_config
+from src.config import Config, SetupError, validate_config
 from src.emulation.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.metrics import MetricsLogger
+from src.ps.sharding import Sharding
 from src.ps.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.ps.worker_step import WorkerStep, check_layout
 from src.telemetry import tracing
@@ -68,6 +70,7 @@ LOCAL_FIELDS = (
     "system.log_dir",
     "system.checkpoint_dir",
     "system.server_address",
+    "system.shard_addresses",
     "system.transport",
     "system.inject_faults",
     "system.tls_cert_file",
@@ -127,6 +130,8 @@ class Worker:
         self.connect_timeout_s = connect_timeout_s
         self.faults = FaultInjector(config.system.inject_faults, "worker", worker_id, enabled=faults)
         self.client: ParameterServerClient | None = None
+        self.shard_clients: list[ParameterServerClient] = []  # a sharded server: shards 1.. (shard 0 is client)
+        self._shard_calls: ThreadPoolExecutor | None = None  # one thread per shard: its calls go out at once
         self.caller = pb.Caller(worker_id=worker_id)
         self.incarnation = 0
         self.rejoins = Rejoins(worker_id, config.system.max_rejoins)
@@ -137,17 +142,29 @@ class Worker:
 
     def emulated_delay_s(self) -> float:
         """Seconds this process waited for emulated compute and uplink (:mod:`src.emulation.netem`)."""
-        uplink = self.client.uplink if self.client is not None else None
-        return (self.compute_delay.delay_s if self.compute_delay else 0.0) + (uplink.delay_s if uplink else 0.0)
+        uplinks = [c.uplink for c in self._clients() if c.uplink is not None]
+        return (self.compute_delay.delay_s if self.compute_delay else 0.0) + sum(u.delay_s for u in uplinks)
+
+    def _clients(self) -> list[ParameterServerClient]:
+        """Every connection: the server's (shard 0's), then the other shards'."""
+        return ([self.client] if self.client is not None else []) + self.shard_clients
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self._clients())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes_received for c in self._clients())
 
     def stats(self) -> pb.WorkerStats:
         """This process's running totals (read by the heartbeat thread too)."""
-        client, step = self.client, self.step
+        step = self.step
         if step is None:
             return pb.WorkerStats(total_time_s=time.perf_counter() - self._started)
         return step.stats(
-            bytes_sent=client.bytes_sent if client else 0,
-            bytes_received=client.bytes_received if client else 0,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
             total_time_s=time.perf_counter() - self._started,
             emulated_delay_s=self.emulated_delay_s(),
         )
@@ -171,8 +188,10 @@ class Worker:
         try:
             registration = self._register(0)
             config = merge_run_config(self.local_config, registration.run_config_json)
+            self._connect_shards(config)
             conditions = conditions_for(config.emulation, self.worker_id)
-            self.client.uplink = link_or_none(conditions.uplink)
+            for client in self._clients():
+                client.uplink = link_or_none(conditions.uplink)
             self.compute_delay = ComputeDelay(conditions, worker_seed(config.training.seed, self.worker_id))
             interval = config.system.heartbeat_interval
             heartbeats = Heartbeats(
@@ -183,10 +202,37 @@ class Worker:
             heartbeats.start()
             return self._train(config, registration)
         finally:
+            for client in self.shard_clients:
+                client.close()
+            if self._shard_calls is not None:
+                self._shard_calls.shutdown()
             if heartbeats is not None:
                 heartbeats.stop_and_close(self.client.close)
             else:
                 self.client.close()
+
+    def _connect_shards(self, config: Config) -> None:
+        """A sharded server (``system.num_servers`` > 1, as the server says): a connection to every other shard
+        at this worker's ``system.shard_addresses`` (shard 0 first: the server this worker registered with)."""
+        shards, addresses = config.system.num_servers, list(self.local_config.system.shard_addresses)
+        if shards == 1:
+            return
+        if len(addresses) != shards:
+            raise SetupError(
+                f"system.shard_addresses: the server runs {shards} shards; give every shard's host:port, shard 0 "
+                f"first (got {len(addresses)})"
+            )
+        self.shard_clients = [
+            make_client(
+                address,
+                transport=self.local_config.system.transport,
+                token=self.token,
+                system=self.local_config.system,
+                connect_timeout_s=self.connect_timeout_s,
+            )
+            for address in addresses[1:]
+        ]
+        self._shard_calls = ThreadPoolExecutor(max_workers=shards, thread_name_prefix=f"worker-{self.worker_id}-shard")
 
     def _register(self, last_request_id: int, carried: list[pb.Batch] = ()) -> pb.RegisterReply:
         registration = self.client.register(self.worker_id, last_request_id, [b.batch_id for b in carried])
@@ -198,7 +244,8 @@ class Worker:
         t, system = config.training, config.system
         device = resolve_device(t.device)
         model = model_from_config(config).to(device)
-        check_layout(self.worker_id, config, model, registration)
+        placement = Sharding.of_run(model, system, self.token).placement if self.shard_clients else None
+        check_layout(self.worker_id, config, model, registration, placement)
         train_set = load_split(config, "train")
         with MetricsLogger(
             Path(system.log_dir) / f"worker_{self.worker_id}",
@@ -207,10 +254,20 @@ class Worker:
             worker=self.worker_id,
         ) as log:
             step = self.step = WorkerStep(
-                config, self.worker_id, model=model, train_set=train_set, device=device, log=log, faults=self.faults
+                config,
+                self.worker_id,
+                model=model,
+                train_set=train_set,
+                device=device,
+                log=log,
+                faults=self.faults,
+                placement=placement,
             )
             received = self._pull()
-            step.load(received)
+            step.load(received, parameters=placement is None)
+            if placement is not None:
+                step.load_shard(0, received)
+                self._pull_shards(step, b"", first=1)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=step.version)
             logger.info(
                 "worker %d: registered with %s as incarnation %d at version %d (%s)",
@@ -256,7 +313,11 @@ class Worker:
         computed = time.perf_counter()
         step.reach_step()
         with tracing.span("compress"):
-            payloads = step.encode(batches)  # no batches: a flush of what error feedback carries
+            if self.shard_clients:
+                per_shard = step.encode_shards(batches)
+                payloads = [payload for shard in per_shard for payload in shard]
+            else:
+                payloads = step.encode(batches)  # no batches: a flush of what error feedback carries
         compressed = time.perf_counter()
         request = step.request(
             self.caller,
@@ -266,9 +327,12 @@ class Worker:
             gradient_time_s=computed - step_started,
             compression_time_s=compressed - computed,
         )
-        sent_before, received_before = self.client.bytes_sent, self.client.bytes_received
+        sent_before, received_before = self.bytes_sent, self.bytes_received
         with tracing.span("push", request_id=request.request_id):  # blocked on the reply: exposed communication
-            reply = self._push(request, payloads, step.buffers_to_send(batches))
+            if self.shard_clients:
+                reply = self._push_to_shards(step, request, per_shard, step.buffers_to_send(batches))
+            else:
+                reply = self._push(request, payloads, step.buffers_to_send(batches))
         if not isinstance(reply, Received):
             return None
         step.settle(
@@ -282,10 +346,10 @@ class Worker:
             gradient_time_s=computed - step_started,
             compression_time_s=compressed - computed,
             communication_time_s=time.perf_counter() - compressed,
-            push_bytes=self.client.bytes_sent - sent_before,
-            reply_bytes=self.client.bytes_received - received_before,
-            bytes_sent=self.client.bytes_sent,
-            bytes_received=self.client.bytes_received,
+            push_bytes=self.bytes_sent - sent_before,
+            reply_bytes=self.bytes_received - received_before,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
         )
         tracing.record("step", step_started, time.perf_counter(), step=step.totals["steps"])
         return reply
@@ -302,7 +366,10 @@ class Worker:
     def _pull_again(self, step: WorkerStep, log: MetricsLogger) -> Received:
         """After registering again: pull the newest parameters and the next work, and say so in the events."""
         received = self._pull()
-        step.load(received)
+        step.load(received, parameters=not self.shard_clients)
+        if self.shard_clients:
+            step.load_shard(0, received)
+            self._pull_shards(step, b"", first=1)
         log.event("rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure)
         return received
 
@@ -320,6 +387,46 @@ class Worker:
         # Join again and ask whether the push made it into an update (before the server's checkpoint,
         # or before it failed this incarnation).
         return self._rejoin(failure, in_flight=request.request_id)
+
+    def _push_to_shards(
+        self, step: WorkerStep, request: pb.PushRequest, per_shard: list[list[bytes]], buffers: list
+    ) -> Received | bool:
+        """A sharded server's step (:mod:`src.ps.shard_rounds`): hold the slices on every shard at once, commit to
+        shard 0 (its reply: the verdict, the next work, the version's certificate), then pull every shard's slices
+        at once, the followers' with the certificate. Returns the commit's reply, or (lost) whether it was applied.
+
+        A shard that refuses or goes away ends this worker with the error (a shard's recovery is not built yet).
+        """
+        held = pb.PushRequest()
+        held.CopyFrom(request)
+        held.hold = True
+        clients = self._clients()
+        acks = [
+            self._shard_calls.submit(client.push, held, per_shard[k], buffers if k == 0 else [])
+            for k, client in enumerate(clients)
+        ]
+        for ack in acks:
+            ack.result()
+        commit = pb.PushRequest()
+        commit.CopyFrom(request)
+        commit.commit = True
+        reply = self._push(commit, [], [])
+        if isinstance(reply, Received):
+            self._pull_shards(step, reply.message.certificate)
+        return reply
+
+    def _pull_shards(self, step: WorkerStep, certificate: bytes, *, first: int = 0) -> None:
+        """Every shard's slices from shard ``first`` on, at once (the followers' after applying ``certificate``'s
+        version), into ``step``."""
+        clients = self._clients()
+        pulls = {
+            k: self._shard_calls.submit(
+                clients[k].pull, self.caller, certificate=certificate if k else b"", parameters_only=True
+            )
+            for k in range(first, len(clients))
+        }
+        for k, pull in pulls.items():
+            step.load_shard(k, pull.result())
 
     def _failure(self, exc: grpc.RpcError) -> Failure:
         """What ``exc`` means (:func:`src.ps.worker_protocol.check_session_lost`); spends a rejoin when revoked."""

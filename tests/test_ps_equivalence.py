@@ -86,6 +86,36 @@ def test_sync_over_tcp_is_sync_over_grpc_is_large_batch_sgd(tmp_path):
         assert torch.equal(tcp_params[name], value), name
 
 
+@pytest.mark.slow  # three 2-worker runs (one with 2 shards) and a baseline: ~20 s
+def test_sync_with_two_shards_is_sync_with_one_is_large_batch_sgd(tmp_path):
+    """2 server shards (their own processes, each worker pushing to both at once) against 1, over TCP and gRPC:
+    simple_cnn's layers are cut into 64 kB slices across the shards, so a tensor's pieces are stepped by two
+    processes. The final checkpoint holds the whole model put together from the shards' parts: the one server's
+    parameters to float32 rounding (a cut moves elements between torch's vectorized loop and its scalar tail),
+    and the large-batch baseline's within its tolerance."""
+    expected = baseline_parameters(tmp_path, batch_size=2 * PER_WORKER_BATCH, max_train_samples=249, momentum=0.9)
+    _, one = sync_run(tmp_path / "one", 2, 249, 0.9)
+    for transport in ("tcp", "grpc"):
+        summary, sharded = ps_parameters(
+            tmp_path / f"two-{transport}",
+            system__num_workers=2,
+            system__num_servers=2,
+            system__shard_slice_bytes=64 << 10,
+            system__aggregation_mode="sync",
+            system__transport=transport,
+            training__batch_size=PER_WORKER_BATCH,
+            training__max_train_samples=249,
+            training__momentum=0.9,
+        )
+        assert summary["versions"] == 8 and summary["samples_processed"] == 249
+        keys = [key for shard in summary["placement"]["slices_per_shard"] for key in shard]
+        assert any("#" in key for key in keys), f"no tensor was cut across the shards: {keys}"
+        assert_same_parameters(expected, sharded)
+        assert one.keys() == sharded.keys()
+        for name, value in one.items():
+            torch.testing.assert_close(sharded[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.slow  # 4 worker processes: ~20 s
 def test_sync_with_uneven_shards_matches_large_batch_baseline(tmp_path):
     # 129 samples over 4 shards of 16-sample steps: shard 0 has 33, the others 32, so workers 1-3

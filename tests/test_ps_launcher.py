@@ -31,6 +31,7 @@ def test_a_worker_end_collected_by_a_poll_elsewhere_is_still_restarted(monkeypat
         revoked=RejoinGrace(0.0),
         pipe_of={},
         server=None,
+        followers={},
         workers={1: worker},
     )
     restarted = []

@@ -144,6 +144,36 @@ def run_server(
             server.stop()
 
 
+def run_follower(
+    config: Config,
+    shard: int,
+    *,
+    address: str,
+    token: str | None = None,
+    on_listening: Callable[[int], None] | None = None,
+    wait: Callable[[], object],
+) -> Path:
+    """Serve follower shard ``shard`` of a sharded run on ``address`` until ``wait()`` returns; then write its
+    part of the model and return where (:class:`~src.ps.follower_server.FollowerServer`)."""
+    from src.ps.follower_server import FollowerServer
+    from src.transport.grpc import reuse_freed_memory
+
+    reuse_freed_memory()
+    server = FollowerServer(config, shard=shard, address=address, token=token)
+    stopped = False
+    try:
+        port = server.start()
+        logger.info("parameter-server shard %d of %d listening on port %d", shard, config.system.num_servers, port)
+        if on_listening is not None:
+            on_listening(port)
+        wait()
+        stopped = True
+        return server.stop()
+    finally:
+        if not stopped:
+            server.stop()
+
+
 def run_worker(
     config: Config, worker_id: int, *, token: str | None = None, address: str | None = None, faults: bool = True
 ) -> dict[str, Any]:
@@ -196,6 +226,25 @@ def _server_child(
     leave_process(0)  # done and flushed: native threads must not abort it at shutdown (src.common.supervisor)
 
 
+def _follower_child(config: Config, shard: int, token: str, num_threads: int | None, report, control) -> None:
+    setup_logging(config.system.log_level)
+    _set_threads(num_threads)
+    try:
+        path = run_follower(
+            config,
+            shard,
+            address=config.system.server_address,
+            token=token,
+            on_listening=lambda port: report.send(("listening", port)),
+            wait=control.recv,  # the launcher says "stop" once shard 0 has the run's summary
+        )
+    except _expected_errors() as exc:
+        report.send(("error", f"parameter-server shard {shard}: {exc}"))
+        raise SystemExit(FATAL_EXIT) from None
+    report.send(("stopped", str(path)))
+    leave_process(0)
+
+
 def _worker_child(config: Config, worker_id: int, token: str, num_threads: int | None, report, faults: bool) -> None:
     setup_logging(config.system.log_level)
     _set_threads(num_threads)
@@ -225,6 +274,9 @@ class _LocalRun:
         self.max_restarts = config.system.max_restarts
         self.restarts: dict[str, int] = {}
         self.server = None
+        self.followers: dict[int, Any] = {}  # a sharded server: shard -> its process (shards 1..)
+        self.follower_controls: dict[int, Any] = {}  # shard -> the pipe the launcher says "stop" on
+        self.shard_addresses: list[str] = []  # every shard's, shard 0 first, once they listen
         self.workers: dict[int, Any] = {}
         self.receivers: list = []
         self.ended: set = set()  # processes whose end the launcher has acted on (restarted, or let go)
@@ -234,7 +286,25 @@ class _LocalRun:
         self.events = EventLog(Path(config.system.log_dir) / "launcher" / "events.jsonl")
 
     def processes(self) -> list:
-        return [p for p in [self.server, *self.workers.values()] if p is not None]
+        return [p for p in [self.server, *self.followers.values(), *self.workers.values()] if p is not None]
+
+    def start_follower(self, shard: int) -> None:
+        """Start follower shard ``shard`` on a free port of the server's host (it reports the port)."""
+        host, _ = split_address(self.config.system.server_address)
+        config = _with_address(self.config, f"[{host}]:0" if ":" in host else f"{host}:0")
+        send = self._pipe()
+        control, self.follower_controls[shard] = self.context.Pipe(duplex=False)
+        with children_ignore_sigint():
+            process = self.context.Process(
+                target=_follower_child,
+                name=f"shard-{shard}",
+                args=(config, shard, self.token, self.num_threads, send, control),
+            )
+            process.start()
+        send.close()
+        control.close()
+        self.followers[shard] = process
+        self.pipe_of[process] = self.receivers[-1]
 
     def _pipe(self):
         receive, send = self.context.Pipe(duplex=False)
@@ -255,6 +325,9 @@ class _LocalRun:
 
     def start_worker(self, worker_id: int, *, faults: bool) -> None:
         config = _with_address(self.config, connect_address(self.config.system.server_address, self.port))
+        if self.shard_addresses:
+            system = config.system.model_copy(update={"shard_addresses": self.shard_addresses})
+            config = config.model_copy(update={"system": system})
         send = self._pipe()
         with children_ignore_sigint():
             process = self.context.Process(
@@ -311,11 +384,20 @@ def run_local(
     run = _LocalRun(config, summary_json)
     with sigterm_as_keyboard_interrupt():
         try:
+            follower_ports = []
+            for shard in range(1, config.system.num_servers):
+                run.start_follower(shard)
+                follower_ports.append(_await_message(run, "listening", STARTUP_TIMEOUT_S))
             run.start_server(resume=str(resume) if resume else None, faults=True, config=config)
             run.port = _await_message(run, "listening", STARTUP_TIMEOUT_S)
+            if follower_ports:
+                bind = config.system.server_address
+                run.shard_addresses = [connect_address(bind, port) for port in [run.port, *follower_ports]]
             for worker_id in range(run.num_workers):
                 run.start_worker(worker_id, faults=True)
             summary = _await_message(run, "summary", None)
+            if run.followers:
+                summary = _whole_final(run, summary)
             for process in run.processes():
                 process.join(STOP_GRACE_S)
             return summary
@@ -324,6 +406,30 @@ def run_local(
             for receive in run.receivers:
                 receive.close()
             run.events.close()
+
+
+def _whole_final(run: _LocalRun, summary: dict[str, Any]) -> dict[str, Any]:
+    """A sharded run is over: stop the followers (each writes its part), put the whole model into the final
+    checkpoint, evaluate it, and put its figures into the summary (written again where the server wrote it)."""
+    from src.metrics import write_summary
+    from src.ps.shard_final import write_whole_final
+    from src.ps.sharding import Sharding
+    from src.trainer import evaluate, load_split, model_from_config
+
+    run.ended.add(run.server)  # shard 0 is done: its exit is not a death to restart from
+    for control in run.follower_controls.values():
+        control.send("stop")
+    for shard in run.followers:
+        _await_message(run, "stopped", STARTUP_TIMEOUT_S)
+    config = run.config
+    model = model_from_config(config)
+    placement = Sharding.of_run(model, config.system, run.token).placement
+    checkpoint = write_whole_final(config.system.checkpoint_dir, model, placement)
+    model.load_state_dict(checkpoint["model_state_dict"])
+    loss, accuracy = evaluate(model, load_split(config, "test"))
+    summary = {**summary, "final_loss": loss, "final_accuracy": accuracy, "placement": placement.describe()}
+    write_summary(run.summary_json or Path(config.system.log_dir) / "summary.json", summary)
+    return summary
 
 
 def _await_message(run: _LocalRun, wanted: str, timeout: float | None):
@@ -356,6 +462,12 @@ def _await_message(run: _LocalRun, wanted: str, timeout: float | None):
                 return value
             if process is run.server:
                 _server_ended(run, process)
+            elif process in run.followers.values():
+                if wanted != "stopped" or process.exitcode != 0:
+                    raise LaunchError(
+                        f"parameter-server {process.name} {_exit_description(process)} (a shard's restart is not "
+                        f"built yet: issue 33)"
+                    )
             elif process.exitcode != 0:
                 _worker_ended(run, process)
 

@@ -202,6 +202,7 @@ class ServerCore:
             clock=clock.kind,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             version=self.version,
+            **({"placement": sharding.placement.describe()} if sharding is not None else {}),
         )
 
     def _make_collaborators(self, test_set: Any, background: Executor | None, model_label: str, data_label: str):

@@ -102,17 +102,22 @@ class FollowerCore:
         return caller.worker_id
 
     def decode(self, worker_id: int, received: Received) -> Contribution:
-        """Check and decompress a held push's slices against this shard's layout (no lock needed)."""
+        """Check and decompress a held push's slices against this shard's layout (no lock needed).
+
+        Raises:
+            Refused: not a held push (INVALID_ARGUMENT), or tensors that do not fit the layout.
+        """
+        if not received.message.hold:
+            raise Refused("INVALID_ARGUMENT", f"shard {self.shard} takes held pushes only (PushRequest.hold)")
         return self.model.layout.decode(worker_id, received, owns_data=False)
 
     def hold(self, worker_id: int, request: pb.PushRequest, contribution: Contribution) -> bytes:
         """Hold a decoded push for the version after ``request.base_version``; the acknowledgement's bytes.
 
         Raises:
-            Refused: not a held push, or not for this shard's next version (FAILED_PRECONDITION).
+            Refused: not for this shard's next version, or another push of the worker is held for it
+                (FAILED_PRECONDITION).
         """
-        if not request.hold:
-            raise Refused("INVALID_ARGUMENT", f"shard {self.shard} takes held pushes only (PushRequest.hold)")
         with self.lock:
             try:
                 new = self.rounds.hold(request.base_version + 1, contribution)

@@ -21,9 +21,10 @@ from typing import Any
 from torch import nn
 
 from src import parameter_server_pb2 as pb
+from src.common.sessions import session_key
 from src.ps.placement import Placement
 from src.ps.refusals import PushRefused
-from src.ps.shard_model import shard_module
+from src.ps.shard_model import model_placement, shard_module
 from src.ps.shard_rounds import RoundCertificate, certify
 
 
@@ -34,6 +35,13 @@ class Sharding:
 
     placement: Placement
     key: bytes
+
+    @classmethod
+    def of_run(cls, model: nn.Module, system: Any, token: str) -> Sharding:
+        """What every process of a run computes alike: the placement of ``model`` over ``system.num_servers``
+        shards with ``system.shard_slice_bytes`` slices, and the session key from the run's auth token."""
+        placement = model_placement(model, system.num_servers, system.shard_slice_bytes)
+        return cls(placement, session_key(token.encode()))
 
     def refusal(self, config: Any, model: nn.Module | None, test_set: Any) -> str | None:
         """Why this role cannot serve the run of ``config`` (a :class:`~src.config.Config`, not imported: the config's

@@ -35,6 +35,8 @@ from src.common.faults import FaultInjector, FaultSpec
 from src.compressors.policy import policy_from_config
 from src.config import Config, SetupError
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
+from src.ps.placement import Placement
+from src.ps.shard_push import ShardedPushCodec, load_shard_reply
 from src.ps.worker_protocol import Failure, PushCodec, controlled_policy, count_push, load_reply, served_tensors
 from src.trainer import MixedPrecision, forward_backward
 from src.training.lr_schedule import scheduled_learning_rate
@@ -62,9 +64,19 @@ TOTALS = (
 """A worker's running totals (reported with every heartbeat and at Finish)."""
 
 
-def check_layout(worker_id: int, config: Config, model: nn.Module, registration: pb.RegisterReply) -> None:
-    """Raise :class:`SetupError` unless the local model's parameters are the server's (names and shapes)."""
-    local_layout = [(n, list(p.shape)) for n, p in served_tensors(model)[0]]
+def check_layout(
+    worker_id: int,
+    config: Config,
+    model: nn.Module,
+    registration: pb.RegisterReply,
+    placement: Placement | None = None,
+) -> None:
+    """Raise :class:`SetupError` unless the local model's parameters are the server's (names and shapes); with a
+    sharded server's ``placement``, unless shard 0's slices of it are the ones shard 0 serves."""
+    if placement is None:
+        local_layout = [(n, list(p.shape)) for n, p in served_tensors(model)[0]]
+    else:
+        local_layout = [(piece.key, [piece.numel]) for piece in placement.on_shard(0)]
     server_layout = [(s.name, list(s.shape)) for s in registration.parameter_specs]
     if local_layout != server_layout:
         raise SetupError(
@@ -88,6 +100,8 @@ class WorkerStep:
         fire_fault: what a due fault does (default: signal this process).
         request_ids: where request ids start (default: a random 62-bit number, so that a restarted
             worker's ids do not collide with its predecessor's).
+        placement: the model over a sharded server's shards (:mod:`src.ps.placement`): pushes are encoded per
+            shard (:meth:`encode_shards`) and each shard's reply loaded alone (:meth:`load_shard`).
     """
 
     def __init__(
@@ -103,6 +117,7 @@ class WorkerStep:
         faults: FaultInjector | None = None,
         fire_fault: Callable[[FaultSpec], None] | None = None,
         request_ids: int | None = None,
+        placement: Placement | None = None,
     ):
         t, system = config.training, config.system
         self.config = config
@@ -126,6 +141,8 @@ class WorkerStep:
             worker_id=worker_id,
             names=self.names,
         )
+        self.placement = placement
+        self.sharded = ShardedPushCodec(placement, self.codec) if placement is not None else None
         self.amp = MixedPrecision(t.amp, device)  # training.amp: autocast; fp16 with its own GradScaler
         self.faults = faults or FaultInjector((), "worker", worker_id)
         self.fire_fault = fire_fault
@@ -146,9 +163,14 @@ class WorkerStep:
 
     # ------------------------------------------------------------------------- replies
 
-    def load(self, received: Received) -> int:
-        """Take a pull or push reply's parameters, buffers and control; returns its version."""
-        self.version = load_reply(self.params, self.buffers, received)
+    def load(self, received: Received, *, parameters: bool = True) -> int:
+        """Take a pull or push reply's parameters, buffers and control; returns its version. ``parameters=False``:
+        its version and control only (a sharded server's commit reply: the slices come with the pulls,
+        :meth:`load_shard`)."""
+        if parameters:
+            self.version = load_reply(self.params, self.buffers, received)
+        else:
+            self.version = received.message.version
         codec = self.codec
         updated = controlled_policy(codec.policy, received.message.control)
         if updated is not codec.policy:  # from the next push on
@@ -161,6 +183,10 @@ class WorkerStep:
             )
             codec.policy = updated
         return self.version
+
+    def load_shard(self, shard: int, received: Received) -> int:
+        """A sharded server: take shard ``shard``'s reply (its slices, and on shard 0 the buffers); its version."""
+        return load_shard_reply(self.placement, shard, dict(zip(self.names, self.params)), self.buffers, received)
 
     # ------------------------------------------------------------------------- a step
 
@@ -253,7 +279,16 @@ class WorkerStep:
         gradients = (
             (name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in self.named_params
         )
+        if self.sharded is not None:
+            raise RuntimeError("a sharded worker encodes per shard: encode_shards")
         return self.codec.encode(gradients, self.totals["steps"])
+
+    def encode_shards(self, batches: Sequence[pb.Batch]) -> list[list[bytes]]:
+        """A sharded server: each shard's payloads, one per slice (:class:`~src.ps.shard_push.ShardedPushCodec`)."""
+        gradients = (
+            (name, torch.zeros_like(p) if not batches or p.grad is None else p.grad) for name, p in self.named_params
+        )
+        return self.sharded.encode(gradients, self.totals["steps"])
 
     def request(
         self,
@@ -309,7 +344,11 @@ class WorkerStep:
     ) -> None:
         """The push's verdict: commit or roll back the residuals, carry rejected batches, load the reply, count."""
         accepted = reply.message.accepted
-        self.codec.settle(accepted=accepted)
+        if self.sharded is not None:  # sync: one verdict for every shard's slices
+            for shard in range(self.placement.num_shards):
+                self.sharded.settle(shard, accepted=accepted)
+        else:
+            self.codec.settle(accepted=accepted)
         self.carried = [] if accepted else self.carried + list(batches)
         totals = self.totals
         count_push(
@@ -323,7 +362,7 @@ class WorkerStep:
             dense_bytes=self.dense_bytes_per_step,
         )
         self.last_communication_s = communication_time_s
-        self.load(reply)  # a new Active Fraction applies from the next step
+        self.load(reply, parameters=self.sharded is None)  # a new Active Fraction applies from the next step
         epoch = self._epoch
         epoch[0] += loss * samples
         epoch[1] += correct
@@ -379,7 +418,11 @@ class WorkerStep:
         no longer this worker's (the server reassigned them; they are not listed again).
         """
         if in_flight:
-            self.codec.settle_lost(applied=applied, redone=failure == "lost")
+            if self.sharded is not None:
+                for shard in range(self.placement.num_shards):
+                    self.sharded.settle_lost(shard, applied=applied, redone=failure == "lost")
+            else:
+                self.codec.settle_lost(applied=applied, redone=failure == "lost")
         if applied or failure == "revoked":
             self.carried = []
 
