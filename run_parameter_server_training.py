@@ -68,6 +68,7 @@ DEFAULTS = {
 PS_FLAGS = {
     "workers": "system.num_workers",
     "servers": "system.num_servers",
+    "shard_addresses": "system.shard_addresses",
     "aggregation_mode": "system.aggregation_mode",
     "server_address": "system.server_address",
     "transport": "system.transport",
@@ -132,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hosts.add_argument("--worker-id", type=int, help="this worker's id, 0..workers-1 (--role worker)")
     hosts.add_argument(
+        "--shard-addresses",
+        type=lambda text: [address for address in text.split(",") if address],
+        help="A,B,...: every server shard's host:port, shard 0 first (a sharded run across hosts: "
+        "each server binds its own entry, each worker connects to all; sets --servers)",
+    )
+    hosts.add_argument(
+        "--shard", type=int, help="this server's shard, 0..servers-1 (--role server with --shard-addresses; default 0)"
+    )
+    hosts.add_argument(
         "--transport",
         choices=("grpc", "tcp"),
         help="how server and workers talk: grpc (default) or tcp (binary frames over TCP, fewer copies); "
@@ -163,6 +173,18 @@ def check_role_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--role worker needs --worker-id")
     if args.role != "worker" and args.worker_id is not None:
         parser.error("--worker-id is only for --role worker")
+    if args.shard is not None and (args.role != "server" or not args.shard_addresses):
+        parser.error("--shard is for --role server with --shard-addresses")
+    if args.shard_addresses:
+        if args.servers is None:
+            args.servers = len(args.shard_addresses)
+        if args.role == "local":
+            parser.error("--shard-addresses is for --role server and --role worker (a local run picks its own)")
+        if not 0 <= (args.shard or 0) < len(args.shard_addresses):
+            parser.error(f"--shard {args.shard}: one of 0..{len(args.shard_addresses) - 1} (--shard-addresses)")
+        if args.server_address is None:  # shard K binds its own entry; workers reach shard 0 at the first
+            own = (args.shard or 0) if args.role == "server" else 0
+            args.server_address = args.shard_addresses[own]
     if args.role == "worker" and args.artifacts_dir:
         parser.error("--artifacts-dir is for --role local or server (the server holds the run's summary)")
 
@@ -192,7 +214,10 @@ def checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error("--clock virtual simulates the whole job in this process: use it with --role local")
     if config.system.num_servers > 1:
         not_yet = [
-            (args.role != "local", f"--role {args.role}"),
+            (
+                args.role != "local" and not config.system.shard_addresses,
+                f"--role {args.role} without --shard-addresses",
+            ),
             (config.system.clock == "virtual", "--clock virtual"),
             (bool(args.resume or args.resume_unfinished), "--resume"),
         ]
@@ -232,6 +257,14 @@ def run_role(args: argparse.Namespace, config: Config) -> None:
         from src.virtual.run import run_virtual
 
         summary = run_virtual(config, summary_json=args.summary_json, resume=resume)
+    elif args.role == "server" and args.shard:
+        from src.launch.ps import run_follower, wait_for_run_end
+
+        path = run_follower(
+            config, args.shard, address=config.system.server_address, wait=lambda: wait_for_run_end(config)
+        )
+        print(f"parameter-server shard {args.shard}: the run is over; its part of the model is in {path}")
+        return
     else:
         summary = (run_server if args.role == "server" else run_local)(
             config, summary_json=args.summary_json, resume=resume

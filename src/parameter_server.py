@@ -128,6 +128,7 @@ class ParameterServer(GrpcMethods):
         sharding: Sharding | None = None,
     ):
         self.config = config
+        self.evaluate = evaluate
         self.transport = transport or config.system.transport
         self.token = token or require_auth_token(config.system)
         self.on_event = on_event
@@ -210,9 +211,57 @@ class ParameterServer(GrpcMethods):
         return finished
 
     def finalize(self, summary_json: str | Path | None = None) -> dict[str, Any]:
-        """Final evaluation, final checkpoint and run summary (see :meth:`ServerCore.finalize`)."""
+        """Final evaluation, final checkpoint and run summary (see :meth:`ServerCore.finalize`); a sharded server's
+        final checkpoint is the whole model, read from every shard (:meth:`_whole_model`)."""
         waited = {k: link.delay_s for k, link in self.downlinks.items() if link is not None}
-        return self.core.finalize(summary_json, downlink_delay_s=waited)
+        summary = self.core.finalize(summary_json, downlink_delay_s=waited)
+        if self.core.sharding is not None:
+            summary = self._whole_model(summary, summary_json)
+        return summary
+
+    def _whole_model(self, summary: dict[str, Any], summary_json: str | Path | None) -> dict[str, Any]:
+        """Shard 0 of a sharded run, at its end: read the other shards' parts (:mod:`src.ps.shard_final`), put the
+        whole model into the final checkpoint, evaluate it, and say so in the summary (written again)."""
+        from src.metrics import write_summary
+        from src.ps.shard_final import collect_parts, write_whole_final
+        from src.trainer import evaluate
+        from src.transport.clients import make_client
+
+        system, placement = self.config.system, self.core.sharding.placement
+        if len(system.shard_addresses) != system.num_servers:
+            raise RunFailed(
+                f"system.shard_addresses: shard 0 reads the other {system.num_servers - 1} shards' parts from their "
+                f"addresses, and has {len(system.shard_addresses)}"
+            )
+        with self.core.lock:  # a session for worker 0's newest incarnation, signed here: the followers check it
+            member = self.core.members.current.get(0)
+            incarnation = member.incarnation if member is not None else 0
+            caller = pb.Caller(worker_id=0, session=self.core.members.signer.issue(0, incarnation))
+            certificate = self.core.updates.certificate
+        clients = [
+            make_client(address, transport=self.transport, token=self.token, system=system, connect_timeout_s=30)
+            for address in system.shard_addresses[1:]
+        ]
+        try:
+            parts = collect_parts(clients, caller, certificate, placement)
+        finally:
+            for client in clients:
+                client.close()
+        model = model_from_config(self.config)  # the names and shapes the parts go back into
+        checkpoint = write_whole_final(system.checkpoint_dir, model, placement, parts)
+        summary = {**summary, "placement": placement.describe()}
+        if self.evaluate:
+            model.load_state_dict(checkpoint["model_state_dict"])
+            summary["final_loss"], summary["final_accuracy"] = evaluate(model, test_set_for(self.config))
+        self.core.log.event(
+            "whole_model",
+            version=checkpoint["step"],
+            final_loss=summary["final_loss"],
+            final_accuracy=summary["final_accuracy"],
+            placement=summary["placement"],
+        )
+        write_summary(summary_json or Path(system.log_dir) / "summary.json", summary)
+        return summary
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop serving: waiting calls return, then the transport's server shuts down."""

@@ -68,6 +68,10 @@ def _with_address(config: Config, address: str) -> Config:
     return config.model_copy(update={"system": config.system.model_copy(update={"server_address": address})})
 
 
+def _with_shards(config: Config, addresses: list[str]) -> Config:
+    return config.model_copy(update={"system": config.system.model_copy(update={"shard_addresses": addresses})})
+
+
 def connect_address(bind_address: str, port: int) -> str:
     """Where local workers reach a server bound to ``bind_address`` on ``port`` (wildcards -> loopback)."""
     host, _ = split_address(bind_address)
@@ -172,6 +176,36 @@ def run_follower(
     finally:
         if not stopped:
             server.stop()
+
+
+def wait_for_run_end(config: Config, *, poll_s: float = 1.0) -> None:
+    """A follower shard on its own host: return once shard 0 (``system.shard_addresses[0]``) has said the run is
+    done and has then gone away (it reads the followers' parts before it exits: :mod:`src.ps.shard_final`)."""
+    import grpc
+
+    from src.transport.clients import make_client
+    from src.transport.grpc import require_auth_token
+
+    system = config.system
+    client = make_client(
+        system.shard_addresses[0],
+        transport=system.transport,
+        token=require_auth_token(system),
+        system=system,
+        retries=0,
+        connect_timeout_s=poll_s,
+    )
+    done = False
+    try:
+        while True:
+            try:
+                done = client.status(timeout=10).done or done
+            except grpc.RpcError:
+                if done:
+                    return
+            time.sleep(poll_s)
+    finally:
+        client.close()
 
 
 def run_worker(
@@ -326,8 +360,7 @@ class _LocalRun:
     def start_worker(self, worker_id: int, *, faults: bool) -> None:
         config = _with_address(self.config, connect_address(self.config.system.server_address, self.port))
         if self.shard_addresses:
-            system = config.system.model_copy(update={"shard_addresses": self.shard_addresses})
-            config = config.model_copy(update={"system": system})
+            config = _with_shards(config, self.shard_addresses)
         send = self._pipe()
         with children_ignore_sigint():
             process = self.context.Process(
@@ -384,20 +417,22 @@ def run_local(
     run = _LocalRun(config, summary_json)
     with sigterm_as_keyboard_interrupt():
         try:
-            follower_ports = []
+            bind = config.system.server_address
+            followers = []
             for shard in range(1, config.system.num_servers):
                 run.start_follower(shard)
-                follower_ports.append(_await_message(run, "listening", STARTUP_TIMEOUT_S))
+                followers.append(connect_address(bind, _await_message(run, "listening", STARTUP_TIMEOUT_S)))
+            if followers:  # shard 0 reads the followers' parts at the end; its own entry is filled once it listens
+                config = run.config = _with_shards(config, [bind, *followers])
             run.start_server(resume=str(resume) if resume else None, faults=True, config=config)
             run.port = _await_message(run, "listening", STARTUP_TIMEOUT_S)
-            if follower_ports:
-                bind = config.system.server_address
-                run.shard_addresses = [connect_address(bind, port) for port in [run.port, *follower_ports]]
+            if followers:
+                run.shard_addresses = [connect_address(bind, run.port), *followers]
             for worker_id in range(run.num_workers):
                 run.start_worker(worker_id, faults=True)
             summary = _await_message(run, "summary", None)
             if run.followers:
-                summary = _whole_final(run, summary)
+                _stop_followers(run)
             for process in run.processes():
                 process.join(STOP_GRACE_S)
             return summary
@@ -408,28 +443,13 @@ def run_local(
             run.events.close()
 
 
-def _whole_final(run: _LocalRun, summary: dict[str, Any]) -> dict[str, Any]:
-    """A sharded run is over: stop the followers (each writes its part), put the whole model into the final
-    checkpoint, evaluate it, and put its figures into the summary (written again where the server wrote it)."""
-    from src.metrics import write_summary
-    from src.ps.shard_final import write_whole_final
-    from src.ps.sharding import Sharding
-    from src.trainer import evaluate, load_split, model_from_config
-
+def _stop_followers(run: _LocalRun) -> None:
+    """A sharded run is over (shard 0 has read their parts): each follower writes its part and exits."""
     run.ended.add(run.server)  # shard 0 is done: its exit is not a death to restart from
     for control in run.follower_controls.values():
         control.send("stop")
-    for shard in run.followers:
+    for _ in run.followers:
         _await_message(run, "stopped", STARTUP_TIMEOUT_S)
-    config = run.config
-    model = model_from_config(config)
-    placement = Sharding.of_run(model, config.system, run.token).placement
-    checkpoint = write_whole_final(config.system.checkpoint_dir, model, placement)
-    model.load_state_dict(checkpoint["model_state_dict"])
-    loss, accuracy = evaluate(model, load_split(config, "test"))
-    summary = {**summary, "final_loss": loss, "final_accuracy": accuracy, "placement": placement.describe()}
-    write_summary(run.summary_json or Path(config.system.log_dir) / "summary.json", summary)
-    return summary
 
 
 def _await_message(run: _LocalRun, wanted: str, timeout: float | None):

@@ -1,49 +1,89 @@
-"""A sharded run's final checkpoint: the whole model, put together from the shards' parts.
+"""A sharded run's final checkpoint: the whole model, put together by shard 0 from every shard's part.
 
-Shard 0 writes ``parameter_server_final.pt`` with its part (its slices, flat, and every buffer); each follower
-writes ``shard_K_final.pt`` with its own (:class:`src.ps.follower_server.FollowerServer`). :func:`write_whole_final`
-replaces shard 0's file with the whole model's ``state_dict`` (:func:`~src.ps.shard_model.whole_state`), in the
-common format, so evaluation, validation and the report read a sharded run's model as an unsharded one's. Every
-part must be of the final version: a shard that did not apply it is named, and nothing is replaced.
+When a sharded run is over, shard 0 (:class:`~src.parameter_server.ParameterServer`) reads each follower's slices
+over the run's transport (:func:`collect_parts`: a parameters-only pull carrying the last version's certificate,
+under a session shard 0 signs itself for worker 0's newest incarnation, so the follower checks it as any call),
+then replaces its own final checkpoint, which holds its part, with the whole model's ``state_dict``
+(:func:`write_whole_final`, :func:`~src.ps.shard_model.whole_state`), in the common format: evaluation,
+validation and the report read a sharded run's model as an unsharded one's. Every part must be of the final
+version: a shard that did not apply it is named, and nothing is replaced. Shards on other hosts need no shared
+disk: the parts travel as pulls do.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+import torch
 from torch import nn
 
+from src import parameter_server_pb2 as pb
 from src.common.checkpoint import CheckpointError, final_checkpoint_path, load_checkpoint, save_checkpoint
 from src.ps.placement import Placement
 from src.ps.shard_model import whole_state
+from src.transport.wire import Received
 
 
 def shard_part_path(checkpoint_dir: str | Path, shard: int) -> Path:
-    """Where follower shard ``shard`` writes its part of the model at the end of the run."""
+    """Where follower shard ``shard`` writes its part of the model when it stops (for inspection by hand)."""
     return Path(checkpoint_dir) / f"shard_{shard}_final.pt"
 
 
-def write_whole_final(checkpoint_dir: str | Path, model: nn.Module, placement: Placement) -> dict[str, Any]:
-    """Replace shard 0's final checkpoint in ``checkpoint_dir`` with the whole model (``model``: the run's, for its
-    names and shapes); returns the checkpoint written.
+def part_of_reply(placement: Placement, shard: int, reply: Received) -> tuple[int, dict[str, torch.Tensor]]:
+    """A follower's pull reply as its part's ``state_dict`` (slice key -> flat tensor) and its version."""
+    pieces = placement.on_shard(shard)
+    sent = reply.large["parameters"]
+    if len(sent) != len(pieces):
+        raise CheckpointError(f"shard {shard} sent {len(sent)} slices, the placement gives it {len(pieces)}")
+    part = {}
+    for piece, data in zip(pieces, sent):
+        values = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        if values.numel() != piece.numel:
+            raise CheckpointError(f"shard {shard} sent {values.numel()} values of {piece.key}, not {piece.numel}")
+        part[piece.key] = values
+    return reply.message.version, part
+
+
+def collect_parts(
+    clients: list[Any], caller: pb.Caller, certificate: bytes, placement: Placement
+) -> list[dict[str, torch.Tensor]]:
+    """Each follower's part at the final version (``clients[k - 1]`` reaches shard ``k``), pulled with the last
+    version's ``certificate`` (empty: none was made).
 
     Raises:
-        CheckpointError: a part is missing, unreadable, or of another version than shard 0's.
+        CheckpointError: a follower is at another version than the certificate's, or sent a part of another shape.
+    """
+    from src.ps.shard_rounds import RoundCertificate
+
+    final_version = RoundCertificate.decode(certificate).version if certificate else 0
+    parts = []
+    for shard, client in enumerate(clients, start=1):
+        version, part = part_of_reply(
+            placement, shard, client.pull(caller, certificate=certificate, parameters_only=True)
+        )
+        if version != final_version:
+            raise CheckpointError(
+                f"shard {shard} holds version {version}, shard 0 version {final_version}: the shards do not hold "
+                f"one model"
+            )
+        parts.append(part)
+    return parts
+
+
+def write_whole_final(
+    checkpoint_dir: str | Path, model: nn.Module, placement: Placement, parts: list[Mapping[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """Replace shard 0's final checkpoint in ``checkpoint_dir`` with the whole model (``model``: the run's, for its
+    names and shapes; ``parts``: the followers', shard 1 first); returns the checkpoint written.
+
+    Raises:
+        CheckpointError: the parts do not make the whole model.
     """
     final = final_checkpoint_path(checkpoint_dir, "parameter_server")
     checkpoint = load_checkpoint(final)
-    parts = [checkpoint["model_state_dict"]]
-    for shard in range(1, placement.num_shards):
-        part = load_checkpoint(shard_part_path(checkpoint_dir, shard))
-        if part["step"] != checkpoint["step"]:
-            raise CheckpointError(
-                f"shard {shard} ended at version {part['step']}, shard 0 at version {checkpoint['step']}: the "
-                f"shards do not hold one model"
-            )
-        parts.append(part["model_state_dict"])
     try:
-        checkpoint["model_state_dict"] = whole_state(model, placement, parts)
+        checkpoint["model_state_dict"] = whole_state(model, placement, [checkpoint["model_state_dict"], *parts])
     except KeyError as exc:
         raise CheckpointError(f"the shards' parts do not make the whole model: {exc}") from None
     checkpoint["optimizer_state_dict"] = {}  # each shard's optimizer is over its slices: a resume reads its own
