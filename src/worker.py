@@ -81,6 +81,20 @@ LOCAL_FIELDS = (
 """Fields a worker takes from its own config; everything else comes from the server."""
 
 
+class _ShardsApart(grpc.RpcError):
+    """The shards answered a pull at different versions (some of them are starting again): pull again."""
+
+    def __init__(self, version: int, versions: list[int]):
+        super().__init__(f"shard 0 at version {version}, the others at {versions}")
+        self._message = str(self)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._message
+
+
 class ServerEndedRun(RuntimeError):
     """The server stopped before this worker was told the run is finished."""
 
@@ -263,11 +277,7 @@ class Worker:
                 faults=self.faults,
                 placement=placement,
             )
-            received = self._pull()
-            step.load(received, parameters=placement is None)
-            if placement is not None:
-                step.load_shard(0, received)
-                self._pull_shards(step, b"", first=1)
+            received = self._pull_everything(step)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=step.version)
             logger.info(
                 "worker %d: registered with %s as incarnation %d at version %d (%s)",
@@ -365,11 +375,7 @@ class Worker:
 
     def _pull_again(self, step: WorkerStep, log: MetricsLogger) -> Received:
         """After registering again: pull the newest parameters and the next work, and say so in the events."""
-        received = self._pull()
-        step.load(received, parameters=not self.shard_clients)
-        if self.shard_clients:
-            step.load_shard(0, received)
-            self._pull_shards(step, b"", first=1)
+        received = self._pull_everything(step)
         log.event("rejoined", incarnation=self.incarnation, version=step.version, after=self.last_failure)
         return received
 
@@ -405,19 +411,58 @@ class Worker:
             self._shard_calls.submit(client.push, held, per_shard[k], buffers if k == 0 else [])
             for k, client in enumerate(clients)
         ]
-        for ack in acks:
-            ack.result()
+        try:
+            for ack in acks:
+                ack.result()
+        except grpc.RpcError as exc:
+            return self._shard_failed(exc, in_flight=request.request_id)
         commit = pb.PushRequest()
         commit.CopyFrom(request)
         commit.commit = True
         reply = self._push(commit, [], [])
         if isinstance(reply, Received):
-            self._pull_shards(step, reply.message.certificate)
+            try:
+                versions = self._pull_shards(step, reply.message.certificate)
+                if any(version != reply.message.version for version in versions):
+                    raise _ShardsApart(reply.message.version, versions)
+            except grpc.RpcError as exc:
+                return self._shard_failed(exc, in_flight=request.request_id)
         return reply
 
-    def _pull_shards(self, step: WorkerStep, certificate: bytes, *, first: int = 0) -> None:
+    def _shard_failed(self, exc: grpc.RpcError, *, in_flight: int) -> bool:
+        """A shard refused a call or went away: the shards are starting again together from a common version
+        (src/launch/ps.py), so register again with shard 0 as after a server restart; whether the push
+        ``in_flight`` (its request id; 0: none) was applied, as :meth:`_rejoin` says."""
+        logger.warning(
+            "worker %d: a server shard failed a call (%s: %s); registering again with shard 0",
+            self.worker_id,
+            exc.code().name,
+            exc.details(),
+        )
+        return self._rejoin("lost", in_flight=in_flight)
+
+    def _pull_everything(self, step: WorkerStep) -> Received:
+        """Pull the parameters and work (every shard's slices, all of one version, from a sharded server),
+        registering again while a server has lost this session or a shard fails."""
+        while True:
+            received = self._pull()
+            if not self.shard_clients:
+                step.load(received)
+                return received
+            step.load(received, parameters=False)
+            step.load_shard(0, received)
+            try:
+                versions = self._pull_shards(step, b"", first=1)
+            except grpc.RpcError as exc:
+                self._shard_failed(exc, in_flight=0)
+                continue
+            if all(version == received.message.version for version in versions):
+                return received
+            self._shard_failed(_ShardsApart(received.message.version, versions), in_flight=0)
+
+    def _pull_shards(self, step: WorkerStep, certificate: bytes, *, first: int = 0) -> list[int]:
         """Every shard's slices from shard ``first`` on, at once (the followers' after applying ``certificate``'s
-        version), into ``step``."""
+        version), into ``step``; their versions."""
         clients = self._clients()
         pulls = {
             k: self._shard_calls.submit(
@@ -425,8 +470,7 @@ class Worker:
             )
             for k in range(first, len(clients))
         }
-        for k, pull in pulls.items():
-            step.load_shard(k, pull.result())
+        return [step.load_shard(k, pull.result()) for k, pull in pulls.items()]
 
     def _failure(self, exc: grpc.RpcError) -> Failure:
         """What ``exc`` means (:func:`src.ps.worker_protocol.check_session_lost`); spends a rejoin when revoked."""

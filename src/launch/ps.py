@@ -156,14 +156,16 @@ def run_follower(
     token: str | None = None,
     on_listening: Callable[[int], None] | None = None,
     wait: Callable[[], object],
+    resume: str | Path | None = None,
 ) -> Path:
     """Serve follower shard ``shard`` of a sharded run on ``address`` until ``wait()`` returns; then write its
-    part of the model and return where (:class:`~src.ps.follower_server.FollowerServer`)."""
+    part of the model and return where (:class:`~src.ps.follower_server.FollowerServer`). ``resume``: continue
+    from this shard's checkpoint (a file, or the run's checkpoint folder)."""
     from src.ps.follower_server import FollowerServer
     from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()
-    server = FollowerServer(config, shard=shard, address=address, token=token)
+    server = FollowerServer(config, shard=shard, address=address, token=token, resume=resume)
     stopped = False
     try:
         port = server.start()
@@ -260,7 +262,9 @@ def _server_child(
     leave_process(0)  # done and flushed: native threads must not abort it at shutdown (src.common.supervisor)
 
 
-def _follower_child(config: Config, shard: int, token: str, num_threads: int | None, report, control) -> None:
+def _follower_child(
+    config: Config, shard: int, token: str, num_threads: int | None, report, control, resume: str | None
+) -> None:
     setup_logging(config.system.log_level)
     _set_threads(num_threads)
     try:
@@ -271,6 +275,7 @@ def _follower_child(config: Config, shard: int, token: str, num_threads: int | N
             token=token,
             on_listening=lambda port: report.send(("listening", port)),
             wait=control.recv,  # the launcher says "stop" once shard 0 has the run's summary
+            resume=resume,
         )
     except _expected_errors() as exc:
         report.send(("error", f"parameter-server shard {shard}: {exc}"))
@@ -322,17 +327,17 @@ class _LocalRun:
     def processes(self) -> list:
         return [p for p in [self.server, *self.followers.values(), *self.workers.values()] if p is not None]
 
-    def start_follower(self, shard: int) -> None:
-        """Start follower shard ``shard`` on a free port of the server's host (it reports the port)."""
+    def start_follower(self, shard: int, *, port: int = 0, resume: str | None = None) -> None:
+        """Start follower shard ``shard`` on ``port`` of the server's host (0: a free one; it reports the port)."""
         host, _ = split_address(self.config.system.server_address)
-        config = _with_address(self.config, f"[{host}]:0" if ":" in host else f"{host}:0")
+        config = _with_address(self.config, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         send = self._pipe()
         control, self.follower_controls[shard] = self.context.Pipe(duplex=False)
         with children_ignore_sigint():
             process = self.context.Process(
                 target=_follower_child,
                 name=f"shard-{shard}",
-                args=(config, shard, self.token, self.num_threads, send, control),
+                args=(config, shard, self.token, self.num_threads, send, control, resume),
             )
             process.start()
         send.close()
@@ -480,14 +485,13 @@ def _await_message(run: _LocalRun, wanted: str, timeout: float | None):
             found, value = _drain(run, run.pipe_of.get(process), wanted)  # its last words come first
             if found:
                 return value
-            if process is run.server:
+            if process is run.server and run.followers:
+                _shards_ended(run, process)
+            elif process is run.server:
                 _server_ended(run, process)
             elif process in run.followers.values():
                 if wanted != "stopped" or process.exitcode != 0:
-                    raise LaunchError(
-                        f"parameter-server {process.name} {_exit_description(process)} (a shard's restart is not "
-                        f"built yet: issue 33)"
-                    )
+                    _shards_ended(run, process)
             elif process.exitcode != 0:
                 _worker_ended(run, process)
 
@@ -565,6 +569,66 @@ def _server_ended(run: _LocalRun, process) -> None:
     # Same port: the workers reconnect to the address they know.
     config = _with_address(run.config, connect_address(run.config.system.server_address, run.port))
     run.start_server(resume=resume, faults=False, config=config)
+
+
+def _shards_ended(run: _LocalRun, process) -> None:
+    """A shard of a sharded server died: every shard starts again from the newest version all of them have
+    checkpointed (they write at the same versions, and version 0 at the start), on the same ports. A sync
+    version is made of the same pushes on every shard, so the versions past it are voided on all of them and
+    redone: no shard holds a version the others lack. The workers register again, as after a server restart."""
+    from src.common.checkpoint import numbered_path
+    from src.ps.follower import shard_checkpoint_dir
+
+    attempt = run.spend_restart("server")
+    if attempt is None:
+        raise LaunchError(
+            f"parameter-server {_shard_name(run, process)} {_exit_description(process)}; the shards' restart "
+            f"budget (system.max_restarts={run.max_restarts}) is spent"
+        )
+    directory = run.config.system.checkpoint_dir
+    shards = [run.server, *run.followers.values()]
+    for shard in shards:  # the others go back too: stop them
+        if shard.exitcode is None:
+            shard.kill()
+        shard.join()
+        run.ended.add(shard)
+    versions = set(_checkpoint_versions(directory))
+    for shard in run.followers:
+        versions &= set(_checkpoint_versions(shard_checkpoint_dir(directory, shard)))
+    if not versions:
+        raise LaunchError(f"the shards of this run have no checkpointed version in common in {directory}")
+    version = max(versions)
+    logger.warning(
+        "launcher: parameter-server %s %s; every shard starts again from version %d (restart %d/%d)",
+        _shard_name(run, process),
+        _exit_description(process),
+        version,
+        attempt,
+        run.max_restarts,
+    )
+    run.events.write(
+        "shards_restarted",
+        attempt=attempt,
+        shard=_shard_name(run, process),
+        exit=_exit_description(process),
+        version=version,
+    )
+    bind = run.config.system.server_address
+    for shard, address in zip(run.followers, run.shard_addresses[1:]):
+        resume = numbered_path(shard_checkpoint_dir(directory, shard), version)
+        run.start_follower(shard, port=split_address(address)[1], resume=str(resume))
+    config = _with_address(run.config, connect_address(bind, run.port))
+    run.start_server(resume=str(numbered_path(directory, version)), faults=False, config=config)
+
+
+def _shard_name(run: _LocalRun, process) -> str:
+    return "shard 0" if process is run.server else process.name.replace("-", " ")
+
+
+def _checkpoint_versions(directory) -> list[int]:
+    from src.common.checkpoint import numbered_checkpoints
+
+    return [int(path.stem.rsplit("_", 1)[1]) for path in numbered_checkpoints(directory)]
 
 
 def _worker_ended(run: _LocalRun, process) -> None:

@@ -195,6 +195,10 @@ class ServerCore:
         else:
             self.model.warm_up()
         self.resumed_from: Path | None = self._restore(resume) if resume is not None else None
+        if sharding is not None and self.resumed_from is None:  # version 0: a point every shard can go back to
+            failed = self.checkpoints.write_numbered(0, self.checkpoints.capture())
+            if failed is not None:
+                raise failed
         self.log.event(
             "run_start",
             architecture="parameter_server",

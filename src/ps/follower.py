@@ -16,18 +16,33 @@ The protocol and why it keeps every shard's version made of the same pushes: :mo
 How a driver calls it: every method takes :attr:`FollowerCore.lock` itself (a follower never waits for
 anything: what a certificate names was held before shard 0 could sign it), except :meth:`FollowerCore.decode`,
 which only reads the layout. Refusals are :class:`~src.ps.refusals.Refused` with gRPC's status names, as the
-server core's. Outputs under ``system.log_dir/server_K``: ``events.jsonl`` (``run_start`` with the shard's slices
-and bytes, ``hold``, ``update`` with the certified pushes, ``push_refused``).
+server core's. Outputs under ``system.log_dir/server_K``: ``events.jsonl`` (``run_start`` with the shard's slices,
+bytes and pid, ``hold``, ``update`` with the certified pushes, ``checkpoint``, ``shard_recovered``); checkpoints
+(its part, its optimizer, its version) in ``system.checkpoint_dir/shard_K`` at version 0 and every
+``training.checkpoint_interval`` versions, at the versions shard 0 writes its own, so the shards of a run always
+share a recent version to go back to together (the launcher's recovery of a shard that died).
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import threading
 from pathlib import Path
 
 from torch import nn
 
 from src import parameter_server_pb2 as pb
+from src.common.checkpoint import (
+    KEEP_CHECKPOINTS,
+    CheckpointError,
+    load_latest_good,
+    make_checkpoint,
+    numbered_checkpoints,
+    numbered_path,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from src.common.clock import REAL_CLOCK, Clock
 from src.common.sessions import SessionSigner
 from src.config import Config
@@ -43,6 +58,11 @@ from src.ps.shard_sessions import ShardSessions
 from src.transport.wire import Pieces, Received
 
 
+def shard_checkpoint_dir(checkpoint_dir: str | Path, shard: int) -> Path:
+    """Where follower shard ``shard`` keeps its numbered checkpoints in the run's ``checkpoint_dir``."""
+    return Path(checkpoint_dir) / f"shard_{shard}"
+
+
 class FollowerCore:
     """The run state of follower shard ``shard`` (see the module docstring).
 
@@ -54,6 +74,8 @@ class FollowerCore:
         key: the run's session key (:func:`~src.common.sessions.session_key`).
         clock: where event times come from.
         reply_views: replies as :class:`~src.transport.wire.Pieces` over the tensors (as the server core's).
+        resume: continue from this shard's checkpoint (a file, or a folder: see :meth:`_restore`); otherwise a
+            checkpoint of version 0 is written first, so every shard has one version to go back to.
     """
 
     def __init__(
@@ -66,6 +88,7 @@ class FollowerCore:
         key: bytes,
         clock: Clock = REAL_CLOCK,
         reply_views: bool = False,
+        resume: str | Path | None = None,
     ):
         if not 0 < shard < placement.num_shards:
             raise ValueError(f"shard {shard}: a follower is one of shards 1..{placement.num_shards - 1}")
@@ -76,9 +99,11 @@ class FollowerCore:
         self.model.install(shard_module(model, placement, shard))
         self.rounds = FollowerRounds(self.model.state, key)
         self.sessions = ShardSessions(SessionSigner(key), config.system.num_workers)
+        self.checkpoint_dir = shard_checkpoint_dir(config.system.checkpoint_dir, shard)
         self.log = MetricsLogger(
             Path(config.system.log_dir) / f"server_{shard}", tensorboard=False, role=f"server_{shard}", clock=clock.time
         )
+        resumed_from = self._restore(resume) if resume is not None else None
         self.log.event(
             "run_start",
             architecture="parameter_server",
@@ -87,7 +112,11 @@ class FollowerCore:
             slices=[piece.key for piece in placement.on_shard(shard)],
             bytes=placement.bytes_per_shard()[shard],
             version=self.version,
+            pid=os.getpid(),
+            resumed_from=str(resumed_from) if resumed_from else None,
         )
+        if resumed_from is None:
+            self._checkpoint()  # version 0: a point every shard of the run can go back to
 
     version = property(lambda self: self.model.state.version, doc="This shard's version (shard 0's, or one behind).")
     state = property(lambda self: self.model.state, doc="This shard's slices and their optimizer.")
@@ -161,6 +190,47 @@ class FollowerCore:
                 requests=[list(pair) for pair in certificate.contributors],
                 learning_rate=certificate.learning_rate,
             )
+            if self.version % self.config.training.checkpoint_interval == 0:
+                self._checkpoint()  # before the next version: at the versions shard 0 writes its own
+
+    def _checkpoint(self) -> Path:
+        """Write this shard's part, optimizer and version as ``shard_K/checkpoint_<version>.pt`` (lock held or
+        at start) and keep the newest few, as shard 0 keeps its own."""
+        state = self.model.state
+        t = self.config.training
+        checkpoint = make_checkpoint(
+            model_state_dict=state.model.state_dict(),
+            optimizer_state_dict=copy.deepcopy(state.optimizer.state_dict()),
+            model_architecture=t.model_architecture,
+            dataset=t.dataset,
+            epoch=0,
+            step=state.version,
+            config=self.config.to_dict(),
+            extra={"shard": self.shard, "version": state.version},
+        )
+        path = save_checkpoint(numbered_path(self.checkpoint_dir, state.version), checkpoint)
+        prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
+        self.log.event("checkpoint", path=str(path), version=state.version)
+        return path
+
+    def _restore(self, target: str | Path) -> Path:
+        """Continue from a checkpoint of this shard: a file, or a folder (this shard's own, or the run's
+        ``checkpoint_dir``, where this shard's are in ``shard_K/``)."""
+        target = Path(target)
+        if target.is_dir() and not numbered_checkpoints(target):
+            target = shard_checkpoint_dir(target, self.shard)
+        path, checkpoint = load_latest_good(target)
+        if checkpoint["extra"].get("shard") != self.shard:
+            raise CheckpointError(f"--resume {path}: not a checkpoint of parameter-server shard {self.shard}")
+        state = self.model.state
+        try:
+            state.model.load_state_dict(checkpoint["model_state_dict"])
+        except RuntimeError as exc:
+            raise CheckpointError(f"--resume {path}: its slices are not this shard's ({exc})") from None
+        state.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+        state.version = checkpoint["extra"]["version"]
+        self.log.event("shard_recovered", checkpoint=str(path), version=state.version)
+        return path
 
     def close(self) -> None:
         """Close the event log."""

@@ -50,6 +50,7 @@ class FollowerServer(GrpcMethods):
         token: the auth token every call must carry (default: :func:`require_auth_token`).
         model: the model at its initial values (default ``model_from_config(config)``, as shard 0 builds it).
         transport: ``"grpc"`` or ``"tcp"`` (default ``system.transport``).
+        resume: continue from this shard's checkpoint (a file, or the run's checkpoint folder).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class FollowerServer(GrpcMethods):
         token: str | None = None,
         model: nn.Module | None = None,
         transport: str | None = None,
+        resume: str | Path | None = None,
     ):
         self.config = config
         self.shard = shard
@@ -71,7 +73,13 @@ class FollowerServer(GrpcMethods):
         sharding = Sharding.of_run(model, config.system, self.token)
         self.placement = sharding.placement
         self.core = FollowerCore(
-            config, model=model, placement=sharding.placement, shard=shard, key=sharding.key, reply_views=False
+            config,
+            model=model,
+            placement=sharding.placement,
+            shard=shard,
+            key=sharding.key,
+            reply_views=False,
+            resume=resume,
         )
         self._stop_serving: Any = None
         self.port: int | None = None

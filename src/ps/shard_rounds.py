@@ -122,11 +122,12 @@ class FollowerRounds:
 
     def hold(self, version: int, contribution: Contribution) -> bool:
         """Hold a worker's slices for ``version``; returns False for a retry of the push already held (same
-        request id), which changes nothing.
+        request id), which changes nothing. Another push of the same worker replaces the one held (the worker
+        registered again and redid its work: only the certificate says which push counts).
 
         Raises:
             ValueError: the push is for another version than the next (a stale push, or one a certificate
-                should have preceded), or the worker already holds another push for it.
+                should have preceded).
         """
         if version != self.next_version:
             raise ValueError(
@@ -134,13 +135,8 @@ class FollowerRounds:
                 f"{self.next_version}"
             )
         held = self.held.get(contribution.worker)
-        if held is not None:
-            if held.request_id == contribution.request_id:
-                return False
-            raise ValueError(
-                f"worker {contribution.worker}: push {contribution.request_id} for version {version}, but push "
-                f"{held.request_id} is held for it"
-            )
+        if held is not None and held.request_id == contribution.request_id:
+            return False
         self.held[contribution.worker] = contribution
         return True
 
