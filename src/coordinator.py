@@ -534,3 +534,39 @@ def check_coverage(events: Iterable[dict[str, Any]], num_samples: int, num_epoch
         "updates": len(updates),
         "voided": voided,
     }
+
+
+def applied_history(events: Iterable[dict[str, Any]], recovered: str = "server_recovered") -> dict[int, list]:
+    """The versions a server (or a shard) holds at the end of its event log, each with the pushes it was made of
+    (``update`` events' ``requests``, sorted), the versions past each ``recovered`` event's version voided."""
+    versions: dict[int, list] = {}
+    for event in events:
+        if event.get("kind") == recovered:
+            versions = {v: pushes for v, pushes in versions.items() if v <= event["version"]}
+        elif event.get("kind") == "update":
+            versions[event["version"]] = sorted(tuple(pair) for pair in event.get("requests", []))
+    return versions
+
+
+def check_shards(server_events: Iterable[dict[str, Any]], followers: dict[int, Iterable[dict[str, Any]]]) -> dict:
+    """Audit a sharded run: does every follower shard hold every version shard 0 holds, each made of the same
+    pushes (:func:`applied_history`; a follower's recoveries are its ``shard_recovered`` events)? Then what
+    :func:`check_coverage` says of shard 0 holds on every shard: each sample of each epoch in exactly one applied
+    update. ``followers``: each follower's events, by shard.
+
+    Returns:
+        ``{"ok", "versions", "shards": {shard: {"versions", "missing", "extra", "differ"}}}``, the last three a
+        few versions each.
+    """
+    reference = applied_history(server_events)
+    shards = {}
+    for shard, events in sorted(followers.items()):
+        held = applied_history(events, "shard_recovered")
+        shards[shard] = {
+            "versions": len(held),
+            "missing": sorted(reference.keys() - held.keys())[:5],
+            "extra": sorted(held.keys() - reference.keys())[:5],
+            "differ": sorted(v for v in reference.keys() & held.keys() if reference[v] != held[v])[:5],
+        }
+    ok = all(not (s["missing"] or s["extra"] or s["differ"]) for s in shards.values())
+    return {"ok": ok, "versions": len(reference), "shards": shards}

@@ -262,3 +262,28 @@ def test_sync_a_worker_back_mid_epoch_gets_its_share_of_what_is_left():
             break
         handed = plan.start_round([0, 1], [0, 1])
     assert sorted(applied) == list(range(80))
+
+
+def test_check_shards_finds_a_follower_version_missing_extra_or_made_of_other_pushes():
+    from src.coordinator import check_shards
+
+    def update(version, *requests):
+        return {"kind": "update", "version": version, "requests": [list(r) for r in requests]}
+
+    server = [update(1, (0, 1), (1, 1)), update(2, (0, 2)), {"kind": "server_recovered", "version": 1}]
+    server += [update(2, (0, 3), (1, 2))]
+    same = [update(1, (1, 1), (0, 1)), update(2, (0, 2)), {"kind": "shard_recovered", "version": 1}]
+    same += [update(2, (0, 3), (1, 2))]
+    assert check_shards(server, {1: same}) == {
+        "ok": True,
+        "versions": 2,
+        "shards": {1: {"versions": 2, "missing": [], "extra": [], "differ": []}},
+    }
+    not_rolled_back = [update(1, (0, 1), (1, 1)), update(2, (0, 2))]  # kept the voided version 2
+    lagging = [update(1, (0, 1), (1, 1))]
+    ahead = same + [update(3, (0, 4))]
+    report = check_shards(server, {1: not_rolled_back, 2: lagging, 3: ahead})
+    assert not report["ok"]
+    assert report["shards"][1]["differ"] == [2]
+    assert report["shards"][2]["missing"] == [2]
+    assert report["shards"][3]["extra"] == [3]

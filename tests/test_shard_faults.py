@@ -4,9 +4,10 @@ The run is the runner's own command (`run_parameter_server_training.py --servers
 follower shard and three workers as processes of the launcher). The test finds the follower's pid in its events
 and SIGKILLs it once it has passed version 60; worker 1 kills itself at its step 10 (an injected fault). Then
 every assertion reads what the run wrote: the shards start again together from the newest version all of them
-have checkpointed, the versions past it are voided on every shard and redone, every sample of every epoch is in
-exactly one applied update (shard 0's coverage audit), every shard ends with the same history of versions (each
-version made of the same pushes), and the model scores as the fault-free run's.
+have checkpointed, the versions past it are voided on every shard and redone, every shard ends with the same
+history of versions, each made of the same pushes (``check_shards``), so every sample of every epoch is in
+exactly one applied update on every shard (shard 0's coverage audit), and the model scores as the fault-free
+run's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from src.coordinator import check_coverage
+from src.coordinator import check_coverage, check_shards
 from src.metrics import read_events
 from tests.ps_fixtures import RUNNER, kill_group, ps_config
 
@@ -72,18 +73,6 @@ def events(log_dir: Path, role: str, kind: str | None = None) -> list[dict]:
     return list(read_events(path, kind)) if path.is_file() else []
 
 
-def history(log_dir: Path, role: str, recovered: str) -> dict[int, list]:
-    """The versions a shard holds at the end, each with the pushes it was made of: its ``update`` events, the
-    versions past each recovery's version dropped (voided)."""
-    versions: dict[int, list] = {}
-    for event in events(log_dir, role):
-        if event["kind"] == recovered:
-            versions = {v: pushes for v, pushes in versions.items() if v <= event["version"]}
-        elif event["kind"] == "update":
-            versions[event["version"]] = sorted(map(tuple, event["requests"]))
-    return versions
-
-
 def wait_for(condition, timeout_s: float, what: str, process: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -92,12 +81,47 @@ def wait_for(condition, timeout_s: float, what: str, process: subprocess.Popen) 
         time.sleep(0.05)
 
 
-def test_a_shard_killed_from_outside_and_a_killed_worker_are_survived(tmp_path):
-    reference_file = sharded_job(tmp_path, "reference")
-    reference = start(reference_file, tmp_path / "reference.out")
-    assert reference.wait(timeout=300) == 0, (tmp_path / "reference.out").read_text()
-    expected = json.loads((tmp_path / "reference" / "logs" / "summary.json").read_text())
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict:
+    """The fault-free run's summary."""
+    root = tmp_path_factory.mktemp("reference")
+    reference = start(sharded_job(root, "reference"), root / "reference.out")
+    assert reference.wait(timeout=300) == 0, (root / "reference.out").read_text()
+    return json.loads((root / "reference" / "logs" / "summary.json").read_text())
 
+
+def assert_recovered_together(logs: Path, summary: dict, expected: dict, dead: str) -> int:
+    """The shards started again together once, from a common checkpoint, and ended as one model: returns the
+    version they went back to."""
+    restarted = events(logs, "launcher", "shards_restarted")
+    assert len(restarted) == 1 and restarted[0]["shard"] == dead, restarted
+    version = restarted[0]["version"]
+    [recovered] = events(logs, "server", "server_recovered")
+    assert recovered["version"] == version
+    assert events(logs, "server_1", "shard_recovered")[-1]["version"] == version
+    report = check_coverage(events(logs, "server"), NUM_TRAIN, 2)
+    assert report["ok"], report
+    assert report["voided"] == recovered["versions_lost"] > 0
+    shards = check_shards(events(logs, "server"), {1: events(logs, "server_1")})
+    assert shards["ok"] and shards["versions"] == summary["versions"], shards  # every version, of the same pushes
+    assert summary["samples_processed"] == 2 * NUM_TRAIN
+    assert abs(summary["final_accuracy"] - expected["final_accuracy"]) <= 0.02, (summary, expected)
+    return version
+
+
+def test_shard_0_killed_by_its_fault_is_survived(tmp_path, expected):
+    config_file = sharded_job(tmp_path, "faulty", ["kill:server@version=40"])
+    logs = tmp_path / "faulty" / "logs"
+    run = start(config_file, tmp_path / "faulty.out")
+    try:
+        assert run.wait(timeout=300) == 0, (tmp_path / "faulty.out").read_text()
+    finally:
+        kill_group(run)
+    summary = json.loads((logs / "summary.json").read_text())
+    assert assert_recovered_together(logs, summary, expected, "shard 0") == 25
+
+
+def test_a_shard_killed_from_outside_and_a_killed_worker_are_survived(tmp_path, expected):
     config_file = sharded_job(tmp_path, "faulty", ["kill:worker=1@step=10"], emulation__step_delay_s=0.1)
     logs = tmp_path / "faulty" / "logs"
     run = start(config_file, tmp_path / "faulty.out")
@@ -116,18 +140,6 @@ def test_a_shard_killed_from_outside_and_a_killed_worker_are_survived(tmp_path):
         kill_group(run)
     summary = json.loads((logs / "summary.json").read_text())
 
-    restarted = events(logs, "launcher", "shards_restarted")
-    assert len(restarted) == 1 and restarted[0]["shard"] == "shard 1", restarted
-    version = restarted[0]["version"]
+    version = assert_recovered_together(logs, summary, expected, "shard 1")
     assert version % 25 == 0 and KILL_AFTER_VERSION - 25 <= version <= KILL_AFTER_VERSION + 25, version
-    [recovered] = events(logs, "server", "server_recovered")
-    assert recovered["version"] == version
-    assert events(logs, "server_1", "shard_recovered")[-1]["version"] == version
-    report = check_coverage(events(logs, "server"), NUM_TRAIN, 2)
-    assert report["ok"], report
-    assert report["voided"] == recovered["versions_lost"] > 0
-    shard_0, shard_1 = history(logs, "server", "server_recovered"), history(logs, "server_1", "shard_recovered")
-    assert shard_0 == shard_1 and max(shard_0) == summary["versions"]  # every version of the same pushes
     assert {e["worker"] for e in events(logs, "launcher", "worker_restarted")} == {1}
-    assert summary["samples_processed"] == 2 * NUM_TRAIN
-    assert abs(summary["final_accuracy"] - expected["final_accuracy"]) <= 0.02, (summary, expected)
