@@ -158,6 +158,8 @@ class ParameterServer(GrpcMethods):
             k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
             for k in range(config.system.num_workers)
         }  # emulated server -> worker links
+        self.load = pb.ShardLoad()  # the bytes of the Pull and Push messages in and out (update_s: a shard's)
+        self._load_lock = threading.Lock()
         self._stop_serving: Callable[[float], None] | None = None
         self.transport_server: Any = None  # the grpc.Server or src.ps.tcp_server.TCPServer, once started
         self._monitor: threading.Thread | None = None
@@ -219,11 +221,19 @@ class ParameterServer(GrpcMethods):
             summary = self._whole_model(summary, summary_json)
         return summary
 
+    def _own_load(self) -> pb.ShardLoad:
+        """Shard 0's load: its messages' bytes and its optimizer's seconds."""
+        with self._load_lock:
+            load = pb.ShardLoad()
+            load.CopyFrom(self.load)
+        load.update_s = self.core.updates.step_s
+        return load
+
     def _whole_model(self, summary: dict[str, Any], summary_json: str | Path | None) -> dict[str, Any]:
         """Shard 0 of a sharded run, at its end: read the other shards' parts (:mod:`src.ps.shard_final`), put the
         whole model into the final checkpoint, evaluate it, and say so in the summary (written again)."""
         from src.metrics import write_summary
-        from src.ps.shard_final import collect_parts, write_whole_final
+        from src.ps.shard_final import collect_parts, shard_loads, write_whole_final
         from src.trainer import evaluate
         from src.transport.clients import make_client
 
@@ -244,12 +254,13 @@ class ParameterServer(GrpcMethods):
         ]
         try:
             parts = collect_parts(clients, caller, certificate, placement)
+            loads = [self._own_load(), *(client.status(timeout=30).load for client in clients)]
         finally:
             for client in clients:
                 client.close()
         model = model_from_config(self.config)  # the names and shapes the parts go back into
         checkpoint = write_whole_final(system.checkpoint_dir, model, placement, parts)
-        summary = {**summary, "placement": placement.describe()}
+        summary = {**summary, "placement": placement.describe(), **shard_loads(placement, loads)}
         if self.evaluate:
             model.load_state_dict(checkpoint["model_state_dict"])
             summary["final_loss"], summary["final_accuracy"] = evaluate(model, test_set_for(self.config))
@@ -294,11 +305,20 @@ class ParameterServer(GrpcMethods):
                 member = self.core.begin_pull(request.caller)
                 reply = self.core.pull_reply(member, self._await_work(member, call))
         self._emulate_downlink(member.worker_id, len(reply) + call.framing_bytes)
+        self._count(request.ByteSize(), len(reply))
         return reply
 
     def handle_push(self, data, call: Call) -> bytes | Pieces:
         with tracing.span("serve_push"):
-            return self._serve_push(data, call)
+            reply = self._serve_push(data, call)
+        self._count(len(data.view) if isinstance(data, MessageSplitter) else len(data), len(reply))
+        return reply
+
+    def _count(self, bytes_in: int, bytes_out: int) -> None:
+        """A call's message sizes, into this server's :attr:`load` (a sharded run's summary reports them)."""
+        with self._load_lock:
+            self.load.bytes_in += bytes_in
+            self.load.bytes_out += bytes_out
 
     def push_splitter(self, data) -> MessageSplitter:
         """A splitter of a push arriving into ``data``, for a transport that reads it in pieces (TCP): each

@@ -277,7 +277,7 @@ class WorkerState(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "aggregation_mode", "num_workers", "registered", "finished", "pushes_applied", "pushes_rejected", "pushes_refused", "done", "workers", "epochs_done")
+    __slots__ = ("version", "aggregation_mode", "num_workers", "registered", "finished", "pushes_applied", "pushes_rejected", "pushes_refused", "done", "workers", "epochs_done", "load")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,7 @@ class StatusReply(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     version: int
     aggregation_mode: str
     num_workers: int
@@ -300,4 +301,15 @@ class StatusReply(_message.Message):
     done: bool
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     epochs_done: int
-    def __init__(self, version: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., done: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., epochs_done: _Optional[int] = ...) -> None: ...
+    load: ShardLoad
+    def __init__(self, version: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., done: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., epochs_done: _Optional[int] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ...) -> None: ...
+
+class ShardLoad(_message.Message):
+    __slots__ = ("bytes_in", "bytes_out", "update_s")
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_S_FIELD_NUMBER: _ClassVar[int]
+    bytes_in: int
+    bytes_out: int
+    update_s: float
+    def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., update_s: _Optional[float] = ...) -> None: ...

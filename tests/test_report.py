@@ -256,6 +256,23 @@ def test_fault_section_and_timeline_are_rendered(tmp_path):
     assert paths["plot:fault_timeline"].stat().st_size > 5000
 
 
+def test_a_sharded_runs_load_per_shard_is_tabled(tmp_path):
+    from src.reports.report import write_report
+
+    shards = [
+        {"shard": 0, "bytes_placed": 842136, "bytes_in": 6747990, "bytes_out": 8423650, "update_s": 0.0015},
+        {"shard": 1, "bytes_placed": 844432, "bytes_in": 6763852, "bytes_out": 9289414, "update_s": 0.0027},
+    ]
+    summary = {**SUMMARY, "architecture": "parameter_server", "num_workers": 2, "aggregation_mode": "sync"}
+    sharded = {**summary, "shards": shards, "shard_imbalance": 1.028}
+    paths = write_report(
+        build_report([Run(sharded, "a/summary.json"), Run(summary, "b/summary.json")]), tmp_path / "r.json"
+    )
+    text = paths["markdown"].read_text()
+    assert text.count("load per server shard") == 1 and "(imbalance 1.03x)" in text
+    assert "| 1 | 844,432 | 6,763,852 | 9,289,414 | 0.0027 s |" in text
+
+
 def test_runs_of_one_kind_get_distinct_labels():
     ps = {**SUMMARY, "architecture": "parameter_server", "aggregation_mode": "async", "compression": "topk(0.1)"}
     runs = [

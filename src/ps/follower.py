@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+import time
 from pathlib import Path
 
 from torch import nn
@@ -100,6 +101,9 @@ class FollowerCore:
         self.rounds = FollowerRounds(self.model.state, key)
         self.sessions = ShardSessions(SessionSigner(key), config.system.num_workers)
         self.checkpoint_dir = shard_checkpoint_dir(config.system.checkpoint_dir, shard)
+        self.load = pb.ShardLoad()
+        """What this shard has carried (the bytes of the messages in and out, counted by its driver) and its
+        optimizer's seconds: its Status reply's ``load``, which shard 0 puts in the run summary."""
         self.log = MetricsLogger(
             Path(config.system.log_dir) / f"server_{shard}", tensorboard=False, role=f"server_{shard}", clock=clock.time
         )
@@ -176,6 +180,7 @@ class FollowerCore:
             return self.model.replies.serialize(pb.PullReply(version=self.version), worker_id)
 
     def _apply(self, data: bytes) -> None:
+        started = time.perf_counter()
         try:
             certificate = RoundCertificate.decode(data)
             applied = self.rounds.apply(certificate)
@@ -184,6 +189,7 @@ class FollowerCore:
         except ShardBehind as exc:
             raise Refused("FAILED_PRECONDITION", f"shard {self.shard}: {exc}") from None
         if applied:
+            self.load.update_s += time.perf_counter() - started
             self.log.event(
                 "update",
                 version=self.version,

@@ -144,7 +144,11 @@ class FollowerServer(GrpcMethods):
                 raise Refused("INVALID_ARGUMENT", f"push: {exc}") from None
             request = received.message
             worker_id = self.core.member(request.caller)
-            return self.core.hold(worker_id, request, self.core.decode(worker_id, received))
+            reply = self.core.hold(worker_id, request, self.core.decode(worker_id, received))
+            with self.core.lock:
+                self.core.load.bytes_in += len(data.view) if isinstance(data, MessageSplitter) else len(data)
+                self.core.load.bytes_out += len(reply)
+            return reply
 
     def push_splitter(self, data) -> MessageSplitter:
         """A splitter of a push arriving into ``data`` (TCP reads it in pieces); decoded once whole."""
@@ -156,7 +160,11 @@ class FollowerServer(GrpcMethods):
     def handle_pull(self, request: pb.PullRequest, call: Call) -> bytes | Pieces:
         with tracing.span("serve_pull", worker=request.caller.worker_id):
             worker_id = self.core.member(request.caller)
-            return self.core.pull(worker_id, request)
+            reply = self.core.pull(worker_id, request)
+            with self.core.lock:
+                self.core.load.bytes_in += request.ByteSize()
+                self.core.load.bytes_out += len(reply)
+            return reply
 
     def _for_shard_0(self, what: str):
         raise Refused(
@@ -178,4 +186,6 @@ class FollowerServer(GrpcMethods):
 
     def handle_status(self) -> pb.StatusReply:
         with self.core.lock:
-            return pb.StatusReply(version=self.core.version, num_workers=self.config.system.num_workers)
+            return pb.StatusReply(
+                version=self.core.version, num_workers=self.config.system.num_workers, load=self.core.load
+            )

@@ -90,3 +90,22 @@ def write_whole_final(
     checkpoint["extra"] = {**checkpoint["extra"], "num_servers": placement.num_shards}
     save_checkpoint(final, checkpoint)
     return checkpoint
+
+
+def shard_loads(placement: Placement, loads: list[pb.ShardLoad]) -> dict[str, Any]:
+    """The summary's per-shard load (``shards``: bytes placed, bytes in and out, optimizer seconds, by shard) and
+    ``shard_imbalance``: the busiest shard's bytes in and out over the mean (1.0: even)."""
+    placed = placement.bytes_per_shard()
+    shards = [
+        {
+            "shard": shard,
+            "bytes_placed": placed[shard],
+            "bytes_in": load.bytes_in,
+            "bytes_out": load.bytes_out,
+            "update_s": round(load.update_s, 6),
+        }
+        for shard, load in enumerate(loads)
+    ]
+    carried = [s["bytes_in"] + s["bytes_out"] for s in shards]
+    mean = sum(carried) / len(carried) if carried else 0
+    return {"shards": shards, "shard_imbalance": round(max(carried) / mean, 6) if mean else None}

@@ -15,6 +15,7 @@ Everything here runs with the core's lock held.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -77,6 +78,7 @@ class Updates:
         self._ledger: list[torch.Tensor] | None = None  # system.gradient_ledger: sum of the applied gradients (float64)
         self._overriding_schedule: set[int] = set()  # workers warned that their own learning rates win
         self._certify = certify
+        self.step_s = 0.0  # seconds of the sync rounds' optimizer steps (a shard's load in a sharded run's summary)
         self.certificate = b""
         """Shard 0 of a sharded server (``certify``): the encoded certificate of the newest sync version
         (:mod:`src.ps.shard_rounds`); empty before the first."""
@@ -121,7 +123,9 @@ class Updates:
             gradients, buffers = self.state.average(contributions)
             self._set_step_learning_rate(contributions)
             rate = self.state.learning_rate
+            started = time.perf_counter()
             self.state.step(gradients, buffers)
+            self.step_s += time.perf_counter() - started
             self._round = None
             if self._certify is not None:  # shard 0 of a sharded server: the followers apply what this says
                 pushes = [(c.worker, c.request_id) for c in contributions]

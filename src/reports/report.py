@@ -426,6 +426,8 @@ def build_report(
                 "time_to_target": _time_to_target(run, curve, target_accuracy),
                 "time_split": _time_split(run),
                 "bytes": _bytes(run),
+                "shards": s.get("shards"),
+                "shard_imbalance": s.get("shard_imbalance"),
                 "compression_ratio": _compression_ratio(run),
                 "staleness": _staleness(run),
                 "faults": _faults(run),

@@ -211,7 +211,34 @@ def _bytes(report: Mapping[str, Any]) -> list[Block]:
                 for r in report["runs"]
             ],
         )
-    ]
+    ] + _shard_loads(report)
+
+
+def _shard_loads(report: Mapping[str, Any]) -> list[Block]:
+    """Each sharded run's load per server shard: the bytes placed on it, the bytes of the messages it took in and
+    sent out, its optimizer's seconds, and the imbalance (the busiest shard's bytes over the mean)."""
+    blocks: list[Block] = []
+    for r in report["runs"]:
+        if not r.get("shards"):
+            continue
+        blocks += [
+            ("h3", f"{r['label']}: load per server shard (imbalance {_fmt(r['shard_imbalance'], 'x')})"),
+            (
+                "table",
+                ["shard", "bytes placed", "bytes in", "bytes out", "optimizer time"],
+                [
+                    [
+                        str(shard["shard"]),
+                        _fmt(shard["bytes_placed"], "bytes"),
+                        _fmt(shard["bytes_in"], "bytes"),
+                        _fmt(shard["bytes_out"], "bytes"),
+                        f"{_fmt(shard['update_s'])} s",
+                    ]
+                    for shard in r["shards"]
+                ],
+            ),
+        ]
+    return blocks
 
 
 def _staleness(report: Mapping[str, Any]) -> list[Block]:
