@@ -40,7 +40,7 @@ from typing import Any, Callable
 from torch import nn
 
 from src import parameter_server_pb2 as pb
-from src.config import Config
+from src.config import Config, SetupError
 from src.coordinator import WorkPlan
 from src.emulation import netem
 from src.ps.aggregation import RequestLog
@@ -134,7 +134,12 @@ class ParameterServer(GrpcMethods):
         self.on_event = on_event
         if model is None and not serve_without_model:
             model = model_from_config(config)
-        if sharding is None and config.system.num_servers > 1 and model is not None:
+        if sharding is None and config.system.num_servers > 1:
+            if model is None:
+                raise SetupError(
+                    "system.num_servers > 1: a sharded server needs its model at start (a worker's Initialize is "
+                    "not sharded; the library's server: --model package.module:function)"
+                )
             sharding = Sharding.of_run(model, config.system, self.token)
         self.core = ServerCore(
             config,
@@ -221,6 +226,10 @@ class ParameterServer(GrpcMethods):
             summary = self._whole_model(summary, summary_json)
         return summary
 
+    def fresh_model(self) -> nn.Module:
+        """A new instance of the served model (its names and shapes): the config's."""
+        return model_from_config(self.config)
+
     def _own_load(self) -> pb.ShardLoad:
         """Shard 0's load: its messages' bytes and its optimizer's seconds."""
         with self._load_lock:
@@ -258,7 +267,7 @@ class ParameterServer(GrpcMethods):
         finally:
             for client in clients:
                 client.close()
-        model = model_from_config(self.config)  # the names and shapes the parts go back into
+        model = self.fresh_model()  # the names and shapes the parts go back into
         checkpoint = write_whole_final(system.checkpoint_dir, model, placement, parts)
         summary = {**summary, "placement": placement.describe(), **shard_loads(placement, loads)}
         if self.evaluate:

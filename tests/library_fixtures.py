@@ -81,6 +81,15 @@ class TinyConvNet(nn.Module):
         return self.head(x.flatten(1))
 
 
+def simple_cnn() -> nn.Module:
+    """The registry's simple_cnn for MNIST: a factory the library's server can name
+    (``tests.library_fixtures:simple_cnn``), seeded by it as ``model_from_config`` seeds the runner's."""
+    from src.training.data import dataset_info
+    from src.training.models import build_model
+
+    return build_model("simple_cnn", dataset_info("mnist_5k"))
+
+
 def small_mlp(seed: int = 0, hidden: int = 64) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, 10))

@@ -157,15 +157,17 @@ def run_follower(
     on_listening: Callable[[int], None] | None = None,
     wait: Callable[[], object],
     resume: str | Path | None = None,
+    model: Any = None,
 ) -> Path:
     """Serve follower shard ``shard`` of a sharded run on ``address`` until ``wait()`` returns; then write its
     part of the model and return where (:class:`~src.ps.follower_server.FollowerServer`). ``resume``: continue
-    from this shard's checkpoint (a file, or the run's checkpoint folder)."""
+    from this shard's checkpoint (a file, or the run's checkpoint folder); ``model``: the served model at its
+    initial values (default the config's)."""
     from src.ps.follower_server import FollowerServer
     from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()
-    server = FollowerServer(config, shard=shard, address=address, token=token, resume=resume)
+    server = FollowerServer(config, shard=shard, address=address, token=token, resume=resume, model=model)
     stopped = False
     try:
         port = server.start()

@@ -16,6 +16,7 @@ of a ``with`` block) tells the server this worker is done (``Finish``, with its 
 summary); in sync mode the barrier goes on without it.
 
     with connect("127.0.0.1:50051") as client:      # token: $DTS_AUTH_TOKEN; "tcp://127.0.0.1:50051": TCP transport
+                                                      # a sharded server: connect(["h1:p1", "h2:p2"]), shard 0 first
         model = DistributedModel(net, client)
         optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client)
         ...                                           # the user's own loop
@@ -28,6 +29,7 @@ import logging
 import os
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, Sequence
 
 import grpc
@@ -62,7 +64,7 @@ class WorkerClient:
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
         token: str | None = None,
         worker_id: int | None = None,
@@ -74,14 +76,26 @@ class WorkerClient:
         token = token or os.environ.get(AUTH_TOKEN_ENV)
         if not token:
             raise SetupError(f"no auth token: pass token=... to connect() or set ${AUTH_TOKEN_ENV}")
-        address, transport = transport_of(address, transport)
-        self.address = address
-        self.transport = make_client(
-            address,
-            transport=transport,
-            token=token,
-            system=SystemConfig(tls_ca_file=tls_ca_file),
-            connect_timeout_s=connect_timeout_s,
+        addresses = [address] if isinstance(address, str) else list(address)
+        if not addresses:
+            raise SetupError("connect(): no address (give the server's host:port, or every shard's, shard 0 first)")
+        located = [transport_of(each, transport) for each in addresses]
+        if len({kind for _, kind in located}) > 1:
+            raise SetupError(f"connect({addresses}): the shards' addresses name different transports")
+        self.token = token
+        self.address = located[0][0]
+        self.transport, *self.shard_transports = [
+            make_client(
+                each,
+                transport=kind,
+                token=token,
+                system=SystemConfig(tls_ca_file=tls_ca_file),
+                connect_timeout_s=connect_timeout_s,
+            )
+            for each, kind in located
+        ]
+        self._shard_calls = (
+            ThreadPoolExecutor(len(addresses), thread_name_prefix="asgc-shard") if len(addresses) > 1 else None
         )
         self.worker_id = worker_id
         self.incarnation = 0
@@ -111,8 +125,18 @@ class WorkerClient:
     # ------------------------------------------------------------------------- lifecycle
 
     def open(self) -> "WorkerClient":
-        """Register and start heartbeats (:func:`connect` calls it)."""
+        """Register and start heartbeats (:func:`connect` calls it).
+
+        Raises:
+            SetupError: the server runs another number of shards than the addresses given.
+        """
         self._register(0)
+        shards = self.config.system.num_servers
+        if shards != 1 + len(self.shard_transports):
+            raise SetupError(
+                f"the server runs {shards} shard{'s' if shards > 1 else ''}: connect() to every shard's host:port, "
+                f"shard 0 first (got {1 + len(self.shard_transports)} address{'es' if self.shard_transports else ''})"
+            )
         self.rejoins = Rejoins(
             self.worker_id, self.config.system.max_rejoins if self._max_rejoins is None else self._max_rejoins
         )
@@ -137,10 +161,17 @@ class WorkerClient:
         try:
             self._call_with_rejoin(lambda: self.transport.finish(self.caller, self.stats()))
         finally:
+            self._close_shards()
             if self._heartbeats is not None:
                 self._heartbeats.stop_and_close(self.transport.close)
             else:
                 self.transport.close()
+
+    def _close_shards(self) -> None:
+        for shard in self.shard_transports:
+            shard.close()
+        if self._shard_calls is not None:
+            self._shard_calls.shutdown()
 
     def __enter__(self) -> "WorkerClient":
         return self
@@ -165,8 +196,8 @@ class WorkerClient:
         return pb.WorkerStats(
             samples=t["samples"],
             steps=t["steps"],
-            bytes_sent=self.transport.bytes_sent,
-            bytes_received=self.transport.bytes_received,
+            bytes_sent=sum(t.bytes_sent for t in [self.transport, *self.shard_transports]),
+            bytes_received=sum(t.bytes_received for t in [self.transport, *self.shard_transports]),
             gradient_time_s=t["gradient_time_s"],
             compression_time_s=t["compression_time_s"],
             communication_time_s=t["communication_time_s"],
@@ -206,6 +237,56 @@ class WorkerClient:
         except grpc.RpcError as exc:
             failure = check_session_lost(exc, self.worker_id, self.rejoins)
         return self._register_after(failure, request.request_id).last_request_applied
+
+    # ---------------------------------------------------------------------- a sharded server (src/ps/shard_rounds.py)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the server is split across shards (this client holds a connection to each)."""
+        return bool(self.shard_transports)
+
+    def pull_shards(self, certificate: bytes = b"", *, first: int = 0) -> list[Received]:
+        """Each shard's slices from shard ``first`` on, at once (a follower's after applying ``certificate``'s
+        version), in shard order."""
+        transports = [self.transport, *self.shard_transports]
+        pulls = [
+            self._shard_calls.submit(
+                transports[k].pull, self.caller, certificate=certificate if k else b"", parameters_only=True
+            )
+            for k in range(first, len(transports))
+        ]
+        return [pull.result() for pull in pulls]
+
+    def push_shards(
+        self, request: pb.PushRequest, per_shard: Sequence[Sequence[Any]], buffers: Sequence[Any]
+    ) -> tuple[Received, list[Received]] | bool:
+        """A sharded server's step: hold each shard's payloads on it at once (``per_shard`` empty: a skipped
+        step, held on shard 0 only), commit to shard 0, then pull every shard at once with the version's
+        certificate. Returns the commit's reply and the pulls, or, when the reply was lost with shard 0's session
+        (this client registered again), whether the push was applied.
+
+        Raises:
+            IncarnationRevoked: shard 0 declared this incarnation failed, and the rejoin budget is spent.
+            grpc.RpcError: a shard refused the push (the message names the problem).
+        """
+        held = pb.PushRequest()
+        held.CopyFrom(request)
+        held.caller.CopyFrom(self.caller)
+        held.hold = True
+        transports = [self.transport, *self.shard_transports] if per_shard else [self.transport]
+        acks = [
+            self._shard_calls.submit(transport.push, held, per_shard[k] if per_shard else [], buffers if k == 0 else [])
+            for k, transport in enumerate(transports)
+        ]
+        for ack in acks:
+            ack.result()
+        commit = pb.PushRequest()
+        commit.CopyFrom(request)
+        commit.commit = True
+        reply = self.push(commit, [], [])
+        if isinstance(reply, bool):
+            return reply
+        return reply, self.pull_shards(reply.message.certificate)
 
     # ------------------------------------------------------------------------- registration
 
@@ -261,7 +342,7 @@ def transport_of(address: str, transport: str | None) -> tuple[str, str]:
 
 
 def connect(
-    address: str,
+    address: str | Sequence[str],
     token: str | None = None,
     worker_id: int | None = None,
     *,
@@ -273,7 +354,8 @@ def connect(
     """Join the parameter-server run at ``address`` as one worker; a context manager (``close()`` on exit).
 
     Args:
-        address: the server's ``host:port``, or ``tcp://host:port`` / ``grpc://host:port`` naming the transport.
+        address: the server's ``host:port``, or ``tcp://host:port`` / ``grpc://host:port`` naming the transport; a
+            sharded server's: a list of every shard's, shard 0 first (``connect(["h1:p1", "h2:p2"])``).
         token: the run's auth token (default ``$DTS_AUTH_TOKEN``).
         worker_id: ``0..num_workers-1``; ``None`` lets the server pick the lowest free id.
         tls_ca_file: verify a TLS server against this CA (or its self-signed certificate).
@@ -300,6 +382,7 @@ def connect(
         return client.open()
     except BaseException:
         client.transport.close()
+        client._close_shards()
         raise
 
 

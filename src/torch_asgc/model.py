@@ -29,6 +29,8 @@ from torch import nn
 from src import parameter_server_pb2 as pb
 from src.config import SetupError
 from src.ps.served_model import layout_mismatch
+from src.ps.shard_push import load_shard_reply
+from src.ps.sharding import Sharding
 from src.ps.worker_protocol import load_reply, served_tensors
 from src.transport.grpc import Received, tensor_view
 
@@ -63,6 +65,9 @@ class DistributedModel(nn.Module):
         self.module = module
         self.client = client
         self.trainable, self.float_buffers = served_tensors(module)
+        self.placement = (  # a sharded server's: where each parameter's slices live (every process computes it)
+            Sharding.of_run(module, client.config.system, client.token).placement if client.sharded else None
+        )
         self.version = 0
         self._samples = 0
         self._hook = module.register_forward_pre_hook(self._count, with_kwargs=True) if count_samples else None
@@ -93,13 +98,18 @@ class DistributedModel(nn.Module):
 
         In sync mode this waits for this worker's turn in the barrier (right away between steps).
         """
-        reply = self.client.pull()
-        if reply.message.work.batches:
-            raise SetupError(
-                "this server hands out its own batches (run_parameter_server_training.py); for your own "
-                "loop and data start `python -m torch_asgc.server`"
-            )
-        return self.load(reply)
+        while True:
+            reply = self.client.pull()
+            if reply.message.work.batches:
+                raise SetupError(
+                    "this server hands out its own batches (run_parameter_server_training.py); for your own "
+                    "loop and data start `python -m torch_asgc.server`"
+                )
+            if self.placement is None:
+                return self.load(reply)
+            versions = self.load_shards([reply, *self.client.pull_shards(first=1)])
+            if len(set(versions)) == 1:  # else a shard is starting again: pull again
+                return self.version
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.module.state_dict(*args, **kwargs)
@@ -117,6 +127,15 @@ class DistributedModel(nn.Module):
         """Put a pull or push reply's parameters and buffers into the module; returns (and keeps) their version."""
         self.version = load_reply([p for _, p in self.trainable], [b for _, b in self.float_buffers], reply)
         return self.version
+
+    def load_shards(self, replies: list[Received]) -> list[int]:
+        """A sharded server's replies, one per shard in order (shard 0's carries the buffers), into the module;
+        their versions (shard 0's is kept)."""
+        params = {name: param for name, param in self.trainable}
+        buffers = [b for _, b in self.float_buffers]
+        versions = [load_shard_reply(self.placement, k, params, buffers, reply) for k, reply in enumerate(replies)]
+        self.version = versions[0]
+        return versions
 
     def buffer_views(self) -> list[memoryview]:
         """The floating-point buffers as float32 bytes, for a push."""
@@ -153,8 +172,13 @@ class DistributedModel(nn.Module):
             self._samples += _batch_size(args, kwargs)
 
     def _check_layout(self, registration: pb.RegisterReply) -> None:
+        mine = (
+            [(n, tuple(p.shape)) for n, p in self.trainable]
+            if self.placement is None
+            else [(piece.key, (piece.numel,)) for piece in self.placement.on_shard(0)]  # shard 0 serves its slices
+        )
         mismatch = layout_mismatch(
-            ([(n, tuple(p.shape)) for n, p in self.trainable], [(n, tuple(b.shape)) for n, b in self.float_buffers]),
+            (mine, [(n, tuple(b.shape)) for n, b in self.float_buffers]),
             ([s.name for s in registration.parameter_specs], [tuple(s.shape) for s in registration.parameter_specs]),
             ([s.name for s in registration.buffer_specs], [tuple(s.shape) for s in registration.buffer_specs]),
         )

@@ -55,6 +55,7 @@ from src.compression import Compressor
 from src.compressors.error_feedback import ErrorFeedback
 from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
+from src.ps.shard_push import ShardedPushCodec
 from src.ps.worker_protocol import PushCodec, count_push
 from src.training.lr_schedule import is_constant
 from src.transport.wire import chunk_size
@@ -289,7 +290,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._warn_no_samples()
             samples = 1
         computed = time.perf_counter()
-        payloads = self.codec.encode(_named_gradients(model.trainable, gradients, grad_scale), self.steps)
+        named = _named_gradients(model.trainable, gradients, grad_scale)
+        if model.placement is not None:  # a sharded server: each shard's slices, error feedback per slice
+            per_shard = ShardedPushCodec(model.placement, self.codec).encode(named, self.steps)
+            payloads = [payload for shard in per_shard for payload in shard]
+        else:
+            per_shard, payloads = None, self.codec.encode(named, self.steps)
         compressed = time.perf_counter()
         totals = self.client.totals
         request = pb.PushRequest(
@@ -305,7 +311,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 communication_time_s=totals.get("last_communication_s", 0.0),
             ),
         )
-        accepted = self._push(request, payloads, model)
+        accepted = (
+            self._push(request, payloads, model) if per_shard is None else self._push_shards(request, per_shard, model)
+        )
         finished = time.perf_counter()
         self._mark_wrapped_stepped()
         self.steps += 1
@@ -347,6 +355,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model.load(reply)
         return accepted
 
+    def _push_shards(self, request: pb.PushRequest, per_shard: list[list[bytes]], model) -> bool:
+        """:meth:`_push` to a sharded server (``WorkerClient.push_shards``): one verdict for every shard's slices;
+        returns whether the push was accepted."""
+        sharded = ShardedPushCodec(model.placement, self.codec)
+        shards = range(model.placement.num_shards)
+        result = self.client.push_shards(request, per_shard, model.buffer_views())
+        if isinstance(result, bool):
+            for shard in shards:
+                sharded.settle_lost(shard, applied=result, redone=False)
+            model.sync()
+            return result
+        reply, pulled = result
+        accepted = reply.message.accepted
+        for shard in shards:
+            sharded.settle(shard, accepted=accepted)
+        if len(set(model.load_shards(pulled))) > 1:  # a shard is starting again: pull again
+            model.sync()
+        return accepted
+
     def _learning_rate_to_send(self) -> float | None:
         """The wrapped optimizer's current rate, when it goes with the push (``send_learning_rate``); ``None``: not."""
         group = self.wrapped.param_groups[0]
@@ -373,6 +400,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             request = pb.PushRequest(
                 base_version=model.version, request_id=self.client.next_request_id(), num_samples=0
             )
+            if model.placement is not None:  # held on shard 0 only, then committed: the barrier goes on without us
+                result = self.client.push_shards(request, [], [])
+                if isinstance(result, bool) or len(set(model.load_shards(result[1]))) > 1:
+                    model.sync()
+                return
             reply = self.client.push(request, [], [])
             if isinstance(reply, bool):
                 model.sync()

@@ -112,11 +112,16 @@ class ClientLoopServer(ParameterServer):
             **kwargs,
         )
 
+    def fresh_model(self) -> nn.Module:
+        """A new instance of the served model: the factory's (a worker's model has no factory here)."""
+        return model_from_source(self.config, self.model_source)
+
 
 # ----------------------------------------------------------------------------- command line
 
 FLAGS = {
     "workers": "system.num_workers",
+    "shard_addresses": "system.shard_addresses",
     "aggregation_mode": "system.aggregation_mode",
     "server_address": "system.server_address",
     "transport": "system.transport",
@@ -163,6 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="'client' (the first worker's model, default) or 'package.module:function' building it",
     )
     run.add_argument("--seed", type=int, help="torch seed before calling a model factory (default 0)")
+    run.add_argument(
+        "--shard-addresses",
+        "--shards",
+        dest="shard_addresses",
+        type=lambda text: [address for address in text.split(",") if address],
+        help="A,B,...: a server split across shards (sync, a --model factory): every shard's host:port, shard 0 "
+        "first; this process serves --shard K and binds its entry unless --server-address says otherwise; "
+        "workers connect([A, B, ...])",
+    )
+    run.add_argument("--shard", type=int, default=0, help="this process's shard, 0..N-1 (default 0)")
     optimizer = parser.add_argument_group("server optimizer")
     optimizer.add_argument("--optimizer", choices=("sgd", "adam"), help="default sgd")
     optimizer.add_argument("--learning-rate", type=float, help="default 0.05")
@@ -226,6 +241,24 @@ def serve(
             server.stop()
 
 
+def serve_follower(config: Config, shard: int, *, model_source: str, token: str | None = None) -> Path:
+    """Serve follower shard ``shard`` of a sharded run (``system.shard_addresses``) until shard 0 has ended the
+    run; returns where its part of the model was written."""
+    from src.launch.ps import run_follower, wait_for_run_end
+
+    model = model_from_source(config, model_source)
+    if model is None:
+        raise SetupError("a sharded server needs --model package.module:function (a worker's model is not sharded)")
+    return run_follower(
+        config,
+        shard,
+        address=config.system.server_address,
+        token=token,
+        wait=lambda: wait_for_run_end(config),
+        model=model,
+    )
+
+
 def summary_lines(summary: dict[str, Any]) -> str:
     """What the server prints at the end (no accuracy: the workers evaluate, on their own data)."""
     return "\n".join(
@@ -245,7 +278,17 @@ def main(argv: list[str] | None = None) -> int:
     from src.launch.cli import COMPRESSION_FLAGS, config_from_args, exit_status
     from src.transport.grpc import AuthTokenMissing
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.shard_addresses:
+        if not 0 <= args.shard < len(args.shard_addresses):
+            parser.error(f"--shard {args.shard}: one of 0..{len(args.shard_addresses) - 1} (--shard-addresses)")
+        if args.server_address is None:
+            args.server_address = args.shard_addresses[args.shard]
+        if args.model_source == CLIENT_MODEL:
+            parser.error("--shard-addresses: a sharded server needs --model package.module:function")
+    elif args.shard:
+        parser.error("--shard is for a server split across shards: give --shard-addresses")
     config = config_from_args(
         args,
         defaults=DEFAULTS,
@@ -254,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def run() -> None:
+        if args.shard:
+            path = serve_follower(config, args.shard, model_source=args.model_source)
+            print(f"parameter-server shard {args.shard}: the run is over; its part of the model is in {path}")
+            return
         summary = serve(config, model_source=args.model_source, resume=args.resume, summary_json=args.summary_json)
         print(summary_lines(summary))
 
