@@ -218,14 +218,11 @@ def checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                 args.role != "local" and not config.system.shard_addresses,
                 f"--role {args.role} without --shard-addresses",
             ),
-            (config.system.clock == "virtual", "--clock virtual"),
-            (bool(args.resume or args.resume_unfinished), "--resume"),
+            (args.role == "local" and bool(args.resume or args.resume_unfinished), "--resume in a local run"),
         ]
         for refused, flag in not_yet:
             if refused:
-                parser.error(
-                    f"--servers {config.system.num_servers}: not with {flag} yet (sharded runs are local so far)"
-                )
+                parser.error(f"--servers {config.system.num_servers}: not with {flag} yet")
     if args.role != "local" and config.system.server_address.endswith(":0"):
         parser.error(f"--role {args.role} needs a fixed port in --server-address, got {config.system.server_address}")
     return config
@@ -236,7 +233,7 @@ def run_role(args: argparse.Namespace, config: Config) -> None:
     from src.launch.ps import run_local, run_server, run_worker
 
     resume = args.resume
-    if args.resume_unfinished:
+    if args.resume_unfinished and not (args.role == "server" and args.shard):
         from src.common.checkpoint import unfinished_run_checkpoint
 
         resume = unfinished_run_checkpoint(args.resume_unfinished, "parameter_server")
@@ -260,8 +257,15 @@ def run_role(args: argparse.Namespace, config: Config) -> None:
     elif args.role == "server" and args.shard:
         from src.launch.ps import run_follower, wait_for_run_end
 
+        recovering = bool(args.resume or args.resume_unfinished)  # it goes back to what shard 0 chooses
+        if recovering:
+            print(f"shard {args.shard}: starting again; it goes back to the version shard 0 chooses", flush=True)
         path = run_follower(
-            config, args.shard, address=config.system.server_address, wait=lambda: wait_for_run_end(config)
+            config,
+            args.shard,
+            address=config.system.server_address,
+            wait=lambda: wait_for_run_end(config),
+            recovering=recovering,
         )
         print(f"parameter-server shard {args.shard}: the run is over; its part of the model is in {path}")
         return

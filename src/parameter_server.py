@@ -31,6 +31,7 @@ Use: :meth:`ParameterServer.start` -> workers train -> :meth:`~ParameterServer.w
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,6 +142,14 @@ class ParameterServer(GrpcMethods):
                     "not sharded; the library's server: --model package.module:function)"
                 )
             sharding = Sharding.of_run(model, config.system, self.token)
+        if sharding is not None:
+            conditions = [netem.conditions_for(config.emulation, k) for k in range(config.system.num_workers)]
+            linked = [k for k, c in enumerate(conditions) if c.uplink is not None or c.downlink is not None]
+            if linked:
+                raise SetupError(
+                    f"emulation: workers {linked} have emulated links, which a sharded real run would emulate once per "
+                    f"shard connection (a worker's one link S times over): use --clock virtual, or tc in namespaces"
+                )
         self.core = ServerCore(
             config,
             work=work or planned_work(config, num_train_samples),
@@ -163,6 +172,9 @@ class ParameterServer(GrpcMethods):
             k: netem.link_or_none(netem.conditions_for(config.emulation, k).downlink)
             for k in range(config.system.num_workers)
         }  # emulated server -> worker links
+        self.instance = secrets.token_bytes(8)  # random per process: the other shards notice a restart by it
+        self.resume_version: int | None = None  # a sharded server started again: the version every shard goes to
+        self.agreed_instances: list[bytes] = []  # ... chosen with these followers (src/ps/shard_recovery.py)
         self.load = pb.ShardLoad()  # the bytes of the Pull and Push messages in and out (update_s: a shard's)
         self._load_lock = threading.Lock()
         self._stop_serving: Callable[[float], None] | None = None
@@ -240,10 +252,9 @@ class ParameterServer(GrpcMethods):
 
     def _whole_model(self, summary: dict[str, Any], summary_json: str | Path | None) -> dict[str, Any]:
         """Shard 0 of a sharded run, at its end: read the other shards' parts (:mod:`src.ps.shard_final`), put the
-        whole model into the final checkpoint, evaluate it, and say so in the summary (written again)."""
-        from src.metrics import write_summary
-        from src.ps.shard_final import collect_parts, shard_loads, write_whole_final
-        from src.trainer import evaluate
+        whole model into the final checkpoint, evaluate it, and say so in the summary (written again) with every
+        shard's load."""
+        from src.ps.shard_final import collect_parts, reader_session, whole_model_summary
         from src.transport.clients import make_client
 
         system, placement = self.config.system, self.core.sharding.placement
@@ -252,11 +263,7 @@ class ParameterServer(GrpcMethods):
                 f"system.shard_addresses: shard 0 reads the other {system.num_servers - 1} shards' parts from their "
                 f"addresses, and has {len(system.shard_addresses)}"
             )
-        with self.core.lock:  # a session for worker 0's newest incarnation, signed here: the followers check it
-            member = self.core.members.current.get(0)
-            incarnation = member.incarnation if member is not None else 0
-            caller = pb.Caller(worker_id=0, session=self.core.members.signer.issue(0, incarnation))
-            certificate = self.core.updates.certificate
+        caller, certificate = reader_session(self.core)
         clients = [
             make_client(address, transport=self.transport, token=self.token, system=system, connect_timeout_s=30)
             for address in system.shard_addresses[1:]
@@ -267,21 +274,16 @@ class ParameterServer(GrpcMethods):
         finally:
             for client in clients:
                 client.close()
-        model = self.fresh_model()  # the names and shapes the parts go back into
-        checkpoint = write_whole_final(system.checkpoint_dir, model, placement, parts)
-        summary = {**summary, "placement": placement.describe(), **shard_loads(placement, loads)}
-        if self.evaluate:
-            model.load_state_dict(checkpoint["model_state_dict"])
-            summary["final_loss"], summary["final_accuracy"] = evaluate(model, test_set_for(self.config))
-        self.core.log.event(
-            "whole_model",
-            version=checkpoint["step"],
-            final_loss=summary["final_loss"],
-            final_accuracy=summary["final_accuracy"],
-            placement=summary["placement"],
+        return whole_model_summary(
+            summary,
+            core=self.core,
+            model=self.fresh_model(),  # the names and shapes the parts go back into
+            placement=placement,
+            parts=parts,
+            loads=loads,
+            test_set=test_set_for(self.config) if self.evaluate else None,
+            summary_path=summary_json or Path(system.log_dir) / "summary.json",
         )
-        write_summary(summary_json or Path(system.log_dir) / "summary.json", summary)
-        return summary
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop serving: waiting calls return, then the transport's server shuts down."""
@@ -418,7 +420,24 @@ class ParameterServer(GrpcMethods):
 
     def handle_status(self) -> pb.StatusReply:
         with self.core.lock:
-            return self.core.status()
+            status = self.core.status()
+        if self.core.sharding is not None:  # what the other shards watch (src/ps/shard_recovery.py)
+            status.instance = self.instance
+            status.checkpoints.extend(self.checkpoint_versions())
+            if self.resume_version is not None:
+                status.resume_version = self.resume_version
+                status.agreed_instances.extend(self.agreed_instances)
+        return status
+
+    def checkpoint_versions(self) -> list[int]:
+        """The versions of this server's numbered checkpoints, newest first."""
+        from src.common.checkpoint import numbered_checkpoints
+
+        return [int(p.stem.rsplit("_", 1)[1]) for p in numbered_checkpoints(self.config.system.checkpoint_dir)]
+
+    def fail(self, message: str) -> None:
+        """End the run with ``message`` (another shard of a sharded run went away: :mod:`src.ps.shard_recovery`)."""
+        self.core.stop_run(RunFailed(message))
 
     # ------------------------------------------------------------------------- refusals and waits
 

@@ -277,7 +277,7 @@ class WorkerState(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "aggregation_mode", "num_workers", "registered", "finished", "pushes_applied", "pushes_rejected", "pushes_refused", "done", "workers", "epochs_done", "load")
+    __slots__ = ("version", "aggregation_mode", "num_workers", "registered", "finished", "pushes_applied", "pushes_rejected", "pushes_refused", "done", "workers", "epochs_done", "load", "checkpoints", "resume_version", "instance", "agreed_instances")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,10 @@ class StatusReply(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_DONE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    AGREED_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     version: int
     aggregation_mode: str
     num_workers: int
@@ -302,7 +306,11 @@ class StatusReply(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     epochs_done: int
     load: ShardLoad
-    def __init__(self, version: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., done: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., epochs_done: _Optional[int] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ...) -> None: ...
+    checkpoints: _containers.RepeatedScalarFieldContainer[int]
+    resume_version: int
+    instance: bytes
+    agreed_instances: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, version: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., done: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., epochs_done: _Optional[int] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., checkpoints: _Optional[_Iterable[int]] = ..., resume_version: _Optional[int] = ..., instance: _Optional[bytes] = ..., agreed_instances: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
     __slots__ = ("bytes_in", "bytes_out", "update_s")

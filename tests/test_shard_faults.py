@@ -2,7 +2,7 @@
 
 The run is the runner's own command (`run_parameter_server_training.py --servers 2`, a local job: shard 0, one
 follower shard and three workers as processes of the launcher). The test finds the follower's pid in its events
-and SIGKILLs it once it has passed version 60; worker 1 kills itself at its step 10 (an injected fault). Then
+and SIGKILLs it once it has passed version 25; worker 1 kills itself at its step 10 (an injected fault). Then
 every assertion reads what the run wrote: the shards start again together from the newest version all of them
 have checkpointed, the versions past it are voided on every shard and redone, every shard ends with the same
 history of versions, each made of the same pushes (``check_shards``), so every sample of every epoch is in
@@ -28,16 +28,15 @@ from tests.ps_fixtures import RUNNER, kill_group, ps_config
 
 pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(600)]
 
-NUM_TRAIN = 4000  # mnist_5k's training split
-KILL_AFTER_VERSION = 60
+NUM_TRAIN = 2000  # of mnist_5k's training split
+KILL_AFTER_VERSION = 25
+INTERVAL = 10  # versions between checkpoints
 
 
 def sharded_job(tmp_path: Path, name: str, faults: list[str] = (), **fields) -> Path:
-    """3 workers, 2 shards (simple_cnn cut into 64 kB slices), 2 epochs of mnist_5k at batch 32: 84 versions, a
-    checkpoint every 25. Written as a config file for the runner."""
-    config = ps_config(
-        tmp_path,
-        name,
+    """3 workers, 2 shards (simple_cnn cut into 64 kB slices), 2 epochs of 2,000 mnist_5k images at batch 32: 42
+    versions, a checkpoint every 10. Written as a config file for the runner."""
+    values = dict(
         system__num_workers=3,
         system__num_servers=2,
         system__shard_slice_bytes=64 << 10,
@@ -47,12 +46,12 @@ def sharded_job(tmp_path: Path, name: str, faults: list[str] = (), **fields) -> 
         system__heartbeat_timeout=3.0,
         training__num_epochs=2,
         training__batch_size=32,
-        training__max_train_samples=None,
+        training__max_train_samples=NUM_TRAIN,
         training__max_test_samples=None,
         training__momentum=0.9,
-        training__checkpoint_interval=25,
-        **fields,
+        training__checkpoint_interval=INTERVAL,
     )
+    config = ps_config(tmp_path, name, **{**values, **fields})
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config.to_dict()))
     return path
@@ -110,7 +109,7 @@ def assert_recovered_together(logs: Path, summary: dict, expected: dict, dead: s
 
 
 def test_shard_0_killed_by_its_fault_is_survived(tmp_path, expected):
-    config_file = sharded_job(tmp_path, "faulty", ["kill:server@version=40"])
+    config_file = sharded_job(tmp_path, "faulty", ["kill:server@version=20"])
     logs = tmp_path / "faulty" / "logs"
     run = start(config_file, tmp_path / "faulty.out")
     try:
@@ -118,7 +117,8 @@ def test_shard_0_killed_by_its_fault_is_survived(tmp_path, expected):
     finally:
         kill_group(run)
     summary = json.loads((logs / "summary.json").read_text())
-    assert assert_recovered_together(logs, summary, expected, "shard 0") == 25
+    # killed at version 20 before any reply of it: the follower never applied it, so both go back to 10
+    assert assert_recovered_together(logs, summary, expected, "shard 0") == 10
 
 
 def test_a_shard_killed_from_outside_and_a_killed_worker_are_survived(tmp_path, expected):
@@ -141,5 +141,74 @@ def test_a_shard_killed_from_outside_and_a_killed_worker_are_survived(tmp_path, 
     summary = json.loads((logs / "summary.json").read_text())
 
     version = assert_recovered_together(logs, summary, expected, "shard 1")
-    assert version % 25 == 0 and KILL_AFTER_VERSION - 25 <= version <= KILL_AFTER_VERSION + 25, version
+    assert version % INTERVAL == 0 and KILL_AFTER_VERSION - INTERVAL <= version <= KILL_AFTER_VERSION + INTERVAL
     assert {e["worker"] for e in events(logs, "launcher", "worker_restarted")} == {1}
+
+
+def _free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_across_hosts_every_shard_started_again_with_resume_goes_back_together(tmp_path, expected):
+    """The runner's roles by hand, as on several hosts (loopback, fixed ports): the follower is SIGKILLed past
+    version 25; shard 0 notices within the heartbeat timeout and ends with an error (a supervisor would start it
+    again); both are started again with `--resume` and the run's checkpoint folder; shard 0 asks the follower
+    which versions it has, both go back to the newest they share, the workers register again, and the run ends
+    as the fault-free one does."""
+    config_file = sharded_job(tmp_path, "hosts", emulation__step_delay_s=0.05)
+    ports = _free_ports(2)
+    addresses = ",".join(f"127.0.0.1:{port}" for port in ports)
+    logs, checkpoints = tmp_path / "hosts" / "logs", tmp_path / "hosts" / "ckpt"
+    env = {**os.environ, "DTS_AUTH_TOKEN": "hosts-test-token-0123456789"}
+
+    def role(name: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, str(RUNNER), "--config", str(config_file), "--shard-addresses", addresses, *args],
+            cwd=RUNNER.parent,
+            env=env,
+            stdout=open(tmp_path / f"{name}.out", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    processes = {"follower": role("follower", "--role", "server", "--shard", "1")}
+    processes["shard_0"] = role("shard_0", "--role", "server")
+    for k in range(3):
+        processes[f"worker_{k}"] = role(f"worker_{k}", "--role", "worker", "--worker-id", str(k))
+    try:
+        wait_for(
+            lambda: any(e["version"] >= KILL_AFTER_VERSION for e in events(logs, "server_1", "update")),
+            240,
+            f"the follower's version {KILL_AFTER_VERSION}",
+            processes["shard_0"],
+        )
+        processes["follower"].kill()
+        assert processes["shard_0"].wait(timeout=60) == 1  # it noticed, and ends for its supervisor to restart it
+        assert "shard 1 has not answered" in (tmp_path / "shard_0.out").read_text()
+        processes["follower"] = role("follower_again", "--role", "server", "--shard", "1", "--resume", str(checkpoints))
+        processes["shard_0"] = role("shard_0_again", "--role", "server", "--resume", str(checkpoints))
+        for name, process in processes.items():
+            assert process.wait(timeout=300) == 0, (name, (tmp_path / f"{name}.out").read_text()[-2000:])
+    finally:
+        for process in processes.values():
+            kill_group(process)
+    summary = json.loads((logs / "summary.json").read_text())
+    [recovered] = events(logs, "server", "server_recovered")
+    version = recovered["version"]
+    assert version % INTERVAL == 0 and KILL_AFTER_VERSION - INTERVAL <= version <= KILL_AFTER_VERSION + INTERVAL
+    assert events(logs, "server_1", "shard_recovered")[-1]["version"] == recovered["version"]
+    report = check_coverage(events(logs, "server"), NUM_TRAIN, 2)
+    assert report["ok"] and report["voided"] == recovered["versions_lost"], report
+    shards = check_shards(events(logs, "server"), {1: events(logs, "server_1")})
+    assert shards["ok"] and shards["versions"] == summary["versions"], shards
+    assert summary["samples_processed"] == 2 * NUM_TRAIN
+    assert abs(summary["final_accuracy"] - expected["final_accuracy"]) <= 0.02, (summary, expected)

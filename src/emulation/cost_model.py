@@ -18,6 +18,11 @@ starts (:func:`src.virtual.calibration.with_measured_figures`). This class refus
   crosses at the rate in force when it starts.
 * **the server**: ``server_update_s`` per push it takes in, ``server_reply_s`` per reply it builds,
   one at a time (its lock).
+* **server shards** (``system.num_servers`` = S > 1, :func:`shard_times`): each shard is a server of its own, with
+  its own NIC of ``server_mbps`` each way and its own CPU; shard k's share of the work is its share of the model's
+  bytes (``b_k / sum(b)``, from the placement), so it takes that share of ``server_update_s`` per held push and of
+  ``server_reply_s`` per reply that carries its slices; a commit (no tensors) and its reply (no parameters) take
+  none. Over a step the S shards together spend what one server spends, each on its own CPU.
 * **faults**: a killed (or hung, then killed) process takes ``restart_s`` to start again.
 * **DDP** (:func:`ring_allreduce_s`, :func:`all_gather_s`): the standard ring model,
   ``2(N-1)/N * bytes / bandwidth + 2(N-1) * latency`` for an all-reduce, ``(N-1) * payload /
@@ -31,7 +36,7 @@ calibrated server times hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from src.config import Config, SetupError
 from src.emulation.netem import BITS_PER_MEGABIT, ComputeDelay, WorkerConditions, conditions_for, worker_seed
@@ -113,6 +118,26 @@ class WorkerCosts:
         return self.conditions.downlink_latency_ms / 1000.0
 
 
+@dataclass(frozen=True)
+class ServerTimes:
+    """One server shard's seconds per held push (``update_s``) and per reply with its slices (``reply_s``)."""
+
+    update_s: float
+    reply_s: float
+
+
+def shard_times(update_s: float, reply_s: float, bytes_per_shard: Sequence[int]) -> list[ServerTimes]:
+    """Each shard's share of one server's ``update_s`` and ``reply_s``: its share of the model's bytes.
+
+    Raises:
+        ValueError: no shard holds any bytes.
+    """
+    total = sum(bytes_per_shard)
+    if total <= 0:
+        raise ValueError(f"bytes per shard {list(bytes_per_shard)}: the shards hold no bytes to share the work by")
+    return [ServerTimes(update_s * b / total, reply_s * b / total) for b in bytes_per_shard]
+
+
 class CostModel:
     """Every duration of a virtual run (see the module docstring).
 
@@ -157,8 +182,12 @@ class CostModel:
         extra = costs.delay.extra_s(measured)
         return measured + extra, extra
 
-    def describe(self) -> dict[str, Any]:
-        """The figures, for the run summary."""
+    def shard_times(self, bytes_per_shard: Sequence[int]) -> list[ServerTimes]:
+        """Each server shard's times (:func:`shard_times`) from ``server_update_s`` and ``server_reply_s``."""
+        return shard_times(self.server_update_s, self.server_reply_s, bytes_per_shard)
+
+    def describe(self, shards: Sequence[ServerTimes] = ()) -> dict[str, Any]:
+        """The figures, for the run summary (``shards``: a sharded run's times per shard)."""
         return {
             "compute_s": {str(k): w.compute_s for k, w in enumerate(self.workers)},
             "compress_s": self.compress_s,
@@ -168,6 +197,11 @@ class CostModel:
             "restart_s": self.restart_s,
             **({"uplink_schedule": [list(entry) for entry in self.uplink_schedule]} if self.uplink_schedule else {}),
             **({"measured_here": sorted(self.measured_here)} if self.measured_here else {}),
+            **(
+                {"per_shard": {"update_s": [t.update_s for t in shards], "reply_s": [t.reply_s for t in shards]}}
+                if shards
+                else {}
+            ),
         }
 
 

@@ -108,6 +108,7 @@ def run_server(
     resume: str | Path | None = None,
     faults: bool = True,
     on_event: Callable[[str, dict[str, Any]], None] | None = None,
+    watch_shards: bool = True,
 ) -> dict[str, Any]:
     """Serve one run until it is over; returns the run summary.
 
@@ -115,9 +116,12 @@ def run_server(
         token: auth token (default: config / ``$DTS_AUTH_TOKEN``; an error if neither has one).
         summary_json: summary path (default ``<log_dir>/summary.json``).
         on_listening: called with the bound port once the server accepts connections.
-        resume: continue from this server checkpoint (file or folder).
+        resume: continue from this server checkpoint (file or folder); shard 0 of a sharded run across hosts:
+            from the newest version every shard has checkpointed (:mod:`src.ps.shard_recovery`).
         faults: fire the config's server faults (``False`` for a restarted server).
         on_event: told about worker failures (the local launcher kills hung processes).
+        watch_shards: shard 0 of a sharded run watches the other shards and ends the run when one goes away
+            (across hosts; a local launcher restarts the shards itself and says ``False``).
     """
     from src.parameter_server import ParameterServer
     from src.telemetry.trackers import require_trackers
@@ -126,8 +130,16 @@ def run_server(
     require_trackers(config)
     reuse_freed_memory()
     trace = Path(config.system.log_dir) / "server" / tracing.TRACE_FILE
+    watching = watch_shards and config.system.num_servers > 1
+    followers = _shard_clients(config, token, config.system.shard_addresses[1:]) if watching else []
+    agreed = None
+    if watching and resume is not None:
+        resume, agreed = _common_resume(config, resume, followers)
     with tracing.trace_to(trace, "parameter server", enabled=config.system.trace, restart=not faults):
         server = ParameterServer(config, token=token, resume=resume, faults=faults, on_event=on_event)
+        if agreed is not None:
+            server.resume_version, server.agreed_instances = agreed
+        watch = None
         try:
             port = server.start()
             host, _ = split_address(config.system.server_address)  # as bound: 0.0.0.0 means every interface
@@ -142,10 +154,50 @@ def run_server(
             )
             if on_listening is not None:
                 on_listening(port)
+            if watching:
+                from src.ps.shard_recovery import ShardWatch
+
+                watch = ShardWatch(followers, config.system.heartbeat_timeout, server.fail)
+                watch.start()
             server.wait_until_done()
+            if watch is not None:
+                watch.stop()  # shard 0 reads the followers' parts next: their end is not a loss any more
             return server.finalize(summary_json)
         finally:
+            if watch is not None:
+                watch.stop()
             server.stop()
+            for client in followers:
+                client.close()
+
+
+def _shard_clients(config: Config, token: str | None, addresses: list[str]) -> list:
+    """A client of each of ``addresses`` (other shards of this run), for Status calls."""
+    from src.transport.clients import make_client
+    from src.transport.grpc import require_auth_token
+
+    system = config.system
+    token = token or require_auth_token(system)
+    return [
+        make_client(address, transport=system.transport, token=token, system=system, retries=0, connect_timeout_s=5)
+        for address in addresses
+    ]
+
+
+def _common_resume(config: Config, resume: str | Path, followers: list) -> tuple[Path, tuple[int, list[bytes]]]:
+    """Shard 0 of a sharded run starting again: its checkpoint of the newest version every shard has, and the
+    version with the followers' instances it was chosen with (:func:`src.ps.shard_recovery.choose_version`)."""
+    from src.common.checkpoint import CheckpointError, numbered_path
+    from src.ps.shard_recovery import choose_version
+
+    folder = Path(resume) if Path(resume).is_dir() else Path(resume).parent
+    logger.info("shard 0: asking the other shards which versions they have checkpointed")
+    try:
+        version, instances = choose_version(_checkpoint_versions(folder), followers, STARTUP_TIMEOUT_S)
+    except (TimeoutError, ValueError) as exc:
+        raise CheckpointError(f"--resume {resume}: {exc}") from None
+    logger.info("shard 0: every shard goes back to version %d", version)
+    return numbered_path(folder, version), (version, instances)
 
 
 def run_follower(
@@ -158,22 +210,28 @@ def run_follower(
     wait: Callable[[], object],
     resume: str | Path | None = None,
     model: Any = None,
+    recovering: bool = False,
 ) -> Path:
     """Serve follower shard ``shard`` of a sharded run on ``address`` until ``wait()`` returns; then write its
     part of the model and return where (:class:`~src.ps.follower_server.FollowerServer`). ``resume``: continue
     from this shard's checkpoint (a file, or the run's checkpoint folder); ``model``: the served model at its
-    initial values (default the config's)."""
+    initial values (default the config's); ``recovering``: starting again across hosts, go back to the version
+    shard 0 chooses (:mod:`src.ps.shard_recovery`)."""
     from src.ps.follower_server import FollowerServer
     from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()
-    server = FollowerServer(config, shard=shard, address=address, token=token, resume=resume, model=model)
+    server = FollowerServer(
+        config, shard=shard, address=address, token=token, resume=resume, model=model, recovering=recovering
+    )
     stopped = False
     try:
         port = server.start()
         logger.info("parameter-server shard %d of %d listening on port %d", shard, config.system.num_servers, port)
         if on_listening is not None:
             on_listening(port)
+        if recovering:
+            _go_back_with_shard_0(config, server)
         wait()
         stopped = True
         return server.stop()
@@ -182,31 +240,55 @@ def run_follower(
             server.stop()
 
 
-def wait_for_run_end(config: Config, *, poll_s: float = 1.0) -> None:
-    """A follower shard on its own host: return once shard 0 (``system.shard_addresses[0]``) has said the run is
-    done and has then gone away (it reads the followers' parts before it exits: :mod:`src.ps.shard_final`)."""
-    import grpc
+def _go_back_with_shard_0(config: Config, server) -> None:
+    """A follower starting again across hosts: wait for shard 0 to choose the version, then take it up."""
+    from src.ps.shard_recovery import wait_for_resume_version
 
-    from src.transport.clients import make_client
-    from src.transport.grpc import require_auth_token
+    [client] = _shard_clients(config, server.token, config.system.shard_addresses[:1])
+    try:
+        version = wait_for_resume_version(client, server.core.instance, STARTUP_TIMEOUT_S)
+    finally:
+        client.close()
+    server.core.go_back_to(version)
+    logger.info(
+        "parameter-server shard %d: %s",
+        server.shard,
+        "shard 0 started afresh, so does this shard" if version is None else f"back to version {version}",
+    )
+
+
+def wait_for_run_end(config: Config, *, poll_s: float = 0.5) -> None:
+    """A follower shard on its own host: return once shard 0 (``system.shard_addresses[0]``) has said the run is
+    done and has then gone away (it reads the followers' parts before it exits: :mod:`src.ps.shard_final`).
+
+    Raises:
+        RunFailed: shard 0 started again (another instance), or went away before the run was done and has not
+            answered for ``system.heartbeat_timeout``: every shard goes back to a common checkpoint, so this one
+            ends for its supervisor to start it again with ``--resume`` (:mod:`src.ps.shard_recovery`).
+    """
+    from src.ps.refusals import RunFailed
+    from src.ps.shard_recovery import status_or_none
 
     system = config.system
-    client = make_client(
-        system.shard_addresses[0],
-        transport=system.transport,
-        token=require_auth_token(system),
-        system=system,
-        retries=0,
-        connect_timeout_s=poll_s,
-    )
-    done = False
+    [client] = _shard_clients(config, None, system.shard_addresses[:1])
+    done, instance, answered = False, None, time.monotonic()
     try:
         while True:
-            try:
-                done = client.status(timeout=10).done or done
-            except grpc.RpcError:
+            status = status_or_none(client)
+            if status is None:
                 if done:
                     return
+                if instance is not None and time.monotonic() - answered > system.heartbeat_timeout:
+                    raise RunFailed(
+                        f"shard 0 has not answered for {system.heartbeat_timeout:.1f} s: the shards go back "
+                        f"together (start this shard again with --resume)"
+                    )
+            else:
+                answered = time.monotonic()
+                instance = instance or status.instance
+                if status.instance != instance:
+                    raise RunFailed("shard 0 started again: the shards go back together (start this one with --resume)")
+                done = done or status.done
             time.sleep(poll_s)
     finally:
         client.close()
@@ -256,6 +338,7 @@ def _server_child(
             faults=faults,
             on_listening=lambda port: send(("listening", port)),
             on_event=lambda kind, fields: send((kind, fields)),
+            watch_shards=False,  # this launcher restarts the shards itself
         )
     except (RunFailed, *_expected_errors()) as exc:  # a restart would fail the same way
         send(("error", f"parameter server: {exc}"))

@@ -470,6 +470,10 @@ class ServerCore:
             self.totals.training_clock_stops()
         self._check_done()
 
+    def stop_run(self, error: BaseException) -> None:
+        """End the run with ``error`` from outside (a driver's watch: another shard went away)."""
+        self._stop_run(error)
+
     def _stop_run(self, error: BaseException) -> None:
         """The run ends with ``error``: waiting calls are refused, the driver's wait ends."""
         self.fatal = error

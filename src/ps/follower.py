@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -77,6 +78,9 @@ class FollowerCore:
         reply_views: replies as :class:`~src.transport.wire.Pieces` over the tensors (as the server core's).
         resume: continue from this shard's checkpoint (a file, or a folder: see :meth:`_restore`); otherwise a
             checkpoint of version 0 is written first, so every shard has one version to go back to.
+        recovering: start again across hosts: restore nothing yet and refuse calls (UNAVAILABLE: clients retry)
+            until :meth:`go_back_to` the version shard 0 chooses.
+        pid: the process id its ``run_start`` says (default this process's; a simulated shard has its own).
     """
 
     def __init__(
@@ -90,6 +94,8 @@ class FollowerCore:
         clock: Clock = REAL_CLOCK,
         reply_views: bool = False,
         resume: str | Path | None = None,
+        recovering: bool = False,
+        pid: int | None = None,
     ):
         if not 0 < shard < placement.num_shards:
             raise ValueError(f"shard {shard}: a follower is one of shards 1..{placement.num_shards - 1}")
@@ -107,6 +113,9 @@ class FollowerCore:
         self.log = MetricsLogger(
             Path(config.system.log_dir) / f"server_{shard}", tensorboard=False, role=f"server_{shard}", clock=clock.time
         )
+        self.instance = secrets.token_bytes(8)
+        """Random per process: shard 0 and the other shards notice this shard started again by its change."""
+        self.ready = not recovering
         resumed_from = self._restore(resume) if resume is not None else None
         self.log.event(
             "run_start",
@@ -116,19 +125,43 @@ class FollowerCore:
             slices=[piece.key for piece in placement.on_shard(shard)],
             bytes=placement.bytes_per_shard()[shard],
             version=self.version,
-            pid=os.getpid(),
+            pid=pid if pid is not None else os.getpid(),
             resumed_from=str(resumed_from) if resumed_from else None,
         )
-        if resumed_from is None:
+        if resumed_from is None and not recovering:
             self._checkpoint()  # version 0: a point every shard of the run can go back to
 
     version = property(lambda self: self.model.state.version, doc="This shard's version (shard 0's, or one behind).")
     state = property(lambda self: self.model.state, doc="This shard's slices and their optimizer.")
 
+    def checkpoint_versions(self) -> list[int]:
+        """The versions of this shard's numbered checkpoints, newest first."""
+        return [int(path.stem.rsplit("_", 1)[1]) for path in numbered_checkpoints(self.checkpoint_dir)]
+
+    def go_back_to(self, version: int | None) -> None:
+        """A shard starting again across hosts (``recovering``): take up its checkpoint of ``version``, the one
+        shard 0 chose for every shard (:func:`src.ps.shard_recovery.choose_version`), and serve; ``None``: shard 0
+        started afresh, and so does this shard (its checkpoint of version 0 first)."""
+        with self.lock:
+            if version is None:
+                self._checkpoint()
+            else:
+                self._restore(numbered_path(self.checkpoint_dir, version))
+            self.ready = True
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise Refused(
+                "UNAVAILABLE",
+                f"shard {self.shard} is starting again: it waits for shard 0 to say which version the shards go "
+                f"back to",
+            )
+
     def member(self, caller: pb.Caller) -> int:
         """The worker id behind ``caller``, whose session holds; refuses the call otherwise."""
         try:
             with self.lock:
+                self._check_ready()
                 self.sessions.check(caller.worker_id, caller.session)
         except MembershipError as exc:
             raise Refused(MEMBERSHIP_CODES[exc.kind], exc.message) from None
@@ -199,14 +232,14 @@ class FollowerCore:
             if self.version % self.config.training.checkpoint_interval == 0:
                 self._checkpoint()  # before the next version: at the versions shard 0 writes its own
 
-    def _checkpoint(self) -> Path:
-        """Write this shard's part, optimizer and version as ``shard_K/checkpoint_<version>.pt`` (lock held or
-        at start) and keep the newest few, as shard 0 keeps its own."""
+    def part_checkpoint(self, *, optimizer: bool = False) -> dict:
+        """This shard's part of the model in the common format (lock held): the part's ``state_dict`` (slice key ->
+        flat tensor), ``step`` = its version, and with ``optimizer`` its optimizer's state (to resume from)."""
         state = self.model.state
         t = self.config.training
-        checkpoint = make_checkpoint(
+        return make_checkpoint(
             model_state_dict=state.model.state_dict(),
-            optimizer_state_dict=copy.deepcopy(state.optimizer.state_dict()),
+            optimizer_state_dict=copy.deepcopy(state.optimizer.state_dict()) if optimizer else None,
             model_architecture=t.model_architecture,
             dataset=t.dataset,
             epoch=0,
@@ -214,9 +247,14 @@ class FollowerCore:
             config=self.config.to_dict(),
             extra={"shard": self.shard, "version": state.version},
         )
-        path = save_checkpoint(numbered_path(self.checkpoint_dir, state.version), checkpoint)
+
+    def _checkpoint(self) -> Path:
+        """Write this shard's part, optimizer and version as ``shard_K/checkpoint_<version>.pt`` (lock held or
+        at start) and keep the newest few, as shard 0 keeps its own."""
+        version = self.model.state.version
+        path = save_checkpoint(numbered_path(self.checkpoint_dir, version), self.part_checkpoint(optimizer=True))
         prune_checkpoints(self.checkpoint_dir, KEEP_CHECKPOINTS)
-        self.log.event("checkpoint", path=str(path), version=state.version)
+        self.log.event("checkpoint", path=str(path), version=version)
         return path
 
     def _restore(self, target: str | Path) -> Path:

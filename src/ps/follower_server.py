@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from src import parameter_server_pb2 as pb
-from src.common.checkpoint import make_checkpoint, save_checkpoint
+from src.common.checkpoint import save_checkpoint
 from src.config import Config
 from src.ps.follower import FollowerCore
 from src.ps.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
@@ -51,6 +51,7 @@ class FollowerServer(GrpcMethods):
         model: the model at its initial values (default ``model_from_config(config)``, as shard 0 builds it).
         transport: ``"grpc"`` or ``"tcp"`` (default ``system.transport``).
         resume: continue from this shard's checkpoint (a file, or the run's checkpoint folder).
+        recovering: start again across hosts: wait for shard 0 to choose the version (:mod:`src.ps.shard_recovery`).
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class FollowerServer(GrpcMethods):
         model: nn.Module | None = None,
         transport: str | None = None,
         resume: str | Path | None = None,
+        recovering: bool = False,
     ):
         self.config = config
         self.shard = shard
@@ -80,6 +82,7 @@ class FollowerServer(GrpcMethods):
             key=sharding.key,
             reply_views=False,
             resume=resume,
+            recovering=recovering,
         )
         self._stop_serving: Any = None
         self.port: int | None = None
@@ -110,20 +113,9 @@ class FollowerServer(GrpcMethods):
         """Stop serving and write this shard's part of the model; returns where."""
         if self._stop_serving is not None:
             self._stop_serving(grace)
-        t = self.config.training
         with self.core.lock:
-            state = self.core.state.model.state_dict()
+            checkpoint = self.core.part_checkpoint()
             version = self.core.version
-            checkpoint = make_checkpoint(
-                model_state_dict=state,
-                optimizer_state_dict=None,
-                model_architecture=t.model_architecture,
-                dataset=t.dataset,
-                epoch=t.num_epochs,
-                step=version,
-                config=self.config.to_dict(),
-                extra={"shard": self.shard, "version": version},
-            )
         path = save_checkpoint(shard_part_path(self.config.system.checkpoint_dir, self.shard), checkpoint)
         self.core.log.event("run_end", version=version, part=str(path))
         self.core.close()
@@ -187,5 +179,9 @@ class FollowerServer(GrpcMethods):
     def handle_status(self) -> pb.StatusReply:
         with self.core.lock:
             return pb.StatusReply(
-                version=self.core.version, num_workers=self.config.system.num_workers, load=self.core.load
+                version=self.core.version if self.core.ready else -1,  # -1: starting again, no version yet
+                num_workers=self.config.system.num_workers,
+                load=self.core.load,
+                checkpoints=self.core.checkpoint_versions(),
+                instance=self.core.instance,
             )

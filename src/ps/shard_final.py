@@ -109,3 +109,47 @@ def shard_loads(placement: Placement, loads: list[pb.ShardLoad]) -> dict[str, An
     carried = [s["bytes_in"] + s["bytes_out"] for s in shards]
     mean = sum(carried) / len(carried) if carried else 0
     return {"shards": shards, "shard_imbalance": round(max(carried) / mean, 6) if mean else None}
+
+
+def reader_session(core: Any) -> tuple[pb.Caller, bytes]:
+    """What shard 0 (its server ``core``) reads the followers' parts with: a session it signs itself for worker 0's
+    newest incarnation (each follower checks it as any call), and the last version's certificate."""
+    with core.lock:
+        member = core.members.current.get(0)
+        incarnation = member.incarnation if member is not None else 0
+        caller = pb.Caller(worker_id=0, session=core.members.signer.issue(0, incarnation))
+        return caller, core.updates.certificate
+
+
+def whole_model_summary(
+    summary: dict[str, Any],
+    *,
+    core: Any,
+    model: nn.Module,
+    placement: Placement,
+    parts: list[Mapping[str, torch.Tensor]],
+    loads: list[pb.ShardLoad],
+    test_set: Any,
+    summary_path: str | Path,
+) -> dict[str, Any]:
+    """The end of a sharded run on shard 0 (the real one and the virtual one): the whole model into the final
+    checkpoint (:func:`write_whole_final`), evaluated on ``test_set`` (``None``: not), the placement and every
+    shard's load into the summary, a ``whole_model`` event; the summary is written again to ``summary_path``."""
+    from src.metrics import write_summary
+    from src.trainer import evaluate
+
+    system = core.config.system
+    checkpoint = write_whole_final(system.checkpoint_dir, model, placement, parts)
+    summary = {**summary, "placement": placement.describe(), **shard_loads(placement, loads)}
+    if test_set is not None:
+        model.load_state_dict(checkpoint["model_state_dict"])
+        summary["final_loss"], summary["final_accuracy"] = evaluate(model, test_set)
+    core.log.event(
+        "whole_model",
+        version=checkpoint["step"],
+        final_loss=summary["final_loss"],
+        final_accuracy=summary["final_accuracy"],
+        placement=summary["placement"],
+    )
+    write_summary(summary_path, summary)
+    return summary

@@ -1,3 +1,3 @@
-"""Virtual time: a PS or DDP job in one process, its time from a cost model; the virtual server, workers,
-launcher, calibration.
+"""Virtual time: a PS or DDP job in one process, its time from a cost model; the virtual server, its follower
+shards and their network, workers, launcher, calibration.
 """

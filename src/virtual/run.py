@@ -26,6 +26,17 @@ killed (:class:`~src.common.supervisor.RejoinGrace`); a dead process is restarte
 checkpoint and the workers register with it again, exactly as :mod:`src.launch.ps` does for real
 processes.
 
+With ``system.num_servers`` = S > 1 (sync) the server is split into S shards as a real sharded run's
+(:mod:`src.ps.shard_rounds`): shard 0 is the :class:`~src.virtual.server.VirtualServer` with the run's
+:class:`~src.ps.sharding.Sharding` (the placement, and the session key from the run's auth token, or a fresh one
+per run: every simulated process uses it), the others :class:`~src.virtual.follower.VirtualFollower` objects, each
+with its own NIC, its own CPU and its share of the server's times (:func:`~src.emulation.cost_model.shard_times`), over
+one network with the workers' links (:mod:`src.virtual.network`). At the end the followers' parts are read as the
+real shard 0 reads them (:func:`~src.ps.shard_final.collect_parts`), the whole model is written into
+``parameter_server_final.pt`` (:func:`~src.ps.shard_final.write_whole_final`) and evaluated, and the summary gets its
+final loss and accuracy and the ``placement``; each follower writes its part (``shard_K_final.pt``). Injected
+faults and ``--resume`` are refused with S > 1 (a shard's recovery is not built yet).
+
 Outputs are a real run's (``summary.json`` with ``clock: virtual``, ``events.jsonl`` per role with
 virtual times, TensorBoard, checkpoints, and with ``system.trace`` a ``trace.json`` per simulated
 process whose spans are in virtual microseconds from 0: :mod:`src.virtual.timelines`), so the report,
@@ -39,7 +50,9 @@ workers' forward/backward passes: ``wall_loop_s / wall_compute_s`` is the driver
 
 from __future__ import annotations
 
+import secrets
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +60,33 @@ from src.common.supervisor import LaunchError
 from src.config import Config, SetupError
 from src.emulation.cost_model import CostModel
 from src.emulation.event_loop import EventLoop
+from src.ps.shard_final import collect_parts, reader_session, whole_model_summary
+from src.ps.sharding import Sharding
 from src.trainer import load_splits, model_from_config
 from src.virtual.calibration import with_measured_figures
+from src.virtual.follower import VirtualFollower
 from src.virtual.launcher import VirtualLauncher
+from src.virtual.network import shard_links
 from src.virtual.server import VirtualServer
 from src.virtual.timelines import VirtualTimelines
 from src.virtual.worker import VirtualWorker
+
+
+def sharded_refusal(config: Config, resume: str | Path | None = None) -> str | None:
+    """Why a virtual run of ``config`` with several server shards cannot be made yet, in one line (``None``: it can)."""
+    if config.system.num_servers == 1:
+        return None
+    shards = f"system.num_servers = {config.system.num_servers}"
+    if config.system.inject_faults:
+        return f"system.inject_faults: not with {shards} in virtual time yet (a server shard's recovery is not built)"
+    if resume is not None:
+        return f"--resume: not with {shards} yet (each shard would resume from its own checkpoints)"
+    return None
+
+
+def _run_token(config: Config) -> str:
+    """The secret every simulated process of the run signs sessions and certificates with (never written anywhere)."""
+    return config.system.auth_token.get_secret_value() if config.system.auth_token else secrets.token_hex(16)
 
 
 class VirtualRun:
@@ -64,23 +98,34 @@ class VirtualRun:
         tensorboard: TensorBoard scalars beside the events (off for benchmarks).
 
     Raises:
-        SetupError: a figure the cost model needs is missing (names the field and the calibration command).
+        SetupError: a figure the cost model needs is missing (names the field and the calibration command), or a
+            sharded run asks for what is not built for it yet (:func:`sharded_refusal`).
     """
 
     def __init__(self, config: Config, *, resume: str | Path | None = None, tensorboard: bool = True):
+        refusal = sharded_refusal(config, resume)
+        if refusal is not None:
+            raise SetupError(refusal)
         self.config = config
         self.cost = CostModel(config)
         self.loop = EventLoop()
         self.clock = self.loop.clock
         self.tensorboard = tensorboard
         self.resume = resume
-        self.train_set, test_set = load_splits(config)
+        self.train_set, self.test_set = load_splits(config)
         self.compute_wall_s = 0.0  # wall seconds spent computing the workers' gradients (the benchmark's reference)
         self.timelines = VirtualTimelines(config, self.clock)
         self.compute_model = model_from_config(config)  # every simulated worker computes in it, in turn
         self.compute_model.train()
         self.workers = [VirtualWorker(self, k) for k in range(config.system.num_workers)]
         self.launcher = VirtualLauncher(config, self.loop, self.cost.restart_s, self.workers)
+        num_shards = config.system.num_servers
+        self.sharding = (
+            Sharding.of_run(self.compute_model, config.system, _run_token(config)) if num_shards > 1 else None
+        )
+        self.placement = self.sharding.placement if self.sharding is not None else None
+        self.shard_times = self.cost.shard_times(self.placement.bytes_per_shard()) if self.placement else []
+        links = shard_links(self.loop, self.cost, num_shards) if self.sharding is not None else [None]
         self.server = VirtualServer(
             config,
             self.cost,
@@ -88,9 +133,27 @@ class VirtualRun:
             self.timelines,
             self.launcher,
             num_train_samples=len(self.train_set),
-            test_set=test_set,
+            test_set=self.test_set,
             tensorboard=tensorboard,
+            sharding=self.sharding,
+            links=links[0],
+            times=self.shard_times[0] if self.shard_times else None,
         )
+        self.followers = [
+            VirtualFollower(
+                config,
+                self.cost,
+                self.loop,
+                self.timelines,
+                sharding=self.sharding,
+                shard=k,
+                links=links[k],
+                times=self.shard_times[k],
+            )
+            for k in range(1, num_shards)
+        ]
+        self.shards = [self.server, *self.followers]
+        """Every server shard, shard 0 (the server) first (one: an unsharded run)."""
 
     def run(self, summary_json: str | Path | None = None) -> dict[str, Any]:
         """Simulate the job to its end; returns the run summary (also written, as a real run's).
@@ -117,7 +180,7 @@ class VirtualRun:
             # run_end and gradient ledger), as a real launcher waits for its workers to exit.
             self.loop.run(until=lambda: not any(w.finishing for w in self.workers))
             looped = time.perf_counter()
-            return server.core.finalize(
+            summary = server.core.finalize(
                 summary_json,
                 downlink_delay_s=self._downlink_delays(),
                 extra={
@@ -125,25 +188,50 @@ class VirtualRun:
                     "wall_loop_s": looped - looping,
                     "wall_compute_s": self.compute_wall_s,
                     "wall_time_fields": ["wall_time_s", "wall_loop_s", "wall_compute_s"],
-                    "cost_model": self.cost.describe(),
+                    "cost_model": self.cost.describe(self.shard_times),
                     "virtual_events": self.loop.processed,
                 },
             )
+            return self._whole_model(summary, summary_json) if self.followers else summary
         finally:
             for worker in self.workers:
                 worker.close_log()
             if server.core is not None:
                 server.core.close()
+            for follower in self.followers:
+                follower.close()
             self.launcher.close()
             self.timelines.close()
 
+    def _whole_model(self, summary: dict[str, Any], summary_json: str | Path | None) -> dict[str, Any]:
+        """A sharded run is over: shard 0 reads the followers' parts as the real one does (a parameters-only pull
+        with the last certificate, under a session it signs for worker 0's newest incarnation), puts the whole model
+        into the final checkpoint and evaluates it, and says so in the summary (written again) with every shard's
+        load (``shards``: bytes in and out, exact; ``update_s``: the virtual seconds of update work the cost model
+        charged it, where a real run reports its optimizer's wall seconds); each follower writes its part. None of it
+        takes virtual time."""
+        core, placement, config = self.server.core, self.placement, self.config
+        caller, certificate = reader_session(core)
+        parts = collect_parts([f.part_reader() for f in self.followers], caller, certificate, placement)
+        for follower in self.followers:
+            follower.stop()
+        return whole_model_summary(
+            summary,
+            core=core,
+            model=model_from_config(config),  # the names and shapes the parts go back into
+            placement=placement,
+            parts=parts,
+            loads=[s.load for s in self.shards],
+            test_set=self.test_set,
+            summary_path=summary_json or Path(config.system.log_dir) / "summary.json",
+        )
+
     def _downlink_delays(self) -> dict[int, float]:
-        """Seconds each worker's replies spent on its emulated downlink (workers with one)."""
-        return {
-            k: self.server.downlink_delay_s[k]
-            for k, w in enumerate(self.cost.workers)
-            if w.conditions.downlink is not None
-        }
+        """Seconds each worker's replies spent on its emulated downlink (workers with one), from every shard."""
+        delays: Counter[int] = Counter()
+        for shard in self.shards:
+            delays.update(shard.downlink_delay_s)
+        return {k: delays[k] for k, w in enumerate(self.cost.workers) if w.conditions.downlink is not None}
 
 
 def run_virtual(
@@ -159,11 +247,15 @@ def run_virtual(
     (:func:`~src.virtual.calibration.with_measured_figures`); the summary's ``cost_model.measured_here`` names them.
 
     Raises:
-        SetupError: the config lacks ``emulation.restart_s`` for its faults, or is not a parameter-server run.
+        SetupError: the config lacks ``emulation.restart_s`` for its faults, or is not a parameter-server run, or a
+            sharded run asks for what is not built for it yet (:func:`sharded_refusal`).
         LaunchError: the run cannot finish.
     """
     if config.system.architecture != "parameter_server":
         raise SetupError(f"system.clock: virtual runs a parameter-server job here, not {config.system.architecture}")
+    refusal = sharded_refusal(config, resume)  # before any figure is measured
+    if refusal is not None:
+        raise SetupError(refusal)
     config, measured = with_measured_figures(config, server=True)
     run = VirtualRun(config, resume=resume, tensorboard=tensorboard)
     run.cost.measured_here = measured

@@ -9,6 +9,12 @@ reply ``server_reply_s`` of the server's one CPU (:class:`~src.emulation.event_l
 Push whose work is not there yet (the sync barrier) is parked until it is. An injected server kill
 (:class:`ServerKilled`) fails every open call and hands the restart to the launcher
 (:class:`~src.virtual.launcher.VirtualLauncher`).
+
+With ``system.num_servers`` = S > 1 it is shard 0 (its core holds a :class:`~src.ps.sharding.Sharding`): it takes
+held pushes and their commits (:mod:`src.ps.shard_rounds`) and parameters-only pulls, as the real server's
+handlers do, with its own NIC in the run's :class:`~src.virtual.network.FairNetwork` and its share of the server's
+times (:func:`~src.emulation.cost_model.shard_times`); the followers are :mod:`src.virtual.follower`'s.
+:class:`ServerWire` is how any simulated server's messages travel (shared with the followers).
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from src import parameter_server_pb2 as pb
 from src.common.faults import FaultSpec
 from src.config import Config
 from src.coordinator import Member
-from src.emulation.cost_model import CostModel
-from src.emulation.event_loop import EventLoop, SerialServer, SharedLink
+from src.emulation.cost_model import CostModel, ServerTimes
+from src.emulation.event_loop import EventLoop, SerialServer
 from src.parameter_server import MONITOR_PERIOD_S, planned_work
 from src.ps.aggregation import RequestLog
 from src.ps.core import PushRefused, Refused, ServerCore
+from src.ps.grpc_service import PUSH_LARGE_FIELDS
+from src.ps.sharding import Sharding
 from src.trainer import model_from_config
-from src.transport.wire import split
+from src.transport.wire import Received, split
 from src.virtual.launcher import VirtualLauncher
+from src.virtual.network import OneServerLinks, ServerLinks
 from src.virtual.timelines import VirtualTimelines
 from src.virtual.worker import VirtualWorker
 
@@ -46,6 +55,7 @@ class Call:
     process: int
     on_reply: Callable[[bytes], None]
     on_error: Callable[[str, str], None]
+    bytes_in: int | None = None  # a Pull or Push: its size, counted into the server's load with its reply
 
 
 @dataclass(eq=False)
@@ -58,6 +68,71 @@ class Waiter:
     parked_at: float = 0.0  # virtual seconds
 
 
+class ServerWire:
+    """How a simulated server's messages travel: a worker's message crosses its uplink and the server's NIC in its
+    serialized size, then the uplink's latency; a reply the NIC and the worker's downlink, then its latency; an error
+    status (a small message) its latency only. Counts each worker's bytes and link delays as the real client does.
+
+    Args:
+        loop: the event loop.
+        cost: the workers' link figures.
+        links: the server's NIC and the workers' links (:mod:`src.virtual.network`).
+    """
+
+    def __init__(self, loop: EventLoop, cost: CostModel, links: ServerLinks):
+        self.loop = loop
+        self.clock = loop.clock
+        self.cost = cost
+        self.links = links
+        self.downlink_delay_s: Counter[int] = Counter()
+
+    def upload(self, worker: VirtualWorker, data: bytes, arrived: Callable[[], None]) -> None:
+        """Send ``data`` from ``worker`` to the server; ``arrived`` when it is there."""
+        costs = self.cost.workers[worker.worker_id]
+        sent_at = self.clock.now
+        worker.bytes_sent += len(data)
+
+        def through() -> None:
+            worker.uplink_delay_s += self.clock.now - sent_at
+            arrived()
+
+        self.links.upload(
+            worker.worker_id,
+            8 * len(data),
+            self.cost.uplink_bps(worker.worker_id, sent_at),
+            lambda: self.loop.after(costs.uplink_latency_s, through),
+        )
+
+    def reply(self, call: Call, data: bytes) -> None:
+        """Send the server's reply back to the call's worker (delivered if its process still runs)."""
+        worker = call.worker
+        costs = self.cost.workers[worker.worker_id]
+        sent_at = self.clock.now
+
+        def arrived() -> None:
+            self.downlink_delay_s[worker.worker_id] += self.clock.now - sent_at
+            if worker.reachable(call.process):
+                worker.bytes_received += len(data)
+                call.on_reply(data)
+
+        self.links.download(
+            worker.worker_id,
+            8 * len(data),
+            costs.downlink_bps,
+            lambda: self.loop.after(costs.downlink_latency_s, arrived),
+        )
+
+    def fail(self, call: Call, code: str, message: str) -> None:
+        """The call ends with an error status (a small message: its latency only)."""
+        costs = self.cost.workers[call.worker.worker_id]
+        self.loop.after(costs.downlink_latency_s, lambda: self.deliver(call, lambda: call.on_error(code, message)))
+
+    @staticmethod
+    def deliver(call: Call, callback: Callable[[], None]) -> None:
+        if call.worker.reachable(call.process):
+            callback()
+
+
 class VirtualServer:
     """The simulated server process: the core (one per process), its NIC, its CPU and its open calls.
 
@@ -68,8 +143,13 @@ class VirtualServer:
         timelines: where the server's spans go (``system.trace``).
         launcher: the simulated launcher: told of the core's events and of the process's death.
         num_train_samples: the training set's size (the work plan).
-        test_set: the split the core evaluates on.
+        test_set: the split the core evaluates on (a sharded run's shard 0 does not: the run evaluates the whole
+            model at its end).
         tensorboard: TensorBoard scalars beside the server's events.
+        sharding: serve shard 0 of a sharded run (default: the whole model).
+        links: its NIC and the workers' links (default: one server's, :class:`~src.virtual.network.OneServerLinks`).
+        times: its seconds per push and per reply (default: the cost model's ``server_update_s``,
+            ``server_reply_s``; shard 0's share of them when sharded).
     """
 
     def __init__(
@@ -83,6 +163,9 @@ class VirtualServer:
         num_train_samples: int,
         test_set,
         tensorboard: bool,
+        sharding: Sharding | None = None,
+        links: ServerLinks | None = None,
+        times: ServerTimes | None = None,
     ):
         self.config = config
         self.cost = cost
@@ -93,9 +176,13 @@ class VirtualServer:
         self.num_train_samples = num_train_samples
         self.test_set = test_set
         self.tensorboard = tensorboard
-        self.nic_in = SharedLink(loop, cost.server_bps)
-        self.nic_out = SharedLink(loop, cost.server_bps)
+        self.sharding = sharding
+        self.times = times or ServerTimes(cost.server_update_s, cost.server_reply_s)
+        self.wire = ServerWire(loop, cost, links or OneServerLinks(loop, cost.server_bps))
         self.cpu = SerialServer(loop)
+        self.load = pb.ShardLoad()
+        """The bytes of the Pull and Push messages answered and of their replies, and the virtual seconds of update
+        work (a sharded run's summary reports every shard's: :func:`~src.ps.shard_final.shard_loads`)."""
         self.core: ServerCore | None = None
         self.running = False
         self.epoch = 0  # one per server process: a call sent to an earlier one fails
@@ -104,7 +191,11 @@ class VirtualServer:
         self.open_calls: dict[Call, None] = {}
         self.waiting: dict[int, Waiter] = {}
         self.held_for_server: list[Callable[[], None]] = []  # registrations waiting for a server to come up
-        self.downlink_delay_s: Counter[int] = Counter()
+
+    @property
+    def downlink_delay_s(self) -> Counter[int]:
+        """Seconds each worker's replies from this server spent on their way."""
+        return self.wire.downlink_delay_s
 
     # ------------------------------------------------------------------------- the process
 
@@ -114,12 +205,13 @@ class VirtualServer:
             self.config,
             work=planned_work(self.config, self.num_train_samples),
             model=model_from_config(self.config),
-            test_set=self.test_set,
+            test_set=self.test_set if self.sharding is None else None,
             tensorboard=self.tensorboard,
             resume=resume,
             faults=faults,
             fire_fault=self._fault,
             clock=self.clock,
+            sharding=self.sharding,
         )
         self.core.serving = True
         self.running = True
@@ -176,14 +268,10 @@ class VirtualServer:
         ``wait_for_server``: a server that is down takes the call when it is up again (gRPC's
         ``wait_for_ready``, which registration uses); otherwise the call fails UNAVAILABLE.
         """
-        costs = self.cost.workers[worker.worker_id]
         call = Call(worker, worker.process, on_reply, on_error)
         epoch = self.epoch
-        sent_at = self.clock.now
-        worker.bytes_sent += len(data)
 
         def arrived() -> None:
-            worker.uplink_delay_s += self.clock.now - sent_at
             if self.running and (epoch == self.epoch or wait_for_server):
                 self.open_calls[call] = None
                 self._serve(lambda: handle(call, data))
@@ -192,39 +280,22 @@ class VirtualServer:
                     lambda: (self.open_calls.setdefault(call), self._serve(lambda: handle(call, data)))
                 )
             else:
-                self._deliver(call, lambda: call.on_error("UNAVAILABLE", "the parameter server is not reachable"))
+                self.wire.deliver(call, lambda: call.on_error("UNAVAILABLE", "the parameter server is not reachable"))
 
-        self.nic_in.send(
-            8 * len(data),
-            self.cost.uplink_bps(worker.worker_id, sent_at),
-            lambda: self.loop.after(costs.uplink_latency_s, arrived),
-        )
+        self.wire.upload(worker, data, arrived)
 
     def _reply(self, call: Call, data: bytes) -> None:
         """Send the server's reply back over the server NIC and the worker's downlink."""
         self.open_calls.pop(call, None)
-        worker = call.worker
-        costs = self.cost.workers[worker.worker_id]
-        sent_at = self.clock.now
-
-        def arrived() -> None:
-            self.downlink_delay_s[worker.worker_id] += self.clock.now - sent_at
-            if worker.reachable(call.process):
-                worker.bytes_received += len(data)
-                call.on_reply(data)
-
-        self.nic_out.send(8 * len(data), costs.downlink_bps, lambda: self.loop.after(costs.downlink_latency_s, arrived))
+        if call.bytes_in is not None:
+            self.load.bytes_in += call.bytes_in
+            self.load.bytes_out += len(data)
+        self.wire.reply(call, data)
 
     def _fail(self, call: Call, code: str, message: str) -> None:
-        """The call ends with an error status (a small message: its latency only)."""
+        """The call ends with an error status."""
         self.open_calls.pop(call, None)
-        costs = self.cost.workers[call.worker.worker_id]
-        self.loop.after(costs.downlink_latency_s, lambda: self._deliver(call, lambda: call.on_error(code, message)))
-
-    @staticmethod
-    def _deliver(call: Call, callback: Callable[[], None]) -> None:
-        if call.worker.reachable(call.process):
-            callback()
+        self.wire.fail(call, code, message)
 
     # ------------------------------------------------------------------------- the server's side of each call
 
@@ -240,31 +311,71 @@ class VirtualServer:
         self.launcher.publish(events)
 
     def serve_pull(self, call: Call, data: bytes) -> None:
+        """A Pull parks until its worker's work is there; a sharded run's parameters-only pull (after a commit) takes
+        this shard's reply time and gets its slices at once."""
+        request = pb.PullRequest.FromString(data)
+        call.bytes_in = len(data)
+        if request.parameters_only:
+            seconds = self.times.reply_s
+            self.cpu.submit(seconds, lambda: self._serve(lambda: self._parameters(call, request, seconds)))
+            return
         try:
-            member = self.core.begin_pull(pb.PullRequest.FromString(data).caller)
+            member = self.core.begin_pull(request.caller)
         except Refused as refused:
             self._fail(call, refused.code, refused.message)
             return
         self.waiting[member.worker_id] = Waiter(call, member, parked_at=self.clock.now)
 
-    def serve_push(self, call: Call, data: bytes) -> None:
-        """The push takes ``server_update_s`` of the server's time; its reply follows at once when its work is there."""
-
-        def take() -> None:
-            self.timelines.server("apply", self.clock.now - self.cost.server_update_s, worker=call.worker.worker_id)
-            self._serve(lambda: self._take_push(call, data))
-
-        self.cpu.submit(self.cost.server_update_s, take)
-
-    def _take_push(self, call: Call, data: bytes) -> None:
-        core = self.core
+    def _parameters(self, call: Call, request: pb.PullRequest, seconds: float) -> None:
+        self.timelines.server("reply", self.clock.now - seconds, worker=call.worker.worker_id)
         try:
-            received = split(data, pb.PushRequest, ("gradients", "buffers"))
-        except ValueError as exc:
-            refused = PushRefused("INVALID_ARGUMENT", f"push: {exc}")
-            core.refused(None, 0, refused)
+            data = self.core.parameters(self.core.member(request.caller))
+        except Refused as refused:
             self._fail(call, refused.code, refused.message)
             return
+        self._reply(call, data)
+
+    def serve_push(self, call: Call, data: bytes) -> None:
+        """A push takes ``server_update_s`` of the server's time (a sharded run's held push: this shard's share; its
+        commit, which carries no tensors: none); its reply follows at once when its work is there."""
+        call.bytes_in = len(data)
+        try:
+            received = split(data, pb.PushRequest, PUSH_LARGE_FIELDS)
+        except ValueError as exc:
+            refused = PushRefused("INVALID_ARGUMENT", f"push: {exc}")
+            self.cpu.submit(self.times.update_s, lambda: self._serve(lambda: self._malformed(call, refused)))
+            return
+        request = received.message
+        span = "commit" if request.commit else "hold" if request.hold else "apply"
+        seconds = 0.0 if request.commit else self.times.update_s
+        take = self._hold if request.hold else self._take_push
+
+        def taken() -> None:
+            self.load.update_s += seconds
+            self.timelines.server(span, self.clock.now - seconds, worker=call.worker.worker_id)
+            self._serve(lambda: take(call, received))
+
+        self.cpu.submit(seconds, taken)
+
+    def _malformed(self, call: Call, refused: PushRefused) -> None:
+        self.core.refused(None, 0, refused)
+        self._fail(call, refused.code, refused.message)
+
+    def _hold(self, call: Call, received: Received) -> None:
+        """A sharded run's held push: decoded and held until its commit (:meth:`ServerCore.hold`), acknowledged."""
+        core, request = self.core, received.message
+        worker_id = request.caller.worker_id
+        try:
+            acknowledgement = core.hold(core.member(request.caller), request, core.decode(worker_id, received))
+        except Refused as refused:
+            if isinstance(refused, PushRefused):
+                core.refused(worker_id, request.request_id, refused)
+            self._fail(call, refused.code, refused.message)
+            return
+        self._reply(call, acknowledgement)
+
+    def _take_push(self, call: Call, received: Received) -> None:
+        core = self.core
         request = received.message
         worker_id, request_id = request.caller.worker_id, request.request_id
         try:
@@ -304,7 +415,8 @@ class VirtualServer:
 
     def _wake(self, first: int | None = None) -> None:
         """Every parked call whose work is there now gets its reply built (``server_reply_s`` each, in worker
-        order; ``first``'s right away: the real server builds it under the same lock as the push)."""
+        order; ``first``'s right away: the real server builds it under the same lock as the push). A sharded run's
+        commit reply carries no parameters (the pulls that follow do) and takes none of it."""
         core = self.core
         for worker_id in sorted(self.waiting, key=lambda w: (w != first, w)):
             waiter = self.waiting[worker_id]
@@ -320,14 +432,15 @@ class VirtualServer:
                 continue
             del self.waiting[worker_id]
             self.timelines.server("barrier_wait", waiter.parked_at, calls_of=worker_id, worker=worker_id)
+            seconds = 0.0 if self.sharding is not None and waiter.push is not None else self.times.reply_s
             self.cpu.submit(
-                self.cost.server_reply_s,
-                lambda w=waiter, work=work: self._serve(lambda: self._build_reply(w, work)),
+                seconds,
+                lambda w=waiter, work=work, s=seconds: self._serve(lambda: self._build_reply(w, work, s)),
                 first=worker_id == first,
             )
 
-    def _build_reply(self, waiter: Waiter, work) -> None:
-        self.timelines.server("reply", self.clock.now - self.cost.server_reply_s, worker=waiter.member.worker_id)
+    def _build_reply(self, waiter: Waiter, work, seconds: float) -> None:
+        self.timelines.server("reply", self.clock.now - seconds, worker=waiter.member.worker_id)
         if waiter.push is None:
             data = self.core.pull_reply(waiter.member, work)
         else:

@@ -7,12 +7,20 @@ heartbeat, finish: the real protocol's bytes) to the simulated server
 model: the step's compute seconds, then ``compress_s``, then the push. Injected faults kill, stop
 (``hang``) or pause it at a step; a failed call is handled as the real worker does
 (:func:`src.ps.worker_protocol.failed_call`: register again, or exit for the launcher to restart it).
+
+With several server shards (``system.num_servers`` = S > 1) it does the real worker's sharded step
+(``Worker._push_to_shards`` and ``Worker._pull_shards`` in :mod:`src.worker`; :mod:`src.ps.shard_rounds`): each
+shard's slices held on every shard at once, then, once every shard has acknowledged, the commit to shard 0, whose
+reply carries the verdict, the next work and the version's certificate, then every shard's slices pulled at once
+(the followers' with the certificate). Its messages to different shards are in flight together and share its own
+links (:mod:`src.virtual.network`).
 """
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -29,6 +37,7 @@ from src.config import Config
 from src.emulation.cost_model import CostModel
 from src.emulation.event_loop import EventLoop
 from src.metrics import MetricsLogger
+from src.ps.placement import Placement
 from src.ps.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
 from src.ps.worker_step import WorkerStep, check_layout
 from src.transport.wire import Outgoing, chunk_size, serialize, split
@@ -40,14 +49,12 @@ Handler = Callable[[Any, bytes], None]
 """A server's handler of one message: the call it arrived on, and its bytes."""
 
 
-class ServerCalls(Protocol):
-    """What a simulated worker calls on the simulated server (:class:`src.virtual.server.VirtualServer` is one)."""
+class ShardCalls(Protocol):
+    """What a simulated worker calls on every server shard (:class:`src.virtual.server.VirtualServer` and
+    :class:`src.virtual.follower.VirtualFollower` are ones): Push (a sharded run's held push, or commit) and Pull."""
 
-    serve_register: Handler
-    serve_heartbeat: Handler
     serve_pull: Handler
     serve_push: Handler
-    serve_finish: Handler
 
     def call(
         self,
@@ -61,6 +68,15 @@ class ServerCalls(Protocol):
     ) -> None: ...
 
 
+class ServerCalls(ShardCalls, Protocol):
+    """What a simulated worker calls on the simulated server (shard 0 of a sharded run; :class:`VirtualServer
+    <src.virtual.server.VirtualServer>` is one): every call."""
+
+    serve_register: Handler
+    serve_heartbeat: Handler
+    serve_finish: Handler
+
+
 class ProcessEnds(Protocol):
     """What a simulated worker tells its launcher (:class:`src.virtual.launcher.VirtualLauncher` is one)."""
 
@@ -69,7 +85,8 @@ class ProcessEnds(Protocol):
 
 class WorkerRun(Protocol):
     """What a simulated worker reads from its run (:class:`src.virtual.run.VirtualRun` is one): the config, the
-    clock and cost model, the shared compute model and data, and the server and launcher it talks to."""
+    clock and cost model, the shared compute model and data, the server and launcher it talks to, and with several
+    server shards their placement and every shard (shard 0, the server, first; ``placement`` ``None``: one server)."""
 
     config: Config
     cost: CostModel
@@ -82,6 +99,16 @@ class WorkerRun(Protocol):
     train_set: TensorDataset
     server: ServerCalls
     launcher: ProcessEnds
+    placement: Placement | None
+    shards: list[ShardCalls]
+
+
+@dataclass
+class Traffic:
+    """The bytes one sharded push moved: its messages to every shard, and their replies."""
+
+    sent: int = 0
+    received: int = 0
 
 
 class VirtualWorker:
@@ -226,7 +253,7 @@ class VirtualWorker:
 
     def _first_registration(self, registration: pb.RegisterReply) -> None:
         run, config = self.run, self.config
-        check_layout(self.worker_id, config, run.compute_model, registration)
+        check_layout(self.worker_id, config, run.compute_model, registration, run.placement)
         self.log = MetricsLogger(
             Path(config.system.log_dir) / f"worker_{self.worker_id}",
             tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
@@ -246,6 +273,7 @@ class VirtualWorker:
             faults=self.faults,
             fire_fault=self._fault,
             request_ids=seed.getrandbits(62) or 1,
+            placement=run.placement,
         )
         self._heartbeat(self.process, self._new_heartbeat_chain())
         self._pull(first=True)
@@ -281,14 +309,14 @@ class VirtualWorker:
     def _pull(self, *, first: bool = False) -> None:
         def pulled(data: bytes) -> None:
             received = split(data, pb.PullReply, MODEL_STATE)
-            self.step.load(received)
-            if first:
-                self.log.event("run_start", address="virtual", incarnation=self.incarnation, version=self.step.version)
-            else:
-                self.log.event(
-                    "rejoined", incarnation=self.incarnation, version=self.step.version, after=self.last_failure
-                )
-            self._work(received)
+            if self.run.placement is None:
+                self.step.load(received)
+                self._pulled(received, first)
+                return
+            self.step.load(received, parameters=False)  # a sharded run's shard 0: its slices, then the others'
+            self.step.load_shard(0, received)
+            then = lambda: self._pulled(received, first)  # noqa: E731
+            self._pull_shards(b"", received.message.version, then, Traffic(), first_shard=1)
 
         request = pb.PullRequest(caller=self.caller)
         self._call(
@@ -297,6 +325,52 @@ class VirtualWorker:
             pulled,
             lambda code, message: self._after_failure(code, message, lambda: self._pull(first=first)),
         )
+
+    def _pulled(self, received, first: bool) -> None:
+        if first:
+            self.log.event("run_start", address="virtual", incarnation=self.incarnation, version=self.step.version)
+        else:
+            self.log.event("rejoined", incarnation=self.incarnation, version=self.step.version, after=self.last_failure)
+        self._work(received)
+
+    def _pull_shards(
+        self, certificate: bytes, version: int, then: Callable[[], None], traffic: Traffic, *, first_shard: int = 0
+    ) -> None:
+        """Every shard's slices from ``first_shard`` on, pulled at once (the followers' after applying
+        ``certificate``'s version), each loaded as it arrives; ``then`` once all are in, all at shard 0's
+        ``version`` (``src.worker``'s ``Worker._pull_shards``)."""
+        shards = self.run.shards
+        pending = set(range(first_shard, len(shards)))
+        versions: dict[int, int] = {}
+        for k in range(first_shard, len(shards)):
+            request = pb.PullRequest(caller=self.caller, certificate=certificate if k else b"", parameters_only=True)
+            data = request.SerializeToString()
+            traffic.sent += len(data)
+
+            def pulled(reply: bytes, k: int = k) -> None:
+                traffic.received += len(reply)
+                versions[k] = self.step.load_shard(k, split(reply, pb.PullReply, MODEL_STATE))
+                pending.discard(k)
+                if pending:
+                    return
+                if any(v != version for v in versions.values()):  # no shard restarts here: a bug, not a recovery
+                    raise LaunchError(
+                        f"worker {self.worker_id}: shard 0 at version {version}, the others at "
+                        f"{[versions[k] for k in sorted(versions)]}"
+                    )
+                then()
+
+            shards[k].call(self, data, shards[k].serve_pull, pulled, self._shard_failed(k))
+
+    def _shard_failed(self, shard: int) -> Callable[[str, str], None]:
+        """A shard refused a hold or a pull: the run's error. (A real worker registers again, as after a server
+        restart, since the launcher restarts every shard from a common version; no shard is killed in virtual time,
+        so here a refusal would be the same refusal again.)"""
+
+        def failed(code: str, message: str) -> None:
+            raise LaunchError(f"worker {self.worker_id}: server shard {shard} call failed: {code}: {message}")
+
+        return failed
 
     def _work(self, received) -> None:
         """A reply arrived: finish, or compute the handed batches (their compute seconds from now)."""
@@ -328,6 +402,21 @@ class VirtualWorker:
             return  # the fault killed or stopped this process before it sent anything
         # Encoded now, while the shared compute model holds this worker's gradient (a real paused process
         # encodes once it runs again: the same payloads, since nothing they are made of changes meanwhile).
+        prepare = self._push if self.run.placement is None else self._push_to_shards
+        send = prepare(process, batches, loss, correct, samples, step_s)
+        compress_s = self.run.cost.compress_s
+        if self.hung:  # paused: the process goes on (compresses, pushes) once it runs again
+            self.run.loop.after(
+                self.pause_s, lambda: self._resumed(process, lambda: self.run.loop.after(compress_s, send))
+            )
+        else:
+            self.run.loop.after(compress_s, send)
+
+    def _push(
+        self, process: int, batches: list[pb.Batch], loss: float, correct: int, samples: int, step_s: float
+    ) -> Callable[[], None]:
+        """The push of the step just computed, encoded now; returns what sends it (after ``compress_s``)."""
+        step = self.step
         payloads = step.encode(batches)
         compress_s = self.run.cost.compress_s
         request = step.request(
@@ -373,12 +462,88 @@ class VirtualWorker:
 
             self._call(data, self.run.server.serve_push, replied, failed)
 
-        if self.hung:  # paused: the process goes on (compresses, pushes) once it runs again
-            self.run.loop.after(
-                self.pause_s, lambda: self._resumed(process, lambda: self.run.loop.after(compress_s, send))
-            )
-        else:
-            self.run.loop.after(compress_s, send)
+        return send
+
+    def _push_to_shards(
+        self, process: int, batches: list[pb.Batch], loss: float, correct: int, samples: int, step_s: float
+    ) -> Callable[[], None]:
+        """A sharded run's push of the step just computed, encoded now (each shard's slices); returns what sends it:
+        held on every shard at once, committed to shard 0 once every shard holds it, then every shard pulled at
+        once with the commit reply's certificate (``src.worker``'s ``Worker._push_to_shards``). ``push_bytes`` and
+        ``reply_bytes`` are the exact sizes of those messages and their replies."""
+        step = self.step
+        per_shard = step.encode_shards(batches)
+        compress_s = self.run.cost.compress_s
+        request = step.request(
+            self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
+        )
+        buffers = step.buffers_to_send(batches)
+        held, commit = pb.PushRequest(), pb.PushRequest()
+        held.CopyFrom(request)
+        held.hold = True
+        commit.CopyFrom(request)
+        commit.commit = True
+        holds = [
+            serialize(Outgoing(held, {"gradients": payloads, "buffers": buffers if k == 0 else []}))
+            for k, payloads in enumerate(per_shard)
+        ]
+        committing = serialize(Outgoing(commit, {"gradients": [], "buffers": []}))
+        payload_bytes = sum(chunk_size(p) for payloads in per_shard for p in payloads)
+        del per_shard, buffers
+        step_started = self.step_started
+        shards, server = self.run.shards, self.run.server
+
+        def send() -> None:
+            if not self.reachable(process):
+                return
+            sent_at = self._now()
+            traffic = Traffic()
+            self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
+            waiting = set(range(len(shards)))
+
+            def acknowledged(shard: int, ack: bytes) -> None:
+                traffic.received += len(ack)
+                waiting.discard(shard)
+                if not waiting:
+                    traffic.sent += len(committing)
+                    self._call(committing, server.serve_push, committed, failed)
+
+            def committed(reply_data: bytes) -> None:
+                traffic.received += len(reply_data)
+                reply = split(reply_data, pb.PushReply, MODEL_STATE + ("parameter_deltas",))
+                self._pull_shards(reply.message.certificate, reply.message.version, lambda: settle(reply), traffic)
+
+            def settle(reply) -> None:
+                step.settle(
+                    reply,
+                    batches,
+                    request,
+                    payload_bytes=payload_bytes,
+                    loss=loss,
+                    correct=correct,
+                    samples=samples,
+                    gradient_time_s=step_s,
+                    compression_time_s=compress_s,
+                    communication_time_s=self._now() - sent_at,
+                    push_bytes=traffic.sent,
+                    reply_bytes=traffic.received,
+                    bytes_sent=self.bytes_sent,
+                    bytes_received=self.bytes_received,
+                )
+                timelines = self.run.timelines
+                timelines.worker(self.worker_id, "push", sent_at, request_id=request.request_id)
+                timelines.worker(self.worker_id, "step", step_started, step=step.totals["steps"])
+                self._work(reply)
+
+            def failed(code: str, message: str) -> None:
+                self._after_failure(code, message, self._pull, in_flight=request.request_id)
+
+            for k, shard in enumerate(shards):
+                traffic.sent += len(holds[k])
+                on_ack = lambda ack, k=k: acknowledged(k, ack)  # noqa: E731
+                shard.call(self, holds[k], shard.serve_push, on_ack, self._shard_failed(k))
+
+        return send
 
     def _finish(self) -> None:
         stats = self._stats()
