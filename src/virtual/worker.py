@@ -433,29 +433,13 @@ class VirtualWorker:
             sent_at = self._now()
             received_before = self.bytes_received
             self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
+            settled = self._settler(
+                request, batches, (payload_bytes, loss, correct, samples, step_s), sent_at, step_started
+            )
 
             def replied(reply_data: bytes) -> None:
                 reply = split(reply_data, pb.PushReply, MODEL_STATE + ("parameter_deltas",))
-                step.settle(
-                    reply,
-                    batches,
-                    request,
-                    payload_bytes=payload_bytes,
-                    loss=loss,
-                    correct=correct,
-                    samples=samples,
-                    gradient_time_s=step_s,
-                    compression_time_s=compress_s,
-                    communication_time_s=self._now() - sent_at,
-                    push_bytes=len(data),
-                    reply_bytes=self.bytes_received - received_before,
-                    bytes_sent=self.bytes_sent,
-                    bytes_received=self.bytes_received,
-                )
-                timelines = self.run.timelines
-                timelines.worker(self.worker_id, "push", sent_at, request_id=request.request_id)
-                timelines.worker(self.worker_id, "step", step_started, step=step.totals["steps"])
-                self._work(reply)
+                settled(reply, len(data), self.bytes_received - received_before)
 
             def failed(code: str, message: str) -> None:
                 self._after_failure(code, message, self._pull, in_flight=request.request_id)
@@ -463,6 +447,39 @@ class VirtualWorker:
             self._call(data, self.run.server.serve_push, replied, failed)
 
         return send
+
+    def _settler(
+        self, request: pb.PushRequest, batches: list[pb.Batch], figures: tuple, sent_at: float, step_started: float
+    ) -> Callable[[Any, int, int], None]:
+        """What settles the push ``request`` once its reply is in (``figures``: payload bytes, loss, correct,
+        samples, compute seconds): ``settled(reply, push_bytes, reply_bytes)`` settles the step, draws its spans
+        and takes the reply's work."""
+        payload_bytes, loss, correct, samples, step_s = figures
+        step = self.step
+
+        def settled(reply: Any, push_bytes: int, reply_bytes: int) -> None:
+            step.settle(
+                reply,
+                batches,
+                request,
+                payload_bytes=payload_bytes,
+                loss=loss,
+                correct=correct,
+                samples=samples,
+                gradient_time_s=step_s,
+                compression_time_s=self.run.cost.compress_s,
+                communication_time_s=self._now() - sent_at,
+                push_bytes=push_bytes,
+                reply_bytes=reply_bytes,
+                bytes_sent=self.bytes_sent,
+                bytes_received=self.bytes_received,
+            )
+            timelines = self.run.timelines
+            timelines.worker(self.worker_id, "push", sent_at, request_id=request.request_id)
+            timelines.worker(self.worker_id, "step", step_started, step=step.totals["steps"])
+            self._work(reply)
+
+        return settled
 
     def _push_to_shards(
         self, process: int, batches: list[pb.Batch], loss: float, correct: int, samples: int, step_s: float
@@ -499,6 +516,9 @@ class VirtualWorker:
             sent_at = self._now()
             traffic = Traffic()
             self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
+            settled = self._settler(
+                request, batches, (payload_bytes, loss, correct, samples, step_s), sent_at, step_started
+            )
             waiting = set(range(len(shards)))
 
             def acknowledged(shard: int, ack: bytes) -> None:
@@ -514,26 +534,7 @@ class VirtualWorker:
                 self._pull_shards(reply.message.certificate, reply.message.version, lambda: settle(reply), traffic)
 
             def settle(reply) -> None:
-                step.settle(
-                    reply,
-                    batches,
-                    request,
-                    payload_bytes=payload_bytes,
-                    loss=loss,
-                    correct=correct,
-                    samples=samples,
-                    gradient_time_s=step_s,
-                    compression_time_s=compress_s,
-                    communication_time_s=self._now() - sent_at,
-                    push_bytes=traffic.sent,
-                    reply_bytes=traffic.received,
-                    bytes_sent=self.bytes_sent,
-                    bytes_received=self.bytes_received,
-                )
-                timelines = self.run.timelines
-                timelines.worker(self.worker_id, "push", sent_at, request_id=request.request_id)
-                timelines.worker(self.worker_id, "step", step_started, step=step.totals["steps"])
-                self._work(reply)
+                settled(reply, traffic.sent, traffic.received)
 
             def failed(code: str, message: str) -> None:
                 self._after_failure(code, message, self._pull, in_flight=request.request_id)
