@@ -264,7 +264,7 @@ def run_role(args: argparse.Namespace, config: Config) -> None:
             config,
             args.shard,
             address=config.system.server_address,
-            wait=lambda: wait_for_run_end(config),
+            wait=lambda over: wait_for_run_end(config, over),
             recovering=recovering,
         )
         print(f"parameter-server shard {args.shard}: the run is over; its part of the model is in {path}")

@@ -269,8 +269,9 @@ class ParameterServer(GrpcMethods):
             for address in system.shard_addresses[1:]
         ]
         try:
-            parts = collect_parts(clients, caller, certificate, placement)
+            # the loads first: a follower stops once its part is read (PullRequest.final)
             loads = [self._own_load(), *(client.status(timeout=30).load for client in clients)]
+            parts = collect_parts(clients, caller, certificate, placement)
         finally:
             for client in clients:
                 client.close()

@@ -109,14 +109,16 @@ class Control(_message.Message):
     def __init__(self, compression_ratio: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("caller", "certificate", "parameters_only")
+    __slots__ = ("caller", "certificate", "parameters_only", "final")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     certificate: bytes
     parameters_only: bool
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., certificate: _Optional[bytes] = ..., parameters_only: _Optional[bool] = ...) -> None: ...
+    final: bool
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., certificate: _Optional[bytes] = ..., parameters_only: _Optional[bool] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("version", "parameters", "buffers", "work", "control")

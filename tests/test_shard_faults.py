@@ -196,8 +196,10 @@ def test_across_hosts_every_shard_started_again_with_resume_goes_back_together(t
         assert "shard 1 has not answered" in (tmp_path / "shard_0.out").read_text()
         processes["follower"] = role("follower_again", "--role", "server", "--shard", "1", "--resume", str(checkpoints))
         processes["shard_0"] = role("shard_0_again", "--role", "server", "--resume", str(checkpoints))
+        outputs = {"follower": "follower_again", "shard_0": "shard_0_again"}
         for name, process in processes.items():
-            assert process.wait(timeout=300) == 0, (name, (tmp_path / f"{name}.out").read_text()[-2000:])
+            output = (tmp_path / f"{outputs.get(name, name)}.out").read_text()
+            assert process.wait(timeout=300) == 0, (name, output[-2000:])
     finally:
         for process in processes.values():
             kill_group(process)

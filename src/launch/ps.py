@@ -207,12 +207,13 @@ def run_follower(
     address: str,
     token: str | None = None,
     on_listening: Callable[[int], None] | None = None,
-    wait: Callable[[], object],
+    wait: Callable[[threading.Event], object],
     resume: str | Path | None = None,
     model: Any = None,
     recovering: bool = False,
 ) -> Path:
-    """Serve follower shard ``shard`` of a sharded run on ``address`` until ``wait()`` returns; then write its
+    """Serve follower shard ``shard`` of a sharded run on ``address`` until ``wait(over)`` returns (``over``: set
+    once shard 0 has read this shard's part); then write its
     part of the model and return where (:class:`~src.ps.follower_server.FollowerServer`). ``resume``: continue
     from this shard's checkpoint (a file, or the run's checkpoint folder); ``model``: the served model at its
     initial values (default the config's); ``recovering``: starting again across hosts, go back to the version
@@ -232,7 +233,7 @@ def run_follower(
             on_listening(port)
         if recovering:
             _go_back_with_shard_0(config, server)
-        wait()
+        wait(server.core.run_over)
         stopped = True
         return server.stop()
     finally:
@@ -257,9 +258,10 @@ def _go_back_with_shard_0(config: Config, server) -> None:
     )
 
 
-def wait_for_run_end(config: Config, *, poll_s: float = 0.5) -> None:
-    """A follower shard on its own host: return once shard 0 (``system.shard_addresses[0]``) has said the run is
-    done and has then gone away (it reads the followers' parts before it exits: :mod:`src.ps.shard_final`).
+def wait_for_run_end(config: Config, over: threading.Event | None = None, *, poll_s: float = 0.5) -> None:
+    """A follower shard on its own host: return once ``over`` is set (shard 0 has read this shard's part:
+    :mod:`src.ps.shard_final`), or once shard 0 (``system.shard_addresses[0]``) has said the run is done and has
+    then gone away.
 
     Raises:
         RunFailed: shard 0 started again (another instance), or went away before the run was done and has not
@@ -273,7 +275,7 @@ def wait_for_run_end(config: Config, *, poll_s: float = 0.5) -> None:
     [client] = _shard_clients(config, None, system.shard_addresses[:1])
     done, instance, answered = False, None, time.monotonic()
     try:
-        while True:
+        while over is None or not over.is_set():
             status = status_or_none(client)
             if status is None:
                 if done:
@@ -289,7 +291,10 @@ def wait_for_run_end(config: Config, *, poll_s: float = 0.5) -> None:
                 if status.instance != instance:
                     raise RunFailed("shard 0 started again: the shards go back together (start this one with --resume)")
                 done = done or status.done
-            time.sleep(poll_s)
+            if over is not None:
+                over.wait(poll_s)
+            else:
+                time.sleep(poll_s)
     finally:
         client.close()
 
@@ -359,7 +364,7 @@ def _follower_child(
             address=config.system.server_address,
             token=token,
             on_listening=lambda port: report.send(("listening", port)),
-            wait=control.recv,  # the launcher says "stop" once shard 0 has the run's summary
+            wait=lambda over: control.recv(),  # the launcher says "stop" once shard 0 has the run's summary
             resume=resume,
         )
     except _expected_errors() as exc:

@@ -113,6 +113,8 @@ class FollowerCore:
         self.log = MetricsLogger(
             Path(config.system.log_dir) / f"server_{shard}", tensorboard=False, role=f"server_{shard}", clock=clock.time
         )
+        self.run_over = threading.Event()
+        """Set once shard 0 has read this shard's part at the end of the run (``PullRequest.final``)."""
         self.instance = secrets.token_bytes(8)
         """Random per process: shard 0 and the other shards notice this shard started again by its change."""
         self.ready = not recovering
@@ -210,7 +212,10 @@ class FollowerCore:
         with self.lock:
             if request.certificate:
                 self._apply(request.certificate)
-            return self.model.replies.serialize(pb.PullReply(version=self.version), worker_id)
+            reply = self.model.replies.serialize(pb.PullReply(version=self.version), worker_id)
+            if request.final:
+                self.run_over.set()
+            return reply
 
     def _apply(self, data: bytes) -> None:
         started = time.perf_counter()

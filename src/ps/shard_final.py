@@ -60,7 +60,7 @@ def collect_parts(
     parts = []
     for shard, client in enumerate(clients, start=1):
         version, part = part_of_reply(
-            placement, shard, client.pull(caller, certificate=certificate, parameters_only=True)
+            placement, shard, client.pull(caller, certificate=certificate, parameters_only=True, final=True)
         )
         if version != final_version:
             raise CheckpointError(

@@ -254,7 +254,7 @@ def serve_follower(config: Config, shard: int, *, model_source: str, token: str 
         shard,
         address=config.system.server_address,
         token=token,
-        wait=lambda: wait_for_run_end(config),
+        wait=lambda over: wait_for_run_end(config, over),
         model=model,
     )
 

@@ -385,11 +385,13 @@ class ProtocolClient:
         """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
         return self._call("Initialize", Outgoing(request, {"parameters": parameters, "buffers": buffers}))
 
-    def pull(self, caller: pb.Caller, *, certificate: bytes = b"", parameters_only: bool = False) -> Received:
+    def pull(
+        self, caller: pb.Caller, *, certificate: bytes = b"", parameters_only: bool = False, final: bool = False
+    ) -> Received:
         """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views).
         A sharded server's shard: ``parameters_only`` (no work), after applying ``certificate``'s version
-        (:mod:`src.ps.shard_rounds`)."""
-        request = pb.PullRequest(caller=caller, certificate=certificate, parameters_only=parameters_only)
+        (:mod:`src.ps.shard_rounds`); ``final``: shard 0 reading the part at the end of the run."""
+        request = pb.PullRequest(caller=caller, certificate=certificate, parameters_only=parameters_only, final=final)
         return self._call("Pull", request)
 
     def push(

@@ -178,11 +178,13 @@ class VirtualFollower:
 
 class _PartReader:
     """A parameters-only pull of a follower's part, in process: the client :func:`~src.ps.shard_final.collect_parts`
-    expects (``pull(caller, certificate=, parameters_only=)`` returning the split reply)."""
+    expects (``pull(caller, certificate=, parameters_only=, final=)`` returning the split reply)."""
 
     def __init__(self, follower: VirtualFollower):
         self.follower = follower
 
-    def pull(self, caller: pb.Caller, *, certificate: bytes = b"", parameters_only: bool = False) -> Received:
-        request = pb.PullRequest(caller=caller, certificate=certificate, parameters_only=parameters_only)
+    def pull(
+        self, caller: pb.Caller, *, certificate: bytes = b"", parameters_only: bool = False, final: bool = False
+    ) -> Received:
+        request = pb.PullRequest(caller=caller, certificate=certificate, parameters_only=parameters_only, final=final)
         return split(self.follower.pull_now(request), pb.PullReply, ("parameters", "buffers"))
