@@ -11,7 +11,9 @@ The server's container turns healthy by its healthcheck (the standard gRPC healt
 The plain run also checks that compose refuses to start without DTS_AUTH_TOKEN, that a container
 with a wrong token is refused by the server, and that a worker killed mid-run is restarted by
 docker and registers again; the TLS run (docker/compose.tls.yml), that the server's certificate
-verifies for the name the workers dial.
+verifies for the name the workers dial. The sharded run (docker-compose.shards.yml and
+docker/compose.shards.local.yml on top) runs two server shards as two containers and checks that
+every container ends by itself and that the final checkpoint is the whole model.
 
 Needs root, Docker (dockerd running), docker-compose and debootstrap; CI installs and starts them
 (.ci/run) and sets DTS_REQUIRE_DOCKER=1, so there the test fails instead of skipping. The first run
@@ -100,6 +102,7 @@ class Compose:
         self.network = f"{project}_training_net"
         self.prefix = ["docker-compose", "--ansi", "never", "-p", project, *[arg for f in files for arg in ("-f", f)]]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("DTS_", "COMPOSE_"))} | environment
+        self.services = SERVICES  # the project's services, for the logs
 
     def __call__(self, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None):
         result = subprocess.run(
@@ -127,7 +130,7 @@ class Compose:
 
     def logs(self, *services: str) -> str:
         text = []
-        for service in services or SERVICES:
+        for service in services or self.services:
             result = subprocess.run(
                 ["docker", "logs", self.container(service)], capture_output=True, text=True, timeout=60
             )
@@ -198,9 +201,13 @@ def evaluate_checkpoint(path: Path, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _compose_project(tmp_path, output, tls):
-    """The compose project of the spec's cluster (plain or TLS), writing its outputs under ``output``."""
+def _compose_project(tmp_path, output, tls, *, shards=False, services=SERVICES, test_override=None):
+    """The compose project of the spec's cluster (plain or TLS; with ``shards``, the 2-shard cluster of
+    docker-compose.shards.yml), writing its outputs under ``output``; ``test_override``: more of the test's own
+    service settings."""
     files = ["docker-compose.yml", "docker/compose.local.yml"] + (["docker/compose.tls.yml"] if tls else [])
+    if shards:
+        files += ["docker-compose.shards.yml", "docker/compose.shards.local.yml"]
     environment = {
         "DTS_AUTH_TOKEN": TOKEN,
         "DTS_SITE_PACKAGES": sysconfig.get_paths()["purelib"],
@@ -213,9 +220,12 @@ def _compose_project(tmp_path, output, tls):
     # machine cannot retag the image under this one's containers.
     image_override = tmp_path / "image.yml"
     image = f"dts-compose-test:{hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]}"
-    image_override.write_text(yaml.safe_dump({"services": {service: {"image": image} for service in SERVICES}}))
+    settings = {service: {"image": image, **(test_override or {}).get(service, {})} for service in services}
+    image_override.write_text(yaml.safe_dump({"services": settings}))
     files.append(str(image_override))
-    return Compose(f"dtstest{os.getpid()}{'tls' if tls else 'plain'}", files, environment)
+    compose = Compose(f"dtstest{os.getpid()}{'shards' if shards else 'tls' if tls else 'plain'}", files, environment)
+    compose.services = services
+    return compose
 
 
 def _assert_no_token_starts_nothing(compose):
@@ -337,3 +347,84 @@ def test_compose_cluster_trains_to_completion(local_base, tmp_path, capsys, tls)
     for k in (0, 1):
         assert (output / "logs" / "ps_cli" / f"worker_{k}" / "events.jsonl").is_file()
     _assert_trained_model_on_the_host(output, capsys, tls)
+
+
+# ----------------------------------------------------------------------------- two server shards
+
+SHARDED_SERVICES = ("parameter_server", "parameter_server_1", "worker_0", "worker_1")
+# The test's run (both shards take the same flags): 1 epoch of mnist_5k, 64 kB slices so that simple_cnn's larger
+# tensors are cut across the shards; the outputs where docker-compose.shards.yml puts them.
+SHARDED_COMMAND = [
+    *"--workers 2 --dataset mnist_5k --num-epochs 1 --set system.shard_slice_bytes=65536".split(),
+    *"--checkpoint-dir checkpoints/ps_shards --log-dir logs/ps_shards".split(),
+]
+FOLLOWER_END_S = 60  # shard 1 ends by itself this soon after shard 0 (it polls shard 0 every second)
+
+
+def test_compose_cluster_with_two_server_shards_trains_to_completion(local_base, tmp_path, capsys):
+    """docker-compose.shards.yml on docker-compose.yml (and the local overrides): shard 0 and shard 1 as their own
+    containers on training_net, both healthy before the workers start; every container exits 0 by itself (shard 1
+    once shard 0 has ended the run), and the final checkpoint on the host volume is the whole model, evaluating to
+    the accuracy shard 0 reported, with the placement of 2 shards in the summary."""
+    from src.config import config_from_data
+    from src.trainer import model_from_config
+
+    output = tmp_path / "out"
+    small_run = {"command": SHARDED_COMMAND}
+    compose = _compose_project(
+        tmp_path,
+        output,
+        False,
+        shards=True,
+        services=SHARDED_SERVICES,
+        test_override={"parameter_server": small_run, "parameter_server_1": small_run},
+    )
+    try:
+        compose("build", "--force-rm", timeout=600)
+        compose("up", "-d", "--no-build")
+        containers = {service: compose.container(service) for service in SHARDED_SERVICES}
+        for shard in ("parameter_server", "parameter_server_1"):
+            wait_until_healthy(compose, shard, deadline_s=300)
+        exits = {}
+        for service in ("parameter_server", "worker_0", "worker_1", "parameter_server_1"):
+            timeout = FOLLOWER_END_S if service == "parameter_server_1" else 600
+            try:
+                waited = subprocess.run(
+                    ["docker", "wait", containers[service]], capture_output=True, text=True, timeout=timeout
+                )
+                exits[service] = waited.stdout.strip()
+            except subprocess.TimeoutExpired:
+                exits[service] = f"still running after {timeout}s"
+        logs = compose.logs()
+        assert exits == dict.fromkeys(exits, "0"), f"{exits}\n{logs}"
+        states = {service: inspect("container", container) for service, container in containers.items()}
+        network = inspect("network", compose.network)
+    finally:
+        compose.down()
+
+    assert [state["RestartCount"] for state in states.values()] == [0, 0, 0, 0], logs
+    assert network["Internal"] is True
+    assert "parameter-server shard 1: the run is over; its part of the model is in" in logs, logs
+    assert "Checkpoint: checkpoints/ps_shards/parameter_server_final.pt" in logs
+    # The workers reached both shards over training_net from their own containers' addresses.
+    subnet = ipaddress.ip_network(network["IPAM"]["Config"][0]["Subnet"])
+    logs_dir = output / "logs" / "ps_shards"
+    registered = list(read_events(logs_dir / "server" / "events.jsonl", kind="register"))
+    assert sorted(e["worker"] for e in registered) == [0, 1], registered
+    assert all(ipaddress.ip_address(e["peer"].removeprefix("ipv4:").rsplit(":", 1)[0]) in subnet for e in registered)
+    assert any(e["kind"] == "listening" for e in read_events(logs_dir / "server_1" / "events.jsonl"))
+
+    summary = json.loads((logs_dir / "summary.json").read_text())
+    num_train = len(load_dataset("mnist_5k", "train"))
+    assert (summary["dataset"], summary["num_workers"], summary["samples_processed"]) == ("mnist_5k", 2, num_train)
+    placement = summary["placement"]
+    assert placement["num_shards"] == 2 and all(placement["slices_per_shard"]), placement
+    assert any("#" in key for shard in placement["slices_per_shard"] for key in shard), "no tensor was cut"
+    final = output / "checkpoints" / "ps_shards" / "parameter_server_final.pt"
+    checkpoint = load_checkpoint(final)
+    model = model_from_config(config_from_data(checkpoint["config"]))
+    assert list(checkpoint["model_state_dict"]) == list(model.state_dict()), "not the whole model"
+    assert (checkpoint["extra"]["num_servers"], checkpoint["extra"]["version"]) == (2, summary["versions"])
+    assert summary["final_accuracy"] > 0.5  # one epoch of mnist_5k
+    # Evaluated on the host: the accuracy shard 0 reported (threads differ: a tie may flip, a few in 1000).
+    assert evaluate_checkpoint(final, capsys)["accuracy"] == pytest.approx(summary["final_accuracy"], abs=0.005)

@@ -197,6 +197,174 @@ def test_entrypoint_refuses_a_bad_process_count(fake_python):
     assert "DTS_PROCESSES_PER_HOST must be a positive integer, got 'three'" in result.stderr
 
 
+def test_entrypoint_passes_the_shard_settings(fake_python):
+    """DTS_SHARD_ADDRESSES and DTS_SHARD become --shard-addresses and --shard; a shard binds every interface on its
+    own entry's port unless DTS_SERVER_ADDRESS says otherwise, and a worker reaches shard 0 at the list's first entry
+    (the runner's default) unless DTS_SERVER_ADDRESS names it."""
+    shards = {"DTS_SHARD_ADDRESSES": "ps0:50051,ps1.example:50052"}
+    follower = run_entrypoint(fake_python | shards | {"DTS_ROLE": "server", "DTS_SHARD": "1"}, "--workers", "2")
+    assert follower.returncode == 0, follower.stderr
+    assert (
+        follower.stdout.split()
+        == (
+            "OMP_NUM_THREADS=unset run_parameter_server_training.py --role server --server-address 0.0.0.0:50052 "
+            "--shard-addresses ps0:50051,ps1.example:50052 --shard 1 --workers 2"
+        ).split()
+    )
+    first = run_entrypoint(
+        fake_python | shards | {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": "10.0.0.1:50051", "DTS_TRANSPORT": "tcp"}
+    )
+    assert (
+        first.stdout.split()
+        == (
+            "OMP_NUM_THREADS=unset run_parameter_server_training.py --role server --server-address 10.0.0.1:50051 "
+            "--shard-addresses ps0:50051,ps1.example:50052 --shard 0 --transport tcp"
+        ).split()
+    )
+    worker = run_entrypoint(fake_python | shards | {"DTS_ROLE": "worker", "DTS_WORKER_ID": "1"})
+    assert (
+        worker.stdout.split()
+        == (
+            "OMP_NUM_THREADS=unset run_parameter_server_training.py --role worker --worker-id 1 "
+            "--shard-addresses ps0:50051,ps1.example:50052"
+        ).split()
+    )
+    named = run_entrypoint(
+        fake_python
+        | {"DTS_SHARD_ADDRESSES": "[fd00::1]:50051,[fd00::2]:50051"}
+        | {"DTS_ROLE": "worker", "DTS_WORKER_ID": "0", "DTS_SERVER_ADDRESS": "[fd00::1]:50051"}
+    )
+    assert (
+        named.stdout.split()
+        == (
+            "OMP_NUM_THREADS=unset run_parameter_server_training.py --role worker --worker-id 0 "
+            "--server-address [fd00::1]:50051 --shard-addresses [fd00::1]:50051,[fd00::2]:50051"
+        ).split()
+    )
+
+
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        (
+            {"DTS_ROLE": "server", "DTS_SHARD": "1"},
+            "DTS_SHARD needs DTS_SHARD_ADDRESSES (every shard's host:port, shard 0 first)",
+        ),
+        (
+            {"DTS_ROLE": "server", "DTS_SHARD": "2", "DTS_SHARD_ADDRESSES": "a:1,b:2"},
+            "DTS_SHARD must be one of 0..1 (an entry of DTS_SHARD_ADDRESSES), got '2'",
+        ),
+        (
+            {"DTS_ROLE": "server", "DTS_SHARD": "one", "DTS_SHARD_ADDRESSES": "a:1,b:2"},
+            "DTS_SHARD must be one of 0..1 (an entry of DTS_SHARD_ADDRESSES), got 'one'",
+        ),
+        (
+            {"DTS_ROLE": "server", "DTS_SHARD_ADDRESSES": "a:1,b"},
+            "DTS_SHARD_ADDRESSES must be host:port entries separated by commas, shard 0 first, got 'a:1,b'",
+        ),
+        (
+            {"DTS_ROLE": "server", "DTS_SHARD_ADDRESSES": "a:1,b:2,"},
+            "DTS_SHARD_ADDRESSES must be host:port entries separated by commas, shard 0 first, got 'a:1,b:2,'",
+        ),
+        (
+            {"DTS_ROLE": "worker", "DTS_WORKER_ID": "0", "DTS_SHARD_ADDRESSES": "a:1, b:2"},
+            "DTS_SHARD_ADDRESSES must be host:port entries separated by commas, shard 0 first, got 'a:1, b:2'",
+        ),
+        (
+            {"DTS_ROLE": "worker", "DTS_WORKER_ID": "0", "DTS_SHARD": "0", "DTS_SHARD_ADDRESSES": "a:1,b:2"},
+            "DTS_SHARD is for DTS_ROLE=server (a worker connects to every shard of DTS_SHARD_ADDRESSES)",
+        ),
+    ],
+    ids=["no-addresses", "past-the-list", "not-a-number", "no-port", "trailing-comma", "a-space", "on-a-worker"],
+)
+def test_entrypoint_refuses_bad_shard_settings(fake_python, environment, message):
+    result = run_entrypoint(fake_python | environment)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"entrypoint: {message}"]
+    assert result.stdout == ""  # nothing was started
+
+
+@pytest.fixture(scope="module")
+def sharded_compose(compose):
+    """docker-compose.yml with docker-compose.shards.yml on top, merged as compose merges override files."""
+    return merge_compose(compose, yaml.safe_load((ROOT / "docker-compose.shards.yml").read_text()))
+
+
+def merge_compose(base: dict, override: dict) -> dict:
+    """``override`` on ``base`` as docker-compose merges a later -f file: mappings merged key by key (environment,
+    depends_on, build), anything else (command, restart, lists) replaced; volumes by their container path."""
+    merged = dict(base)
+    for key, value in override.items():
+        if key == "volumes" and key in merged:
+            by_target = {mount_target(entry): entry for entry in [*merged[key], *value]}
+            merged[key] = list(by_target.values())
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_compose(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def mount_target(volume: str) -> str:
+    """The container path of a short volume entry ``SOURCE:TARGET[:MODE]`` (SOURCE may hold ``${VAR:-x}``)."""
+    parts = volume.rsplit(":", 2)
+    return parts[-2] if parts[-1] in ("ro", "rw") else parts[-1]
+
+
+def test_shards_override_runs_two_server_shards(compose, sharded_compose):
+    """parameter_server is shard 0, parameter_server_1 shard 1 (the same run's flags, its own container on
+    training_net, with a healthcheck); the workers get both addresses and start once both shards are healthy.
+    No --resume-unfinished (refused with shards) and no restart policy on the shards (a shard's restart across
+    hosts is not built). docker-compose.yml itself is unchanged: test_compose_services_network_and_volumes."""
+    services = sharded_compose["services"]
+    assert set(services) == {"parameter_server", "parameter_server_1", "worker_0", "worker_1"}
+    addresses = "parameter_server:50051,parameter_server_1:50051"
+    for k, name in enumerate(("parameter_server", "parameter_server_1")):
+        server = services[name]
+        environment = server["environment"]
+        assert (environment["DTS_ROLE"], environment["DTS_SHARD"]) == ("server", str(k)), name
+        assert environment["DTS_SHARD_ADDRESSES"] == addresses, name
+        assert environment["DTS_SERVER_ADDRESS"] == "0.0.0.0:50051", name
+        assert environment["DTS_AUTH_TOKEN"].startswith("${DTS_AUTH_TOKEN:?"), name
+        assert environment["DTS_TRANSPORT"] == "${DTS_TRANSPORT:-grpc}", name
+        assert environment["DTS_PROCESSES_PER_HOST"] == "4", name
+        assert server["restart"] == "no", name
+        assert "--resume-unfinished" not in server["command"], name
+        assert server["healthcheck"]["test"] == ["CMD", "python", "-m", "src.transport.healthcheck"], name
+        assert server["networks"] == ["training_net"] and "ports" not in server, name
+        assert {"./checkpoints:/app/checkpoints", "./logs:/app/logs"} <= set(server["volumes"]), name
+        assert server["build"] == {"context": ".", "dockerfile": "docker/Dockerfile"}, name
+        assert server["image"] == compose["services"]["parameter_server"]["image"], name
+    assert services["parameter_server"]["command"] == services["parameter_server_1"]["command"]
+    command = services["parameter_server"]["command"]
+    assert command[command.index("--workers") + 1] == "2"
+    for k in (0, 1):
+        worker = services[f"worker_{k}"]
+        assert worker["environment"]["DTS_SHARD_ADDRESSES"] == addresses
+        assert "DTS_SHARD" not in worker["environment"]
+        assert worker["depends_on"] == {
+            "parameter_server": {"condition": "service_healthy"},
+            "parameter_server_1": {"condition": "service_healthy"},
+        }
+        assert worker["command"] == ["--log-dir", command[command.index("--log-dir") + 1]]
+
+
+def test_shards_local_override_builds_the_second_shard_on_the_local_base(sharded_compose):
+    """docker/compose.shards.local.yml does for parameter_server_1 what compose.local.yml does for the others, and
+    runs the same sharded run on the bundled mnist_5k."""
+    local = merge_compose(sharded_compose, override("compose.local.yml"))
+    local = merge_compose(local, override("compose.shards.local.yml"))
+    plain_local = override("compose.local.yml")["services"]["parameter_server"]
+    for name in ("parameter_server", "parameter_server_1"):
+        server = local["services"][name]
+        assert server["build"]["args"] == plain_local["build"]["args"], name
+        assert server["image"] == plain_local["image"], name
+        assert sorted(server["volumes"]) == sorted(plain_local["volumes"]), name
+        command = sharded_compose["services"]["parameter_server"]["command"]
+        dataset = command.index("--dataset") + 1
+        assert server["command"] == command[:dataset] + ["mnist_5k"] + command[dataset + 1 :], name
+
+
 @pytest.mark.parametrize("name", sorted(SPEC_CONFIGS))
 def test_spec_configs_validate(name):
     mode, workers, compressed = SPEC_CONFIGS[name]

@@ -3,24 +3,30 @@
 Each role runs in its own network namespace with its own address (server 10.77.0.1, workers
 10.77.0.2 and .3) and its own loopback, so the run can only work over the veth links, the way it
 would across machines. Processes are started through docker/entrypoint.sh, as the containers do (over either transport).
+A sharded run puts its second server shard on a host of its own (10.77.0.4; DTS_SHARD, DTS_SHARD_ADDRESSES).
 Needs root and iproute2 (CI runs as root).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
 
 import pytest
+import torch
 
+from src.common.checkpoint import load_checkpoint
 from src.metrics import read_events
 from tests.netns_fixtures import remove_namespace
-from tests.ps_fixtures import ROOT, TOKEN, kill_group
+from tests.ps_fixtures import ROOT, TOKEN, kill_group, run_cli
 
 pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SERVER_IP, WORKER_IPS = "10.77.0.1", ("10.77.0.2", "10.77.0.3")
+SHARD_IPS = (SERVER_IP, "10.77.0.4")  # a sharded run: shard 0 on the first server host, shard 1 on its own
 
 
 def ip(*args: str) -> None:
@@ -36,13 +42,19 @@ def worker_link(k: int) -> str:
     return f"{_prefix()}h{k}"
 
 
-@pytest.fixture
-def hosts():
-    """Namespaces ``{server, worker_0, worker_1}``, with the server's bridge and a veth pair per worker."""
+@contextlib.contextmanager
+def bridged_hosts(server_ips: tuple[str, ...], worker_ips: tuple[str, ...]):
+    """Namespaces ``{server, server_1.., worker_0, worker_1..}``: the first server's holds the bridge (as a host
+    with a switch), every other host a veth pair onto it, each with its address from ``server_ips`` / ``worker_ips``."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2 (CI runs as root)")
     prefix = _prefix()
-    names = {"server": f"{prefix}s", "worker_0": f"{prefix}w0", "worker_1": f"{prefix}w1"}
+    names = {"server": f"{prefix}s"}
+    names |= {f"server_{k}": f"{prefix}s{k}" for k in range(1, len(server_ips))}
+    names |= {f"worker_{k}": f"{prefix}w{k}" for k in range(len(worker_ips))}
+    # Each host but the bridge's: (role, its address, its end of the veth pair, the bridge's end).
+    attached = [(f"worker_{k}", address, worker_link(k), f"{prefix}b{k}") for k, address in enumerate(worker_ips)]
+    attached += [(f"server_{k}", server_ips[k], f"{prefix}h{k}s", f"{prefix}b{k}s") for k in range(1, len(server_ips))]
     created, links = [], []
     try:
         for name in names.values():
@@ -51,23 +63,36 @@ def hosts():
             ip("-n", name, "link", "set", "lo", "up")
         server = names["server"]
         ip("-n", server, "link", "add", "br0", "type", "bridge")
-        ip("-n", server, "addr", "add", f"{SERVER_IP}/24", "dev", "br0")
+        ip("-n", server, "addr", "add", f"{server_ips[0]}/24", "dev", "br0")
         ip("-n", server, "link", "set", "br0", "up")
-        for k, worker_ip in enumerate(WORKER_IPS):
-            bridge_end, host_end = f"{prefix}b{k}", worker_link(k)
+        for role, address, host_end, bridge_end in attached:
             ip("link", "add", bridge_end, "type", "veth", "peer", "name", host_end)
             links.append(bridge_end)
             ip("link", "set", bridge_end, "netns", server)
-            ip("link", "set", host_end, "netns", names[f"worker_{k}"])
+            ip("link", "set", host_end, "netns", names[role])
             ip("-n", server, "link", "set", bridge_end, "master", "br0", "up")
-            ip("-n", names[f"worker_{k}"], "addr", "add", f"{worker_ip}/24", "dev", host_end)
-            ip("-n", names[f"worker_{k}"], "link", "set", host_end, "up")
+            ip("-n", names[role], "addr", "add", f"{address}/24", "dev", host_end)
+            ip("-n", names[role], "link", "set", host_end, "up")
         yield names
     finally:
         for name in created:
             remove_namespace(name)
         for link in links:  # left in the root namespace only if moving it failed
             subprocess.run(["ip", "link", "del", link], capture_output=True)
+
+
+@pytest.fixture
+def hosts():
+    """Namespaces ``{server, worker_0, worker_1}``, with the server's bridge and a veth pair per worker."""
+    with bridged_hosts((SERVER_IP,), WORKER_IPS) as names:
+        yield names
+
+
+@pytest.fixture
+def sharded_hosts():
+    """Namespaces ``{server, server_1, worker_0, worker_1}``: two server shards' hosts and two workers'."""
+    with bridged_hosts(SHARD_IPS, WORKER_IPS) as names:
+        yield names
 
 
 def start(namespace: str, environment: dict[str, str], args: list[str], log) -> subprocess.Popen:
@@ -141,6 +166,108 @@ def test_server_and_workers_on_separate_hosts(hosts, tmp_path, transport):
         assert f"worker {k}: 128 samples" in text[f"worker_{k}"]
         assert (logs / f"worker_host_{k}" / f"worker_{k}" / "events.jsonl").is_file()
     assert (tmp_path / "ckpt" / "parameter_server_final.pt").is_file()
+
+
+# A sharded run (2 server shards): 64 kB slices, so simple_cnn's larger tensors are cut across the shards.
+SHARDED_RUN = (
+    "--workers 2 --dataset mnist_5k --num-epochs 1 --max-train-samples 256 --max-test-samples 128 "
+    "--set system.shard_slice_bytes=65536"
+).split()
+SHARDED_VERSIONS = 2  # 256 samples, 2 workers x the default batch of 64 a step
+FOLLOWER_END_S = 60  # a follower ends by itself this soon after shard 0 (it polls shard 0 every second)
+
+
+@pytest.fixture(scope="module")
+def local_two_shards(tmp_path_factory):
+    """The same sharded run by the local launcher on this host (``--servers 2``): its summary and final model."""
+    out = tmp_path_factory.mktemp("local_two_shards")
+    result = run_cli(
+        ["--servers", "2", *SHARDED_RUN, "--checkpoint-dir", str(out / "ckpt"), "--log-dir", str(out / "logs")],
+        cwd=out,
+        env={"DTS_AUTH_TOKEN": TOKEN},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "logs" / "summary.json").read_text())
+    return summary, load_checkpoint(out / "ckpt" / "parameter_server_final.pt")
+
+
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_two_server_shards_and_workers_on_separate_hosts(sharded_hosts, local_two_shards, tmp_path, transport):
+    """Shard 0, shard 1 and two workers, each on its own host, started through docker/entrypoint.sh with
+    DTS_SHARD / DTS_SHARD_ADDRESSES: shard 0 binds the address it is given, shard 1 (on another port) the entrypoint's
+    default (every interface, its entry's port), and the workers reach shard 0 at the list's first entry. No disk
+    is shared: shard 0 reads shard 1's part over the network. Every process exits 0 by itself (shard 1 once shard 0
+    has ended the run); the whole model in shard 0's final checkpoint is the local launcher's ``--servers 2`` run's."""
+    from src.config import config_from_data
+    from src.trainer import model_from_config
+
+    shard_0, shard_1 = f"{SHARD_IPS[0]}:50051", f"{SHARD_IPS[1]}:50052"
+    shards = {"DTS_SHARD_ADDRESSES": f"{shard_0},{shard_1}", "DTS_TRANSPORT": transport}
+    processes = {}
+    outputs = {role: open(tmp_path / f"{role}.out", "w+") for role in sharded_hosts}
+    host_dirs = lambda host: [
+        "--checkpoint-dir",
+        str(tmp_path / host / "ckpt"),
+        "--log-dir",
+        str(tmp_path / host / "logs"),
+    ]
+    try:
+        processes["server_1"] = start(
+            sharded_hosts["server_1"],
+            {"DTS_ROLE": "server", "DTS_SHARD": "1", **shards},
+            [*SHARDED_RUN, *host_dirs("shard_1_host")],
+            outputs["server_1"],
+        )
+        processes["server"] = start(
+            sharded_hosts["server"],
+            {"DTS_ROLE": "server", "DTS_SERVER_ADDRESS": shard_0, **shards},  # DTS_SHARD: 0 by default
+            [*SHARDED_RUN, *host_dirs("shard_0_host")],
+            outputs["server"],
+        )
+        for k in (0, 1):
+            processes[f"worker_{k}"] = start(
+                sharded_hosts[f"worker_{k}"],
+                {"DTS_ROLE": "worker", "DTS_WORKER_ID": str(k), **shards},
+                ["--log-dir", str(tmp_path / f"worker_host_{k}" / "logs")],
+                outputs[f"worker_{k}"],
+            )
+        codes, text = wait_and_read(processes, ("server", "worker_0", "worker_1"), outputs)
+        try:
+            codes["server_1"] = processes["server_1"].wait(timeout=FOLLOWER_END_S)
+        except subprocess.TimeoutExpired:
+            codes["server_1"] = f"still running {FOLLOWER_END_S} s after shard 0 ended"
+        _, text = wait_and_read(processes, (), outputs)
+        assert codes == {"server": 0, "worker_0": 0, "worker_1": 0, "server_1": 0}, text
+    finally:
+        stop(processes, outputs)
+
+    assert f"listening on {shard_0} ({transport}," in text["server"] and "Final Accuracy:" in text["server"]
+    assert "parameter-server shard 1 of 2 listening on port 50052" in text["server_1"], text["server_1"]
+    assert "parameter-server shard 1: the run is over; its part of the model is in" in text["server_1"]
+    for k in (0, 1):
+        assert f"worker {k}: 128 samples" in text[f"worker_{k}"]
+    shard_0_logs = tmp_path / "shard_0_host" / "logs"
+    peers = sorted(event["peer"] for event in read_events(shard_0_logs / "server" / "events.jsonl", kind="register"))
+    assert [peer.rsplit(":", 1)[0] for peer in peers] == [f"ipv4:{address}" for address in WORKER_IPS]
+    assert (tmp_path / "shard_1_host" / "logs" / "server_1" / "events.jsonl").is_file()
+    assert not (tmp_path / "shard_0_host" / "logs" / "server_1").exists()  # no shared disk
+
+    summary = json.loads((shard_0_logs / "summary.json").read_text())
+    assert (summary["versions"], summary["samples_processed"]) == (SHARDED_VERSIONS, 256), summary
+    placement = summary["placement"]
+    assert placement["num_shards"] == 2 and all(placement["slices_per_shard"]), placement
+    assert any("#" in key for shard in placement["slices_per_shard"] for key in shard), "no tensor was cut"
+
+    final = load_checkpoint(tmp_path / "shard_0_host" / "ckpt" / "parameter_server_final.pt")
+    model = model_from_config(config_from_data(final["config"]))
+    assert list(final["model_state_dict"]) == list(model.state_dict()), "not the whole model"
+    assert final["extra"]["num_servers"] == 2 and final["extra"]["version"] == SHARDED_VERSIONS
+    reference_summary, reference = local_two_shards
+    assert summary["final_accuracy"] == pytest.approx(reference_summary["final_accuracy"], abs=1e-6)
+    for name, value in reference["model_state_dict"].items():
+        torch.testing.assert_close(
+            final["model_state_dict"][name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def events(path, kind):

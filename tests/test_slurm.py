@@ -66,10 +66,15 @@ def slurm():
     cluster.stop()
 
 
-def submit(cluster: SlurmCluster, script: Path, flags: list[str], workdir: Path, *options: str) -> int:
-    """Submit ``script`` with this checkout and this Python; outputs under ``workdir``."""
+def submit(
+    cluster: SlurmCluster, script: Path, flags: list[str], workdir: Path, *options: str, env: dict | None = None
+) -> int:
+    """Submit ``script`` with this checkout and this Python (and ``env``, e.g. DTS_SERVERS); outputs under
+    ``workdir``."""
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {"DTS_REPO": str(ROOT), "DTS_PYTHON": sys.executable, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    env = {"DTS_REPO": str(ROOT), "DTS_PYTHON": sys.executable, "PYTHONPATH": os.environ.get("PYTHONPATH", "")} | (
+        env or {}
+    )
     return cluster.submit(script, flags, workdir=workdir, env=env, options=options)
 
 
@@ -155,6 +160,73 @@ def test_ps_job_trains_to_completion(slurm, tmp_path, capsys):
     assert sorted(w["worker_id"] for w in summary["workers"] if w["final"]) == [0, 1]
     assert summary["checkpoint_path"] == f"checkpoints/slurm_ps_{job_id}/parameter_server_final.pt"
     assert_final_checkpoint(summary, tmp_path, capsys, at_least=0.85)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 90)
+def test_ps_job_with_two_server_shards_trains_to_completion(slurm, tmp_path, capsys):
+    """DTS_SERVERS=2 and 4 tasks: shard 0 on task 0, shard 1 on task 1 (its own step, port + 1), the workers on
+    tasks 2 and 3 with both shards' addresses. Every step ends with 0 by itself (shard 1 once shard 0 has ended
+    the run) and the final checkpoint is the whole model, cut across the shards by 64 kB slices."""
+    from src.config import config_from_data
+    from src.trainer import model_from_config
+
+    flags = [*PS_FLAGS, "--set", "system.shard_slice_bytes=65536"]
+    job_id = submit(slurm, PS_SCRIPT, flags, tmp_path, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
+    finished_ok(slurm, job_id, tmp_path)
+    text = output(tmp_path, job_id)
+    assert_ps_roles_ended(text, {"parameter server": "0", "server shard 1": "0", "worker 0": "0", "worker 1": "0"})
+    port = 20000 + job_id % 10000  # shard k on port + k
+    assert f"2 server shards on {slurm.node}:{port},{slurm.node}:{port + 1} (shard 0 first), 2 workers" in text, text
+    assert "parameter-server shard 1: the run is over; its part of the model is in" in text, text
+    log_dir = tmp_path / "logs" / f"slurm_ps_{job_id}"
+    summary = json.loads((log_dir / "summary.json").read_text())
+    assert (summary["num_workers"], summary["samples_processed"]) == (2, NUM_TRAIN)
+    assert sorted(w["worker_id"] for w in summary["workers"] if w["final"]) == [0, 1]
+    placement = summary["placement"]
+    assert placement["num_shards"] == 2 and all(placement["slices_per_shard"]), placement
+    assert any("#" in key for shard in placement["slices_per_shard"] for key in shard), "no tensor was cut"
+    assert (log_dir / "server_1" / "events.jsonl").is_file()
+    assert summary["checkpoint_path"] == f"checkpoints/slurm_ps_{job_id}/parameter_server_final.pt"
+    checkpoint = load_checkpoint(tmp_path / summary["checkpoint_path"])
+    model = model_from_config(config_from_data(checkpoint["config"]))
+    assert list(checkpoint["model_state_dict"]) == list(model.state_dict()), "not the whole model"
+    assert (checkpoint["extra"]["num_servers"], checkpoint["extra"]["version"]) == (2, summary["versions"])
+    assert_final_checkpoint(summary, tmp_path, capsys, at_least=0.85)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 90)
+def test_ps_job_with_two_server_shards_stops_when_a_shard_step_is_killed(slurm, tmp_path):
+    """A shard's restart is not built: shard 1's step killed mid-run (scancel --signal=KILL) stops every other
+    step at once and the job fails with one line naming the shard; nothing of the job is left running."""
+    job_id = submit(slurm, PS_SCRIPT, PS_FLAGS, tmp_path, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
+    server_events = tmp_path / "logs" / f"slurm_ps_{job_id}" / "server" / "events.jsonl"
+
+    def training(job: dict[str, str]) -> bool:
+        if job["JobState"] != "RUNNING":
+            return job["JobState"] != "PENDING"
+        return server_events.is_file() and sum(1 for _ in read_events(server_events, "update")) >= 5
+
+    job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S, until=training)
+    steps = slurm.steps(job_id)
+    assert job["JobState"] == "RUNNING" and {"ps-server", "ps-server-1", "ps-worker-0"} <= steps.keys(), (
+        f"{job['JobState']}, steps {steps}\n{output(tmp_path, job_id)}"
+    )
+    slurm.run("scancel", "--signal=KILL", steps["ps-server-1"])
+    try:
+        job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S)
+    except TimeoutError as exc:
+        pytest.fail(f"{exc}\n{output(tmp_path, job_id)}")
+    text = output(tmp_path, job_id)
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "1:0"), f"{job}\n{text}"
+    assert_ps_roles_ended(text, {"server shard 1": "nonzero"})
+    assert (
+        "ps.sbatch: server shard 1 ended before the run was over: stopping the job (a shard's restart is not "
+        "built yet)" in text
+    ), text
+    assert not (tmp_path / "checkpoints" / f"slurm_ps_{job_id}" / "parameter_server_final.pt").exists()
+    assert slurm.job_processes(job_id) == [], "processes of the stopped job are still running"
 
 
 @pytest.mark.slow
@@ -316,10 +388,25 @@ def test_scripts_outside_slurm_fail_with_one_line(script):
 
 @pytest.mark.parametrize(
     "script, flag",
-    [(PS_SCRIPT, "--workers"), (PS_SCRIPT, "--resume"), (DDP_SCRIPT, "--world-size"), (DDP_SCRIPT, "--log-dir")],
+    [
+        (PS_SCRIPT, "--workers"),
+        (PS_SCRIPT, "--resume"),
+        (PS_SCRIPT, "--servers"),
+        (PS_SCRIPT, "--shard-addresses"),
+        (DDP_SCRIPT, "--world-size"),
+        (DDP_SCRIPT, "--log-dir"),
+    ],
 )
 def test_scripts_refuse_the_flags_they_set(script, flag):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+    result = run_outside_slurm(script, ["--", "--dataset", "mnist_5k", f"{flag}=2"])
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"{script.name}: {flag} is set by this script ("), line
+
+
+def run_outside_slurm(script: Path, args: list[str], **environment: str) -> subprocess.CompletedProcess:
+    """``script`` with a job's Slurm variables (3 tasks on one node) but no Slurm: its checks run, no step."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DTS_"))} | {
         "SLURM_JOB_ID": "7",
         "SLURM_JOB_NODELIST": "n1",
         "SLURM_NTASKS": "3",
@@ -327,14 +414,35 @@ def test_scripts_refuse_the_flags_they_set(script, flag):
         "SLURM_NNODES": "1",
         "SLURM_NTASKS_PER_NODE": "2",
     }
-    result = subprocess.run(
-        ["bash", str(script), "--", "--dataset", "mnist_5k", f"{flag}=2"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=env,
-        cwd=ROOT,
+    return subprocess.run(
+        ["bash", str(script), *args], capture_output=True, text=True, timeout=30, env=env | environment, cwd=ROOT
     )
+
+
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        (
+            {"DTS_SERVERS": "two"},
+            "ps.sbatch: DTS_SERVERS must be a positive integer (the server shards, one task each), got 'two'",
+        ),
+        (
+            {"DTS_SERVERS": "0"},
+            "ps.sbatch: DTS_SERVERS must be a positive integer (the server shards, one task each), got '0'",
+        ),
+        (
+            {"DTS_SERVERS": "3"},
+            "ps.sbatch: SLURM_NTASKS=3: DTS_SERVERS=3 needs at least 4 tasks (the server shards and a worker): "
+            "sbatch --ntasks=5 for 2 workers",
+        ),
+        (
+            {"DTS_SERVERS": "2", "DTS_SHARD_END_S": "soon"},
+            "ps.sbatch: DTS_SHARD_END_S must be a positive integer (seconds), got 'soon'",
+        ),
+    ],
+    ids=["not-a-number", "zero", "no-task-left-for-a-worker", "bad-shard-end"],
+)
+def test_ps_script_refuses_bad_shard_settings(environment, message):
+    result = run_outside_slurm(PS_SCRIPT, ["--dataset", "mnist_5k"], **environment)
     assert result.returncode == 2
-    (line,) = result.stderr.splitlines()
-    assert line.startswith(f"{script.name}: {flag} is set by this script ("), line
+    assert result.stderr.splitlines() == [message]
