@@ -1,7 +1,8 @@
 """Benchmark the parameter server at the wire's limit, per transport; prints one JSON object last.
 
-    python scripts/bench_ps.py --output bench_ps.json      # all of it (~3 min on 2 cores)
-    python scripts/bench_ps.py --skip-training --skip-ceiling  # only the round trips
+    python scripts/bench_ps.py --output bench_ps.json      # all of it (~5 min on 2 cores)
+    python scripts/bench_ps.py --skip-training --skip-ceiling --skip-shards --skip-netns  # only the round trips
+    python scripts/bench_ps.py --skip-round-trips --skip-ceiling --skip-training  # only the shards (a) and (b)
     python scripts/bench_ps.py --sizes-mb 1 4 --repeats 20 --transports tcp
 
 Progress goes to stderr, the JSON to stdout; ``--output`` also writes it to a file.
@@ -46,6 +47,34 @@ client process, no compute: a push, its reply, the next push) per transport, on 
 async mode; ``saturated_at_clients`` is the fewest clients reaching 90% of the best rate, and
 ``serial_ms_per_push`` the time each push holds the core's lock (its bound: 1000 / that pushes/s).
 
+``shards``: per transport, pushes/s and GB/s (the clients' bytes in, and in + out) into one server and into 2
+server shards from 4 light clients (threads of one client process, no compute), sync, on the ~4 MB model (8
+tensors, 4 per shard), each server in its own process, for ``--shards-seconds`` per run, ``--shards-repeats`` runs
+of each case in turns (each case's row: its run of median pushes/s): one server taking the plain push
+(the reference: what a one-server run's worker does), one shard taking the sharded step (hold, commit, pull:
+the step's own cost) and 2 shards taking it, each of its three calls sent to every shard at once, as
+``src/worker.py`` does. ``rows[].shards`` is each shard's own count of its messages' bytes per push and per
+second, and its optimizer's ms per version; ``ratio_to_one_server`` = 2 shards' pushes/s / one server's. On 2
+cores the servers and the clients share the CPUs, so this measures what the split costs or buys on loopback,
+not on separate hosts (that is ``shards_netns``).
+
+``shards_netns``: samples/s of a short sync run of ``run_parameter_server_training.py`` across network
+namespaces (simple_cnn, mnist_5k, 512 samples, 1 epoch, batch 16 per worker, 2 workers in namespaces of their
+own with unshaped links, ``system.shard_slice_bytes`` 65536, TCP), with 1 server shard and with 2, each
+shard in a namespace whose link ``tc`` limits to ``--netns-mbps`` both ways (50 Mbit/s: at 200 the
+non-link time per step, which 2 shards do not shrink, held the ratio to 1.65 on 2 cores); ``ratio`` = 2 shards'
+samples/s / 1 shard's (target >= 1.8); ``link_s`` each run's bytes over its shards' links, pushes and pulls one
+after the other (``link_overlapped_s``: each direction alone), ``not_halved_s`` = 2 x the 2-shard run's time - the
+1-shard run's: what 2 shards did not halve (compute, round trips, the servers' work), so ratio = 2 - that / T2. Needs
+root and iproute2: otherwise ``skipped`` says why.
+
+``crossover`` (only with ``--crossover``; ~20 minutes): when a sharded PS beats ring allreduce, in virtual time
+(:mod:`src.benchmarks.ps.crossover`): for 1 and 10 Gbit/s links, n in {4, 8, 16, 32, 64} workers and k in {1, 2, 4,
+8, 16} shards, the seconds per sync step of the PS and of DDP (``wide_mlp``, 23 MB), beside the formulas: ours
+``c + 2 max(M/B, n M/(k B))`` (push, then pull), BytePS's ``c + max(M/B, n M/(k B))`` (push and pull overlapped
+on full-duplex links) and ring allreduce's ``c + 2 (n-1)/n M/B``; ``crossover``: the fewest shards beating DDP
+per link and n, measured and by BytePS's formula; ``--crossover-plot`` draws them.
+
 ``training``: samples/s of a 2-worker sync PS run per transport (processes, as
 ``run_parameter_server_training.py`` starts them), a 2-worker async run over TCP and 2-rank DDP, on
 the same data (mnist_5k, batch 64 per worker/rank, simple_cnn, CPU, 2 epochs) in the same run, each
@@ -78,6 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-round-trips", action="store_true")
     parser.add_argument("--skip-ceiling", action="store_true")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-shards", action="store_true", help="no one server against 2 shards on loopback")
+    parser.add_argument("--shards-seconds", type=float, default=2.0, help="seconds each shards case steps")
+    parser.add_argument("--shards-repeats", type=int, default=3, help="runs of each shards case, in turns (medians)")
+    parser.add_argument("--skip-netns", action="store_true", help="no shard runs across network namespaces")
+    parser.add_argument(
+        "--netns-mbps", type=float, default=50.0, help="each server shard's link across namespaces, Mbit/s each way"
+    )
+    parser.add_argument("--netns-repeats", type=int, default=1, help="runs of each shard count (medians)")
+    parser.add_argument(
+        "--crossover",
+        action="store_true",
+        help="also the sharded PS against ring allreduce in virtual time (k x n x links, ~20 min on 2 cores)",
+    )
+    parser.add_argument("--crossover-plot", help="with --crossover: draw the step times into this PNG")
     parser.add_argument("--num-epochs", type=int, default=2, help="epochs of each training run")
     parser.add_argument("--training-repeats", type=int, default=3, help="runs of each training case (medians)")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -95,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         round_trips=not args.skip_round_trips,
         ceiling=not args.skip_ceiling,
         training=not args.skip_training,
+        shards=not args.skip_shards,
+        shards_seconds=args.shards_seconds,
+        shards_repeats=args.shards_repeats,
+        netns=not args.skip_netns,
+        netns_mbps=args.netns_mbps,
+        netns_repeats=args.netns_repeats,
+        crossover=args.crossover,
+        crossover_plot=args.crossover_plot,
     )
     text = json.dumps(result, indent=2)
     if args.output:

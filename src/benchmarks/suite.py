@@ -35,6 +35,8 @@ QUICK_ARGS = {
         "1",
         "--training-repeats",
         "1",
+        "--shards-seconds",
+        "2",
     ],
     "bench_virtual": ["--skip-memory"],
     "bench_ddp": [
@@ -228,6 +230,7 @@ def figures_ps(result: dict) -> list[dict]:
                 None,
             )
         )
+    rows += figures_ps_shards(result)
     training = result.get("training") or {}
     ddp = (training.get("ddp_2_ranks") or {}).get("samples_per_s")
     for name, run in training.items():
@@ -245,6 +248,46 @@ def figures_ps(result: dict) -> list[dict]:
                     run.get("target_ratio_to_ddp"),
                 )
             )
+    return rows
+
+
+def figures_ps_shards(result: dict) -> list[dict]:
+    """bench_ps's server shards: 2 shards against one server on loopback, and across namespaces with shaped links."""
+    rows = []
+    for entry in result.get("shards", []):
+        one, two = entry["rows"][0], entry["rows"][-1]
+        rows.append(
+            _row(
+                "bench_ps",
+                f"{entry['transport']} pushes/s into {two['servers']} server shards ({entry['model_mb']} MB model, "
+                f"{two['clients']} clients, sync, loopback)",
+                two["pushes_per_s"],
+                one["pushes_per_s"],
+                "one server, plain push",
+                "pushes/s",
+                entry["ratio_to_one_server"],
+                "ours / reference",
+                None,
+                target_text="none set (servers and clients share 2 cores on loopback)",
+            )
+        )
+    netns = result.get("shards_netns")
+    if netns and netns.get("skipped"):
+        rows.append(_placeholder("bench_ps", "samples/s with 2 server shards across namespaces", netns["skipped"]))
+    elif netns:
+        rows.append(
+            _row(
+                "bench_ps",
+                f"samples/s with 2 server shards, each link {netns['link_mbps']:g} Mbit/s (namespaces, tc)",
+                netns["two_shards"]["samples_per_s"],
+                netns["one_shard"]["samples_per_s"],
+                "1 server shard, the same link",
+                "samples/s",
+                netns["ratio"],
+                "ours / reference",
+                netns["target_ratio"],
+            )
+        )
     return rows
 
 

@@ -1,0 +1,316 @@
+"""Several server shards on several hosts, link-bound: samples/s of a short sync run of the runner across network
+namespaces with 1 and with 2 server shards, each server's link limited by ``tc`` (a token bucket on both of its
+ends), the workers' links not, and the ratio 2 shards / 1 shard.
+
+The hosts: one namespace per server shard and per worker, each joined by a veth pair to a bridge in a "switch"
+namespace of its own (10.79.0.0/24), so every byte between two hosts crosses the sender's link and the receiver's.
+A server's link is shaped both ways: a ``tbf`` qdisc on its own end (what it sends: the pulls' replies) and on the
+bridge's end (what it receives: the workers' pushes). Every process is ``run_parameter_server_training.py`` started
+as one host would start it (``--role server [--shard K --shard-addresses A0,A1]``, ``--role worker --worker-id N``),
+with ``$DTS_AUTH_TOKEN``; ``OMP_NUM_THREADS=1`` in each, as the local launcher gives each process its share of a
+machine's cores (they all share this one's).
+
+Why the ratio can reach 2: with n workers and a model of M bytes, one server's link carries n*M bytes in and n*M out
+per step, and with k shards each link carries n*M/k. A step's pushes go in before its pulls come out (hold, commit,
+pull), so the links' time is about 2*n*M*8 / (k*B) per step at B bit/s; what is not link time (the workers' compute,
+the protocol, the servers' work, all on the same cores here) does not shrink with k. ``link_s`` (each run's bytes
+over its shards' links, pushes and pulls one after the other; ``link_overlapped_s`` each direction alone) is the
+formula's time; ``not_halved_s`` = 2*T2 - T1 is the part of the time that 2 shards did not halve (with T1 = L + C
+and T2 = L/2 + C: C, the same in both runs), so that the ratio is 2 - C/T2.
+
+``followers_exit``: each follower's exit status (0), or how it ended otherwise and its last lines: a follower ends
+by itself once shard 0 has said the run is done and gone; the figures are from shard 0's summary, which it writes
+after reading every follower's part.
+
+Needs root and iproute2 (``ip``, ``tc``); without them the section says why it did not run. Every namespace and
+link made here is removed in a ``finally``, with any process left in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from src.benchmarks.common import log
+
+ROOT = Path(__file__).resolve().parents[3]
+RUNNER = ROOT / "run_parameter_server_training.py"
+SUBNET = "10.79.0"
+PORT = 50071
+NUM_WORKERS = 2
+RUN_TIMEOUT_S = 300.0
+FOLLOWER_GRACE_S = 30.0
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (``None``: they can)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "network namespaces and tc need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs iproute2 ({', '.join(missing)} not found)"
+    return None
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def shape_egress(namespace: str, device: str, mbps: float) -> None:
+    """A token bucket of ``mbps`` Mbit/s on ``device``'s egress in ``namespace`` (``tc qdisc ... tbf``)."""
+    command = (
+        f"ip netns exec {namespace} tc qdisc replace dev {device} root tbf rate {mbps:g}mbit burst 32kb latency 400ms"
+    )
+    done = subprocess.run(command.split(), capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command}: {done.stderr.strip()}")
+
+
+def remove_namespace(name: str) -> None:
+    """Kill every process left in namespace ``name``, then delete it (with the veth ends inside); no error if gone."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+class Hosts:
+    """Hosts as namespaces on one bridge (see the module docstring); a context manager that removes them all.
+
+    Args:
+        roles: each host's role name (``"server_0"``, ``"worker_1"``...); host ``i`` gets ``10.79.0.{i + 1}``.
+        shaped: the roles whose link is limited, both ways, to ``mbps``.
+        mbps: the shaped links' rate, Mbit/s.
+    """
+
+    def __init__(self, roles: list[str], shaped: list[str], mbps: float):
+        self.prefix = f"dtb{os.getpid() % 100000}"
+        self.switch = f"{self.prefix}x"
+        self.namespaces = {role: f"{self.prefix}n{i}" for i, role in enumerate(roles)}
+        self.ips = {role: f"{SUBNET}.{i + 1}" for i, role in enumerate(roles)}
+        self.shaped, self.mbps = list(shaped), mbps
+        self._created: list[str] = []
+        self._links: list[str] = []
+
+    def __enter__(self) -> Hosts:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        for namespace in (self.switch, *self.namespaces.values()):
+            _ip("netns", "add", namespace)
+            self._created.append(namespace)
+            _ip("-n", namespace, "link", "set", "lo", "up")
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, (role, namespace) in enumerate(self.namespaces.items()):
+            port, host = f"{self.prefix}p{i}", f"{self.prefix}h{i}"
+            _ip("link", "add", port, "type", "veth", "peer", "name", host)
+            self._links.append(port)
+            _ip("link", "set", port, "netns", self.switch)
+            _ip("link", "set", host, "netns", namespace)
+            _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+            _ip("-n", namespace, "addr", "add", f"{self.ips[role]}/24", "dev", host)
+            _ip("-n", namespace, "link", "set", host, "up")
+            if role in self.shaped:
+                shape_egress(namespace, host, self.mbps)  # what this host sends
+                shape_egress(self.switch, port, self.mbps)  # what it receives: the bridge's egress towards it
+
+    def close(self) -> None:
+        for namespace in self._created:
+            remove_namespace(namespace)  # takes the veth ends inside with it
+        for link in self._links:  # left in the root namespace only if moving it failed
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        self._created, self._links = [], []
+
+    def start(self, role: str, args: list[str], output, token: str) -> subprocess.Popen:
+        """The runner in ``role``'s namespace with ``args``, its output into ``output``, in a session of its own."""
+        env = {**os.environ, "DTS_AUTH_TOKEN": token, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.namespaces[role], sys.executable, str(RUNNER), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _is_follower(role: str) -> bool:
+    return role.startswith("server_") and role != "server_0"
+
+
+def _wait(process: subprocess.Popen, deadline: float) -> int | None:
+    """``process``'s exit code, or ``None`` if it is still running at ``deadline`` (monotonic)."""
+    try:
+        return process.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def _run(hosts: Hosts, num_servers: int, folder: Path, settings: dict, port: int, token: str) -> dict:
+    """One run across ``hosts``: ``num_servers`` shards on ``server_0..``, the workers on ``worker_0..``."""
+    addresses = [f"{hosts.ips[f'server_{k}']}:{port}" for k in range(num_servers)]
+    run = [
+        *("--workers", str(NUM_WORKERS), "--dataset", "mnist_5k", "--model", "simple_cnn", "--num-epochs", "1"),
+        *("--max-train-samples", str(settings["samples"]), "--max-test-samples", "128"),
+        *("--batch-size", str(settings["batch_size"]), "--transport", settings["transport"]),
+        *("--checkpoint-interval", "100000", "--aggregation-mode", "sync"),
+        *("--set", f"system.shard_slice_bytes={settings['slice_bytes']}"),
+        *("--set", "training.eval_at_epoch_ends=false"),  # evaluated at the end only, outside the clock
+    ]
+    where = ["--shard-addresses", ",".join(addresses)] if num_servers > 1 else ["--server-address", addresses[0]]
+    roles = {}
+    for k in range(num_servers):
+        shard = ["--shard", str(k)] if num_servers > 1 else []
+        roles[f"server_{k}"] = ["--role", "server", *shard, *where, *run]
+    for k in range(NUM_WORKERS):
+        roles[f"worker_{k}"] = ["--role", "worker", "--worker-id", str(k), *where, "--transport", settings["transport"]]
+    processes, outputs, followers = {}, {}, {}
+    try:
+        for role, args in roles.items():
+            own = folder / role
+            outputs[role] = open(folder / f"{role}.out", "w+")
+            folders = ["--log-dir", str(own / "logs"), "--checkpoint-dir", str(own / "ckpt")]
+            processes[role] = hosts.start(role, [*args, *folders], outputs[role], token)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        codes = {role: _wait(process, deadline) for role, process in processes.items() if not _is_follower(role)}
+        # a follower ends by itself once shard 0 has said the run is done and gone (src/launch/ps.py)
+        deadline = time.monotonic() + FOLLOWER_GRACE_S
+        followers = {role: _wait(process, deadline) for role, process in processes.items() if _is_follower(role)}
+        tails = {}
+        for role, handle in outputs.items():
+            handle.seek(0)
+            tails[role] = handle.read()[-1500:]
+        if any(code != 0 for code in codes.values()):
+            raise RuntimeError(f"a run with {num_servers} shard(s) failed (exit codes {codes}): {tails}")
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                _kill_group(process)
+        for handle in outputs.values():
+            handle.close()
+    summary = json.loads((folder / "server_0" / "logs" / "summary.json").read_text())
+    summary["followers_exit"] = {
+        role: code
+        if code == 0
+        else {
+            "exit": code if code is not None else f"still running {FOLLOWER_GRACE_S:.0f} s after shard 0 ended: killed",
+            "output": tails[role].strip().splitlines()[-3:],
+        }
+        for role, code in followers.items()
+    }
+    return summary
+
+
+def _entry(summary: dict, num_servers: int, mbps: float) -> dict:
+    """One run's figures: samples/s, and the time its bytes take on the shards' shaped links: ``link_s`` with the
+    pushes and the pulls one after the other (a step's hold, commit, pull), ``link_overlapped_s`` if they went at
+    once (each direction alone)."""
+    samples, seconds = summary["samples_processed"], summary["train_time_s"]
+    sent, received = summary["bytes_sent"], summary["bytes_received"]  # the workers': all through server links
+    per_link = 8 / (num_servers * mbps * 1e6)
+    link_s = (sent + received) * per_link
+    return {
+        "servers": num_servers,
+        "samples_processed": samples,
+        "train_time_s": round(seconds, 2),
+        "samples_per_s": round(samples / seconds, 1),
+        "bytes_sent": sent,
+        "bytes_received": received,
+        "link_s": round(link_s, 2),
+        "link_overlapped_s": round(max(sent, received) * per_link, 2),
+        "link_share": round(link_s / seconds, 3),
+        "shard_imbalance": summary.get("shard_imbalance"),  # the busiest shard's bytes over the mean (1: even)
+        "final_accuracy": summary.get("final_accuracy"),
+        "followers_exit": summary["followers_exit"],
+    }
+
+
+def bench_shards_netns(
+    mbps: float,
+    *,
+    transport: str = "tcp",
+    samples: int = 512,
+    batch_size: int = 16,
+    slice_bytes: int = 65536,
+    repeats: int = 1,
+) -> dict:
+    """A sync run with 1 shard and one with 2 (``repeats`` times each, in turns), each server's link shaped to
+    ``mbps`` both ways; samples/s and the ratio; or, where namespaces cannot be made, why not."""
+    why = unavailable()
+    setup = (
+        f"simple_cnn on mnist_5k, {samples} samples, 1 epoch, batch {batch_size} per worker, {NUM_WORKERS} workers, "
+        f"sync, {transport}, system.shard_slice_bytes={slice_bytes}; each server shard in its own namespace, its "
+        f"link shaped by tc tbf to {mbps:g} Mbit/s both ways; each worker in its own, its link not shaped; "
+        "OMP_NUM_THREADS=1 per process"
+    )
+    if why is not None:
+        log(f"shards across namespaces: skipped ({why})")
+        return {"skipped": why, "setup": setup}
+    settings = {"samples": samples, "batch_size": batch_size, "slice_bytes": slice_bytes, "transport": transport}
+    token = os.urandom(16).hex()
+    roles = ["server_0", "server_1", *(f"worker_{k}" for k in range(NUM_WORKERS))]
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    with tempfile.TemporaryDirectory() as tmp, Hosts(roles, ["server_0", "server_1"], mbps) as hosts:
+        for repeat in range(repeats):
+            for servers in (1, 2) if repeat % 2 == 0 else (2, 1):
+                folder = Path(tmp) / f"s{servers}_{repeat}"
+                folder.mkdir()
+                summary = _run(hosts, servers, folder, settings, PORT + 2 * repeat + servers, token)
+                runs[servers].append(_entry(summary, servers, mbps))
+                row = runs[servers][-1]
+                log(
+                    f"shards across namespaces, {servers} shard(s) at {mbps:g} Mbit/s: {row['samples_per_s']} "
+                    f"samples/s ({row['train_time_s']} s, links {row['link_s']} s)"
+                )
+                for role, ended in row["followers_exit"].items():
+                    if ended != 0:
+                        log(f"shards across namespaces: {role} did not end cleanly after shard 0: {ended}")
+    one, two = (_median_run(runs[k]) for k in (1, 2))
+    not_halved = 2 * two["train_time_s"] - one["train_time_s"]  # T1 = L + C, T2 = L/2 + C: C = 2 T2 - T1
+    versions = samples / (batch_size * NUM_WORKERS)
+    return {
+        "setup": setup,
+        "link_mbps": mbps,
+        "one_shard": one,
+        "two_shards": two,
+        "runs_samples_per_s": {str(k): [row["samples_per_s"] for row in runs[k]] for k in (1, 2)},
+        "ratio": round(two["samples_per_s"] / one["samples_per_s"], 3),
+        "target_ratio": 1.8,
+        "not_halved_s": round(not_halved, 2),
+        "not_halved_ms_per_version": round(not_halved / versions * 1e3, 1),
+    }
+
+
+def _median_run(rows: list[dict]) -> dict:
+    """The run of median samples/s (the first of the two middle ones for an even count)."""
+    ordered = sorted(rows, key=lambda row: row["samples_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
