@@ -128,12 +128,18 @@ def test_a_follower_that_lacks_a_certified_push_or_a_version_says_it_is_behind()
     assert follower.apply(certify(KEY, 1, [(0, 7)], 0.1)) and part.version == 1
 
 
-def test_a_push_for_another_version_or_a_second_push_of_a_worker_is_refused():
+def test_a_push_for_another_version_is_refused_and_a_workers_newer_push_replaces_its_held_one():
+    """A worker that registered again redoes its work with a new request id: the new push replaces the held one,
+    and only the certificate says which counts (the old one certified is then missing: behind)."""
     follower, part = _follower()
     with pytest.raises(ValueError, match="push for version 2, but this shard's next version is 1"):
         follower.hold(2, _contribution(part, 0, 7))
-    follower.hold(1, _contribution(part, 0, 7))
-    with pytest.raises(ValueError, match="push 8 for version 1, but push 7 is held"):
-        follower.hold(1, _contribution(part, 0, 8))
+    assert follower.hold(1, _contribution(part, 0, 7))
+    assert not follower.hold(1, _contribution(part, 0, 7))  # a retry of the held push: nothing changes
+    assert follower.hold(1, _contribution(part, 0, 8))
+    assert follower.held[0].request_id == 8
+    with pytest.raises(ShardBehind, match=r"\(0, 7\)"):
+        follower.apply(certify(KEY, 1, [(0, 7)], 0.1))
+    assert follower.apply(certify(KEY, 1, [(0, 8)], 0.1)) and part.version == 1
     with pytest.raises(ValueError, match="at least one contributor"):
         certify(KEY, 1, [], 0.1)
