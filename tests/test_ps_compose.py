@@ -357,6 +357,7 @@ SHARDED_SERVICES = ("parameter_server", "parameter_server_1", "worker_0", "worke
 SHARDED_COMMAND = [
     *"--workers 2 --dataset mnist_5k --num-epochs 1 --set system.shard_slice_bytes=65536".split(),
     *"--checkpoint-dir checkpoints/ps_shards --log-dir logs/ps_shards".split(),
+    *"--resume-unfinished checkpoints/ps_shards".split(),
 ]
 FOLLOWER_END_S = 60  # shard 1 ends by itself this soon after shard 0 (it polls shard 0 every second)
 
@@ -428,3 +429,71 @@ def test_compose_cluster_with_two_server_shards_trains_to_completion(local_base,
     assert summary["final_accuracy"] > 0.5  # one epoch of mnist_5k
     # Evaluated on the host: the accuracy shard 0 reported (threads differ: a tie may flip, a few in 1000).
     assert evaluate_checkpoint(final, capsys)["accuracy"] == pytest.approx(summary["final_accuracy"], abs=0.005)
+
+
+def test_a_shard_container_killed_mid_run_comes_back_and_the_run_ends_as_one_model(local_base, tmp_path):
+    """The 2-shard cluster, 2 epochs: shard 1's process is SIGKILLed from the host past version 20. Its restart
+    policy starts it again with --resume-unfinished; shard 0 notices it went away, ends with an error and is
+    started again too; both go back to the newest version they have checkpointed (every 10), the workers register
+    again, and the run ends with every sample of both epochs in exactly one applied update and every version of
+    shard 1 made of shard 0's pushes."""
+    from src.coordinator import check_coverage, check_shards
+
+    output = tmp_path / "out"
+    run = {
+        "command": [
+            *SHARDED_COMMAND,
+            *"--num-epochs 2 --checkpoint-interval 10 --heartbeat-interval 0.5 --heartbeat-timeout 3".split(),
+            *"--set emulation.step_delay_s=0.05".split(),
+        ]
+    }
+    compose = _compose_project(
+        tmp_path,
+        output,
+        False,
+        shards=True,
+        services=SHARDED_SERVICES,
+        test_override={"parameter_server": run, "parameter_server_1": run},
+    )
+    logs_dir = output / "logs" / "ps_shards"
+
+    def follower_version() -> int:
+        path = logs_dir / "server_1" / "events.jsonl"
+        return max((e["version"] for e in read_events(path, kind="update")), default=0) if path.is_file() else 0
+
+    try:
+        compose("build", "--force-rm", timeout=600)
+        compose("up", "-d", "--no-build")
+        containers = {service: compose.container(service) for service in SHARDED_SERVICES}
+        deadline = time.monotonic() + 300
+        while follower_version() < 20:
+            assert time.monotonic() < deadline, f"shard 1 did not reach version 20\n{compose.logs()}"
+            time.sleep(0.2)
+        os.kill(inspect("container", containers["parameter_server_1"])["State"]["Pid"], signal.SIGKILL)
+        for worker in ("worker_0", "worker_1"):
+            waited = subprocess.run(["docker", "wait", containers[worker]], capture_output=True, text=True, timeout=600)
+            assert waited.stdout.strip() == "0", compose.logs()
+        deadline = time.monotonic() + FOLLOWER_END_S
+        while any(inspect("container", containers[s])["State"]["Running"] for s in SHARDED_SERVICES[:2]):
+            assert time.monotonic() < deadline, f"the shards did not end\n{compose.logs()}"
+            time.sleep(0.5)
+        states = {service: inspect("container", container)["State"] for service, container in containers.items()}
+        restarts = {s: inspect("container", containers[s])["RestartCount"] for s in SHARDED_SERVICES[:2]}
+        logs = compose.logs()
+    finally:
+        compose.down()
+
+    assert all(state["ExitCode"] == 0 for state in states.values()), (states, logs)
+    assert restarts["parameter_server"] >= 1 and restarts["parameter_server_1"] >= 1, (restarts, logs)
+    events = list(read_events(logs_dir / "server" / "events.jsonl"))
+    [recovered] = [e for e in events if e["kind"] == "server_recovered"]
+    assert recovered["version"] % 10 == 0 and 10 <= recovered["version"] <= 30, recovered
+    follower = list(read_events(logs_dir / "server_1" / "events.jsonl"))
+    assert [e["version"] for e in follower if e["kind"] == "shard_recovered"][-1] == recovered["version"]
+    num_train = len(load_dataset("mnist_5k", "train"))
+    coverage = check_coverage(events, num_train, 2)
+    assert coverage["ok"] and coverage["voided"] == recovered["versions_lost"], coverage
+    summary = json.loads((logs_dir / "summary.json").read_text())
+    shards = check_shards(events, {1: follower})
+    assert shards["ok"] and shards["versions"] == summary["versions"], shards
+    assert summary["samples_processed"] == 2 * num_train and summary["final_accuracy"] > 0.8

@@ -314,8 +314,8 @@ def mount_target(volume: str) -> str:
 def test_shards_override_runs_two_server_shards(compose, sharded_compose):
     """parameter_server is shard 0, parameter_server_1 shard 1 (the same run's flags, its own container on
     training_net, with a healthcheck); the workers get both addresses and start once both shards are healthy.
-    No --resume-unfinished (refused with shards) and no restart policy on the shards (a shard's restart across
-    hosts is not built). docker-compose.yml itself is unchanged: test_compose_services_network_and_volumes."""
+    Both shards restart on failure and resume an unfinished run from the shards' folder (they go back together:
+    src/ps/shard_recovery.py). docker-compose.yml itself is unchanged: test_compose_services_network_and_volumes."""
     services = sharded_compose["services"]
     assert set(services) == {"parameter_server", "parameter_server_1", "worker_0", "worker_1"}
     addresses = "parameter_server:50051,parameter_server_1:50051"
@@ -328,8 +328,9 @@ def test_shards_override_runs_two_server_shards(compose, sharded_compose):
         assert environment["DTS_AUTH_TOKEN"].startswith("${DTS_AUTH_TOKEN:?"), name
         assert environment["DTS_TRANSPORT"] == "${DTS_TRANSPORT:-grpc}", name
         assert environment["DTS_PROCESSES_PER_HOST"] == "4", name
-        assert server["restart"] == "no", name
-        assert "--resume-unfinished" not in server["command"], name
+        assert server["restart"] == "on-failure:5", name
+        resume = server["command"].index("--resume-unfinished")
+        assert server["command"][resume + 1] == "checkpoints/ps_shards", name
         assert server["healthcheck"]["test"] == ["CMD", "python", "-m", "src.transport.healthcheck"], name
         assert server["networks"] == ["training_net"] and "ports" not in server, name
         assert {"./checkpoints:/app/checkpoints", "./logs:/app/logs"} <= set(server["volumes"]), name
