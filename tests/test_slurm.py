@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -203,12 +204,7 @@ def test_ps_job_with_two_server_shards_stops_when_a_shard_step_is_killed(slurm, 
     job_id = submit(slurm, PS_SCRIPT, PS_FLAGS, tmp_path, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
     server_events = tmp_path / "logs" / f"slurm_ps_{job_id}" / "server" / "events.jsonl"
 
-    def training(job: dict[str, str]) -> bool:
-        if job["JobState"] != "RUNNING":
-            return job["JobState"] != "PENDING"
-        return server_events.is_file() and sum(1 for _ in read_events(server_events, "update")) >= 5
-
-    job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S, until=training)
+    job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S, until=_training(server_events))
     steps = slurm.steps(job_id)
     assert job["JobState"] == "RUNNING" and {"ps-server", "ps-server-1", "ps-worker-0"} <= steps.keys(), (
         f"{job['JobState']}, steps {steps}\n{output(tmp_path, job_id)}"
@@ -229,19 +225,24 @@ def test_ps_job_with_two_server_shards_stops_when_a_shard_step_is_killed(slurm, 
     assert slurm.job_processes(job_id) == [], "processes of the stopped job are still running"
 
 
+def _training(server_events) -> Callable[[dict[str, str]], bool]:
+    """When to act on a PS job: a few updates applied while it runs (or the job over: the assertion says)."""
+
+    def training(job: dict[str, str]) -> bool:
+        if job["JobState"] != "RUNNING":
+            return job["JobState"] != "PENDING"
+        return server_events.is_file() and sum(1 for _ in read_events(server_events, "update")) >= 5
+
+    return training
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 90)
 def test_ps_job_survives_a_worker_step_killed_by_scancel(slurm, tmp_path, capsys):
     job_id = submit(slurm, PS_SCRIPT, PS_FLAGS, tmp_path, "--overcommit")
     server_events = tmp_path / "logs" / f"slurm_ps_{job_id}" / "server" / "events.jsonl"
 
-    def training(job: dict[str, str]) -> bool:
-        """A few updates applied, both workers' steps running (or the job over: the assertion says)."""
-        if job["JobState"] != "RUNNING":
-            return job["JobState"] != "PENDING"
-        return server_events.is_file() and sum(1 for _ in read_events(server_events, "update")) >= 5
-
-    job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S, until=training)
+    job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S, until=_training(server_events))
     steps = slurm.steps(job_id)
     assert job["JobState"] == "RUNNING" and {"ps-server", "ps-worker-0", "ps-worker-1"} <= steps.keys(), (
         f"{job['JobState']}, steps {steps}\n{output(tmp_path, job_id)}"

@@ -31,9 +31,9 @@ def sized_model(size_mb: float):
     return model
 
 
-def server_config(tmp: str, transport: str, num_workers: int = 1):
+def server_config(tmp: str, transport: str, num_workers: int = 1, **overrides):
     """The benchmarked server's config: async with no correction (the plain optimizer), 1000 epochs (work for
-    every push), no checkpoint; its folders under ``tmp``."""
+    every push), no checkpoint; its folders under ``tmp``; ``overrides``: dotted fields on top."""
     from src.config import load_config
 
     return load_config(
@@ -47,6 +47,7 @@ def server_config(tmp: str, transport: str, num_workers: int = 1):
             "training.num_epochs": 1000,
             "system.log_dir": f"{tmp}/logs",
             "system.checkpoint_dir": f"{tmp}/ckpt",
+            **overrides,
         }
     )
 

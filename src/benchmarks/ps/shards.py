@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from src.benchmarks.common import log
-from src.benchmarks.ps.common import BATCH, sized_model
+from src.benchmarks.ps.common import BATCH, server_config, sized_model
 from src.common.child_processes import process_context
 
 SHARDS_MB = 4
@@ -43,23 +43,18 @@ SLICE_BYTES = 4 << 20  # the default (BytePS's 4 MB): the model's 0.5 MB tensors
 
 
 def shards_config(tmp: str, transport: str, num_servers: int, num_workers: int):
-    """Every shard's config: sync (a sharded run's only mode), ``num_servers`` shards with the default 4 MB slices
-    (the model's 0.5 MB tensors go whole), 1000 epochs of 1000 batches (work for every step), no checkpoint."""
-    from src.config import load_config
-
-    return load_config(
-        overrides={
-            "system.num_workers": num_workers,
+    """Every shard's config: the benchmarked server's (:func:`~src.benchmarks.ps.common.server_config`), sync (a
+    sharded run's only mode), ``num_servers`` shards with the default 4 MB slices (the model's 0.5 MB tensors go
+    whole)."""
+    return server_config(
+        tmp,
+        transport,
+        num_workers,
+        **{
             "system.num_servers": num_servers,
             "system.aggregation_mode": "sync",
             "system.shard_slice_bytes": SLICE_BYTES,
-            "system.transport": transport,
-            "training.checkpoint_interval": 10**9,
-            "training.batch_size": BATCH,
-            "training.num_epochs": 1000,
-            "system.log_dir": f"{tmp}/logs",
-            "system.checkpoint_dir": f"{tmp}/ckpt",
-        }
+        },
     )
 
 
