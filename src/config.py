@@ -280,7 +280,7 @@ class SystemConfig(_Section):
     """Where the parameter server listens / workers connect; port 0 lets the local launcher pick."""
     num_servers: PositiveInt = 1
     """Parameter-server shards: the model split across this many server processes (:mod:`src.ps.placement`;
-    sync only so far); 1: one server holds every parameter."""
+    sync or async); 1: one server holds every parameter."""
     shard_slice_bytes: PositiveInt = 4 << 20
     """With num_servers > 1: a tensor above this many bytes is cut into slices across the shards (BytePS's 4 MB
     partitions); smaller ones go whole to the shard with the fewest bytes."""
@@ -368,13 +368,6 @@ class SystemConfig(_Section):
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError("must be host:port with a port in 0..65535")
-        return value
-
-    @field_validator("num_servers")
-    @classmethod
-    def _sharded_sync(cls, value: int, info) -> int:
-        if value > 1 and info.data.get("aggregation_mode") != "sync":
-            raise ValueError("more than one server shard runs sync only so far (system.aggregation_mode: sync)")
         return value
 
     @field_validator("shard_addresses")

@@ -263,7 +263,7 @@ class ParameterServer(GrpcMethods):
                 f"system.shard_addresses: shard 0 reads the other {system.num_servers - 1} shards' parts from their "
                 f"addresses, and has {len(system.shard_addresses)}"
             )
-        caller, certificate = reader_session(self.core)
+        caller, certificate, version = reader_session(self.core)
         clients = [
             make_client(address, transport=self.transport, token=self.token, system=system, connect_timeout_s=30)
             for address in system.shard_addresses[1:]
@@ -271,7 +271,7 @@ class ParameterServer(GrpcMethods):
         try:
             # the loads first: a follower stops once its part is read (PullRequest.final)
             loads = [self._own_load(), *(client.status(timeout=30).load for client in clients)]
-            parts = collect_parts(clients, caller, certificate, placement)
+            parts = collect_parts(clients, caller, certificate, version, placement)
         finally:
             for client in clients:
                 client.close()

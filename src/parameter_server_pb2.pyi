@@ -121,18 +121,20 @@ class PullRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., certificate: _Optional[bytes] = ..., parameters_only: _Optional[bool] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("version", "parameters", "buffers", "work", "control")
+    __slots__ = ("version", "parameters", "buffers", "work", "control", "certificate")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: _containers.RepeatedScalarFieldContainer[bytes]
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
     work: Work
     control: Control
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
+    certificate: bytes
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("epoch", "step", "loss", "correct", "gradient_time_s", "compression_time_s", "communication_time_s")
@@ -153,7 +155,7 @@ class StepMetrics(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., gradient_time_s: _Optional[float] = ..., compression_time_s: _Optional[float] = ..., communication_time_s: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics", "learning_rate", "hold", "commit")
+    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics", "learning_rate", "hold", "commit", "shard_verdicts")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +167,7 @@ class PushRequest(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_VERDICTS_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     base_version: int
     request_id: int
@@ -176,7 +179,20 @@ class PushRequest(_message.Message):
     learning_rate: float
     hold: bool
     commit: bool
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ..., hold: _Optional[bool] = ..., commit: _Optional[bool] = ...) -> None: ...
+    shard_verdicts: _containers.RepeatedCompositeFieldContainer[ShardVerdict]
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ..., hold: _Optional[bool] = ..., commit: _Optional[bool] = ..., shard_verdicts: _Optional[_Iterable[_Union[ShardVerdict, _Mapping]]] = ...) -> None: ...
+
+class ShardVerdict(_message.Message):
+    __slots__ = ("shard", "accepted", "staleness", "reason")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    accepted: bool
+    staleness: int
+    reason: str
+    def __init__(self, shard: _Optional[int] = ..., accepted: _Optional[bool] = ..., staleness: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control", "certificate")

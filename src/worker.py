@@ -397,33 +397,24 @@ class Worker:
     def _push_to_shards(
         self, step: WorkerStep, request: pb.PushRequest, per_shard: list[list[bytes]], buffers: list
     ) -> Received | bool:
-        """A sharded server's step (:mod:`src.ps.shard_rounds`): hold the slices on every shard at once, commit to
-        shard 0 (its reply: the verdict, the next work, the version's certificate), then pull every shard's slices
-        at once, the followers' with the certificate. Returns the commit's reply, or (lost) whether it was applied.
-
-        A shard that refuses or goes away ends this worker with the error (a shard's recovery is not built yet).
+        """A sharded server's step (sync: :mod:`src.ps.shard_rounds`; async: :mod:`src.ps.shard_async`): hold the
+        slices on every shard at once, commit to shard 0 (its reply: the verdict, the next work, the certificate),
+        then pull every shard's slices at once, the followers' with the certificate. Returns the commit's reply, or
+        (lost) whether it was applied. A shard that refuses a call or goes away: register again (:meth:`_shard_failed`).
         """
-        held = pb.PushRequest()
-        held.CopyFrom(request)
-        held.hold = True
-        clients = self._clients()
-        acks = [
+        calls = [
             self._shard_calls.submit(client.push, held, per_shard[k], buffers if k == 0 else [])
-            for k, client in enumerate(clients)
+            for k, (client, held) in enumerate(zip(self._clients(), step.holds(request)))
         ]
         try:
-            for ack in acks:
-                ack.result()
+            acks = [call.result() for call in calls]
         except grpc.RpcError as exc:
             return self._shard_failed(exc, in_flight=request.request_id)
-        commit = pb.PushRequest()
-        commit.CopyFrom(request)
-        commit.commit = True
-        reply = self._push(commit, [], [])
+        reply = self._push(step.commit(request, acks), [], [])
         if isinstance(reply, Received):
             try:
                 versions = self._pull_shards(step, reply.message.certificate)
-                if any(version != reply.message.version for version in versions):
+                if step.shards_apart(reply.message.version):
                     raise _ShardsApart(reply.message.version, versions)
             except grpc.RpcError as exc:
                 return self._shard_failed(exc, in_flight=request.request_id)
@@ -456,8 +447,8 @@ class Worker:
             except grpc.RpcError as exc:
                 self._shard_failed(exc, in_flight=0)
                 continue
-            if all(version == received.message.version for version in versions):
-                return received
+            if step.config.system.aggregation_mode == "async" or not step.shards_apart(received.message.version):
+                return received  # async: a follower behind shard 0 catches up with the next push's window
             self._shard_failed(_ShardsApart(received.message.version, versions), in_flight=0)
 
     def _pull_shards(self, step: WorkerStep, certificate: bytes, *, first: int = 0) -> list[int]:

@@ -28,6 +28,8 @@ PURE = (
     "src.ps.shard_sessions",
     "src.ps.sharding",
     "src.ps.shard_rounds",
+    "src.ps.shard_async",
+    "src.ps.shard_step",
     "src.common.sessions",
     "src.emulation.event_loop",
 )

@@ -37,16 +37,22 @@ FIELDS = dict(
 
 
 def _train(server: LibraryServer, addresses, config) -> dict:
-    run_worker_processes(equivalence_worker, [(addresses, k, 2, config.to_dict()) for k in range(2)], timeout=180)
+    workers = config.system.num_workers
+    run_worker_processes(
+        equivalence_worker, [(addresses, k, workers, config.to_dict()) for k in range(workers)], timeout=180
+    )
     return server.finish()
 
 
-def test_a_library_run_on_two_shards_trains_as_on_one_server(tmp_path):
-    one_config = library_config(tmp_path, "one", **FIELDS)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_library_run_on_two_shards_trains_as_on_one_server(tmp_path, mode):
+    """Sync with 2 workers; async with 1 (so that no push is stale, and the order of the pushes is the loop's)."""
+    fields = dict(FIELDS, system__aggregation_mode=mode, system__num_workers=2 if mode == "sync" else 1)
+    one_config = library_config(tmp_path, "one", **fields)
     with LibraryServer(one_config, model_source=FACTORY) as server:
         one = _train(server, server.address, one_config)
 
-    sharded = dict(FIELDS, system__num_servers=2, system__shard_slice_bytes=64 << 10)
+    sharded = dict(fields, system__num_servers=2, system__shard_slice_bytes=64 << 10)
     follower_config = library_config(tmp_path, "two", **sharded)
     follower = FollowerServer(
         follower_config,
@@ -65,7 +71,9 @@ def test_a_library_run_on_two_shards_trains_as_on_one_server(tmp_path):
     finally:
         follower.stop(grace=0)
 
-    assert two["versions"] == one["versions"] == 8 and two["samples_processed"] == one["samples_processed"] == 249
+    versions = 8 if mode == "sync" else 16  # 249 samples in batches of 16: one push per worker and batch
+    assert two["versions"] == one["versions"] == versions
+    assert two["samples_processed"] == one["samples_processed"] == 249
     assert len(two["shards"]) == 2 and any(
         "#" in key for key in two["placement"]["slices_per_shard"][0] + two["placement"]["slices_per_shard"][1]
     )

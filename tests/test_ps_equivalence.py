@@ -152,6 +152,31 @@ def test_async_single_worker_matches_baseline(tmp_path):
 
 
 @pytest.mark.slow
+def test_async_single_worker_on_two_shards_matches_one_server_and_baseline(tmp_path):
+    """Async over 2 shard processes (TCP; simple_cnn cut into 64 kB slices): one worker, so no push is stale, and
+    each shard applies every push on arrival of its certificate: the whole model is the one server's, and SGD's."""
+    expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=100, momentum=0.9)
+    common = dict(
+        system__num_workers=1,
+        system__aggregation_mode="async",
+        system__async_correction="none",
+        system__transport="tcp",
+        training__batch_size=16,
+        training__max_train_samples=100,
+        training__momentum=0.9,
+    )
+    _, one = ps_parameters(tmp_path / "one", **common)
+    summary, sharded = ps_parameters(
+        tmp_path / "two", system__num_servers=2, system__shard_slice_bytes=64 << 10, **common
+    )
+    assert summary["versions"] == 7 and summary["max_staleness"] == 0
+    assert any("#" in key for shard in summary["placement"]["slices_per_shard"] for key in shard)
+    assert_same_parameters(expected, sharded)
+    for name, value in one.items():
+        torch.testing.assert_close(sharded[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
 def test_sync_differs_from_baseline_when_batches_differ(tmp_path):
     """The comparison above can fail: the same PS run against a baseline of the wrong batch size."""
     expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=128, momentum=0.0)

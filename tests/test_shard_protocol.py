@@ -15,7 +15,7 @@ from torch import nn
 
 from src import parameter_server_pb2 as pb
 from src.common.sessions import SessionSigner, session_key
-from src.config import SetupError, config_from_data
+from src.config import config_from_data
 from src.parameter_server import planned_work
 from src.ps.core import ServerCore
 from src.ps.follower import FollowerCore
@@ -311,8 +311,3 @@ def test_what_the_shards_refuse(tmp_path):
     with pytest.raises(PushRefused, match="for a sharded server"):
         unsharded.core.decode(0, _message(pb.PushRequest(request_id=1, hold=True)))
     unsharded.close()
-    with pytest.raises(SetupError, match="sync only"):
-        async_config = config.model_copy(
-            update={"system": config.system.model_copy(update={"aggregation_mode": "async"})}
-        )
-        Shards(replace_dirs(async_config, tmp_path / "async"), model, 2)

@@ -175,6 +175,30 @@ def test_two_virtual_shards_train_as_one_virtual_server_every_shard_alike_and_th
     assert first["train_time_s"] == second["train_time_s"] and first["total_time_s"] == second["total_time_s"]
 
 
+def test_async_over_two_virtual_shards_every_shard_alike_and_the_same_twice(tmp_path):
+    """Async (3 workers with uneven compute, so pushes are stale and the soft policy weighs them): every push is
+    a version on every shard, of the same push (src/ps/shard_async.py), every sample in exactly one update, and the
+    run is deterministic."""
+    fields = dict(
+        system__aggregation_mode="async",
+        system__num_workers=3,
+        system__staleness_policy="soft",
+        emulation__workers={2: {"slowdown": 3.0}},
+        training__momentum=0.9,
+        **COSTS,
+    )
+    configs = [config_of(tmp_path / folder, "async", 2, **fields) for folder in ("a", "b")]
+    first, second = (run_virtual(config, tensorboard=False) for config in configs)
+    server = events(configs[0], "server")
+    assert first["samples_processed"] == SAMPLES and first["max_staleness"] >= 1
+    assert check_shards(server, {1: events(configs[0], "server_1")})["ok"]
+    assert check_coverage(server, SAMPLES, 1)["ok"]
+    stale = [e for e in events(configs[0], "server_1", "hold") if e["staleness"] > 0]
+    assert stale and all(e["weight"] == pytest.approx(1 / (1 + 0.5 * e["staleness"])) for e in stale)
+    for key in ("versions", "final_accuracy", "final_loss", "max_staleness", "train_time_s"):
+        assert first[key] == second[key], key
+
+
 @pytest.fixture(scope="module")
 def link_bound(tmp_path_factory) -> dict[int, object]:
     """The link-bound runs, with 1 and 2 shards: each worker's slices cross its shard's NIC at 50 Mbit/s."""

@@ -74,6 +74,9 @@ class ModelState:
         self._sent_revision = -1
         self.before_change: Callable[[], None] | None = None
         """Called before the sent tensors or buffers change in place (a transport sending from them copies them)."""
+        self.forgotten: list[int] = []
+        """Workers whose momentum :meth:`forget_worker` dropped since the last step (a sharded async server's
+        followers drop it at the same point: :mod:`src.ps.shard_async`)."""
 
     def sent(self) -> list[torch.Tensor]:
         """What workers are sent: the parameters, or the lookahead point (updated once per change).
@@ -103,6 +106,7 @@ class ModelState:
             if self.before_change is not None:
                 self.before_change()  # the lookahead point, which workers are sent, moves
             self.lookahead.forget_worker(worker)
+            self.forgotten.append(worker)
             self._revision += 1
 
     def step(
@@ -126,6 +130,7 @@ class ModelState:
                 buffer.copy_(value)
         self.version += 1
         self._revision += 1
+        self.forgotten.clear()
 
     def average(self, contributions: list[Contribution]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sample-weighted mean of the gradients and buffers of ``contributions`` (none may be empty)."""

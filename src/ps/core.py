@@ -293,6 +293,8 @@ class ServerCore:
         """The serialized Pull reply: dense parameters (a pull starts the worker afresh) and ``work``."""
         self.downlink.forget(member.worker_id)
         message = pb.PullReply(version=self.state.version, work=self.work.message(*work), control=self.control.control)
+        if self.sharding is not None and self.config.system.aggregation_mode == "async":
+            message.certificate = self.updates.certificate  # the followers catch up (and drop a momentum) first
         with tracing.span("reply", worker=member.worker_id):
             return self.replies.serialize(message, member.worker_id)
 
@@ -334,6 +336,7 @@ class ServerCore:
         """Add the decoded push to the barrier (sync) or apply it with its staleness weight (async): the verdict.
         A sharded server's commit (``contribution`` ``None``) adds the push it holds under the same request id."""
         if request.commit:
+            self.sharding.check_verdicts(request, self.config.system.aggregation_mode)
             contribution = self._committed(member.worker_id, request)
         verdict = self.updates.apply(member, request, contribution)
         self.lock.notify_all()

@@ -54,9 +54,11 @@ from src.ps.aggregation import Contribution
 from src.ps.model import ServedModel
 from src.ps.placement import Placement
 from src.ps.refusals import MEMBERSHIP_CODES, Refused
+from src.ps.shard_async import FollowerAsync
 from src.ps.shard_model import shard_module
 from src.ps.shard_rounds import FollowerRounds, ForgedCertificate, RoundCertificate, ShardBehind
 from src.ps.shard_sessions import ShardSessions
+from src.ps.staleness import StalenessPolicy
 from src.transport.wire import Pieces, Received
 
 
@@ -104,7 +106,9 @@ class FollowerCore:
         self.lock = threading.Lock()
         self.model = ServedModel(config, reply_views=reply_views)
         self.model.install(shard_module(model, placement, shard))
+        self.asynchronous = config.system.aggregation_mode == "async"
         self.rounds = FollowerRounds(self.model.state, key)
+        self.pushes = FollowerAsync(self.model.state, key, StalenessPolicy.from_config(config.system))
         self.sessions = ShardSessions(SessionSigner(key), config.system.num_workers)
         self.checkpoint_dir = shard_checkpoint_dir(config.system.checkpoint_dir, shard)
         self.load = pb.ShardLoad()
@@ -187,20 +191,41 @@ class FollowerCore:
                 (FAILED_PRECONDITION).
         """
         with self.lock:
+            if self.asynchronous:
+                return self._hold_async(worker_id, request, contribution)
             try:
                 new = self.rounds.hold(request.base_version + 1, contribution)
             except ValueError as exc:
                 raise Refused("FAILED_PRECONDITION", f"shard {self.shard}: {exc}") from None
             if new:
-                self.log.event(
-                    "hold",
-                    worker=worker_id,
-                    request_id=request.request_id,
-                    base_version=request.base_version,
-                    num_samples=request.num_samples,
-                    batch_ids=list(request.batch_ids),
-                )
+                self._log_hold(worker_id, request)
             return pb.PushReply(accepted=True, version=self.version).SerializeToString()
+
+    def _hold_async(self, worker_id: int, request: pb.PushRequest, contribution: Contribution) -> bytes:
+        """An async push: judged against this shard's version, held if accepted (:mod:`src.ps.shard_async`)."""
+        try:
+            staleness, weight, reason = self.pushes.hold(request.base_version, contribution)
+        except ShardBehind as exc:
+            raise Refused("FAILED_PRECONDITION", f"shard {self.shard}: {exc}") from None
+        self._log_hold(worker_id, request, staleness=staleness, weight=weight, accepted=weight is not None)
+        return pb.PushReply(
+            accepted=weight is not None,
+            version=self.version,
+            staleness=staleness,
+            weight=weight or 0.0,
+            reason="" if weight is not None else reason,
+        ).SerializeToString()
+
+    def _log_hold(self, worker_id: int, request: pb.PushRequest, **verdict) -> None:
+        self.log.event(
+            "hold",
+            worker=worker_id,
+            request_id=request.request_id,
+            base_version=request.base_version,
+            num_samples=request.num_samples,
+            batch_ids=list(request.batch_ids),
+            **verdict,
+        )
 
     def pull(self, worker_id: int, request: pb.PullRequest) -> bytes | Pieces:
         """Apply the version ``request.certificate`` names (if it is not applied yet), then the slices' reply.
@@ -220,22 +245,34 @@ class FollowerCore:
     def _apply(self, data: bytes) -> None:
         started = time.perf_counter()
         try:
-            certificate = RoundCertificate.decode(data)
-            applied = self.rounds.apply(certificate)
+            if self.asynchronous:
+                applied = self.pushes.apply(data, on_version=self._applied, on_forget=self._forgot)
+            else:
+                certificate = RoundCertificate.decode(data)
+                applied = [(certificate, 1.0)] if self.rounds.apply(certificate) else []
+                if applied:
+                    self._applied(certificate, 1.0)
         except ForgedCertificate as exc:
             raise Refused("PERMISSION_DENIED", f"shard {self.shard}: {exc}") from None
         except ShardBehind as exc:
             raise Refused("FAILED_PRECONDITION", f"shard {self.shard}: {exc}") from None
         if applied:
             self.load.update_s += time.perf_counter() - started
-            self.log.event(
-                "update",
-                version=self.version,
-                requests=[list(pair) for pair in certificate.contributors],
-                learning_rate=certificate.learning_rate,
-            )
-            if self.version % self.config.training.checkpoint_interval == 0:
-                self._checkpoint()  # before the next version: at the versions shard 0 writes its own
+
+    def _applied(self, certificate: RoundCertificate, weight: float) -> None:
+        """The version ``certificate`` names is applied: its event, and a checkpoint at shard 0's versions."""
+        self.log.event(
+            "update",
+            version=self.version,
+            requests=[list(pair) for pair in certificate.contributors],
+            learning_rate=certificate.learning_rate,
+            **({"weight": weight} if self.asynchronous else {}),
+        )
+        if self.version % self.config.training.checkpoint_interval == 0:
+            self._checkpoint()  # before the next version: at the versions shard 0 writes its own
+
+    def _forgot(self, version: int, worker: int) -> None:
+        self.log.event("momentum_dropped", version=version, worker=worker)
 
     def part_checkpoint(self, *, optimizer: bool = False) -> dict:
         """This shard's part of the model in the common format (lock held): the part's ``state_dict`` (slice key ->

@@ -46,17 +46,14 @@ def part_of_reply(placement: Placement, shard: int, reply: Received) -> tuple[in
 
 
 def collect_parts(
-    clients: list[Any], caller: pb.Caller, certificate: bytes, placement: Placement
+    clients: list[Any], caller: pb.Caller, certificate: bytes, final_version: int, placement: Placement
 ) -> list[dict[str, torch.Tensor]]:
-    """Each follower's part at the final version (``clients[k - 1]`` reaches shard ``k``), pulled with the last
-    version's ``certificate`` (empty: none was made).
+    """Each follower's part at shard 0's ``final_version`` (``clients[k - 1]`` reaches shard ``k``), pulled with
+    shard 0's ``certificate`` of it (sync: the last version's; async: the window; empty: none was made).
 
     Raises:
-        CheckpointError: a follower is at another version than the certificate's, or sent a part of another shape.
+        CheckpointError: a follower is at another version than shard 0's, or sent a part of another shape.
     """
-    from src.ps.shard_rounds import RoundCertificate
-
-    final_version = RoundCertificate.decode(certificate).version if certificate else 0
     parts = []
     for shard, client in enumerate(clients, start=1):
         version, part = part_of_reply(
@@ -111,14 +108,15 @@ def shard_loads(placement: Placement, loads: list[pb.ShardLoad]) -> dict[str, An
     return {"shards": shards, "shard_imbalance": round(max(carried) / mean, 6) if mean else None}
 
 
-def reader_session(core: Any) -> tuple[pb.Caller, bytes]:
+def reader_session(core: Any) -> tuple[pb.Caller, bytes, int]:
     """What shard 0 (its server ``core``) reads the followers' parts with: a session it signs itself for worker 0's
-    newest incarnation (each follower checks it as any call), and the last version's certificate."""
+    newest incarnation (each follower checks it as any call), the certificate of its last version, and that
+    version."""
     with core.lock:
         member = core.members.current.get(0)
         incarnation = member.incarnation if member is not None else 0
         caller = pb.Caller(worker_id=0, session=core.members.signer.issue(0, incarnation))
-        return caller, core.updates.certificate
+        return caller, core.updates.certificate, core.version
 
 
 def whole_model_summary(

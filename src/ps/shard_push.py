@@ -5,15 +5,13 @@ shard. :func:`shard_gradients` cuts the named gradients into each shard's slices
 gradients, in the placement's order); :class:`ShardedPushCodec` encodes each shard's slices through the
 worker's one :class:`~src.ps.worker_protocol.PushCodec` (so the compression policy, the rounding generator
 and the error feedback are the same objects as unsharded), with the residuals keyed by slice
-(:attr:`~src.ps.placement.Slice.key`): compression and error feedback are per slice. A verdict concerns one
-shard: a push rejected by one shard (async, its own staleness) rolls back that shard's slices only, the
-spec's Residual Rollback per slice, and no gradient mass is lost on any shard.
+(:attr:`~src.ps.placement.Slice.key`): compression and error feedback are per slice, and each shard's verdict
+settles its slices (:meth:`ShardedPushCodec.settle`). Shard 0's verdict is every shard's (a push is applied on
+every shard or on none: :mod:`src.ps.shard_async`), so a rejected push rolls every slice back, and no gradient
+mass is lost on any shard.
 
 The way back: :func:`load_shard_reply` puts one shard's reply (its slices, and on shard 0 the buffers) into the
 worker's whole model, so the worker trains on the model as the shards hold it together.
-
-The sharded server's worker side (issue 33): the shard cores and their protocol are built and tested in one
-process (``tests/test_shard_protocol.py``); the worker's connections to the shard processes are not built yet.
 """
 
 from __future__ import annotations

@@ -102,6 +102,12 @@ def _tag(key: bytes, certificate: RoundCertificate) -> bytes:
     return signature(key, b"dts round v1", certificate.body())
 
 
+def check_signature(key: bytes, certificate: RoundCertificate) -> None:
+    """Raise :class:`ForgedCertificate` unless shard 0 signed ``certificate`` with the run's ``key``."""
+    if not hmac.compare_digest(certificate.tag, _tag(key, certificate)):
+        raise ForgedCertificate(f"the certificate of version {certificate.version} is not shard 0's")
+
+
 class FollowerRounds:
     """A follower shard's side of the sync protocol (see the module docstring).
 
@@ -147,8 +153,7 @@ class FollowerRounds:
             ForgedCertificate: the signature does not hold.
             ShardBehind: the version is not the next one, or a certified contribution is not held.
         """
-        if not hmac.compare_digest(certificate.tag, _tag(self._key, certificate)):
-            raise ForgedCertificate(f"the certificate of version {certificate.version} is not shard 0's")
+        check_signature(self._key, certificate)
         if certificate.version <= self.state.version:
             return False
         if certificate.version != self.next_version:

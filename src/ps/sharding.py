@@ -6,9 +6,10 @@ alone (:mod:`src.common.sessions`), takes a worker's push in two calls (held, th
 holds its slices) and signs a certificate of each sync version for the followers
 (:mod:`src.ps.shard_rounds`). :class:`Sharding` is that role's settings and checks; the core calls it.
 
-What a sharded run does not do yet (:meth:`Sharding.refusal` says which, in one line): async aggregation, a
-model that a worker brings (Initialize), evaluation on the server (shard 0 holds a part of the model), downlink
-compression.
+Async pushes are applied on every shard or on none, in shard 0's order (:mod:`src.ps.shard_async`).
+
+What a sharded run does not do yet (:meth:`Sharding.refusal` says which, in one line): a model that a worker
+brings (Initialize), evaluation on the server (shard 0 holds a part of the model), downlink compression.
 
 Pure: no I/O.
 """
@@ -48,7 +49,6 @@ class Sharding:
         module reaches processes) yet, in one line (``None``: it can)."""
         system = config.system
         refusals = [
-            (system.aggregation_mode != "sync", "system.aggregation_mode: a sharded server runs sync only so far"),
             (model is None, "a sharded server needs its model at start (a worker's Initialize is not sharded)"),
             (test_set is not None, "a sharded server does not evaluate (shard 0 holds a part of the model)"),
             (system.downlink_compression != "none", "system.downlink_compression: not with a sharded server so far"),
@@ -75,4 +75,19 @@ class Sharding:
             raise PushRefused(
                 "INVALID_ARGUMENT",
                 "push: a sharded server takes a push in two calls, hold=true with the tensors, then commit=true",
+            )
+
+    def check_verdicts(self, request: pb.PushRequest, mode: str) -> None:
+        """Refuse a commit whose followers' verdicts do not fit ``mode``: async, one from every follower; sync, none."""
+        shards = sorted(verdict.shard for verdict in request.shard_verdicts)
+        expected = list(range(1, self.placement.num_shards)) if mode == "async" else []
+        if shards != expected:
+            raise PushRefused(
+                "INVALID_ARGUMENT",
+                f"commit of push {request.request_id}: the verdicts of shards {shards}, but "
+                + (
+                    f"an async commit carries every follower's (shards 1..{len(expected)})"
+                    if expected
+                    else "a sync one none"
+                ),
             )

@@ -29,6 +29,7 @@ from src.ps.aggregation import Contribution, ModelState, RequestLog, SyncRound
 from src.ps.control import ServerControl
 from src.ps.model import ServedModel
 from src.ps.refusals import PushRefused
+from src.ps.shard_async import FORGET, WINDOW_PER_WORKER, AppliedWindow
 from src.ps.shard_rounds import RoundCertificate
 from src.ps.totals import RunTotals
 from src.ps.work_source import WorkSource
@@ -79,9 +80,27 @@ class Updates:
         self._overriding_schedule: set[int] = set()  # workers warned that their own learning rates win
         self._certify = certify
         self.step_s = 0.0  # seconds of the sync rounds' optimizer steps (a shard's load in a sharded run's summary)
-        self.certificate = b""
+        self._round_certificate = b""
+        self.window = AppliedWindow(WINDOW_PER_WORKER * self.num_workers)
+        """Shard 0 of a sharded async server: the newest versions' certificates (:mod:`src.ps.shard_async`)."""
+
+    @property
+    def certificate(self) -> bytes:
         """Shard 0 of a sharded server (``certify``): the encoded certificate of the newest sync version
-        (:mod:`src.ps.shard_rounds`); empty before the first."""
+        (:mod:`src.ps.shard_rounds`), or async the window of the newest versions' (:mod:`src.ps.shard_async`);
+        empty before the first."""
+        if self.mode == "sync":
+            return self._round_certificate
+        self._certify_forgotten()
+        return self.window.encoded
+
+    def _certify_forgotten(self) -> None:
+        """Async: the workers whose momentum was dropped since the last version go into the window, at this
+        version, so a follower drops it at the same point as shard 0 (before its next pull's reply)."""
+        if self.state is not None and self.state.forgotten:
+            forgotten = [(worker, FORGET) for worker in self.state.forgotten]
+            self.state.forgotten.clear()
+            self.window.add(self._certify(self.state.version, forgotten, self.state.learning_rate))
 
     @property
     def state(self) -> ModelState | None:
@@ -129,7 +148,7 @@ class Updates:
             self._round = None
             if self._certify is not None:  # shard 0 of a sharded server: the followers apply what this says
                 pushes = [(c.worker, c.request_id) for c in contributions]
-                self.certificate = self._certify(self.state.version, pushes, rate).encode()
+                self._round_certificate = self._certify(self.state.version, pushes, rate).encode()
             self._applied(contributions)
         if self._round is None or not self._round.expected:
             self._round = None
@@ -218,6 +237,10 @@ class Updates:
         staleness = self.state.version - request.base_version
         self.totals.staleness_histogram[staleness] += 1
         weight, reason = self.control.staleness_policy.verdict(staleness)
+        if request.commit and weight is not None:  # a sharded server: applied on every shard or on none
+            refusal = next((v for v in request.shard_verdicts if not v.accepted), None)
+            if refusal is not None:
+                weight, reason = None, f"shard {refusal.shard}: {refusal.reason}"
         self._log_push(member, request, staleness=staleness, weight=weight, accepted=weight is not None, reason=reason)
         if weight is None:
             self.totals.counters["pushes_rejected"] += 1
@@ -225,7 +248,12 @@ class Updates:
                 accepted=False, staleness=staleness, weight=0.0, reason=f"rejected by the staleness policy: {reason}"
             )
         self._set_step_learning_rate([contribution])
+        if self._certify is not None:
+            self._certify_forgotten()
         self.state.step(contribution.gradients, contribution.buffers, weight, worker=member.worker_id)
+        if self._certify is not None:  # shard 0 of a sharded server: the followers apply what the window says
+            pushes = [(member.worker_id, request.request_id)]
+            self.window.add(self._certify(self.state.version, pushes, self.state.learning_rate))
         self._applied([contribution])
         return pb.PushReply(accepted=True, staleness=staleness, weight=weight)
 

@@ -35,6 +35,7 @@ from src.common.faults import FaultInjector, FaultSpec
 from src.compressors.policy import policy_from_config
 from src.config import Config, SetupError
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger
+from src.ps import shard_step
 from src.ps.placement import Placement
 from src.ps.shard_push import ShardedPushCodec, load_shard_reply
 from src.ps.worker_protocol import Failure, PushCodec, controlled_policy, count_push, load_reply, served_tensors
@@ -149,6 +150,7 @@ class WorkerStep:
         self.request_id = request_ids if request_ids is not None else (random.SystemRandom().getrandbits(62) or 1)
         self.carried: list[pb.Batch] = []  # batches whose rejected gradient waits in the error feedback
         self.version = 0
+        self.shard_versions = [0] * (placement.num_shards if placement is not None else 1)
         self.totals: dict[str, Any] = {
             name: 0 if name in ("samples", "steps", "pushes_rejected", "payload_bytes", "dense_bytes") else 0.0
             for name in TOTALS
@@ -185,8 +187,24 @@ class WorkerStep:
         return self.version
 
     def load_shard(self, shard: int, received: Received) -> int:
-        """A sharded server: take shard ``shard``'s reply (its slices, and on shard 0 the buffers); its version."""
-        return load_shard_reply(self.placement, shard, dict(zip(self.names, self.params)), self.buffers, received)
+        """A sharded server: take shard ``shard``'s reply (its slices, and on shard 0 the buffers); its version,
+        which this worker's next push to that shard is based on (:meth:`holds`)."""
+        version = load_shard_reply(self.placement, shard, dict(zip(self.names, self.params)), self.buffers, received)
+        self.shard_versions[shard] = version
+        return version
+
+    def holds(self, request: pb.PushRequest) -> list[pb.PushRequest]:
+        """A sharded server: the push's hold to each shard (:func:`src.ps.shard_step.holds`)."""
+        return shard_step.holds(request, self.shard_versions)
+
+    def commit(self, request: pb.PushRequest, acks: Sequence[Received]) -> pb.PushRequest:
+        """A sharded server: the commit to shard 0 after the holds' ``acks`` (:func:`src.ps.shard_step.commit`)."""
+        mode = self.config.system.aggregation_mode
+        return shard_step.commit(request, [ack.message for ack in acks], self.shard_versions[0], mode)
+
+    def shards_apart(self, version: int) -> bool:
+        """Whether the shards' slices this worker holds do not fit together after shard 0 answered at ``version``."""
+        return shard_step.shards_apart(self.shard_versions, version, self.config.system.aggregation_mode)
 
     # ------------------------------------------------------------------------- a step
 

@@ -36,6 +36,7 @@ import grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, SystemConfig, validate_config
+from src.ps import shard_step
 from src.ps.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost
 from src.transport.clients import TRANSPORTS, make_client
 from src.transport.grpc import AUTH_TOKEN_ENV, Received
@@ -238,7 +239,7 @@ class WorkerClient:
             failure = check_session_lost(exc, self.worker_id, self.rejoins)
         return self._register_after(failure, request.request_id).last_request_applied
 
-    # ---------------------------------------------------------------------- a sharded server (src/ps/shard_rounds.py)
+    # ---------------------------------------------------------------------- a sharded server (src/ps/shard_step.py)
 
     @property
     def sharded(self) -> bool:
@@ -258,32 +259,33 @@ class WorkerClient:
         return [pull.result() for pull in pulls]
 
     def push_shards(
-        self, request: pb.PushRequest, per_shard: Sequence[Sequence[Any]], buffers: Sequence[Any]
+        self,
+        request: pb.PushRequest,
+        per_shard: Sequence[Sequence[Any]],
+        buffers: Sequence[Any],
+        versions: Sequence[int],
     ) -> tuple[Received, list[Received]] | bool:
-        """A sharded server's step: hold each shard's payloads on it at once (``per_shard`` empty: a skipped
-        step, held on shard 0 only), commit to shard 0, then pull every shard at once with the version's
-        certificate. Returns the commit's reply and the pulls, or, when the reply was lost with shard 0's session
-        (this client registered again), whether the push was applied.
+        """A sharded server's step (:mod:`src.ps.shard_step`): hold each shard's payloads on it at once, each based on
+        ``versions[k]``, the version of shard ``k``'s slices the gradient was computed on (``per_shard`` empty: a
+        skipped step, held on shard 0 only), commit to shard 0 (async: with the followers' verdicts), then pull every
+        shard at once with the certificate. Returns the commit's reply and the pulls, or, when the reply was lost
+        with shard 0's session (this client registered again), whether the push was applied.
 
         Raises:
             IncarnationRevoked: shard 0 declared this incarnation failed, and the rejoin budget is spent.
             grpc.RpcError: a shard refused the push (the message names the problem).
         """
-        held = pb.PushRequest()
-        held.CopyFrom(request)
-        held.caller.CopyFrom(self.caller)
-        held.hold = True
+        request.caller.CopyFrom(self.caller)
         transports = [self.transport, *self.shard_transports] if per_shard else [self.transport]
-        acks = [
-            self._shard_calls.submit(transport.push, held, per_shard[k] if per_shard else [], buffers if k == 0 else [])
+        held = shard_step.holds(request, versions[: len(transports)])
+        calls = [
+            self._shard_calls.submit(
+                transport.push, held[k], per_shard[k] if per_shard else [], buffers if k == 0 else []
+            )
             for k, transport in enumerate(transports)
         ]
-        for ack in acks:
-            ack.result()
-        commit = pb.PushRequest()
-        commit.CopyFrom(request)
-        commit.commit = True
-        reply = self.push(commit, [], [])
+        acks = [call.result().message for call in calls]
+        reply = self.push(shard_step.commit(request, acks, versions[0], self.mode if per_shard else "sync"), [], [])
         if isinstance(reply, bool):
             return reply
         return reply, self.pull_shards(reply.message.certificate)

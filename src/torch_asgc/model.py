@@ -28,6 +28,7 @@ from torch import nn
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError
+from src.ps import shard_step
 from src.ps.served_model import layout_mismatch
 from src.ps.shard_push import load_shard_reply
 from src.ps.sharding import Sharding
@@ -69,6 +70,8 @@ class DistributedModel(nn.Module):
             Sharding.of_run(module, client.config.system, client.token).placement if client.sharded else None
         )
         self.version = 0
+        self.shard_versions = [0] * (self.placement.num_shards if self.placement is not None else 1)
+        """A sharded server: the version of each shard's slices loaded (each push to a shard is based on its own)."""
         self._samples = 0
         self._hook = module.register_forward_pre_hook(self._count, with_kwargs=True) if count_samples else None
         client.model = self
@@ -107,9 +110,9 @@ class DistributedModel(nn.Module):
                 )
             if self.placement is None:
                 return self.load(reply)
-            versions = self.load_shards([reply, *self.client.pull_shards(first=1)])
-            if len(set(versions)) == 1:  # else a shard is starting again: pull again
-                return self.version
+            self.load_shards([reply, *self.client.pull_shards(first=1)])
+            if self.client.mode == "async" or not self.shards_apart(self.version):
+                return self.version  # else a shard is starting again: pull again (async: a follower catches up)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.module.state_dict(*args, **kwargs)
@@ -135,7 +138,13 @@ class DistributedModel(nn.Module):
         buffers = [b for _, b in self.float_buffers]
         versions = [load_shard_reply(self.placement, k, params, buffers, reply) for k, reply in enumerate(replies)]
         self.version = versions[0]
+        self.shard_versions = versions
         return versions
+
+    def shards_apart(self, version: int) -> bool:
+        """Whether the shards' slices loaded do not fit together after shard 0 answered at ``version``
+        (:func:`src.ps.shard_step.shards_apart`)."""
+        return shard_step.shards_apart(self.shard_versions, version, self.client.mode)
 
     def buffer_views(self) -> list[memoryview]:
         """The floating-point buffers as float32 bytes, for a push."""

@@ -360,7 +360,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         returns whether the push was accepted."""
         sharded = ShardedPushCodec(model.placement, self.codec)
         shards = range(model.placement.num_shards)
-        result = self.client.push_shards(request, per_shard, model.buffer_views())
+        result = self.client.push_shards(request, per_shard, model.buffer_views(), model.shard_versions)
         if isinstance(result, bool):
             for shard in shards:
                 sharded.settle_lost(shard, applied=result, redone=False)
@@ -370,7 +370,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         accepted = reply.message.accepted
         for shard in shards:
             sharded.settle(shard, accepted=accepted)
-        if len(set(model.load_shards(pulled))) > 1:  # a shard is starting again: pull again
+        model.load_shards(pulled)
+        if model.shards_apart(reply.message.version):  # a shard is starting again: pull again
             model.sync()
         return accepted
 
@@ -401,8 +402,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 base_version=model.version, request_id=self.client.next_request_id(), num_samples=0
             )
             if model.placement is not None:  # held on shard 0 only, then committed: the barrier goes on without us
-                result = self.client.push_shards(request, [], [])
-                if isinstance(result, bool) or len(set(model.load_shards(result[1]))) > 1:
+                result = self.client.push_shards(request, [], [], model.shard_versions)
+                if isinstance(result, bool):
+                    model.sync()
+                    return
+                model.load_shards(result[1])
+                if model.shards_apart(result[0].message.version):
                     model.sync()
                 return
             reply = self.client.push(request, [], [])

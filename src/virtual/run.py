@@ -211,8 +211,8 @@ class VirtualRun:
         charged it, where a real run reports its optimizer's wall seconds); each follower writes its part. None of it
         takes virtual time."""
         core, placement, config = self.server.core, self.placement, self.config
-        caller, certificate = reader_session(core)
-        parts = collect_parts([f.part_reader() for f in self.followers], caller, certificate, placement)
+        caller, certificate, version = reader_session(core)
+        parts = collect_parts([f.part_reader() for f in self.followers], caller, certificate, version, placement)
         for follower in self.followers:
             follower.stop()
         return whole_model_summary(

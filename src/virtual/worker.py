@@ -9,10 +9,10 @@ model: the step's compute seconds, then ``compress_s``, then the push. Injected 
 (:func:`src.ps.worker_protocol.failed_call`: register again, or exit for the launcher to restart it).
 
 With several server shards (``system.num_servers`` = S > 1) it does the real worker's sharded step
-(``Worker._push_to_shards`` and ``Worker._pull_shards`` in :mod:`src.worker`; :mod:`src.ps.shard_rounds`): each
-shard's slices held on every shard at once, then, once every shard has acknowledged, the commit to shard 0, whose
-reply carries the verdict, the next work and the version's certificate, then every shard's slices pulled at once
-(the followers' with the certificate). Its messages to different shards are in flight together and share its own
+(``Worker._push_to_shards`` and ``Worker._pull_shards`` in :mod:`src.worker`; its messages built by
+:mod:`src.ps.shard_step`): each shard's slices held on every shard at once, then, once every shard has
+acknowledged, the commit to shard 0 (async: with the followers' verdicts), whose reply carries the verdict, the next
+work and the certificate, then every shard's slices pulled at once (the followers' with the certificate). Its messages to different shards are in flight together and share its own
 links (:mod:`src.virtual.network`).
 """
 
@@ -40,7 +40,7 @@ from src.metrics import MetricsLogger
 from src.ps.placement import Placement
 from src.ps.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
 from src.ps.worker_step import WorkerStep, check_layout
-from src.transport.wire import Outgoing, chunk_size, serialize, split
+from src.transport.wire import Outgoing, Received, chunk_size, serialize, split
 from src.virtual.timelines import VirtualTimelines
 
 MODEL_STATE = ("parameters", "buffers")
@@ -316,7 +316,7 @@ class VirtualWorker:
             self.step.load(received, parameters=False)  # a sharded run's shard 0: its slices, then the others'
             self.step.load_shard(0, received)
             then = lambda: self._pulled(received, first)  # noqa: E731
-            self._pull_shards(b"", received.message.version, then, Traffic(), first_shard=1)
+            self._pull_shards(received.message.certificate, received.message.version, then, Traffic(), first_shard=1)
 
         request = pb.PullRequest(caller=self.caller)
         self._call(
@@ -353,7 +353,7 @@ class VirtualWorker:
                 pending.discard(k)
                 if pending:
                     return
-                if any(v != version for v in versions.values()):  # no shard restarts here: a bug, not a recovery
+                if self.step.shards_apart(version):  # no shard restarts here: a bug, not a recovery
                     raise LaunchError(
                         f"worker {self.worker_id}: shard 0 at version {version}, the others at "
                         f"{[versions[k] for k in sorted(versions)]}"
@@ -495,16 +495,10 @@ class VirtualWorker:
             self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
         )
         buffers = step.buffers_to_send(batches)
-        held, commit = pb.PushRequest(), pb.PushRequest()
-        held.CopyFrom(request)
-        held.hold = True
-        commit.CopyFrom(request)
-        commit.commit = True
         holds = [
             serialize(Outgoing(held, {"gradients": payloads, "buffers": buffers if k == 0 else []}))
-            for k, payloads in enumerate(per_shard)
+            for k, (held, payloads) in enumerate(zip(step.holds(request), per_shard))
         ]
-        committing = serialize(Outgoing(commit, {"gradients": [], "buffers": []}))
         payload_bytes = sum(chunk_size(p) for payloads in per_shard for p in payloads)
         del per_shard, buffers
         step_started = self.step_started
@@ -519,12 +513,14 @@ class VirtualWorker:
             settled = self._settler(
                 request, batches, (payload_bytes, loss, correct, samples, step_s), sent_at, step_started
             )
-            waiting = set(range(len(shards)))
+            acks: dict[int, Received] = {}
 
             def acknowledged(shard: int, ack: bytes) -> None:
                 traffic.received += len(ack)
-                waiting.discard(shard)
-                if not waiting:
+                acks[shard] = split(ack, pb.PushReply, ())
+                if len(acks) == len(shards):  # the commit (async: with the followers' verdicts)
+                    commit = step.commit(request, [acks[k] for k in range(len(shards))])
+                    committing = serialize(Outgoing(commit, {"gradients": [], "buffers": []}))
                     traffic.sent += len(committing)
                     self._call(committing, server.serve_push, committed, failed)
 

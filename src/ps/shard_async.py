@@ -1,0 +1,214 @@
+"""Async pushes across parameter-server shards: each shard judges a push's staleness against its own version, and
+a push is applied on every shard or on none, in the same order everywhere.
+
+A worker's async step over ``S`` shards takes the sync protocol's three calls (:mod:`src.ps.shard_rounds`), each
+to every shard at once:
+
+1. **Hold.** The worker sends each shard its slices with ``base_version`` = that shard's version it last pulled.
+   Each follower judges the push's staleness on arrival (its version minus that base), with the run's staleness
+   policy, holds it with its weight (:meth:`FollowerAsync.hold`) and says its verdict (``PushReply.accepted``,
+   ``staleness``, ``reason``). Shard 0 holds its slices.
+2. **Commit.** The worker commits to shard 0 with every follower's verdict (``PushRequest.shard_verdicts``).
+   Shard 0 judges its own staleness; if every shard accepts, it applies its slices with its weight, and the
+   new version's certificate (one push, its rate) joins a window of the newest :data:`WINDOW_PER_WORKER` x
+   workers certificates (:class:`AppliedWindow`). If one shard rejects, no shard applies it: the worker rolls
+   its whole push back into its error feedback and the push's batches stay with it, as an unsharded server's
+   rejection does. Its reply carries the window (:func:`encode_chain`).
+3. **Pull.** The worker pulls every shard, each follower's pull carrying the window. A follower applies the
+   certified pushes it has not applied, in shard 0's order, each with the weight it judged (:meth:`FollowerAsync.
+   apply`). Every reply's window reaches every follower with the pulls of the worker that got it, so a follower
+   is never more than a few versions behind shard 0, and a push whose worker died after its commit reaches the
+   followers with the next worker's pulls.
+
+With the lookahead correction (``system.async_correction``), shard 0 drops a worker's momentum when the worker
+leaves (it failed, or finished): a certificate at the current version naming the workers with request id
+:data:`FORGET` (0) joins the window then, and shard 0's Pull replies carry the window too, so a follower drops it
+at the same point, before it answers the pull of the worker that registers again.
+
+Why "on every shard or on none" rather than a rejection per slice (ps-lite's per-key apply): a push applied on one
+shard and rolled back on another leaves its samples applied on some shards only; a worker that then dies holds
+batches the run would have to hand out again for some shards only. All-or-nothing keeps the invariant of every
+unsharded run, every sample index of every epoch in exactly one applied update, on every shard, with one work
+plan. Each shard still weighs a push by its own staleness (``staleness_policy: soft``).
+
+Why the same order everywhere: version ``v`` of every shard is then made of the same pushes (what
+:func:`src.coordinator.check_shards` audits, as for sync), so the shards of an async run checkpoint at the same
+versions and go back together to one when a shard dies (:mod:`src.ps.shard_recovery`).
+
+A follower's version may lag shard 0's (until the next pull brings the window), so a follower judges a push
+against fewer versions than shard 0 would: its staleness is its own, as each of ps-lite's servers counts its own.
+
+Pure: no I/O; the follower's server core calls it with its lock held.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from typing import Callable
+
+from src.ps.aggregation import Contribution, ModelState
+from src.ps.shard_rounds import ForgedCertificate, RoundCertificate, ShardBehind, check_signature
+from src.ps.staleness import StalenessPolicy
+
+WINDOW_PER_WORKER = 4
+"""The window holds the newest ``WINDOW_PER_WORKER * num_workers`` certificates: each worker pulls every follower
+after each of its pushes, so a follower is at most about one version per worker behind shard 0."""
+
+HELD_PER_WORKER = 4
+"""A follower keeps a worker's newest few held pushes (one is in flight; the others were rejected or lost)."""
+
+_LENGTH = struct.Struct(">H")
+FORGET = 0
+"""The request id of a certificate's entry that drops a worker's momentum before its push (request ids are never 0)."""
+
+
+def encode_chain(certificates: list[RoundCertificate]) -> bytes:
+    """Certificates on the wire, oldest first (``PushReply.certificate``, ``PullRequest.certificate``)."""
+    parts = []
+    for certificate in certificates:
+        data = certificate.encode()
+        parts.append(_LENGTH.pack(len(data)) + data)
+    return b"".join(parts)
+
+
+def decode_chain(data: bytes) -> list[RoundCertificate]:
+    """The certificates in ``data`` (:func:`encode_chain`'s bytes).
+
+    Raises:
+        ForgedCertificate: ``data`` is not a chain of certificates.
+    """
+    certificates, offset = [], 0
+    while offset < len(data):
+        if offset + _LENGTH.size > len(data):
+            raise ForgedCertificate(f"a certificate chain of {len(data)} bytes is malformed")
+        (length,) = _LENGTH.unpack_from(data, offset)
+        offset += _LENGTH.size
+        if offset + length > len(data):
+            raise ForgedCertificate(f"a certificate chain of {len(data)} bytes is malformed")
+        certificates.append(RoundCertificate.decode(data[offset : offset + length]))
+        offset += length
+    return certificates
+
+
+class AppliedWindow:
+    """Shard 0's newest async certificates (see the module docstring); ``length``: how many it keeps."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self._certificates: list[RoundCertificate] = []
+        self._encoded = b""
+
+    def add(self, certificate: RoundCertificate) -> None:
+        """The certificate of the version just applied."""
+        self._certificates = [*self._certificates[1 - self.length :], certificate]
+        self._encoded = encode_chain(self._certificates)
+
+    def clear(self) -> None:
+        """Forget every certificate (a restarted shard 0: every shard goes back to the same version)."""
+        self._certificates, self._encoded = [], b""
+
+    @property
+    def encoded(self) -> bytes:
+        """The window on the wire (empty before the first async version)."""
+        return self._encoded
+
+
+class FollowerAsync:
+    """A follower shard's side of async pushes (see the module docstring).
+
+    Args:
+        state: the follower's part of the model.
+        key: the run's session key (the certificates' signing key).
+        policy: the run's staleness policy (``system.staleness_policy``, ``staleness_beta``, ``max_staleness``).
+    """
+
+    def __init__(self, state: ModelState, key: bytes, policy: StalenessPolicy):
+        self.state = state
+        self._key = key
+        self.policy = policy
+        self.held: dict[int, OrderedDict[int, tuple[Contribution, float]]] = {}
+        """Pushes held and accepted here, by worker then request id (oldest first), with their weights."""
+        self._forgotten: set[int] = set()  # workers whose momentum was dropped at this version
+
+    def hold(self, base_version: int, contribution: Contribution) -> tuple[int, float | None, str]:
+        """Judge and, if accepted, hold a worker's slices: ``(staleness, weight, reason)``, ``weight`` ``None`` when
+        the policy rejects the push (nothing is held). A retry of a held push is judged again, unchanged.
+
+        Raises:
+            ShardBehind: ``base_version`` is ahead of this shard's version (it started again from an older
+                checkpoint than the worker's parameters).
+        """
+        if base_version > self.state.version:
+            raise ShardBehind(
+                f"worker {contribution.worker}: a push on version {base_version}, but this shard holds version "
+                f"{self.state.version}"
+            )
+        staleness = self.state.version - base_version
+        weight, reason = self.policy.verdict(staleness)
+        if weight is not None:
+            pushes = self.held.setdefault(contribution.worker, OrderedDict())
+            pushes[contribution.request_id] = (contribution, weight)
+            while len(pushes) > HELD_PER_WORKER:
+                pushes.popitem(last=False)
+        return staleness, weight, reason
+
+    def apply(
+        self,
+        data: bytes,
+        on_version: Callable[[RoundCertificate, float], None] = lambda certificate, weight: None,
+        on_forget: Callable[[int, int], None] = lambda version, worker: None,
+    ) -> list[tuple[RoundCertificate, float]]:
+        """Apply the certified pushes of the chain in ``data`` not applied here yet, in order; each with its weight.
+        ``on_version(certificate, weight)`` is called after each, ``on_forget(version, worker)`` after a worker's
+        momentum is dropped (a follower's events and checkpoints).
+
+        Raises:
+            ForgedCertificate: a certificate's signature does not hold, or the chain is malformed.
+            ShardBehind: a certified push is not held here, or the chain starts past this shard's next version.
+        """
+        applied = []
+        for certificate in decode_chain(data):
+            check_signature(self._key, certificate)
+            if all(request == FORGET for _, request in certificate.contributors):
+                self._forget(certificate, on_forget)
+                continue
+            if certificate.version <= self.state.version:
+                continue
+            if certificate.version != self.state.version + 1:
+                raise ShardBehind(
+                    f"certificate of version {certificate.version}, but this shard holds version {self.state.version}"
+                )
+            if len(certificate.contributors) != 1:
+                raise ForgedCertificate(f"the async certificate of version {certificate.version} names several pushes")
+            ((worker, request),) = certificate.contributors
+            held = self.held.get(worker, {})
+            if request not in held:
+                raise ShardBehind(
+                    f"version {certificate.version}: the certified push {request} of worker {worker} is not held here"
+                )
+            contribution, weight = held[request]
+            while held:  # this push and the worker's older ones (rejected elsewhere, or lost) go
+                if held.popitem(last=False)[0] == request:
+                    break
+            self.state.set_learning_rate(certificate.learning_rate)
+            self.state.step(contribution.gradients, contribution.buffers, weight, worker=worker)
+            self._forgotten.clear()
+            applied.append((certificate, weight))
+            on_version(certificate, weight)
+        return applied
+
+    def _forget(self, certificate: RoundCertificate, on_forget: Callable[[int, int], None]) -> None:
+        """Drop the momentum of the workers ``certificate`` names, once, at its version (shard 0 dropped it there:
+        after that version's push, before the next one)."""
+        if certificate.version < self.state.version:
+            return  # passed already: the chains carry it before any later version
+        if certificate.version > self.state.version:
+            raise ShardBehind(
+                f"a certificate at version {certificate.version}, but this shard holds version {self.state.version}"
+            )
+        for worker, _ in certificate.contributors:
+            if worker not in self._forgotten:
+                self._forgotten.add(worker)
+                self.state.forget_worker(worker)
+                on_forget(certificate.version, worker)
