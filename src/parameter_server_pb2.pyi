@@ -155,7 +155,7 @@ class StepMetrics(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., gradient_time_s: _Optional[float] = ..., compression_time_s: _Optional[float] = ..., communication_time_s: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics", "learning_rate", "hold", "commit", "shard_verdicts")
+    __slots__ = ("caller", "base_version", "request_id", "num_samples", "batch_ids", "gradients", "buffers", "metrics", "learning_rate", "hold", "commit", "shard_staleness")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -167,7 +167,7 @@ class PushRequest(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
-    SHARD_VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_STALENESS_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     base_version: int
     request_id: int
@@ -179,20 +179,16 @@ class PushRequest(_message.Message):
     learning_rate: float
     hold: bool
     commit: bool
-    shard_verdicts: _containers.RepeatedCompositeFieldContainer[ShardVerdict]
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ..., hold: _Optional[bool] = ..., commit: _Optional[bool] = ..., shard_verdicts: _Optional[_Iterable[_Union[ShardVerdict, _Mapping]]] = ...) -> None: ...
+    shard_staleness: _containers.RepeatedCompositeFieldContainer[ShardStaleness]
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ..., hold: _Optional[bool] = ..., commit: _Optional[bool] = ..., shard_staleness: _Optional[_Iterable[_Union[ShardStaleness, _Mapping]]] = ...) -> None: ...
 
-class ShardVerdict(_message.Message):
-    __slots__ = ("shard", "accepted", "staleness", "reason")
+class ShardStaleness(_message.Message):
+    __slots__ = ("shard", "staleness")
     SHARD_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
     shard: int
-    accepted: bool
     staleness: int
-    reason: str
-    def __init__(self, shard: _Optional[int] = ..., accepted: _Optional[bool] = ..., staleness: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, shard: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control", "certificate")

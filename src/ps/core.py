@@ -336,7 +336,7 @@ class ServerCore:
         """Add the decoded push to the barrier (sync) or apply it with its staleness weight (async): the verdict.
         A sharded server's commit (``contribution`` ``None``) adds the push it holds under the same request id."""
         if request.commit:
-            self.sharding.check_verdicts(request, self.config.system.aggregation_mode)
+            self.sharding.check_staleness(request, self.config.system.aggregation_mode)
             contribution = self._committed(member.worker_id, request)
         verdict = self.updates.apply(member, request, contribution)
         self.lock.notify_all()

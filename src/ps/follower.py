@@ -202,19 +202,13 @@ class FollowerCore:
             return pb.PushReply(accepted=True, version=self.version).SerializeToString()
 
     def _hold_async(self, worker_id: int, request: pb.PushRequest, contribution: Contribution) -> bytes:
-        """An async push: judged against this shard's version, held if accepted (:mod:`src.ps.shard_async`)."""
+        """An async push: held with its staleness against this shard's version (:mod:`src.ps.shard_async`)."""
         try:
-            staleness, weight, reason = self.pushes.hold(request.base_version, contribution)
+            staleness, weight = self.pushes.hold(request.base_version, contribution)
         except ShardBehind as exc:
             raise Refused("FAILED_PRECONDITION", f"shard {self.shard}: {exc}") from None
-        self._log_hold(worker_id, request, staleness=staleness, weight=weight, accepted=weight is not None)
-        return pb.PushReply(
-            accepted=weight is not None,
-            version=self.version,
-            staleness=staleness,
-            weight=weight or 0.0,
-            reason="" if weight is not None else reason,
-        ).SerializeToString()
+        self._log_hold(worker_id, request, staleness=staleness, weight=weight)
+        return pb.PushReply(accepted=True, version=self.version, staleness=staleness, weight=weight).SerializeToString()
 
     def _log_hold(self, worker_id: int, request: pb.PushRequest, **verdict) -> None:
         self.log.event(

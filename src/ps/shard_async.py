@@ -5,13 +5,15 @@ A worker's async step over ``S`` shards takes the sync protocol's three calls (:
 to every shard at once:
 
 1. **Hold.** The worker sends each shard its slices with ``base_version`` = that shard's version it last pulled.
-   Each follower judges the push's staleness on arrival (its version minus that base), with the run's staleness
-   policy, holds it with its weight (:meth:`FollowerAsync.hold`) and says its verdict (``PushReply.accepted``,
-   ``staleness``, ``reason``). Shard 0 holds its slices.
-2. **Commit.** The worker commits to shard 0 with every follower's verdict (``PushRequest.shard_verdicts``).
-   Shard 0 judges its own staleness; if every shard accepts, it applies its slices with its weight, and the
+   Each follower counts the push's staleness on arrival (its version minus that base), holds it with the weight
+   the staleness policy gives that staleness (:meth:`FollowerAsync.hold`) and says the staleness
+   (``PushReply.staleness``). Shard 0 holds its slices.
+2. **Commit.** The worker commits to shard 0 with every follower's staleness (``PushRequest.shard_staleness``).
+   Shard 0 judges every shard's staleness, its own too, with the run's staleness policy as it stands (the
+   adaptive controller may have moved its bound); if every shard's is accepted, it applies its slices with its
+   weight, and the
    new version's certificate (one push, its rate) joins a window of the newest :data:`WINDOW_PER_WORKER` x
-   workers certificates (:class:`AppliedWindow`). If one shard rejects, no shard applies it: the worker rolls
+   workers certificates (:class:`AppliedWindow`). If one shard's is rejected, no shard applies it: the worker rolls
    its whole push back into its error feedback and the push's batches stay with it, as an unsharded server's
    rejection does. Its reply carries the window (:func:`encode_chain`).
 3. **Pull.** The worker pulls every shard, each follower's pull carrying the window. A follower applies the
@@ -29,7 +31,8 @@ Why "on every shard or on none" rather than a rejection per slice (ps-lite's per
 shard and rolled back on another leaves its samples applied on some shards only; a worker that then dies holds
 batches the run would have to hand out again for some shards only. All-or-nothing keeps the invariant of every
 unsharded run, every sample index of every epoch in exactly one applied update, on every shard, with one work
-plan. Each shard still weighs a push by its own staleness (``staleness_policy: soft``).
+plan. Each shard still weighs a push by its own staleness (``staleness_policy: soft``), and its bound applies to
+each shard's staleness (``hard``).
 
 Why the same order everywhere: version ``v`` of every shard is then made of the same pushes (what
 :func:`src.coordinator.check_shards` audits, as for sync), so the shards of an async run checkpoint at the same
@@ -54,6 +57,9 @@ from src.ps.staleness import StalenessPolicy
 WINDOW_PER_WORKER = 4
 """The window holds the newest ``WINDOW_PER_WORKER * num_workers`` certificates: each worker pulls every follower
 after each of its pushes, so a follower is at most about one version per worker behind shard 0."""
+
+UNBOUNDED = 1 << 62
+"""A staleness bound no push reaches."""
 
 HELD_PER_WORKER = 4
 """A follower keeps a worker's newest few held pushes (one is in flight; the others were rejected or lost)."""
@@ -126,14 +132,15 @@ class FollowerAsync:
     def __init__(self, state: ModelState, key: bytes, policy: StalenessPolicy):
         self.state = state
         self._key = key
-        self.policy = policy
+        self._weights = policy.with_max_staleness(UNBOUNDED)  # the weight only: shard 0 judges the bound
         self.held: dict[int, OrderedDict[int, tuple[Contribution, float]]] = {}
-        """Pushes held and accepted here, by worker then request id (oldest first), with their weights."""
+        """Pushes held here, by worker then request id (oldest first), with their weights."""
         self._forgotten: set[int] = set()  # workers whose momentum was dropped at this version
 
-    def hold(self, base_version: int, contribution: Contribution) -> tuple[int, float | None, str]:
-        """Judge and, if accepted, hold a worker's slices: ``(staleness, weight, reason)``, ``weight`` ``None`` when
-        the policy rejects the push (nothing is held). A retry of a held push is judged again, unchanged.
+    def hold(self, base_version: int, contribution: Contribution) -> tuple[int, float]:
+        """Hold a worker's slices: ``(staleness, weight)``, its staleness here and the weight it is applied with if
+        shard 0 certifies it (the policy's weight, whatever its bound: shard 0 judges the bound, with the
+        controller's current one). A retry of a held push is held again, unchanged.
 
         Raises:
             ShardBehind: ``base_version`` is ahead of this shard's version (it started again from an older
@@ -145,13 +152,12 @@ class FollowerAsync:
                 f"{self.state.version}"
             )
         staleness = self.state.version - base_version
-        weight, reason = self.policy.verdict(staleness)
-        if weight is not None:
-            pushes = self.held.setdefault(contribution.worker, OrderedDict())
-            pushes[contribution.request_id] = (contribution, weight)
-            while len(pushes) > HELD_PER_WORKER:
-                pushes.popitem(last=False)
-        return staleness, weight, reason
+        weight, _ = self._weights.verdict(staleness)
+        pushes = self.held.setdefault(contribution.worker, OrderedDict())
+        pushes[contribution.request_id] = (contribution, weight)
+        while len(pushes) > HELD_PER_WORKER:
+            pushes.popitem(last=False)
+        return staleness, weight
 
     def apply(
         self,

@@ -7,7 +7,7 @@ send is built here, once:
 
 * :func:`holds`: the push's hold to each shard, each based on the version of that shard's slices the worker
   holds (sync: all the same; async: each shard's own, which is what the shard's staleness is counted from);
-* :func:`commit`: the tensor-free commit to shard 0, which in async carries the followers' verdicts;
+* :func:`commit`: the tensor-free commit to shard 0, which in async carries the followers' staleness;
 * :func:`shards_apart`: whether the slices the pulls brought can be trained on together.
 
 Pure: no I/O.
@@ -35,14 +35,14 @@ def holds(request: pb.PushRequest, versions: Sequence[int]) -> list[pb.PushReque
 
 def commit(request: pb.PushRequest, acks: Sequence[pb.PushReply], base_version: int, mode: str) -> pb.PushRequest:
     """The commit of ``request`` to shard 0 (based on ``base_version``, its slices' version) once every shard has
-    acknowledged its hold (``acks``, in shard order); ``mode`` async: with each follower's verdict."""
+    acknowledged its hold (``acks``, in shard order); ``mode`` async: with each follower's staleness."""
     message = pb.PushRequest()
     message.CopyFrom(request)
     message.commit = True
     message.base_version = base_version
     if mode == "async":
         for shard, ack in enumerate(acks[1:], start=1):
-            message.shard_verdicts.add(shard=shard, accepted=ack.accepted, staleness=ack.staleness, reason=ack.reason)
+            message.shard_staleness.add(shard=shard, staleness=ack.staleness)
     return message
 
 

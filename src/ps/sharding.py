@@ -77,14 +77,14 @@ class Sharding:
                 "push: a sharded server takes a push in two calls, hold=true with the tensors, then commit=true",
             )
 
-    def check_verdicts(self, request: pb.PushRequest, mode: str) -> None:
-        """Refuse a commit whose followers' verdicts do not fit ``mode``: async, one from every follower; sync, none."""
-        shards = sorted(verdict.shard for verdict in request.shard_verdicts)
+    def check_staleness(self, request: pb.PushRequest, mode: str) -> None:
+        """Refuse a commit whose followers' staleness does not fit ``mode``: async, every follower's; sync, none."""
+        shards = sorted(entry.shard for entry in request.shard_staleness)
         expected = list(range(1, self.placement.num_shards)) if mode == "async" else []
         if shards != expected:
             raise PushRefused(
                 "INVALID_ARGUMENT",
-                f"commit of push {request.request_id}: the verdicts of shards {shards}, but "
+                f"commit of push {request.request_id}: the staleness of shards {shards}, but "
                 + (
                     f"an async commit carries every follower's (shards 1..{len(expected)})"
                     if expected

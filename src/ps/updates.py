@@ -236,12 +236,24 @@ class Updates:
             )
         staleness = self.state.version - request.base_version
         self.totals.staleness_histogram[staleness] += 1
-        weight, reason = self.control.staleness_policy.verdict(staleness)
-        if request.commit and weight is not None:  # a sharded server: applied on every shard or on none
-            refusal = next((v for v in request.shard_verdicts if not v.accepted), None)
-            if refusal is not None:
-                weight, reason = None, f"shard {refusal.shard}: {refusal.reason}"
-        self._log_push(member, request, staleness=staleness, weight=weight, accepted=weight is not None, reason=reason)
+        policy = self.control.staleness_policy
+        weight, reason = policy.verdict(staleness)
+        shards = {}
+        if request.commit:  # a sharded server: every shard's staleness judged here; applied on all shards or none
+            shards = {entry.shard: entry.staleness for entry in request.shard_staleness}
+            judged = [(k, *policy.verdict(tau)) for k, tau in sorted(shards.items())]
+            refusals = [(k, why) for k, shard_weight, why in judged if shard_weight is None]
+            if weight is not None and refusals:
+                weight, reason = None, f"shard {refusals[0][0]}: {refusals[0][1]}"
+        self._log_push(
+            member,
+            request,
+            staleness=staleness,
+            weight=weight,
+            accepted=weight is not None,
+            reason=reason,
+            **({"shard_staleness": [staleness, *(shards[k] for k in sorted(shards))]} if shards else {}),
+        )
         if weight is None:
             self.totals.counters["pushes_rejected"] += 1
             return pb.PushReply(
@@ -271,6 +283,7 @@ class Updates:
         weight: float | None,
         accepted: bool,
         reason: str | None = None,
+        **fields: object,
     ) -> None:
         """The push event: its Staleness, weight and verdict (with the policy's reason), batches and timings."""
         metrics = request.metrics
@@ -289,6 +302,7 @@ class Updates:
             gradient_time_s=metrics.gradient_time_s,
             compression_time_s=metrics.compression_time_s,
             communication_time_s=metrics.communication_time_s,
+            **fields,
         )
         self.control.observe_push(event)  # timings only; decisions come at evaluations
 

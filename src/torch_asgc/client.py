@@ -267,7 +267,7 @@ class WorkerClient:
     ) -> tuple[Received, list[Received]] | bool:
         """A sharded server's step (:mod:`src.ps.shard_step`): hold each shard's payloads on it at once, each based on
         ``versions[k]``, the version of shard ``k``'s slices the gradient was computed on (``per_shard`` empty: a
-        skipped step, held on shard 0 only), commit to shard 0 (async: with the followers' verdicts), then pull every
+        skipped step, held on shard 0 only), commit to shard 0 (async: with the followers' staleness), then pull every
         shard at once with the certificate. Returns the commit's reply and the pulls, or, when the reply was lost
         with shard 0's session (this client registered again), whether the push was applied.
 

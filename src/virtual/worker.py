@@ -11,9 +11,9 @@ model: the step's compute seconds, then ``compress_s``, then the push. Injected 
 With several server shards (``system.num_servers`` = S > 1) it does the real worker's sharded step
 (``Worker._push_to_shards`` and ``Worker._pull_shards`` in :mod:`src.worker`; its messages built by
 :mod:`src.ps.shard_step`): each shard's slices held on every shard at once, then, once every shard has
-acknowledged, the commit to shard 0 (async: with the followers' verdicts), whose reply carries the verdict, the next
-work and the certificate, then every shard's slices pulled at once (the followers' with the certificate). Its messages to different shards are in flight together and share its own
-links (:mod:`src.virtual.network`).
+acknowledged, the commit to shard 0 (async: with the followers' staleness), whose reply carries the verdict, the
+next work and the certificate, then every shard's slices pulled at once (the followers' with the certificate). Its
+messages to different shards are in flight together and share its own links (:mod:`src.virtual.network`).
 """
 
 from __future__ import annotations
@@ -518,7 +518,7 @@ class VirtualWorker:
             def acknowledged(shard: int, ack: bytes) -> None:
                 traffic.received += len(ack)
                 acks[shard] = split(ack, pb.PushReply, ())
-                if len(acks) == len(shards):  # the commit (async: with the followers' verdicts)
+                if len(acks) == len(shards):  # the commit (async: with the followers' staleness)
                     commit = step.commit(request, [acks[k] for k in range(len(shards))])
                     committing = serialize(Outgoing(commit, {"gradients": [], "buffers": []}))
                     traffic.sent += len(committing)
