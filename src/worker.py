@@ -443,12 +443,12 @@ class Worker:
             step.load(received, parameters=False)
             step.load_shard(0, received)
             try:
-                versions = self._pull_shards(step, b"", first=1)
+                versions = self._pull_shards(step, received.message.certificate, first=1)  # async: the window
             except grpc.RpcError as exc:
                 self._shard_failed(exc, in_flight=0)
                 continue
-            if step.config.system.aggregation_mode == "async" or not step.shards_apart(received.message.version):
-                return received  # async: a follower behind shard 0 catches up with the next push's window
+            if not step.shards_apart(received.message.version):
+                return received
             self._shard_failed(_ShardsApart(received.message.version, versions), in_flight=0)
 
     def _pull_shards(self, step: WorkerStep, certificate: bytes, *, first: int = 0) -> list[int]:

@@ -110,9 +110,9 @@ class DistributedModel(nn.Module):
                 )
             if self.placement is None:
                 return self.load(reply)
-            self.load_shards([reply, *self.client.pull_shards(first=1)])
-            if self.client.mode == "async" or not self.shards_apart(self.version):
-                return self.version  # else a shard is starting again: pull again (async: a follower catches up)
+            self.load_shards([reply, *self.client.pull_shards(reply.message.certificate, first=1)])
+            if not self.shards_apart(self.version):  # else a shard is starting again: pull again
+                return self.version
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.module.state_dict(*args, **kwargs)
