@@ -262,10 +262,12 @@ def test_async_over_shards_is_async_on_one_server_push_for_push(tmp_path):
 
 def test_each_shard_judges_its_own_staleness_and_a_push_one_rejects_is_applied_on_none(tmp_path):
     """Worker 0 pulls shard 0 after worker 1's commit but its follower before (the follower lags), so shard 0
-    counts 0 versions of staleness and the follower 1. With max_staleness 0, shard 0 judges the follower's staleness
-    too and rejects the push, naming the shard, and no shard applies it; with the soft policy each shard weighs it
-    by its own staleness."""
-    run = AsyncRun(_config(tmp_path / "hard", policy="hard", max_staleness=0), _model(), 2)
+    counts 0 versions of staleness and the follower 1. With max_staleness 0 (set on shard 0 as the controller sets
+    it; the config says 8), shard 0 judges the follower's staleness too and rejects the push, naming the shard, and
+    no shard applies it; with the soft policy each shard weighs it by its own staleness."""
+    run = AsyncRun(_config(tmp_path / "hard", policy="hard", max_staleness=8), _model(), 2)
+    control = run.core.control  # the bound as the adaptive controller moves it: on shard 0 only
+    control.staleness_policy = control.staleness_policy.with_max_staleness(0)
     run.compute(1)
     run.hold(1)
     run.commit(1)  # version 1 on shard 0; worker 1 has not pulled, so the follower is at 0
