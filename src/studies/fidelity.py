@@ -13,6 +13,11 @@ parameter-server config:
    same data order, so in sync mode the same updates (the accuracy curves agree point for point) and
    the ratio virtual / real of each seed isolates the timing; the median over seeds is reported,
    with the real runs' own spread (the same command run again on this machine).
+
+:func:`compare_with_real` does steps 1, 3 and 4 for a real run made elsewhere, e.g. across network namespaces with
+each server shard's link shaped by ``tc`` (``tests/test_virtual_shards_fidelity.py``): given that run's config (as
+its final checkpoint holds it) and summary, and the figures of its setting that its config does not hold (the shaped
+links' rate as ``server_mbps``).
 """
 
 from __future__ import annotations
@@ -60,6 +65,33 @@ def _spread(real: list[dict[str, Any]], name: str) -> list[float] | None:
     return [round(min(values) / middle, 3), round(max(values) / middle, 3)]
 
 
+def _compared(measured: dict[str, Any], real: list[dict[str, Any]], virtual: list[dict[str, Any]]) -> dict[str, Any]:
+    """The comparison of the runs, seed by seed: each ratio virtual / real, the real runs' spread, the accuracies."""
+    result: dict[str, Any] = {"calibration": measured, "real": real, "virtual": virtual}
+    for name in ("throughput_samples_per_s", "time_to_target_s", "train_time_s"):
+        result[f"{name}_ratio"] = _paired_ratio(virtual, real, name)
+        result[f"{name}_real_spread"] = _spread(real, name)
+    accuracies = [r["final_accuracy"] for r in real]
+    result["real_accuracy_range"] = [min(accuracies), max(accuracies)]
+    result["virtual_accuracy_median"] = statistics.median(v["final_accuracy"] for v in virtual)
+    return result
+
+
+def compare_with_real(
+    config: Config, real: dict[str, Any], out_dir: str | Path, *, setting: dict[str, Any], steps: int = 10
+) -> dict[str, Any]:
+    """Calibrate here and run ``config`` in virtual time (under ``out_dir``), against ``real``: the summary of a real
+    run of ``config`` made elsewhere; ``setting``: the cost-model figures of that run's setting that ``config`` does
+    not hold (``server_mbps``: each server shard's link rate). The same comparison as :func:`compare`, of one run
+    each, plus the virtual run's summary (``virtual_summary``: its checkpoint, its per-shard load)."""
+    from src.virtual.run import run_virtual
+
+    measured = calibrate(config, concurrent=config.system.num_workers, steps=steps)
+    figures = {**measured["emulation"], **setting}
+    summary = run_virtual(with_clock(config, "virtual", figures, Path(out_dir)), tensorboard=False)
+    return {**_compared(measured, [_figures(real)], [_figures(summary)]), "virtual_summary": summary}
+
+
 def compare(
     config: Config, out_dir: str | Path, *, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 20
 ) -> dict[str, Any]:
@@ -83,11 +115,4 @@ def compare(
                 run_virtual(with_clock(seeded, "virtual", figures, out_dir / f"virtual_seed{seed}"), tensorboard=False)
             )
         )
-    result: dict[str, Any] = {"calibration": measured, "real": real, "virtual": virtual}
-    for name in ("throughput_samples_per_s", "time_to_target_s", "train_time_s"):
-        result[f"{name}_ratio"] = _paired_ratio(virtual, real, name)
-        result[f"{name}_real_spread"] = _spread(real, name)
-    accuracies = [r["final_accuracy"] for r in real]
-    result["real_accuracy_range"] = [min(accuracies), max(accuracies)]
-    result["virtual_accuracy_median"] = statistics.median(v["final_accuracy"] for v in virtual)
-    return result
+    return _compared(measured, real, virtual)

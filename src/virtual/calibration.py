@@ -11,8 +11,9 @@ machine running that config:
 * ``server_update_s``: the server core's work per push: parse, admit, decode and apply
   (:class:`src.ps.core.ServerCore`, async, one worker).
 * ``server_reply_s``: the core's work per reply (the next work, the parameters, serialized), plus
-  the transport's own time per round trip: a real gRPC push on loopback minus the core's work, so a
-  virtual run's server time holds everything a real round trip costs beyond the links.
+  the transport's own time per round trip: a real push over the run's transport (``system.transport``) on
+  loopback minus the core's work, so a virtual run's server time holds everything a real round trip costs
+  beyond the links.
 
 A virtual run whose config lacks some of these figures measures them first (:func:`with_measured_figures`:
 the same measurements, the missing ones only) and says what it measured, rather than stopping at the first
@@ -110,12 +111,20 @@ def measure_worker_concurrently(config: Config, processes: int, *, steps: int = 
 
 
 def _server_config(config: Config, tmp: str) -> Config:
-    """One worker, async, work for every push, nothing written that is not needed."""
+    """One worker, async, one server on a free loopback port, work for every push, nothing written that is not
+    needed.
+
+    One server even for a sharded run: ``server_update_s`` and ``server_reply_s`` are one server's times, which a
+    virtual run with S shards gives each shard its byte share of (:func:`~src.emulation.cost_model.shard_times`).
+    """
     from src.config import validate_config
 
     data = config.to_dict()
     data["system"].update(
         num_workers=1,
+        num_servers=1,
+        shard_addresses=[],
+        server_address="127.0.0.1:0",
         aggregation_mode="async",
         inject_faults=[],
         adaptive_compression=False,
@@ -162,7 +171,7 @@ def _time_core_push(core, caller: pb.Caller, request_id: int, payloads, buffers)
 
 
 def _time_round_trip(client, caller: pb.Caller, received, request_id: int, payloads, buffers):
-    """One real gRPC push of the work ``received`` holds: (the reply, the round trip's seconds)."""
+    """One real push of the work ``received`` holds: (the reply, the round trip's seconds)."""
     work = received.message.work
     request = pb.PushRequest(
         caller=caller,
@@ -192,14 +201,15 @@ def _server_figures(update: list[float], reply: list[float], trips: list[float])
 
 
 def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
-    """Median seconds of the server core's work per push and per reply, and of a real gRPC round trip.
+    """Median seconds of the server core's work per push and per reply, and of a real round trip over the run's
+    transport.
 
-    The core alone and the gRPC round trips alternate push by push, so a load that comes and goes
+    The core alone and the real round trips alternate push by push, so a load that comes and goes
     on the machine weighs on both alike.
     """
     from src.parameter_server import ParameterServer, planned_work
     from src.ps.core import ServerCore
-    from src.transport.grpc import ParameterServerClient
+    from src.transport.clients import make_client
 
     with tempfile.TemporaryDirectory() as tmp:
         run = _server_config(config, tmp)
@@ -213,7 +223,8 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
         server = ParameterServer(
             run, token="calibration", evaluate=False, tensorboard=False, num_train_samples=batch_size
         )
-        client = ParameterServerClient(f"127.0.0.1:{server.start()}", token="calibration")
+        address = f"127.0.0.1:{server.start()}"
+        client = make_client(address, transport=run.system.transport, token="calibration")
         update, reply, trips = [], [], []
         try:
             core_caller = _register_with_core(core)
@@ -225,7 +236,7 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
                 update_s, reply_s = _time_core_push(core, core_caller, request_id, payloads, buffers)
                 update.append(update_s)
                 reply.append(reply_s)
-                # A real gRPC server and client on loopback: the whole round trip.
+                # A real server and client on loopback, over the run's transport: the whole round trip.
                 received, trip_s = _time_round_trip(client, caller, received, request_id, payloads, buffers)
                 trips.append(trip_s)
         finally:

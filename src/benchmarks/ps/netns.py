@@ -175,8 +175,14 @@ def _kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _run(hosts: Hosts, num_servers: int, folder: Path, settings: dict, port: int, token: str) -> dict:
-    """One run across ``hosts``: ``num_servers`` shards on ``server_0..``, the workers on ``worker_0..``."""
+def run_across_hosts(hosts: Hosts, num_servers: int, folder: Path, settings: dict, port: int, token: str) -> dict:
+    """One sync run across ``hosts``: ``num_servers`` shards on ``server_0..``, the workers on ``worker_0..``, each
+    process's logs and checkpoints under ``folder/ROLE``; shard 0's summary, with ``followers_exit``. ``settings``:
+    ``samples``, ``batch_size``, ``slice_bytes``, ``transport``.
+
+    Raises:
+        RuntimeError: shard 0 or a worker did not end with 0 (with every process's last output).
+    """
     addresses = [f"{hosts.ips[f'server_{k}']}:{port}" for k in range(num_servers)]
     run = [
         *("--workers", str(NUM_WORKERS), "--dataset", "mnist_5k", "--model", "simple_cnn", "--num-epochs", "1"),
@@ -284,7 +290,7 @@ def bench_shards_netns(
             for servers in (1, 2) if repeat % 2 == 0 else (2, 1):
                 folder = Path(tmp) / f"s{servers}_{repeat}"
                 folder.mkdir()
-                summary = _run(hosts, servers, folder, settings, PORT + 2 * repeat + servers, token)
+                summary = run_across_hosts(hosts, servers, folder, settings, PORT + 2 * repeat + servers, token)
                 runs[servers].append(_entry(summary, servers, mbps))
                 row = runs[servers][-1]
                 log(
