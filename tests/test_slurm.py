@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,8 @@ PS_FLAGS = [
     *"--heartbeat-interval 0.5 --heartbeat-timeout 3 --checkpoint-interval 20".split(),
 ]
 # 2 epochs, 2 ranks x batch 16: 250 steps, a checkpoint every 4 (a requeue lands long before the end).
+# The 2-shard jobs: PS_FLAGS with tensors cut across the shards by 64 kB slices.
+SHARDED_FLAGS = [*PS_FLAGS, "--set", "system.shard_slice_bytes=65536"]
 DDP_FLAGS = [
     *"--dataset mnist_5k --num-epochs 2 --batch-size 16 --max-test-samples".split(),
     str(NUM_TEST),
@@ -123,14 +126,16 @@ def assert_ps_roles_ended(text: str, statuses: dict[str, str]) -> None:
         assert (found != "0") if status == "nonzero" else (found == status), f"{lines[0]}\n{text}"
 
 
-def requeue_once_checkpointed(cluster: SlurmCluster, job_id: int, checkpoints: Path, workdir: Path) -> None:
-    """``scontrol requeue`` the running job once it has written a numbered checkpoint; start it again 2 s later."""
+def requeue_once_checkpointed(
+    cluster: SlurmCluster, job_id: int, checkpoints: Path, workdir: Path, ready: Callable[[], bool] | None = None
+) -> None:
+    """``scontrol requeue`` the running job once it has written a numbered checkpoint (or once ``ready()``); start
+    it again 2 s later."""
+    ready = ready or (lambda: any(checkpoints.glob("checkpoint_*.pt")))
     job = cluster.wait_for_job(
-        job_id,
-        JOB_TIMEOUT_S,
-        until=lambda job: job["JobState"] not in ("PENDING", "RUNNING") or any(checkpoints.glob("checkpoint_*.pt")),
+        job_id, JOB_TIMEOUT_S, until=lambda job: job["JobState"] not in ("PENDING", "RUNNING") or ready()
     )
-    assert job["JobState"] == "RUNNING", f"the job ended before its first checkpoint: {job}\n{output(workdir, job_id)}"
+    assert job["JobState"] == "RUNNING", f"the job ended before its checkpoint: {job}\n{output(workdir, job_id)}"
     cluster.run("scontrol", "requeue", str(job_id))
     # Slurm makes a requeued job eligible only 2 minutes later (its EligibleTime); the test starts it
     # 2 s after it is back in the queue. Not sooner: slurmd refuses a launch whose credential is from
@@ -163,25 +168,33 @@ def test_ps_job_trains_to_completion(slurm, tmp_path, capsys):
     assert_final_checkpoint(summary, tmp_path, capsys, at_least=0.85)
 
 
+@pytest.fixture(scope="module")
+def two_shards_uninterrupted(slurm, tmp_path_factory):
+    """One 2-shard ps.sbatch job run to the end without a fault: the reference for the faulted ones."""
+    workdir = tmp_path_factory.mktemp("two_shards_uninterrupted")
+    job_id = submit(slurm, PS_SCRIPT, SHARDED_FLAGS, workdir, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
+    finished_ok(slurm, job_id, workdir)
+    summary = json.loads((workdir / "logs" / f"slurm_ps_{job_id}" / "summary.json").read_text())
+    return job_id, workdir, summary
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 90)
-def test_ps_job_with_two_server_shards_trains_to_completion(slurm, tmp_path, capsys):
+def test_ps_job_with_two_server_shards_trains_to_completion(slurm, two_shards_uninterrupted, capsys):
     """DTS_SERVERS=2 and 4 tasks: shard 0 on task 0, shard 1 on task 1 (its own step, port + 1), the workers on
     tasks 2 and 3 with both shards' addresses. Every step ends with 0 by itself (shard 1 once shard 0 has ended
     the run) and the final checkpoint is the whole model, cut across the shards by 64 kB slices."""
     from src.config import config_from_data
     from src.trainer import model_from_config
 
-    flags = [*PS_FLAGS, "--set", "system.shard_slice_bytes=65536"]
-    job_id = submit(slurm, PS_SCRIPT, flags, tmp_path, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
-    finished_ok(slurm, job_id, tmp_path)
+    job_id, tmp_path, summary = two_shards_uninterrupted
     text = output(tmp_path, job_id)
     assert_ps_roles_ended(text, {"parameter server": "0", "server shard 1": "0", "worker 0": "0", "worker 1": "0"})
     port = 20000 + job_id % 10000  # shard k on port + k
     assert f"2 server shards on {slurm.node}:{port},{slurm.node}:{port + 1} (shard 0 first), 2 workers" in text, text
     assert "parameter-server shard 1: the run is over; its part of the model is in" in text, text
+    assert "starting it again" not in text, text
     log_dir = tmp_path / "logs" / f"slurm_ps_{job_id}"
-    summary = json.loads((log_dir / "summary.json").read_text())
     assert (summary["num_workers"], summary["samples_processed"]) == (2, NUM_TRAIN)
     assert sorted(w["worker_id"] for w in summary["workers"] if w["final"]) == [0, 1]
     placement = summary["placement"]
@@ -196,14 +209,102 @@ def test_ps_job_with_two_server_shards_trains_to_completion(slurm, tmp_path, cap
     assert_final_checkpoint(summary, tmp_path, capsys, at_least=0.85)
 
 
+def follower_version(log_dir: Path) -> int:
+    """The newest version shard 1 has applied (its events), 0 before any."""
+    path = log_dir / "server_1" / "events.jsonl"
+    return max((e["version"] for e in read_events(path, "update")), default=0) if path.is_file() else 0
+
+
+def assert_shards_went_back_together(
+    log_dir: Path, reference: dict, workdir: Path, capsys, *, versions: tuple[int, ...]
+) -> None:
+    """Shard 0 resumed from one of ``versions`` (checkpointed by both shards), shard 1 went back to the same; every
+    sample once in shard 0's applied updates, every version of shard 1 made of shard 0's pushes, and the whole
+    model scores within 0.02 of the fault-free job (``reference``: its summary)."""
+    from src.coordinator import check_shards
+
+    events = list(read_events(log_dir / "server" / "events.jsonl"))
+    recoveries = [e for e in events if e["kind"] == "server_recovered"]
+    assert recoveries and recoveries[-1]["version"] in versions, recoveries
+    follower = list(read_events(log_dir / "server_1" / "events.jsonl"))
+    assert [e["version"] for e in follower if e["kind"] == "shard_recovered"][-1:] == [recoveries[-1]["version"]]
+    coverage = check_coverage(events, NUM_TRAIN, 1)
+    assert coverage["ok"] and coverage["voided"] == sum(e["versions_lost"] for e in recoveries), coverage
+    summary = json.loads((log_dir / "summary.json").read_text())
+    shards = check_shards(events, {1: follower})
+    assert shards["ok"] and shards["versions"] == summary["versions"] == reference["versions"], shards
+    assert summary["samples_processed"] == NUM_TRAIN
+    assert abs(summary["final_accuracy"] - reference["final_accuracy"]) <= 0.02, (summary, reference)
+    assert_final_checkpoint(summary, workdir, capsys, at_least=0.85)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 90)  # + the fault-free job when this test runs first
+def test_ps_job_with_two_server_shards_brings_back_a_shard_process_killed_mid_run(
+    slurm, two_shards_uninterrupted, tmp_path, capsys
+):
+    """Shard 1's process SIGKILLed from outside past version 25 (checkpoints every 20): its step's loop in the
+    script starts it again with --resume-unfinished; shard 0 sees it go and exits 1, and its loop starts it again
+    too; both go back to version 20 (or 40), the workers register again, and the job completes with every
+    sample once, the shards consistent and the accuracy of the fault-free job."""
+    job_id = submit(slurm, PS_SCRIPT, SHARDED_FLAGS, tmp_path, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
+    log_dir = tmp_path / "logs" / f"slurm_ps_{job_id}"
+    job = slurm.wait_for_job(
+        job_id,
+        JOB_TIMEOUT_S,
+        until=lambda job: job["JobState"] not in ("PENDING", "RUNNING") or follower_version(log_dir) >= 25,
+    )
+    steps = slurm.steps(job_id)
+    assert job["JobState"] == "RUNNING" and "ps-server-1" in steps, f"{job}, {steps}\n{output(tmp_path, job_id)}"
+    (follower_pid,) = slurm.step_pids(steps["ps-server-1"])
+    os.kill(follower_pid, signal.SIGKILL)
+    finished_ok(slurm, job_id, tmp_path)
+
+    text = output(tmp_path, job_id)
+    assert_ps_roles_ended(text, {"parameter server": "0", "server shard 1": "0", "worker 0": "0", "worker 1": "0"})
+    for role in ("server shard 1", "parameter server"):  # shard 1 killed, shard 0 ended by its watch
+        assert f"ps.sbatch: {role} exited with status " in text and "(restart 1 of 3) with --resume-unfinished" in text
+    assert "ps.sbatch: server shard 1 exited with status 137 before the run was over" in text, text
+    assert "restart 2 of 3" not in text, text
+    _, _, reference = two_shards_uninterrupted
+    assert_shards_went_back_together(log_dir, reference, tmp_path, capsys, versions=(20, 40))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S + 90)
+def test_ps_job_with_two_server_shards_requeued_mid_run_resumes_from_their_checkpoints(
+    slurm, two_shards_uninterrupted, tmp_path, capsys
+):
+    """A 2-shard job requeued past version 25: the second execution starts every shard with --resume-unfinished,
+    and the run goes on from the shards' newest common checkpoint (20 or 40), not afresh."""
+    job_id = submit(slurm, PS_SCRIPT, SHARDED_FLAGS, tmp_path, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
+    log_dir = tmp_path / "logs" / f"slurm_ps_{job_id}"
+    checkpoints = tmp_path / "checkpoints" / f"slurm_ps_{job_id}"
+    requeue_once_checkpointed(slurm, job_id, checkpoints, tmp_path, ready=lambda: follower_version(log_dir) >= 25)
+    finished_ok(slurm, job_id, tmp_path)
+
+    text = output(tmp_path, job_id)
+    assert f"ps.sbatch: job {job_id} (restart 1): 2 server shards" in text, text
+    assert "resuming the interrupted run from" in text and "shard 1: starting again" in text, text
+    _, _, reference = two_shards_uninterrupted
+    assert_shards_went_back_together(log_dir, reference, tmp_path, capsys, versions=(20, 40))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 90)
-def test_ps_job_with_two_server_shards_stops_when_a_shard_step_is_killed(slurm, tmp_path):
-    """A shard's restart is not built: shard 1's step killed mid-run (scancel --signal=KILL) stops every other
-    step at once and the job fails with one line naming the shard; nothing of the job is left running."""
-    job_id = submit(slurm, PS_SCRIPT, PS_FLAGS, tmp_path, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
+def test_ps_job_with_two_server_shards_and_no_restarts_left_stops_when_a_shard_step_is_killed(slurm, tmp_path):
+    """DTS_SHARD_RESTARTS=0: shard 1's step killed mid-run (scancel --signal=KILL) is not started again; every
+    other step is stopped at once and the job fails with one line naming the shard; nothing is left running."""
+    job_id = submit(
+        slurm,
+        PS_SCRIPT,
+        PS_FLAGS,
+        tmp_path,
+        "--ntasks=4",
+        "--overcommit",
+        env={"DTS_SERVERS": "2", "DTS_SHARD_RESTARTS": "0"},
+    )
     server_events = tmp_path / "logs" / f"slurm_ps_{job_id}" / "server" / "events.jsonl"
-
     job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S, until=_training(server_events))
     steps = slurm.steps(job_id)
     assert job["JobState"] == "RUNNING" and {"ps-server", "ps-server-1", "ps-worker-0"} <= steps.keys(), (
@@ -216,13 +317,34 @@ def test_ps_job_with_two_server_shards_stops_when_a_shard_step_is_killed(slurm, 
         pytest.fail(f"{exc}\n{output(tmp_path, job_id)}")
     text = output(tmp_path, job_id)
     assert (job["JobState"], job["ExitCode"]) == ("FAILED", "1:0"), f"{job}\n{text}"
+    assert "0 restarts per shard" in text and "starting it again" not in text, text
     assert_ps_roles_ended(text, {"server shard 1": "nonzero"})
-    assert (
-        "ps.sbatch: server shard 1 ended before the run was over: stopping the job (a shard's restart is not "
-        "built yet)" in text
-    ), text
+    assert "ps.sbatch: server shard 1 ended before the run was over and was not started again: stopping the job" in text
     assert not (tmp_path / "checkpoints" / f"slurm_ps_{job_id}" / "parameter_server_final.pt").exists()
-    assert slurm.job_processes(job_id) == [], "processes of the stopped job are still running"
+    deadline = time.monotonic() + 30
+    while slurm.job_processes(job_id):
+        assert time.monotonic() < deadline, f"processes of the stopped job still run\n{text}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 90)
+def test_ps_job_with_two_server_shards_cancelled_mid_run_stops_every_step(slurm, tmp_path):
+    """scancel of a 2-shard job mid-run: every step stops and none is started again; nothing is left running."""
+    job_id = submit(slurm, PS_SCRIPT, PS_FLAGS, tmp_path, "--ntasks=4", "--overcommit", env={"DTS_SERVERS": "2"})
+    server_events = tmp_path / "logs" / f"slurm_ps_{job_id}" / "server" / "events.jsonl"
+    job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S, until=_training(server_events))
+    assert job["JobState"] == "RUNNING", f"{job}\n{output(tmp_path, job_id)}"
+    slurm.run("scancel", str(job_id))
+    job = slurm.wait_for_job(job_id, JOB_TIMEOUT_S)
+    assert job["JobState"] == "CANCELLED", f"{job}\n{output(tmp_path, job_id)}"
+    deadline = time.monotonic() + 30  # Slurm's KillWait (10 s) and the processes' own ends
+    while slurm.job_processes(job_id):
+        assert time.monotonic() < deadline, f"processes of the cancelled job still run\n{output(tmp_path, job_id)}"
+        time.sleep(0.2)
+    text = output(tmp_path, job_id)
+    assert "starting it again" not in text, text
+    assert not (tmp_path / "checkpoints" / f"slurm_ps_{job_id}" / "parameter_server_final.pt").exists()
 
 
 def _training(server_events) -> Callable[[dict[str, str]], bool]:
@@ -440,8 +562,12 @@ def run_outside_slurm(script: Path, args: list[str], **environment: str) -> subp
             {"DTS_SERVERS": "2", "DTS_SHARD_END_S": "soon"},
             "ps.sbatch: DTS_SHARD_END_S must be a positive integer (seconds), got 'soon'",
         ),
+        (
+            {"DTS_SERVERS": "2", "DTS_SHARD_RESTARTS": "-1"},
+            "ps.sbatch: DTS_SHARD_RESTARTS must be a non-negative integer (restarts of each shard), got '-1'",
+        ),
     ],
-    ids=["not-a-number", "zero", "no-task-left-for-a-worker", "bad-shard-end"],
+    ids=["not-a-number", "zero", "no-task-left-for-a-worker", "bad-shard-end", "bad-shard-restarts"],
 )
 def test_ps_script_refuses_bad_shard_settings(environment, message):
     result = run_outside_slurm(PS_SCRIPT, ["--dataset", "mnist_5k"], **environment)
