@@ -3,8 +3,8 @@
 Claims: every findings matrix is valid, seed first, with an A/A arm and >= 8 seeds; docs/findings.md
 holds exactly what scripts/findings.py computes from the committed records (a changed number fails
 the check); a matrix run, collected, gives the figures (sync and async scored at the same sample
-counts); a mid-run uplink change slows the pushes after it; Fashion-MNIST and CIFAR-10 files in
-torchvision's layouts train.
+counts); a sharded sync run's accuracy curve is the one-server run's at its own times (F13); a mid-run uplink
+change slows the pushes after it; Fashion-MNIST and CIFAR-10 files in torchvision's layouts train.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from src.findings import figures as findings
 from src.findings.document import check_document
 from src.findings.record import collect_matrix, load_records, write_record
 from src.findings.render import render
+from src.findings.sharded_ps import sharded_curve
 from src.launch import experiment as rx
 from src.launch import matrix as run_matrix
 from src.virtual.run import run_virtual
@@ -98,6 +99,9 @@ def test_the_committed_aa_arms_differ_by_exactly_nothing():
     assert set(figures["F8_F9_F10"]["aa"]["time_to_target_ratio"]["values"]) <= {1.0}
     for optimizer in ("sgd", "momentum"):
         assert set(figures["F2_F4_F5_F6"][optimizer]["aa"]["accuracy_difference"]["values"]) == {0.0}
+    assert figures["F13"]["aa"]["throughput_ratio"]["values"] == [1.0] * figures["F13"]["seeds"]
+    assert set(figures["F13"]["aa"]["final_accuracy_difference"]["values"]) == {0.0}
+    assert set(figures["F13"]["same_update"].values()) == {f"{figures['F13']['seeds']}/{figures['F13']['seeds']}"}
 
 
 def _tiny_matrix(tmp_path: Path) -> Path:
@@ -161,6 +165,63 @@ def test_a_matrix_run_collected_gives_its_figures_at_the_same_sample_counts(tmp_
     assert plain["throughput_ratio"]["mean"] > 2 and 0.5 < plain["fraction_of_ideal"]["mean"] <= 1.05
     assert level["aa"]["throughput_ratio"]["values"] == [1.0, 1.0]
     assert "A/A (sync repeated): samples/s ratio 1.000x" in render(findings.compute({"f1_stragglers": record}))["F1"]
+
+
+def _tiny_f13(tmp_path: Path) -> Path:
+    matrix = {
+        "matrix": {
+            "name": "f13_shards",
+            "axes": {
+                "seed": [0, 1],
+                "arm": {
+                    "ddp": {"system.architecture": "ddp"},
+                    "sync_k1": {"system.num_servers": 1},
+                    "sync_k2": {"system.num_servers": 2},
+                    "async_k1": {"system.aggregation_mode": "async"},
+                    "ddp_aa": {"system.architecture": "ddp"},
+                },
+            },
+        },
+        "training": {
+            "dataset": "mnist_5k",
+            "model_architecture": "mlp",
+            "max_train_samples": 96,
+            "max_test_samples": 64,
+            "batch_size": 8,
+            "num_epochs": 1,
+            "eval_every_samples": 48,
+        },
+        "system": {"num_workers": 3, "clock": "virtual", "aggregation_mode": "sync", "shard_slice_bytes": 65536},
+        "emulation": {"uplink_mbps": 100, "downlink_mbps": 100, "server_mbps": 100, **COSTS},
+        "metrics": {"trackers": []},
+    }
+    path = tmp_path / "f13_shards.yaml"
+    path.write_text(yaml.safe_dump(matrix, sort_keys=False))
+    return path
+
+
+def test_f13_a_sharded_run_takes_the_one_server_runs_curve_at_its_own_times(tmp_path):
+    assert run_matrix.main(["--config", str(_tiny_f13(tmp_path)), "--results-dir", str(tmp_path / "results")]) == 0
+    record = collect_matrix(tmp_path / "results" / "f13_shards")
+    runs = {(r["configuration"], r["seed"]): r for r in record["runs"]}
+    ddp, one, two = runs["ddp", 0], runs["sync_k1", 0], runs["sync_k2", 0]
+    assert [e[0] for e in ddp["evals"]][:2] == [48, 96] and "updates" not in ddp  # DDP's own events are read
+    assert two["evals"] == [] and [v for v, _ in two["updates"]] == list(range(1, 5))  # 96 / (3 x 8): 4 versions
+    curve = sharded_curve(two, one)
+    assert [e[0] for e in curve] == [e[0] for e in one["evals"]] and [e[2] for e in curve] == [
+        e[2] for e in one["evals"]
+    ]
+    assert [e[1] for e in curve] == [dict(two["updates"])[e[4]] for e in one["evals"]]
+    other = {**one, "summary": {**one["summary"], "final_loss": one["summary"]["final_loss"] * (1 + 1e-5)}}
+    assert sharded_curve(two, other) == []  # not the same model at the end: no curve
+    other["summary"]["final_loss"] = one["summary"]["final_loss"] * (1 + 1e-8)  # the order of float sums: the same
+    assert sharded_curve(two, other) == curve
+    f = findings.compute({"f13_shards": record})["F13"]
+    assert f["same_update"] == {"sync_k2": "2/2"} and f["aa"]["throughput_ratio"]["values"] == [1.0, 1.0]
+    assert f["arms"]["sync_k2"]["reached"] == f["arms"]["sync_k1"]["reached"]
+    assert f["vs_ddp"]["sync_k1"]["final_accuracy_difference"]["values"] == [0.0, 0.0]  # the same update as DDP's
+    assert set(f["vs_ddp"]) == {"sync_k1", "sync_k2", "async_k1"} and f["arms"]["async_k1"]["samples_per_step"] == 8
+    assert "| sync PS, k = 2 | none | 24 |" in render(findings.compute({"f13_shards": record}))["F13"]
 
 
 def test_the_uplink_schedule_changes_the_link_mid_run_in_virtual_time_only(tmp_path):

@@ -1,9 +1,11 @@
-"""The spec's findings F1-F12, computed from the committed records of their matrices (docs/findings/*.json).
+"""The spec's findings F1-F12 and issue 33's F13, computed from the committed records of their matrices
+(docs/findings/*.json).
 
 Each finding is one or two matrices (``configs/experiments/f*.yaml``, virtual time, seed the outer
 axis, at least 8 seeds, an A/A arm). :func:`compute` turns their records (:mod:`src.findings.record`,
 read as :class:`src.findings.runs.Matrix`) into figures, every comparison paired by seed with a
-bootstrap 95% interval (:mod:`src.findings.paired_stats`); the figures of one run are :mod:`src.findings.runs`'.
+bootstrap 95% interval (:mod:`src.findings.paired_stats`); the figures of one run are :mod:`src.findings.runs`';
+F13's (a sharded parameter server against ring allreduce) are :mod:`src.findings.sharded_ps`'.
 :func:`src.findings.render.render` writes the figures as the Markdown blocks of ``docs/findings.md``
 and :mod:`src.findings.document` checks or rewrites those blocks.
 """
@@ -26,6 +28,7 @@ from src.findings.runs import (
     time_to,
     train_time,
 )
+from src.findings.sharded_ps import f13
 
 
 def _e(estimate_: Estimate) -> dict[str, Any]:
@@ -392,6 +395,7 @@ def compute(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "F2_F4_F5_F6": f2(matrices),
         "F8_F9_F10": f8(matrices),
         "F7_F11_F12": f11(matrices),
+        "F13": f13(matrices),
         "realtime": realtime(matrices),
         "provenance": provenance(matrices),
     }

@@ -10,7 +10,12 @@ keeps of each run only what :mod:`src.findings.figures` reads (``docs/findings/<
   the figures use (samples, steps, busy times, bytes);
 * ``evals``: every evaluation, ``[samples applied, seconds of training, test accuracy, test loss, version]``;
 * ``controller``: every controller decision, ``[version, rho, action]``;
-* ``applied_max_staleness``: the largest staleness among the pushes the server applied (the push events).
+* ``applied_max_staleness``: the largest staleness among the pushes the server applied (the push events);
+* ``updates`` (a run with several server shards only): every update, ``[version, seconds]``. Such a run evaluates
+  only its final whole model, so :mod:`src.findings.sharded_ps` reads its accuracy at each version from the
+  one-server run of the same update.
+
+The events are the server's (``logs/server/events.jsonl``), or a DDP run's own (``logs/events.jsonl``).
 
     record = collect_matrix(Path("results/f1_stragglers"))     # {"matrix": ..., "runs": [...]}
     write_record(record, Path("docs/findings"))
@@ -63,9 +68,17 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
         config.get("system", {}).pop(field, None)
     summary.pop("checkpoint_path", None)
     summary["workers"] = [{k: w[k] for k in WORKER_FIELDS if k in w} for w in summary.get("workers", [])]
-    server = run_dir / "logs" / "server" / "events.jsonl"
-    evals, controller, applied = [], [], 0
-    for event in read_events(server) if server.is_file() else ():
+    events = next(
+        (
+            path
+            for path in (run_dir / "logs" / "server" / "events.jsonl", run_dir / "logs" / "events.jsonl")
+            if path.is_file()
+        ),
+        None,
+    )
+    sharded = (summary.get("placement") or {}).get("num_shards", 1) > 1
+    evals, controller, applied, updates = [], [], 0, []
+    for event in read_events(events) if events is not None else ():
         kind = event.get("kind")
         if kind == "eval" and event.get("test_accuracy") is not None:
             evals.append(
@@ -81,6 +94,8 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
             controller.append([event.get("step"), event.get("rho"), event.get("action")])
         elif kind == "push" and event.get("accepted"):
             applied = max(applied, int(event.get("staleness") or 0))
+        elif kind == "update" and sharded:
+            updates.append([event.get("version"), event.get("time")])
     return {
         "name": run_dir.name,
         "configuration": configuration_of(run_dir.name),
@@ -91,6 +106,7 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
         "evals": evals,
         "controller": controller,
         "applied_max_staleness": applied,
+        **({"updates": updates} if sharded else {}),
     }
 
 

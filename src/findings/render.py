@@ -262,6 +262,92 @@ def _render_f11(f: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _f13_label(arm: dict[str, Any]) -> str:
+    if arm["kind"] == "ddp":
+        return "DDP (ring allreduce)"
+    if arm["kind"] == "sync":
+        return f"sync PS, k = {arm['shards']}"
+    return f"async PS, {arm['shards']} server" + ("s" if arm["shards"] > 1 else "")
+
+
+def _render_f13(f: dict[str, Any]) -> list[str]:
+    if not f:
+        return ["(not measured)"]
+    low, high = f["thresholds"]
+    straggler = lambda arm: f"+{arm['straggler_s']:g} s" if arm["straggler_s"] else "none"  # noqa: E731
+    rows = []
+    for name, arm in f["arms"].items():
+        rows.append(
+            [
+                _f13_label(arm),
+                straggler(arm),
+                str(arm["samples_per_step"]),
+                fmt(arm["step_s"], 3),
+                fmt(arm["formula_s"], 3),
+                fmt(arm["step_over_formula"], 2),
+                fmt(arm["byteps_formula_s"], 3),
+                fmt(arm["throughput"], 0),
+                f"{fmt(arm['time_to_target_s'][str(low)], 1)} ({arm['reached'][str(low)]})",
+                f"{fmt(arm['time_to_target_s'][str(high)], 1)} ({arm['reached'][str(high)]})",
+                fmt(arm["samples_to_target"][str(high)], 0),
+                fmt(arm["final_accuracy"], 3),
+            ]
+        )
+    lines = table(
+        [
+            "arm",
+            "straggler",
+            "samples a step",
+            "s per step",
+            "formula (ours), s",
+            "measured / formula",
+            "BytePS formula, s",
+            "samples/s",
+            f"s to {low:g} (reached)",
+            f"s to {high:g} (reached)",
+            f"samples to {high:g}",
+            "final accuracy",
+        ],
+        rows,
+    )
+    lines += ["", "Against DDP under the same straggler (paired by seed; < 1: the parameter server is faster):", ""]
+    vs = []
+    for name, value in f["vs_ddp"].items():
+        arm = f["arms"][name]
+        vs.append(
+            [
+                _f13_label(arm),
+                straggler(arm),
+                fmt(value["time_per_sample_ratio"], 2, "x"),
+                fmt(value["formula_ratio"], 2, "x"),
+                fmt(value["time_to_target_ratio"][str(low)], 2, "x"),
+                fmt(value["time_to_target_ratio"][str(high)], 2, "x"),
+                points(value["final_accuracy_difference"]),
+            ]
+        )
+    lines += table(
+        [
+            "parameter server",
+            "straggler",
+            "time per sample, PS / DDP",
+            "by the formulas",
+            f"time to {low:g}, PS / DDP",
+            f"time to {high:g}, PS / DDP",
+            "final accuracy, PS - DDP",
+        ],
+        vs,
+    )
+    same = ", ".join(f"{name} {count}" for name, count in f["same_update"].items())
+    return lines + [
+        "",
+        f"Sharded sync runs ending on the one-server run's model (their curves read from it): {same or 'none'}.",
+        "",
+        f"A/A (DDP repeated, {f['seeds']} seeds): samples/s ratio {fmt(f['aa']['throughput_ratio'], 3, 'x')}, "
+        f"time to {low:g} ratio {fmt(f['aa']['time_to_target_ratio'], 3, 'x')}, "
+        f"final accuracy {points(f['aa']['final_accuracy_difference'])}.",
+    ]
+
+
 def _render_realtime(r: dict[str, Any]) -> list[str]:
     rows = []
     if "F1" in r:
@@ -336,6 +422,7 @@ RENDERERS: dict[str, Callable[[Any], list[str]]] = {
     "F2_F4_F5_F6": _render_f2,
     "F8_F9_F10": _render_f8,
     "F7_F11_F12": _render_f11,
+    "F13": _render_f13,
     "realtime": _render_realtime,
     "provenance": _render_provenance,
 }

@@ -1,4 +1,4 @@
-"""The summary block of docs/findings.md: each of the spec's claims F1-F12 beside what was measured here.
+"""The summary block of docs/findings.md: each claim (the spec's F1-F12, issue 33's F13) beside what was measured.
 
 One row per claim (a finding measured under two setups has a row for each): the finding, what the spec
 reports, what the records give (mean [95% interval] over seeds), the target this project set, and whether
@@ -188,10 +188,38 @@ def _controller_rows(f11: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _f13_rows(f13: dict[str, Any]) -> list[Row]:
+    """Sync PS with k = n shards and async PS with one server against ring allreduce, with and without a straggler."""
+    vs = f13.get("vs_ddp", {}) if f13 else {}
+    sync = next((name for name in ("sync_k8", "sync_k4", "sync_k2", "sync_k1") if name in vs), None)
+    if sync is None or "async_k1" not in vs:
+        return []
+    shards = f13["arms"][sync]["shards"]
+    asyncs = [(name, f13["arms"][name]["straggler_s"]) for name in vs if f13["arms"][name]["kind"] == "async"]
+    slowest, slowest_s = max(asyncs, key=lambda pair: pair[1])
+    by_straggler = ", ".join(
+        f"{'no straggler' if seconds == 0 else f'+{seconds:g} s'} {fmt(vs[name]['time_per_sample_ratio'], 2, 'x')}"
+        for name, seconds in asyncs
+    )
+    return [
+        [
+            "F13 (sharded PS vs ring allreduce)",
+            "issue 33: when does a sharded PS beat ring allreduce (BytePS: with k = n shards)?",
+            f"time per sample, PS / DDP at {f13['workers']} workers, {f13['link_mbps']:g} Mbit/s: sync PS, "
+            f"k = {shards}: {fmt(vs[sync]['time_per_sample_ratio'], 2, 'x')} (formulas "
+            f"{fmt(vs[sync]['formula_ratio'], 2, 'x')}); async PS, 1 server: {by_straggler}",
+            "-",
+            f"sync PS beats ring: {verdict(vs[sync]['time_per_sample_ratio'], 1.0, above=False)}; async PS with a "
+            f"+{slowest_s:g} s straggler: {verdict(vs[slowest]['time_per_sample_ratio'], 1.0, above=False)}",
+        ]
+    ]
+
+
 def summary_table(figures: dict[str, Any]) -> list[str]:
-    """The summary block's lines: every claim's row, in the order F1 ... F12."""
+    """The summary block's lines: every claim's row, in the order F1 ... F13."""
     f2 = figures["F2_F4_F5_F6"]
     rows = _f1_rows(figures["F1"]) + _f2_f5_rows(f2) + _f3_rows(figures["F3"]) + _f4_f6_rows(f2)
     rows += _f8_f10_rows(figures["F8_F9_F10"]) + _controller_rows(figures["F7_F11_F12"])
-    rows.sort(key=lambda row: int(re.match(r"F(\d+)", row[0]).group(1)))  # F1 ... F12 (stable within one)
+    rows += _f13_rows(figures.get("F13", {}))
+    rows.sort(key=lambda row: int(re.match(r"F(\d+)", row[0]).group(1)))  # F1 ... F13 (stable within one)
     return table(["finding", "spec", "measured here (mean [95% interval] over seeds)", "target", "met"], rows)
