@@ -1,7 +1,7 @@
 """Benchmark the parameter server at the wire's limit, per transport; prints one JSON object last.
 
     python scripts/bench_ps.py --output bench_ps.json      # all of it (~5 min on 2 cores)
-    python scripts/bench_ps.py --skip-training --skip-ceiling --skip-shards --skip-netns  # only the round trips
+    python scripts/bench_ps.py --skip-training --skip-ceiling --skip-shards --skip-netns  # round trips, per shard too
     python scripts/bench_ps.py --skip-round-trips --skip-ceiling --skip-training  # only the shards (a) and (b)
     python scripts/bench_ps.py --sizes-mb 1 4 --repeats 20 --transports tcp
 
@@ -41,6 +41,17 @@ the core's lock per push: what serializes pushes). The server runs in its own pr
 before the reply is built.
 Median of ``--repeats`` after one warm-up; the PS step and the echoes alternate, so a slow spell of a
 shared machine slows all of them rather than one.
+
+``shard_round_trips`` (over TCP, with the round trips; ``--skip-shard-round-trips``: not): per size, one follower
+shard's link per sync step of 2 shards, one worker: ``shard_round_trip_ms`` = the follower's hold (its slices up,
+an acknowledgement down) + its pull (the certificate up, the follower's step, its slices down) as the worker times
+each call, made one at a time (shard 0's hold, commit and pull outside it), beside ``raw_tcp_echo_ms`` and
+``stepping_echo_ms`` of the same bytes on the follower's slices, in its process; ``stepping_echo_ratio`` =
+``stepping_echo_ms`` / ``shard_round_trip_ms``, ``target`` 0.85 from 4 MB. The model has 8 tensors of twice the
+size, 4 a shard, so the follower's link carries the row's size (``shard_mb``); from 20 MB it is resnet18 (the
+follower about half). ``server_ms``: the follower's own parts (``decode`` of the hold, of which
+``decode_while_receiving``, ``hold``, ``step``, ``reply``, the whole ``pull`` under its lock). Definitions:
+``src/benchmarks/ps/round_trips.py``.
 
 ``ceiling``: pushes/s and GB/s into one server from 1, 4, 8 and 16 light clients (threads of one
 client process, no compute: a push, its reply, the next push) per transport, on a ~4 MB model in
@@ -105,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ceiling-seconds", type=float, default=4.0, help="seconds each ceiling run pushes")
     parser.add_argument("--skip-round-trips", action="store_true")
+    parser.add_argument(
+        "--skip-shard-round-trips", action="store_true", help="round trips of one server only, no per-shard row"
+    )
     parser.add_argument("--skip-ceiling", action="store_true")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-shards", action="store_true", help="no one server against 2 shards on loopback")
@@ -136,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         args.training_repeats,
         args.batch_size,
         round_trips=not args.skip_round_trips,
+        shard_round_trips=not args.skip_shard_round_trips,
         ceiling=not args.skip_ceiling,
         training=not args.skip_training,
         shards=not args.skip_shards,

@@ -47,7 +47,7 @@ from src.emulation import netem
 from src.ps.aggregation import RequestLog
 from src.ps.core import ServerCore
 from src.ps.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
-from src.ps.push_decode import ArrivingPush
+from src.ps.push_decode import arriving_push_splitter
 from src.ps.refusals import PushRefused, Refused, RunFailed
 from src.ps.sharding import Sharding
 from src.ps.staleness import StalenessPolicy
@@ -337,24 +337,8 @@ class ParameterServer(GrpcMethods):
         gradient is checked as its bytes come in and decoded as soon as it is whole, outside the lock
         (:class:`~src.ps.push_decode.ArrivingPush`); pass the splitter to :meth:`handle_push` once every byte
         has arrived."""
-        layout = self.core.model.layout  # fixed once installed; a push before Initialize is refused later
-        if layout is None:
-            return MessageSplitter(data, pb.PushRequest, PUSH_LARGE_FIELDS)
-        arriving = ArrivingPush(layout)
-
-        def decode(name: str, index: int, payload):
-            try:
-                return arriving.complete(name, index, payload)
-            except Exception:  # noqa: BLE001  (a bug: handle_push decodes it again and answers INTERNAL)
-                return None
-
-        def check(name: str, index: int, payload, arrived: int) -> None:
-            try:
-                arriving.partial(name, index, payload, arrived)
-            except Exception:  # noqa: BLE001  (a bug: nothing counted as checked; the whole decode checks)
-                arriving.forget(index)
-
-        return MessageSplitter(data, pb.PushRequest, PUSH_LARGE_FIELDS, on_large=decode, on_partial=check)
+        # the layout is fixed once installed; a push before Initialize is refused later
+        return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
 
     def _serve_push(self, data, call: Call) -> bytes | Pieces:
         core = self.core

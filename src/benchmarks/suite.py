@@ -252,8 +252,24 @@ def figures_ps(result: dict) -> list[dict]:
 
 
 def figures_ps_shards(result: dict) -> list[dict]:
-    """bench_ps's server shards: 2 shards against one server on loopback, and across namespaces with shaped links."""
+    """bench_ps's server shards: a follower's link per sync step against the stepping echo, 2 shards against one
+    server on loopback, and across namespaces with shaped links."""
     rows = []
+    for trip in result.get("shard_round_trips", []):
+        rows.append(
+            _row(
+                "bench_ps",
+                f"tcp per-shard round trip (a follower's hold + pull, {trip['shard_mb']} MB of a {trip['model_mb']} MB "
+                f"model on 2 shards) against the stepping echo",
+                trip["shard_round_trip_ms"],
+                trip["stepping_echo_ms"],
+                "raw TCP echo whose server steps on the pushed bytes (the follower's)",
+                "ms",
+                trip["stepping_echo_ratio"],
+                "reference / ours (1 = a shard costing only the bytes and a step on cold tensors)",
+                trip["target"],
+            )
+        )
     for entry in result.get("shards", []):
         one, two = entry["rows"][0], entry["rows"][-1]
         rows.append(

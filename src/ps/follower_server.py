@@ -30,6 +30,7 @@ from src.common.checkpoint import save_checkpoint
 from src.config import Config
 from src.ps.follower import FollowerCore
 from src.ps.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
+from src.ps.push_decode import arriving_push_splitter
 from src.ps.refusals import Refused
 from src.ps.shard_final import shard_part_path
 from src.ps.sharding import Sharding
@@ -80,7 +81,7 @@ class FollowerServer(GrpcMethods):
             placement=sharding.placement,
             shard=shard,
             key=sharding.key,
-            reply_views=False,
+            reply_views=True,  # pull replies are sent from the slices' own memory, as shard 0's
             resume=resume,
             recovering=recovering,
         )
@@ -143,8 +144,9 @@ class FollowerServer(GrpcMethods):
             return reply
 
     def push_splitter(self, data) -> MessageSplitter:
-        """A splitter of a push arriving into ``data`` (TCP reads it in pieces); decoded once whole."""
-        return MessageSplitter(data, pb.PushRequest, PUSH_LARGE_FIELDS)
+        """A splitter of a push arriving into ``data`` (TCP reads it in pieces): each gradient checked as its bytes
+        come in and decoded once whole, as shard 0 does (:func:`~src.ps.push_decode.arriving_push_splitter`)."""
+        return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
 
     def after_reply(self) -> None:
         """Nothing waits for a reply to be out here (the events are written at once)."""

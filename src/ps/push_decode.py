@@ -3,7 +3,7 @@
 A push is decoded outside the core's lock (pushes decode in parallel): this reads only the layout,
 fixed once the model is installed. Every problem is a :class:`~src.ps.refusals.PushRefused` that
 names the tensor or the field. A receiver that reads a push in pieces (TCP) checks and decodes its
-gradients as they arrive (:class:`ArrivingPush`).
+gradients as they arrive (:class:`ArrivingPush`, :func:`arriving_push_splitter`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from src.compressors.payload_format import HEADER_SIZE, Kind
 from src.ps.aggregation import Contribution, ModelState
 from src.ps.refusals import PushRefused
 from src.ps.served_model import layout_mismatch
-from src.transport.wire import Received, check_float32_bytes
+from src.transport.wire import MessageSplitter, Received, check_float32_bytes
 
 _FLOAT32_LE = np.dtype("<f4")  # the wire's float32
 
@@ -198,3 +198,27 @@ class ArrivingPush:
             return None
         finite = self._finite.get(index, 0) if self._scanned.get(index) else 0
         return self.layout.gradient(index, payload, finite_values=finite)
+
+
+def arriving_push_splitter(layout: ModelLayout | None, data, large_fields) -> MessageSplitter:
+    """A splitter of a push arriving into ``data`` (a transport that reads it in pieces: TCP), whose gradients are
+    checked as their bytes come in and decoded as soon as each is whole, against ``layout`` (:class:`ArrivingPush`);
+    ``None`` (no model yet): split once every byte is in. A decode that fails here on a bug is left to the decode
+    of the whole push, which answers it."""
+    if layout is None:
+        return MessageSplitter(data, pb.PushRequest, large_fields)
+    arriving = ArrivingPush(layout)
+
+    def decode(name: str, index: int, payload):
+        try:
+            return arriving.complete(name, index, payload)
+        except Exception:  # noqa: BLE001  (a bug: handle_push decodes it again and answers INTERNAL)
+            return None
+
+    def check(name: str, index: int, payload, arrived: int) -> None:
+        try:
+            arriving.partial(name, index, payload, arrived)
+        except Exception:  # noqa: BLE001  (a bug: nothing counted as checked; the whole decode checks)
+            arriving.forget(index)
+
+    return MessageSplitter(data, pb.PushRequest, large_fields, on_large=decode, on_partial=check)

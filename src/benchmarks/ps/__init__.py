@@ -5,7 +5,8 @@ DDP. ``scripts/bench_ps.py`` runs it; its ``--help`` says what each figure means
 
 One module a part, ``run_benchmark`` here runs the ones asked for:
 
-* ``round_trips``: a push round trip per transport and size against its references (``bench_round_trips``);
+* ``round_trips``: a push round trip per transport and size against its references (``bench_round_trips``), and
+  one follower shard's link per sync step of 2 shards against the same references (``bench_shard_round_trip``);
 * ``references``: those references, both ends: the raw TCP echo, the stepping echo, the gRPC echo, torch's step;
 * ``ceiling``: one server's pushes/s from a few counts of light clients (``bench_ceiling``);
 * ``shards``: pushes/s and GB/s into one server and into two server shards from light clients (``bench_shards``);
@@ -25,13 +26,14 @@ import os
 
 from src.benchmarks.ps.ceiling import bench_ceiling
 from src.benchmarks.ps.netns import bench_shards_netns
-from src.benchmarks.ps.round_trips import bench_round_trips
+from src.benchmarks.ps.round_trips import bench_round_trips, bench_shard_round_trip
 from src.benchmarks.ps.shards import bench_shards
 from src.benchmarks.ps.training import bench_training
 
 __all__ = [
     "bench_ceiling",
     "bench_round_trips",
+    "bench_shard_round_trip",
     "bench_shards",
     "bench_shards_netns",
     "bench_training",
@@ -50,6 +52,7 @@ def run_benchmark(
     batch_size: int,
     *,
     round_trips: bool = True,
+    shard_round_trips: bool = True,
     ceiling: bool = True,
     training: bool = True,
     shards: bool = True,
@@ -61,16 +64,20 @@ def run_benchmark(
     crossover: bool = False,
     crossover_plot: str | None = None,
 ) -> dict:
-    """The sections asked for (``round_trips``, ``ceiling``, ``shards``, ``shards_netns``, ``training``,
-    ``crossover``) with the machine's load around them."""
+    """The sections asked for (``round_trips`` and, over TCP, ``shard_round_trips``, ``ceiling``, ``shards``,
+    ``shards_netns``, ``training``, ``crossover``) with the machine's load around them."""
     from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()  # the client side, as run_worker does (the echo clients share this process)
     result: dict = {"machine": f"{os.cpu_count()} CPUs", "load_average_before": os.getloadavg()[0]}
     if round_trips:
-        result["round_trips"] = [
-            bench_round_trips(transport, size, repeats) for size in sizes_mb for transport in transports
-        ]
+        result["round_trips"] = []
+        if shard_round_trips and "tcp" in transports:
+            result["shard_round_trips"] = []
+        for size in sizes_mb:  # per size, the one-server rows and the per-shard row one after the other
+            result["round_trips"] += [bench_round_trips(transport, size, repeats) for transport in transports]
+            if "shard_round_trips" in result:
+                result["shard_round_trips"].append(bench_shard_round_trip(size, repeats))
     if ceiling:
         result["ceiling"] = [bench_ceiling(transport, ceiling_clients, ceiling_seconds) for transport in transports]
     if shards:

@@ -69,17 +69,25 @@ def server_process(target, *args):
             server.kill()
 
 
-def instrument(core) -> dict[str, list[float]]:
-    """Time the core's pieces per push: decode (of which while the push arrived: TCP), the optimizer step,
-    building the reply, the locked part."""
-    timings: dict[str, list[float]] = {
-        "decode": [],
-        "decode_while_receiving": [],
-        "step": [],
-        "reply": [],
-        "locked": [],
-    }
-    early = [0.0]  # this push's gradients decoded as they arrived (src.parameter_server.push_splitter)
+def _timed(owner, name: str, into: list[float]) -> None:
+    """Wrap ``owner.name`` so that each call's seconds go into ``into``."""
+    method = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - started)
+
+    setattr(owner, name, wrapper)
+
+
+def _instrument_decode_step_reply(core) -> dict[str, list[float]]:
+    """Time what a server core and a follower's share per push: decode (of which while the push arrived: TCP;
+    ``core.model.layout.gradient`` is what decodes an arriving gradient), the optimizer step, building the reply."""
+    timings: dict[str, list[float]] = {"decode": [], "decode_while_receiving": [], "step": [], "reply": []}
+    early = [0.0]  # this push's gradients decoded as they arrived (push_splitter)
     layout, gradient = core.model.layout, core.model.layout.gradient
 
     def early_gradient(*args, **kwargs):
@@ -90,19 +98,6 @@ def instrument(core) -> dict[str, list[float]]:
             early[0] += time.perf_counter() - started
 
     layout.gradient = early_gradient
-
-    def timed(owner, name: str, into: str):
-        method = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                timings[into].append(time.perf_counter() - started)
-
-        setattr(owner, name, wrapper)
-
     decode = core.decode
 
     def all_decoding(*args, **kwargs):  # the part left for handle_push, plus what was decoded on arrival
@@ -115,8 +110,16 @@ def instrument(core) -> dict[str, list[float]]:
             early[0] = 0.0
 
     core.decode = all_decoding
-    timed(core.state, "step", "step")
-    timed(core.replies, "serialize", "reply")
+    _timed(core.model.state, "step", timings["step"])
+    _timed(core.model.replies, "serialize", timings["reply"])
+    return timings
+
+
+def instrument(core) -> dict[str, list[float]]:
+    """Time a server core's pieces per push: decode (of which while the push arrived: TCP), the optimizer step,
+    building the reply, the locked part."""
+    timings = _instrument_decode_step_reply(core)
+    timings["locked"] = []
     apply_push, push_reply = core.apply_push, core.push_reply
 
     def locked_apply(*args, **kwargs):  # apply_push + push_reply run under one hold of the lock
@@ -131,6 +134,31 @@ def instrument(core) -> dict[str, list[float]]:
 
     core.apply_push, core.push_reply = locked_apply, locked_reply
     return timings
+
+
+def instrument_follower(core) -> dict[str, list[float]]:
+    """Time a follower shard's pieces per step (:class:`~src.ps.follower.FollowerCore`): the hold's decode (of which
+    while it arrived), its hold (under the lock), the optimizer step, building the reply, and the whole pull (under
+    the lock: applying the certified version, then the reply)."""
+    timings = _instrument_decode_step_reply(core)
+    timings["hold"], timings["pull"] = [], []
+    _timed(core, "hold", timings["hold"])
+    _timed(core, "pull", timings["pull"])
+    return timings
+
+
+def next_request(caller, reply, request_id: int):
+    """The push of a protocol step after ``reply`` (its version and work), as request ``request_id``."""
+    from src import parameter_server_pb2 as pb
+
+    batches = reply.work.batches
+    return pb.PushRequest(
+        caller=caller,
+        base_version=reply.version,
+        request_id=request_id,
+        num_samples=sum(len(b.indices) for b in batches) or BATCH,
+        batch_ids=[b.batch_id for b in batches],
+    )
 
 
 def pusher(client, registration):
@@ -149,14 +177,7 @@ def pusher(client, registration):
 
     def step() -> None:
         state["request_id"] += 1
-        batches = state["reply"].work.batches
-        request = pb.PushRequest(
-            caller=caller,
-            base_version=state["reply"].version,
-            request_id=state["request_id"],
-            num_samples=sum(len(b.indices) for b in batches) or BATCH,
-            batch_ids=[b.batch_id for b in batches],
-        )
+        request = next_request(caller, state["reply"], state["request_id"])
         state["reply"] = client.push(request, gradients, buffers).message
 
     return step

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from src.benchmarks.common import log
-from src.benchmarks.ps.common import BATCH, server_config, sized_model
+from src.benchmarks.ps.common import BATCH, next_request, server_config, sized_model
 from src.common.child_processes import process_context
 
 SHARDS_MB = 4
@@ -58,12 +58,21 @@ def shards_config(tmp: str, transport: str, num_servers: int, num_workers: int):
     )
 
 
-def _serve_shard(
-    transport: str, num_servers: int, sharded: bool, shard: int, num_clients: int, token: str, report, control
+def serve_shard(
+    transport: str,
+    num_servers: int,
+    sharded: bool,
+    shard: int,
+    num_clients: int,
+    token: str,
+    model_mb: float,
+    report,
+    control,
 ) -> None:
     """Server process: shard ``shard`` of ``num_servers`` (0: the parameter server; ``sharded``: taking the sharded
-    step even when it is the only shard) on a free loopback port; reports its port, then its load (bytes in and
-    out, optimizer seconds) each time it is asked, until told to stop."""
+    step even when it is the only shard) of the model of ``model_mb`` (:func:`~src.benchmarks.ps.common.sized_model`)
+    on a free loopback port; reports its port, then its load (bytes in and out, optimizer seconds) each time it is
+    asked, until told to stop (the round trips' per-shard row runs its shard 0 here too)."""
     import torch
 
     from src.transport.grpc import reuse_freed_memory
@@ -72,7 +81,7 @@ def _serve_shard(
     reuse_freed_memory()  # as run_server does
     with tempfile.TemporaryDirectory() as tmp:
         config = shards_config(tmp, transport, num_servers, num_clients)
-        model = sized_model(SHARDS_MB)
+        model = sized_model(model_mb)
         if shard == 0:
             from src.parameter_server import ParameterServer
             from src.ps.sharding import Sharding
@@ -153,14 +162,7 @@ class _Client:
 
     def _request(self):
         self.request_id += 1
-        batches = self.reply.work.batches
-        return self.pb.PushRequest(
-            caller=self.caller,
-            base_version=self.reply.version,
-            request_id=self.request_id,
-            num_samples=sum(len(b.indices) for b in batches) or BATCH,
-            batch_ids=[b.batch_id for b in batches],
-        )
+        return next_request(self.caller, self.reply, self.request_id)
 
     def _pull_followers(self, certificate: bytes, *, first: int) -> list[int]:
         pulls = [
@@ -303,8 +305,18 @@ def _measure(transport: str, num_servers: int, sharded: bool, num_clients: int, 
             report, child_report = context.Pipe(duplex=False)
             child_control, control = context.Pipe(duplex=False)
             process = context.Process(
-                target=_serve_shard,
-                args=(transport, num_servers, sharded, shard, num_clients, token, child_report, child_control),
+                target=serve_shard,
+                args=(
+                    transport,
+                    num_servers,
+                    sharded,
+                    shard,
+                    num_clients,
+                    token,
+                    SHARDS_MB,
+                    child_report,
+                    child_control,
+                ),
             )
             process.start()
             servers.append(process)
