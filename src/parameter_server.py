@@ -421,8 +421,10 @@ class ParameterServer(GrpcMethods):
         return [int(p.stem.rsplit("_", 1)[1]) for p in numbered_checkpoints(self.config.system.checkpoint_dir)]
 
     def fail(self, message: str) -> None:
-        """End the run with ``message`` (another shard of a sharded run went away: :mod:`src.ps.shard_recovery`)."""
-        self.core.stop_run(RunFailed(message))
+        """End the run with ``message`` (another shard of a sharded run went away: :mod:`src.ps.shard_recovery`).
+        The shards start again together, so a worker's waiting call is refused as after a server restart
+        (UNAVAILABLE): it registers again rather than ending."""
+        self.core.stop_run(RunFailed(message), code="UNAVAILABLE")
 
     # ------------------------------------------------------------------------- refusals and waits
 

@@ -311,3 +311,25 @@ def test_what_the_shards_refuse(tmp_path):
     with pytest.raises(PushRefused, match="for a sharded server"):
         unsharded.core.decode(0, _message(pb.PushRequest(request_id=1, hold=True)))
     unsharded.close()
+
+
+@pytest.mark.parametrize(("code", "kind"), [("INTERNAL", "ends"), ("UNAVAILABLE", "registers again")])
+def test_a_run_stopped_from_outside_refuses_waiting_calls_with_its_code(tmp_path, code, kind):
+    """Shard 0 stops the run when another shard goes away (src/ps/shard_recovery.py): the shards start again
+    together, so a worker's waiting call is refused UNAVAILABLE, as after a server restart (the worker registers
+    again); any other stop is INTERNAL (the worker ends with the error)."""
+    from src.ps.refusals import RunFailed
+    from src.ps.worker_protocol import failed_call
+
+    run = Shards(replace_dirs(_config(tmp_path, workers=2), tmp_path / code), _model(), 2)
+    run.start()
+    core = run.core
+    with core.lock:
+        member = core.begin_pull(run.callers[0])
+    core.stop_run(RunFailed("shard 1 has not answered for 3.0 s"), **({"code": code} if code != "INTERNAL" else {}))
+    with pytest.raises(Refused, match="the server stopped the run: shard 1 has not answered") as refused:
+        with core.lock:
+            core.check_waiting(member)
+    assert refused.value.code == code
+    assert (failed_call(code, refused.value.message, 0, None) == "lost") == (kind == "registers again")
+    run.close()

@@ -177,6 +177,8 @@ class ServerCore:
         self.requests = RequestLog()
         self.stopping = False
         self.fatal: BaseException | None = None
+        self.fatal_code = "INTERNAL"
+        """What a waiting call is refused with once the run has failed (UNAVAILABLE: a server is starting again)."""
         self.done = threading.Event()
         self.totals = RunTotals(clock, t.target_accuracy)
         self.counters = self.totals.counters
@@ -441,7 +443,7 @@ class ServerCore:
         except MembershipError as exc:
             raise Refused(MEMBERSHIP_CODES[exc.kind], exc.message) from None
         if self.fatal is not None:
-            raise Refused("INTERNAL", f"the server stopped the run: {self.fatal}")
+            raise Refused(self.fatal_code, f"the server stopped the run: {self.fatal}")
 
     # ------------------------------------------------------------------------- what follows an update; the end
 
@@ -473,8 +475,11 @@ class ServerCore:
             self.totals.training_clock_stops()
         self._check_done()
 
-    def stop_run(self, error: BaseException) -> None:
-        """End the run with ``error`` from outside (a driver's watch: another shard went away)."""
+    def stop_run(self, error: BaseException, *, code: str = "INTERNAL") -> None:
+        """End the run with ``error`` from outside (a driver's watch: another shard went away); waiting calls are
+        refused with ``code`` (UNAVAILABLE: the shards start again, and the workers register again, as after any
+        server restart)."""
+        self.fatal_code = code
         self._stop_run(error)
 
     def _stop_run(self, error: BaseException) -> None:
