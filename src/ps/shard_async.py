@@ -11,11 +11,10 @@ to every shard at once:
 2. **Commit.** The worker commits to shard 0 with every follower's staleness (``PushRequest.shard_staleness``).
    Shard 0 judges every shard's staleness, its own too, with the run's staleness policy as it stands (the
    adaptive controller may have moved its bound); if every shard's is accepted, it applies its slices with its
-   weight, and the
-   new version's certificate (one push, its rate) joins a window of the newest :data:`WINDOW_PER_WORKER` x
-   workers certificates (:class:`AppliedWindow`). If one shard's is rejected, no shard applies it: the worker rolls
-   its whole push back into its error feedback and the push's batches stay with it, as an unsharded server's
-   rejection does. Its reply carries the window (:func:`encode_chain`).
+   weight, and the new version's certificate (one push, its rate) joins a window of the newest
+   :data:`WINDOW_PER_WORKER` x workers certificates (:class:`AppliedWindow`). If one shard's is rejected, no shard
+   applies it: the worker rolls its whole push back into its error feedback and the push's batches stay with it,
+   as an unsharded server's rejection does. Its reply carries the window (:func:`encode_chain`).
 3. **Pull.** The worker pulls every shard, each follower's pull carrying the window. A follower applies the
    certified pushes it has not applied, in shard 0's order, each with the weight it judged (:meth:`FollowerAsync.
    apply`). Every reply's window reaches every follower with the pulls of the worker that got it, so a follower
@@ -66,7 +65,8 @@ HELD_PER_WORKER = 4
 
 _LENGTH = struct.Struct(">H")
 FORGET = 0
-"""The request id of a certificate's entry that drops a worker's momentum before its push (request ids are never 0)."""
+"""The request id in a certificate that names workers whose momentum is dropped at its version (request ids of pushes
+are never 0)."""
 
 
 def encode_chain(certificates: list[RoundCertificate]) -> bytes:
