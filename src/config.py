@@ -287,6 +287,12 @@ class SystemConfig(_Section):
     shard_addresses: list[str] = []
     """Every shard's ``host:port``, shard 0 first, for a sharded run across hosts (each shard binds its own
     entry, workers connect to all); empty: the local launcher picks them."""
+    streaming: bool = False
+    """Parameter server: a worker communicates while it computes (:mod:`src.ps.worker_stream`). Its push leaves in
+    parts as backward produces the gradients (each compensated and compressed as it is ready), and the reply comes
+    back in forward order, so the next forward starts once its first layers' parameters are in and waits for a later
+    one only if it must. The same push, verdict and update as without it: only when the bytes travel changes.
+    Needs ``local_steps`` 1 and no fp16 ``training.amp`` (their gradients are whole only after backward)."""
     transport: Literal["grpc", "tcp"] = "grpc"
     """How the parameter server and its workers talk: gRPC, or length-prefixed binary frames over TCP
     (:mod:`src.transport.tcp`: same messages, auth, sessions, TLS and limits, fewer copies). Both ends
@@ -521,6 +527,21 @@ class Config(_Section):
     system: SystemConfig = SystemConfig()
     emulation: EmulationConfig = EmulationConfig()
     metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _streaming_needs_whole_gradients(self) -> "Config":
+        system = self.system
+        if system.streaming and system.local_steps != 1:
+            raise ValueError(
+                f"system.streaming: needs system.local_steps 1, got {system.local_steps} (local steps sum several "
+                "batches' gradients, so none is ready to send during backward)"
+            )
+        if system.streaming and self.training.amp == "fp16":
+            raise ValueError(
+                "system.streaming: not with training.amp fp16 (its gradients are unscaled, and an overflowed batch "
+                "computed again, only after backward)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _schedule_in_virtual_time(self) -> "Config":

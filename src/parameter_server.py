@@ -48,6 +48,7 @@ from src.ps.aggregation import RequestLog
 from src.ps.core import ServerCore
 from src.ps.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
 from src.ps.push_decode import arriving_push_splitter
+from src.ps.push_parts import AssembledPush, PushParts
 from src.ps.refusals import PushRefused, Refused, RunFailed
 from src.ps.sharding import Sharding
 from src.ps.staleness import StalenessPolicy
@@ -56,6 +57,14 @@ from src.telemetry import tracing
 from src.trainer import load_split, model_from_config
 from src.transport.grpc import require_auth_token, split, start_grpc_server
 from src.transport.wire import MessageSplitter, Pieces
+
+
+def _push_size(data) -> int:
+    """Bytes of a push as it arrived (one message, one read in pieces, or a streamed push's parts and message)."""
+    if isinstance(data, AssembledPush):
+        return data.nbytes
+    return len(data.view) if isinstance(data, MessageSplitter) else len(data)
+
 
 WAIT_POLL_S = 0.5  # a waiting call wakes this often to notice a cancelled RPC
 MONITOR_PERIOD_S = 0.2  # failure detection runs this often: detection lands within timeout + this
@@ -323,7 +332,7 @@ class ParameterServer(GrpcMethods):
     def handle_push(self, data, call: Call) -> bytes | Pieces:
         with tracing.span("serve_push"):
             reply = self._serve_push(data, call)
-        self._count(len(data.view) if isinstance(data, MessageSplitter) else len(data), len(reply))
+        self._count(_push_size(data), len(reply))
         return reply
 
     def _count(self, bytes_in: int, bytes_out: int) -> None:
@@ -340,10 +349,15 @@ class ParameterServer(GrpcMethods):
         # the layout is fixed once installed; a push before Initialize is refused later
         return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
 
+    def push_parts(self, max_bytes: int) -> PushParts:
+        """The parts of a streamed push about to arrive (:mod:`src.ps.push_parts`): each gradient checked and
+        decoded as it comes, outside the lock; pass ``parts.assemble(message bytes)`` to :meth:`handle_push`."""
+        return PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, max_bytes)
+
     def _serve_push(self, data, call: Call) -> bytes | Pieces:
         core = self.core
         try:
-            if isinstance(data, MessageSplitter):
+            if isinstance(data, (MessageSplitter, AssembledPush)):
                 received = data.finish()
             else:
                 received = split(data, pb.PushRequest, PUSH_LARGE_FIELDS)

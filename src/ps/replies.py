@@ -51,7 +51,9 @@ class Replies:
         else:
             params, buffers = self._param_views, self._buffer_views
         tensors = {"parameters": params} if downlink.dense else {"parameter_deltas": downlink.payloads}
-        outgoing = Outgoing(message, {**tensors, "buffers": buffers})
+        # buffers first, then the parameters in model order: forward order, so a worker that streams
+        # (system.streaming) starts its next forward on the first layers while the later ones arrive
+        outgoing = Outgoing(message, {"buffers": buffers, **tensors})
         if not self.views:
             return serialize(outgoing)
         shared.acquire()  # valid: it is the current version's (the lock is held)

@@ -73,7 +73,7 @@ DEADLINE_GRACE_S = 0.5
 """A waiting call stops this long after its caller's deadline (the caller has closed the connection by then)."""
 ACCEPT_POLL_S = 0.25
 """The accepting thread wakes this often to notice :meth:`TCPServer.stop`."""
-_TENSOR_METHODS = (Method.PUSH, Method.INITIALIZE)
+_TENSOR_METHODS = (Method.PUSH, Method.PUSH_PART, Method.INITIALIZE)
 
 
 class _TCPCall:
@@ -242,6 +242,7 @@ class TCPServer:
         """Answer the connection's frames one at a time until it closes or breaks the protocol."""
         header_buffer = bytearray(HEADER_BYTES)
         authenticated = False
+        parts, parts_call = None, 0  # a streamed push arriving on this connection (its PUSH_PART frames so far)
         while not self._stopping.is_set():
             try:
                 header = receive_header(sock, header_buffer)
@@ -264,11 +265,23 @@ class TCPServer:
                 send_error(sock, method, call, refused.status, refused.message, closing=True)
                 return
             sock.settimeout(BODY_TIMEOUT_S)
-            if header.method == Method.PUSH:  # its gradients are decoded as they arrive (still in the cache)
+            if header.method == Method.PUSH_PART:  # a streamed push's gradient: decoded now, answered with the push
+                if parts is None or parts_call != header.call:
+                    parts, parts_call = self.driver.push_parts(self.max_message_bytes), header.call
+                parts.add(receive_body(sock, header.length))
+                sock.settimeout(None)
+                continue
+            if header.method == Method.PUSH and header.streamed:
+                if parts is None or parts_call != header.call:  # a streamed push of no gradient (a skipped step)
+                    parts = self.driver.push_parts(self.max_message_bytes)
+                body = parts.assemble(receive_body(sock, header.length))
+            elif header.method == Method.PUSH:  # its gradients are decoded as they arrive (still in the cache)
                 body = self.driver.push_splitter(new_body(header.length))
                 receive_exactly(sock, body.view, body.advance)
             else:
                 body = receive_body(sock, header.length)
+            if header.method == Method.PUSH:
+                parts = None
             with self._lock:
                 self._connections[raw] = True
             try:

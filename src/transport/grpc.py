@@ -42,6 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
+from src.transport.stream import PushStream, ReplyBroken
 from src.transport.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
     Outgoing,
     Received,
@@ -413,6 +414,32 @@ class ProtocolClient:
             wait_for_ready=wait_for_ready,
             timeout=timeout,
         )
+
+    def push_streamed(self, stream: PushStream, *, timeout: float | None = None) -> Received:
+        """Send a streamed push (``system.streaming``, :mod:`src.transport.stream`): each part as ``stream`` hands it
+        over, then the push; the reply is taken as it arrives (its head and tensors go to ``stream``'s waiters).
+        Returns the whole reply. A failure before the reply's head is retried as any call (the parts again, the
+        same request id); after it, :class:`~src.transport.stream.ReplyBroken` (the push is settled).
+        """
+        attempt = 0
+        while True:
+            try:
+                return self._attempt_streamed(stream, timeout=timeout)
+            except grpc.RpcError as exc:
+                if stream.has_head:
+                    stream.fail(exc)
+                    raise ReplyBroken(f"the reply broke off after its head: {exc.details()}") from None
+                if exc.code() not in RETRYABLE or attempt >= self.retries:
+                    stream.fail(exc)
+                    raise
+                attempt += 1
+                time.sleep(min(0.2 * 2**attempt, 1.0))
+            except BaseException as exc:
+                stream.fail(exc)
+                raise
+
+    def _attempt_streamed(self, stream: PushStream, *, timeout: float | None) -> Received:
+        raise NotImplementedError(f"{type(self).__name__} does not stream pushes")
 
     def push_bytes(self, data: bytes, *, timeout: float | None = None) -> Received:
         """Send ``data`` as a Push message as it is, without a retry (tools and tests of the server's parser)."""

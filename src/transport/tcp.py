@@ -41,6 +41,7 @@ import grpc
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
 from src.transport.grpc import ProtocolClient, client_tls_roots, split_address
+from src.transport.stream import PushStream, part_pieces, part_size
 from src.transport.tcp_frames import (
     HEADER_BYTES,
     FrameError,
@@ -49,12 +50,14 @@ from src.transport.tcp_frames import (
     PeerClosed,
     TransportError,
     error_of,
+    new_body,
     pack_header,
     receive_body,
+    receive_exactly,
     receive_header,
     send_frame,
 )
-from src.transport.wire import Pieces, encode, split
+from src.transport.wire import Pieces, Received, encode, split
 
 CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
 """Largest reply a client reads (the server is trusted; protobuf's ceiling)."""
@@ -221,20 +224,85 @@ class TCPParameterServerClient(ProtocolClient):
             if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
                 raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {reply_header.length} bytes")
             body = receive_body(sock, reply_header.length)
-        except socket.timeout:
-            connection.close()
-            raise TransportError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply from {self.address} before the deadline"
-            ) from None
-        except FrameError as exc:
-            connection.close()
-            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"bad frame from {self.address}: {exc.message}") from None
-        except (OSError, PeerClosed) as exc:
-            connection.close()
-            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"connection to {self.address} lost: {exc}") from None
+        except (OSError, PeerClosed, FrameError) as exc:
+            raise self._broken(connection, exc) from None
         with self._lock:
             self.bytes_received += HEADER_BYTES + reply_header.length
         return reply_header, body
+
+    def _broken(self, connection: _Connection, exc: BaseException) -> TransportError:
+        """Close ``connection`` after ``exc`` (a timeout, a bad frame, a lost connection): the call's error."""
+        connection.close()
+        if isinstance(exc, socket.timeout):
+            return TransportError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply from {self.address} before the deadline"
+            )
+        if isinstance(exc, FrameError):
+            return TransportError(grpc.StatusCode.UNAVAILABLE, f"bad frame from {self.address}: {exc.message}")
+        return TransportError(grpc.StatusCode.UNAVAILABLE, f"connection to {self.address} lost: {exc}")
+
+    # ------------------------------------------------------------------------- a streamed push
+
+    def _attempt_streamed(self, stream: PushStream, *, timeout: float | None) -> Received:
+        """One attempt of a streamed push (:mod:`src.transport.stream`): a PUSH_PART frame per part as the stream
+        hands it over, the PUSH frame (flag STREAMED), then the reply read into the stream's splitter as it
+        arrives."""
+        if self.closed:
+            raise ValueError("the client is closed")
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        connection = self._connection(deadline, False)
+        call = next(self._calls) & 0xFFFFFFFF
+        sock = connection.sock
+        try:
+            for index, payload in stream.parts():
+                pieces = part_pieces(index, payload)
+                size = part_size(payload)
+                self._send(stream, sock, pack_header(Kind.REQUEST, Method.PUSH_PART, size, call=call), pieces, size)
+            request = encode(stream.request)
+            deadline_ms = max(1, int(1000 * (deadline - time.monotonic()))) if deadline is not None else 0
+            header = pack_header(
+                Kind.REQUEST, Method.PUSH, len(request), call=call, deadline_ms=deadline_ms, streamed=True
+            )
+            self._send(stream, sock, header, request.buffers, len(request), deadline)
+            sock.settimeout(_remaining(deadline))
+            reply_header = receive_header(sock, connection.header)
+            if reply_header.call != call or reply_header.method != Method.PUSH:
+                raise FrameError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the server answered call {reply_header.call} ({reply_header.method.name}) to call {call} (PUSH)",
+                )
+            if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
+                raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {reply_header.length} bytes")
+            body = new_body(reply_header.length)
+            size = HEADER_BYTES + reply_header.length
+            if reply_header.kind == Kind.ERROR:
+                receive_exactly(sock, body)
+            else:
+                splitter = stream.splitter(body, pb.PushReply, _REPLIES[Method.PUSH][1], size)
+                receive_exactly(sock, body, splitter.advance)
+        except (OSError, PeerClosed, FrameError) as exc:
+            raise self._broken(connection, exc) from None
+        with self._lock:
+            self.bytes_received += size
+        self._release(connection, reply_header.closing)
+        if reply_header.kind == Kind.ERROR:
+            raise error_of(reply_header, body)
+        try:
+            return splitter.finish()
+        except ValueError as exc:
+            raise TransportError(grpc.StatusCode.INTERNAL, f"malformed PUSH reply: {exc}") from None
+
+    def _send(
+        self, stream: PushStream, sock: socket.socket, header: bytes, pieces, size: int, deadline: float | None = None
+    ) -> None:
+        """One frame of a streamed push out, counted (and emulated, with an uplink) as every frame is."""
+        with self._lock:
+            self.bytes_sent += HEADER_BYTES + size
+        stream.sent(HEADER_BYTES + size)
+        if self.uplink is not None:
+            self.uplink.transmit(HEADER_BYTES + size)
+        sock.settimeout(_remaining(deadline))
+        send_frame(sock, header, pieces)
 
     # ------------------------------------------------------------------------- connections
 

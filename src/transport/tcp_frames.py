@@ -8,9 +8,10 @@ A frame is a fixed 20-byte header, then ``length`` bytes of body::
     offset  size  field
     0       4     magic     b"DTS1": this protocol, version 1
     4       1     kind      REQUEST, REPLY or ERROR
-    5       1     method    HELLO, REGISTER, INITIALIZE, PULL, PUSH, HEARTBEAT, FINISH, STATUS, HEALTH
+    5       1     method    HELLO, REGISTER, INITIALIZE, PULL, PUSH, HEARTBEAT, FINISH, STATUS, HEALTH, PUSH_PART
     6       1     status    an ERROR's status code (gRPC's numbers: 3 INVALID_ARGUMENT, 16 UNAUTHENTICATED, ...); else 0
-    7       1     flags     CLOSING: the sender closes the connection after this frame
+    7       1     flags     CLOSING: the sender closes the connection after this frame;
+                            STREAMED: a PUSH whose gradients came ahead of it as PUSH_PART frames
     8       4     call      the request's number; its REPLY or ERROR carries it back
     12      4     deadline  milliseconds the caller waits for the reply (0: no deadline); requests only
     16      4     length    body bytes
@@ -19,6 +20,11 @@ all little-endian. A request's or reply's body is the protobuf message exactly a
 carries it (:mod:`src.transport.wire`: the small fields by protobuf, the tensors as raw bytes fields), so both
 transports move the same message bytes and differ by the 20-byte header; an ERROR's body is its
 details in UTF-8; a HELLO's is the auth token; a HEALTH reply's is ``SERVING``.
+
+A streamed push (``system.streaming``, :mod:`src.transport.stream`) is PUSH_PART requests, one per gradient as
+backward produces it, each body a part (:func:`~src.transport.stream.part_pieces`: the tensor's index, then its
+payload) and none answered, then the PUSH request with the STREAMED flag and no gradients of its own, all with
+the push's call number; its one REPLY is read as it arrives.
 
 Reading: the header goes into a fixed buffer and is checked (magic, kind, method, and the length
 against the limit the reader sets for that method) *before* the body's buffer is allocated; the
@@ -50,6 +56,8 @@ HEADER = struct.Struct("<4sBBBBIII")
 HEADER_BYTES = HEADER.size
 CLOSING = 0x01
 """``flags`` bit: the sender closes the connection after this frame (a refused hello, an oversized frame)."""
+STREAMED = 0x02
+"""``flags`` bit of a PUSH: its gradients came ahead of it in PUSH_PART frames on the same connection."""
 HELLO_MAX_BYTES = 4096
 """Largest HELLO (auth token) or HEALTH body: all a connection that has not authenticated may make the server read."""
 MAX_IOV = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -73,6 +81,7 @@ class Method(enum.IntEnum):
     FINISH = 7
     STATUS = 8
     HEALTH = 9
+    PUSH_PART = 10
 
 
 class TransportError(grpc.RpcError):
@@ -123,6 +132,10 @@ class Header:
     def closing(self) -> bool:
         return bool(self.flags & CLOSING)
 
+    @property
+    def streamed(self) -> bool:
+        return bool(self.flags & STREAMED)
+
 
 def pack_header(
     kind: Kind,
@@ -133,13 +146,14 @@ def pack_header(
     status: grpc.StatusCode | None = None,
     deadline_ms: int = 0,
     closing: bool = False,
+    streamed: bool = False,
 ) -> bytes:
     return HEADER.pack(
         MAGIC,
         kind,
         method,
         status.value[0] if status is not None else 0,
-        CLOSING if closing else 0,
+        (CLOSING if closing else 0) | (STREAMED if streamed else 0),
         call & 0xFFFFFFFF,
         min(max(deadline_ms, 0), 0xFFFFFFFF),
         length,

@@ -295,6 +295,10 @@ class MessageSplitter:
     While a large field is still arriving, each advance into it calls ``on_partial(name, index, view,
     arrived)``: ``view`` is the whole field's (its bytes from ``arrived`` on not in yet), so a receiver
     can work on the part that is in while the rest comes (those bytes are never written again).
+    ``on_head(message)``, once: the small fields parsed as soon as the walk reaches the first large field
+    (:func:`encode` writes every small field before the large ones), so a receiver can act on a reply's
+    verdict while its tensors still arrive (a streamed push's reply, :mod:`src.transport.stream`); at
+    :meth:`finish` when there is no large field.
     :meth:`finish` walks the rest with every byte there and parses the small fields. The walk is
     the same for any split of the arrivals, so the result is :func:`split`'s on the same bytes.
     """
@@ -306,8 +310,11 @@ class MessageSplitter:
         large_fields: Sequence[str],
         on_large: Callable[[str, int, memoryview], Any] | None = None,
         on_partial: Callable[[str, int, memoryview, int], None] | None = None,
+        on_head: Callable[[Any], None] | None = None,
     ):
         self.view = memoryview(data)
+        self.on_head = on_head
+        self.head: Any = None  # the small fields, once on_head has been given them
         self.message_type = message_type
         self.on_large = on_large
         self.on_partial = on_partial
@@ -345,6 +352,8 @@ class MessageSplitter:
                 elif wire_type == 2:
                     length, position = _read_varint(view, position)
                     if key >> 3 in self._numbers:
+                        if self.on_head is not None and self.head is None:
+                            self._give_head()
                         name = self._numbers[key >> 3]
                         if position + length <= len(view):
                             self._take_large(name, position, length)
@@ -390,8 +399,22 @@ class MessageSplitter:
             ValueError: the bytes are not a well-formed message (truncated field, bad wire type).
         """
         self.advance(len(self.view), final=True)
+        message = self._parse_small()
+        if self.on_head is not None and self.head is None:
+            self.head = message
+            self.on_head(message)
+        return Received(message, self._large, self._early)
+
+    def _parse_small(self) -> Any:
         try:
-            message = self.message_type.FromString(b"".join(self._small))
+            return self.message_type.FromString(b"".join(self._small))
         except Exception as exc:  # protobuf's DecodeError
             raise ValueError(f"malformed message: {exc}") from None
-        return Received(message, self._large, self._early)
+
+    def _give_head(self) -> None:
+        """The small fields walked so far, to ``on_head`` (a malformed head is left to :meth:`finish` to raise)."""
+        try:
+            self.head = self._parse_small()
+        except ValueError:
+            return
+        self.on_head(self.head)

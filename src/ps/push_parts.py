@@ -1,0 +1,108 @@
+"""A streamed push on the server's side (``system.streaming``): its parts collected as they arrive, each gradient
+checked and decoded at once, then joined with the push's own message into the push the driver handles.
+
+A streamed push (:mod:`src.transport.stream`) is one part per gradient, sent as backward produces it, then the
+push's message with no gradients of its own. The transport hands each part to :meth:`PushParts.add` as it
+arrives (the TCP server on the connection's thread, outside the core's lock, so the decode overlaps the rest of
+the push still on the wire), and the message to :meth:`PushParts.assemble`. What that returns is handled by
+:meth:`src.parameter_server.ParameterServer.handle_push` exactly as a push read in one piece: its
+:meth:`AssembledPush.finish` is the same :class:`~src.transport.wire.Received` (the gradients in parameter
+order, the early decodes kept), so the server's verdict and update do not depend on how the push travelled.
+
+What is wrong with a part (no index, a gradient twice, too many bytes) is kept and refuses the push, with its
+reason, once the push's message comes: the connection stays usable and nothing is applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from src import parameter_server_pb2 as pb
+from src.ps.push_decode import ModelLayout
+from src.transport.stream import split_part
+from src.transport.wire import Received, split
+
+
+class PushParts:
+    """The parts of one streamed push so far.
+
+    Args:
+        layout: the served model's layout (each part is checked and decoded against it as it arrives); ``None``
+            (no model yet): kept as they are, and the push is refused with the rest later.
+        large_fields: the push's large fields (:data:`~src.ps.grpc_service.PUSH_LARGE_FIELDS`).
+        max_bytes: most bytes the parts together may hold (the transport's push size limit).
+    """
+
+    def __init__(self, layout: ModelLayout | None, large_fields, max_bytes: int):
+        self.layout = layout
+        self.large_fields = large_fields
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.problem: str | None = None  # the first thing wrong with a part: the push's refusal
+        self._payloads: dict[int, memoryview] = {}
+        self._early: dict[tuple[str, int], tuple[memoryview, Any]] = {}
+
+    def add(self, body) -> None:
+        """A part arrived (its bytes: the tensor's index, then its payload): check and decode it."""
+        self.nbytes += len(body)
+        if self.problem is not None:
+            return
+        if self.nbytes > self.max_bytes:
+            self._refuse(f"its parts exceed the push limit of {self.max_bytes} bytes")
+            return
+        try:
+            index, payload = split_part(body)
+        except ValueError as exc:
+            self._refuse(str(exc))
+            return
+        if index in self._payloads:
+            self._refuse(f"the part of gradient {index} arrived twice")
+            return
+        self._payloads[index] = payload
+        if self.layout is not None:
+            try:
+                self._early[("gradients", index)] = (payload, self.layout.gradient(index, payload))
+            except Exception:  # noqa: BLE001  (a bug: the whole push's decode does it again and answers INTERNAL)
+                pass
+
+    def _refuse(self, reason: str) -> None:
+        self.problem = reason
+        self._payloads.clear()
+        self._early.clear()
+
+    def assemble(self, body) -> AssembledPush:
+        """The push, once its own message (``body``: its bytes, without gradients) is in."""
+        return AssembledPush(self, body)
+
+
+class AssembledPush:
+    """A streamed push's parts and message, as :meth:`~src.parameter_server.ParameterServer.handle_push` takes a push
+    that arrived in pieces (:meth:`finish`, :attr:`nbytes`)."""
+
+    def __init__(self, parts: PushParts, body):
+        self.parts = parts
+        self.body = body
+        self.nbytes = parts.nbytes + len(body)
+
+    def finish(self) -> Received:
+        """The push as one message would have given it: gradients in parameter order.
+
+        Raises:
+            ValueError: a part was wrong, a gradient's part is missing, or the message carries gradients itself.
+        """
+        parts = self.parts
+        if parts.problem is not None:
+            raise ValueError(f"streamed push: {parts.problem}")
+        received = split(self.body, pb.PushRequest, parts.large_fields)
+        if received.large["gradients"]:
+            raise ValueError("a streamed push carries its gradients in parts, not in its message")
+        payloads = parts._payloads
+        missing = next((i for i in range(len(payloads)) if i not in payloads), None)
+        if missing is not None:
+            raise ValueError(
+                f"streamed push: the part of gradient {missing} is missing (parts of gradients "
+                f"{sorted(payloads)[:8]}{'...' if len(payloads) > 8 else ''} arrived)"
+            )
+        received.large["gradients"] = [payloads[i] for i in range(len(payloads))]
+        received.early.update(parts._early)
+        return received

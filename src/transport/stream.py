@@ -1,0 +1,155 @@
+"""One streamed push as a client moves it (``system.streaming``), whatever the transport: its parts as backward
+produces the gradients, then its small fields; and its reply, taken as it arrives.
+
+The worker's side (:mod:`src.ps.worker_stream`) feeds a :class:`PushStream`: :meth:`PushStream.ready` for each
+gradient as backward produces it (called from autograd's thread: it only queues the index), and
+:meth:`PushStream.close` with the push's small fields once backward is done. A client's
+``push_streamed(stream)`` runs on its own thread: it takes the parts from :meth:`PushStream.parts` (each gradient
+compensated and compressed there, by the worker's ``encode``, as soon as it is ready), sends each as a part
+(:func:`part_pieces`: the tensor's index, then its payload) while backward goes on, then the push itself, and
+reads the one reply with :meth:`PushStream.splitter`: a :class:`~src.transport.wire.MessageSplitter` that hands
+the reply's small fields over as soon as they are in (:meth:`PushStream.wait_head`: the verdict, the version, the
+next work) and each tensor as soon as it is whole (the worker's ``on_large``, which loads it into the model for
+the forward that waits for it).
+
+A failure before the reply's head leaves the push unsettled: the client sends it again (the parts already
+encoded, then the rest; the server applies a request id at most once), as any call. Once the head is in, the
+push is settled: a failure after it ends the call, and :meth:`PushStream.fail` wakes whatever waits on the
+tensors, which pulls the parameters instead.
+
+The server's side of the parts is :mod:`src.ps.push_parts`.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from src.transport.wire import MessageSplitter, Outgoing, chunk_size
+
+PART_INDEX = struct.Struct("<I")
+"""A part's leading field: the index of the tensor (parameter) whose gradient payload follows."""
+_CLOSE = object()
+
+
+def part_pieces(index: int, payload: Any) -> list[Any]:
+    """The buffers of a part (gradient ``index``'s payload, a buffer or a tuple of them) as it travels."""
+    pieces = payload if isinstance(payload, tuple) else (payload,)
+    return [PART_INDEX.pack(index), *pieces]
+
+
+def part_size(payload: Any) -> int:
+    """Bytes of the part carrying ``payload``."""
+    return PART_INDEX.size + chunk_size(payload)
+
+
+def split_part(body) -> tuple[int, memoryview]:
+    """A received part's tensor index and payload (a view of ``body``).
+
+    Raises:
+        ValueError: shorter than its index.
+    """
+    view = memoryview(body).cast("B")
+    if len(view) < PART_INDEX.size:
+        raise ValueError(f"a push part of {len(view)} bytes holds no tensor index")
+    return PART_INDEX.unpack_from(view)[0], view[PART_INDEX.size :]
+
+
+class ReplyBroken(RuntimeError):
+    """The reply of a streamed push broke off after its head: the push is settled, the parameters are not all in."""
+
+
+class PushStream:
+    """One streamed push: what the worker hands in and what the client's thread sends and receives (see the module
+    docstring).
+
+    Args:
+        encode: gradient ``index``'s payload (compensated and compressed); called on the client's thread, once per
+            gradient, in the order they became ready.
+        on_large: ``on_large(field name, index, view)`` of the reply (:class:`~src.transport.wire.MessageSplitter`),
+            called on the client's thread as each tensor is whole.
+    """
+
+    def __init__(self, encode: Callable[[int], Any], on_large: Callable[[str, int, memoryview], Any]):
+        self.encode = encode
+        self.on_large = on_large
+        self.encoded: list[tuple[int, Any]] = []  # (index, payload), in the order sent: a retry sends them again
+        self.encode_s = 0.0  # seconds spent in ``encode``
+        self.request: Outgoing | None = None  # the push's small fields and buffers, once closed
+        self.reply_bytes = 0  # the reply's size, as its transport counts it (once its head is in)
+        self.sent_bytes = 0  # every byte of every attempt, as the transport counts them
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._head = threading.Event()
+        self._head_message: Any = None
+        self._error: BaseException | None = None
+        self.first_sent: float | None = None  # perf_counter when the first part went out
+
+    # ------------------------------------------------------------------------- the worker's side
+
+    def ready(self, index: int) -> None:
+        """Gradient ``index`` is computed: encode and send it (from any thread; only queues it)."""
+        self._ready.put(index)
+
+    def close(self, request: Outgoing) -> None:
+        """Every gradient is ready (``ready`` was called for each): the push's small fields and buffers follow."""
+        self._ready.put((_CLOSE, request))
+
+    def wait_head(self, timeout: float | None = None) -> Any:
+        """The reply's small fields (its message without tensors), once they are in.
+
+        Raises:
+            BaseException: what ended the call before the head came (the client's error).
+            TimeoutError: ``timeout`` passed.
+        """
+        if not self._head.wait(timeout):
+            raise TimeoutError("no reply head within the timeout")
+        if self._head_message is None:
+            raise self._error
+        return self._head_message
+
+    @property
+    def has_head(self) -> bool:
+        return self._head_message is not None
+
+    # ------------------------------------------------------------------------- the client's side
+
+    def parts(self) -> Iterator[tuple[int, Any]]:
+        """Every part, as soon as it is ready: the ones already encoded (a retry) first, then each new one (encoded
+        here). Ends when the worker has closed the push (:attr:`request` is then set)."""
+        yield from list(self.encoded)
+        while self.request is None:
+            item = self._ready.get()
+            if isinstance(item, tuple) and item[0] is _CLOSE:
+                self.request = item[1]
+                return
+            started = time.perf_counter()
+            payload = self.encode(item)
+            self.encode_s += time.perf_counter() - started
+            self.encoded.append((item, payload))
+            yield item, payload
+
+    def sent(self, size: int) -> None:
+        """The transport sent ``size`` bytes of this push."""
+        if self.first_sent is None:
+            self.first_sent = time.perf_counter()
+        self.sent_bytes += size
+
+    def splitter(self, data, message_type, large_fields, reply_bytes: int) -> MessageSplitter:
+        """A splitter of the reply arriving into ``data``, whose head and tensors go where the worker waits
+        (``reply_bytes``: its size as the transport counts it)."""
+
+        def head(message: Any) -> None:
+            self.reply_bytes = reply_bytes
+            self._head_message = message
+            self._head.set()
+
+        return MessageSplitter(data, message_type, large_fields, on_large=self.on_large, on_head=head)
+
+    def fail(self, error: BaseException) -> None:
+        """The call ended with ``error``: before the head, :meth:`wait_head` raises it; after it, the tensors
+        still missing never come (the worker's ``on_large`` side learns it from the call's end)."""
+        self._error = error
+        self._head.set()
