@@ -76,6 +76,7 @@ PS_FLAGS = {
     "tls_key": "system.tls_key_file",
     "tls_ca": "system.tls_ca_file",
     "local_steps": "system.local_steps",
+    "streaming": "system.streaming",
     "downlink_compression": "system.downlink_compression",
     "downlink_ratio": "system.downlink_ratio",
     "downlink_refresh_interval": "system.downlink_refresh_interval",
@@ -99,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sync barrier per version, or apply each push (default sync)",
     )
     ps.add_argument("--local-steps", type=int, help="local SGD steps a worker takes per push (default 1)")
+    ps.add_argument(
+        "--streaming",
+        action="store_const",
+        const=True,
+        help="workers communicate while they compute: each gradient is sent as backward produces it, and the "
+        "next forward starts as its first layers' parameters arrive (same updates; default off)",
+    )
     add_compression_flags(parser, "compression (worker pushes)")
     add_amp_flag(parser)  # the workers' forward/backward; the server's parameters stay float32
     downlink = parser.add_argument_group("downlink compression (push replies)")

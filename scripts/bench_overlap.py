@@ -3,6 +3,7 @@
     python scripts/bench_overlap.py --output overlap.json              # the reference run (~1.5 min on 2 cores)
     python scripts/bench_overlap.py --mbps 150                         # the issue's own rate
     python scripts/bench_overlap.py --reference overlap.json           # a later worker against that reference
+    python scripts/bench_overlap.py --streaming --transport tcp        # streamed against unstreamed, in one run
 
 Two workers, each in a network namespace whose link is shaped by tc tbf to --mbps both ways, the PS server in an
 unshaped one (the router); a sync PS run, then a 2-rank DDP run on the same links (src/benchmarks/overlap.py says
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-train-samples", type=int, help="train on the first N samples only (default all)")
     parser.add_argument("--transport", choices=("grpc", "tcp"), default="grpc", help="the PS's (default grpc)")
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="the PS workers stream (issue 34); the same run measures them without streaming first, as the reference",
+    )
     parser.add_argument("--reference", help="an earlier run's JSON (same settings): judge issue 34's targets on it")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -50,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             max_train_samples=args.max_train_samples,
             transport=args.transport,
             reference=reference,
+            streaming=args.streaming,
         )
     except (OSError, ValueError, RuntimeError) as exc:  # JSONDecodeError: a ValueError; RuntimeError: a run failed
         print(f"error: {exc}", file=sys.stderr)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +56,13 @@ from src.metrics import MetricsLogger
 from src.ps.sharding import Sharding
 from src.ps.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.ps.worker_step import WorkerStep, check_layout
+from src.ps.worker_stream import StreamedModel
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config, resolve_device
 from src.transport.clients import make_client
 from src.transport.grpc import ParameterServerClient, Received, require_auth_token
-from src.transport.wire import chunk_size
+from src.transport.stream import PushStream, ReplyBroken
+from src.transport.wire import Outgoing, chunk_size
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,10 @@ class Worker:
         self.step: WorkerStep | None = None
         self._started = time.perf_counter()
         self.compute_delay: ComputeDelay | None = None  # emulation, set once the run config is known
+        self.streamed: StreamedModel | None = None  # system.streaming: the hooks on the model
+        self._stream_calls: ThreadPoolExecutor | None = None  # system.streaming: the thread that moves the pushes
+        self._generation = 0  # system.streaming: streamed replies so far (src/ps/worker_stream.py)
+        self._last_call: Future | None = None  # system.streaming: the newest push's call (its reply may be arriving)
 
     def emulated_delay_s(self) -> float:
         """Seconds this process waited for emulated compute and uplink (:mod:`src.emulation.netem`)."""
@@ -220,6 +226,10 @@ class Worker:
                 client.close()
             if self._shard_calls is not None:
                 self._shard_calls.shutdown()
+            if self._stream_calls is not None:
+                self._stream_calls.shutdown()  # the last reply's tensors, still arriving, are in (or failed)
+            if self.streamed is not None:
+                self.streamed.close()
             if heartbeats is not None:
                 heartbeats.stop_and_close(self.client.close)
             else:
@@ -277,6 +287,16 @@ class Worker:
                 faults=self.faults,
                 placement=placement,
             )
+            if system.streaming:
+                if self.shard_clients:
+                    raise SetupError(
+                        "system.streaming: not with a sharded server yet (system.num_servers > 1); "
+                        "stream with one server, or set system.streaming: false"
+                    )
+                self.streamed = StreamedModel(model, step.params, step.buffers)
+                self._stream_calls = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"worker-{self.worker_id}-push"
+                )
             received = self._pull_everything(step)
             log.event("run_start", address=self.address, incarnation=self.incarnation, version=step.version)
             logger.info(
@@ -290,12 +310,14 @@ class Worker:
             model.train()
             while True:
                 if received.message.work.finished:
+                    self._reply_in()
                     stats = self.stats()
                     if self._finish(stats):
                         break
                     received = self._pull_again(step, log)  # the server restarted, or failed us, before we finished
                     continue
-                reply = self._train_step(step, received)
+                train_step = self._train_step_streamed if self.streamed is not None else self._train_step
+                reply = train_step(step, received)
                 # None: lost with the server's session or our incarnation: registered again
                 received = reply if reply is not None else self._pull_again(step, log)
 
@@ -363,6 +385,90 @@ class Worker:
         )
         tracing.record("step", step_started, time.perf_counter(), step=step.totals["steps"])
         return reply
+
+    def _train_step_streamed(self, step: WorkerStep, received: Received) -> Received | None:
+        """:meth:`_train_step` communicating while it computes (``system.streaming``, :mod:`src.ps.worker_stream`).
+
+        The forward takes each layer's parameters as the previous reply brings them; backward hands each gradient
+        to the push as it is ready, and the client's thread compresses and sends it meanwhile; after backward the
+        push's own message follows, and the step ends with the reply's head (verdict, version, next work), whose
+        tensors go on arriving during the next forward. Returns that head (a reply without tensors), ``received``
+        again when the previous reply broke off after its head (the parameters pulled: the same work computed
+        again), or ``None`` when the push was lost with the server's session or this incarnation.
+        """
+        streamed = self.streamed
+        batches = list(received.message.work.batches)
+        self._generation += 1
+        generation = self._generation
+        stream = PushStream(lambda index: step.encode_part(index, batches), streamed.on_large(generation))
+        call = self._last_call = self._stream_calls.submit(self.client.push_streamed, stream)
+        call.add_done_callback(lambda done: done.exception() and streamed.reply_broken(generation, done.exception()))
+        waited_before = streamed.waited_s
+        step_started = time.perf_counter()
+        streamed.begin_push(stream)
+        try:
+            with tracing.span("forward_backward", step=step.totals["steps"] + 1, batches=len(batches)):
+                loss, correct, samples = step.compute(batches)
+                if batches:
+                    self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
+        except ReplyBroken as broken:  # the previous reply's tensors stopped coming: pull them, compute again
+            streamed.end_backward()
+            stream.abort(broken)
+            logger.warning("worker %d: %s; pulling the parameters", self.worker_id, broken)
+            try:
+                step.load(self.client.pull(self.caller, parameters_only=True))
+            except grpc.RpcError as exc:
+                self._rejoin(self._failure(exc), in_flight=0)
+                return None
+            streamed.loaded()
+            return received
+        streamed.end_backward()
+        computed = time.perf_counter()
+        forward_waits = streamed.waited_s - waited_before  # exposed: the forward waited for parameters
+        gradient_time_s = computed - step_started - forward_waits
+        step.reach_step()
+        request = step.request(
+            self.caller, batches, loss, correct, gradient_time_s=gradient_time_s, compression_time_s=0.0
+        )
+
+        def compression_time() -> None:  # every part is encoded: their seconds go with the push
+            request.metrics.compression_time_s = stream.encode_s
+
+        stream.close(Outgoing(request, {"buffers": step.buffers_to_send(batches)}), before_send=compression_time)
+        try:
+            with tracing.span("reply_wait", request_id=request.request_id):  # exposed: nothing left to compute
+                head = stream.wait_head()
+        except grpc.RpcError as exc:
+            self._rejoin(self._failure(exc), in_flight=request.request_id)  # settles the push as the registration says
+            return None
+        head_in = time.perf_counter()
+        streamed.expect(generation)
+        reply = Received(head, {})
+        step.settle(
+            reply,
+            batches,
+            request,
+            payload_bytes=sum(chunk_size(payload) for _, payload in stream.encoded),
+            loss=loss,
+            correct=correct,
+            samples=samples,
+            gradient_time_s=gradient_time_s,
+            compression_time_s=stream.encode_s,
+            communication_time_s=head_in - computed + forward_waits,
+            push_bytes=stream.sent_bytes,
+            reply_bytes=stream.reply_bytes,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            parameters=False,
+        )
+        tracing.record("step", step_started, head_in, step=step.totals["steps"])
+        return reply
+
+    def _reply_in(self) -> None:
+        """``system.streaming``: wait until the last reply's tensors are in (or it broke off), so the totals count
+        every byte it brought."""
+        if self._last_call is not None:
+            wait([self._last_call])
 
     def _finish(self, stats: pb.WorkerStats) -> bool:
         """Tell the server this worker is done; ``False``: the call failed and the worker registered again."""
@@ -439,7 +545,11 @@ class Worker:
             received = self._pull()
             if not self.shard_clients:
                 step.load(received)
+                if self.streamed is not None:
+                    self.streamed.loaded()
                 return received
+            if self.streamed is not None:
+                self.streamed.loaded()
             step.load(received, parameters=False)
             step.load_shard(0, received)
             try:

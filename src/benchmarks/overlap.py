@@ -156,14 +156,18 @@ def _shared_args(run: dict[str, Any]) -> list[str]:
     ]
 
 
-def ps_commands(hosts: Hosts, run: dict[str, Any], port: int) -> dict[str, tuple[Path, list[str], dict[str, str]]]:
-    """Each host's (script, arguments, environment) of the PS arm (logs and checkpoints are added per host)."""
+def ps_commands(
+    hosts: Hosts, run: dict[str, Any], port: int, *, streaming: bool = False
+) -> dict[str, tuple[Path, list[str], dict[str, str]]]:
+    """Each host's (script, arguments, environment) of the PS arm (logs and checkpoints are added per host);
+    ``streaming``: the workers communicate while they compute (``--streaming``, issue 34)."""
     address = ["--server-address", f"{hosts.ips['server']}:{port}", "--transport", run["transport"]]
     server = [
         *("--role", "server", "--workers", str(NUM_WORKERS), "--aggregation-mode", "sync"),
         *address,
         *_shared_args(run),
         *("--checkpoint-interval", "100000"),
+        *(["--streaming"] if streaming else []),
     ]
     commands = {"server": (PS_RUNNER, server, {})}
     for k, role in enumerate(WORKERS):
@@ -318,17 +322,25 @@ def check_reference(reference: Any, run: dict[str, Any]) -> None:
         raise ValueError(f"the reference was measured with other settings: {reference['settings']} vs {run}")
 
 
-def targets(ps: dict[str, Any], ddp: dict[str, Any], reference: dict[str, Any] | None = None) -> dict[str, Any]:
+def targets(
+    ps: dict[str, Any],
+    ddp: dict[str, Any],
+    reference: dict[str, Any] | None = None,
+    unstreamed: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Issue 34's targets. ``reference``: an earlier run of this bench (its JSON) whose PS arm is today's worker;
-    ``None``: this run's PS arm is the reference, so only the third target can be judged."""
-    base = ps if reference is None else reference["ps"]
+    else ``unstreamed``: this run's PS arm without streaming (a streamed run's own reference); neither: this run's
+    PS arm is the reference, so only the third target can be judged."""
+    base = reference["ps"] if reference is not None else unstreamed if unstreamed is not None else ps
     fraction, speed = base["exposed_fraction"], base["samples_per_s"]
-    judged = reference is not None
+    judged = reference is not None or unstreamed is not None
     return {
         "issue": ISSUE,
-        "reference": "this run's PS arm (today's worker: no overlap)"
-        if reference is None
-        else "the PS arm of the reference run",
+        "reference": "the PS arm of the reference run"
+        if reference is not None
+        else "this run's PS arm without streaming (ps_unstreamed)"
+        if unstreamed is not None
+        else "this run's PS arm (today's worker: no overlap)",
         "exposed_fraction_falls": {
             "target": f"PS exposed fraction falls >= {EXPOSED_FALL:.0%} from {fraction:.3f}",
             "reference": fraction,
@@ -358,8 +370,11 @@ def summarize(
     ddp_summary: dict[str, Any],
     ddp_ranks: list[dict[str, Any]],
     reference: dict[str, Any] | None = None,
+    unstreamed_summary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The bench's JSON from the two arms' summaries (``run``: :func:`settings`; ``reference``: see :func:`targets`).
+    """The bench's JSON from the arms' summaries (``run``: :func:`settings`; ``reference``: see :func:`targets`).
+    ``unstreamed_summary``: ``ps_summary`` is a streamed run's, and this is the same run's PS arm without streaming
+    (``ps_unstreamed``, the targets' reference unless ``reference`` is given).
 
     Raises:
         ValueError: ``reference`` is not this bench's JSON, or was measured with other settings.
@@ -367,16 +382,22 @@ def summarize(
     check_reference(reference, run)
     mbps = run["link_mbps"]
     ps, ddp = ps_arm(ps_summary, mbps), ddp_arm(ddp_summary, ddp_ranks, mbps)
-    return {
+    unstreamed = ps_arm(unstreamed_summary, mbps) if unstreamed_summary is not None else None
+    result = {
         "setup": describe(run),
         "settings": run,
-        "ps": ps,
+        "ps": {**ps, "streaming": unstreamed is not None},
+        **({"ps_unstreamed": unstreamed} if unstreamed is not None else {}),
         "ddp": ddp,
         "ps_over_ddp": round(ps["samples_per_s"] / ddp["samples_per_s"], 3),
         "exposed_fraction": {"ps": ps["exposed_fraction"], "ddp": ddp["exposed_fraction"]},
         "communication_over_compute": round(ps["link_s_per_step"] / ps["compute_s_per_step"], 2),
-        "targets": targets(ps, ddp, reference),
+        "targets": targets(ps, ddp, reference, unstreamed),
     }
+    if unstreamed is not None:
+        result["exposed_fraction"]["ps_unstreamed"] = unstreamed["exposed_fraction"]
+        result["streamed_over_unstreamed"] = round(ps["samples_per_s"] / unstreamed["samples_per_s"], 3)
+    return result
 
 
 # ----------------------------------------------------------------------------- the bench
@@ -392,8 +413,10 @@ def bench_overlap(
     seed: int = 0,
     reference: dict[str, Any] | None = None,
     timeout_s: float = 600.0,
+    streaming: bool = False,
 ) -> dict[str, Any]:
     """Both arms on the same hosts (PS first, then DDP) and their figures; where namespaces cannot be made, why not.
+    ``streaming``: the PS arm streams (issue 34), and the same run first measures it without (``ps_unstreamed``).
 
     Raises:
         ValueError: bad settings or reference (before anything starts).
@@ -412,6 +435,14 @@ def bench_overlap(
         log(f"overlap: PS arm, sync, 2 workers at {mbps:g} Mbit/s")
         run_processes(hosts, ps_commands(hosts, run, PS_PORT), ps_folder, timeout_s)
         ps_summary = json.loads((ps_folder / "server" / "logs" / "summary.json").read_text())
+        unstreamed_summary = None
+        if streaming:
+            streamed_folder = Path(tmp) / "ps_streamed"
+            streamed_folder.mkdir()
+            log(f"overlap: PS arm streaming, sync, 2 workers at {mbps:g} Mbit/s")
+            run_processes(hosts, ps_commands(hosts, run, PS_PORT + 1, streaming=True), streamed_folder, timeout_s)
+            unstreamed_summary = ps_summary
+            ps_summary = json.loads((streamed_folder / "server" / "logs" / "summary.json").read_text())
         log(f"overlap: DDP arm, 2 ranks at {mbps:g} Mbit/s")
         run_processes(hosts, ddp_commands(hosts, run, DDP_PORT), ddp_folder, timeout_s)
         ddp_summary = json.loads((ddp_folder / WORKERS[0] / "logs" / "summary.json").read_text())
@@ -419,7 +450,7 @@ def bench_overlap(
             json.loads((ddp_folder / role / "logs" / f"ddp_rank_{k}.json").read_text())
             for k, role in enumerate(WORKERS)
         ]
-    result = summarize(run, ps_summary, ddp_summary, ranks, reference)
+    result = summarize(run, ps_summary, ddp_summary, ranks, reference, unstreamed_summary)
     log(
         f"overlap: PS {result['ps']['samples_per_s']} samples/s, exposed {result['ps']['exposed_fraction']}; "
         f"DDP {result['ddp']['samples_per_s']} samples/s, exposed {result['ddp']['exposed_fraction']}; "

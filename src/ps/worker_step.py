@@ -301,6 +301,14 @@ class WorkerStep:
             raise RuntimeError("a sharded worker encodes per shard: encode_shards")
         return self.codec.encode(gradients, self.totals["steps"])
 
+    def encode_part(self, index: int, batches: Sequence[pb.Batch]) -> Any:
+        """A streamed push (``system.streaming``): gradient ``index``'s payload alone, as soon as backward has
+        produced it (:mod:`src.ps.worker_stream`); the same error feedback and compression as :meth:`encode`'s
+        (a compressor that draws random numbers draws them in the order the gradients come)."""
+        name, param = self.named_params[index]
+        gradient = torch.zeros_like(param) if not batches or param.grad is None else param.grad
+        return self.codec.encode([(name, gradient)], self.totals["steps"])[0]
+
     def encode_shards(self, batches: Sequence[pb.Batch]) -> list[list[bytes]]:
         """A sharded server: each shard's payloads, one per slice (:class:`~src.ps.shard_push.ShardedPushCodec`)."""
         gradients = (
@@ -359,8 +367,11 @@ class WorkerStep:
         reply_bytes: int,
         bytes_sent: int,
         bytes_received: int,
+        parameters: bool = True,
     ) -> None:
-        """The push's verdict: commit or roll back the residuals, carry rejected batches, load the reply, count."""
+        """The push's verdict: commit or roll back the residuals, carry rejected batches, load the reply, count.
+        ``parameters=False``: the reply's version and control only (its tensors arrive by themselves: a sharded
+        server's pulls, a streamed reply)."""
         accepted = reply.message.accepted
         if self.sharded is not None:  # sync: one verdict for every shard's slices
             for shard in range(self.placement.num_shards):
@@ -380,7 +391,7 @@ class WorkerStep:
             dense_bytes=self.dense_bytes_per_step,
         )
         self.last_communication_s = communication_time_s
-        self.load(reply, parameters=self.sharded is None)  # a new Active Fraction applies from the next step
+        self.load(reply, parameters=parameters and self.sharded is None)  # a new Active Fraction: from the next step
         epoch = self._epoch
         epoch[0] += loss * samples
         epoch[1] += correct

@@ -32,7 +32,7 @@ from src.transport.wire import MessageSplitter, Outgoing, chunk_size
 
 PART_INDEX = struct.Struct("<I")
 """A part's leading field: the index of the tensor (parameter) whose gradient payload follows."""
-_CLOSE = object()
+_CLOSE, _ABORT = object(), object()
 
 
 def part_pieces(index: int, payload: Any) -> list[Any]:
@@ -93,9 +93,16 @@ class PushStream:
         """Gradient ``index`` is computed: encode and send it (from any thread; only queues it)."""
         self._ready.put(index)
 
-    def close(self, request: Outgoing) -> None:
-        """Every gradient is ready (``ready`` was called for each): the push's small fields and buffers follow."""
-        self._ready.put((_CLOSE, request))
+    def close(self, request: Outgoing, before_send: Callable[[], None] | None = None) -> None:
+        """Every gradient is ready (``ready`` was called for each): the push's small fields and buffers follow.
+        ``before_send``: called on the client's thread once every part is out, just before the push's message is
+        encoded (to fill in what only then is known: the seconds spent encoding the parts)."""
+        self._ready.put((_CLOSE, request, before_send))
+
+    def abort(self, error: BaseException) -> None:
+        """The push will not be completed (the step was given up before its backward): the client's thread stops
+        with ``error`` instead of waiting for parts."""
+        self._ready.put((_ABORT, error, None))
 
     def wait_head(self, timeout: float | None = None) -> Any:
         """The reply's small fields (its message without tensors), once they are in.
@@ -122,8 +129,13 @@ class PushStream:
         yield from list(self.encoded)
         while self.request is None:
             item = self._ready.get()
-            if isinstance(item, tuple) and item[0] is _CLOSE:
-                self.request = item[1]
+            if isinstance(item, tuple):
+                what, value, before_send = item
+                if what is _ABORT:
+                    raise value
+                if before_send is not None:
+                    before_send()
+                self.request = value
                 return
             started = time.perf_counter()
             payload = self.encode(item)

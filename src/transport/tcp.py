@@ -282,6 +282,9 @@ class TCPParameterServerClient(ProtocolClient):
                 receive_exactly(sock, body, splitter.advance)
         except (OSError, PeerClosed, FrameError) as exc:
             raise self._broken(connection, exc) from None
+        except BaseException:  # the stream aborted, or its encode failed: the frames sent so far end with it
+            connection.close()
+            raise
         with self._lock:
             self.bytes_received += size
         self._release(connection, reply_header.closing)

@@ -1,0 +1,146 @@
+"""Streamed pushes (``system.streaming``, issue 34) against unstreamed ones, on real processes.
+
+A streamed worker sends each gradient as backward produces it and takes the reply as it arrives, the next forward
+waiting per layer (:mod:`src.ps.worker_stream`). Only when the bytes travel may change: the same runs streamed and
+not give the same parameters bit for bit (sync with 2 workers, with and without compression and a compressed
+downlink; async with one worker), the same pushes in the events, and every sample once, with faults too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.common.checkpoint import load_checkpoint
+from src.coordinator import check_coverage
+from src.launch.ps import run_local
+from src.metrics import read_events
+from tests.ps_fixtures import ps_config
+from tests.test_ps_equivalence import assert_same_parameters, baseline_parameters
+
+pytestmark = pytest.mark.timeout(240)
+
+TRANSPORTS = ["tcp"]
+
+
+def run(tmp_path: Path, name: str, **fields):
+    config = ps_config(tmp_path, name, **fields)
+    summary = run_local(config)
+    return config, summary, load_checkpoint(summary["checkpoint_path"])["model_state_dict"]
+
+
+def pushes(config, worker: int) -> list[tuple]:
+    """A worker's pushes as its events tell them: batches, verdict, version."""
+    path = Path(config.system.log_dir, f"worker_{worker}", "events.jsonl")
+    return [(tuple(e["batch_ids"]), e["accepted"], e["version"]) for e in read_events(path, "push")]
+
+
+def assert_bit_for_bit(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys()
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), f"{name}: max difference {(actual[name] - value).abs().max()}"
+
+
+SYNC = dict(
+    system__num_workers=2,
+    system__aggregation_mode="sync",
+    training__batch_size=16,
+    training__max_train_samples=249,
+    training__momentum=0.9,
+)
+
+
+@pytest.mark.slow  # per transport: two 2-worker runs and a baseline, ~15 s
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_streamed_sync_run_is_the_unstreamed_one_bit_for_bit_and_large_batch_sgd(tmp_path, transport):
+    expected = baseline_parameters(tmp_path, batch_size=32, max_train_samples=249, momentum=0.9)
+    plain = run(tmp_path, "plain", system__transport=transport, **SYNC)
+    streamed = run(tmp_path, "streamed", system__transport=transport, system__streaming=True, **SYNC)
+    assert_bit_for_bit(plain[2], streamed[2])
+    assert_same_parameters(expected, streamed[2])
+    for key in ("versions", "samples_processed"):
+        assert streamed[1][key] == plain[1][key]
+    for worker in range(2):
+        assert pushes(streamed[0], worker) == pushes(plain[0], worker)
+    assert check_coverage(read_events(Path(streamed[0].system.log_dir, "server", "events.jsonl")), 249, 1)["ok"]
+    # a streamed push costs its parts' framing over the unstreamed one and nothing else, and the reply is the same
+    # message (heartbeats, whose count depends on timing, come and go)
+    plain_bytes, streamed_bytes = plain[1]["bytes_received"], streamed[1]["bytes_received"]
+    assert abs(streamed_bytes - plain_bytes) < 1e-4 * plain_bytes, (streamed_bytes, plain_bytes)
+    assert plain[1]["bytes_sent"] < streamed[1]["bytes_sent"] < 1.01 * plain[1]["bytes_sent"]
+
+
+@pytest.mark.slow  # two 2-worker runs, ~10 s
+def test_streamed_compression_error_feedback_and_a_compressed_downlink_are_the_unstreamed_ones(tmp_path):
+    """Top-k (exact selection: no random numbers) with error feedback, per tensor as each gradient is ready, and
+    the reply's top-k deltas added as each arrives: what the unstreamed run computes, bit for bit."""
+    fields = dict(
+        SYNC,
+        system__transport="tcp",
+        system__compression_enabled=True,
+        system__compression_type="topk",
+        system__compression_ratio=0.1,
+        system__topk_selection="exact",
+        system__error_feedback=True,
+        system__downlink_compression="topk",
+        system__downlink_ratio=0.2,
+    )
+    plain = run(tmp_path, "plain", **fields)
+    streamed = run(tmp_path, "streamed", system__streaming=True, **fields)
+    assert_bit_for_bit(plain[2], streamed[2])
+    for worker in range(2):
+        assert pushes(streamed[0], worker) == pushes(plain[0], worker)
+
+
+@pytest.mark.slow
+def test_a_streamed_async_worker_is_the_unstreamed_one_and_sgd(tmp_path):
+    fields = dict(
+        system__num_workers=1,
+        system__aggregation_mode="async",
+        system__async_correction="none",
+        system__transport="tcp",
+        training__batch_size=16,
+        training__max_train_samples=100,
+        training__momentum=0.9,
+    )
+    expected = baseline_parameters(tmp_path, batch_size=16, max_train_samples=100, momentum=0.9)
+    plain = run(tmp_path, "plain", **fields)
+    streamed = run(tmp_path, "streamed", system__streaming=True, **fields)
+    assert streamed[1]["versions"] == 7 and streamed[1]["max_staleness"] == 0
+    assert_bit_for_bit(plain[2], streamed[2])
+    assert_same_parameters(expected, streamed[2])
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # heartbeats and restarts: timing-sensitive
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_streamed_run_survives_a_killed_worker_and_a_killed_server_with_every_sample_once(tmp_path, mode):
+    """A worker SIGKILLs itself after its backward, its parts on the wire and the push's message not (the server
+    drops the parts with the connection); the server SIGKILLs itself mid-run and the workers' streamed pushes
+    find the restarted one. Every sample lands in exactly one applied update, and the run trains."""
+    config, summary, _ = run(
+        tmp_path,
+        "faulty",
+        system__num_workers=2,
+        system__aggregation_mode=mode,
+        system__transport="tcp",
+        system__streaming=True,
+        system__heartbeat_interval=0.5,
+        system__heartbeat_timeout=3.0,
+        system__inject_faults=["kill:worker=1@step=6", "kill:server@version=20"],
+        training__num_epochs=2,
+        training__batch_size=32,
+        training__max_train_samples=1024,
+        training__momentum=0.9,
+        training__checkpoint_interval=5,
+        emulation__step_delay_s=0.1,
+    )
+    server_events = list(read_events(Path(config.system.log_dir, "server", "events.jsonl")))
+    report = check_coverage(server_events, 1024, 2)
+    assert report["ok"], report
+    assert summary["samples_processed"] == 2 * 1024
+    assert summary["faults"]["worker_failures"] >= 1 and summary["faults"]["server_recoveries"] >= 1, summary["faults"]
+    assert summary["final_accuracy"] > 0.6, summary["final_accuracy"]
