@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the PS workers stream (issue 34); the same run measures them without streaming first, as the reference",
     )
+    parser.add_argument(
+        "--trace-dir", help="trace the PS runs and keep each arm's trace.json files here (scripts/plot_trace.py)"
+    )
     parser.add_argument("--reference", help="an earlier run's JSON (same settings): judge issue 34's targets on it")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=args.transport,
             reference=reference,
             streaming=args.streaming,
+            trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         )
     except (OSError, ValueError, RuntimeError) as exc:  # JSONDecodeError: a ValueError; RuntimeError: a run failed
         print(f"error: {exc}", file=sys.stderr)

@@ -400,9 +400,19 @@ class Worker:
         batches = list(received.message.work.batches)
         self._generation += 1
         generation = self._generation
-        stream = PushStream(lambda index: step.encode_part(index, batches), streamed.on_large(generation))
+        def encode(index: int) -> Any:  # on the push's thread, while backward goes on
+            with tracing.span("compress", tensor=index):
+                return step.encode_part(index, batches)
+
+        def ended(done: Future) -> None:  # on the push's thread: the reply is in, or the call failed
+            if stream.first_sent is not None:  # the push in flight, hidden or not (reply_wait: what was not)
+                tracing.record("push", stream.first_sent, time.perf_counter(), step=step.totals["steps"])
+            if done.exception() is not None:
+                streamed.reply_broken(generation, done.exception())
+
+        stream = PushStream(encode, streamed.on_large(generation))
         call = self._last_call = self._stream_calls.submit(self.client.push_streamed, stream)
-        call.add_done_callback(lambda done: done.exception() and streamed.reply_broken(generation, done.exception()))
+        call.add_done_callback(ended)
         waited_before = streamed.waited_s
         step_started = time.perf_counter()
         streamed.begin_push(stream)

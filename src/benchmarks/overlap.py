@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,10 +158,11 @@ def _shared_args(run: dict[str, Any]) -> list[str]:
 
 
 def ps_commands(
-    hosts: Hosts, run: dict[str, Any], port: int, *, streaming: bool = False
+    hosts: Hosts, run: dict[str, Any], port: int, *, streaming: bool = False, trace: bool = False
 ) -> dict[str, tuple[Path, list[str], dict[str, str]]]:
     """Each host's (script, arguments, environment) of the PS arm (logs and checkpoints are added per host);
-    ``streaming``: the workers communicate while they compute (``--streaming``, issue 34)."""
+    ``streaming``: the workers communicate while they compute (``--streaming``, issue 34); ``trace``: every
+    process writes its timeline (``--trace``)."""
     address = ["--server-address", f"{hosts.ips['server']}:{port}", "--transport", run["transport"]]
     server = [
         *("--role", "server", "--workers", str(NUM_WORKERS), "--aggregation-mode", "sync"),
@@ -168,10 +170,12 @@ def ps_commands(
         *_shared_args(run),
         *("--checkpoint-interval", "100000"),
         *(["--streaming"] if streaming else []),
+        *(["--trace"] if trace else []),
     ]
     commands = {"server": (PS_RUNNER, server, {})}
     for k, role in enumerate(WORKERS):
-        commands[role] = (PS_RUNNER, ["--role", "worker", "--worker-id", str(k), *address], {})
+        traced = ["--trace"] if trace else []
+        commands[role] = (PS_RUNNER, ["--role", "worker", "--worker-id", str(k), *address, *traced], {})
     return commands
 
 
@@ -257,6 +261,16 @@ def run_processes(
                 process.wait()
         for handle in outputs.values():
             handle.close()
+
+
+def keep_traces(folder: Path, trace_dir: Path | None, arm: str) -> None:
+    """Copy every ``trace.json`` an arm's processes wrote under ``folder`` to ``trace_dir/arm`` (same paths)."""
+    if trace_dir is None:
+        return
+    for trace in folder.rglob("trace.json"):
+        target = Path(trace_dir) / arm / trace.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(trace, target)
 
 
 # ----------------------------------------------------------------------------- the figures (pure)
@@ -414,9 +428,12 @@ def bench_overlap(
     reference: dict[str, Any] | None = None,
     timeout_s: float = 600.0,
     streaming: bool = False,
+    trace_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Both arms on the same hosts (PS first, then DDP) and their figures; where namespaces cannot be made, why not.
     ``streaming``: the PS arm streams (issue 34), and the same run first measures it without (``ps_unstreamed``).
+    ``trace_dir``: the PS runs are traced (``--trace``), and each arm's processes' ``trace.json`` files are kept under
+    ``trace_dir/<arm>/<host>/`` (``scripts/plot_trace.py`` draws a folder of them as one timeline).
 
     Raises:
         ValueError: bad settings or reference (before anything starts).
@@ -433,14 +450,18 @@ def bench_overlap(
         ps_folder.mkdir()
         ddp_folder.mkdir()
         log(f"overlap: PS arm, sync, 2 workers at {mbps:g} Mbit/s")
-        run_processes(hosts, ps_commands(hosts, run, PS_PORT), ps_folder, timeout_s)
+        trace = trace_dir is not None
+        run_processes(hosts, ps_commands(hosts, run, PS_PORT, trace=trace), ps_folder, timeout_s)
+        keep_traces(ps_folder, trace_dir, "ps_unstreamed" if streaming else "ps")
         ps_summary = json.loads((ps_folder / "server" / "logs" / "summary.json").read_text())
         unstreamed_summary = None
         if streaming:
             streamed_folder = Path(tmp) / "ps_streamed"
             streamed_folder.mkdir()
             log(f"overlap: PS arm streaming, sync, 2 workers at {mbps:g} Mbit/s")
-            run_processes(hosts, ps_commands(hosts, run, PS_PORT + 1, streaming=True), streamed_folder, timeout_s)
+            commands = ps_commands(hosts, run, PS_PORT + 1, streaming=True, trace=trace)
+            run_processes(hosts, commands, streamed_folder, timeout_s)
+            keep_traces(streamed_folder, trace_dir, "ps")
             unstreamed_summary = ps_summary
             ps_summary = json.loads((streamed_folder / "server" / "logs" / "summary.json").read_text())
         log(f"overlap: DDP arm, 2 ranks at {mbps:g} Mbit/s")
