@@ -182,6 +182,22 @@ class PushRequest(_message.Message):
     shard_staleness: _containers.RepeatedCompositeFieldContainer[ShardStaleness]
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ..., hold: _Optional[bool] = ..., commit: _Optional[bool] = ..., shard_staleness: _Optional[_Iterable[_Union[ShardStaleness, _Mapping]]] = ...) -> None: ...
 
+class PushStreamRequest(_message.Message):
+    __slots__ = ("part", "push")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    part: bytes
+    push: bytes
+    def __init__(self, part: _Optional[bytes] = ..., push: _Optional[bytes] = ...) -> None: ...
+
+class PushStreamReply(_message.Message):
+    __slots__ = ("reply_size", "reply")
+    REPLY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    reply_size: int
+    reply: bytes
+    def __init__(self, reply_size: _Optional[int] = ..., reply: _Optional[bytes] = ...) -> None: ...
+
 class ShardStaleness(_message.Message):
     __slots__ = ("shard", "staleness")
     SHARD_FIELD_NUMBER: _ClassVar[int]

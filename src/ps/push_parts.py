@@ -9,8 +9,9 @@ the push still on the wire), and the message to :meth:`PushParts.assemble`. What
 :meth:`AssembledPush.finish` is the same :class:`~src.transport.wire.Received` (the gradients in parameter
 order, the early decodes kept), so the server's verdict and update do not depend on how the push travelled.
 
-What is wrong with a part (no index, a gradient twice, too many bytes) is kept and refuses the push, with its
-reason, once the push's message comes: the connection stays usable and nothing is applied.
+What is wrong with the parts (no index, a gradient twice or missing, no such parameter, too many bytes) is kept
+and refuses the push, with its reason, once the push's message comes: the connection (TCP) or the server (gRPC's
+``PushStream``, :mod:`src.ps.grpc_service`) stays usable and nothing is applied.
 """
 
 from __future__ import annotations
@@ -20,7 +21,26 @@ from typing import Any
 from src import parameter_server_pb2 as pb
 from src.ps.push_decode import ModelLayout
 from src.transport.stream import split_part
-from src.transport.wire import Received, split
+from src.transport.wire import MessageSplitter, Received, split
+
+
+def push_size(data) -> int:
+    """Bytes of a push as it arrived: one message, one read in pieces (a splitter), or a streamed push's parts and
+    message."""
+    if isinstance(data, AssembledPush):
+        return data.nbytes
+    return len(data.view) if isinstance(data, MessageSplitter) else len(data)
+
+
+def arrived_push(data, large_fields) -> Received:
+    """The push in ``data`` (as :func:`push_size` takes it), split.
+
+    Raises:
+        ValueError: the bytes are not a well-formed push (or a streamed push's parts are wrong).
+    """
+    if isinstance(data, (MessageSplitter, AssembledPush)):
+        return data.finish()
+    return split(data, pb.PushRequest, large_fields)
 
 
 class PushParts:
@@ -57,6 +77,9 @@ class PushParts:
             return
         if index in self._payloads:
             self._refuse(f"the part of gradient {index} arrived twice")
+            return
+        if self.layout is not None and index >= len(self.layout.param_shapes):
+            self._refuse(f"a part of gradient {index}: the model has {len(self.layout.param_shapes)} parameters")
             return
         self._payloads[index] = payload
         if self.layout is not None:
@@ -97,12 +120,14 @@ class AssembledPush:
         if received.large["gradients"]:
             raise ValueError("a streamed push carries its gradients in parts, not in its message")
         payloads = parts._payloads
-        missing = next((i for i in range(len(payloads)) if i not in payloads), None)
+        # one part per parameter (the model's, once it has one; none at all: a skipped step's push)
+        count = len(parts.layout.param_shapes) if parts.layout is not None and payloads else len(payloads)
+        missing = next((i for i in range(count) if i not in payloads), None)
         if missing is not None:
             raise ValueError(
                 f"streamed push: the part of gradient {missing} is missing (parts of gradients "
                 f"{sorted(payloads)[:8]}{'...' if len(payloads) > 8 else ''} arrived)"
             )
-        received.large["gradients"] = [payloads[i] for i in range(len(payloads))]
+        received.large["gradients"] = [payloads[i] for i in range(count)]
         received.early.update(parts._early)
         return received

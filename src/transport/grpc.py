@@ -22,6 +22,13 @@ and :mod:`src.worker` contain only their algorithms:
   so ``bytes_sent`` / ``bytes_received`` are the lengths of the exact serialized messages that went
   through gRPC, and retries a call that failed in transport with the same request (a push keeps its
   request id, which the server applies at most once).
+* **Streamed push** (``system.streaming``, :mod:`src.transport.stream`). ``PushStream`` is a bidi stream: the
+  worker sends each gradient as a ``PushStreamRequest.part`` the moment backward produces it, then the push
+  (``push``: a PushRequest without gradients); the server answers with the very PushReply bytes a ``Push``
+  returns, in ``PushStreamReply`` chunks (:func:`reply_chunk_bounds`: small first, so the reply's head is out
+  at once), the first carrying the reply's size. The client writes them into one buffer and walks it as it
+  fills (:class:`~src.transport.wire.MessageSplitter`), so the verdict and each tensor are taken before the
+  whole reply is in. Its bytes are counted as they cross gRPC, like every message.
 * **Choosing a transport.** :func:`src.transport.clients.make_client` returns this client or the TCP
   transport's (:mod:`src.transport.tcp`, same interface) for ``system.transport``; the TLS files,
   token and limits above mean the same on both.
@@ -35,19 +42,22 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
-from src.transport.stream import PushStream, ReplyBroken
+from src.transport.stream import PushStream, ReplyBroken, part_pieces
 from src.transport.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
     Outgoing,
     Received,
+    _varint,
     check_float32_bytes,
     copy_bytes_into,
+    encode,
     field_number,
     serialize,
     split,
@@ -64,6 +74,68 @@ HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
 # Statuses worth retrying with the same request: the call may not have reached the server.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+PUSH_REPLY_LARGE_FIELDS = ("parameters", "buffers", "parameter_deltas")
+"""A push reply's tensors: views of the reply, never parsed by protobuf."""
+FIRST_REPLY_CHUNK_BYTES = 64 << 10
+"""A streamed push's reply: bytes of its first chunk, which holds the head (verdict, version, work). Each chunk
+after it is twice the one before, up to :data:`REPLY_CHUNK_BYTES`: the head and the first layers go out at once
+on a slow link, and a large reply costs few messages."""
+REPLY_CHUNK_BYTES = 1 << 20
+"""A streamed push's reply: most bytes of reply in one ``PushStreamReply``."""
+_REPLY_SIZE_TAG = _varint(field_number(pb.PushStreamReply, "reply_size") << 3 | 0)
+_REPLY_TAG = _varint(field_number(pb.PushStreamReply, "reply") << 3 | 2)
+
+
+def reply_chunk_bounds(size: int) -> Iterator[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` of a ``size``-byte reply that a streamed push's reply messages carry, in
+    order (at least one: a reply of no bytes is one message with nothing but its size)."""
+    start, length = 0, FIRST_REPLY_CHUNK_BYTES
+    while True:
+        end = min(size, start + length)
+        yield start, end
+        if end >= size:
+            return
+        start, length = end, min(2 * length, REPLY_CHUNK_BYTES)
+
+
+def reply_chunk_prefix(start: int, end: int, size: int) -> bytes:
+    """The protobuf bytes of a ``PushStreamReply`` carrying the reply's bytes ``[start, end)`` that come before
+    those bytes: the reply's size (first chunk only), the chunk's tag and length (none for an empty chunk)."""
+    head = _REPLY_SIZE_TAG + _varint(size) if start == 0 and size > 0 else b""
+    return head + _REPLY_TAG + _varint(end - start) if end > start else head
+
+
+def reply_stream_bytes(size: int) -> int:
+    """Bytes of every ``PushStreamReply`` of a ``size``-byte reply, as they cross gRPC (what a client counts)."""
+    return size + sum(len(reply_chunk_prefix(start, end, size)) for start, end in reply_chunk_bounds(size))
+
+
+def push_part_message(index: int, payload: Any) -> bytes:
+    """The ``PushStreamRequest`` of a streamed push's part (gradient ``index``'s payload)."""
+    return serialize(Outgoing(pb.PushStreamRequest(), {"part": [tuple(part_pieces(index, payload))]}))
+
+
+def push_message(request: Outgoing) -> bytes:
+    """The ``PushStreamRequest`` of a streamed push's own message (its small fields and buffers)."""
+    return serialize(Outgoing(pb.PushStreamRequest(), {"push": [tuple(encode(request).buffers)]}))
+
+
+class CallFailed(grpc.RpcError):
+    """A call that failed on the client's side of the wire (a malformed or cut-off streamed reply), as a failed
+    gRPC call reads: ``code()`` and ``details()``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 class AuthTokenMissing(SetupError):
@@ -254,7 +326,8 @@ def service_handler(servicer) -> grpc.GenericRpcHandler:
 
     Pull and Push return pre-serialized bytes (:func:`serialize`: the model's tensors are joined in
     without protobuf); Push and Initialize receive the raw request bytes so the handler can
-    :func:`split` them and refuse a malformed one with INVALID_ARGUMENT.
+    :func:`split` them and refuse a malformed one with INVALID_ARGUMENT. PushStream's messages travel as
+    bytes both ways (the handler parses and builds them).
     """
 
     def unary(method, request_type, reply_type):
@@ -274,6 +347,7 @@ def service_handler(servicer) -> grpc.GenericRpcHandler:
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
             "Finish": unary(servicer.Finish, pb.FinishRequest, pb.FinishReply),
             "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusReply),
+            "PushStream": grpc.stream_stream_rpc_method_handler(servicer.PushStream),
         },
     )
 
@@ -516,12 +590,16 @@ class ParameterServerClient(ProtocolClient):
                 ("Register", pb.RegisterReply, None),
                 ("Initialize", pb.InitializeReply, None),
                 ("Pull", pb.PullReply, model_state),
-                ("Push", pb.PushReply, model_state + ("parameter_deltas",)),
+                ("Push", pb.PushReply, PUSH_REPLY_LARGE_FIELDS),
                 ("Heartbeat", pb.HeartbeatReply, None),
                 ("Finish", pb.FinishReply, None),
                 ("Status", pb.StatusReply, None),
             )
         }
+        # a streamed push: its messages are made and read by _attempt_streamed, counted as they cross gRPC
+        self._push_stream = self.channel.stream_stream(
+            f"/{SERVICE_NAME}/PushStream", request_serializer=None, response_deserializer=self._received
+        )
 
     def _serialize(self, outgoing) -> bytes:
         data = serialize(outgoing)
@@ -541,6 +619,101 @@ class ParameterServerClient(ProtocolClient):
 
     def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
         return self._calls[name](request, metadata=self._metadata, timeout=timeout, wait_for_ready=wait_for_ready)
+
+    def _received(self, data: bytes) -> bytes:
+        with self._lock:
+            self.bytes_received += len(data)
+        return data
+
+    def _sending(self, stream: PushStream, data: bytes) -> bytes:
+        """A streamed push's message about to go: counted (and emulated, with an uplink) as every message is."""
+        with self._lock:
+            self.bytes_sent += len(data)
+        stream.sent(len(data))
+        if self.uplink is not None:
+            self.uplink.transmit(len(data))
+        return data
+
+    def _attempt_streamed(self, stream: PushStream, *, timeout: float | None) -> Received:
+        """One attempt of a streamed push over ``PushStream`` (see the module docstring): each part as the stream
+        hands it over (gRPC's request thread waits in :meth:`PushStream.parts` for backward), then the push; the
+        reply's chunks written into one buffer as they come, walked by the stream's splitter."""
+        ended: list[BaseException] = []  # what stopped the parts (the stream aborted, an encode failed)
+        started, outside = threading.Event(), threading.Event()  # the call is made; nobody waits in parts()
+        outside.set()
+        call: list[Any] = []
+        turn = threading.Lock()
+        over = [False]  # the attempt failed: its request thread takes no more parts
+
+        def requests() -> Iterator[bytes]:
+            parts = stream.parts()
+            while True:
+                with turn:
+                    if over[0]:
+                        return
+                    outside.clear()
+                try:
+                    index, payload = next(parts)
+                except StopIteration:
+                    break
+                except BaseException as exc:  # noqa: BLE001  (the worker's error: the call ends, and raises it)
+                    ended.append(exc)
+                    started.wait()
+                    call[0].cancel()
+                    return
+                finally:
+                    outside.set()
+                yield self._sending(stream, push_part_message(index, payload))
+            yield self._sending(stream, push_message(stream.request))
+
+        responses = self._push_stream(requests(), metadata=self._metadata, timeout=timeout)
+        call.append(responses)
+        started.set()
+        body = splitter = None
+        filled = 0
+        try:
+            for data in responses:
+                try:
+                    chunk = split(data, pb.PushStreamReply, ("reply",))
+                except ValueError as exc:
+                    raise CallFailed(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
+                if splitter is None:
+                    size = chunk.message.reply_size
+                    if size > CLIENT_MAX_MESSAGE_BYTES:
+                        raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {size} bytes")
+                    body = memoryview(np.empty(size, dtype=np.uint8))  # no zero-fill: every byte is written
+                    splitter = stream.splitter(body, pb.PushReply, PUSH_REPLY_LARGE_FIELDS, reply_stream_bytes(size))
+                for piece in chunk.large["reply"]:
+                    if filled + len(piece) > len(body):
+                        raise CallFailed(grpc.StatusCode.INTERNAL, f"the reply runs past its {len(body)} bytes")
+                    body[filled : filled + len(piece)] = piece
+                    filled += len(piece)
+                splitter.advance(filled)
+        except grpc.RpcError as exc:
+            responses.cancel()
+            if exc.code() in RETRYABLE:
+                # gRPC's request thread may still wait in parts() for the next gradient: it takes that one (into
+                # stream.encoded, which a retry sends first) before a retry's own thread reads the parts
+                with turn:
+                    over[0] = True
+                outside.wait()
+            if ended:
+                raise ended[0] from None
+            raise
+        except BaseException:  # the worker's on_large failed: the call ends with it
+            responses.cancel()
+            raise
+        if ended:
+            raise ended[0]
+        if splitter is None or filled < len(body):
+            raise CallFailed(
+                grpc.StatusCode.INTERNAL,
+                f"the PushStream reply ended after {filled} of {len(body) if body is not None else '?'} bytes",
+            )
+        try:
+            return splitter.finish()
+        except ValueError as exc:
+            raise CallFailed(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
 
     def close(self) -> None:
         self.channel.close()
