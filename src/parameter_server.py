@@ -48,23 +48,15 @@ from src.ps.aggregation import RequestLog
 from src.ps.core import ServerCore
 from src.ps.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
 from src.ps.push_decode import arriving_push_splitter
-from src.ps.push_parts import AssembledPush, PushParts
+from src.ps.push_parts import PushParts, arrived_push, push_size
 from src.ps.refusals import PushRefused, Refused, RunFailed
 from src.ps.sharding import Sharding
 from src.ps.staleness import StalenessPolicy
 from src.ps.work_source import PlannedWork, WorkSource
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config
-from src.transport.grpc import require_auth_token, split, start_grpc_server
+from src.transport.grpc import require_auth_token, start_grpc_server
 from src.transport.wire import MessageSplitter, Pieces
-
-
-def _push_size(data) -> int:
-    """Bytes of a push as it arrived (one message, one read in pieces, or a streamed push's parts and message)."""
-    if isinstance(data, AssembledPush):
-        return data.nbytes
-    return len(data.view) if isinstance(data, MessageSplitter) else len(data)
-
 
 WAIT_POLL_S = 0.5  # a waiting call wakes this often to notice a cancelled RPC
 MONITOR_PERIOD_S = 0.2  # failure detection runs this often: detection lands within timeout + this
@@ -332,7 +324,7 @@ class ParameterServer(GrpcMethods):
     def handle_push(self, data, call: Call) -> bytes | Pieces:
         with tracing.span("serve_push"):
             reply = self._serve_push(data, call)
-        self._count(_push_size(data), len(reply))
+        self._count(push_size(data), len(reply))
         return reply
 
     def _count(self, bytes_in: int, bytes_out: int) -> None:
@@ -357,10 +349,7 @@ class ParameterServer(GrpcMethods):
     def _serve_push(self, data, call: Call) -> bytes | Pieces:
         core = self.core
         try:
-            if isinstance(data, (MessageSplitter, AssembledPush)):
-                received = data.finish()
-            else:
-                received = split(data, pb.PushRequest, PUSH_LARGE_FIELDS)
+            received = arrived_push(data, PUSH_LARGE_FIELDS)
         except ValueError as exc:
             self._refused(None, 0, PushRefused("INVALID_ARGUMENT", f"push: {exc}"))
         request = received.message

@@ -56,7 +56,7 @@ from src.metrics import MetricsLogger
 from src.ps.sharding import Sharding
 from src.ps.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.ps.worker_step import WorkerStep, check_layout
-from src.ps.worker_stream import StreamedModel
+from src.ps.worker_stream import ShardStreams, StreamedModel
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config, resolve_device
 from src.transport.clients import make_client
@@ -158,7 +158,7 @@ class Worker:
         self.streamed: StreamedModel | None = None  # system.streaming: the hooks on the model
         self._stream_calls: ThreadPoolExecutor | None = None  # system.streaming: the thread that moves the pushes
         self._generation = 0  # system.streaming: streamed replies so far (src/ps/worker_stream.py)
-        self._last_call: Future | None = None  # system.streaming: the newest push's call (its reply may be arriving)
+        self._last_calls: list[Future] = []  # system.streaming: the newest push's calls (a reply may be arriving)
 
     def emulated_delay_s(self) -> float:
         """Seconds this process waited for emulated compute and uplink (:mod:`src.emulation.netem`)."""
@@ -288,11 +288,6 @@ class Worker:
                 placement=placement,
             )
             if system.streaming:
-                if self.shard_clients:
-                    raise SetupError(
-                        "system.streaming: not with a sharded server yet (system.num_servers > 1); "
-                        "stream with one server, or set system.streaming: false"
-                    )
                 self.streamed = StreamedModel(model, step.params, step.buffers)
                 self._stream_calls = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"worker-{self.worker_id}-push"
@@ -390,40 +385,50 @@ class Worker:
         """:meth:`_train_step` communicating while it computes (``system.streaming``, :mod:`src.ps.worker_stream`).
 
         The forward takes each layer's parameters as the previous reply brings them; backward hands each gradient
-        to the push as it is ready, and the client's thread compresses and sends it meanwhile; after backward the
+        to the push as it is ready, and the push's thread compresses and sends it meanwhile; after backward the
         push's own message follows, and the step ends with the reply's head (verdict, version, next work), whose
-        tensors go on arriving during the next forward. Returns that head (a reply without tensors), ``received``
-        again when the previous reply broke off after its head (the parameters pulled: the same work computed
-        again), or ``None`` when the push was lost with the server's session or this incarnation.
+        tensors go on arriving during the next forward. A sharded server: each shard's slices stream to it as its
+        hold, then the commit and the pulls go as unstreamed (:meth:`_commit_to_shards`). Returns that head (a
+        reply without tensors), ``received`` again when the previous reply broke off after its head (the parameters
+        pulled: the same work computed again), or ``None`` when the push was lost with the server's session or
+        this incarnation.
         """
-        streamed = self.streamed
+        streamed, sharded = self.streamed, bool(self.shard_clients)
         batches = list(received.message.work.batches)
         self._generation += 1
         generation = self._generation
-        def encode(index: int) -> Any:  # on the push's thread, while backward goes on
-            with tracing.span("compress", tensor=index):
-                return step.encode_part(index, batches)
 
-        def ended(done: Future) -> None:  # on the push's thread: the reply is in, or the call failed
+        def encode(shard: int, index: int) -> Any:  # on a push's thread, while backward goes on
+            with tracing.span("compress", shard=shard, part=index):
+                return step.encode_slice(shard, index, batches) if sharded else step.encode_part(index, batches)
+
+        def ended(stream: PushStream, done: Future) -> None:  # on the push's thread: the reply is in, or it failed
             if stream.first_sent is not None:  # the push in flight, hidden or not (reply_wait: what was not)
-                tracing.record("push", stream.first_sent, time.perf_counter(), step=step.totals["steps"])
+                tracing.record("push", stream.first_sent, time.perf_counter(), step=step.totals["steps"] + 1)
             if done.exception() is not None:
                 streamed.reply_broken(generation, done.exception())
 
-        stream = PushStream(encode, streamed.on_large(generation))
-        call = self._last_call = self._stream_calls.submit(self.client.push_streamed, stream)
-        call.add_done_callback(ended)
+        clients = self._clients()
+        streams = [
+            PushStream(lambda index, k=k: encode(k, index), streamed.on_large(generation)) for k in range(len(clients))
+        ]
+        calls = [
+            (self._shard_calls or self._stream_calls).submit(client.push_streamed, stream)
+            for client, stream in zip(clients, streams)
+        ]
+        for stream, call in zip(streams, calls):
+            call.add_done_callback(lambda done, stream=stream: ended(stream, done))
+        self._last_calls = calls
         waited_before = streamed.waited_s
         step_started = time.perf_counter()
-        streamed.begin_push(stream)
+        streamed.begin_push(ShardStreams(streams, step.sharded.slices_of(step.names)) if sharded else streams[0])
         try:
             with tracing.span("forward_backward", step=step.totals["steps"] + 1, batches=len(batches)):
                 loss, correct, samples = step.compute(batches)
                 if batches:
                     self.compute_delay.after_step(time.perf_counter() - step_started)  # emulated straggler
         except ReplyBroken as broken:  # the previous reply's tensors stopped coming: pull them, compute again
-            streamed.end_backward()
-            stream.abort(broken)
+            self._abort(streams, broken)
             logger.warning("worker %d: %s; pulling the parameters", self.worker_id, broken)
             try:
                 step.load(self.client.pull(self.caller, parameters_only=True))
@@ -432,6 +437,9 @@ class Worker:
                 return None
             streamed.loaded()
             return received
+        except BaseException as exc:
+            self._abort(streams, exc)
+            raise
         streamed.end_backward()
         computed = time.perf_counter()
         forward_waits = streamed.waited_s - waited_before  # exposed: the forward waited for parameters
@@ -440,33 +448,49 @@ class Worker:
         request = step.request(
             self.caller, batches, loss, correct, gradient_time_s=gradient_time_s, compression_time_s=0.0
         )
+        messages = step.holds(request) if sharded else [request]
+        buffers = step.buffers_to_send(batches)
 
-        def compression_time() -> None:  # every part is encoded: their seconds go with the push
-            request.metrics.compression_time_s = stream.encode_s
+        for k, (stream, message) in enumerate(zip(streams, messages)):
 
-        stream.close(Outgoing(request, {"buffers": step.buffers_to_send(batches)}), before_send=compression_time)
+            def compression_time(stream=stream, message=message) -> None:  # every part encoded: their seconds
+                message.metrics.compression_time_s = stream.encode_s
+
+            stream.close(Outgoing(message, {"buffers": buffers if k == 0 else []}), before_send=compression_time)
         try:
             with tracing.span("reply_wait", request_id=request.request_id):  # exposed: nothing left to compute
-                head = stream.wait_head()
+                heads = [stream.wait_head() for stream in streams]
+                sent_before, received_before = self.bytes_sent, self.bytes_received
+                reply = self._commit_to_shards(step, request, heads) if sharded else Received(heads[0], {})
         except grpc.RpcError as exc:
-            self._rejoin(self._failure(exc), in_flight=request.request_id)  # settles the push as the registration says
+            if sharded:
+                self._shard_failed(exc, in_flight=request.request_id)
+            else:
+                self._rejoin(self._failure(exc), in_flight=request.request_id)  # settles it as registration says
+            return None
+        if not isinstance(reply, Received):
             return None
         head_in = time.perf_counter()
-        streamed.expect(generation)
-        reply = Received(head, {})
+        if sharded:  # the pulls brought every slice
+            streamed.loaded()
+            push_bytes = sum(s.sent_bytes for s in streams) + self.bytes_sent - sent_before
+            reply_bytes = sum(s.reply_bytes for s in streams) + self.bytes_received - received_before
+        else:
+            streamed.expect(generation)
+            push_bytes, reply_bytes = streams[0].sent_bytes, streams[0].reply_bytes
         step.settle(
             reply,
             batches,
             request,
-            payload_bytes=sum(chunk_size(payload) for _, payload in stream.encoded),
+            payload_bytes=sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded),
             loss=loss,
             correct=correct,
             samples=samples,
             gradient_time_s=gradient_time_s,
-            compression_time_s=stream.encode_s,
+            compression_time_s=sum(stream.encode_s for stream in streams),
             communication_time_s=head_in - computed + forward_waits,
-            push_bytes=stream.sent_bytes,
-            reply_bytes=stream.reply_bytes,
+            push_bytes=push_bytes,
+            reply_bytes=reply_bytes,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             parameters=False,
@@ -474,11 +498,16 @@ class Worker:
         tracing.record("step", step_started, head_in, step=step.totals["steps"])
         return reply
 
+    def _abort(self, streams: list[PushStream], error: BaseException) -> None:
+        """The step is given up before its push went out: the push's threads stop waiting for its parts."""
+        self.streamed.end_backward()
+        for stream in streams:
+            stream.abort(error)
+
     def _reply_in(self) -> None:
         """``system.streaming``: wait until the last reply's tensors are in (or it broke off), so the totals count
         every byte it brought."""
-        if self._last_call is not None:
-            wait([self._last_call])
+        wait(self._last_calls)
 
     def _finish(self, stats: pb.WorkerStats) -> bool:
         """Tell the server this worker is done; ``False``: the call failed and the worker registered again."""
@@ -523,9 +552,14 @@ class Worker:
             for k, (client, held) in enumerate(zip(self._clients(), step.holds(request)))
         ]
         try:
-            acks = [call.result() for call in calls]
+            acks = [call.result().message for call in calls]
         except grpc.RpcError as exc:
             return self._shard_failed(exc, in_flight=request.request_id)
+        return self._commit_to_shards(step, request, acks)
+
+    def _commit_to_shards(self, step: WorkerStep, request: pb.PushRequest, acks: list[pb.PushReply]) -> Received | bool:
+        """The rest of a sharded step once every shard holds its slices (``acks``: their replies): commit to shard 0,
+        then pull every shard's slices. Returns the commit's reply, or (lost) whether it was applied."""
         reply = self._push(step.commit(request, acks), [], [])
         if isinstance(reply, Received):
             try:

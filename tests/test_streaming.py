@@ -3,7 +3,7 @@
 A streamed worker sends each gradient as backward produces it and takes the reply as it arrives, the next forward
 waiting per layer (:mod:`src.ps.worker_stream`). Only when the bytes travel may change: the same runs streamed and
 not give the same parameters bit for bit (sync with 2 workers, with and without compression and a compressed
-downlink; async with one worker), the same pushes in the events, and every sample once, with faults too.
+downlink; async with one worker; 2 shards), the same pushes in the events, and every sample once, with faults too.
 """
 
 from __future__ import annotations
@@ -70,6 +70,19 @@ def test_a_streamed_sync_run_is_the_unstreamed_one_bit_for_bit_and_large_batch_s
     plain_bytes, streamed_bytes = plain[1]["bytes_received"], streamed[1]["bytes_received"]
     assert abs(streamed_bytes - plain_bytes) < 1e-4 * plain_bytes, (streamed_bytes, plain_bytes)
     assert plain[1]["bytes_sent"] < streamed[1]["bytes_sent"] < 1.01 * plain[1]["bytes_sent"]
+
+
+@pytest.mark.slow  # two 2-worker runs on 2 shards, ~12 s
+def test_a_streamed_sync_run_on_two_shards_is_the_unstreamed_one_bit_for_bit(tmp_path):
+    """Each shard's slices stream to it as its hold while backward goes on (simple_cnn in 64 kB slices: a tensor's
+    pieces go to both shards); the commit and the pulls follow as unstreamed."""
+    fields = dict(SYNC, system__transport="tcp", system__num_servers=2, system__shard_slice_bytes=64 << 10)
+    plain = run(tmp_path, "plain", **fields)
+    streamed = run(tmp_path, "streamed", system__streaming=True, **fields)
+    assert any("#" in key for shard in streamed[1]["placement"]["slices_per_shard"] for key in shard)
+    assert_bit_for_bit(plain[2], streamed[2])
+    for worker in range(2):
+        assert pushes(streamed[0], worker) == pushes(plain[0], worker)
 
 
 @pytest.mark.slow  # two 2-worker runs, ~10 s

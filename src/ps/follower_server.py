@@ -31,12 +31,13 @@ from src.config import Config
 from src.ps.follower import FollowerCore
 from src.ps.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
 from src.ps.push_decode import arriving_push_splitter
+from src.ps.push_parts import PushParts, arrived_push, push_size
 from src.ps.refusals import Refused
 from src.ps.shard_final import shard_part_path
 from src.ps.sharding import Sharding
 from src.telemetry import tracing
 from src.trainer import model_from_config
-from src.transport.grpc import require_auth_token, split, start_grpc_server
+from src.transport.grpc import require_auth_token, start_grpc_server
 from src.transport.wire import MessageSplitter, Pieces
 
 
@@ -128,18 +129,14 @@ class FollowerServer(GrpcMethods):
     def handle_push(self, data, call: Call) -> bytes:
         with tracing.span("serve_hold"):
             try:
-                received = (
-                    data.finish()
-                    if isinstance(data, MessageSplitter)
-                    else split(data, pb.PushRequest, PUSH_LARGE_FIELDS)
-                )
+                received = arrived_push(data, PUSH_LARGE_FIELDS)
             except ValueError as exc:
                 raise Refused("INVALID_ARGUMENT", f"push: {exc}") from None
             request = received.message
             worker_id = self.core.member(request.caller)
             reply = self.core.hold(worker_id, request, self.core.decode(worker_id, received))
             with self.core.lock:
-                self.core.load.bytes_in += len(data.view) if isinstance(data, MessageSplitter) else len(data)
+                self.core.load.bytes_in += push_size(data)
                 self.core.load.bytes_out += len(reply)
             return reply
 
@@ -147,6 +144,10 @@ class FollowerServer(GrpcMethods):
         """A splitter of a push arriving into ``data`` (TCP reads it in pieces): each gradient checked as its bytes
         come in and decoded once whole, as shard 0 does (:func:`~src.ps.push_decode.arriving_push_splitter`)."""
         return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
+
+    def push_parts(self, max_bytes: int) -> PushParts:
+        """The parts of a streamed hold about to arrive (:mod:`src.ps.push_parts`), decoded as they come."""
+        return PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, max_bytes)
 
     def after_reply(self) -> None:
         """Nothing waits for a reply to be out here (the events are written at once)."""

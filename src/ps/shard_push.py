@@ -56,6 +56,19 @@ class ShardedPushCodec:
         """Each shard's payloads, one per slice in the placement's order; the residuals wait for :meth:`settle`."""
         return [self.codec.encode(slices, step) for slices in shard_gradients(self.placement, named_gradients)]
 
+    def encode_slice(self, shard: int, position: int, gradient: torch.Tensor, step: int):
+        """A streamed push (``system.streaming``): the payload of shard ``shard``'s slice ``position`` alone, cut from
+        ``gradient`` (its whole tensor's), as soon as backward has produced it; as :meth:`encode` encodes it."""
+        piece = self.placement.on_shard(shard)[position]
+        return self.codec.encode([(piece.key, gradient.reshape(-1)[piece.start : piece.stop])], step)[0]
+
+    def slices_of(self, names: Sequence[str]) -> list[list[tuple[int, int]]]:
+        """For each tensor of ``names``: its slices as ``(shard, position on that shard)``."""
+        where = {
+            s.key: (k, i) for k in range(self.placement.num_shards) for i, s in enumerate(self.placement.on_shard(k))
+        }
+        return [[where[s.key] for s in self.placement.of_tensor(name)] for name in names]
+
     def settle(self, shard: int, *, accepted: bool) -> None:
         """Shard ``shard``'s verdict on its slices: commit their residuals, or roll them back."""
         settle_push(self.codec.feedback, self.keys[shard], accepted=accepted)

@@ -197,10 +197,12 @@ class WorkerStep:
         """A sharded server: the push's hold to each shard (:func:`src.ps.shard_step.holds`)."""
         return shard_step.holds(request, self.shard_versions)
 
-    def commit(self, request: pb.PushRequest, acks: Sequence[Received]) -> pb.PushRequest:
-        """A sharded server: the commit to shard 0 after the holds' ``acks`` (:func:`src.ps.shard_step.commit`)."""
+    def commit(self, request: pb.PushRequest, acks: Sequence[Received | pb.PushReply]) -> pb.PushRequest:
+        """A sharded server: the commit to shard 0 after the holds' replies ``acks`` (messages, or as received)
+        (:func:`src.ps.shard_step.commit`)."""
         mode = self.config.system.aggregation_mode
-        return shard_step.commit(request, [ack.message for ack in acks], self.shard_versions[0], mode)
+        replies = [ack.message if isinstance(ack, Received) else ack for ack in acks]
+        return shard_step.commit(request, replies, self.shard_versions[0], mode)
 
     def shards_apart(self, version: int) -> bool:
         """Whether the shards' slices this worker holds do not fit together after shard 0 answered at ``version``."""
@@ -308,6 +310,14 @@ class WorkerStep:
         name, param = self.named_params[index]
         gradient = torch.zeros_like(param) if not batches or param.grad is None else param.grad
         return self.codec.encode([(name, gradient)], self.totals["steps"])[0]
+
+    def encode_slice(self, shard: int, position: int, batches: Sequence[pb.Batch]) -> Any:
+        """A streamed push to a sharded server: shard ``shard``'s slice ``position`` alone, once its tensor's
+        gradient is whole (:meth:`ShardedPushCodec.encode_slice <src.ps.shard_push.ShardedPushCodec.encode_slice>`)."""
+        name = self.placement.on_shard(shard)[position].name
+        param = self.model_params[self.names.index(name)]
+        gradient = torch.zeros_like(param) if not batches or param.grad is None else param.grad
+        return self.sharded.encode_slice(shard, position, gradient, self.totals["steps"])
 
     def encode_shards(self, batches: Sequence[pb.Batch]) -> list[list[bytes]]:
         """A sharded server: each shard's payloads, one per slice (:class:`~src.ps.shard_push.ShardedPushCodec`)."""

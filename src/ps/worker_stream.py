@@ -39,6 +39,20 @@ from src.transport.stream import PushStream, ReplyBroken
 from src.transport.wire import copy_bytes_into
 
 
+class ShardStreams:
+    """A streamed push to a sharded server: one :class:`~src.transport.stream.PushStream` per shard, each gradient
+    handed to the streams of the shards holding its slices (``slices``: per tensor, ``(shard, position)`` of each
+    slice, :meth:`~src.ps.shard_push.ShardedPushCodec.slices_of`)."""
+
+    def __init__(self, streams: Sequence[PushStream], slices: Sequence[Sequence[tuple[int, int]]]):
+        self.streams = list(streams)
+        self.slices = slices
+
+    def ready(self, index: int) -> None:
+        for shard, position in self.slices[index]:
+            self.streams[shard].ready(position)
+
+
 class StreamedModel:
     """The hooks of a streamed worker on ``model`` (see the module docstring).
 
@@ -57,7 +71,7 @@ class StreamedModel:
         self._condition = threading.Condition()
         self._expected = 0  # the reply the next forward needs (0: what the worker holds now, loaded whole)
         self._broken: dict[int, BaseException] = {}
-        self._stream: PushStream | None = None
+        self._stream: PushStream | ShardStreams | None = None
         self._pending: set[int] = set()
         self.waited_s = 0.0
         self._handles = [
@@ -85,8 +99,8 @@ class StreamedModel:
 
     # ------------------------------------------------------------------------- the push
 
-    def begin_push(self, stream: PushStream) -> None:
-        """Backward is about to run: its gradients go to ``stream`` as they are ready."""
+    def begin_push(self, stream: PushStream | ShardStreams) -> None:
+        """Backward is about to run: its gradients go to ``stream`` (or each shard's) as they are ready."""
         self._pending = set(range(len(self.params)))
         self._stream = stream
 
