@@ -22,7 +22,7 @@ from tests.test_ps_equivalence import assert_same_parameters, baseline_parameter
 
 pytestmark = pytest.mark.timeout(240)
 
-TRANSPORTS = ["tcp"]
+TRANSPORTS = ["tcp", "grpc"]
 
 
 def run(tmp_path: Path, name: str, **fields):
