@@ -72,11 +72,12 @@ def test_a_streamed_sync_run_is_the_unstreamed_one_bit_for_bit_and_large_batch_s
     assert plain[1]["bytes_sent"] < streamed[1]["bytes_sent"] < 1.01 * plain[1]["bytes_sent"]
 
 
-@pytest.mark.slow  # two 2-worker runs on 2 shards, ~12 s
-def test_a_streamed_sync_run_on_two_shards_is_the_unstreamed_one_bit_for_bit(tmp_path):
+@pytest.mark.slow  # per transport: two 2-worker runs on 2 shards, ~10 s
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_streamed_sync_run_on_two_shards_is_the_unstreamed_one_bit_for_bit(tmp_path, transport):
     """Each shard's slices stream to it as its hold while backward goes on (simple_cnn in 64 kB slices: a tensor's
     pieces go to both shards); the commit and the pulls follow as unstreamed."""
-    fields = dict(SYNC, system__transport="tcp", system__num_servers=2, system__shard_slice_bytes=64 << 10)
+    fields = dict(SYNC, system__transport=transport, system__num_servers=2, system__shard_slice_bytes=64 << 10)
     plain = run(tmp_path, "plain", **fields)
     streamed = run(tmp_path, "streamed", system__streaming=True, **fields)
     assert any("#" in key for shard in streamed[1]["placement"]["slices_per_shard"] for key in shard)

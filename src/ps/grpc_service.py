@@ -152,7 +152,7 @@ class GrpcMethods:
         push_parts = getattr(self, "push_parts", None)
         if push_parts is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not take streamed pushes")
-        parts = push_parts(self.core.max_message_bytes)
+        parts = push_parts(self.core.model.max_message_bytes)
         for data in messages:
             try:
                 message = split(data, pb.PushStreamRequest, ("part", "push"))
