@@ -20,6 +20,12 @@ forward expects, so nothing is ever cleared, and a late byte of an older reply c
 A reply that broke off after its head (:meth:`reply_broken`) makes the waiting forward raise
 :class:`~src.transport.stream.ReplyBroken`; the worker then pulls the parameters and computes the step again.
 
+A loop that has no step to open the push before backward (the library's
+:class:`~torch_asgc.optim.DistributedOptimizer`) gives ``open_push``: the first gradient ready with no push in
+progress opens one. A gradient ready again while its push is still open (a second backward before the push
+closed: gradient accumulation) is not handed over twice; :attr:`StreamedModel.repeated` counts it, and such a
+push does not hold the accumulated gradient (the library then sends it unstreamed).
+
 The module's own tensors are what its pre-hook waits for: a parameter that a module's forward uses but another
 module owns (a weight used functionally elsewhere) is not waited for there; such a model should not stream.
 """
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -60,9 +66,18 @@ class StreamedModel:
         model: the module the worker computes in.
         params: the parameters replies load, in the served order (the push's and the reply's).
         buffers: the float buffers replies load, in the served order.
+        open_push: called (on autograd's thread) when a gradient is ready and no push is in progress: the push to
+            hand it to (``None``: none); without it, only :meth:`begin_push` opens a push.
     """
 
-    def __init__(self, model: nn.Module, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]):
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        *,
+        open_push: Callable[[], PushStream | None] | None = None,
+    ):
         self.params = list(params)
         self.buffers = list(buffers)
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
@@ -74,6 +89,8 @@ class StreamedModel:
         self._stream: PushStream | ShardStreams | None = None
         self._pending: set[int] = set()
         self.waited_s = 0.0
+        self.open_push = open_push
+        self.repeated = 0  # gradients ready again while their push was open (a second backward: accumulation)
         self._handles = [
             p.register_post_accumulate_grad_hook(lambda _p, index=i: self._gradient_ready(index))
             for i, p in enumerate(self.params)
@@ -106,9 +123,17 @@ class StreamedModel:
 
     def _gradient_ready(self, index: int) -> None:
         stream = self._stream  # autograd's thread: hand it over, nothing more
-        if stream is not None and index in self._pending:
+        if stream is None and self.open_push is not None:
+            stream = self.open_push()
+            if stream is not None:
+                self.begin_push(stream)
+        if stream is None:
+            return
+        if index in self._pending:
             self._pending.discard(index)
             stream.ready(index)
+        else:
+            self.repeated += 1
 
     def end_backward(self) -> None:
         """Backward is done: the gradients no hook handed over (none computed this step) go now."""

@@ -11,9 +11,11 @@ rolled back by what the server says, as after a restart), up to ``max_rejoins`` 
 server's ``system.max_rejoins``); then the call raises :class:`~src.ps.worker_protocol.IncarnationRevoked`.
 
 It moves no tensors by itself: :class:`~torch_asgc.model.DistributedModel` pulls and initializes
-through it, :class:`~torch_asgc.optim.DistributedOptimizer` pushes through it. ``close()`` (or the end
-of a ``with`` block) tells the server this worker is done (``Finish``, with its totals for the run
-summary); in sync mode the barrier goes on without it.
+through it, :class:`~torch_asgc.optim.DistributedOptimizer` pushes through it. A server with
+``system.streaming`` gets streamed pushes (:meth:`WorkerClient.push_streamed`): each runs on the client's push
+thread, one after the other, the next one's parts waiting until the previous reply's tensors are all in.
+``close()`` (or the end of a ``with`` block) tells the server this worker is done (``Finish``, with its totals for
+the run summary); in sync mode the barrier goes on without it.
 
     with connect("127.0.0.1:50051") as client:      # token: $DTS_AUTH_TOKEN; "tcp://127.0.0.1:50051": TCP transport
                                                       # a sharded server: connect(["h1:p1", "h2:p2"]), shard 0 first
@@ -29,8 +31,8 @@ import logging
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Protocol, Sequence
 
 import grpc
 
@@ -40,6 +42,8 @@ from src.ps import shard_step
 from src.ps.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost
 from src.transport.clients import TRANSPORTS, make_client
 from src.transport.grpc import AUTH_TOKEN_ENV, Received
+from src.transport.stream import PushStream
+from src.transport.wire import Outgoing
 
 
 class ModelUser(Protocol):
@@ -122,6 +126,9 @@ class WorkerClient:
         self._heartbeats: Heartbeats | None = None
         self._started = time.perf_counter()
         self.closed = False
+        self._push_thread: ThreadPoolExecutor | None = None  # system.streaming: moves the streamed pushes
+        self._streams: dict[PushStream, Future] = {}  # streamed pushes whose call has not ended
+        self._unclosed: set[PushStream] = set()  # ... and of those, the ones still taking parts
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -160,6 +167,7 @@ class WorkerClient:
             return
         self.closed = True
         try:
+            self._end_streams()
             self._call_with_rejoin(lambda: self.transport.finish(self.caller, self.stats()))
         finally:
             self._close_shards()
@@ -173,6 +181,15 @@ class WorkerClient:
             shard.close()
         if self._shard_calls is not None:
             self._shard_calls.shutdown()
+        if self._push_thread is not None:
+            self._push_thread.shutdown()
+
+    def _end_streams(self) -> None:
+        """Before Finish: a streamed push still taking parts (a backward with no step after it) is given up, and
+        the last reply's tensors are waited for (so the totals count every byte)."""
+        for stream in list(self._unclosed):
+            self.abort_push_stream(stream, SetupError("the client closed before the step that would end this push"))
+        wait(list(self._streams.values()))
 
     def __enter__(self) -> "WorkerClient":
         return self
@@ -238,6 +255,67 @@ class WorkerClient:
         except grpc.RpcError as exc:
             failure = check_session_lost(exc, self.worker_id, self.rejoins)
         return self._register_after(failure, request.request_id).last_request_applied
+
+    # ---------------------------------------------------------------------- streamed pushes (system.streaming)
+
+    def push_streamed(self, stream: PushStream, on_end: Callable[[Future], Any] | None = None) -> Future:
+        """Start a streamed push (:mod:`src.transport.stream`) on the client's push thread: its parts go as
+        ``stream`` takes them, once the previous streamed push's reply is all in. Returns the call (its result: the
+        whole reply); ``on_end(call)`` runs when it ends (on the push thread). Finish it with
+        :meth:`close_push_stream` and :meth:`push_stream_head`, or give it up with :meth:`abort_push_stream`."""
+        if self._push_thread is None:
+            self._push_thread = ThreadPoolExecutor(1, thread_name_prefix=f"asgc-worker-{self.worker_id}-push")
+        self._unclosed.add(stream)
+        call = self._push_thread.submit(self.transport.push_streamed, stream)
+        self._streams[stream] = call
+
+        def ended(done: Future) -> None:
+            self._streams.pop(stream, None)
+            if on_end is not None:
+                on_end(done)
+
+        call.add_done_callback(ended)
+        return call
+
+    def close_push_stream(
+        self,
+        stream: PushStream,
+        request: pb.PushRequest,
+        buffers: Sequence[Any],
+        before_send: Callable[[], None] | None = None,
+    ) -> None:
+        """Every part of ``stream`` is handed over: its push's small fields (with this registration's session) and
+        ``buffers`` follow (``before_send``: :meth:`PushStream.close <src.transport.stream.PushStream.close>`'s)."""
+        request.caller.CopyFrom(self.caller)
+        self._unclosed.discard(stream)
+        stream.close(Outgoing(request, {"buffers": list(buffers)}), before_send=before_send)
+
+    def abort_push_stream(self, stream: PushStream, error: BaseException) -> None:
+        """Give up ``stream`` before its push's message (its parts are dropped by the server); returns once its
+        call has ended, so nothing more is encoded for it."""
+        self._unclosed.discard(stream)
+        stream.abort(error)
+        call = self._streams.get(stream)
+        if call is not None:
+            wait([call])
+
+    def push_stream_head(self, stream: PushStream, request_id: int) -> pb.PushReply | bool:
+        """The reply head of closed ``stream`` (verdict, version; its tensors go on arriving), or, when the push was
+        lost with the server's session, whether the server had applied it (registered again meanwhile), as
+        :meth:`push`.
+
+        Raises:
+            IncarnationRevoked: the server declared this incarnation failed, and the rejoin budget is spent.
+            grpc.RpcError: the server refused the push (the message names the problem).
+        """
+        try:
+            return stream.wait_head()
+        except grpc.RpcError as exc:
+            failure = check_session_lost(exc, self.worker_id, self.rejoins)
+        call = self._streams.get(stream)
+        if call is not None:
+            wait([call])
+        return self._register_after(failure, request_id).last_request_applied
 
     # ---------------------------------------------------------------------- a sharded server (src/ps/shard_step.py)
 

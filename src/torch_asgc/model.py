@@ -12,6 +12,14 @@ The forward pass is the module's own; the wrapper only
   tensor argument, in training mode with gradients on), so each push says how many samples its
   gradient covers; ``optimizer.step(num_samples=n)`` overrides it.
 
+With a server that streams (``system.streaming``, :class:`~torch_asgc.optim.DistributedOptimizer` turns it on)
+a push's reply is still arriving when ``step()`` returns: each module's forward waits until its own tensors are in
+(:class:`src.ps.worker_stream.StreamedModel`'s pre-hooks), so the next forward's first layers run while the last
+ones arrive. :meth:`DistributedModel.state_dict`, :meth:`~DistributedModel.load_state_dict` and
+:meth:`~DistributedModel.sync` first wait for the whole reply (:meth:`DistributedModel.wait_for_reply`); the plain
+module's own ``state_dict()`` does not. A reply that breaks off after its head (its push was applied, some
+tensors never came) makes this wrapper's forward pull the parameters and compute the forward again.
+
 What the server holds are the module's trainable parameters (in ``named_parameters()`` order) and
 floating-point buffers (batch-norm statistics); both travel as float32. ``state_dict()`` and
 ``load_state_dict()`` are the module's own (no ``module.`` prefix), so checkpoints load into the
@@ -20,7 +28,9 @@ plain module too.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from concurrent.futures import Future, wait
+from typing import Any, Callable
 
 import grpc
 import torch
@@ -33,9 +43,13 @@ from src.ps.served_model import layout_mismatch
 from src.ps.shard_push import load_shard_reply
 from src.ps.sharding import Sharding
 from src.ps.worker_protocol import load_reply, served_tensors
+from src.ps.worker_stream import StreamedModel
 from src.transport.grpc import Received, tensor_view
+from src.transport.stream import PushStream, ReplyBroken
 
 from .client import WorkerClient
+
+logger = logging.getLogger(__name__)
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
@@ -73,6 +87,10 @@ class DistributedModel(nn.Module):
         self.shard_versions = [0] * (self.placement.num_shards if self.placement is not None else 1)
         """A sharded server: the version of each shard's slices loaded (each push to a shard is based on its own)."""
         self._samples = 0
+        self.streamed: StreamedModel | None = None
+        """``system.streaming``: the hooks that hand gradients to a streamed push and wait for a reply's tensors."""
+        self.reply_call: Future | None = None
+        """``system.streaming``: the call of the newest closed streamed push (its reply may still be arriving)."""
         self._hook = module.register_forward_pre_hook(self._count, with_kwargs=True) if count_samples else None
         client.model = self
         try:
@@ -94,13 +112,23 @@ class DistributedModel(nn.Module):
     # ------------------------------------------------------------------------- the user's side
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        if self.streamed is None:
+            return self.module(*args, **kwargs)
+        samples = self._samples
+        try:
+            return self.module(*args, **kwargs)
+        except ReplyBroken as broken:  # the push was applied, but its reply's tensors stopped coming
+            logger.warning("worker %s: %s; pulling the parameters", self.client.worker_id, broken)
+            self._samples = samples  # this forward's samples are counted once, by the forward again
+            self.sync()
+            return self.module(*args, **kwargs)
 
     def sync(self) -> int:
         """Pull the server's newest parameters and buffers into the module; returns their version.
 
         In sync mode this waits for this worker's turn in the barrier (right away between steps).
         """
+        self.wait_for_reply()
         while True:
             reply = self.client.pull()
             if reply.message.work.batches:
@@ -115,10 +143,29 @@ class DistributedModel(nn.Module):
                 return self.version
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.wait_for_reply()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        self.wait_for_reply()
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def wait_for_reply(self) -> None:
+        """``system.streaming``: wait until the last push's reply is all in (or broke off); at once otherwise."""
+        if self.reply_call is not None:
+            wait([self.reply_call])
+
+    def stream_pushes(self, open_push: Callable[[], PushStream | None]) -> StreamedModel:
+        """Put the streaming hooks on the module (:class:`~src.ps.worker_stream.StreamedModel`): the first gradient
+        of a backward opens a push with ``open_push``, each gradient goes to it as it is ready, and each module's
+        forward waits for its own tensors of the reply being read."""
+        self.streamed = StreamedModel(
+            self.module,
+            [p for _, p in self.trainable],
+            [b for _, b in self.float_buffers],
+            open_push=open_push,
+        )
+        return self.streamed
 
     # ------------------------------------------------------------------------- used by the optimizer and the client
 
@@ -128,7 +175,10 @@ class DistributedModel(nn.Module):
 
     def load(self, reply: Received) -> int:
         """Put a pull or push reply's parameters and buffers into the module; returns (and keeps) their version."""
+        self.wait_for_reply()
         self.version = load_reply([p for _, p in self.trainable], [b for _, b in self.float_buffers], reply)
+        if self.streamed is not None:
+            self.streamed.loaded()  # every tensor is in: the forward waits for nothing
         return self.version
 
     def load_shards(self, replies: list[Received]) -> list[int]:
@@ -173,6 +223,8 @@ class DistributedModel(nn.Module):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.streamed is not None:
+            self.streamed.close()
 
     # ------------------------------------------------------------------------- internals
 

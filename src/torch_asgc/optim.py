@@ -39,6 +39,30 @@ gradients hold inf/NaN is skipped and its gradient not pushed, as GradScaler wou
 ``scaler.update()`` lowers the scale as usual. Without a scaler, non-finite gradients skip the step
 the same way. A skipped step sends nothing in async mode; in sync mode it sends a gradient-free
 "skip" message so that the version's barrier goes on without this worker.
+
+**Streaming.** When the server streams (``system.streaming``, ``python -m torch_asgc.server --streaming``; the
+library learns it at registration), the push travels while the user's loop computes, with the same arithmetic
+(:mod:`src.ps.worker_stream`, :mod:`src.transport.stream`: the code our own streamed workers run):
+
+* ``loss.backward()``: the first gradient ready opens a streamed push (``WorkerClient.push_streamed``); each
+  gradient is handed to it as autograd produces it, and the client's push thread compensates, compresses
+  (:class:`~src.ps.worker_protocol.PushCodec`) and sends it while backward goes on;
+* ``step()``: the parameters that got no gradient go as zeros, then the push's small fields (sample count, Worker
+  Version, learning rate to send, metrics) close it; ``step()`` waits for the reply's head only (verdict, version)
+  and settles the residuals as above;
+* the reply's tensors go on arriving after ``step()`` returns, buffers first, then the parameters in forward
+  order: the next forward waits, module by module, only for the tensors it needs
+  (:class:`~torch_asgc.model.DistributedModel`).
+
+What a streamed step does differently, and why: a step skipped for non-finite gradients gives up its streamed push
+(the server drops its parts; the residuals and the rounding generator go back to where they were) and sends the
+skip message as above. ``zero_grad()`` after a backward and before its ``step()`` gives that push up too, so the
+next backward's gradients are the ones that go. **Gradient accumulation** (a second backward before ``step()``):
+the first backward's gradients have gone already, so that push is given up and the accumulated gradient pushed
+unstreamed at ``step()``; streaming stays off for the rest of the run (a warning says so) and every step is exactly
+the unstreamed one. A ``GradScaler`` is refused (:class:`~src.config.SetupError` at the first ``step()``): the
+gradients stream out scaled, before the scaler can unscale or check them; use bfloat16 autocast, which needs no
+scaler. A sharded server that streams is refused when the optimizer is made (not supported by the library yet).
 """
 
 from __future__ import annotations
@@ -46,6 +70,8 @@ from __future__ import annotations
 import time
 import warnings
 from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -58,6 +84,7 @@ from src.config import SetupError
 from src.ps.shard_push import ShardedPushCodec
 from src.ps.worker_protocol import PushCodec, count_push
 from src.training.lr_schedule import is_constant
+from src.transport.stream import PushStream
 from src.transport.wire import chunk_size
 
 from .client import WorkerClient
@@ -99,6 +126,16 @@ def _differences(optimizer: torch.optim.Optimizer, training: Any) -> list[str]:
     return sorted(set(found))
 
 
+@dataclass
+class _OpenPush:
+    """A streamed push opened by a backward (``system.streaming``) and not yet closed by ``step()``."""
+
+    stream: PushStream
+    call: Future
+    generation: int  # the reply's number (src/ps/worker_stream.py)
+    generator_state: torch.Tensor  # the rounding generator before its parts: restored if the push is given up
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` pushes through ``client`` (see the module docstring).
 
@@ -114,7 +151,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             apply: ``None`` (default) once a torch LR scheduler drives it, ``True`` always, ``False`` never.
 
     Raises:
-        SetupError: no DistributedModel on ``client`` yet, or the optimizer holds parameters it does not have.
+        SetupError: no DistributedModel on ``client`` yet, the optimizer holds parameters it does not have, or
+            (a server that streams) the server is sharded or the model already has a DistributedOptimizer.
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() with grad_scale / found_inf set, every iteration
@@ -167,6 +205,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.send_learning_rate = send_learning_rate
         self._warned_samples = False
         self._warned_schedule = False
+        self.streaming = bool(system.streaming)
+        """Whether pushes stream (the server's ``system.streaming``; off for good after gradient accumulation)."""
+        self._open: _OpenPush | None = None  # the streamed push the current backward feeds
+        self._generation = 0  # streamed replies so far
+        self._waited_s = 0.0  # the forwards' waits for reply tensors, as counted at the last step
+        if self.streaming:
+            if client.sharded:
+                raise SetupError(
+                    f"DistributedOptimizer: the server streams pushes (system.streaming) and runs "
+                    f"{system.num_servers} shards; the library does not stream to a sharded server yet: start the "
+                    "shards without --streaming"
+                )
+            if model.streamed is not None:
+                raise SetupError("DistributedOptimizer: streaming takes one DistributedOptimizer per DistributedModel")
+            model.stream_pushes(self._open_push)
         differences = _differences(optimizer, training)
         if differences:
             warnings.warn(
@@ -226,6 +279,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wrapped.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's; a streamed push opened by a backward since the last step is given up first
+        (those gradients are being dropped: the next backward's go)."""
+        push, self._open = self._open, None
+        if push is not None:
+            self._abandon(push, RuntimeError("zero_grad() before step(): the push's gradients were dropped"))
         self.wrapped.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
@@ -278,18 +336,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         model = self.client.model
+        push, self._open = self._open, None  # system.streaming: the push this step's backward fed
         counted = model.take_samples()
         samples = counted if num_samples is None else int(num_samples)
         gradients = [p.grad for _, p in model.trainable]
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call
         grad_scale = getattr(self, "grad_scale", None)  # None: already unscaled (scaler.unscale_), or no scaler
+        if push is not None:
+            push = self._streamable(push, found_inf)
         if bool(found_inf > 0) if found_inf is not None else not _all_finite(gradients):
+            if push is not None:  # its parts are dropped; the skip goes as it does unstreamed
+                self._abandon(push, RuntimeError("a step skipped for non-finite gradients"))
             self._skip(model)
             return loss
         if samples <= 0:
             self._warn_no_samples()
             samples = 1
         computed = time.perf_counter()
+        if push is not None:
+            self._step_streamed(push, model, loss, samples, started, computed)
+            return loss
+        model.wait_for_reply()  # a streamed reply still arriving is in before this push's reply is loaded
         named = _named_gradients(model.trainable, gradients, grad_scale)
         if model.placement is not None:  # a sharded server: each shard's slices, error feedback per slice
             per_shard = ShardedPushCodec(model.placement, self.codec).encode(named, self.steps)
@@ -331,6 +398,121 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if request.metrics.loss:
             totals["train_loss"] = request.metrics.loss
         return loss
+
+    # ------------------------------------------------------------------------- a streamed step (system.streaming)
+
+    def _open_push(self) -> PushStream | None:
+        """The first gradient of a backward is ready and no push is open (autograd's thread): open a streamed push
+        whose parts are this codec's payloads, its reply's tensors going into the model as they arrive."""
+        if not self.streaming:
+            return None
+        model, codec, steps = self.client.model, self.codec, self.steps
+        trainable, streamed = model.trainable, model.streamed
+        self._generation += 1
+        generation = self._generation
+
+        def encode(index: int) -> Any:  # on the client's push thread, while backward goes on
+            name, param = trainable[index]
+            gradient = param.grad if param.grad is not None else torch.zeros_like(param, dtype=torch.float32)
+            return codec.encode([(name, gradient)], steps)[0]
+
+        def ended(call: Future) -> None:  # the reply is in, or the call failed (after its head: the forward pulls)
+            if call.exception() is not None:
+                streamed.reply_broken(generation, call.exception())
+
+        stream = PushStream(encode, streamed.on_large(generation))
+        generator_state = codec.generator.get_state()
+        streamed.repeated = 0
+        self._open = _OpenPush(stream, self.client.push_streamed(stream, ended), generation, generator_state)
+        return stream
+
+    def _streamable(self, push: _OpenPush, found_inf: Any) -> _OpenPush | None:
+        """``push`` if it holds this step's gradient as the unstreamed push would; ``None`` (given up) after a
+        second backward (gradient accumulation: streaming stops for the run).
+
+        Raises:
+            SetupError: a GradScaler drives this optimizer.
+        """
+        if found_inf is not None:
+            self._abandon(push, RuntimeError("a GradScaler step"))
+            raise SetupError(
+                "DistributedOptimizer: the server streams pushes (system.streaming), which sends the gradients as "
+                "backward produces them, still scaled: not with a GradScaler (use bfloat16 autocast, or a server "
+                "without --streaming)"
+            )
+        if not self.client.model.streamed.repeated:
+            return push
+        self._abandon(push, RuntimeError("gradient accumulation"))
+        self.streaming = False
+        warnings.warn(
+            "DistributedOptimizer: a second backward before step() (gradient accumulation): the server streams "
+            "pushes, but an accumulated gradient is whole only at step(), so this and every later push goes "
+            "unstreamed",
+            stacklevel=3,
+        )
+        return None
+
+    def _abandon(self, push: _OpenPush, error: BaseException) -> None:
+        """Give up a streamed push before its message: the server drops its parts; the residuals its parts
+        updated and the rounding generator go back to where they were, as if nothing had been encoded."""
+        model = self.client.model
+        self.client.abort_push_stream(push.stream, error)  # returns once nothing more is encoded for it
+        model.streamed.end_backward()  # the push is no longer fed
+        if self.codec.feedback is not None:
+            for index, _ in push.stream.encoded:
+                self.codec.feedback.discard(model.parameter_names[index])
+        self.codec.generator.set_state(push.generator_state)
+
+    def _step_streamed(self, push: _OpenPush, model, loss: Any, samples: int, started: float, computed: float):
+        """Close the streamed push with its small fields, wait for the reply's head and settle it; the reply's
+        tensors go on arriving for the next forward."""
+        stream, streamed, totals = push.stream, model.streamed, self.client.totals
+        streamed.end_backward()  # the parameters no gradient reached go now, as zeros
+        request = pb.PushRequest(
+            base_version=model.version,
+            request_id=self.client.next_request_id(),
+            num_samples=samples,
+            learning_rate=self._learning_rate_to_send(),
+            metrics=pb.StepMetrics(
+                step=self.steps,
+                loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else 0.0,
+                gradient_time_s=computed - started,
+                communication_time_s=totals.get("last_communication_s", 0.0),
+            ),
+        )
+
+        def compression_time() -> None:  # on the push thread, every part encoded: their seconds
+            request.metrics.compression_time_s = stream.encode_s
+
+        self.client.close_push_stream(stream, request, model.buffer_views(), before_send=compression_time)
+        model.reply_call = push.call
+        head = self.client.push_stream_head(stream, request.request_id)
+        head_in = time.perf_counter()
+        if isinstance(head, bool):  # lost with the server's session: registered again, the registration's verdict
+            accepted = head
+            self.codec.settle_lost(applied=accepted, redone=False)
+            model.sync()
+        else:
+            accepted = head.accepted
+            self.codec.settle(accepted=accepted)
+            model.version = head.version
+            streamed.expect(push.generation)  # the next forward waits for this reply's tensors, module by module
+        waited, self._waited_s = streamed.waited_s - self._waited_s, streamed.waited_s
+        self._mark_wrapped_stepped()
+        self.steps += 1
+        count_push(
+            totals,
+            accepted=accepted,
+            samples=samples,
+            gradient_time_s=computed - started,
+            compression_time_s=stream.encode_s,
+            communication_time_s=head_in - computed + waited,  # exposed: the wait for the head, the forwards' waits
+            payload_bytes=sum(chunk_size(payload) for _, payload in stream.encoded),
+            dense_bytes=4 * sum(p.numel() for _, p in model.trainable),
+        )
+        totals["last_communication_s"] = head_in - computed + waited
+        if request.metrics.loss:
+            totals["train_loss"] = request.metrics.loss
 
     def _warn_no_samples(self) -> None:
         """Once per optimizer: no forward counted a batch, so the push is counted as 1 sample."""
@@ -397,6 +579,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """A step with inf/NaN gradients: push nothing (sync: tell the barrier to go on without us)."""
         self.skipped_steps += 1
         self.client.totals["steps_skipped"] += 1
+        model.wait_for_reply()
         if self.client.mode == "sync":
             request = pb.PushRequest(
                 base_version=model.version, request_id=self.client.next_request_id(), num_samples=0

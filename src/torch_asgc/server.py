@@ -17,6 +17,10 @@ two differences:
   fails is dropped from the barrier. A push with no gradients and ``num_samples`` 0 is a *skipped*
   step (an AMP overflow): the barrier goes on without it for this version.
 
+With ``system.streaming`` (``--streaming``) the workers' pushes stream (:mod:`torch_asgc.optim`, Streaming): the
+server takes each gradient as it arrives and sends the reply buffers first, then the parameters in forward order,
+as for our own streamed workers; the updates are the same.
+
 The run ends when every one of the ``system.num_workers`` worker ids has registered and none is
 live any more (all finished, or failed); then :meth:`finalize` writes the final checkpoint (whose
 ``model_state_dict`` keys are the user's own parameter names) and the summary. There is no
@@ -132,6 +136,7 @@ FLAGS = {
     "heartbeat_timeout": "system.heartbeat_timeout",
     "downlink_compression": "system.downlink_compression",
     "downlink_ratio": "system.downlink_ratio",
+    "streaming": "system.streaming",
 }
 DEFAULTS = {
     "system.checkpoint_dir": "checkpoints/asgc_server",
@@ -156,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport",
         choices=("grpc", "tcp"),
         help="grpc (default) or tcp (binary frames; workers connect('tcp://host:port'))",
+    )
+    run.add_argument(
+        "--streaming",
+        action="store_const",
+        const=True,
+        help="workers communicate while they compute: each gradient is sent as backward produces it, and the next "
+        "forward starts as its first layers' parameters arrive (same updates; docs/library.md, Streaming)",
     )
     run.add_argument("--workers", type=int, help="worker ids 0..N-1 (default 2); sync starts when all N have pulled")
     run.add_argument(

@@ -1,0 +1,351 @@
+"""torch_asgc with a server that streams (``system.streaming``, issue 34): a user's own loop communicates while it
+computes, through :class:`~torch_asgc.optim.DistributedOptimizer` and :class:`~torch_asgc.model.DistributedModel`.
+
+Only when the bytes travel may change: the same loop streamed and not gives the same parameters bit for bit (sync
+with 2 worker processes and top-k + error feedback; async with one worker, dense), over TCP and gRPC; and so do the
+loops that cannot stream a step as it goes (a stray backward dropped by ``zero_grad()``, a step skipped for
+non-finite gradients, gradient accumulation, which turns streaming off with a warning), and a reply that breaks
+off after its head (the next forward pulls the parameters). The next forward really
+overlaps the reply: with the reply's last tensor held back, ``step()`` returns and the next forward's first layers
+run before it is in. A GradScaler and a sharded server are refused with one line each.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from src.common.checkpoint import load_checkpoint
+from src.config import SetupError
+from src.ps.follower_server import FollowerServer
+from src.training.data import load_dataset
+from tests.library_fixtures import (
+    TOKEN,
+    LibraryServer,
+    library_config,
+    plain_loop,
+    run_worker_processes,
+    shard_batches,
+    simple_cnn,
+)
+from torch_asgc import DistributedModel, DistributedOptimizer, connect
+from torch_asgc.server import model_from_source
+
+pytestmark = pytest.mark.timeout(120)
+
+TRANSPORTS = ["tcp", "grpc"]
+SAMPLES = 100
+SYNC_TOPK = dict(
+    system__num_workers=2,
+    system__aggregation_mode="sync",
+    system__compression_enabled=True,
+    system__compression_type="topk",
+    system__compression_ratio=0.05,
+    training__batch_size=16,
+    training__max_train_samples=249,
+    training__num_epochs=1,
+    training__momentum=0.9,
+    training__dataset="mnist_5k",
+)
+ASYNC = dict(
+    training__dataset="mnist_5k",
+    training__max_train_samples=SAMPLES,
+    training__momentum=0.9,
+    training__batch_size=16,
+    system__async_correction="none",
+)
+
+
+@pytest.fixture(scope="module")
+def train_set():
+    return load_dataset("mnist_5k", "train", max_samples=SAMPLES)
+
+
+def assert_bit_for_bit(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys()
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), f"{name}: max difference {(actual[name] - value).abs().max()}"
+
+
+def final_parameters(summary: dict) -> dict[str, torch.Tensor]:
+    return load_checkpoint(summary["checkpoint_path"])["model_state_dict"]
+
+
+# ------------------------------------------------------------------------------------- sync, 2 worker processes
+
+
+def streaming_worker(address: str, worker: int, num_workers: int, config_dict: dict) -> None:
+    """A worker process: :func:`~tests.library_fixtures.equivalence_worker`'s loop (simple_cnn, our shard order),
+    which checks that every step streamed when the server streams."""
+    from src.config import validate_config
+
+    torch.set_num_threads(1)
+    config = validate_config(config_dict)
+    t = config.training
+    train_set = load_dataset(t.dataset, "train", max_samples=t.max_train_samples)
+    torch.manual_seed(t.seed)
+    net = simple_cnn()
+    with connect(address, token=TOKEN, worker_id=worker) as client:
+        model = DistributedModel(net, client)
+        optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=t.learning_rate, momentum=0.9), client)
+        batches = shard_batches(len(train_set), num_workers, worker, 0, t.seed, t.batch_size)
+        plain_loop(model, optimizer, train_set, batches)
+        assert optimizer.streaming == config.system.streaming
+        assert optimizer._generation == (len(batches) if config.system.streaming else 0)
+
+
+def sync_run(tmp_path: Path, name: str, **fields) -> dict:
+    config = library_config(tmp_path, name, **SYNC_TOPK, **fields)
+    with LibraryServer(config) as server:
+        run_worker_processes(streaming_worker, [(server.url, k, 2, config.to_dict()) for k in range(2)], timeout=100)
+        return server.finish()
+
+
+@pytest.fixture(scope="module")
+def sync_unstreamed(tmp_path_factory) -> dict:
+    return sync_run(tmp_path_factory.mktemp("sync"), "plain", system__transport="tcp")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_worker_processes_streaming_with_topk_and_error_feedback_are_the_unstreamed_run_bit_for_bit(
+    tmp_path, sync_unstreamed, transport
+):
+    streamed = sync_run(tmp_path, "streamed", system__transport=transport, system__streaming=True)
+    assert_bit_for_bit(final_parameters(sync_unstreamed), final_parameters(streamed))
+    for key in ("versions", "samples_processed", "pushes_applied", "steps_skipped"):
+        assert streamed[key] == sync_unstreamed[key], key
+    assert streamed["versions"] == 8 and streamed["samples_processed"] == 249
+
+
+# ------------------------------------------------------------------------------------- one worker in this process
+
+
+def user_loop(tmp_path: Path, name: str, train_set, *, transport: str = "tcp", variant=None, **fields):
+    """A plain loop of simple_cnn over the first SAMPLES samples in batches of 16 (``variant(step, model, optimizer,
+    images, labels)``: the step's forward and backward, done otherwise); returns the worker's final parameters (read
+    through the DistributedModel), the optimizer, the client's totals and the run summary."""
+    config = library_config(tmp_path, name, system__transport=transport, **{**ASYNC, **fields})
+    with LibraryServer(config) as server:
+        with connect(server.url, token=TOKEN) as client:
+            torch.manual_seed(0)  # the same initial values in every run
+            net = simple_cnn()
+            model = DistributedModel(net, client)
+            optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), client)
+            for step, indices in enumerate(shard_batches(SAMPLES, 1, 0, 0, 0, 16)):
+                images, labels = train_set.batch(indices)
+                optimizer.zero_grad()
+                if variant is None:
+                    F.cross_entropy(model(images), labels).backward()
+                else:
+                    variant(step, model, optimizer, images, labels)
+                optimizer.step()
+            parameters = {key: value.clone() for key, value in model.state_dict().items()}
+            totals = dict(client.totals)
+        summary = server.finish()
+    return parameters, optimizer, totals, summary
+
+
+@pytest.fixture(scope="module")
+def async_unstreamed(tmp_path_factory, train_set):
+    return user_loop(tmp_path_factory.mktemp("async"), "plain", train_set)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_async_user_loop_streaming_is_the_unstreamed_one_bit_for_bit(
+    tmp_path, train_set, async_unstreamed, transport
+):
+    parameters, optimizer, totals, summary = user_loop(
+        tmp_path, "streamed", train_set, transport=transport, system__streaming=True
+    )
+    assert optimizer.streaming and optimizer._generation == 7  # every step streamed
+    assert_bit_for_bit(async_unstreamed[0], parameters)
+    assert summary["versions"] == async_unstreamed[3]["versions"] == 7
+    assert totals["samples"] == SAMPLES and totals["payload_bytes"] == async_unstreamed[2]["payload_bytes"]
+
+
+def stray_backward_and_a_non_finite_step(step, model, optimizer, images, labels):
+    """Step 1: a backward whose gradients zero_grad() drops before the real one; step 3: non-finite gradients
+    (skipped)."""
+    if step == 1:
+        F.cross_entropy(model(images[:4]), labels[:4]).backward()
+        optimizer.zero_grad()
+    loss = F.cross_entropy(model(images), labels)
+    (loss * float("inf") if step == 3 else loss).backward()
+
+
+def test_a_dropped_backward_and_a_skipped_step_stream_as_the_unstreamed_loop_takes_them(tmp_path, train_set):
+    """Sync with one worker, top-k + error feedback: the given-up pushes leave the residuals as they were, and the
+    skipped step reaches the server as a skip."""
+    fields = dict(
+        system__aggregation_mode="sync",
+        system__compression_enabled=True,
+        system__compression_type="topk",
+        system__compression_ratio=0.05,
+        variant=stray_backward_and_a_non_finite_step,
+    )
+    plain = user_loop(tmp_path, "plain", train_set, **fields)
+    streamed = user_loop(tmp_path, "streamed", train_set, system__streaming=True, **fields)
+    assert_bit_for_bit(plain[0], streamed[0])
+    assert streamed[1].streaming and streamed[1]._generation == 8  # 7 steps, and the dropped backward's push
+    assert streamed[1].skipped_steps == plain[1].skipped_steps == 1
+    assert streamed[3]["steps_skipped"] == plain[3]["steps_skipped"] == 1
+    assert streamed[3]["versions"] == plain[3]["versions"] == 6
+    assert streamed[2]["payload_bytes"] == plain[2]["payload_bytes"]
+
+
+def accumulate_two_halves(step, model, optimizer, images, labels):
+    for half in (slice(0, 8), slice(8, None)):
+        (F.cross_entropy(model(images[half]), labels[half]) / 2).backward()
+
+
+def test_gradient_accumulation_pushes_the_accumulated_gradient_unstreamed_and_says_so(tmp_path, train_set):
+    plain = user_loop(tmp_path, "plain", train_set, variant=accumulate_two_halves)
+    with pytest.warns(UserWarning, match="gradient accumulation.*every later push goes unstreamed") as caught:
+        streamed = user_loop(tmp_path, "streamed", train_set, system__streaming=True, variant=accumulate_two_halves)
+    assert len([w for w in caught if "accumulation" in str(w.message)]) == 1
+    assert not streamed[1].streaming and streamed[1]._generation == 1  # only the first step's push was opened
+    assert_bit_for_bit(plain[0], streamed[0])
+
+
+# ------------------------------------------------------------------------------------- the overlap
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_next_forward_starts_before_the_reply_is_all_in(tmp_path, train_set, transport):
+    """The reply's last tensor (the output layer's bias, last in forward order) is held back on the client's push
+    thread: step() still returns (it waits for the reply's head only), and the next forward's first layer runs
+    while that tensor is not in; the forward's last layer waits for it, and then holds the server's value."""
+    config = library_config(tmp_path, "overlap", system__transport=transport, system__streaming=True, **ASYNC)
+    images, labels = train_set.batch(list(range(16)))
+    with LibraryServer(config) as server:
+        with connect(server.url, token=TOKEN) as client:
+            net = simple_cnn()
+            model = DistributedModel(net, client)
+            optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), client)
+            streamed = model.streamed
+            last = len(model.trainable) - 1
+            held, release, ran = threading.Event(), threading.Event(), []
+            take_of = streamed.on_large
+
+            def on_large(generation):
+                take = take_of(generation)
+
+                def slow_take(name, index, view):
+                    if name == "parameters" and index == last:
+                        held.set()
+                        release.wait(30)
+                    take(name, index, view)
+
+                return slow_take
+
+            streamed.on_large = on_large
+            first_layer, last_module = net.features[0], net.classifier[3]
+            first_layer.register_forward_hook(lambda *_: ran.append(("first layer", release.is_set())))
+            last_module.register_forward_hook(lambda *_: ran.append(("last layer", release.is_set())))
+
+            F.cross_entropy(model(images), labels).backward()
+            ran.clear()
+            optimizer.step()  # returns with the head in, the last tensor held back
+            assert held.wait(10) and not release.is_set()
+            assert model.version == 1 and not model.reply_call.done()
+            forward = threading.Thread(target=lambda: model(images))
+            forward.start()
+            while not ran:
+                forward.join(0.01)
+            forward.join(0.3)
+            assert forward.is_alive() and ran == [("first layer", False)]  # the last layer waits for its tensor
+            release.set()
+            forward.join(10)
+            assert ran == [("first layer", False), ("last layer", True)] and streamed.waited_s > 0
+            mine = model.state_dict()[model.parameter_names[last]].clone()
+        summary = server.finish()
+    assert summary["versions"] == 1
+    assert torch.equal(mine, final_parameters(summary)[model.parameter_names[last]])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_reply_that_breaks_off_after_its_head_is_pulled_by_the_next_forward(
+    tmp_path, train_set, async_unstreamed, transport
+):
+    """The connection breaks while the third reply's last tensor arrives (its push applied): the next forward
+    through the DistributedModel pulls the parameters and computes again; the run is the unstreamed one."""
+    broken = []
+
+    def break_third_reply(step, model, optimizer, images, labels):
+        if step == 0:
+            take_of = model.streamed.on_large
+
+            def on_large(generation):
+                take = take_of(generation)
+
+                def breaking(name, index, view):
+                    if generation == 3 and name == "parameters" and index == len(model.trainable) - 1:
+                        broken.append(generation)
+                        raise ConnectionResetError("injected: the connection broke mid-reply")
+                    take(name, index, view)
+
+                return breaking
+
+            model.streamed.on_large = on_large
+        F.cross_entropy(model(images), labels).backward()
+
+    parameters, optimizer, totals, summary = user_loop(
+        tmp_path, "broken", train_set, transport=transport, system__streaming=True, variant=break_third_reply
+    )
+    assert broken == [3] and optimizer._generation == 7
+    assert_bit_for_bit(async_unstreamed[0], parameters)
+    assert summary["versions"] == 7 and totals["samples"] == SAMPLES
+
+
+# ------------------------------------------------------------------------------------- refusals
+
+
+def test_a_grad_scaler_is_refused_in_one_line(tmp_path, train_set):
+    config = library_config(tmp_path, "scaler", system__streaming=True, system__transport="tcp", **ASYNC)
+    images, labels = train_set.batch(list(range(16)))
+    with LibraryServer(config) as server:
+        with connect(server.url, token=TOKEN) as client:
+            net = simple_cnn()
+            model = DistributedModel(net, client)
+            optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), client)
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale(F.cross_entropy(model(images), labels)).backward()
+            with pytest.raises(SetupError) as refused:
+                scaler.step(optimizer)
+            assert "\n" not in str(refused.value)
+            assert "streams pushes (system.streaming)" in str(refused.value) and "GradScaler" in str(refused.value)
+
+
+def test_a_sharded_server_that_streams_is_refused_in_one_line(tmp_path):
+    factory = "tests.library_fixtures:simple_cnn"
+    fields = dict(
+        system__num_workers=1,
+        system__aggregation_mode="sync",
+        system__num_servers=2,
+        system__streaming=True,
+        system__transport="tcp",
+        training__dataset="mnist_5k",
+    )
+    follower_config = library_config(tmp_path, "two", **fields)
+    follower = FollowerServer(
+        follower_config, shard=1, address="127.0.0.1:0", token=TOKEN, model=model_from_source(follower_config, factory)
+    )
+    shard_1 = f"127.0.0.1:{follower.start()}"
+    try:
+        config = library_config(tmp_path, "two", **fields, system__shard_addresses=["127.0.0.1:0", shard_1])
+        with LibraryServer(config, model_source=factory) as server:
+            with connect([server.url, f"tcp://{shard_1}"], token=TOKEN) as client:
+                net = simple_cnn()
+                DistributedModel(net, client)
+                with pytest.raises(SetupError) as refused, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client)
+            assert "\n" not in str(refused.value)
+            assert "does not stream to a sharded server yet" in str(refused.value)
+    finally:
+        follower.stop(grace=0)
