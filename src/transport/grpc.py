@@ -51,6 +51,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
 from src.transport.stream import PushStream, ReplyBroken, part_pieces
+from src.transport.tcp_frames import TransportError
 from src.transport.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
     Outgoing,
     Received,
@@ -120,22 +121,6 @@ def push_part_message(index: int, payload: Any) -> bytes:
 def push_message(request: Outgoing) -> bytes:
     """The ``PushStreamRequest`` of a streamed push's own message (its small fields and buffers)."""
     return serialize(Outgoing(pb.PushStreamRequest(), {"push": [tuple(encode(request).buffers)]}))
-
-
-class CallFailed(grpc.RpcError):
-    """A call that failed on the client's side of the wire (a malformed or cut-off streamed reply), as a failed
-    gRPC call reads: ``code()`` and ``details()``."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class AuthTokenMissing(SetupError):
@@ -676,16 +661,16 @@ class ParameterServerClient(ProtocolClient):
                 try:
                     chunk = split(data, pb.PushStreamReply, ("reply",))
                 except ValueError as exc:
-                    raise CallFailed(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
+                    raise TransportError(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
                 if splitter is None:
                     size = chunk.message.reply_size
                     if size > CLIENT_MAX_MESSAGE_BYTES:
-                        raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {size} bytes")
+                        raise TransportError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {size} bytes")
                     body = memoryview(np.empty(size, dtype=np.uint8))  # no zero-fill: every byte is written
                     splitter = stream.splitter(body, pb.PushReply, PUSH_REPLY_LARGE_FIELDS, reply_stream_bytes(size))
                 for piece in chunk.large["reply"]:
                     if filled + len(piece) > len(body):
-                        raise CallFailed(grpc.StatusCode.INTERNAL, f"the reply runs past its {len(body)} bytes")
+                        raise TransportError(grpc.StatusCode.INTERNAL, f"the reply runs past its {len(body)} bytes")
                     body[filled : filled + len(piece)] = piece
                     filled += len(piece)
                 splitter.advance(filled)
@@ -706,14 +691,14 @@ class ParameterServerClient(ProtocolClient):
         if ended:
             raise ended[0]
         if splitter is None or filled < len(body):
-            raise CallFailed(
+            raise TransportError(
                 grpc.StatusCode.INTERNAL,
                 f"the PushStream reply ended after {filled} of {len(body) if body is not None else '?'} bytes",
             )
         try:
             return splitter.finish()
         except ValueError as exc:
-            raise CallFailed(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
+            raise TransportError(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
 
     def close(self) -> None:
         self.channel.close()

@@ -85,7 +85,8 @@ class Method(enum.IntEnum):
 
 
 class TransportError(grpc.RpcError):
-    """A call of the TCP transport that failed: the server refused it, or the connection failed.
+    """A call of the TCP transport that failed: the server refused it, or the connection failed (also a streamed
+    gRPC reply that broke on the client's side, :meth:`src.transport.grpc.ParameterServerClient._attempt_streamed`).
 
     Like a failed gRPC call: ``code()`` is a :class:`grpc.StatusCode` (the server's refusals carry the
     status the server core named; a lost connection is ``UNAVAILABLE``, a passed deadline
