@@ -1,7 +1,7 @@
 """Issue 34's reference: PS against DDP on tc-shaped links in network namespaces, exposed communication of each.
 
     python scripts/bench_overlap.py --output overlap.json              # the reference run (~1.5 min on 2 cores)
-    python scripts/bench_overlap.py --mbps 150                         # the issue's own rate
+    python scripts/bench_overlap.py --mbps 80 --mtu 0 --transport grpc --reference docs/overlap_reference.json
     python scripts/bench_overlap.py --reference overlap.json           # a later worker against that reference
     python scripts/bench_overlap.py --streaming --transport tcp        # streamed against unstreamed, in one run
 
@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         default=overlap.DEFAULT_BATCH_SIZE,
         help="batch per worker / rank (default %(default)d)",
     )
+    parser.add_argument(
+        "--mtu",
+        type=int,
+        default=overlap.DEFAULT_MTU,
+        help="every link's MTU (default %(default)d: jumbo frames; 0: the kernel's 1500, as the first reference)",
+    )
     parser.add_argument("--max-train-samples", type=int, help="train on the first N samples only (default all)")
     parser.add_argument("--transport", choices=("grpc", "tcp"), default="grpc", help="the PS's (default grpc)")
     parser.add_argument(
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=args.transport,
             reference=reference,
             streaming=args.streaming,
+            mtu=args.mtu or None,
             trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         )
     except (OSError, ValueError, RuntimeError) as exc:  # JSONDecodeError: a ValueError; RuntimeError: a run failed

@@ -96,6 +96,22 @@ def test_a_later_run_is_judged_against_the_reference_runs_ps_arm():
     assert slower["targets"]["ps_exposed_at_most_ddps"]["met"] is False
 
 
+def test_a_streamed_run_is_judged_against_its_own_unstreamed_arm():
+    result = overlap.summarize(
+        RUN,
+        _ps_summary((1.0, 1.0), 12.8),
+        *_ddp((0.5, 1.5), 10.0),
+        unstreamed_summary=_ps_summary((4.0, 6.0), 20.0),
+    )
+    assert result["ps"]["streaming"] is True and result["ps_unstreamed"]["samples_per_s"] == 256.0
+    targets = result["targets"]
+    assert targets["reference"] == "this run's PS arm without streaming (ps_unstreamed)"
+    assert targets["exposed_fraction_falls"]["reference"] == 0.25 and targets["exposed_fraction_falls"]["met"] is True
+    assert targets["samples_per_s_rises"]["met"] is True
+    assert result["streamed_over_unstreamed"] == pytest.approx(400.0 / 256.0, abs=1e-3)
+    assert result["exposed_fraction"]["ps_unstreamed"] == 0.25
+
+
 def test_a_reference_of_other_settings_or_not_of_this_bench_is_refused():
     reference = overlap.summarize(RUN, _ps_summary((4.0, 6.0), 20.0), *_ddp((0.5, 1.5), 10.0))
     other = overlap.settings(150.0, 6, 256)

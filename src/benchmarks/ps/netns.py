@@ -93,14 +93,15 @@ class Hosts:
         roles: each host's role name (``"server_0"``, ``"worker_1"``...); host ``i`` gets ``10.79.0.{i + 1}``.
         shaped: the roles whose link is limited, both ways, to ``mbps``.
         mbps: the shaped links' rate, Mbit/s.
+        mtu: every link's MTU (default: the kernel's, 1500); 9000 is a datacenter's jumbo frames.
     """
 
-    def __init__(self, roles: list[str], shaped: list[str], mbps: float):
+    def __init__(self, roles: list[str], shaped: list[str], mbps: float, *, mtu: int | None = None):
         self.prefix = f"dtb{os.getpid() % 100000}"
         self.switch = f"{self.prefix}x"
         self.namespaces = {role: f"{self.prefix}n{i}" for i, role in enumerate(roles)}
         self.ips = {role: f"{SUBNET}.{i + 1}" for i, role in enumerate(roles)}
-        self.shaped, self.mbps = list(shaped), mbps
+        self.shaped, self.mbps, self.mtu = list(shaped), mbps, mtu
         self._created: list[str] = []
         self._links: list[str] = []
 
@@ -129,6 +130,9 @@ class Hosts:
             _ip("link", "set", port, "netns", self.switch)
             _ip("link", "set", host, "netns", namespace)
             _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+            if self.mtu is not None:
+                _ip("-n", self.switch, "link", "set", port, "mtu", str(self.mtu))
+                _ip("-n", namespace, "link", "set", host, "mtu", str(self.mtu))
             _ip("-n", namespace, "addr", "add", f"{self.ips[role]}/24", "dev", host)
             _ip("-n", namespace, "link", "set", host, "up")
             if role in self.shaped:
