@@ -7,15 +7,21 @@ loops that cannot stream a step as it goes (a stray backward dropped by ``zero_g
 non-finite gradients, gradient accumulation, which turns streaming off with a warning), and a reply that breaks
 off after its head (the next forward pulls the parameters). The next forward really
 overlaps the reply: with the reply's last tensor held back, ``step()`` returns and the next forward's first layers
-run before it is in. A GradScaler and a sharded server are refused with one line each.
+run before it is in. A GradScaler is refused in one line.
+
+On a sharded server (2 shards, simple_cnn cut into 64 kB slices) each shard's slices stream to it as its hold and
+the commit and pulls follow unstreamed, as our own workers do: the same bit for bit (sync with 2 worker processes and
+top-k + error feedback over TCP; async with one worker over TCP and gRPC; one worker in sync through a dropped
+backward, a skipped step and gradient accumulation), and a hold that fails raises as an unstreamed hold does.
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +30,7 @@ from src.common.checkpoint import load_checkpoint
 from src.config import SetupError
 from src.ps.follower_server import FollowerServer
 from src.training.data import load_dataset
+from src.transport.tcp_frames import TransportError
 from tests.library_fixtures import (
     TOKEN,
     LibraryServer,
@@ -99,8 +106,33 @@ def streaming_worker(address: str, worker: int, num_workers: int, config_dict: d
         assert optimizer._generation == (len(batches) if config.system.streaming else 0)
 
 
-def sync_run(tmp_path: Path, name: str, **fields) -> dict:
+FACTORY = "tests.library_fixtures:simple_cnn"
+
+
+@contextmanager
+def two_shards(tmp_path: Path, name: str, **fields):
+    """A library server on 2 shards (shard 0 and a follower, simple_cnn in 64 kB slices): ``(server, addresses)``,
+    the addresses naming the transport, shard 0 first."""
+    fields = dict(fields, system__num_servers=2, system__shard_slice_bytes=64 << 10)
+    follower_config = library_config(tmp_path, name, **fields)
+    follower = FollowerServer(
+        follower_config, shard=1, address="127.0.0.1:0", token=TOKEN, model=model_from_source(follower_config, FACTORY)
+    )
+    shard_1 = f"127.0.0.1:{follower.start()}"
+    try:
+        config = library_config(tmp_path, name, **fields, system__shard_addresses=["127.0.0.1:0", shard_1])
+        with LibraryServer(config, model_source=FACTORY) as server:
+            yield server, [server.url, f"{server.server.transport}://{shard_1}"]
+    finally:
+        follower.stop(grace=0)
+
+
+def sync_run(tmp_path: Path, name: str, *, shards: bool = False, **fields) -> dict:
     config = library_config(tmp_path, name, **SYNC_TOPK, **fields)
+    if shards:
+        with two_shards(tmp_path, name, **SYNC_TOPK, **fields) as (server, addresses):
+            run_worker_processes(streaming_worker, [(addresses, k, 2, config.to_dict()) for k in range(2)], timeout=100)
+            return server.finish()
     with LibraryServer(config) as server:
         run_worker_processes(streaming_worker, [(server.url, k, 2, config.to_dict()) for k in range(2)], timeout=100)
         return server.finish()
@@ -125,13 +157,22 @@ def test_two_worker_processes_streaming_with_topk_and_error_feedback_are_the_uns
 # ------------------------------------------------------------------------------------- one worker in this process
 
 
-def user_loop(tmp_path: Path, name: str, train_set, *, transport: str = "tcp", variant=None, **fields):
+@contextmanager
+def one_server(tmp_path: Path, name: str, **fields):
+    with LibraryServer(library_config(tmp_path, name, **fields)) as server:
+        yield server, server.url
+
+
+def user_loop(
+    tmp_path: Path, name: str, train_set, *, transport: str = "tcp", variant=None, shards: bool = False, **fields
+):
     """A plain loop of simple_cnn over the first SAMPLES samples in batches of 16 (``variant(step, model, optimizer,
-    images, labels)``: the step's forward and backward, done otherwise); returns the worker's final parameters (read
-    through the DistributedModel), the optimizer, the client's totals and the run summary."""
-    config = library_config(tmp_path, name, system__transport=transport, **{**ASYNC, **fields})
-    with LibraryServer(config) as server:
-        with connect(server.url, token=TOKEN) as client:
+    images, labels)``: the step's forward and backward, done otherwise; ``shards``: on 2 shards); returns the
+    worker's final parameters (read through the DistributedModel), the optimizer, the client's totals and the run
+    summary."""
+    serve = two_shards if shards else one_server
+    with serve(tmp_path, name, system__transport=transport, **{**ASYNC, **fields}) as (server, address):
+        with connect(address, token=TOKEN) as client:
             torch.manual_seed(0)  # the same initial values in every run
             net = simple_cnn()
             model = DistributedModel(net, client)
@@ -321,31 +362,109 @@ def test_a_grad_scaler_is_refused_in_one_line(tmp_path, train_set):
             assert "streams pushes (system.streaming)" in str(refused.value) and "GradScaler" in str(refused.value)
 
 
-def test_a_sharded_server_that_streams_is_refused_in_one_line(tmp_path):
-    factory = "tests.library_fixtures:simple_cnn"
+# ------------------------------------------------------------------------------------- a sharded server (2 shards)
+
+
+@pytest.fixture(scope="module")
+def sync_shards_unstreamed(tmp_path_factory) -> dict:
+    return sync_run(tmp_path_factory.mktemp("sync-shards"), "plain", shards=True, system__transport="tcp")
+
+
+def test_two_worker_processes_streaming_to_two_shards_are_the_unstreamed_run_bit_for_bit(
+    tmp_path, sync_shards_unstreamed
+):
+    """Top-k + error feedback per slice; each worker process checks that every step streamed."""
+    streamed = sync_run(tmp_path, "streamed", shards=True, system__transport="tcp", system__streaming=True)
+    assert_bit_for_bit(final_parameters(sync_shards_unstreamed), final_parameters(streamed))
+    for key in ("versions", "samples_processed", "pushes_applied", "steps_skipped"):
+        assert streamed[key] == sync_shards_unstreamed[key], key
+    assert streamed["versions"] == 8 and streamed["samples_processed"] == 249 and len(streamed["shards"]) == 2
+
+
+@pytest.fixture(scope="module")
+def async_shards_unstreamed(tmp_path_factory, train_set):
+    return user_loop(tmp_path_factory.mktemp("async-shards"), "plain", train_set, shards=True)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_async_user_loop_streaming_to_two_shards_is_the_unstreamed_one_bit_for_bit(
+    tmp_path, train_set, async_shards_unstreamed, transport
+):
+    parameters, optimizer, totals, summary = user_loop(
+        tmp_path, "streamed", train_set, transport=transport, shards=True, system__streaming=True
+    )
+    assert optimizer.streaming and optimizer._generation == 7  # every step streamed
+    assert_bit_for_bit(async_shards_unstreamed[0], parameters)
+    assert_bit_for_bit(async_shards_unstreamed[0], final_parameters(summary))  # the shards' model, put together
+    assert summary["versions"] == async_shards_unstreamed[3]["versions"] == 7
+    assert totals["samples"] == SAMPLES
+    assert totals["payload_bytes"] == async_shards_unstreamed[2]["payload_bytes"]
+
+
+def everything_awkward(step, model, optimizer, images, labels):
+    """Step 1: a backward that zero_grad() drops; step 3: non-finite gradients (skipped); step 5: two backwards
+    (gradient accumulation: streaming stops)."""
+    if step == 5:
+        accumulate_two_halves(step, model, optimizer, images, labels)
+    else:
+        stray_backward_and_a_non_finite_step(step, model, optimizer, images, labels)
+
+
+def test_a_dropped_backward_a_skipped_step_and_accumulation_stream_to_two_shards_as_unstreamed(tmp_path, train_set):
+    """Sync with one worker, top-k + error feedback per slice: the given-up pushes leave every slice's residual as it
+    was, the skip reaches shard 0 as a skip, the accumulated step goes unstreamed (one warning)."""
     fields = dict(
-        system__num_workers=1,
         system__aggregation_mode="sync",
-        system__num_servers=2,
-        system__streaming=True,
-        system__transport="tcp",
-        training__dataset="mnist_5k",
+        system__compression_enabled=True,
+        system__compression_type="topk",
+        system__compression_ratio=0.05,
+        shards=True,
+        variant=everything_awkward,
     )
-    follower_config = library_config(tmp_path, "two", **fields)
-    follower = FollowerServer(
-        follower_config, shard=1, address="127.0.0.1:0", token=TOKEN, model=model_from_source(follower_config, factory)
-    )
-    shard_1 = f"127.0.0.1:{follower.start()}"
-    try:
-        config = library_config(tmp_path, "two", **fields, system__shard_addresses=["127.0.0.1:0", shard_1])
-        with LibraryServer(config, model_source=factory) as server:
-            with connect([server.url, f"tcp://{shard_1}"], token=TOKEN) as client:
-                net = simple_cnn()
-                DistributedModel(net, client)
-                with pytest.raises(SetupError) as refused, warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client)
-            assert "\n" not in str(refused.value)
-            assert "does not stream to a sharded server yet" in str(refused.value)
-    finally:
-        follower.stop(grace=0)
+    plain = user_loop(tmp_path, "plain", train_set, **fields)
+    with pytest.warns(UserWarning, match="gradient accumulation.*every later push goes unstreamed"):
+        streamed = user_loop(tmp_path, "streamed", train_set, system__streaming=True, **fields)
+    assert_bit_for_bit(plain[0], streamed[0])
+    assert not streamed[1].streaming and streamed[1]._generation == 7  # steps 0-5 and the dropped backward's push
+    assert streamed[1].skipped_steps == plain[1].skipped_steps == 1
+    assert streamed[3]["steps_skipped"] == plain[3]["steps_skipped"] == 1
+    assert streamed[3]["versions"] == plain[3]["versions"] == 6
+    assert streamed[2]["payload_bytes"] == plain[2]["payload_bytes"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_hold_that_fails_raises_as_unstreamed_and_the_loop_can_go_on(tmp_path, train_set, streaming):
+    """Shard 1 refuses the second step's hold (injected, not retried): step() raises that error, streamed or not,
+    with no call of the push left running; the next steps go through."""
+    refusal = TransportError(grpc.StatusCode.FAILED_PRECONDITION, "injected: shard 1 refused the hold")
+    with two_shards(tmp_path, "refused", system__transport="tcp", system__streaming=streaming, **ASYNC) as (
+        server,
+        addresses,
+    ):
+        with connect(addresses, token=TOKEN) as client:
+            net = simple_cnn()
+            model = DistributedModel(net, client)
+            optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), client)
+            shard_1, method = client.shard_transports[0], "_attempt_streamed" if streaming else "push"
+
+            def refuse(stream_or_request, *args, **kwargs):
+                if streaming:
+                    list(stream_or_request.parts())  # take every part, as a server would before refusing
+                raise refusal
+
+            for step, indices in enumerate(shard_batches(64, 1, 0, 0, 0, 16)):
+                images, labels = train_set.batch(indices)
+                optimizer.zero_grad()
+                if step == 1:  # before the backward, which opens the streamed push
+                    setattr(shard_1, method, refuse)
+                F.cross_entropy(model(images), labels).backward()
+                if step != 1:
+                    optimizer.step()
+                    continue
+                with pytest.raises(TransportError, match="injected: shard 1 refused the hold"):
+                    optimizer.step()
+                delattr(shard_1, method)  # the transport's own again
+                assert not client._streams
+            assert optimizer.steps == 3 and model.version == 3
+        summary = server.finish()
+    assert summary["versions"] == 3

@@ -13,7 +13,9 @@ server's ``system.max_rejoins``); then the call raises :class:`~src.ps.worker_pr
 It moves no tensors by itself: :class:`~torch_asgc.model.DistributedModel` pulls and initializes
 through it, :class:`~torch_asgc.optim.DistributedOptimizer` pushes through it. A server with
 ``system.streaming`` gets streamed pushes (:meth:`WorkerClient.push_streamed`): each runs on the client's push
-thread, one after the other, the next one's parts waiting until the previous reply's tensors are all in.
+thread, one after the other, the next one's parts waiting until the previous reply's tensors are all in. A sharded
+server's streamed step (:meth:`WorkerClient.push_shards_streamed`) is one streamed hold per shard, each on that
+shard's own push thread, then the commit and the pulls as unstreamed (:meth:`WorkerClient.commit_shards`).
 ``close()`` (or the end of a ``with`` block) tells the server this worker is done (``Finish``, with its totals for
 the run summary); in sync mode the barrier goes on without it.
 
@@ -126,7 +128,7 @@ class WorkerClient:
         self._heartbeats: Heartbeats | None = None
         self._started = time.perf_counter()
         self.closed = False
-        self._push_thread: ThreadPoolExecutor | None = None  # system.streaming: moves the streamed pushes
+        self._push_threads: dict[int, ThreadPoolExecutor] = {}  # system.streaming: per shard, moves its streamed pushes
         self._streams: dict[PushStream, Future] = {}  # streamed pushes whose call has not ended
         self._unclosed: set[PushStream] = set()  # ... and of those, the ones still taking parts
 
@@ -181,8 +183,8 @@ class WorkerClient:
             shard.close()
         if self._shard_calls is not None:
             self._shard_calls.shutdown()
-        if self._push_thread is not None:
-            self._push_thread.shutdown()
+        for thread in self._push_threads.values():
+            thread.shutdown()
 
     def _end_streams(self) -> None:
         """Before Finish: a streamed push still taking parts (a backward with no step after it) is given up, and
@@ -258,15 +260,21 @@ class WorkerClient:
 
     # ---------------------------------------------------------------------- streamed pushes (system.streaming)
 
-    def push_streamed(self, stream: PushStream, on_end: Callable[[Future], Any] | None = None) -> Future:
-        """Start a streamed push (:mod:`src.transport.stream`) on the client's push thread: its parts go as
-        ``stream`` takes them, once the previous streamed push's reply is all in. Returns the call (its result: the
-        whole reply); ``on_end(call)`` runs when it ends (on the push thread). Finish it with
-        :meth:`close_push_stream` and :meth:`push_stream_head`, or give it up with :meth:`abort_push_stream`."""
-        if self._push_thread is None:
-            self._push_thread = ThreadPoolExecutor(1, thread_name_prefix=f"asgc-worker-{self.worker_id}-push")
+    def push_streamed(
+        self, stream: PushStream, on_end: Callable[[Future], Any] | None = None, *, shard: int = 0
+    ) -> Future:
+        """Start a streamed push (:mod:`src.transport.stream`) on the client's push thread (shard ``shard``'s, of a
+        sharded server): its parts go as ``stream`` takes them, once the previous streamed push's reply is all in.
+        Returns the call (its result: the whole reply); ``on_end(call)`` runs when it ends (on the push thread).
+        Finish it with :meth:`close_push_stream` and :meth:`push_stream_head`, or give it up with
+        :meth:`abort_push_stream`."""
+        thread = self._push_threads.get(shard)
+        if thread is None:
+            thread = self._push_threads[shard] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"asgc-worker-{self.worker_id}-push{f'-shard-{shard}' if shard else ''}"
+            )
         self._unclosed.add(stream)
-        call = self._push_thread.submit(self.transport.push_streamed, stream)
+        call = thread.submit([self.transport, *self.shard_transports][shard].push_streamed, stream)
         self._streams[stream] = call
 
         def ended(done: Future) -> None:
@@ -345,9 +353,7 @@ class WorkerClient:
     ) -> tuple[Received, list[Received]] | bool:
         """A sharded server's step (:mod:`src.ps.shard_step`): hold each shard's payloads on it at once, each based on
         ``versions[k]``, the version of shard ``k``'s slices the gradient was computed on (``per_shard`` empty: a
-        skipped step, held on shard 0 only), commit to shard 0 (async: with the followers' staleness), then pull every
-        shard at once with the certificate. Returns the commit's reply and the pulls, or, when the reply was lost
-        with shard 0's session (this client registered again), whether the push was applied.
+        skipped step, held on shard 0 only), then :meth:`commit_shards`.
 
         Raises:
             IncarnationRevoked: shard 0 declared this incarnation failed, and the rejoin budget is spent.
@@ -363,7 +369,64 @@ class WorkerClient:
             for k, transport in enumerate(transports)
         ]
         acks = [call.result().message for call in calls]
-        reply = self.push(shard_step.commit(request, acks, versions[0], self.mode if per_shard else "sync"), [], [])
+        return self.commit_shards(request, acks, versions[0], self.mode if per_shard else "sync")
+
+    def push_shards_streamed(
+        self, streams: Sequence[PushStream], on_end: Callable[[Future], Any] | None = None
+    ) -> list[Future]:
+        """A sharded server's streamed step (``system.streaming``): ``streams[k]`` is shard ``k``'s hold, its parts
+        its slices (:meth:`ShardedPushCodec.encode_slice <src.ps.shard_push.ShardedPushCodec.encode_slice>`), each
+        on shard ``k``'s push thread (:meth:`push_streamed`). Close them with :meth:`close_shard_streams`, finish
+        with :meth:`shard_streams_commit`, or give each up with :meth:`abort_push_stream`."""
+        return [self.push_streamed(stream, on_end, shard=k) for k, stream in enumerate(streams)]
+
+    def close_shard_streams(
+        self, streams: Sequence[PushStream], request: pb.PushRequest, buffers: Sequence[Any], versions: Sequence[int]
+    ) -> None:
+        """Every slice of ``streams`` is handed over: each shard's hold of ``request`` follows
+        (:func:`src.ps.shard_step.holds`, based on ``versions[k]``; shard 0's with ``buffers``), carrying the seconds
+        its stream spent encoding."""
+        request.caller.CopyFrom(self.caller)
+        for k, (stream, held) in enumerate(zip(streams, shard_step.holds(request, versions))):
+
+            def compression_time(stream: PushStream = stream, held: pb.PushRequest = held) -> None:
+                held.metrics.compression_time_s = stream.encode_s
+
+            self.close_push_stream(stream, held, buffers if k == 0 else [], before_send=compression_time)
+
+    def shard_streams_commit(
+        self, streams: Sequence[PushStream], request: pb.PushRequest, versions: Sequence[int]
+    ) -> tuple[Received, list[Received]] | bool:
+        """The closed ``streams``' step goes on as unstreamed once every shard holds its slices (their replies'
+        heads): :meth:`commit_shards` (the commit carries every stream's encoding seconds).
+
+        Raises:
+            IncarnationRevoked: shard 0 declared this incarnation failed, and the rejoin budget is spent.
+            grpc.RpcError: a shard refused its hold, as :meth:`push_shards` raises it (every stream's call has
+                ended), or the commit.
+        """
+        try:
+            acks = [stream.wait_head() for stream in streams]
+        except BaseException:
+            wait([call for call in (self._streams.get(stream) for stream in streams) if call is not None])
+            raise
+        request.metrics.compression_time_s = sum(stream.encode_s for stream in streams)
+        return self.commit_shards(request, acks, versions[0], self.mode)
+
+    def commit_shards(
+        self, request: pb.PushRequest, acks: Sequence[pb.PushReply], base_version: int, mode: str
+    ) -> tuple[Received, list[Received]] | bool:
+        """The rest of a sharded step once every shard holds its slices (``acks``: the holds' replies, in shard order,
+        streamed or not): commit to shard 0 (based on ``base_version``; ``mode`` async: with the followers'
+        staleness), then pull every shard at once with the certificate. Returns the commit's reply and the pulls,
+        or, when the reply was lost with shard 0's session (this client registered again), whether the push was
+        applied.
+
+        Raises:
+            IncarnationRevoked: shard 0 declared this incarnation failed, and the rejoin budget is spent.
+            grpc.RpcError: shard 0 refused the commit, or a shard the pull.
+        """
+        reply = self.push(shard_step.commit(request, acks, base_version, mode), [], [])
         if isinstance(reply, bool):
             return reply
         return reply, self.pull_shards(reply.message.certificate)

@@ -189,6 +189,8 @@ class DistributedModel(nn.Module):
         versions = [load_shard_reply(self.placement, k, params, buffers, reply) for k, reply in enumerate(replies)]
         self.version = versions[0]
         self.shard_versions = versions
+        if self.streamed is not None:
+            self.streamed.loaded()  # every slice is in (a streamed step pulls them): the forward waits for nothing
         return versions
 
     def shards_apart(self, version: int) -> bool:

@@ -54,6 +54,12 @@ library learns it at registration), the push travels while the user's loop compu
   order: the next forward waits, module by module, only for the tensors it needs
   (:class:`~torch_asgc.model.DistributedModel`).
 
+A sharded server streams as our own workers stream to it: one streamed push per shard, its parts that shard's
+slices (``ShardedPushCodec.encode_slice``, error feedback per slice), each gradient handed to the shards holding
+its slices (:class:`~src.ps.worker_stream.ShardStreams`); ``step()`` closes each with its hold, waits for every
+hold's reply, then commits to shard 0 and pulls every shard's slices as unstreamed (``WorkerClient.commit_shards``,
+the same code), so the next forward waits for nothing. A hold that fails raises as an unstreamed one does.
+
 What a streamed step does differently, and why: a step skipped for non-finite gradients gives up its streamed push
 (the server drops its parts; the residuals and the rounding generator go back to where they were) and sends the
 skip message as above. ``zero_grad()`` after a backward and before its ``step()`` gives that push up too, so the
@@ -62,7 +68,7 @@ the first backward's gradients have gone already, so that push is given up and t
 unstreamed at ``step()``; streaming stays off for the rest of the run (a warning says so) and every step is exactly
 the unstreamed one. A ``GradScaler`` is refused (:class:`~src.config.SetupError` at the first ``step()``): the
 gradients stream out scaled, before the scaler can unscale or check them; use bfloat16 autocast, which needs no
-scaler. A sharded server that streams is refused when the optimizer is made (not supported by the library yet).
+scaler.
 """
 
 from __future__ import annotations
@@ -83,7 +89,9 @@ from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
 from src.ps.shard_push import ShardedPushCodec
 from src.ps.worker_protocol import PushCodec, count_push
+from src.ps.worker_stream import ShardStreams
 from src.training.lr_schedule import is_constant
+from src.transport.grpc import Received
 from src.transport.stream import PushStream
 from src.transport.wire import chunk_size
 
@@ -130,10 +138,18 @@ def _differences(optimizer: torch.optim.Optimizer, training: Any) -> list[str]:
 class _OpenPush:
     """A streamed push opened by a backward (``system.streaming``) and not yet closed by ``step()``."""
 
-    stream: PushStream
-    call: Future
+    streams: list[PushStream]  # one server's push; a sharded server's: each shard's hold, in shard order
+    calls: list[Future]
     generation: int  # the reply's number (src/ps/worker_stream.py)
     generator_state: torch.Tensor  # the rounding generator before its parts: restored if the push is given up
+    sharded: ShardedPushCodec | None  # a sharded server's: the parts are slices
+
+    def encoded_keys(self, names: list[str]) -> list[str]:
+        """The residual keys the parts encoded so far updated (``names``: the parameters', in push order)."""
+        if self.sharded is None:
+            return [names[index] for index, _ in self.streams[0].encoded]
+        placement = self.sharded.placement
+        return [placement.on_shard(k)[position].key for k, s in enumerate(self.streams) for position, _ in s.encoded]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -152,7 +168,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Raises:
         SetupError: no DistributedModel on ``client`` yet, the optimizer holds parameters it does not have, or
-            (a server that streams) the server is sharded or the model already has a DistributedOptimizer.
+            (a server that streams) the model already has a DistributedOptimizer.
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() with grad_scale / found_inf set, every iteration
@@ -211,12 +227,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._generation = 0  # streamed replies so far
         self._waited_s = 0.0  # the forwards' waits for reply tensors, as counted at the last step
         if self.streaming:
-            if client.sharded:
-                raise SetupError(
-                    f"DistributedOptimizer: the server streams pushes (system.streaming) and runs "
-                    f"{system.num_servers} shards; the library does not stream to a sharded server yet: start the "
-                    "shards without --streaming"
-                )
             if model.streamed is not None:
                 raise SetupError("DistributedOptimizer: streaming takes one DistributedOptimizer per DistributedModel")
             model.stream_pushes(self._open_push)
@@ -401,9 +411,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
-    def _open_push(self) -> PushStream | None:
+    def _open_push(self) -> PushStream | ShardStreams | None:
         """The first gradient of a backward is ready and no push is open (autograd's thread): open a streamed push
-        whose parts are this codec's payloads, its reply's tensors going into the model as they arrive."""
+        whose parts are this codec's payloads, its reply's tensors going into the model as they arrive. A sharded
+        server: one per shard, whose parts are that shard's slices (as our own streamed workers push)."""
         if not self.streaming:
             return None
         model, codec, steps = self.client.model, self.codec, self.steps
@@ -411,20 +422,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._generation += 1
         generation = self._generation
 
-        def encode(index: int) -> Any:  # on the client's push thread, while backward goes on
-            name, param = trainable[index]
-            gradient = param.grad if param.grad is not None else torch.zeros_like(param, dtype=torch.float32)
-            return codec.encode([(name, gradient)], steps)[0]
+        def gradient_of(param: torch.Tensor) -> torch.Tensor:
+            return param.grad if param.grad is not None else torch.zeros_like(param, dtype=torch.float32)
 
         def ended(call: Future) -> None:  # the reply is in, or the call failed (after its head: the forward pulls)
             if call.exception() is not None:
                 streamed.reply_broken(generation, call.exception())
 
-        stream = PushStream(encode, streamed.on_large(generation))
         generator_state = codec.generator.get_state()
         streamed.repeated = 0
-        self._open = _OpenPush(stream, self.client.push_streamed(stream, ended), generation, generator_state)
-        return stream
+        if model.placement is None:
+
+            def encode(index: int) -> Any:  # on the client's push thread, while backward goes on
+                name, param = trainable[index]
+                return codec.encode([(name, gradient_of(param))], steps)[0]
+
+            stream = PushStream(encode, streamed.on_large(generation))
+            calls = [self.client.push_streamed(stream, ended)]
+            self._open = _OpenPush([stream], calls, generation, generator_state, None)
+            return stream
+        sharded = ShardedPushCodec(model.placement, codec)
+        params = dict(trainable)
+
+        def encode_slice(shard: int, position: int) -> Any:  # on shard ``shard``'s push thread
+            param = params[sharded.placement.on_shard(shard)[position].name]
+            return sharded.encode_slice(shard, position, gradient_of(param), steps)
+
+        streams = [
+            PushStream(lambda position, k=k: encode_slice(k, position), streamed.on_large(generation))
+            for k in range(model.placement.num_shards)
+        ]
+        calls = self.client.push_shards_streamed(streams, ended)
+        self._open = _OpenPush(streams, calls, generation, generator_state, sharded)
+        return ShardStreams(streams, sharded.slices_of(model.parameter_names))
 
     def _streamable(self, push: _OpenPush, found_inf: Any) -> _OpenPush | None:
         """``push`` if it holds this step's gradient as the unstreamed push would; ``None`` (given up) after a
@@ -456,17 +486,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Give up a streamed push before its message: the server drops its parts; the residuals its parts
         updated and the rounding generator go back to where they were, as if nothing had been encoded."""
         model = self.client.model
-        self.client.abort_push_stream(push.stream, error)  # returns once nothing more is encoded for it
+        for stream in push.streams:
+            self.client.abort_push_stream(stream, error)  # returns once nothing more is encoded for it
         model.streamed.end_backward()  # the push is no longer fed
         if self.codec.feedback is not None:
-            for index, _ in push.stream.encoded:
-                self.codec.feedback.discard(model.parameter_names[index])
+            for key in push.encoded_keys(model.parameter_names):
+                self.codec.feedback.discard(key)
         self.codec.generator.set_state(push.generator_state)
 
     def _step_streamed(self, push: _OpenPush, model, loss: Any, samples: int, started: float, computed: float):
         """Close the streamed push with its small fields, wait for the reply's head and settle it; the reply's
-        tensors go on arriving for the next forward."""
-        stream, streamed, totals = push.stream, model.streamed, self.client.totals
+        tensors go on arriving for the next forward. A sharded server: close each shard's stream with its hold, wait
+        for every hold's reply, then commit and pull as unstreamed."""
+        streams, streamed, totals = push.streams, model.streamed, self.client.totals
         streamed.end_backward()  # the parameters no gradient reached go now, as zeros
         request = pb.PushRequest(
             base_version=model.version,
@@ -480,23 +512,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 communication_time_s=totals.get("last_communication_s", 0.0),
             ),
         )
-
-        def compression_time() -> None:  # on the push thread, every part encoded: their seconds
-            request.metrics.compression_time_s = stream.encode_s
-
-        self.client.close_push_stream(stream, request, model.buffer_views(), before_send=compression_time)
-        model.reply_call = push.call
-        head = self.client.push_stream_head(stream, request.request_id)
-        head_in = time.perf_counter()
-        if isinstance(head, bool):  # lost with the server's session: registered again, the registration's verdict
-            accepted = head
-            self.codec.settle_lost(applied=accepted, redone=False)
-            model.sync()
+        if push.sharded is not None:
+            self.client.close_shard_streams(streams, request, model.buffer_views(), model.shard_versions)
+            accepted = self._settle_shards(
+                self.client.shard_streams_commit(streams, request, model.shard_versions), model
+            )
+            head_in = time.perf_counter()
         else:
-            accepted = head.accepted
-            self.codec.settle(accepted=accepted)
-            model.version = head.version
-            streamed.expect(push.generation)  # the next forward waits for this reply's tensors, module by module
+            stream = streams[0]
+
+            def compression_time() -> None:  # on the push thread, every part encoded: their seconds
+                request.metrics.compression_time_s = stream.encode_s
+
+            self.client.close_push_stream(stream, request, model.buffer_views(), before_send=compression_time)
+            model.reply_call = push.calls[0]
+            head = self.client.push_stream_head(stream, request.request_id)
+            head_in = time.perf_counter()
+            if isinstance(head, bool):  # lost with the server's session: registered again, the registration's verdict
+                accepted = head
+                self.codec.settle_lost(applied=accepted, redone=False)
+                model.sync()
+            else:
+                accepted = head.accepted
+                self.codec.settle(accepted=accepted)
+                model.version = head.version
+                streamed.expect(push.generation)  # the next forward waits for this reply's tensors, module by module
         waited, self._waited_s = streamed.waited_s - self._waited_s, streamed.waited_s
         self._mark_wrapped_stepped()
         self.steps += 1
@@ -505,9 +545,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             accepted=accepted,
             samples=samples,
             gradient_time_s=computed - started,
-            compression_time_s=stream.encode_s,
+            compression_time_s=sum(stream.encode_s for stream in streams),
             communication_time_s=head_in - computed + waited,  # exposed: the wait for the head, the forwards' waits
-            payload_bytes=sum(chunk_size(payload) for _, payload in stream.encoded),
+            payload_bytes=sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded),
             dense_bytes=4 * sum(p.numel() for _, p in model.trainable),
         )
         totals["last_communication_s"] = head_in - computed + waited
@@ -540,9 +580,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _push_shards(self, request: pb.PushRequest, per_shard: list[list[bytes]], model) -> bool:
         """:meth:`_push` to a sharded server (``WorkerClient.push_shards``): one verdict for every shard's slices;
         returns whether the push was accepted."""
+        result = self.client.push_shards(request, per_shard, model.buffer_views(), model.shard_versions)
+        return self._settle_shards(result, model)
+
+    def _settle_shards(self, result: tuple[Received, list[Received]] | bool, model) -> bool:
+        """A sharded step's end, streamed or not (``WorkerClient.commit_shards``' result): settle every shard's
+        slices by the one verdict and load the pulls, or (the commit's reply lost with shard 0's session: registered
+        again) settle by whether it was applied and pull; returns whether the push was accepted."""
         sharded = ShardedPushCodec(model.placement, self.codec)
         shards = range(model.placement.num_shards)
-        result = self.client.push_shards(request, per_shard, model.buffer_views(), model.shard_versions)
         if isinstance(result, bool):
             for shard in shards:
                 sharded.settle_lost(shard, applied=result, redone=False)
