@@ -32,6 +32,7 @@ PURE = (
     "src.ps.shard_step",
     "src.common.sessions",
     "src.emulation.event_loop",
+    "src.emulation.overlap",
 )
 """The spec's algorithms and the virtual clock's: free of I/O, so a unit test or the virtual clock can drive them
 alone."""

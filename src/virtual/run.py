@@ -37,6 +37,11 @@ real shard 0 reads them (:func:`~src.ps.shard_final.collect_parts`), the whole m
 final loss and accuracy and the ``placement``; each follower writes its part (``shard_K_final.pt``). Injected
 faults and ``--resume`` are refused with S > 1 (a shard's recovery is not built yet).
 
+With ``system.streaming`` each worker does the real streamed worker's step (:mod:`src.virtual.worker`): its compute
+spread over the model's layers (:mod:`src.virtual.layers`), each gradient's part on its link as backward produces
+it, the reply's tensors arriving while the next forward waits per layer (:mod:`src.emulation.overlap`). Injected
+faults and several server shards are refused with it in one line (:func:`streaming_refusal`; not built yet).
+
 Outputs are a real run's (``summary.json`` with ``clock: virtual``, ``events.jsonl`` per role with
 virtual times, TensorBoard, checkpoints, and with ``system.trace`` a ``trace.json`` per simulated
 process whose spans are in virtual microseconds from 0: :mod:`src.virtual.timelines`), so the report,
@@ -66,6 +71,7 @@ from src.trainer import load_splits, model_from_config
 from src.virtual.calibration import with_measured_figures
 from src.virtual.follower import VirtualFollower
 from src.virtual.launcher import VirtualLauncher
+from src.virtual.layers import GradientOrder, layer_profile
 from src.virtual.network import shard_links
 from src.virtual.server import VirtualServer
 from src.virtual.timelines import VirtualTimelines
@@ -81,6 +87,18 @@ def sharded_refusal(config: Config, resume: str | Path | None = None) -> str | N
         return f"system.inject_faults: not with {shards} in virtual time yet (a server shard's recovery is not built)"
     if resume is not None:
         return f"--resume: not with {shards} yet (each shard would resume from its own checkpoints)"
+    return None
+
+
+def streaming_refusal(config: Config) -> str | None:
+    """Why a virtual run of ``config`` with ``system.streaming`` cannot be made yet, in one line (``None``: it can)."""
+    system = config.system
+    if not system.streaming:
+        return None
+    if system.inject_faults:
+        return "system.inject_faults: not with system.streaming in virtual time yet (not built)"
+    if system.num_servers > 1:
+        return f"system.streaming: not with system.num_servers = {system.num_servers} in virtual time yet"
     return None
 
 
@@ -103,7 +121,7 @@ class VirtualRun:
     """
 
     def __init__(self, config: Config, *, resume: str | Path | None = None, tensorboard: bool = True):
-        refusal = sharded_refusal(config, resume)
+        refusal = sharded_refusal(config, resume) or streaming_refusal(config)
         if refusal is not None:
             raise SetupError(refusal)
         self.config = config
@@ -117,6 +135,11 @@ class VirtualRun:
         self.timelines = VirtualTimelines(config, self.clock)
         self.compute_model = model_from_config(config)  # every simulated worker computes in it, in turn
         self.compute_model.train()
+        self.layers = self.gradient_order = None
+        if config.system.streaming:  # the layers a streamed step spreads over, the order backward hands them over
+            sample = self.train_set.batch([0])[0][0]
+            self.layers = layer_profile(self.compute_model, sample, config.training.batch_size)
+            self.gradient_order = GradientOrder(self.compute_model)
         self.workers = [VirtualWorker(self, k) for k in range(config.system.num_workers)]
         self.launcher = VirtualLauncher(config, self.loop, self.cost.restart_s, self.workers)
         num_shards = config.system.num_servers
@@ -253,7 +276,7 @@ def run_virtual(
     """
     if config.system.architecture != "parameter_server":
         raise SetupError(f"system.clock: virtual runs a parameter-server job here, not {config.system.architecture}")
-    refusal = sharded_refusal(config, resume)  # before any figure is measured
+    refusal = sharded_refusal(config, resume) or streaming_refusal(config)  # before any figure is measured
     if refusal is not None:
         raise SetupError(refusal)
     config, measured = with_measured_figures(config, server=True)

@@ -15,6 +15,13 @@ held pushes and their commits (:mod:`src.ps.shard_rounds`) and parameters-only p
 handlers do, with its own NIC in the run's :class:`~src.virtual.network.FairNetwork` and its share of the server's
 times (:func:`~src.emulation.cost_model.shard_times`); the followers are :mod:`src.virtual.follower`'s.
 :class:`ServerWire` is how any simulated server's messages travel (shared with the followers).
+
+A streamed push (``system.streaming``, :mod:`src.virtual.worker`'s streamed step) reaches it as the real one
+reaches the TCP server: each part (:meth:`VirtualServer.send_part`) crosses the worker's link on its own and is taken
+into the push's :class:`~src.ps.push_parts.PushParts` on arrival (checked and decoded there, as the real server
+does), then the push's message, which :meth:`VirtualServer.serve_push` handles with the parts assembled, as today's
+push, when its last byte is in. Its reply goes down the link in pieces (:attr:`Call.pieces`): the worker hears of
+the head and of each tensor as the bytes that complete it arrive.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultSpec
@@ -34,9 +41,10 @@ from src.parameter_server import MONITOR_PERIOD_S, planned_work
 from src.ps.aggregation import RequestLog
 from src.ps.core import PushRefused, Refused, ServerCore
 from src.ps.grpc_service import PUSH_LARGE_FIELDS
+from src.ps.push_parts import PushParts, arrived_push, push_size
 from src.ps.sharding import Sharding
 from src.trainer import model_from_config
-from src.transport.wire import Received, split
+from src.transport.wire import Received
 from src.virtual.launcher import VirtualLauncher
 from src.virtual.network import OneServerLinks, ServerLinks
 from src.virtual.timelines import VirtualTimelines
@@ -56,6 +64,9 @@ class Call:
     on_reply: Callable[[bytes], None]
     on_error: Callable[[str, str], None]
     bytes_in: int | None = None  # a Pull or Push: its size, counted into the server's load with its reply
+    pieces: Callable[[bytes], list[tuple[int, Callable[[], None]]]] | None = None
+    """A streamed push's reply: given the reply's bytes, ``(byte count, callback)`` in byte order: the reply goes
+    down in those pieces, each callback called once that many bytes are in (then ``on_reply`` with the whole)."""
 
 
 @dataclass(eq=False)
@@ -86,8 +97,11 @@ class ServerWire:
         self.links = links
         self.downlink_delay_s: Counter[int] = Counter()
 
-    def upload(self, worker: VirtualWorker, data: bytes, arrived: Callable[[], None]) -> None:
-        """Send ``data`` from ``worker`` to the server; ``arrived`` when it is there."""
+    def upload(
+        self, worker: VirtualWorker, data: bytes, arrived: Callable[[], None], sent: Callable[[], None] | None = None
+    ) -> None:
+        """Send ``data`` from ``worker`` to the server; ``arrived`` when it is there (``sent``: when its last bit has
+        left the link, before the latency: the link is free for the next message)."""
         costs = self.cost.workers[worker.worker_id]
         sent_at = self.clock.now
         worker.bytes_sent += len(data)
@@ -96,15 +110,16 @@ class ServerWire:
             worker.uplink_delay_s += self.clock.now - sent_at
             arrived()
 
-        self.links.upload(
-            worker.worker_id,
-            8 * len(data),
-            self.cost.uplink_bps(worker.worker_id, sent_at),
-            lambda: self.loop.after(costs.uplink_latency_s, through),
-        )
+        def out() -> None:
+            if sent is not None:
+                sent()
+            self.loop.after(costs.uplink_latency_s, through)
+
+        self.links.upload(worker.worker_id, 8 * len(data), self.cost.uplink_bps(worker.worker_id, sent_at), out)
 
     def reply(self, call: Call, data: bytes) -> None:
-        """Send the server's reply back to the call's worker (delivered if its process still runs)."""
+        """Send the server's reply back to the call's worker (delivered if its process still runs); a streamed
+        push's in its pieces (:attr:`Call.pieces`), one after another on the link."""
         worker = call.worker
         costs = self.cost.workers[worker.worker_id]
         sent_at = self.clock.now
@@ -115,12 +130,37 @@ class ServerWire:
                 worker.bytes_received += len(data)
                 call.on_reply(data)
 
-        self.links.download(
-            worker.worker_id,
-            8 * len(data),
-            costs.downlink_bps,
-            lambda: self.loop.after(costs.downlink_latency_s, arrived),
-        )
+        if call.pieces is None:
+            self.links.download(
+                worker.worker_id,
+                8 * len(data),
+                costs.downlink_bps,
+                lambda: self.loop.after(costs.downlink_latency_s, arrived),
+            )
+            return
+        # A streamed push's reply: its pieces one after another on the link, each heard of after the latency.
+        cuts = call.pieces(data)
+        pieces = [(end, lambda c=c: self.deliver(call, c)) for end, c in cuts if end < len(data)]
+        last = [c for end, c in cuts if end >= len(data)]  # the tensors the last bytes complete, then the reply
+
+        def whole() -> None:
+            for callback in last:
+                self.deliver(call, callback)
+            arrived()
+
+        pieces.append((len(data), whole))
+
+        def send(k: int, sent: int) -> None:
+            end, delivered = pieces[k]
+
+            def out() -> None:
+                self.loop.after(costs.downlink_latency_s, delivered)
+                if k + 1 < len(pieces):
+                    send(k + 1, end)
+
+            self.links.download(worker.worker_id, 8 * (end - sent), costs.downlink_bps, out)
+
+        send(0, 0)
 
     def fail(self, call: Call, code: str, message: str) -> None:
         """The call ends with an error status (a small message: its latency only)."""
@@ -191,6 +231,7 @@ class VirtualServer:
         self.open_calls: dict[Call, None] = {}
         self.waiting: dict[int, Waiter] = {}
         self.held_for_server: list[Callable[[], None]] = []  # registrations waiting for a server to come up
+        self.parts: dict[Hashable, PushParts] = {}  # streamed pushes whose parts are arriving, by the worker's key
 
     @property
     def downlink_delay_s(self) -> Counter[int]:
@@ -238,6 +279,7 @@ class VirtualServer:
         self.running = False
         self.cpu.reset()
         self.waiting.clear()
+        self.parts.clear()
         for call in list(self.open_calls):
             self._fail(call, "UNAVAILABLE", "the parameter server went away")
         self.launcher.server_died(reason, lambda checkpoint: self.start(resume=checkpoint, faults=False))
@@ -262,13 +304,16 @@ class VirtualServer:
         on_error: Callable[[str, str], None],
         *,
         wait_for_server: bool = False,
+        pieces: Callable[[bytes], list[tuple[int, Callable[[], None]]]] | None = None,
+        sent: Callable[[], None] | None = None,
     ) -> None:
         """Send ``data`` from ``worker`` over its uplink and the server NIC; the server ``handle``\\ s it on arrival.
 
         ``wait_for_server``: a server that is down takes the call when it is up again (gRPC's
-        ``wait_for_ready``, which registration uses); otherwise the call fails UNAVAILABLE.
+        ``wait_for_ready``, which registration uses); otherwise the call fails UNAVAILABLE. ``pieces``: the reply
+        goes down in pieces (:attr:`Call.pieces`); ``sent``: called when ``data`` has left the worker's link.
         """
-        call = Call(worker, worker.process, on_reply, on_error)
+        call = Call(worker, worker.process, on_reply, on_error, pieces=pieces)
         epoch = self.epoch
 
         def arrived() -> None:
@@ -282,7 +327,34 @@ class VirtualServer:
             else:
                 self.wire.deliver(call, lambda: call.on_error("UNAVAILABLE", "the parameter server is not reachable"))
 
-        self.wire.upload(worker, data, arrived)
+        self.wire.upload(worker, data, arrived, sent)
+
+    def send_part(self, worker: VirtualWorker, push: Hashable, body: bytes, sent: Callable[[], None]) -> None:
+        """One part of the streamed push ``push`` (the worker's key for it): over the worker's link, then into the
+        push's parts (:class:`~src.ps.push_parts.PushParts`: checked and decoded on arrival, as the real server's
+        connection thread does), if this server process still runs; ``sent`` when it has left the worker's link."""
+        epoch = self.epoch
+
+        def arrived() -> None:
+            if self.running and epoch == self.epoch:
+                self._parts(push).add(body)
+
+        self.wire.upload(worker, body, arrived, sent)
+
+    def _parts(self, push: Hashable) -> PushParts:
+        if push not in self.parts:
+            self.parts[push] = PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, self.core.max_message_bytes)
+        return self.parts[push]
+
+    def serve_streamed_push(self, push: Hashable) -> Callable[[Call, bytes], None]:
+        """The handler of streamed push ``push``'s message: its parts and message assembled
+        (:meth:`~src.ps.push_parts.PushParts.assemble`), handled as any push (:meth:`serve_push`)."""
+
+        def handle(call: Call, data: bytes) -> None:
+            self.serve_push(call, self._parts(push).assemble(data))
+            del self.parts[push]
+
+        return handle
 
     def _reply(self, call: Call, data: bytes) -> None:
         """Send the server's reply back over the server NIC and the worker's downlink."""
@@ -337,10 +409,11 @@ class VirtualServer:
 
     def serve_push(self, call: Call, data: bytes) -> None:
         """A push takes ``server_update_s`` of the server's time (a sharded run's held push: this shard's share; its
-        commit, which carries no tensors: none); its reply follows at once when its work is there."""
-        call.bytes_in = len(data)
+        commit, which carries no tensors: none); its reply follows at once when its work is there. ``data``: its
+        bytes, or a streamed push's parts and message assembled (:class:`~src.ps.push_parts.AssembledPush`)."""
+        call.bytes_in = push_size(data)
         try:
-            received = split(data, pb.PushRequest, PUSH_LARGE_FIELDS)
+            received = arrived_push(data, PUSH_LARGE_FIELDS)
         except ValueError as exc:
             refused = PushRefused("INVALID_ARGUMENT", f"push: {exc}")
             self.cpu.submit(self.times.update_s, lambda: self._serve(lambda: self._malformed(call, refused)))

@@ -14,6 +14,17 @@ With several server shards (``system.num_servers`` = S > 1) it does the real wor
 acknowledged, the commit to shard 0 (async: with the followers' staleness), whose reply carries the verdict, the
 next work and the certificate, then every shard's slices pulled at once (the followers' with the certificate). Its
 messages to different shards are in flight together and share its own links (:mod:`src.virtual.network`).
+
+With ``system.streaming`` it does the real streamed worker's step (``Worker._train_step_streamed``,
+:mod:`src.ps.worker_stream`), timed by :mod:`src.emulation.overlap` over the model's layers
+(:mod:`src.virtual.layers`): the step's compute seconds spread over the layers; the forward waits, layer by layer, for
+the tensors of the reply it computes from; backward hands each gradient over as its layer's segment ends (in the
+order the real worker's hooks record), and its part (the payload :meth:`~src.ps.worker_step.WorkerStep.encode_part`
+makes, the real worker's) goes on the worker's link as soon as it is encoded, the parts one after another; the push's
+message follows after backward. The reply comes down in pieces: its head settles the step and starts the next, its
+tensors arrive behind it. The step's exposed communication (``communication_time_s``, as the real streamed worker
+reports it) is from the end of backward to the reply's head plus the forward's waits. The arithmetic is the
+unstreamed step's: only when the bytes travel changes.
 """
 
 from __future__ import annotations
@@ -36,14 +47,18 @@ from src.common.supervisor import LaunchError
 from src.config import Config
 from src.emulation.cost_model import CostModel
 from src.emulation.event_loop import EventLoop
+from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, split_step
 from src.metrics import MetricsLogger
 from src.ps.placement import Placement
 from src.ps.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
 from src.ps.worker_step import WorkerStep, check_layout
+from src.transport.stream import part_pieces, part_size
 from src.transport.wire import Outgoing, Received, chunk_size, serialize, split
+from src.virtual.layers import GradientOrder, LayerProfile, reply_pieces
 from src.virtual.timelines import VirtualTimelines
 
 MODEL_STATE = ("parameters", "buffers")
+REPLY_FIELDS = MODEL_STATE + ("parameter_deltas",)
 
 Handler = Callable[[Any, bytes], None]
 """A server's handler of one message: the call it arrived on, and its bytes."""
@@ -101,6 +116,22 @@ class WorkerRun(Protocol):
     launcher: ProcessEnds
     placement: Placement | None
     shards: list[ShardCalls]
+    layers: LayerProfile | None
+    gradient_order: GradientOrder | None
+
+
+@dataclass
+class StreamedStep:
+    """A streamed step in progress (``system.streaming``): what its push and settling need once backward is over."""
+
+    batches: list[pb.Batch]
+    loss: float
+    correct: int
+    samples: int
+    parts: list[tuple[int, Any]]  # (gradient index, payload), in the order backward handed them over
+    buffers: list
+    started: float  # virtual seconds: the step's start (the previous reply's head)
+    first_sent: float | None = None  # virtual seconds: the first part onto the link
 
 
 @dataclass
@@ -143,6 +174,15 @@ class VirtualWorker:
         self.uplink_delay_s = self.compute_extra_s = 0.0
         self.started_at = 0.0
         self.step_started = 0.0  # virtual seconds: when the step now computing was handed its work
+        # system.streaming: the reply tensors the next forward needs that have not arrived, the forward in progress,
+        # the worker's uplink (parts, then the push's message, one after another), streamed pushes so far, and what
+        # to do once the last reply's tail is in (None: it is in)
+        self.arriving: set = set()
+        self.forward: ForwardPass | None = None
+        self.uplink = FifoLink()
+        self.pushes = 0
+        self.after_tail: Callable[[], None] | None = None
+        self.tail_pending = False
 
     @property
     def pid(self) -> int:
@@ -168,6 +208,8 @@ class VirtualWorker:
         self.bytes_sent = self.bytes_received = 0
         self.uplink_delay_s = self.compute_extra_s = 0.0
         self.started_at = self._now()
+        self.arriving, self.forward, self.uplink = set(), None, FifoLink()  # a new process: nothing in flight
+        self.tail_pending, self.after_tail = False, None
         self.faults = FaultInjector(self.config.system.inject_faults, "worker", self.worker_id, enabled=faults)
         self._register(0, [], self._first_registration)
 
@@ -309,6 +351,7 @@ class VirtualWorker:
     def _pull(self, *, first: bool = False) -> None:
         def pulled(data: bytes) -> None:
             received = split(data, pb.PullReply, MODEL_STATE)
+            self.arriving = set()  # every tensor loaded: the next forward waits for none
             if self.run.placement is None:
                 self.step.load(received)
                 self._pulled(received, first)
@@ -375,7 +418,13 @@ class VirtualWorker:
     def _work(self, received) -> None:
         """A reply arrived: finish, or compute the handed batches (their compute seconds from now)."""
         if received.message.work.finished:
-            self._finish()
+            if self.tail_pending:  # the last reply's tensors are still arriving: finish once they are in
+                self.after_tail = self._finish
+            else:
+                self._finish()
+            return
+        if self.config.system.streaming:
+            self._step_streamed(received)
             return
         batches = list(received.message.work.batches)
         step_s, extra_s = (
@@ -541,6 +590,142 @@ class VirtualWorker:
                 shard.call(self, holds[k], shard.serve_push, on_ack, self._shard_failed(k))
 
         return send
+
+    # ------------------------------------------------------------------------- a streamed step (system.streaming)
+
+    def _step_streamed(self, received) -> None:
+        """The real streamed worker's step (``Worker._train_step_streamed``), from now: the forward layer by layer
+        as the reply's tensors arrive, backward handing each gradient's part to the link, the push's message after
+        it, the step settled when the reply's head is in (see the module docstring)."""
+        run, step, process = self.run, self.step, self.process
+        batches = list(received.message.work.batches)
+        samples_in = sum(len(b.indices) for b in batches)
+        step_s, extra_s = run.cost.step_s(self.worker_id, samples_in) if batches else (0.0, 0.0)
+        # The real gradient and parts now (the shared compute model holds this worker's gradient only now), in the
+        # order the real worker's hooks hand them over; only when they travel is simulated below.
+        computing = time.perf_counter()
+        run.gradient_order.begin()
+        loss, correct, samples = step.compute(batches)
+        handed = run.gradient_order.end()
+        parts = [(index, step.encode_part(index, batches)) for index in handed]
+        buffers = step.buffers_to_send(batches)
+        run.compute_wall_s += time.perf_counter() - computing
+        self.compute_extra_s += extra_s
+        layers = run.layers
+        split = split_step(step_s - extra_s, layers.weights)
+        backward_s = [b for _, b in split]
+        offsets = ready_offsets(backward_s, layers.layer_of)
+        dense = sum(layers.param_bytes) or 1
+        compress_s = run.cost.compress_s
+        encode_s = [compress_s * layers.param_bytes[index] / dense for index in handed]
+        self.pushes += 1
+        push = (self.worker_id, process, self.pushes)  # the server's key for this push's parts
+        streamed = StreamedStep(batches, loss, correct, samples, parts, buffers, started=self._now())
+        self.step_started = streamed.started
+
+        def send_part(index: int, payload) -> None:
+            if not self.reachable(process):
+                return
+            body = b"".join(part_pieces(index, payload))
+            if streamed.first_sent is None:
+                streamed.first_sent = self._now()
+            self.uplink.put(lambda free: run.server.send_part(self, push, body, free))
+
+        def forward_done(waited_s: float) -> None:
+            if not self.reachable(process):
+                return
+            backward_started = self._now()
+            encoded = encode_times([backward_started + offsets[index] for index in handed], encode_s)
+            for (index, payload), at in zip(parts, encoded):
+                run.loop.at(at, lambda index=index, payload=payload: send_part(index, payload))
+            computed = backward_started + sum(backward_s) + extra_s
+            close_at = max([computed, *encoded])
+            run.loop.at(computed, lambda: self._computed_streamed(process, push, streamed, waited_s, close_at))
+
+        self.forward = ForwardPass(run.loop, [f for f, _ in split], layers.needs, self.arriving, forward_done)
+        self.forward.start()
+
+    def _computed_streamed(
+        self, process: int, push: tuple, streamed: StreamedStep, waited_s: float, close_at: float
+    ) -> None:
+        """Backward (and an emulated straggler's extra seconds) is over: the push's message, once every part is
+        encoded, after the parts on the link; the step settles when the reply's head is in."""
+        if not self.reachable(process):
+            return
+        run, step = self.run, self.step
+        batches, loss, correct, samples = streamed.batches, streamed.loss, streamed.correct, streamed.samples
+        parts, started = streamed.parts, streamed.started
+        computed = self._now()
+        run.timelines.worker(self.worker_id, "forward_backward", started, step=step.totals["steps"] + 1)
+        step.reach_step()
+        if not self.reachable(process) or self.hung:
+            return  # faults are refused with streaming in virtual time (src.virtual.run): a kill before the push
+        gradient_time_s = computed - started - waited_s
+        request = step.request(
+            self.caller, batches, loss, correct, gradient_time_s=gradient_time_s, compression_time_s=run.cost.compress_s
+        )
+        data = serialize(Outgoing(request, {"buffers": streamed.buffers}))
+        part_bytes = sum(part_size(payload) for _, payload in parts)
+        payload_bytes = sum(chunk_size(payload) for _, payload in parts)
+
+        def on_pieces(reply_data: bytes) -> list[tuple[int, Callable[[], None]]]:
+            head, ends = reply_pieces(reply_data, pb.PushReply, REPLY_FIELDS)
+            arriving = {key for _, key in ends}
+
+            def tensor_in(key) -> None:
+                arriving.discard(key)
+                if self.forward is not None and self.forward.missing is arriving:
+                    self.forward.arrived()
+
+            return [(head, lambda: head_in(reply_data, arriving))] + [
+                (end, lambda key=key: tensor_in(key)) for end, key in ends
+            ]
+
+        def head_in(reply_data: bytes, arriving: set) -> None:
+            reply = split(reply_data, pb.PushReply, REPLY_FIELDS)
+            self.arriving, self.tail_pending = arriving, True
+            now = self._now()
+            step.settle(
+                reply,
+                batches,
+                request,
+                payload_bytes=payload_bytes,
+                loss=loss,
+                correct=correct,
+                samples=samples,
+                gradient_time_s=gradient_time_s,
+                compression_time_s=run.cost.compress_s,
+                communication_time_s=now - computed + waited_s,
+                push_bytes=part_bytes + len(data),
+                reply_bytes=len(reply_data),
+                bytes_sent=self.bytes_sent,
+                bytes_received=self.bytes_received,
+            )  # every tensor loaded now: the next forward computes from them, its waits are timed by their arrival
+            timelines = run.timelines
+            timelines.worker(self.worker_id, "push", streamed.first_sent or computed, request_id=request.request_id)
+            timelines.worker(self.worker_id, "step", started, step=step.totals["steps"])
+            self._work(reply)
+
+        def whole(_reply_data: bytes) -> None:
+            self.tail_pending = False
+            after, self.after_tail = self.after_tail, None
+            if after is not None:
+                after()
+
+        def failed(code: str, message: str) -> None:
+            self._after_failure(code, message, self._pull, in_flight=request.request_id)
+
+        def close() -> None:
+            if not self.reachable(process):
+                return
+            server = run.server
+            self.uplink.put(
+                lambda free: server.call(
+                    self, data, server.serve_streamed_push(push), whole, failed, pieces=on_pieces, sent=free
+                )
+            )
+
+        run.loop.at(close_at, close)
 
     def _finish(self) -> None:
         stats = self._stats()

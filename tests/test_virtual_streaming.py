@@ -1,0 +1,232 @@
+"""Virtual time models a streamed parameter-server step (``system.streaming``, issue 34 item 4).
+
+Claims: the pure timeline pieces (:mod:`src.emulation.overlap`) give hand-computed times (a 3-layer model on a slow
+link: parts on the link as backward produces them, the next forward waiting per layer); a virtual streamed run's
+exposed communication is what the hand computation of its bytes says; it is deterministic; on a slow link it exposes
+less communication than the unstreamed virtual run and ends on the same parameters and accuracy (sync: streaming
+changes when bytes travel, not what they are).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.common.checkpoint import load_checkpoint
+from src.config import SetupError
+from src.emulation.event_loop import EventLoop, SharedLink
+from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, split_step
+from src.metrics import read_events
+from src.training.models import build_model
+from src.virtual.layers import layer_profile
+from src.virtual.run import run_virtual
+from tests.ps_fixtures import ps_config
+
+pytestmark = pytest.mark.timeout(120)
+
+COSTS = {"emulation__compute_s": 0.1, "emulation__server_update_s": 0.01, "emulation__server_reply_s": 0.005}
+
+
+# ----------------------------------------------------------------------------- the pure pieces, by hand
+
+
+def test_a_step_spreads_over_the_layers_by_weight_and_backward_readies_gradients_in_reverse():
+    assert split_step(12.0, [(1, 2), (2, 4), (1, 2)]) == [(1.0, 2.0), (2.0, 4.0), (1.0, 2.0)]
+    assert split_step(3.0, [(0, 0), (0, 0)]) == [(0.0, 0.0), (3.0, 0.0)]
+    with pytest.raises(ValueError, match=">= 0"):
+        split_step(1.0, [(-1, 1)])
+    # backward runs layer 2, then 1, then 0: layer 2's gradients at 2 s, layer 1's at 2 + 4, layer 0's at 8;
+    # a gradient of no layer (-1) when backward ends
+    assert ready_offsets([2.0, 4.0, 2.0], [0, 0, 1, 2, -1]) == [8.0, 8.0, 6.0, 2.0, 8.0]
+    # one thread encodes: a part starts when it is ready and the one before it is done
+    assert encode_times([1.0, 1.0, 5.0], [0.5, 0.5, 0.5]) == [1.5, 2.0, 5.5]
+
+
+def test_messages_on_a_fifo_link_go_one_after_another_and_an_idle_link_waits_for_the_next():
+    loop = EventLoop()
+    link, fifo, out = SharedLink(loop, None), FifoLink(), {}
+
+    def message(name: str, bits: float):
+        return lambda free: link.send(bits, 10.0, lambda: (out.setdefault(name, loop.now), free()))
+
+    fifo.put(message("a", 20))  # 2 s at 10 bit/s
+    fifo.put(message("b", 10))  # queued behind a: 2 s to 3 s
+    loop.at(5.0, lambda: fifo.put(message("c", 10)))  # the link idles from 3 s to 5 s
+    loop.run(until=lambda: False)
+    assert out == {"a": 2.0, "b": 3.0, "c": 6.0} and not fifo.busy
+
+
+def test_the_forward_waits_for_a_layer_only_until_its_tensors_arrive():
+    loop, ended = EventLoop(), {}
+    missing = {"w0", "w1", "w2"}
+    forward = ForwardPass(
+        loop,
+        [1.0, 2.0, 1.0],
+        [frozenset({"w0"}), frozenset({"w1"}), frozenset({"w2"})],
+        missing,
+        lambda waited: ended.update(waited=waited, at=loop.now),
+    )
+
+    def arrive(key: str) -> None:
+        missing.discard(key)
+        forward.arrived()
+
+    loop.at(0.5, lambda: arrive("w0"))  # layer 0 waits 0.5 s, runs to 1.5
+    loop.at(1.0, lambda: arrive("w1"))  # in before layer 1 needs it: no wait, runs to 3.5
+    loop.at(6.0, lambda: arrive("w2"))  # layer 2 waits 3.5 -> 6, runs to 7
+    forward.start()
+    loop.run(until=lambda: False)
+    assert ended == {"waited": pytest.approx(3.0), "at": 7.0}
+    assert forward.finished and forward.waited_s == pytest.approx(3.0) and loop.now == 7.0
+
+
+def test_a_three_layer_step_on_a_slow_link_exposes_what_the_hand_computation_says():
+    """Three layers, forward 1, 2, 1 s and backward 2, 4, 2 s (a 12 s step); gradients of 10, 40 and 20 bits on a
+    10 bit/s uplink; the push's message 10 bits; the server answers 1 s after the message is in; the reply (head 10
+    bits, then the layers' tensors 10, 40, 20 bits) on a 10 bit/s downlink; the next forward waits per layer.
+
+    By hand: backward from 4 s: layer 2's part ready at 6 (on the link 6-8), layer 1's at 10 (10-14), layer 0's at 12
+    (queued: 14-15), the message after backward (12 s) queued behind: 15-16. Exposed uplink: 16 - 12 = 4 s. Server:
+    17. Reply: head in at 18, layer 0 at 19, layer 1 at 23, layer 2 at 25. Next forward from 18: layer 0 waits
+    18-19, runs 19-20; layer 1 waits 20-23, runs 23-25; layer 2's in at 25: no wait, runs 25-26. Exposed: (18 - 12)
+    + 1 + 3 = 10 s; unstreamed it would be: 90 bits up (9 s) + 1 + 90 bits down (9 s) = 19 s.
+    """
+    loop = EventLoop()
+    up, down = SharedLink(loop, None), SharedLink(loop, None)
+    uplink, downlink = FifoLink(), FifoLink()
+    split = split_step(12.0, [(1, 2), (2, 4), (1, 2)])
+    gradient_bits, layer_of = [10, 40, 20], [0, 1, 2]
+    order = [2, 1, 0]  # as backward hands them over
+    times: dict[str, float] = {}
+    missing = {0, 1, 2}
+
+    def send(link: SharedLink, fifo: FifoLink, bits: float, then) -> None:
+        fifo.put(lambda free: link.send(bits, 10.0, lambda: (free(), then())))
+
+    def reply() -> None:
+        send(down, downlink, 10, lambda: start_next_forward())
+        for layer, bits in enumerate(gradient_bits):
+            send(down, downlink, bits, lambda layer=layer: arrived(layer))
+
+    def arrived(layer: int) -> None:
+        missing.discard(layer)
+        times[f"tensor {layer}"] = loop.now
+        forward.arrived()
+
+    def start_next_forward() -> None:
+        times["head"] = loop.now
+        forward.start()
+
+    def backward(_waited: float) -> None:
+        start = loop.now
+        offsets = ready_offsets([b for _, b in split], layer_of)
+        ready = encode_times([start + offsets[g] for g in order], [0.0] * 3)
+        for g, at in zip(order, ready):
+            loop.at(at, lambda g=g: send(up, uplink, gradient_bits[g], lambda: None))
+        computed = start + sum(b for _, b in split)
+        times["computed"] = computed
+        loop.at(computed, lambda: send(up, uplink, 10, lambda: loop.after(1.0, reply)))
+
+    first = ForwardPass(loop, [f for f, _ in split], [frozenset()] * 3, set(), backward)
+    forward = ForwardPass(
+        loop, [f for f, _ in split], [frozenset({n}) for n in range(3)], missing, lambda w: times.setdefault("end", w)
+    )
+    first.start()
+    loop.run(until=lambda: False)
+    assert times["computed"] == 12.0 and times["head"] == pytest.approx(18.0)
+    assert [times[f"tensor {n}"] for n in range(3)] == pytest.approx([19.0, 23.0, 25.0])
+    assert forward.waited_s == pytest.approx(4.0) and loop.now == pytest.approx(26.0)
+    exposed = times["head"] - times["computed"] + forward.waited_s
+    assert exposed == pytest.approx(10.0)
+
+
+def test_the_layer_proxy_follows_the_forward_and_gives_backward_twice_a_weighted_layer():
+    model = build_model("mlp", type("Shape", (), {"channels": 1, "height": 28, "width": 28, "num_classes": 10}))
+    before = [p.detach().clone() for p in model.parameters()]
+    profile = layer_profile(model, torch.zeros(1, 28, 28), 16)
+    assert profile.names == ("1", "3", "5") and profile.layer_of == (0, 0, 1, 1, 2, 2)
+    assert profile.needs[1] == frozenset({("parameters", 2), ("parameters", 3)})
+    assert profile.param_bytes == (4 * 784 * 256, 4 * 256, 4 * 256 * 128, 4 * 128, 4 * 128 * 10, 4 * 10)
+    (f0, b0), (f1, b1), _ = profile.weights
+    assert b0 == pytest.approx(f0 + 2 * 16 * 784 * 256 - 2 * 16 * 784 * 256)  # reads the input: no input gradient
+    assert b1 - f1 == pytest.approx(2 * 16 * 256 * 128)  # the input's gradient too: twice the multiply-adds
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the model is untouched
+
+
+# ----------------------------------------------------------------------------- virtual runs
+
+
+def streamed_config(tmp_path: Path, name: str, **fields):
+    values = {
+        "system__clock": "virtual",
+        "system__streaming": True,
+        "training__max_train_samples": 64,
+        "training__batch_size": 16,
+        **COSTS,
+        **fields,
+    }
+    return ps_config(tmp_path, name, **values)
+
+
+def pushes(config, worker: int = 0) -> list[dict]:
+    return list(read_events(Path(config.system.log_dir) / f"worker_{worker}" / "events.jsonl", "push"))
+
+
+def test_a_streamed_step_on_a_slow_uplink_exposes_the_last_layers_part_the_message_and_the_server(tmp_path):
+    """One worker, mlp (layers of 803 kB, 132 kB and 5 kB), a 40 Mbit/s uplink, the downlink unlimited: the first
+    layer's gradients are ready when backward ends (the step's 0.1 s), and the link has carried the others by then
+    (the second layer's 132 kB take 26 ms from its gradients at ~60 ms), so each step exposes the first layer's two
+    parts and the push's message on the link, then the server's update and reply: nothing of the reply (the downlink
+    is not limited)."""
+    config = streamed_config(tmp_path, "up", training__model_architecture="mlp", emulation__uplink_mbps=40.0)
+    summary = run_virtual(config, tensorboard=False)
+    events = pushes(config)
+    assert len(events) == 4
+    worker = summary["workers"][0]
+    first_layer = (4 + 56 + 4 * 784 * 256) + (4 + 56 + 4 * 256)  # each part: its index, the payload's header, floats
+    parts = sum(4 + 56 + 4 * n for n in (784 * 256, 256, 256 * 128, 128, 128 * 10, 10))
+    expected = 0.0
+    for event in events:
+        message = event["push_bytes"] - parts  # the push's own fields (its request id, batches, metrics)
+        assert 0 < message < 200 and event["payload_bytes"] == parts - 4 * 6
+        expected += 8 * (first_layer + message) / 40e6 + 0.01 + 0.005
+    assert worker["communication_time_s"] == pytest.approx(expected, abs=1e-6)  # the summary keeps 7 decimals
+    assert summary["exposed_communication_s"] == pytest.approx(worker["communication_time_s"])
+
+
+def test_a_streamed_run_is_deterministic_hides_communication_and_trains_as_the_unstreamed_one(tmp_path):
+    fields = {
+        "system__num_workers": 2,
+        "system__aggregation_mode": "sync",
+        "training__max_train_samples": 128,
+        "emulation__uplink_mbps": 40.0,
+        "emulation__downlink_mbps": 40.0,
+    }
+    streamed = [streamed_config(tmp_path, f"streamed{n}", **fields) for n in range(2)]
+    unstreamed = streamed_config(tmp_path, "unstreamed", system__streaming=False, **fields)
+    first, second = (run_virtual(c, tensorboard=False) for c in streamed)
+    plain = run_virtual(unstreamed, tensorboard=False)
+    wall = set(first["wall_time_fields"]) | {"checkpoint_path"}
+    assert {k: v for k, v in first.items() if k not in wall} == {k: v for k, v in second.items() if k not in wall}
+    assert pushes(streamed[0], 1) == pushes(streamed[1], 1)
+    # the same updates, the same parameters: only when bytes travel changed
+    assert first["final_accuracy"] == plain["final_accuracy"] and first["final_loss"] == plain["final_loss"]
+    ours = load_checkpoint(first["checkpoint_path"])["model_state_dict"]
+    theirs = load_checkpoint(plain["checkpoint_path"])["model_state_dict"]
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    # 1.7 MB each way at 40 Mbit/s (0.34 s) against 0.1 s of compute: the streamed worker hides some of it
+    assert first["exposed_communication_s"] < 0.85 * plain["exposed_communication_s"]
+    assert first["train_time_s"] < plain["train_time_s"]
+    assert first["samples_processed"] == plain["samples_processed"] == 128
+    json.dumps(first)  # the summary is still plain JSON
+
+
+def test_faults_and_shards_with_streaming_are_refused_in_one_line(tmp_path):
+    faulted = streamed_config(
+        tmp_path, "faults", system__inject_faults=["kill:worker=0@step=2"], emulation__restart_s=1
+    )
+    with pytest.raises(SetupError, match="system.inject_faults: not with system.streaming"):
+        run_virtual(faulted, tensorboard=False)
