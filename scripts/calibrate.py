@@ -5,6 +5,7 @@ r"""Measure the cost-model figures of a virtual-time run on this machine, and pr
         --set system.compression_enabled=true
     python scripts/calibrate.py --model simple_cnn --dataset mnist_5k --batch-size 64 --concurrent 3
     python scripts/calibrate.py --config CONFIG --json      # one JSON object instead of YAML
+    python scripts/calibrate.py --model simple_cnn --batch-size 256 --layers   # each layer's share, measured and proxy
 
 Paste the printed ``emulation:`` lines into the config of a ``--clock virtual`` run (or pass them as
 ``--compute-s`` etc.). What each figure is and how it is measured: src/virtual/calibration.py. ``--concurrent N``
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-server", action="store_true", help="only the worker's figures (DDP runs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
+        "--layers",
+        action="store_true",
+        help="only each layer's share of a step (forward, backward), measured beside the streamed virtual run's proxy",
+    )
+    parser.add_argument(
         "--set",
         dest="assignments",
         action="append",
@@ -48,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from src.config import ConfigError
     from src.launch.cli import exit_status
-    from src.virtual.calibration import as_yaml, calibrate, calibration_config
+    from src.virtual.calibration import as_yaml, calibrate, calibration_config, measure_layers
 
     overrides = {f"training.{name}": getattr(args, name) for name in ("model_architecture", "dataset", "batch_size")}
     try:
@@ -59,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def run() -> None:
+        if args.layers:
+            print(json.dumps(measure_layers(config, steps=args.steps)))
+            return
         result = calibrate(config, concurrent=args.concurrent, steps=args.steps, server=not args.no_server)
         print(json.dumps(result) if args.json else as_yaml(result, config, args.config))
 

@@ -21,6 +21,7 @@ from src.emulation.event_loop import EventLoop, SharedLink
 from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, split_step
 from src.metrics import read_events
 from src.training.models import build_model
+from src.virtual.calibration import measure_layers
 from src.virtual.layers import layer_profile
 from src.virtual.run import run_virtual
 from tests.ps_fixtures import ps_config
@@ -60,7 +61,7 @@ def test_messages_on_a_fifo_link_go_one_after_another_and_an_idle_link_waits_for
 
 
 def test_the_forward_waits_for_a_layer_only_until_its_tensors_arrive():
-    loop, ended = EventLoop(), {}
+    loop, ended, waits = EventLoop(), {}, []
     missing = {"w0", "w1", "w2"}
     forward = ForwardPass(
         loop,
@@ -68,6 +69,7 @@ def test_the_forward_waits_for_a_layer_only_until_its_tensors_arrive():
         [frozenset({"w0"}), frozenset({"w1"}), frozenset({"w2"})],
         missing,
         lambda waited: ended.update(waited=waited, at=loop.now),
+        lambda start, end: waits.append((start, end)),
     )
 
     def arrive(key: str) -> None:
@@ -81,6 +83,7 @@ def test_the_forward_waits_for_a_layer_only_until_its_tensors_arrive():
     loop.run(until=lambda: False)
     assert ended == {"waited": pytest.approx(3.0), "at": 7.0}
     assert forward.finished and forward.waited_s == pytest.approx(3.0) and loop.now == 7.0
+    assert waits == [(0.0, 0.5), (3.5, 6.0)]  # each wait, for the trace's parameter_wait spans
 
 
 def test_a_three_layer_step_on_a_slow_link_exposes_what_the_hand_computation_says():
@@ -154,6 +157,15 @@ def test_the_layer_proxy_follows_the_forward_and_gives_backward_twice_a_weighted
     assert b0 == pytest.approx(f0 + 2 * 16 * 784 * 256 - 2 * 16 * 784 * 256)  # reads the input: no input gradient
     assert b1 - f1 == pytest.approx(2 * 16 * 256 * 128)  # the input's gradient too: twice the multiply-adds
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the model is untouched
+
+
+def test_calibration_measures_each_layers_share_beside_the_proxys(tmp_path):
+    config = ps_config(tmp_path, "layers", training__model_architecture="mlp")
+    shares = measure_layers(config, steps=3)
+    assert shares["layers"] == ["1", "3", "5"] and len(shares["measured"]) == len(shares["proxy"]) == 3
+    assert sum(f + b for f, b in shares["measured"]) == pytest.approx(1.0, abs=1e-3)
+    assert all(f >= 0 and b >= 0 for f, b in shares["measured"])
+    assert sum(f + b for f, b in shares["proxy"]) == pytest.approx(1.0, abs=1e-3)
 
 
 # ----------------------------------------------------------------------------- virtual runs

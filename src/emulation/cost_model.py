@@ -24,6 +24,9 @@ starts (:func:`src.virtual.calibration.with_measured_figures`). This class refus
   ``server_reply_s`` per reply that carries its slices; a commit (no tensors) and its reply (no parameters) take
   none. Over a step the S shards together spend what one server spends, each on its own CPU.
 * **faults**: a killed (or hung, then killed) process takes ``restart_s`` to start again.
+* **streaming** (``system.streaming``): a step's compute seconds spread over the model's layers, each gradient's part on
+  the worker's link as backward produces it, the next forward waiting per layer for the reply's tensors
+  (:mod:`src.emulation.overlap`, :mod:`src.virtual.layers`).
 * **DDP** (:func:`ring_allreduce_s`, :func:`all_gather_s`): the standard ring model,
   ``2(N-1)/N * bytes / bandwidth + 2(N-1) * latency`` for an all-reduce, ``(N-1) * payload /
   bandwidth + (N-1) * latency`` for an all-gather of one payload per rank.

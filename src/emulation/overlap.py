@@ -108,7 +108,7 @@ class ForwardPass:
     Layer i starts at max(end of layer i-1, arrival of its tensors) and takes ``forward_s[i]``; ``needs[i]`` are its
     tensors' keys, and ``missing`` is the set of keys not arrived yet (the caller removes a key from it when the
     tensor arrives and then calls :meth:`arrived`). ``done(waited_s)`` when the last layer ends, ``waited_s`` the
-    seconds the layers waited for their tensors (exposed communication).
+    seconds the layers waited for their tensors (exposed communication); ``on_wait(start, end)`` for each wait.
     """
 
     def __init__(
@@ -118,6 +118,7 @@ class ForwardPass:
         needs: Sequence[frozenset[Hashable]],
         missing: set[Hashable],
         done: Callable[[float], None],
+        on_wait: Callable[[float, float], None] | None = None,
     ):
         if len(forward_s) != len(needs):
             raise ValueError(f"{len(forward_s)} layer durations for {len(needs)} layers")
@@ -126,6 +127,7 @@ class ForwardPass:
         self.needs = list(needs)
         self.missing = missing
         self.done = done
+        self.on_wait = on_wait
         self.waited_s = 0.0
         self.layer = 0
         self.blocked_since: float | None = None  # the layer waits for its tensors since then
@@ -144,6 +146,8 @@ class ForwardPass:
         if self.blocked_since is None or self.needs[self.layer] & self.missing:
             return
         self.waited_s += self.loop.now - self.blocked_since
+        if self.on_wait is not None:
+            self.on_wait(self.blocked_since, self.loop.now)
         self.blocked_since = None
         self.loop.after(self.forward_s[self.layer], self._ended)
 

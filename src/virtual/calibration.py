@@ -15,6 +15,10 @@ machine running that config:
   loopback minus the core's work, so a virtual run's server time holds everything a real round trip costs
   beyond the links.
 
+``scripts/calibrate.py --layers`` also measures how a step's compute spreads over the model's layers
+(:func:`measure_layers`: hooks on the real step's forward and backward) beside the proxy a streamed virtual run uses
+(:func:`src.virtual.layers.layer_profile`), to see how far the proxy is from this machine.
+
 A virtual run whose config lacks some of these figures measures them first (:func:`with_measured_figures`:
 the same measurements, the missing ones only) and says what it measured, rather than stopping at the first
 missing one. ``restart_s`` (a run with faults) is not measured: it is refused at once, with every other
@@ -80,6 +84,61 @@ def measure_worker(config: Config, *, steps: int = 20) -> dict[str, float]:
     return {
         "compute_s": statistics.median(compute[WARMUP_STEPS:]),
         "compress_s": statistics.median(compress[WARMUP_STEPS:]),
+    }
+
+
+def measure_layers(config: Config, *, steps: int = 20) -> dict[str, Any]:
+    """Each layer's share of a worker step (forward, backward), measured: the median over steps of the seconds from
+    one layer's forward pre-hook to the next's (the last layer's to the end of forward, the loss included), and in
+    backward from one layer's gradients being whole (the real worker's post-accumulate-grad hooks) to the next's
+    (the first from backward's start); beside the proxy's shares (:func:`src.virtual.layers.layer_profile`).
+    Measured in one process, as :func:`measure_worker` (``layers``: the layers' module names, in forward order)."""
+    from src.virtual.layers import layer_profile, served_tensors
+
+    with tempfile.TemporaryDirectory() as tmp:
+        step, train_set, log = _worker_step(config, tmp)
+        model = step.model
+        profile = layer_profile(model, train_set.batch([0])[0][0], config.training.batch_size)
+        params, _ = served_tensors(model)
+        modules = dict(model.named_modules())
+        marks: dict[str, float] = {}
+
+        def mark(key: str, *, first: bool = True) -> None:  # a hook's: returns nothing (a value would replace input)
+            if not first or key not in marks:
+                marks[key] = time.perf_counter()
+
+        handles = [
+            modules[name].register_forward_pre_hook(lambda _m, _a, n=number: mark(f"f{n}"))
+            for number, name in enumerate(profile.names)
+        ]
+        handles += [
+            p.register_post_accumulate_grad_hook(lambda _p, n=profile.layer_of[i]: mark(f"b{n}", first=False))
+            for i, p in enumerate(params)
+            if profile.layer_of[i] >= 0
+        ]
+        handles.append(model.register_forward_hook(lambda *_: mark("forward_end")))
+        shares = []
+        for batch in _batches(config, train_set, steps + WARMUP_STEPS):
+            marks.clear()
+            step.compute([batch])
+            ended = time.perf_counter()
+            count = len(profile.names)
+            forward = [marks[f"f{n + 1}"] if n + 1 < count else marks["forward_end"] for n in range(count)]
+            forward = [end - marks[f"f{n}"] for n, end in enumerate(forward)]
+            done = [marks.get(f"b{n}", ended) for n in range(count)]  # backward: the last layer's first
+            backward = [done[n] - (done[n + 1] if n + 1 < count else marks["forward_end"]) for n in range(count)]
+            total = sum(forward) + sum(backward)
+            shares.append([(f / total, b / total) for f, b in zip(forward, backward)])
+        for handle in handles:
+            handle.remove()
+        log.close()
+    measured = [
+        [statistics.median(s[n][k] for s in shares[WARMUP_STEPS:]) for k in (0, 1)] for n in range(len(profile.names))
+    ]
+    return {
+        "layers": list(profile.names),
+        "measured": [[round(f, 4), round(b, 4)] for f, b in measured],
+        "proxy": [[round(f, 4), round(b, 4)] for f, b in profile.fractions()],
     }
 
 

@@ -642,7 +642,10 @@ class VirtualWorker:
             close_at = max([computed, *encoded])
             run.loop.at(computed, lambda: self._computed_streamed(process, push, streamed, waited_s, close_at))
 
-        self.forward = ForwardPass(run.loop, [f for f, _ in split], layers.needs, self.arriving, forward_done)
+        def waited(start: float, end: float) -> None:  # the real worker's forward pre-hook span
+            run.timelines.worker(self.worker_id, "parameter_wait", start, end)
+
+        self.forward = ForwardPass(run.loop, [f for f, _ in split], layers.needs, self.arriving, forward_done, waited)
         self.forward.start()
 
     def _computed_streamed(
@@ -702,6 +705,7 @@ class VirtualWorker:
                 bytes_received=self.bytes_received,
             )  # every tensor loaded now: the next forward computes from them, its waits are timed by their arrival
             timelines = run.timelines
+            timelines.worker(self.worker_id, "reply_wait", computed, now, request_id=request.request_id)
             timelines.worker(self.worker_id, "push", streamed.first_sent or computed, request_id=request.request_id)
             timelines.worker(self.worker_id, "step", started, step=step.totals["steps"])
             self._work(reply)
