@@ -163,7 +163,7 @@ def test_calibration_measures_each_layers_share_beside_the_proxys(tmp_path):
     config = ps_config(tmp_path, "layers", training__model_architecture="mlp")
     shares = measure_layers(config, steps=3)
     assert shares["layers"] == ["1", "3", "5"] and len(shares["measured"]) == len(shares["proxy"]) == 3
-    assert sum(f + b for f, b in shares["measured"]) == pytest.approx(1.0, abs=1e-3)
+    assert sum(f + b for f, b in shares["measured"]) == pytest.approx(1.0, abs=0.05)  # medians of each share
     assert all(f >= 0 and b >= 0 for f, b in shares["measured"])
     assert sum(f + b for f, b in shares["proxy"]) == pytest.approx(1.0, abs=1e-3)
 
@@ -242,3 +242,27 @@ def test_faults_and_shards_with_streaming_are_refused_in_one_line(tmp_path):
     )
     with pytest.raises(SetupError, match="system.inject_faults: not with system.streaming"):
         run_virtual(faulted, tensorboard=False)
+
+
+def test_a_compressed_streamed_run_with_a_compressed_downlink_trains_as_the_unstreamed_one(tmp_path):
+    """Top-k with error feedback, per part (``WorkerStep.encode_part``), and a top-k downlink (the reply's
+    ``parameter_deltas``, each a parameter's tensor to wait for): the same parameters, less exposed."""
+    fields = {
+        "system__num_workers": 2,
+        "system__aggregation_mode": "sync",
+        "training__max_train_samples": 128,
+        "system__compression_enabled": True,
+        "system__compression_type": "topk",
+        "system__compression_ratio": 0.1,
+        "system__downlink_compression": "topk",
+        "emulation__compress_s": 0.01,
+        "emulation__uplink_mbps": 10.0,
+        "emulation__downlink_mbps": 10.0,
+    }
+    streamed = run_virtual(streamed_config(tmp_path, "streamed", **fields), tensorboard=False)
+    plain = run_virtual(streamed_config(tmp_path, "plain", system__streaming=False, **fields), tensorboard=False)
+    ours = load_checkpoint(streamed["checkpoint_path"])["model_state_dict"]
+    theirs = load_checkpoint(plain["checkpoint_path"])["model_state_dict"]
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert streamed["exposed_communication_s"] < plain["exposed_communication_s"]
+    assert streamed["compression_time_s"] == plain["compression_time_s"] > 0  # compress_s per push, as unstreamed
