@@ -375,19 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             per_shard, payloads = None, self.codec.encode(named, self.steps)
         compressed = time.perf_counter()
         totals = self.client.totals
-        request = pb.PushRequest(
-            base_version=model.version,
-            request_id=self.client.next_request_id(),
-            num_samples=samples,
-            learning_rate=self._learning_rate_to_send(),
-            metrics=pb.StepMetrics(
-                step=self.steps,
-                loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else 0.0,
-                gradient_time_s=computed - started,
-                compression_time_s=compressed - computed,
-                communication_time_s=totals.get("last_communication_s", 0.0),
-            ),
-        )
+        request = self._request(model, loss, samples, computed - started, compressed - computed)
         accepted = (
             self._push(request, payloads, model) if per_shard is None else self._push_shards(request, per_shard, model)
         )
@@ -494,13 +482,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.codec.feedback.discard(key)
         self.codec.generator.set_state(push.generator_state)
 
-    def _step_streamed(self, push: _OpenPush, model, loss: Any, samples: int, started: float, computed: float):
-        """Close the streamed push with its small fields, wait for the reply's head and settle it; the reply's
-        tensors go on arriving for the next forward. A sharded server: close each shard's stream with its hold, wait
-        for every hold's reply, then commit and pull as unstreamed."""
-        streams, streamed, totals = push.streams, model.streamed, self.client.totals
-        streamed.end_backward()  # the parameters no gradient reached go now, as zeros
-        request = pb.PushRequest(
+    def _request(
+        self, model, loss: Any, samples: int, gradient_time_s: float, compression_time_s: float
+    ) -> pb.PushRequest:
+        """The push of this step (a new request id), streamed or not."""
+        return pb.PushRequest(
             base_version=model.version,
             request_id=self.client.next_request_id(),
             num_samples=samples,
@@ -508,10 +494,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             metrics=pb.StepMetrics(
                 step=self.steps,
                 loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else 0.0,
-                gradient_time_s=computed - started,
-                communication_time_s=totals.get("last_communication_s", 0.0),
+                gradient_time_s=gradient_time_s,
+                compression_time_s=compression_time_s,
+                communication_time_s=self.client.totals.get("last_communication_s", 0.0),
             ),
         )
+
+    def _step_streamed(self, push: _OpenPush, model, loss: Any, samples: int, started: float, computed: float):
+        """Close the streamed push with its small fields, wait for the reply's head and settle it; the reply's
+        tensors go on arriving for the next forward. A sharded server: close each shard's stream with its hold, wait
+        for every hold's reply, then commit and pull as unstreamed."""
+        streams, streamed, totals = push.streams, model.streamed, self.client.totals
+        streamed.end_backward()  # the parameters no gradient reached go now, as zeros
+        request = self._request(model, loss, samples, computed - started, 0.0)
         if push.sharded is not None:
             self.client.close_shard_streams(streams, request, model.buffer_views(), model.shard_versions)
             accepted = self._settle_shards(
