@@ -279,18 +279,27 @@ def load_reply(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], 
             f"server sent {len(sent_params)} parameters and {len(sent_buffers)} buffers, "
             f"the local model has {len(params)} and {len(buffers)}"
         )
-    if deltas:
-        with torch.no_grad():
-            for param, payload in zip(params, deltas):
-                param.add_(
-                    decompress(payload, device=param.device).view_as(param).to(param.dtype)
-                )  # the server's replica does the same
-    else:
-        for index, (param, data) in enumerate(zip(params, sent_params)):
-            copy_bytes_into(param.data, data, f"parameter {index}")
+    field = "parameter_deltas" if deltas else "parameters"
+    for index, (param, data) in enumerate(zip(params, sent_params)):
+        load_reply_tensor(field, index, param, data)
     for index, (buffer, data) in enumerate(zip(buffers, sent_buffers)):
-        copy_bytes_into(buffer, data, f"buffer {index}")
+        load_reply_tensor("buffers", index, buffer, data)
     return reply.message.version
+
+
+def load_reply_tensor(field: str, index: int, target: torch.Tensor, data) -> None:
+    """One tensor of a reply into ``target``: a parameter's or a buffer's values, or a compressed downlink's delta
+    added (the server's replica does the same). A whole reply (:func:`load_reply`) or a streamed one, tensor by tensor
+    as it arrives (:mod:`src.ps.worker_stream`).
+
+    Raises:
+        ValueError: ``data`` is not a tensor of ``target``'s size.
+    """
+    if field == "parameter_deltas":
+        with torch.no_grad():
+            target.add_(decompress(data, device=target.device).view_as(target).to(target.dtype))
+    else:
+        copy_bytes_into(target.data, data, f"{'buffer' if field == 'buffers' else 'parameter'} {index}")
 
 
 class Heartbeats(threading.Thread):

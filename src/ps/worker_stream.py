@@ -39,10 +39,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from src.compression import decompress
+from src.ps.worker_protocol import load_reply_tensor
 from src.telemetry import tracing
 from src.transport.stream import PushStream, ReplyBroken
-from src.transport.wire import copy_bytes_into
 
 
 class ShardStreams:
@@ -149,17 +148,10 @@ class StreamedModel:
         """The reply splitter's ``on_large`` for reply ``generation``: each tensor into the model as it is whole."""
 
         def take(name: str, index: int, view) -> None:
-            if name == "parameters":
-                copy_bytes_into(self.params[index].data, view, f"parameter {index}")
-            elif name == "buffers":
-                copy_bytes_into(self.buffers[index], view, f"buffer {index}")
-            elif name == "parameter_deltas":  # a compressed downlink: the delta since the worker's copy
-                param = self.params[index]
-                with torch.no_grad():
-                    param.add_(decompress(view, device=param.device).view_as(param).to(param.dtype))
-                name = "parameters"
-            else:
+            if name not in ("parameters", "buffers", "parameter_deltas"):
                 return
+            load_reply_tensor(name, index, (self.buffers if name == "buffers" else self.params)[index], view)
+            name = "buffers" if name == "buffers" else "parameters"
             with self._condition:
                 self._arrived[name][index] = generation
                 self._condition.notify_all()
