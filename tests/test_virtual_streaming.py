@@ -163,7 +163,7 @@ def test_calibration_measures_each_layers_share_beside_the_proxys(tmp_path):
     config = ps_config(tmp_path, "layers", training__model_architecture="mlp")
     shares = measure_layers(config, steps=3)
     assert shares["layers"] == ["1", "3", "5"] and len(shares["measured"]) == len(shares["proxy"]) == 3
-    assert sum(f + b for f, b in shares["measured"]) == pytest.approx(1.0, abs=0.05)  # medians of each share
+    assert sum(f + b for f, b in shares["measured"]) == pytest.approx(1.0, abs=1e-3)  # a median step's shares
     assert all(f >= 0 and b >= 0 for f, b in shares["measured"])
     assert sum(f + b for f, b in shares["proxy"]) == pytest.approx(1.0, abs=1e-3)
 

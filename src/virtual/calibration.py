@@ -88,11 +88,12 @@ def measure_worker(config: Config, *, steps: int = 20) -> dict[str, float]:
 
 
 def measure_layers(config: Config, *, steps: int = 20) -> dict[str, Any]:
-    """Each layer's share of a worker step (forward, backward), measured: the median over steps of the seconds from
-    one layer's forward pre-hook to the next's (the last layer's to the end of forward, the loss included), and in
+    """Each layer's share of a worker step (forward, backward), measured: each one's median over steps of the seconds
+    from one layer's forward pre-hook to the next's (the last layer's to the end of forward, the loss included), and in
     backward from one layer's gradients being whole (the real worker's post-accumulate-grad hooks) to the next's
-    (the first from backward's start); beside the proxy's shares (:func:`src.virtual.layers.layer_profile`).
-    Measured in one process, as :func:`measure_worker` (``layers``: the layers' module names, in forward order)."""
+    (the first from backward's start), over their sum; beside the proxy's shares
+    (:func:`src.virtual.layers.layer_profile`). Measured in one process, as :func:`measure_worker` (``layers``: the
+    layers' module names, in forward order)."""
     from src.virtual.layers import layer_profile, served_tensors
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,14 +128,15 @@ def measure_layers(config: Config, *, steps: int = 20) -> dict[str, Any]:
             forward = [end - marks[f"f{n}"] for n, end in enumerate(forward)]
             done = [marks.get(f"b{n}", ended) for n in range(count)]  # backward: the last layer's first
             backward = [done[n] - (done[n + 1] if n + 1 < count else marks["forward_end"]) for n in range(count)]
-            total = sum(forward) + sum(backward)
-            shares.append([(f / total, b / total) for f, b in zip(forward, backward)])
+            shares.append(list(zip(forward, backward)))
         for handle in handles:
             handle.remove()
         log.close()
-    measured = [
+    seconds = [
         [statistics.median(s[n][k] for s in shares[WARMUP_STEPS:]) for k in (0, 1)] for n in range(len(profile.names))
     ]
+    total = sum(f + b for f, b in seconds)  # the shares of a median step: they sum to 1
+    measured = [(f / total, b / total) for f, b in seconds]
     return {
         "layers": list(profile.names),
         "measured": [[round(f, 4), round(b, 4)] for f, b in measured],
