@@ -470,6 +470,22 @@ class EmulationConfig(_EmulationSection):
     worker's uplink is that many Mbit/s (a mid-run link change); before the first entry, ``uplink_mbps``
     (or the worker's own). A message takes the rate in force when it starts."""
 
+    layer_split: list[tuple[float, float]] = []
+    """Virtual time, ``system.streaming``: each layer's ``[forward, backward]`` share of a step's compute, one pair
+    per layer in forward order (the modules with tensors of their own: ``scripts/calibrate.py --layers`` prints
+    their names and the split it measured on this machine, ready to paste); the pairs are weights (their sum need
+    not be 1). Empty: the split comes from the model's shapes (:mod:`src.virtual.layers`), the same on every
+    machine."""
+
+    @field_validator("layer_split")
+    @classmethod
+    def _layer_split(cls, value: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        if any(share < 0 for pair in value for share in pair):  # finite already (the sections refuse inf and NaN)
+            raise ValueError("every share must be a finite number >= 0")
+        if value and not sum(f + b for f, b in value) > 0:
+            raise ValueError("the shares must not all be 0")
+        return value
+
     @field_validator("uplink_schedule")
     @classmethod
     def _schedule(cls, value: list[tuple[float, float]]) -> list[tuple[float, float]]:

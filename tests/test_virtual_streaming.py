@@ -209,6 +209,31 @@ def test_a_streamed_step_on_a_slow_uplink_exposes_the_last_layers_part_the_messa
     assert summary["exposed_communication_s"] == pytest.approx(worker["communication_time_s"])
 
 
+def test_a_measured_layer_split_replaces_the_proxy_and_a_wrong_one_is_refused_in_one_line(tmp_path):
+    """``emulation.layer_split``, as ``scripts/calibrate.py --layers`` measures it: the same run as above, with all of
+    backward's compute in the last layer (the first backward runs): every gradient is ready only when backward ends,
+    so each step exposes all six parts and the message on the 40 Mbit/s uplink, not the first layer's alone. The
+    summary's cost model names the split; a split of the wrong length, or without streaming, is refused in one line."""
+    split = [[0.5, 0.0], [0.0, 0.0], [0.0, 0.5]]
+    config = streamed_config(
+        tmp_path, "split", training__model_architecture="mlp", emulation__uplink_mbps=40.0, emulation__layer_split=split
+    )
+    summary = run_virtual(config, tensorboard=False)
+    parts = sum(4 + 56 + 4 * n for n in (784 * 256, 256, 256 * 128, 128, 128 * 10, 10))
+    expected = sum(8 * event["push_bytes"] / 40e6 + 0.01 + 0.005 for event in pushes(config))
+    assert all(event["push_bytes"] - parts < 200 for event in pushes(config))
+    assert summary["workers"][0]["communication_time_s"] == pytest.approx(expected, abs=1e-6)
+    assert summary["cost_model"]["layer_split"] == split
+    wrong = streamed_config(tmp_path, "wrong", training__model_architecture="mlp", emulation__layer_split=[[1, 1]])
+    with pytest.raises(SetupError, match=r"emulation.layer_split has 1 pairs; the model's streamed layers are 3: "):
+        run_virtual(wrong, tensorboard=False)
+    unstreamed = streamed_config(tmp_path, "plain", system__streaming=False, emulation__layer_split=[[1, 1]] * 4)
+    with pytest.raises(SetupError, match="emulation.layer_split spreads a streamed step's compute"):
+        run_virtual(unstreamed, tensorboard=False)
+    with pytest.raises(ValueError, match="every share must be a finite number >= 0"):
+        streamed_config(tmp_path, "negative", emulation__layer_split=[[1, -1]])
+
+
 def test_a_streamed_run_is_deterministic_hides_communication_and_trains_as_the_unstreamed_one(tmp_path):
     fields = {
         "system__num_workers": 2,

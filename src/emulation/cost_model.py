@@ -166,6 +166,7 @@ class CostModel:
         self.server_reply_s = emulation.server_reply_s if server else 0.0
         self.server_bps = _mbps_to_bps(emulation.server_mbps)
         self.uplink_schedule = [(float(t), float(mbps)) for t, mbps in emulation.uplink_schedule]
+        self.layer_split = [[float(f), float(b)] for f, b in emulation.layer_split]
         self.restart_s = emulation.restart_s or 0.0
         self.measured_here: dict[str, float] = {}
         """The figures the config lacked and this machine measured before the run
@@ -199,6 +200,7 @@ class CostModel:
             "server_mbps": None if self.server_bps is None else self.server_bps / BITS_PER_MEGABIT,
             "restart_s": self.restart_s,
             **({"uplink_schedule": [list(entry) for entry in self.uplink_schedule]} if self.uplink_schedule else {}),
+            **({"layer_split": self.layer_split} if self.layer_split else {}),
             **({"measured_here": sorted(self.measured_here)} if self.measured_here else {}),
             **(
                 {"per_shard": {"update_s": [t.update_s for t in shards], "reply_s": [t.reply_s for t in shards]}}

@@ -8,7 +8,8 @@ tensors of the reply; the modules without tensors that run after it (activations
 are part of its segment, since they need nothing more from the reply.
 
 **How compute spreads over the layers** (:func:`layer_profile`): a deterministic proxy from the model's shapes, so
-that a virtual run stays the same on every machine. One forward of a batch of ``training.batch_size`` zeros (on a
+that a virtual run stays the same on every machine; or a measured split given as ``emulation.layer_split``
+(:meth:`LayerProfile.with_split`). One forward of a batch of ``training.batch_size`` zeros (on a
 copy of the model, without gradients) records every leaf module's input and output sizes; a leaf costs
 ``2 x MACs`` for a weighted operation (a convolution's or a linear layer's multiply-adds: its output's elements
 times its weight's fan-in) plus :data:`ELEMENT_COST` per element it reads and writes (activations and pooling are
@@ -29,7 +30,7 @@ its tensors are in, read from the reply's real bytes, so the virtual reply arriv
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -65,6 +66,20 @@ class LayerProfile:
     weights: tuple[tuple[float, float], ...]
     layer_of: tuple[int, ...]
     param_bytes: tuple[int, ...]
+
+    def with_split(self, split: Sequence[tuple[float, float]]) -> LayerProfile:
+        """This profile with ``split`` (``emulation.layer_split``: a ``(forward, backward)`` weight per layer, in
+        forward order) as its weights instead of the proxy's.
+
+        Raises:
+            ValueError: ``split`` has not one pair per layer (the message names the layers).
+        """
+        if len(split) != len(self.names):
+            raise ValueError(
+                f"emulation.layer_split has {len(split)} pairs; the model's streamed layers are {len(self.names)}: "
+                f"{', '.join(name or '(input)' for name in self.names)} (scripts/calibrate.py --layers prints them)"
+            )
+        return replace(self, weights=tuple((float(f), float(b)) for f, b in split))
 
     def fractions(self) -> list[tuple[float, float]]:
         """Each layer's share of a step, forward and backward."""

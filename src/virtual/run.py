@@ -136,9 +136,18 @@ class VirtualRun:
         self.compute_model = model_from_config(config)  # every simulated worker computes in it, in turn
         self.compute_model.train()
         self.layers = self.gradient_order = None
+        if config.emulation.layer_split and not config.system.streaming:
+            raise SetupError(
+                "emulation.layer_split spreads a streamed step's compute over its layers: set system.streaming"
+            )
         if config.system.streaming:  # the layers a streamed step spreads over, the order backward hands them over
             sample = self.train_set.batch([0])[0][0]
             self.layers = layer_profile(self.compute_model, sample, config.training.batch_size)
+            if config.emulation.layer_split:  # a split measured on some machine instead of the shapes' proxy
+                try:
+                    self.layers = self.layers.with_split(config.emulation.layer_split)
+                except ValueError as exc:
+                    raise SetupError(str(exc)) from None
             self.gradient_order = GradientOrder(self.compute_model)
         self.workers = [VirtualWorker(self, k) for k in range(config.system.num_workers)]
         self.launcher = VirtualLauncher(config, self.loop, self.cost.restart_s, self.workers)
