@@ -566,6 +566,11 @@ class Config(_Section):
                 "emulation.uplink_schedule: a mid-run link change is modelled in virtual time only "
                 "(system.clock: virtual)"
             )
+        if self.emulation.layer_split and not (self.system.clock == "virtual" and self.system.streaming):
+            raise ValueError(
+                "emulation.layer_split: a streamed step's compute split over its layers is modelled in virtual "
+                "time only (system.clock: virtual, system.streaming: true)"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -111,6 +111,12 @@ def test_faults_are_refused_in_virtual_ddp(tmp_path):
         run_virtual_ddp(ddp_config(tmp_path, "faulty", system__inject_faults=["kill:rank=1@step=2"]), tensorboard=False)
 
 
+def test_a_streamed_layer_split_is_refused_in_virtual_ddp(tmp_path):
+    config = ddp_config(tmp_path, "split", system__streaming=True, emulation__layer_split=[[1, 1]] * 4)
+    with pytest.raises(SetupError, match="^emulation.layer_split spreads a streamed parameter-server step's compute"):
+        run_virtual_ddp(config, tensorboard=False)
+
+
 def test_virtual_ddp_without_epoch_evaluations_evaluates_only_the_runs_end(tmp_path):
     from src.metrics import read_events
 

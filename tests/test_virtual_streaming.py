@@ -213,7 +213,8 @@ def test_a_measured_layer_split_replaces_the_proxy_and_a_wrong_one_is_refused_in
     """``emulation.layer_split``, as ``scripts/calibrate.py --layers`` measures it: the same run as above, with all of
     backward's compute in the last layer (the first backward runs): every gradient is ready only when backward ends,
     so each step exposes all six parts and the message on the 40 Mbit/s uplink, not the first layer's alone. The
-    summary's cost model names the split; a split of the wrong length, or without streaming, is refused in one line."""
+    summary's cost model names the split; a split of the wrong length, or outside a streamed virtual run, is refused in
+    one line."""
     split = [[0.5, 0.0], [0.0, 0.0], [0.0, 0.5]]
     config = streamed_config(
         tmp_path, "split", training__model_architecture="mlp", emulation__uplink_mbps=40.0, emulation__layer_split=split
@@ -227,9 +228,9 @@ def test_a_measured_layer_split_replaces_the_proxy_and_a_wrong_one_is_refused_in
     wrong = streamed_config(tmp_path, "wrong", training__model_architecture="mlp", emulation__layer_split=[[1, 1]])
     with pytest.raises(SetupError, match=r"emulation.layer_split has 1 pairs; the model's streamed layers are 3: "):
         run_virtual(wrong, tensorboard=False)
-    unstreamed = streamed_config(tmp_path, "plain", system__streaming=False, emulation__layer_split=[[1, 1]] * 4)
-    with pytest.raises(SetupError, match="emulation.layer_split spreads a streamed step's compute"):
-        run_virtual(unstreamed, tensorboard=False)
+    for fields in ({"system__streaming": False}, {"system__clock": "real"}):  # it has nothing to spread there
+        with pytest.raises(ValueError, match=r"^emulation.layer_split: .* modelled in virtual time only"):
+            streamed_config(tmp_path, "plain", emulation__layer_split=[[1, 1]] * 3, **fields)
     with pytest.raises(ValueError, match="every share must be a finite number >= 0"):
         streamed_config(tmp_path, "negative", emulation__layer_split=[[1, -1]])
 

@@ -11,8 +11,7 @@ forward and backward took per step in that run (its ``gradient_time_s`` over its
 excludes its forward's waits). What is compared is then the overlap itself, not the compute's calibration: on this
 2-core machine a streamed worker computes ~20% slower than an unstreamed one while its parts and the reply cross the
 links (the bench's own figures, ``docs/overlap_streamed_tcp.json``: 0.125 s against 0.151 s a step), contention for
-the cores that virtual time does not model. (Virtual runs from the compute calibrated apart were in the record until
-2026-12-05; no figure of docs/ used them, and the suite's time budget took them out.)
+the cores that virtual time does not model.
 
 Compared, per arm: samples/s and each worker's exposed communication (``communication_time_s``: the push round trip
 unstreamed; from the end of backward to the reply's head plus the next forward's waits streamed), virtual / real;

@@ -104,6 +104,11 @@ class VirtualDDP:
                 "emulation.uplink_schedule: a mid-run link change is modelled in the parameter server's "
                 "virtual time only, not in virtual DDP"
             )
+        if self.cost.layer_split:
+            raise SetupError(
+                "emulation.layer_split spreads a streamed parameter-server step's compute over its layers; "
+                "virtual DDP does not use it"
+            )
         links = [w.uplink_bps for w in self.cost.workers]
         self.bandwidth_bps = None if any(b is None for b in links) else min(links)
         self.latency_s = max(w.uplink_latency_s for w in self.cost.workers)

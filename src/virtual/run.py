@@ -136,10 +136,6 @@ class VirtualRun:
         self.compute_model = model_from_config(config)  # every simulated worker computes in it, in turn
         self.compute_model.train()
         self.layers = self.gradient_order = None
-        if config.emulation.layer_split and not config.system.streaming:
-            raise SetupError(
-                "emulation.layer_split spreads a streamed step's compute over its layers: set system.streaming"
-            )
         if config.system.streaming:  # the layers a streamed step spreads over, the order backward hands them over
             sample = self.train_set.batch([0])[0][0]
             self.layers = layer_profile(self.compute_model, sample, config.training.batch_size)
