@@ -23,7 +23,7 @@ clock, src/virtual/run.py) all come from the config. What lands in ``<results-di
 | file | what |
 |---|---|
 | ``config.yaml`` | the full resolved config (with the experiment section) |
-| ``experiment.json`` | status (running, finished, failed), wall time, load average before/after, clock, commit |
+| ``experiment.json`` | status (running, finished, failed), wall time, load before/after, clock, commit, threads |
 | ``summary.json`` | the run summary (written last: its presence with status finished means done) |
 | ``logs/`` | ``server/events.jsonl`` (or the trainer's), ``worker_<k>/``, TensorBoard event files |
 | ``checkpoints/`` | the final checkpoint |
@@ -203,6 +203,8 @@ def run_experiment(
     import yaml
 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
+    import torch
+
     from src.launch.provenance import code_version
 
     status = {
@@ -211,6 +213,8 @@ def run_experiment(
         "started": time.time(),
         "load_average_start": load_average(),
         "clock": config.system.clock,
+        # this process's intra-op threads: a virtual run's last digits depend on them (a float sum's order)
+        "torch_threads": torch.get_num_threads(),
         **code_version(),
     }
     status_path = run_dir / "experiment.json"

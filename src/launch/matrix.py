@@ -4,6 +4,7 @@
     python scripts/run_matrix.py --config configs/experiments/matrix_smoke.yaml
     python scripts/run_matrix.py --config configs/experiments/f1_stragglers.yaml --results-dir results
     python scripts/run_matrix.py --config FILE --list          # print the runs, run nothing
+    python scripts/run_matrix.py --config FILE --threads 1     # torch single-threaded, as the findings' records
     python scripts/run_matrix.py --config FILE --set training.data_dir=DIR --set matrix.axes.seed=[0]
 
 A matrix file holds a base experiment and the axes to vary::
@@ -233,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="print the runs the matrix expands into and exit")
     parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch's intra-op threads for every run (default: torch's own). A virtual run's figures are the same "
+        "on any machine at the same N; the findings' records are made with --threads 1",
+    )
+    parser.add_argument(
         "--set",
         dest="assignments",
         action="append",
@@ -242,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         "--set matrix.axes.seed=[0] (value read as YAML; an axis level's overrides win over the base's)",
     )
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        print(f"config error: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+        return 2
     try:
         data = apply_assignments(read_config_file(args.config), dict(args.assignments or []))
         name, runs = expand(data, Path(args.config).stem)
@@ -271,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: no run was started", file=sys.stderr)
         return 130
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     failed = 0
     total = len(runs)
     print(f"matrix {name}: {total} runs into {root}", flush=True)
