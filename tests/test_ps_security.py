@@ -6,6 +6,7 @@ status codes and name the same problems.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import grpc
@@ -15,6 +16,7 @@ import torch
 from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
 from src.metrics import read_events
+from src.ps.workers import SERVER_PATHS, config_for_workers
 from src.transport.clients import TRANSPORTS, make_client
 from src.worker import Worker
 from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config, transport  # noqa: F401
@@ -285,6 +287,21 @@ def test_register_refuses_an_out_of_range_worker_id(served):
     assert "worker_id 3 is out of range 0..0" in refused.value.details()
 
 
+def test_the_registration_reply_carries_the_run_without_the_servers_paths(tmp_path):
+    """Every field but the server's own paths, which go at their defaults: a message's size does not depend on
+    where the server's folders are (the findings' records are reproduced byte for byte from another folder)."""
+    near = ps_config(tmp_path / "a", system__tls_ca_file="ca.pem")
+    far = ps_config(tmp_path / "a" / "much" / "deeper" / "folder", system__tls_ca_file="/etc/somewhere/else/ca.pem")
+    sent = json.loads(config_for_workers(far))
+    assert config_for_workers(near) == config_for_workers(far) and str(tmp_path) not in json.dumps(sent)
+    expected = far.to_dict()
+    for section, fields in SERVER_PATHS.items():
+        for field in fields:
+            assert sent[section].pop(field) == type(getattr(far, section)).model_fields[field].default
+            expected[section].pop(field)
+    assert sent == expected
+
+
 def test_tls(tmp_path, transport):
     cert, key = make_self_signed_cert(tmp_path)
     config = ps_config(
@@ -294,6 +311,9 @@ def test_tls(tmp_path, transport):
     try:
         with served.client(system=config.system) as client:  # trusts the self-signed cert
             assert client.status().num_workers == 1
+            registration = client.register(0, timeout=5)
+        # the run, not the server's files: its key, certificate and folders (all under tmp_path) stay its own
+        assert registration.worker_id == 0 and str(tmp_path) not in registration.run_config_json
         with make_client(served.address, transport=transport, token=TOKEN, retries=0) as plaintext:
             with pytest.raises(grpc.RpcError) as refused:
                 plaintext.status(timeout=5)

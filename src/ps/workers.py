@@ -6,6 +6,9 @@ A worker silent for ``system.heartbeat_timeout``, or replaced, is failed: it lea
 barrier with its not-yet-applied contribution and the work it held goes to the live workers.
 Who is a live member is :class:`~src.coordinator.Membership`'s; this adds what the run does about it.
 Everything here runs with the core's lock held.
+
+The registration reply carries the run's config, less the server's own paths (:data:`SERVER_PATHS`, sent at their
+defaults): a worker keeps its own, and a message's size must not depend on where the server's folders are.
 """
 
 from __future__ import annotations
@@ -23,6 +26,21 @@ from src.ps.refusals import MEMBERSHIP_CODES, Refused
 from src.ps.totals import RunTotals
 from src.ps.updates import Updates
 from src.ps.work_source import WorkSource
+
+SERVER_PATHS = {
+    "training": ("data_dir",),
+    "system": ("log_dir", "checkpoint_dir", "tls_cert_file", "tls_key_file", "tls_ca_file"),
+}
+"""The server's files and folders: meaningless to a worker on another host, so not sent (see the module docstring)."""
+
+
+def config_for_workers(config: Config) -> str:
+    """The run's config as the registration reply carries it: JSON, with :data:`SERVER_PATHS` at their defaults."""
+    sections = {}
+    for name, fields in SERVER_PATHS.items():
+        section = getattr(config, name)
+        sections[name] = section.model_copy(update={f: type(section).model_fields[f].default for f in fields})
+    return config.model_copy(update=sections).model_dump_json()
 
 
 class Workers:
@@ -97,7 +115,7 @@ class Workers:
             incarnation=member.incarnation,
             session=member.session,
             version=self.model.version,
-            run_config_json=self.config.model_dump_json(),
+            run_config_json=config_for_workers(self.config),
             parameter_specs=self.model.param_specs,
             buffer_specs=self.model.buffer_specs,
             last_request_applied=applied,
