@@ -462,7 +462,9 @@ VIRTUAL_COSTS = "--clock virtual --compute-s 0.02 --compress-s 0.001 --server-up
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_specs_async_command_with_4_workers_trains_as_well_as_sync_over_seeds_on_the_virtual_clock(tmp_path):
+def test_the_specs_async_command_with_4_workers_trains_as_well_as_sync_over_seeds_on_the_virtual_clock(
+    tmp_path, monkeypatch
+):
     """4 workers: at the spec's settings sync itself is on the edge of stability (one seed in five
     diverges, the others end between 75% and 85% after a loss spike mid-run; docs/async.md, section 4),
     so one sync run is no reference. Over seeds 0-4 the median async run must be within 2 points of the
@@ -472,20 +474,21 @@ def test_the_specs_async_command_with_4_workers_trains_as_well_as_sync_over_seed
     under any load (measured: sync 82.2 / 75.9 / 80.4 / 11.8 / 75.5, async 78.8 / 61.2 / 82.5 / 85.1 /
     64.5; medians 75.9 and 78.8). The real runs' table is in docs/async.md; the real async path with 2
     workers is ``test_the_specs_async_command_trains_near_sync``. A consistently worse async (or a broken
-    one) fails."""
+    one) fails. The runner's ``main`` runs in this process (a virtual run is one process; ten spawns would
+    spend a minute importing torch), in each run's own folder as the command would."""
     import json
     import statistics
 
-    from tests.ps_fixtures import run_cli
+    import run_parameter_server_training as runner  # the root runner (pytest puts the root on sys.path)
 
     accuracy: dict[str, list[float]] = {"sync": [], "async": []}
     for seed in range(5):
         for mode in ("sync", "async"):
             folder = tmp_path / f"{mode}{seed}"
             folder.mkdir()
+            monkeypatch.chdir(folder)
             command = ["--workers", "4", *SPECS_ASYNC_COMMAND, "--seed", str(seed), "--aggregation-mode", mode]
-            result = run_cli([*command, *VIRTUAL_COSTS.split()], cwd=folder, timeout=300)
-            assert result.returncode == 0, result.stderr[-3000:]
+            assert runner.main([*command, *VIRTUAL_COSTS.split()]) == 0
             summary = json.loads((folder / "logs" / "ps_cli" / "summary.json").read_text())
             assert summary["clock"] == "virtual", summary.get("clock")
             accuracy[mode].append(summary["final_accuracy"])
