@@ -6,9 +6,9 @@ finish sooner than one after the other. Some do care: those that time something 
 virtual run calibrated against a real one), those that detect a hang or a partition from seconds of silence,
 and those that build shared machinery (network namespaces, the Slurm cluster, the Docker compose project). They
 are marked ``alone`` (a module's ``pytestmark``, or one test's mark) and run as they would in a serial run:
-tests/lanes.py's lock, held from a test's first fixture set-up to its last teardown. The lock wraps
-pytest-timeout's own wrapper, so a test's timeout does not count the wait. Without xdist (``-n 0``, or
-``-p no:xdist``) nothing is locked.
+tests/lanes.py's lock, held from a test's first fixture set-up to its last teardown (and on to the next test
+when that one is ``alone`` too). The lock wraps pytest-timeout's own wrapper, so a test's timeout does not count
+the wait. Without xdist (``-n 0``, or ``-p no:xdist``) nothing is locked.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.lanes import holding, lock_folder
+from tests.lanes import LaneLock, lock_folder
 
 # Python's default, where the environment turned it off (PYTHONDONTWRITEBYTECODE=1 on the CI machine): compiled
 # modules are kept in __pycache__ (git ignores it), for pytest's rewritten test modules and for every process a
@@ -44,12 +44,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -slow_tests[item.path])  # stable: a file's tests keep their order
 
 
+_LANE: list[LaneLock] = []  # this worker's lane lock, made at its first test
+
+
+def _alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if not hasattr(item.config, "workerinput"):  # not an xdist worker: one lane, nothing to share
         return (yield)
-    with holding(lock_folder(os.getppid()), exclusive=item.get_closest_marker("alone") is not None):
+    if not _LANE:
+        _LANE.append(LaneLock(lock_folder(os.getppid())))
+    lane = _LANE[0]
+    lane.take(exclusive=_alone(item))
+    try:
         return (yield)
+    finally:
+        if not (_alone(item) and _alone(nextitem)):  # a run of alone tests is one hold
+            lane.let_go()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

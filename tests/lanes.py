@@ -5,10 +5,15 @@ beside it (tests/conftest.py takes it around each test). Both are ``flock`` lock
 lane that dies lets go of them. A turnstile, taken before the machine lock and let go once it is held, keeps
 a waiting exclusive holder from being overtaken for ever by the other lane's shared ones: while it waits it
 holds the turnstile, and the next shared holder queues behind it.
+
+A lane keeps its exclusive hold from one ``alone`` test to the next when they follow each other
+(:class:`LaneLock`): let go between them, the hold would go to the other lane for one of its tests while this
+lane, next to run alone, waits with a core idle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import tempfile
 from collections.abc import Iterator
@@ -35,3 +40,24 @@ def holding(folder: Path, exclusive: bool) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(machine, fcntl.LOCK_UN)
+
+
+class LaneLock:
+    """One lane's hold on the machine lock in ``folder``, which may outlast a test (see the module docstring)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.exclusive: bool | None = None  # None: nothing held
+        self._hold = contextlib.ExitStack()
+
+    def take(self, exclusive: bool) -> None:
+        """Hold the lock shared or exclusive (kept as it is when already held so)."""
+        if self.exclusive == exclusive:
+            return
+        self.let_go()
+        self._hold.enter_context(holding(self.folder, exclusive))
+        self.exclusive = exclusive
+
+    def let_go(self) -> None:
+        self._hold.close()
+        self.exclusive = None

@@ -1,5 +1,6 @@
 """The lock between the suite's two lanes (tests/lanes.py): shared holders run together, an exclusive one runs
-by itself, and one waiting for the machine is not overtaken by a shared holder that comes after it."""
+by itself, one waiting for the machine is not overtaken by a shared holder that comes after it, and a lane keeps
+its exclusive hold from one alone test to the next."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from tests.lanes import holding
+from tests.lanes import LaneLock, holding
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,3 +73,26 @@ def test_an_exclusive_holder_waits_for_the_shared_one_and_is_not_overtaken_by_th
         *("exclusive in", "exclusive out"),
         *("late shared in", "late shared out"),
     ]
+
+
+def test_a_lane_keeps_its_exclusive_hold_until_it_lets_go_and_a_shared_take_gives_it_up(tmp_path):
+    lane = LaneLock(tmp_path)
+    lane.take(exclusive=True)
+    lane.take(exclusive=True)  # the next alone test: still held, not taken again
+    assert lane.exclusive is True and held_exclusively_by_someone(tmp_path / "machine")
+    entered = threading.Event()
+
+    def other_lane() -> None:
+        with holding(tmp_path, exclusive=False):
+            entered.set()
+
+    other = threading.Thread(target=other_lane)
+    other.start()
+    # it waits for the machine holding the turnstile: its test cannot start while the hold lasts
+    until(lambda: held_exclusively_by_someone(tmp_path / "turnstile"), "the other lane to wait for the machine")
+    assert not entered.is_set()
+    lane.take(exclusive=False)  # a test that is not alone: the exclusive hold goes, a shared one comes
+    assert entered.wait(20) and lane.exclusive is False
+    other.join(20)
+    lane.let_go()
+    assert lane.exclusive is None and not held_exclusively_by_someone(tmp_path / "machine")
