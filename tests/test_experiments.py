@@ -119,6 +119,8 @@ def test_set_changes_the_matrix_file_before_it_is_expanded(tmp_path, capsys):
     assert capsys.readouterr().out.split() == [str(tmp_path / "r" / "renamed" / "sync__seed-3")]
     assert run_matrix.main([*args, "--set", "training.batch_size=0"]) == 2
     assert capsys.readouterr().err.startswith("config error: training.batch_size: ")
+    assert run_matrix.main([*args, "--threads", "0"]) == 2
+    assert capsys.readouterr().err == "config error: --threads must be at least 1, got 0\n"
     with pytest.raises(SystemExit) as exited:
         run_matrix.main([*args, "--set", "batch_size"])
     assert exited.value.code == 2 and "expected dotted.field=value" in capsys.readouterr().err

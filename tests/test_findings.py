@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from scripts import findings as findings_script  # a script: scripts/ is a namespace package under the root
@@ -137,7 +138,12 @@ def _tiny_matrix(tmp_path: Path) -> Path:
 
 
 def test_a_matrix_run_collected_gives_its_figures_at_the_same_sample_counts(tmp_path):
-    assert run_matrix.main(["--config", str(_tiny_matrix(tmp_path)), "--results-dir", str(tmp_path / "results")]) == 0
+    threads = torch.get_num_threads()
+    try:
+        args = ["--config", str(_tiny_matrix(tmp_path)), "--results-dir", str(tmp_path / "results"), "--threads", "1"]
+        assert run_matrix.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)  # --threads sets this process's count
     record = collect_matrix(tmp_path / "results" / "f1_stragglers")
     assert [(r["seed"], r["configuration"]) for r in record["runs"]] == [
         (0, "sync"),
@@ -153,6 +159,7 @@ def test_a_matrix_run_collected_gives_its_figures_at_the_same_sample_counts(tmp_
     assert counts["sync"] == counts["async_plain"] == [48, 96, 96]  # every 48 samples, then the final evaluation
     run = record["runs"][0]
     assert run["experiment"]["clock"] == "virtual" and len(run["experiment"]["commit"]) == 40
+    assert run["experiment"]["torch_threads"] == 1  # the count the records are reproduced at
     assert "log_dir" not in run["config"]["system"] and set(run["summary"]["workers"][0]) >= {
         "samples",
         "gradient_time_s",
