@@ -57,6 +57,7 @@ from src.ps.sharding import Sharding
 from src.ps.worker_protocol import Failure, Heartbeats, IncarnationRevoked, Rejoins, check_session_lost  # noqa: F401  (IncarnationRevoked: part of this module's interface)
 from src.ps.worker_step import WorkerStep, check_layout
 from src.ps.worker_stream import ShardStreams, StreamedModel
+from src.ps.workers import SERVER_PATHS
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config, resolve_device
 from src.transport.clients import make_client
@@ -67,17 +68,12 @@ from src.transport.wire import Outgoing, chunk_size
 logger = logging.getLogger(__name__)
 
 LOCAL_FIELDS = (
-    "training.data_dir",
+    *SERVER_PATHS,  # its own files and folders (the server does not send its own)
     "training.device",
-    "system.log_dir",
-    "system.checkpoint_dir",
     "system.server_address",
     "system.shard_addresses",
     "system.transport",
     "system.inject_faults",
-    "system.tls_cert_file",
-    "system.tls_key_file",
-    "system.tls_ca_file",
     "system.max_rejoins",
 )
 """Fields a worker takes from its own config; everything else comes from the server."""

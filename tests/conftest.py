@@ -13,6 +13,7 @@ the wait. Without xdist (``-n 0``, or ``-p no:xdist``) nothing is locked.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -44,7 +45,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -slow_tests[item.path])  # stable: a file's tests keep their order
 
 
-_LANE: list[LaneLock] = []  # this worker's lane lock, made at its first test
+@functools.cache
+def _lane() -> LaneLock:
+    """This xdist worker's lane lock (its lock files are named by the controller, the workers' parent)."""
+    return LaneLock(lock_folder(os.getppid()))
 
 
 def _alone(item: pytest.Item | None) -> bool:
@@ -55,15 +59,12 @@ def _alone(item: pytest.Item | None) -> bool:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if not hasattr(item.config, "workerinput"):  # not an xdist worker: one lane, nothing to share
         return (yield)
-    if not _LANE:
-        _LANE.append(LaneLock(lock_folder(os.getppid())))
-    lane = _LANE[0]
-    lane.take(exclusive=_alone(item))
+    _lane().take(exclusive=_alone(item))
     try:
         return (yield)
     finally:
         if not (_alone(item) and _alone(nextitem)):  # a run of alone tests is one hold
-            lane.let_go()
+            _lane().let_go()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -295,10 +295,9 @@ def test_the_registration_reply_carries_the_run_without_the_servers_paths(tmp_pa
     sent = json.loads(config_for_workers(far))
     assert config_for_workers(near) == config_for_workers(far) and str(tmp_path) not in json.dumps(sent)
     expected = far.to_dict()
-    for section, fields in SERVER_PATHS.items():
-        for field in fields:
-            assert sent[section].pop(field) == type(getattr(far, section)).model_fields[field].default
-            expected[section].pop(field)
+    for section, field in (dotted.split(".") for dotted in SERVER_PATHS):
+        assert sent[section].pop(field) == type(getattr(far, section)).model_fields[field].default
+        expected[section].pop(field)
     assert sent == expected
 
 

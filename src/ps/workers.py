@@ -27,19 +27,25 @@ from src.ps.totals import RunTotals
 from src.ps.updates import Updates
 from src.ps.work_source import WorkSource
 
-SERVER_PATHS = {
-    "training": ("data_dir",),
-    "system": ("log_dir", "checkpoint_dir", "tls_cert_file", "tls_key_file", "tls_ca_file"),
-}
-"""The server's files and folders: meaningless to a worker on another host, so not sent (see the module docstring)."""
+SERVER_PATHS = (
+    "training.data_dir",
+    "system.log_dir",
+    "system.checkpoint_dir",
+    "system.tls_cert_file",
+    "system.tls_key_file",
+    "system.tls_ca_file",
+)
+"""The server's files and folders: meaningless to a worker on another host, so not sent (see the module docstring).
+A worker's own are among the fields it keeps (:data:`src.worker.LOCAL_FIELDS`)."""
 
 
 def config_for_workers(config: Config) -> str:
     """The run's config as the registration reply carries it: JSON, with :data:`SERVER_PATHS` at their defaults."""
-    sections = {}
-    for name, fields in SERVER_PATHS.items():
-        section = getattr(config, name)
-        sections[name] = section.model_copy(update={f: type(section).model_fields[f].default for f in fields})
+    defaults: dict[str, dict[str, object]] = {}
+    for dotted in SERVER_PATHS:
+        section, field = dotted.split(".")
+        defaults.setdefault(section, {})[field] = type(getattr(config, section)).model_fields[field].default
+    sections = {name: getattr(config, name).model_copy(update=fields) for name, fields in defaults.items()}
     return config.model_copy(update=sections).model_dump_json()
 
 
