@@ -263,6 +263,15 @@ class SystemConfig(_Section):
     controller_instability_persistence: int = _controller_setting("instability_persistence")
     """Evaluations in a row with a Loss Rebound above the threshold before it compresses less (hysteresis:
     a lone bump is held, not acted on), > 0; 1 = act at the first."""
+    controller_policy: Literal["link", "rebound"] = "link"
+    """How the controller picks rho: link (the Active Fraction, or none, whose predicted step is fastest, from
+    the pushes' bytes and times; needs a probe window) or rebound (the spec's first controller: halve rho while
+    calm and communication-bound, double it on a Loss Rebound)."""
+    controller_step_slack: float = _controller_setting("step_slack")
+    """link: the densest rho whose predicted step is within this fraction of the fastest is taken, >= 0."""
+    controller_plateau_drop: float = _controller_setting("plateau_drop")
+    """link: an evaluation whose loss is not this fraction below the best so far is a plateau and raises the lowest
+    rho it may choose one step, in [0, 1)."""
     heartbeat_interval: float = Field(1.0, gt=0, allow_inf_nan=False)
     heartbeat_timeout: float = Field(5.0, gt=0, allow_inf_nan=False)
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""

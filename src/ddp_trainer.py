@@ -343,7 +343,12 @@ class DDPTrainer:
         self.comm.end_step()
         step_time = time.perf_counter() - step_started
         if self.control is not None:
-            self.control.step_done(step_time, stats.hook_seconds - hook_before)
+            self.control.step_done(
+                step_time,
+                stats.hook_seconds - hook_before,
+                stats.payload_bytes - payload_before,
+                stats.dense_bytes - dense_before,
+            )
         self.step += 1
         self.steps_run += 1
         tracing.record("step", step_started, time.perf_counter(), step=self.step)

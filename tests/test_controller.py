@@ -55,6 +55,7 @@ SETTINGS = ControllerSettings(
     rebound_window=3,
     stable_evaluations=2,
     communication_share=0.5,
+    policy="rebound",
 )
 
 
@@ -293,6 +294,7 @@ def test_decisions_reach_the_workers_payload_sizes(tmp_path):
         system__compression_type="topk",
         system__compression_ratio=0.1,
         system__adaptive_compression=True,
+        system__controller_policy="rebound",
         system__controller_rho_min=0.01,
         system__controller_rebound_threshold=10.0,
         system__controller_stable_evaluations=1,

@@ -50,10 +50,15 @@ from collections import deque
 from dataclasses import fields
 from typing import Any, Mapping
 
+from src.adaptive.link_model import LinkModel, WindowSums
 from src.adaptive.settings import ControllerSettings
 
 TIMING_FIELDS = ("gradient_time_s", "compression_time_s", "communication_time_s")
 """Fields of push events the controller sums to judge whether communication dominates the step."""
+
+
+def _rate(throughput: float) -> str:
+    return "no measurable transfer time" if not math.isfinite(throughput) else f"{throughput * 8 / 1e6:.4g} Mbit/s"
 
 
 def loss_rebound(losses: list[float]) -> float:
@@ -80,6 +85,15 @@ class CompressionController:
         self._timed_pushes = 0
         self._stable_streak = 0
         self._unstable_streak = 0
+        self.link = LinkModel()
+        """``link`` policy: the fitted cost of a push at each rho."""
+        self._window = WindowSums()
+        self._window_rhos: deque[float] = deque([self.rho] * 3, maxlen=3)
+        """rho in effect in the last three windows (a push's payload is reported a window late, at worst)."""
+        self._probe_from: float | None = None
+        self.floor = s.rho_min
+        """``link``: the lowest rho it may choose (raised by plateaus and rebounds)."""
+        self._best_loss: float | None = None
 
     @classmethod
     def from_config(cls, system: Any) -> "CompressionController":
@@ -104,6 +118,7 @@ class CompressionController:
                     self._timing[name] += value
                     timed = True
             self._timed_pushes += timed
+            self._window.add(event)
             return None
         if kind != "eval":
             return None
@@ -126,42 +141,20 @@ class CompressionController:
         rebound = loss_rebound(losses)
         share = self.communication_share()
         previous = (self.rho, self.max_staleness)
-        if len(losses) < 2:
-            action, reason = "hold", "first evaluation of the window: no Loss Rebound yet"
-        elif rebound > s.rebound_threshold:
-            self._stable_streak = 0
-            self._unstable_streak += 1
-            unstable = f"Loss Rebound {rebound:.4g} > {s.rebound_threshold:g}"
-            if self._unstable_streak < s.instability_persistence:
-                action = "hold_for_persistence"
-                reason = (
-                    f"{unstable} at {self._unstable_streak} evaluation(s) in a row, need "
-                    f"{s.instability_persistence} (instability_persistence): held"
-                )
-            else:
-                self._unstable_streak = 0
-                self.rho = min(s.rho_max, self.rho * s.rho_factor)
-                self.max_staleness = max(s.max_staleness_min, self.max_staleness // 2)
-                action = "compress_less"
-                reason = f"{unstable}: compress less, bound staleness tighter"
+        link_inputs: dict[str, Any] = {}
+        if len(losses) >= 2 and rebound > s.rebound_threshold:
+            action, reason = self._unstable(rebound)
             self._losses.clear()
             self._losses.append(loss)  # this jump has been counted
+            self.floor = max(self.floor, self.rho)  # link: it stays at least this dense
+        elif s.policy == "link":
+            action, reason, link_inputs = self._link_decision(rebound, loss)
+        elif len(losses) < 2:
+            action, reason = "hold", "first evaluation of the window: no Loss Rebound yet"
         else:
-            self._unstable_streak = 0
-            self._stable_streak += 1
-            stable = f"Loss Rebound {rebound:.4g} <= {s.rebound_threshold:g} for {self._stable_streak} evaluation(s)"
-            if self._stable_streak < s.stable_evaluations:
-                action, reason = "hold", f"{stable}, need {s.stable_evaluations}"
-            elif share is None:
-                action, reason = "hold", f"{stable}, but no push timings to judge communication by"
-            elif share < s.communication_share:
-                action, reason = "hold", f"{stable}, communication share {share:.3f} < {s.communication_share:g}"
-            else:
-                self._stable_streak = 0
-                self.rho = max(s.rho_min, self.rho / s.rho_factor)
-                self.max_staleness = min(s.max_staleness_max, self.max_staleness + 1)
-                action = "compress_more"
-                reason = f"{stable} and communication share {share:.3f} >= {s.communication_share:g}: compress more"
+            action, reason = self._calm(rebound, share)
+        self._window_rhos.append(self.rho)
+        self._best_loss = loss if self._best_loss is None else min(self._best_loss, loss)
         if action in ("compress_less", "compress_more") and (self.rho, self.max_staleness) == previous:
             action, reason = "hold", f"{reason} (already at the bound)"
         decision = {
@@ -184,11 +177,122 @@ class CompressionController:
                 "communication_share": share,
                 "timed_pushes": self._timed_pushes,
                 **{name: self._timing[name] for name in TIMING_FIELDS},
+                **link_inputs,
             },
         }
         self._timing = dict.fromkeys(TIMING_FIELDS, 0.0)
         self._timed_pushes = 0
+        self._window = WindowSums()
         return decision
+
+    def _unstable(self, rebound: float) -> tuple[str, str]:
+        """A Loss Rebound above the threshold: compress less and bound staleness tighter (or hold, for persistence)."""
+        s = self.settings
+        self._stable_streak = 0
+        self._unstable_streak += 1
+        unstable = f"Loss Rebound {rebound:.4g} > {s.rebound_threshold:g}"
+        if self._unstable_streak < s.instability_persistence:
+            return "hold_for_persistence", (
+                f"{unstable} at {self._unstable_streak} evaluation(s) in a row, need "
+                f"{s.instability_persistence} (instability_persistence): held"
+            )
+        self._unstable_streak = 0
+        self.rho = self._denser(self.rho)
+        self.max_staleness = max(s.max_staleness_min, self.max_staleness // 2)
+        return "compress_less", f"{unstable}: compress less, bound staleness tighter"
+
+    def _calm(self, rebound: float, share: float | None) -> tuple[str, str]:
+        """The ``rebound`` policy without a rebound: compress more once calm long enough and communication-bound."""
+        s = self.settings
+        self._unstable_streak = 0
+        self._stable_streak += 1
+        stable = f"Loss Rebound {rebound:.4g} <= {s.rebound_threshold:g} for {self._stable_streak} evaluation(s)"
+        if self._stable_streak < s.stable_evaluations:
+            return "hold", f"{stable}, need {s.stable_evaluations}"
+        if share is None:
+            return "hold", f"{stable}, but no push timings to judge communication by"
+        if share < s.communication_share:
+            return "hold", f"{stable}, communication share {share:.3f} < {s.communication_share:g}"
+        self._stable_streak = 0
+        self.rho = max(s.rho_min, self.rho / s.rho_factor)
+        self.max_staleness = min(s.max_staleness_max, self.max_staleness + 1)
+        share_text = f"communication share {share:.3f} >= {s.communication_share:g}"
+        return "compress_more", f"{stable} and {share_text}: compress more"
+
+    def levels(self) -> list[float]:
+        """The Active Fractions the ``link`` policy chooses among: ``rho_min`` times powers of ``rho_factor`` up to
+        ``rho_max``, ``rho_max`` itself, and 1.0 (no compression) when ``rho_max`` is 1."""
+        s = self.settings
+        levels, rho = [], s.rho_min
+        while rho < s.rho_max and len(levels) < 64:
+            levels.append(rho)
+            rho *= s.rho_factor
+        return levels + [s.rho_max]
+
+    def _denser(self, rho: float) -> float:
+        """The next Active Fraction up (``rho_factor`` times, at most ``rho_max``)."""
+        return min(self.settings.rho_max, rho * self.settings.rho_factor)
+
+    def _link_decision(self, rebound: float, loss: float) -> tuple[str, str, dict[str, Any]]:
+        """The ``link`` policy without a rebound: the level whose predicted step is fastest (the densest within
+        ``step_slack`` of it) among those at or above the floor, which a plateau of the loss raises; a probe at
+        another level first, while one payload size cannot split the link's fixed cost from its throughput."""
+        s, link = self.settings, self.link
+        calm = f"Loss Rebound {rebound:.4g} <= {s.rebound_threshold:g}"
+        best = self._best_loss
+        trained = self._window.pushes > 0  # no push since the last evaluation (an epoch's end): no plateau judged
+        if trained and best is not None and loss > best * (1 - s.plateau_drop) and self.floor < s.rho_max:
+            self.floor = self._denser(max(self.floor, self.rho))
+            calm += (
+                f"; plateau: loss {loss:.4g} not {s.plateau_drop:g} below the best {best:.4g}, "
+                f"so rho {self.floor:g} at least"
+            )
+        self._unstable_streak = 0
+        self._stable_streak += 1
+        if self._stable_streak >= s.stable_evaluations:
+            self._stable_streak = 0
+            self.max_staleness = min(s.max_staleness_max, self.max_staleness + 1)
+        point = self._window.point()
+        rhos = self._window_rhos
+        if point is not None:
+            link.update(point, rhos[-1] if len(set(rhos)) == 1 else None)
+        if point is None:
+            return "hold", f"{calm}; no push paired its payload bytes with its communication time yet", {}
+        if not link.fitted:
+            if self._probe_from is not None:
+                return "hold", f"{calm}; probe: waiting for payloads at rho {self.rho:g} to fit the link", {}
+            self._probe_from = self.rho
+            # toward the smaller payload, which costs no time, unless already at the floor
+            down = max(self.floor, self.rho / s.rho_factor)
+            self.rho = down if down < self.rho else self._denser(self.rho)
+            return (
+                "probe",
+                f"{calm}; probe: one payload size ({point.payload_bytes:.0f} bytes) cannot split the link's fixed cost "
+                f"from its throughput, so one window at rho {self.rho:g}",
+                {},
+            )
+        predicted = {level: link.step_s(level) for level in self.levels() if level >= self.floor}
+        known = {level: t for level, t in predicted.items() if t is not None}
+        inputs = {
+            "floor": self.floor,
+            "fixed_s": link.fixed_s,
+            "throughput_bytes_per_s": link.throughput if math.isfinite(link.throughput) else None,
+            "predicted_step_s": {f"{level:g}": t for level, t in known.items()},
+        }
+        if not known:
+            return "hold", f"{calm}; the link model cannot predict a step yet", inputs
+        fastest = min(known.values())
+        choice = max(level for level, t in known.items() if t <= (1 + s.step_slack) * fastest)
+        name = "no compression" if choice >= 1 else f"rho {choice:g}"
+        why = (
+            f"{calm}; predicted step {known[choice]:.4g} s at {name}, the fastest {fastest:.4g} s "
+            f"(fixed {link.fixed_s:.4g} s, {_rate(link.throughput)}): the densest within {s.step_slack:g} of it"
+        )
+        if choice == self.rho:
+            return "hold", why, inputs
+        action = "compress_less" if choice > self.rho else "compress_more"
+        self.rho = choice
+        return action, why, inputs
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to take the same decisions (plain JSON-able values)."""
@@ -200,6 +304,12 @@ class CompressionController:
             "timed_pushes": self._timed_pushes,
             "stable_streak": self._stable_streak,
             "unstable_streak": self._unstable_streak,
+            "link": self.link.state_dict(),
+            "window": self._window.state_dict(),
+            "window_rhos": list(self._window_rhos),
+            "probe_from": self._probe_from,
+            "floor": self.floor,
+            "best_loss": self._best_loss,
             "settings": {f.name: getattr(self.settings, f.name) for f in fields(self.settings)},
         }
 
@@ -211,3 +321,9 @@ class CompressionController:
         self._timed_pushes = int(state["timed_pushes"])
         self._stable_streak = int(state["stable_streak"])
         self._unstable_streak = int(state.get("unstable_streak", 0))  # absent in checkpoints before the knob
+        if "link" in state:  # absent in checkpoints before the link policy
+            self.link = LinkModel.from_state(state["link"])
+            self._window.load_state_dict(state["window"])
+            self._window_rhos = deque((float(x) for x in state["window_rhos"]), maxlen=3)
+            self._probe_from = state["probe_from"]
+            self.floor, self._best_loss = float(state["floor"]), state["best_loss"]

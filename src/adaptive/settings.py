@@ -14,6 +14,9 @@ from typing import Any
 
 from src.common.bounds import bounds_rule, within
 
+POLICIES = ("link", "rebound")
+"""The controller's policies (``system.controller_policy``); the first is the default."""
+
 
 def _setting(default: float, **bounds: float) -> Any:
     """A setting's default and its bounds, in pydantic's words (``gt``, ``ge``, ``lt``, ``le``): the config's
@@ -46,6 +49,14 @@ class ControllerSettings:
     """rho is multiplied (rebound) or divided (stable, communication-bound) by this."""
     instability_persistence: int = _setting(1, ge=1)
     """Unstable evaluations in a row before it compresses less (1: the first acts)."""
+    policy: str = field(default="link")
+    """How rho is chosen: ``link`` (the fastest predicted step, :mod:`src.adaptive.link_model`) or ``rebound``
+    (halve rho while calm and communication-bound, the spec's first controller)."""
+    step_slack: float = _setting(0.1, ge=0)
+    """``link``: the densest rho whose predicted step is within this fraction of the fastest one is taken."""
+    plateau_drop: float = _setting(0.05, ge=0, lt=1)
+    """``link``: an evaluation whose loss is not this fraction below the best before it is a plateau: the lowest
+    rho it may choose goes up one step (a Loss Rebound raises it too)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -54,6 +65,8 @@ class ControllerSettings:
             if setting.metadata and not (math.isfinite(value) and within(value, setting.metadata)):
                 rule = bounds_rule(setting.metadata, finite=isinstance(setting.default, float))
                 problems.append(f"{setting.name} must be {rule}, got {value}")
+        if self.policy not in POLICIES:
+            problems.append(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         if not self.rho_min <= self.rho_max:
             problems.append(f"need rho_min <= rho_max, got rho_min={self.rho_min}, rho_max={self.rho_max}")
         if not self.max_staleness_min <= self.max_staleness_max:
@@ -82,4 +95,7 @@ class ControllerSettings:
             stable_evaluations=system.controller_stable_evaluations,
             communication_share=system.controller_communication_share,
             instability_persistence=system.controller_instability_persistence,
+            policy=system.controller_policy,
+            step_slack=system.controller_step_slack,
+            plateau_drop=system.controller_plateau_drop,
         )

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from src.adaptive.controller import CompressionController
 from src.adaptive.settings import ControllerSettings
 
-ACTIONS = ("hold", "compress_less", "compress_more")
+ACTIONS = ("hold", "compress_less", "compress_more", "probe", "hold_for_persistence")
 """The controller's actions, by their index in the broadcast decision."""
 
 
@@ -133,14 +133,17 @@ class RankControl:
 
     # -- the run ---------------------------------------------------------------------------
 
-    def step_done(self, step_time_s: float, exchange_s: float) -> None:
-        """One training step's timing (rank 0's controller sums them until the next evaluation)."""
+    def step_done(self, step_time_s: float, exchange_s: float, payload_bytes: int = 0, dense_bytes: int = 0) -> None:
+        """One training step's timing and the size of its payload and of the same gradients uncompressed (rank 0's
+        controller sums them until the next evaluation)."""
         if self.controller is not None:
             self.controller.observe(
                 {
                     "kind": "push",
                     "gradient_time_s": max(0.0, step_time_s - exchange_s),
                     "communication_time_s": max(0.0, exchange_s),
+                    "payload_bytes": payload_bytes,
+                    "dense_bytes": dense_bytes,
                 }
             )
 

@@ -43,6 +43,8 @@ class Contribution:
     request_id: int = 0
     learning_rate: float | None = None
     """The rate the worker's own scheduler set for this step (``None``: none; the server's schedule applies)."""
+    payload_bytes: int = 0
+    """Bytes of the push's gradient payloads as they travelled (what the adaptive controller's link model reads)."""
 
 
 class ModelState:
@@ -87,6 +89,11 @@ class ModelState:
             self.lookahead.lookahead(out=self._sent)
             self._sent_revision = self._revision
         return self._sent
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of one uncompressed gradient of every trainable parameter (float32)."""
+        return 4 * sum(p.numel() for p in self.params)
 
     @property
     def learning_rate(self) -> float:

@@ -25,15 +25,23 @@ class ServerControl:
         self.compresses_topk = system.compression_enabled and system.compression_type == "topk"
         self.staleness_policy = staleness_policy or StalenessPolicy.from_config(system)
         self.controller = CompressionController.from_config(system) if system.adaptive_compression else None
-        self.decisions: Counter[str] = Counter()  # by action: hold / compress_less / compress_more
+        self.decisions: Counter[str] = Counter()  # by action: hold / compress_less / compress_more / probe
+        self._last_payload: dict[int, int] = {}
+        """Each worker's latest payload bytes: its next push reports how long that one took to exchange."""
         self.control = pb.Control()
         if self.controller is not None:
             self._set(self.controller.rho, self.controller.max_staleness)
 
-    def observe_push(self, event: dict[str, Any]) -> None:
-        """A push event: the controller takes its timings (decisions come at evaluations)."""
+    def observe_push(self, event: dict[str, Any], payload_bytes: int, dense_bytes: int) -> None:
+        """A push event and its payload's size: the controller takes its timings (decisions come at evaluations).
+
+        A push reports the communication time of the worker's previous push (it is measured when that reply is in),
+        so the controller is handed that push's payload bytes with it."""
         if self.controller is not None:
-            self.controller.observe(event)
+            worker = event.get("worker")
+            measured = self._last_payload.get(worker, 0) if event.get("communication_time_s") else 0
+            self._last_payload[worker] = payload_bytes
+            self.controller.observe({**event, "payload_bytes": measured, "dense_bytes": dense_bytes})
 
     def decide(self, eval_event: dict[str, Any], log: MetricsLogger) -> None:
         """The controller's decision at an evaluation: an event, and the Control of every later reply (lock held)."""

@@ -74,7 +74,13 @@ class ModelLayout:
         gradients = self._gradients(payloads, received.early)
         buffers = self._buffers(raw_buffers) if raw_buffers else []
         return Contribution(
-            worker_id, request.num_samples, gradients, buffers, request.request_id, learning_rate=learning_rate
+            worker_id,
+            request.num_samples,
+            gradients,
+            buffers,
+            request.request_id,
+            learning_rate=learning_rate,
+            payload_bytes=sum(memoryview(p).nbytes for p in payloads),
         )
 
     def _gradients(self, payloads: list, early: dict) -> list[torch.Tensor]:

@@ -222,7 +222,7 @@ class Updates:
         except ValueError as exc:
             raise PushRefused("FAILED_PRECONDITION", str(exc)) from None
         self.totals.staleness_histogram[0] += 1  # a sync push is always for the current version
-        self._log_push(member, request, staleness=0, weight=1.0, accepted=True)
+        self._log_push(member, request, contribution, staleness=0, weight=1.0, accepted=True)
         self.maybe_complete_round()
         return pb.PushReply(accepted=True, staleness=0, weight=1.0)
 
@@ -248,6 +248,7 @@ class Updates:
         self._log_push(
             member,
             request,
+            contribution,
             staleness=staleness,
             weight=weight,
             accepted=weight is not None,
@@ -278,6 +279,7 @@ class Updates:
         self,
         member: Member,
         request: pb.PushRequest,
+        contribution: Contribution,
         *,
         staleness: int,
         weight: float | None,
@@ -304,7 +306,8 @@ class Updates:
             communication_time_s=metrics.communication_time_s,
             **fields,
         )
-        self.control.observe_push(event)  # timings only; decisions come at evaluations
+        # the controller's inputs (its decisions come at evaluations)
+        self.control.observe_push(event, contribution.payload_bytes, self.state.dense_bytes)
 
     def _push_fields(self, member: Member, request: pb.PushRequest) -> dict[str, int]:
         """What every push event says first: whose push, which request, its base version and the server's."""

@@ -161,6 +161,8 @@ class VirtualWorker:
         self.rejoins = Rejoins(worker_id, run.config.system.max_rejoins)
         self.last_failure: Failure | None = None
         self.finishing = False  # a Finish is on its way
+        self.compress_s = run.cost.compress_s
+        """What compressing the latest push cost (none for a push that went uncompressed)."""
         model = run.compute_model
         self.replica = (
             [torch.zeros_like(p) for p in model.parameters() if p.requires_grad],
@@ -453,7 +455,7 @@ class VirtualWorker:
         # encodes once it runs again: the same payloads, since nothing they are made of changes meanwhile).
         prepare = self._push if self.run.placement is None else self._push_to_shards
         send = prepare(process, batches, loss, correct, samples, step_s)
-        compress_s = self.run.cost.compress_s
+        compress_s = self.compress_s
         if self.hung:  # paused: the process goes on (compresses, pushes) once it runs again
             self.run.loop.after(
                 self.pause_s, lambda: self._resumed(process, lambda: self.run.loop.after(compress_s, send))
@@ -467,12 +469,13 @@ class VirtualWorker:
         """The push of the step just computed, encoded now; returns what sends it (after ``compress_s``)."""
         step = self.step
         payloads = step.encode(batches)
-        compress_s = self.run.cost.compress_s
+        payload_bytes = sum(chunk_size(p) for p in payloads)
+        # compress_s is what compressing costs: a push that went uncompressed (the controller's rho 1) spends none
+        compress_s = self.compress_s = self.run.cost.compress_s if payload_bytes < step.dense_bytes_per_step else 0.0
         request = step.request(
             self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
         )
         data = serialize(Outgoing(request, {"gradients": payloads, "buffers": step.buffers_to_send(batches)}))
-        payload_bytes = sum(chunk_size(p) for p in payloads)
         del payloads
         step_started = self.step_started
 
@@ -483,7 +486,7 @@ class VirtualWorker:
             received_before = self.bytes_received
             self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
             settled = self._settler(
-                request, batches, (payload_bytes, loss, correct, samples, step_s), sent_at, step_started
+                request, batches, (payload_bytes, loss, correct, samples, step_s, compress_s), sent_at, step_started
             )
 
             def replied(reply_data: bytes) -> None:
@@ -503,7 +506,7 @@ class VirtualWorker:
         """What settles the push ``request`` once its reply is in (``figures``: payload bytes, loss, correct,
         samples, compute seconds): ``settled(reply, push_bytes, reply_bytes)`` settles the step, draws its spans
         and takes the reply's work."""
-        payload_bytes, loss, correct, samples, step_s = figures
+        payload_bytes, loss, correct, samples, step_s, compress_s = figures
         step = self.step
 
         def settled(reply: Any, push_bytes: int, reply_bytes: int) -> None:
@@ -516,7 +519,7 @@ class VirtualWorker:
                 correct=correct,
                 samples=samples,
                 gradient_time_s=step_s,
-                compression_time_s=self.run.cost.compress_s,
+                compression_time_s=compress_s,
                 communication_time_s=self._now() - sent_at,
                 push_bytes=push_bytes,
                 reply_bytes=reply_bytes,
@@ -539,7 +542,7 @@ class VirtualWorker:
         ``reply_bytes`` are the exact sizes of those messages and their replies."""
         step = self.step
         per_shard = step.encode_shards(batches)
-        compress_s = self.run.cost.compress_s
+        compress_s = self.compress_s = self.run.cost.compress_s
         request = step.request(
             self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
         )
@@ -560,7 +563,7 @@ class VirtualWorker:
             traffic = Traffic()
             self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
             settled = self._settler(
-                request, batches, (payload_bytes, loss, correct, samples, step_s), sent_at, step_started
+                request, batches, (payload_bytes, loss, correct, samples, step_s, compress_s), sent_at, step_started
             )
             acks: dict[int, Received] = {}
 
