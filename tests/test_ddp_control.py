@@ -54,6 +54,42 @@ def _system(**fields):
 # ----------------------------------------------------------------------------- unit
 
 
+def test_the_link_policy_reads_each_steps_payload_and_broadcasts_its_probe(monkeypatch):
+    """The default policy: rank 0's steps carry their payload and dense bytes; the first decision is a probe (action
+    index 3 of the broadcast) that every rank takes as a switch; the second fits the link from two payload sizes."""
+    system = _system(controller_policy="link", compression_ratio=0.2, controller_rho_max=1.0).system
+    ranks = [RankControl.for_run(system, rank, compression_ratio=0.2) for rank in range(WORLD)]
+    sent: list[torch.Tensor] = []
+
+    def broadcast(tensor, src):
+        if sent:
+            tensor.copy_(sent.pop())
+        else:
+            sent.append(tensor.clone())
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    device, decisions = torch.device("cpu"), []
+    for step, loss in [(2, 0.9), (4, 0.6)]:
+        rho = ranks[0].compression_ratio if ranks[0].pending is None else ranks[0].pending.rho
+        for control in ranks:  # an exchange of 0.01 s + 1 s per 10 MB of payload
+            payload = int(8 * 1_000_000 * rho)
+            exchange = 0.01 + payload / 1e7
+            control.step_done(0.05 + exchange, exchange, payload, 4_000_000)
+        decisions.append(ranks[0].decide({"kind": "eval", "step": step, "test_loss": loss}, device))
+        assert ranks[1].decide(None, device) is None
+        for control in ranks:
+            control.due(step + 1)
+    assert decisions[0]["action"] == "probe" and decisions[0]["rho"] == pytest.approx(0.1)
+    fitted = decisions[1]["inputs"]
+    assert fitted["throughput_bytes_per_s"] == pytest.approx(1e7) and fitted["fixed_s"] == pytest.approx(0.06)
+    # no compression time apart in DDP: the smallest payload is the fastest step (0.068 s at rho 0.01, 0.46 dense)
+    assert fitted["predicted_step_s"]["0.01"] == pytest.approx(0.068) and fitted["predicted_step_s"][
+        "1"
+    ] == pytest.approx(0.46)
+    assert decisions[1]["action"] == "compress_more" and decisions[1]["rho"] == 0.01
+    assert [control.decisions for control in ranks] == [{"probe": 1, "compress_more": 1}] * WORLD
+
+
 def test_a_broadcast_decision_becomes_the_same_switch_on_every_rank_from_apply_from_step(monkeypatch):
     system = _system().system
     ranks = [RankControl.for_run(system, rank, compression_ratio=0.1) for rank in range(WORLD)]

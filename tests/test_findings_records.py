@@ -7,7 +7,8 @@ and (sharded) updates exactly: every field but the wall-clock ones the summary l
 change that moves a figure fails here until its matrix is re-collected (docs/findings.md, "To measure anew").
 
 The cells are cheap ones that each exercise what their matrix is about (a staleness bound, 16 workers, top-k with
-error feedback, a 250 Mbit/s uplink, the adaptive controller, two server shards). The real-clock confirmations
+error feedback, a 250 Mbit/s uplink, the adaptive controller, two server shards, the controller's probe and a link
+that slows down). The real-clock confirmations
 (``realtime_*``) are not re-run: their figures are wall-clock timings, which no re-run reproduces; their configs are
 checked by tests/test_findings.py.
 """
@@ -38,8 +39,9 @@ CELLS = {
     "f8_bandwidth": "seed-0__up250_topk10",
     "f11_controller": "seed-0__controller",
     "f13_shards": "seed-0__sync_k2",
+    "f14_links": "seed-0__drop__controller",
 }
-"""The cell of each matrix that is re-run (4 to 18 s each on one thread here: about 75 s in all)."""
+"""The cell of each matrix that is re-run (4 to 18 s each on one thread here: about 85 s in all)."""
 
 
 def test_every_findings_matrix_has_a_cell_here():

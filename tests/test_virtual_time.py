@@ -422,3 +422,29 @@ def test_virtual_time_matches_a_real_run_of_the_same_experiment_calibrated_here(
     assert result["throughput_samples_per_s_ratio"] == pytest.approx(1.0, abs=0.15), result
     (real,), (virtual,) = result["real"], result["virtual"]
     assert real["versions"] == virtual["versions"] and abs(real["final_accuracy"] - virtual["final_accuracy"]) <= 0.01
+
+
+def test_a_push_that_goes_uncompressed_spends_no_compression_time(tmp_path):
+    """Top-k at rho 1 sends every value uncompressed (the adaptive controller's "no compression"): in virtual time
+    it costs what a dense run costs, not ``compress_s`` more a push; top-k at 0.1 spends it on every push."""
+    common = dict(training__max_train_samples=96, emulation__uplink_mbps=100, emulation__compress_s=0.05)
+    dense = run_virtual(
+        virtual_config(tmp_path, "dense", **{**common, "emulation__compress_s": None}), tensorboard=False
+    )
+    runs = {
+        rho: run_virtual(
+            virtual_config(
+                tmp_path,
+                f"topk{rho}",
+                system__compression_enabled=True,
+                system__compression_type="topk",
+                system__compression_ratio=rho,
+                **common,
+            ),
+            tensorboard=False,
+        )
+        for rho in (1.0, 0.1)
+    }
+    assert runs[1.0]["compression_time_s"] == 0.0 and runs[1.0]["bytes_sent"] == dense["bytes_sent"]
+    assert runs[1.0]["train_time_s"] == dense["train_time_s"]
+    assert runs[0.1]["compression_time_s"] == pytest.approx(0.05 * runs[0.1]["pushes_applied"])

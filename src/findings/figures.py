@@ -1,4 +1,4 @@
-"""The spec's findings F1-F12 and issue 33's F13, computed from the committed records of their matrices
+"""The spec's findings F1-F12, issue 33's F13 and issue 35's F14, computed from the committed records of their matrices
 (docs/findings/*.json).
 
 Each finding is one or two matrices (``configs/experiments/f*.yaml``, virtual time, seed the outer
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from src.findings.controller_links import f14
 from src.findings.paired_stats import Estimate, estimate, paired, paired_by_seed
 from src.findings.runs import (
     MATRICES,
@@ -259,7 +260,7 @@ def f11(matrices: dict[str, Matrix]) -> dict[str, Any]:
         "arms": {},
         "vs": {},
     }
-    for name in arms + ["controller", "controller_persistent"]:
+    for name in arms + [c for c in ("controller", "controller_persistent", "controller_rebound") if c in matrix.by]:
         out["arms"][name] = {
             "time_to_target_s": {str(t): _e(matrix.estimate(name, time_to(t))) for t in (low, high)},
             "reached": {str(t): matrix.reached(name, time_to(t)) for t in (low, high)},
@@ -396,6 +397,7 @@ def compute(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "F8_F9_F10": f8(matrices),
         "F7_F11_F12": f11(matrices),
         "F13": f13(matrices),
+        "F14": f14(matrices),
         "realtime": realtime(matrices),
         "provenance": provenance(matrices),
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from src.findings.controller_links import CONTROLLERS, FIXED, LINKS
 from src.findings.figures import COMPRESSION_ARMS
 from src.findings.format import fmt, points, table
 from src.findings.summary import summary_table
@@ -200,11 +201,14 @@ def _render_f11(f: dict[str, Any]) -> list[str]:
         "rho10": "fixed 0.1",
         "rho5": "fixed 0.05",
         "rho1": "fixed 0.01",
-        "controller": "controller (0.25, floor 0.05)",
+        "controller": "controller (link; 0.25, floor 0.05)",
         "controller_persistent": "controller + persistence 2",
+        "controller_rebound": "old controller (rebound)",
     }
     rows = []
     for name, label in labels.items():
+        if name not in f["arms"]:
+            continue
         arm = f["arms"][name]
         rows.append(
             [
@@ -348,6 +352,76 @@ def _render_f13(f: dict[str, Any]) -> list[str]:
     ]
 
 
+def _render_f14(f: dict[str, Any]) -> list[str]:
+    if not f:
+        return ["(not measured)"]
+    low, high = f["thresholds"]
+    arms = {**FIXED, **CONTROLLERS}
+    rows = []
+    for arm, label in arms.items():
+        row = [label]
+        for cell in f["links"].values():
+            a = cell["arms"][arm]
+            row.append(
+                " / ".join(f"{fmt(a['time_to_target_s'][str(t)], 2)} ({a['reached'][str(t)]})" for t in (low, high))
+            )
+        rows.append(row)
+    lines = [f"Seconds (virtual) to {low:g} / to {high:g}, (seeds reaching it), {f['seeds']} seeds:", ""]
+    lines += table(["arm", *LINKS.values()], rows)
+    lines += ["", "Each link and target against its best fixed arm (the most seeds reaching it, then the soonest):", ""]
+    verdicts = []
+    for link, cell in f["links"].items():
+        for t in (low, high):
+            target = cell["targets"][str(t)]
+            best = target["best"]
+            if best is None:
+                verdicts.append([LINKS[link], f"{t:g}", "none reaches it", "-", "-", "-", "-", "-"])
+                continue
+            b, c, r = cell["arms"][best], target["controller"], target["rebound"]
+            met = c["met"]
+            judged = [f"time: {_yes(met['time'])}", f"seeds: {_yes(met['seeds'])}", f"bytes: {_yes(met['bytes'])}"]
+            if "vs_dense" in target:
+                v = target["vs_dense"]
+                judged.append(f"within 5% of dense: {_yes(v['met'])} ({fmt(v['time_ratio'], 3, 'x')})")
+            verdicts.append(
+                [
+                    LINKS[link],
+                    f"{t:g}",
+                    f"{FIXED[best]}: {fmt(b['time_to_target_s'][str(t)], 2)} ({target['best_reached']}/{f['seeds']})",
+                    f"{fmt(cell['arms']['controller']['time_to_target_s'][str(t)], 2)} ({c['reached']}/{f['seeds']})",
+                    fmt(c["time_ratio"], 3, "x"),
+                    fmt(c["bytes_ratio"], 3, "x"),
+                    f"{fmt(r['time_ratio'], 3, 'x')} ({r['reached']}/{f['seeds']})",
+                    "; ".join(judged),
+                ]
+            )
+    lines += table(
+        [
+            "link",
+            "target",
+            "best fixed arm: s (seeds)",
+            "controller: s (seeds)",
+            "time, controller / best",
+            "bytes to target, controller / best",
+            "old controller / best (seeds)",
+            "met",
+        ],
+        verdicts,
+    )
+    met, cells = f["cells_met"]
+    lines += [
+        "",
+        f"Cells where the controller meets every target: {met} of {cells}. A/A (fixed 0.05 repeated, link drop): "
+        f"time to {low:g} ratio {fmt(f['aa']['time_to_target_ratio'], 3, 'x')}, final accuracy "
+        f"{points(f['aa']['final_accuracy_difference'])}.",
+    ]
+    return lines
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
 def _render_realtime(r: dict[str, Any]) -> list[str]:
     rows = []
     if "F1" in r:
@@ -423,6 +497,7 @@ RENDERERS: dict[str, Callable[[Any], list[str]]] = {
     "F8_F9_F10": _render_f8,
     "F7_F11_F12": _render_f11,
     "F13": _render_f13,
+    "F14": _render_f14,
     "realtime": _render_realtime,
     "provenance": _render_provenance,
 }

@@ -29,6 +29,7 @@ THRESHOLDS = {
     "f8_bandwidth": (0.8, 0.85),
     "f11_controller": (0.8, 0.85),
     "f13_shards": (0.75, 0.8),
+    "f14_links": (0.8, 0.85),
 }
 """The two accuracies whose time to target each matrix reports (both reached by most arms at its size; at 8 and 16
 workers sync takes 42 and 21 averaged steps in its 3 epochs, so its thresholds are lower; F13's sync takes 12)."""

@@ -1,4 +1,5 @@
-"""The summary block of docs/findings.md: each claim (the spec's F1-F12, issue 33's F13) beside what was measured.
+"""The summary block of docs/findings.md: each claim (the spec's F1-F12, issue 33's F13, issue 35's F14) beside
+what was measured.
 
 One row per claim (a finding measured under two setups has a row for each): the finding, what the spec
 reports, what the records give (mean [95% interval] over seeds), the target this project set, and whether
@@ -215,11 +216,36 @@ def _f13_rows(f13: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _f14_rows(f14: dict[str, Any]) -> list[Row]:
+    """Issue 35's controller against the best fixed compression on four links."""
+    if not f14:
+        return []
+    met, cells = f14["cells_met"]
+    failed = [
+        f"{link} to {t}"
+        for link, cell in f14["links"].items()
+        for t, target in cell["targets"].items()
+        if "controller" in target
+        and not (all(target["controller"]["met"].values()) and target.get("vs_dense", {}).get("met", True))
+    ]
+    return [
+        [
+            "F14 (controller on four links)",
+            "issue 35: no later than the best fixed compression, in as many seeds, with <= 1.2x its bytes, on every "
+            "link; within 5% of dense at 10 Gbit/s",
+            f"every target met in {met} of {cells} link-and-target cells"
+            + (f"; not in: {', '.join(failed)}" if failed else ""),
+            "all cells",
+            f"all cells: {'yes' if met == cells else 'no'}",
+        ]
+    ]
+
+
 def summary_table(figures: dict[str, Any]) -> list[str]:
     """The summary block's lines: every claim's row, in the order F1 ... F13."""
     f2 = figures["F2_F4_F5_F6"]
     rows = _f1_rows(figures["F1"]) + _f2_f5_rows(f2) + _f3_rows(figures["F3"]) + _f4_f6_rows(f2)
     rows += _f8_f10_rows(figures["F8_F9_F10"]) + _controller_rows(figures["F7_F11_F12"])
-    rows += _f13_rows(figures.get("F13", {}))
+    rows += _f13_rows(figures.get("F13", {})) + _f14_rows(figures.get("F14", {}))
     rows.sort(key=lambda row: int(re.match(r"F(\d+)", row[0]).group(1)))  # F1 ... F13 (stable within one)
     return table(["finding", "spec", "measured here (mean [95% interval] over seeds)", "target", "met"], rows)
