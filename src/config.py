@@ -268,10 +268,13 @@ class SystemConfig(_Section):
     the pushes' bytes and times; needs a probe window) or rebound (the spec's first controller: halve rho while
     calm and communication-bound, double it on a Loss Rebound)."""
     controller_step_slack: float = _controller_setting("step_slack")
-    """link: the densest rho whose predicted step is within this fraction of the fastest is taken, >= 0."""
-    controller_plateau_drop: float = _controller_setting("plateau_drop")
-    """link: an evaluation whose loss is not this fraction below the best so far is a plateau and raises the lowest
-    rho it may choose one step, in [0, 1)."""
+    """link, outside the critical regime: the densest rho whose predicted step is within this fraction of the fastest,
+    >= 0."""
+    controller_critical_drop: float = _controller_setting("critical_drop")
+    """link: an evaluation whose loss fell by at least this fraction since the previous one is in the critical
+    regime (early training), >= 0."""
+    controller_critical_slack: float = _controller_setting("critical_slack")
+    """link, critical regime: the densest rho whose predicted step is within this fraction of the fastest, >= 0."""
     heartbeat_interval: float = Field(1.0, gt=0, allow_inf_nan=False)
     heartbeat_timeout: float = Field(5.0, gt=0, allow_inf_nan=False)
     """Seconds of silence after which a worker counts as failed; must exceed the interval."""

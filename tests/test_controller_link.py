@@ -3,8 +3,9 @@
 Streams of push events from a modelled link go in (each push's step less compression is ``fixed + bytes /
 throughput``; top-k's payload is 8 bytes per kept entry, dense 4), decisions come out: a probe window, then
 the Active Fraction (or none) whose predicted step is fastest; a slower link moves it without another probe;
-a server that paces every step whatever the payload means no compression; plateaus and rebounds raise the
-floor. Plus the parameter server's pairing of a push's reported communication time with its previous payload.
+a server that paces every step whatever the payload means no compression; while the loss falls fast (the
+critical regime) it pays for a denser rho; a rebound raises the floor. Plus the parameter server's pairing of
+a push's reported communication time with its previous payload.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ GRADIENT_S = 0.014
 
 
 def settings(**changes) -> ControllerSettings:
-    base = dict(rho_initial=0.05, rho_min=0.05, rho_max=1.0, policy="link", rebound_threshold=0.05, plateau_drop=0.05)
+    base = dict(rho_initial=0.05, rho_min=0.05, rho_max=1.0, policy="link", rebound_threshold=0.05)
     return ControllerSettings(**{**base, **changes})
 
 
@@ -64,16 +65,20 @@ def window(controller: CompressionController, link: Link, step: int, loss: float
 
 
 def falling(n: int, start: float = 2.0) -> list[float]:
-    return [start * 0.7**i for i in range(n)]  # 30% lower each time: never a plateau, never a rebound
+    return [start * 0.7**i for i in range(n)]  # 30% lower each time: the critical regime, never a rebound
+
+
+def calm(n: int, start: float = 1.0) -> list[float]:
+    return [start * 0.97**i for i in range(n)]  # 3% lower each time: calm, never a rebound
 
 
 def trace(controller: CompressionController, link: Link, losses: list[float]) -> list[dict]:
     return [window(controller, link, 10 * (i + 1), loss) for i, loss in enumerate(losses)]
 
 
-def test_a_slow_link_probes_once_then_keeps_the_floor():
+def test_a_slow_link_probes_once_then_keeps_the_floor_while_calm():
     controller = CompressionController(settings())
-    decisions = trace(controller, Link(250), falling(5))
+    decisions = trace(controller, Link(250), calm(5))
     assert [d["action"] for d in decisions] == ["probe", "compress_more", "hold", "hold", "hold"]
     assert [d["rho"] for d in decisions] == [0.1, 0.05, 0.05, 0.05, 0.05]
     assert "probe: one payload size (2320000 bytes)" in decisions[0]["reason"]
@@ -101,40 +106,44 @@ def test_a_server_that_paces_every_step_means_no_compression():
     assert decisions[1]["inputs"]["throughput_bytes_per_s"] is None  # no measurable transfer time
 
 
+def test_in_the_critical_regime_it_pays_for_a_denser_rho_and_compresses_more_once_calm():
+    controller = CompressionController(settings())
+    decisions = trace(controller, Link(250), [2.0, 1.4, 0.98, 0.95, 0.93])
+    assert [d["action"] for d in decisions] == ["probe", "compress_less", "hold", "compress_more", "hold"]
+    assert [d["rho"] for d in decisions] == [0.1, 0.2, 0.2, 0.05, 0.05]
+    assert (
+        "critical: the loss fell 30.0% (>= 0.2)" in decisions[1]["reason"]
+        and "within 1.5 of it" in decisions[1]["reason"]
+    )
+    assert "calm: the loss fell 3.1% (< 0.2)" in decisions[3]["reason"] and "within 0.1 of it" in decisions[3]["reason"]
+
+
 def test_a_link_that_changes_moves_the_choice_without_another_probe():
     controller = CompressionController(settings(rho_initial=0.05))
     fast, slow = Link(10_000), Link(25)
-    decisions = trace(controller, fast, falling(3))
+    decisions = trace(controller, fast, calm(3))
     assert controller.rho == 1.0
-    later = [window(controller, slow, 40 + 10 * i, loss) for i, loss in enumerate(falling(3, 0.5))]
+    later = [window(controller, slow, 40 + 10 * i, loss) for i, loss in enumerate(calm(3, 0.9))]
     assert [d["action"] for d in later] == ["compress_more", "hold", "hold"]
     assert later[0]["rho"] == 0.05 and "probe" not in later[0]["reason"]
     assert later[0]["inputs"]["throughput_bytes_per_s"] == pytest.approx(25e6 / 8)
     assert [d["action"] for d in decisions].count("probe") == 1
 
 
-def test_a_plateau_raises_the_floor_and_the_link_keeps_above_it():
+def test_an_evaluation_without_pushes_is_no_new_reading_of_the_loss():
     controller = CompressionController(settings())
-    losses = [*falling(4), falling(4)[-1] * 0.99]  # the last: not 5% below the best
-    decisions = trace(controller, Link(250), losses)
-    assert decisions[-1]["action"] == "compress_less" and decisions[-1]["rho"] == pytest.approx(0.1)
-    assert "plateau: loss" in decisions[-1]["reason"] and decisions[-1]["inputs"]["floor"] == pytest.approx(0.1)
-    assert window(controller, Link(250), 60, 0.1)["rho"] == pytest.approx(0.1)  # held at the floor since
-
-
-def test_an_evaluation_without_pushes_is_no_plateau():
-    controller = CompressionController(settings())
-    trace(controller, Link(250), falling(4))
-    repeated = window(controller, Link(250), 40, falling(4)[-1], pushes=0)  # the epoch's end, again
-    assert "plateau" not in repeated["reason"] and controller.floor == 0.05
+    trace(controller, Link(250), falling(3))
+    window(controller, Link(250), 30, falling(3)[-1], pushes=0)  # the epoch's end, again
+    assert "critical: the loss fell 30.0%" in window(controller, Link(250), 40, falling(4)[-1])["reason"]
 
 
 def test_a_rebound_compresses_less_and_raises_the_floor():
     controller = CompressionController(settings())
-    decisions = trace(controller, Link(250), [2.0, 1.4, 1.0, 1.3])
-    assert decisions[-1]["action"] == "compress_less" and "Loss Rebound" in decisions[-1]["reason"]
+    decisions = trace(controller, Link(250), [1.0, 0.97, 0.94, 1.1])
+    assert [d["action"] for d in decisions] == ["probe", "compress_more", "hold", "compress_less"]
+    assert "Loss Rebound" in decisions[-1]["reason"]
     assert controller.floor == pytest.approx(0.1) and controller.rho == pytest.approx(0.1)
-    assert window(controller, Link(250), 50, 0.5)["rho"] == pytest.approx(0.1)
+    assert window(controller, Link(250), 50, 0.9)["rho"] == pytest.approx(0.1)  # calm, but not below the floor
 
 
 def test_a_resumed_controller_decides_as_the_uninterrupted_one():
@@ -166,6 +175,9 @@ def test_the_model_needs_two_payload_sizes_for_a_fit():
     model.update(WindowPoint(2e6, 0.19, 0.01, 0.02, 8e6, 4), 0.1)
     assert model.fixed_s == pytest.approx(0.02) and model.throughput == pytest.approx(1e6 / 0.09)
     assert model.step_s(1.0) == pytest.approx(0.02 + 8e6 * 0.09 / 1e6)
+    # a smaller payload that took far longer: the link slowed between the windows; the fit stays, the rate moves
+    model.update(WindowPoint(1e6, 0.99, 0.01, 0.02, 8e6, 4), 0.05)
+    assert model.fixed_s == pytest.approx(0.02) and model.throughput == pytest.approx(1e6 / 0.98)
 
 
 def test_the_server_pairs_a_push_s_communication_time_with_the_worker_s_previous_payload():

@@ -69,7 +69,7 @@ def test_the_link_policy_reads_each_steps_payload_and_broadcasts_its_probe(monke
 
     monkeypatch.setattr(dist, "broadcast", broadcast)
     device, decisions = torch.device("cpu"), []
-    for step, loss in [(2, 0.9), (4, 0.6)]:
+    for step, loss in [(2, 0.9), (4, 0.88)]:  # calm: the fastest step, not a denser one
         rho = ranks[0].compression_ratio if ranks[0].pending is None else ranks[0].pending.rho
         for control in ranks:  # an exchange of 0.01 s + 1 s per 10 MB of payload
             payload = int(8 * 1_000_000 * rho)

@@ -92,8 +92,8 @@ class CompressionController:
         """rho in effect in the last three windows (a push's payload is reported a window late, at worst)."""
         self._probe_from: float | None = None
         self.floor = s.rho_min
-        """``link``: the lowest rho it may choose (raised by plateaus and rebounds)."""
-        self._best_loss: float | None = None
+        """``link``: the lowest rho it may choose (a rebound raises it)."""
+        self._previous_loss: float | None = None
 
     @classmethod
     def from_config(cls, system: Any) -> "CompressionController":
@@ -154,7 +154,8 @@ class CompressionController:
         else:
             action, reason = self._calm(rebound, share)
         self._window_rhos.append(self.rho)
-        self._best_loss = loss if self._best_loss is None else min(self._best_loss, loss)
+        if self._window.pushes:  # an evaluation with no push since the last (an epoch's end) is no new reading
+            self._previous_loss = loss
         if action in ("compress_less", "compress_more") and (self.rho, self.max_staleness) == previous:
             action, reason = "hold", f"{reason} (already at the bound)"
         decision = {
@@ -234,19 +235,21 @@ class CompressionController:
         return min(self.settings.rho_max, rho * self.settings.rho_factor)
 
     def _link_decision(self, rebound: float, loss: float) -> tuple[str, str, dict[str, Any]]:
-        """The ``link`` policy without a rebound: the level whose predicted step is fastest (the densest within
-        ``step_slack`` of it) among those at or above the floor, which a plateau of the loss raises; a probe at
-        another level first, while one payload size cannot split the link's fixed cost from its throughput."""
+        """The ``link`` policy without a rebound: the densest level whose predicted step is within a slack of the
+        fastest (``critical_slack`` while the loss falls fast, ``step_slack`` once it does not), among those at or
+        above the floor, which a rebound raises; a probe at another level first, while one payload size cannot
+        split the link's fixed cost from its throughput."""
         s, link = self.settings, self.link
         calm = f"Loss Rebound {rebound:.4g} <= {s.rebound_threshold:g}"
-        best = self._best_loss
-        trained = self._window.pushes > 0  # no push since the last evaluation (an epoch's end): no plateau judged
-        if trained and best is not None and loss > best * (1 - s.plateau_drop) and self.floor < s.rho_max:
-            self.floor = self._denser(max(self.floor, self.rho))
-            calm += (
-                f"; plateau: loss {loss:.4g} not {s.plateau_drop:g} below the best {best:.4g}, "
-                f"so rho {self.floor:g} at least"
-            )
+        before = self._previous_loss
+        critical = before is None or before - loss >= s.critical_drop * before
+        slack = s.critical_slack if critical else s.step_slack
+        calm += (
+            "; critical: the loss is falling fast (first evaluation)"
+            if before is None
+            else f"; {'critical' if critical else 'calm'}: the loss fell {(before - loss) / before:.1%} "
+            f"({'>=' if critical else '<'} {s.critical_drop:g})"
+        )
         self._unstable_streak = 0
         self._stable_streak += 1
         if self._stable_streak >= s.stable_evaluations:
@@ -282,11 +285,11 @@ class CompressionController:
         if not known:
             return "hold", f"{calm}; the link model cannot predict a step yet", inputs
         fastest = min(known.values())
-        choice = max(level for level, t in known.items() if t <= (1 + s.step_slack) * fastest)
+        choice = max(level for level, t in known.items() if t <= (1 + slack) * fastest)
         name = "no compression" if choice >= 1 else f"rho {choice:g}"
         why = (
             f"{calm}; predicted step {known[choice]:.4g} s at {name}, the fastest {fastest:.4g} s "
-            f"(fixed {link.fixed_s:.4g} s, {_rate(link.throughput)}): the densest within {s.step_slack:g} of it"
+            f"(fixed {link.fixed_s:.4g} s, {_rate(link.throughput)}): the densest within {slack:g} of it"
         )
         if choice == self.rho:
             return "hold", why, inputs
@@ -309,7 +312,7 @@ class CompressionController:
             "window_rhos": list(self._window_rhos),
             "probe_from": self._probe_from,
             "floor": self.floor,
-            "best_loss": self._best_loss,
+            "previous_loss": self._previous_loss,
             "settings": {f.name: getattr(self.settings, f.name) for f in fields(self.settings)},
         }
 
@@ -326,4 +329,4 @@ class CompressionController:
             self._window.load_state_dict(state["window"])
             self._window_rhos = deque((float(x) for x in state["window_rhos"]), maxlen=3)
             self._probe_from = state["probe_from"]
-            self.floor, self._best_loss = float(state["floor"]), state["best_loss"]
+            self.floor, self._previous_loss = float(state["floor"]), state["previous_loss"]

@@ -9,9 +9,10 @@ a line in the payload's size, ``gradient + communication = fixed + bytes / throu
 does not shrink with the payload (computing the gradient, the server's update and reply, queueing),
 ``bytes / throughput`` the upload. One payload size alone cannot split the two, so :class:`LinkModel` fits
 the line through the means of two consecutive evaluation windows with different payload sizes (a probe: the
-controller sends one window at another rho when it has no fit yet). A larger payload that cost no more (the
-server, not the link, paces the steps: a worker waits for it whatever it sends) fits an unlimited
-throughput. The fixed part is then kept, and the throughput re-estimated from every window's own pushes
+controller sends one window at another rho when it has no fit yet). A larger payload whose step took about
+as long (the server, not the link, paces the steps: a worker waits for it whatever it sends) fits an
+unlimited throughput; a smaller one that took much longer means the link changed between the windows, and
+fits nothing. The fixed part is then kept, and the throughput re-estimated from every window's own pushes
 (``bytes / (step less compression - fixed)``), so a link that slows down or speeds up moves the prediction
 at the next evaluation without another probe.
 
@@ -30,6 +31,8 @@ from typing import Any, Mapping
 
 MIN_SIZE_RATIO = 1.25
 """Two windows' mean payloads must differ by this factor for a fit (closer: the line is noise)."""
+PACED = 0.1
+"""Steps within this fraction of each other at two payload sizes: the payload costs nothing measurable."""
 
 
 def _finite(value: Any) -> float | None:
@@ -129,9 +132,12 @@ class LinkModel:
         before = self.previous
         if before is not None and _differ(before.payload_bytes, point.payload_bytes):
             slope = (point.uncompressed_s - before.uncompressed_s) / (point.payload_bytes - before.payload_bytes)
-            # slope <= 0: the larger payload cost no more (e.g. the server, not the link, paces the steps)
-            fixed = point.uncompressed_s - slope * point.payload_bytes if slope > 0 else point.uncompressed_s
-            self.fixed_s = min(max(fixed, 0.0), point.uncompressed_s)
+            if slope > 0:
+                self.fixed_s = min(max(point.uncompressed_s - slope * point.payload_bytes, 0.0), point.uncompressed_s)
+            elif _close(before.uncompressed_s, point.uncompressed_s):
+                # the larger payload cost no more: the server, not the link, paces the steps
+                self.fixed_s = point.uncompressed_s
+            # else the smaller payload took much longer: the link changed between the windows, no fit from them
         self.previous = point
         self.gradient_s = point.gradient_s
         if point.compression_s is not None:
@@ -173,6 +179,10 @@ class LinkModel:
     def from_state(cls, state: Mapping[str, Any]) -> "LinkModel":
         previous = state.get("previous")
         return cls(**{**state, "previous": WindowPoint(**previous) if previous else None})
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= PACED * max(a, b)
 
 
 def _differ(a: float, b: float) -> bool:

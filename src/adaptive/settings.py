@@ -53,10 +53,13 @@ class ControllerSettings:
     """How rho is chosen: ``link`` (the fastest predicted step, :mod:`src.adaptive.link_model`) or ``rebound``
     (halve rho while calm and communication-bound, the spec's first controller)."""
     step_slack: float = _setting(0.1, ge=0)
-    """``link``: the densest rho whose predicted step is within this fraction of the fastest one is taken."""
-    plateau_drop: float = _setting(0.05, ge=0, lt=1)
-    """``link``: an evaluation whose loss is not this fraction below the best before it is a plateau: the lowest
-    rho it may choose goes up one step (a Loss Rebound raises it too)."""
+    """``link``, outside the critical regime: the densest rho whose predicted step is within this fraction of the
+    fastest one is taken."""
+    critical_drop: float = _setting(0.2, ge=0)
+    """``link``: an evaluation whose loss fell by at least this fraction since the previous one is in the critical
+    regime (early training: compression costs the most accuracy there, Accordion's finding)."""
+    critical_slack: float = _setting(1.5, ge=0)
+    """``link``, critical regime: the densest rho whose predicted step is within this fraction of the fastest."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,5 +100,6 @@ class ControllerSettings:
             instability_persistence=system.controller_instability_persistence,
             policy=system.controller_policy,
             step_slack=system.controller_step_slack,
-            plateau_drop=system.controller_plateau_drop,
+            critical_drop=system.controller_critical_drop,
+            critical_slack=system.controller_critical_slack,
         )
