@@ -215,6 +215,7 @@ def add_amp_flag(parser: argparse.ArgumentParser) -> None:
 
 CONTROLLER_FLAGS: dict[str, str] = {
     "adaptive_compression": "system.adaptive_compression",
+    "controller_policy": "system.controller_policy",
     "controller_rho_min": "system.controller_rho_min",
     "controller_rho_max": "system.controller_rho_max",
     "controller_rebound_threshold": "system.controller_rebound_threshold",
@@ -232,6 +233,12 @@ STALENESS_FLAGS: dict[str, str] = {
 
 def _add_controller_arguments(group, adaptive_help: str) -> None:
     group.add_argument("--adaptive-compression", action="store_const", const=True, help=adaptive_help)
+    group.add_argument(
+        "--controller-policy",
+        choices=("link", "rebound"),
+        help="how the controller picks rho: link (the fastest predicted step on the measured link, denser while "
+        "the loss falls fast; default) or rebound (the spec's first controller)",
+    )
     group.add_argument(
         "--controller-rho-min", type=float, help="lowest Active Fraction the controller sets (default 0.01)"
     )
