@@ -313,7 +313,10 @@ def test_plot_results_draws_every_run_and_matrix_under_results(workspace):
     base.pop("experiment")
     base["training"].update(max_train_samples=768, eval_every_samples=384)
     tiny.write_text(yaml.safe_dump({"matrix": {"name": "tiny", "axes": {"mode": ["sync", "async"]}}, **base}))
-    ran(workspace, f"python scripts/run_matrix.py --config {tiny.name}")
+    ran(workspace, f"python scripts/run_matrix.py --config {tiny.name} --no-checkpoints")
+    tiny_runs = [path for path in (workspace / "results" / "tiny").iterdir() if path.is_dir()]
+    assert len(tiny_runs) == 2 and all((run / "summary.json").is_file() for run in tiny_runs), tiny_runs
+    assert not any((run / "checkpoints").exists() for run in tiny_runs), "--no-checkpoints left a checkpoint"
 
     result = ran(workspace, PLOT)
     written = {Path(line) for line in result.stdout.split()}

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -241,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         "on any machine at the same N; the findings' records are made with --threads 1",
     )
     parser.add_argument(
+        "--no-checkpoints",
+        action="store_true",
+        help="delete each run's final checkpoint once the run is done (a findings matrix needs only the summaries "
+        "and events; the checkpoint of a run is its whole model, megabytes each)",
+    )
+    parser.add_argument(
         "--set",
         dest="assignments",
         action="append",
@@ -309,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 continue
+            if args.no_checkpoints:
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             print(f"{prefix}: done in {time.perf_counter() - started:.1f} s{redo}: {describe(summary)}", flush=True)
     except KeyboardInterrupt:
         print("interrupted: the current run is redone next time", file=sys.stderr)

@@ -68,6 +68,8 @@ class ModelState:
         self.buffer_names = [n for n, _ in named_buffers]
         self.params = [p for _, p in named_params]
         self.buffers = [b for _, b in named_buffers]
+        self.dense_bytes = 4 * sum(p.numel() for p in self.params)
+        """Bytes of one uncompressed gradient of every trainable parameter (float32; the parameters are fixed)."""
         self.version = 0
         self._sums: list[torch.Tensor] | None = None  # reused from barrier to barrier
         self.lookahead = optimizer if isinstance(optimizer, LookaheadMomentum) else None
@@ -89,11 +91,6 @@ class ModelState:
             self.lookahead.lookahead(out=self._sent)
             self._sent_revision = self._revision
         return self._sent
-
-    @property
-    def dense_bytes(self) -> int:
-        """Bytes of one uncompressed gradient of every trainable parameter (float32)."""
-        return 4 * sum(p.numel() for p in self.params)
 
     @property
     def learning_rate(self) -> float:
