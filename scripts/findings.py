@@ -1,4 +1,4 @@
-"""The findings F1-F13 (docs/findings.md) from the committed records of their matrices.
+"""The findings F1-F14 (docs/findings.md) from the committed records of their matrices.
 
     python scripts/findings.py                                   # every figure, as JSON
     python scripts/findings.py --collect results/f1_stragglers   # a finished matrix -> docs/findings/f1_stragglers.json
