@@ -426,7 +426,8 @@ def test_virtual_time_matches_a_real_run_of_the_same_experiment_calibrated_here(
 
 def test_a_push_that_goes_uncompressed_spends_no_compression_time(tmp_path):
     """Top-k at rho 1 sends every value uncompressed (the adaptive controller's "no compression"): in virtual time
-    it costs what a dense run costs, not ``compress_s`` more a push; top-k at 0.1 spends it on every push."""
+    it costs what a dense run costs, not ``compress_s`` more a push; top-k at 0.1 spends it on every push but the
+    warm-up's (``system.warmup_steps``: each worker's first pushes dense)."""
     common = dict(training__max_train_samples=96, emulation__uplink_mbps=100, emulation__compress_s=0.05)
     dense = run_virtual(
         virtual_config(tmp_path, "dense", **{**common, "emulation__compress_s": None}), tensorboard=False
@@ -445,6 +446,21 @@ def test_a_push_that_goes_uncompressed_spends_no_compression_time(tmp_path):
         )
         for rho in (1.0, 0.1)
     }
+    warm = run_virtual(
+        virtual_config(
+            tmp_path,
+            "topk0.1_warmup",
+            system__compression_enabled=True,
+            system__compression_type="topk",
+            system__compression_ratio=0.1,
+            system__warmup_steps=2,
+            **common,
+        ),
+        tensorboard=False,
+    )
     assert runs[1.0]["compression_time_s"] == 0.0 and runs[1.0]["bytes_sent"] == dense["bytes_sent"]
     assert runs[1.0]["train_time_s"] == dense["train_time_s"]
     assert runs[0.1]["compression_time_s"] == pytest.approx(0.05 * runs[0.1]["pushes_applied"])
+    warm_up_pushes = 2 * warm["num_workers"]
+    assert warm["pushes_applied"] > warm_up_pushes and warm["bytes_sent"] > runs[0.1]["bytes_sent"]
+    assert warm["compression_time_s"] == pytest.approx(0.05 * (warm["pushes_applied"] - warm_up_pushes))

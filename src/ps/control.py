@@ -27,7 +27,9 @@ class ServerControl:
         self.controller = CompressionController.from_config(system) if system.adaptive_compression else None
         self.decisions: Counter[str] = Counter()  # by action: hold / compress_less / compress_more / probe
         self._last_payload: dict[int, int] = {}
-        """Each worker's latest payload bytes: its next push reports how long that one took to exchange."""
+        """Each worker's latest payload bytes: its next push reports how long that one took to exchange. Not in
+        checkpoints on purpose: after a server restarts, a worker's first push reports an exchange with the old
+        process (cut off, or retried), so with no paired size its time stays out of the controller's fit."""
         self.control = pb.Control()
         if self.controller is not None:
             self._set(self.controller.rho, self.controller.max_staleness)

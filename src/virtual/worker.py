@@ -470,12 +470,9 @@ class VirtualWorker:
         step = self.step
         payloads = step.encode(batches)
         payload_bytes = sum(chunk_size(p) for p in payloads)
-        # compress_s is what compressing costs: a push its Active Fraction left uncompressed (the controller's rho 1)
-        # spends none. A warm-up push (dense by the policy's warmup_steps) is charged as it always was: the findings'
-        # records of warm-up were made so, and async interleavings move with every millisecond
-        policy = step.codec.policy
-        warm_up = policy is not None and step.totals["steps"] < policy.warmup_steps
-        compressed = payload_bytes < step.dense_bytes_per_step or warm_up
+        # compress_s is what compressing costs: a push sent uncompressed (its Active Fraction, as the controller's
+        # rho 1, or a warm-up step's, system.warmup_steps) spends none, as a real worker's does not
+        compressed = payload_bytes < step.dense_bytes_per_step
         compress_s = self.compress_s = self.run.cost.compress_s if compressed else 0.0
         request = step.request(
             self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
