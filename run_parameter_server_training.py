@@ -77,6 +77,7 @@ PS_FLAGS = {
     "tls_ca": "system.tls_ca_file",
     "local_steps": "system.local_steps",
     "streaming": "system.streaming",
+    "pipelined_replies": "system.pipelined_replies",
     "downlink_compression": "system.downlink_compression",
     "downlink_ratio": "system.downlink_ratio",
     "downlink_refresh_interval": "system.downlink_refresh_interval",
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         help="workers communicate while they compute: each gradient is sent as backward produces it, and the "
         "next forward starts as its first layers' parameters arrive (same updates; default off)",
+    )
+    ps.add_argument(
+        "--pipelined-replies",
+        action="store_const",
+        const=True,
+        help="with --streaming, sync, --transport tcp: the server steps each slice of a parameter as soon as every "
+        "worker's gradient of it is in and sends it back during the push; the barrier's step confirms each slice "
+        "(same updates; default off)",
     )
     add_compression_flags(parser, "compression (worker pushes)")
     add_amp_flag(parser)  # the workers' forward/backward; the server's parameters stay float32

@@ -4,6 +4,7 @@
     python scripts/bench_overlap.py --mbps 80 --mtu 0 --transport grpc --reference docs/overlap_reference.json
     python scripts/bench_overlap.py --reference overlap.json           # a later worker against that reference
     python scripts/bench_overlap.py --streaming --transport tcp        # streamed against unstreamed, in one run
+    python scripts/bench_overlap.py --streaming --transport tcp --pipelined-replies   # and with pipelined replies
 
 Two workers, each in a network namespace whose link is shaped by tc tbf to --mbps both ways, the PS server in an
 unshaped one (the router); a sync PS run, then a 2-rank DDP run on the same links (src/benchmarks/overlap.py says
@@ -51,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the PS workers stream (issue 34); the same run measures them without streaming first, as the reference",
     )
     parser.add_argument(
+        "--pipelined-replies",
+        action="store_true",
+        help="with --streaming: the PS arm's server also sends each slice back as soon as it is "
+        "stepped; the same run measures the streamed arm without it too (ps_streamed)",
+    )
+    parser.add_argument(
         "--trace-dir", help="trace the PS runs and keep each arm's trace.json files here (scripts/plot_trace.py)"
     )
     parser.add_argument("--reference", help="an earlier run's JSON (same settings): judge issue 34's targets on it")
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=args.transport,
             reference=reference,
             streaming=args.streaming,
+            pipelined=args.pipelined_replies,
             mtu=args.mtu or None,
             trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         )

@@ -305,6 +305,15 @@ class SystemConfig(_Section):
     back in forward order, so the next forward starts once its first layers' parameters are in and waits for a later
     one only if it must. The same push, verdict and update as without it: only when the bytes travel changes.
     Needs ``local_steps`` 1 and no fp16 ``training.amp`` (their gradients are whole only after backward)."""
+    pipelined_replies: bool = False
+    """With ``streaming``, sync: the server steps each slice of a parameter as soon as every worker's gradient of it
+    is in and sends it back at once, while the rest of the push is still on its way (P3, BytePS); the barrier's own
+    step confirms each slice bit for bit, and a reply leaves out what a worker already holds
+    (:mod:`src.ps.slice_pipeline`). The same updates as without it. Dense float32 gradients only (a compressed one
+    travels and comes back as before); one server, no emulated links, real time; over TCP, no TLS (gRPC does its
+    own)."""
+    pipeline_slice_bytes: PositiveInt = 128 << 10
+    """With ``pipelined_replies``: bytes of a slice (rounded down to a multiple of 64 float32 values)."""
     transport: Literal["grpc", "tcp"] = "grpc"
     """How the parameter server and its workers talk: gRPC, or length-prefixed binary frames over TCP
     (:mod:`src.transport.tcp`: same messages, auth, sessions, TLS and limits, fewer copies). Both ends
@@ -569,7 +578,30 @@ class Config(_Section):
                 "system.streaming: not with training.amp fp16 (its gradients are unscaled, and an overflowed batch "
                 "computed again, only after backward)"
             )
+        if system.pipelined_replies:
+            refusal = self._pipelining_refusal()
+            if refusal:
+                raise ValueError(f"system.pipelined_replies: {refusal}")
         return self
+
+    def _pipelining_refusal(self) -> str | None:
+        """Why ``system.pipelined_replies`` cannot run with the rest of this config (``None``: it can)."""
+        system, emulation = self.system, self.emulation
+        if not system.streaming:
+            return "needs system.streaming (the gradients must arrive during backward)"
+        if system.aggregation_mode != "sync":
+            return "sync only (an async push is applied as it arrives, with nothing to pipeline against)"
+        if system.num_servers != 1:
+            return "one server only (a sharded step's holds do not send provisional slices yet)"
+        if system.downlink_compression != "none":
+            return "not with system.downlink_compression (a reply's deltas follow what each worker holds)"
+        if system.tls_cert_file and system.transport == "tcp":
+            return "not with TLS over system.transport tcp (slices are written while the connection is being read)"
+        if system.clock == "virtual":
+            return "real time only (virtual time does not model provisional slices yet)"
+        if emulation.uplink_mbps or emulation.downlink_mbps:
+            return "not with emulated links (they delay whole replies, not slices)"
+        return None
 
     @model_validator(mode="after")
     def _schedule_in_virtual_time(self) -> "Config":

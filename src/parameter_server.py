@@ -35,6 +35,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,6 +52,7 @@ from src.ps.push_decode import arriving_push_splitter
 from src.ps.push_parts import PushParts, arrived_push, push_size
 from src.ps.refusals import PushRefused, Refused, RunFailed
 from src.ps.sharding import Sharding
+from src.ps.slice_pipeline import Sink
 from src.ps.staleness import StalenessPolicy
 from src.ps.work_source import PlannedWork, WorkSource
 from src.telemetry import tracing
@@ -327,6 +329,11 @@ class ParameterServer(GrpcMethods):
         self._count(push_size(data), len(reply))
         return reply
 
+    def sent_provisional(self, nbytes: int) -> None:
+        """A transport wrote ``nbytes`` of provisional slices (``system.pipelined_replies``): counted as sent."""
+        if nbytes:
+            self._count(0, nbytes)
+
     def _count(self, bytes_in: int, bytes_out: int) -> None:
         """A call's message sizes, into this server's :attr:`load` (a sharded run's summary reports them)."""
         with self._load_lock:
@@ -341,10 +348,22 @@ class ParameterServer(GrpcMethods):
         # the layout is fixed once installed; a push before Initialize is refused later
         return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
 
-    def push_parts(self, max_bytes: int) -> PushParts:
+    def push_parts(self, max_bytes: int, sink: Sink | None = None) -> PushParts:
         """The parts of a streamed push about to arrive (:mod:`src.ps.push_parts`): each gradient checked and
-        decoded as it comes, outside the lock; pass ``parts.assemble(message bytes)`` to :meth:`handle_push`."""
-        return PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, max_bytes)
+        decoded as it comes, outside the lock; pass ``parts.assemble(message bytes)`` to :meth:`handle_push`.
+        ``sink``: the connection's, with ``system.pipelined_replies`` (its dense values are reported as they
+        arrive: :meth:`PushParts.progress <src.ps.push_parts.PushParts.progress>`)."""
+        pipeline = self.core.pipeline
+        arriving = None
+        if pipeline is not None and sink is not None and sink.worker is not None:
+            arriving = partial(pipeline.arrived, sink)
+        return PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, max_bytes, arriving=arriving)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether provisional slices are sent (``system.pipelined_replies``): a transport then gives each
+        connection a :class:`~src.ps.slice_pipeline.Sink`."""
+        return self.core.config.system.pipelined_replies
 
     def _serve_push(self, data, call: Call) -> bytes | Pieces:
         core = self.core
@@ -365,12 +384,15 @@ class ParameterServer(GrpcMethods):
                 if isinstance(admitted, (bytes, Pieces)):
                     return admitted  # a retry: answer again, apply nothing
                 member = admitted
+            sink = getattr(call, "sink", None)  # system.pipelined_replies: this connection's provisional slices
+            if core.pipeline is not None and sink is not None:
+                core.pipeline.attach(worker_id, sink)  # its next push's values are reported from here
             try:
                 contribution = core.decode(worker_id, received)  # outside the lock: workers decode in parallel
                 with core.lock:
                     core.member(request.caller)
                     verdict = core.apply_push(member, request, contribution)
-                    reply = core.push_reply(member, request_id, verdict, self._await_work(member, call))
+                    reply = core.push_reply(member, request_id, verdict, self._await_work(member, call), sink)
             except BaseException:
                 with core.lock:
                     core.abandon(worker_id, request_id)

@@ -183,20 +183,26 @@ class PushRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., base_version: _Optional[int] = ..., request_id: _Optional[int] = ..., num_samples: _Optional[int] = ..., batch_ids: _Optional[_Iterable[int]] = ..., gradients: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., learning_rate: _Optional[float] = ..., hold: _Optional[bool] = ..., commit: _Optional[bool] = ..., shard_staleness: _Optional[_Iterable[_Union[ShardStaleness, _Mapping]]] = ...) -> None: ...
 
 class PushStreamRequest(_message.Message):
-    __slots__ = ("part", "push")
+    __slots__ = ("part", "push", "part_more", "part_size")
     PART_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    PART_MORE_FIELD_NUMBER: _ClassVar[int]
+    PART_SIZE_FIELD_NUMBER: _ClassVar[int]
     part: bytes
     push: bytes
-    def __init__(self, part: _Optional[bytes] = ..., push: _Optional[bytes] = ...) -> None: ...
+    part_more: bytes
+    part_size: int
+    def __init__(self, part: _Optional[bytes] = ..., push: _Optional[bytes] = ..., part_more: _Optional[bytes] = ..., part_size: _Optional[int] = ...) -> None: ...
 
 class PushStreamReply(_message.Message):
-    __slots__ = ("reply_size", "reply")
+    __slots__ = ("reply_size", "reply", "provisional")
     REPLY_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_FIELD_NUMBER: _ClassVar[int]
     reply_size: int
     reply: bytes
-    def __init__(self, reply_size: _Optional[int] = ..., reply: _Optional[bytes] = ...) -> None: ...
+    provisional: bytes
+    def __init__(self, reply_size: _Optional[int] = ..., reply: _Optional[bytes] = ..., provisional: _Optional[bytes] = ...) -> None: ...
 
 class ShardStaleness(_message.Message):
     __slots__ = ("shard", "staleness")
@@ -207,7 +213,7 @@ class ShardStaleness(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control", "certificate")
+    __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control", "certificate", "provisional")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +225,7 @@ class PushReply(_message.Message):
     WORK_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     version: int
@@ -230,7 +237,8 @@ class PushReply(_message.Message):
     work: Work
     control: Control
     certificate: bytes
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., parameter_deltas: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., certificate: _Optional[bytes] = ...) -> None: ...
+    provisional: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., parameter_deltas: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., certificate: _Optional[bytes] = ..., provisional: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("samples", "steps", "bytes_sent", "bytes_received", "gradient_time_s", "compression_time_s", "communication_time_s", "total_time_s", "train_loss", "train_accuracy", "pushes_rejected", "payload_bytes", "dense_bytes", "emulated_delay_s")

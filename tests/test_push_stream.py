@@ -22,7 +22,14 @@ from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY
 from src.ps.grpc_service import reply_messages
 from src.transport.clients import TRANSPORTS
-from src.transport.grpc import Outgoing, push_part_message, reply_chunk_bounds, reply_stream_bytes, serialize
+from src.transport.grpc import (
+    PART_PIECE_BYTES,
+    Outgoing,
+    push_part_message,
+    reply_chunk_bounds,
+    reply_stream_bytes,
+    serialize,
+)
 from src.transport.stream import PushStream, part_size
 from src.transport.tcp_frames import HEADER_BYTES
 from src.transport.wire import Received, SharedBuffers, encode
@@ -231,8 +238,17 @@ def test_the_client_counts_exactly_the_messages_that_crossed_the_wire(twins, mon
     if transport == "grpc":
         assert sent == sum(map(len, crossed["sent"])) and received == sum(map(len, crossed["received"]))
         messages = [pb.PushStreamRequest.FromString(data) for data in crossed["sent"]]
-        assert [m.WhichOneof("kind") for m in messages] == ["part"] * len(payloads) + ["push"]
-        assert [m.part[4:] for m in messages[:-1]] == payloads and messages[-1].push == bytes(encode(unstreamed))
+        kinds = [m.WhichOneof("kind") for m in messages]
+        parts: list[bytes] = []  # a part above PART_PIECE_BYTES travels in pieces: its part, then part_more
+        for m in messages[:-1]:
+            if m.WhichOneof("kind") == "part":
+                parts.append(m.part)
+            else:
+                parts[-1] += m.part_more
+        pieces = [-(-part_size(p) // PART_PIECE_BYTES) for p in payloads]
+        assert kinds == [kind for n in pieces for kind in ["part"] + ["part_more"] * (n - 1)] + ["push"]
+        assert max(pieces) > 1  # some gradient of the model is large enough to go in pieces
+        assert [part[4:] for part in parts] == payloads and messages[-1].push == bytes(encode(unstreamed))
         assert sent == sum(m.ByteSize() for m in messages)
         chunks = [pb.PushStreamReply.FromString(data) for data in crossed["received"]]
         joined = b"".join(c.reply for c in chunks)  # the reply's bytes, in order: the PushReply
@@ -378,8 +394,19 @@ def test_a_push_stream_that_breaks_its_protocol_is_refused_at_once(twins):
     client = workers[0].client
     for messages, problem in (
         ([b"\x0b"], "unsupported wire type 3"),
-        ([b""], "a message carries a part or the push, not 0 parts, 0 pushes"),
+        ([b""], "a message carries a part, a piece or the push, not 0 parts, 0 pieces, 0 pushes"),
         ([push_part_message(0, b"x")], "it ended before the push's message"),
+        ([pb.PushStreamRequest(part_more=b"x").SerializeToString()], "a piece of a part came with no part before it"),
+        (
+            [pb.PushStreamRequest(part=b"xy", part_size=3).SerializeToString(), push_part_message(0, b"x")],
+            "a part ended",
+        ),
+        (
+            [pb.PushStreamRequest(part=b"xy", part_size=3).SerializeToString()]
+            + [pb.PushStreamRequest(part_more=b"zw").SerializeToString()],
+            "run past its 3 bytes",
+        ),
+        ([pb.PushStreamRequest(part=b"x", part_size=1 << 40).SerializeToString()], "a part of 1099511627776 bytes"),
     ):
         with pytest.raises(grpc.RpcError) as refused:
             list(client._push_stream(iter(messages), metadata=client._metadata, timeout=10))

@@ -4,6 +4,8 @@ A streamed worker sends each gradient as backward produces it and takes the repl
 waiting per layer (:mod:`src.ps.worker_stream`). Only when the bytes travel may change: the same runs streamed and
 not give the same parameters bit for bit (sync with 2 workers, with and without compression and a compressed
 downlink; async with one worker; 2 shards), the same pushes in the events, and every sample once, with faults too.
+Pipelined replies (``system.pipelined_replies``, :mod:`src.ps.slice_pipeline`) too: the same parameters bit for bit,
+every slice confirmed, and a killed worker's round voided.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def assert_bit_for_bit(expected: dict[str, torch.Tensor], actual: dict[str, torc
         assert torch.equal(actual[name], value), f"{name}: max difference {(actual[name] - value).abs().max()}"
 
 
+PIPELINED = dict(system__pipelined_replies=True, system__pipeline_slice_bytes=4096)  # several slices a tensor
 SYNC = dict(
     system__num_workers=2,
     system__aggregation_mode="sync",
@@ -52,7 +55,7 @@ SYNC = dict(
 )
 
 
-@pytest.mark.slow  # per transport: two 2-worker runs and a baseline, ~15 s
+@pytest.mark.slow  # per transport: three 2-worker runs and a baseline, ~20 s
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_streamed_sync_run_is_the_unstreamed_one_bit_for_bit_and_large_batch_sgd(tmp_path, transport):
     expected = baseline_parameters(tmp_path, batch_size=32, max_train_samples=249, momentum=0.9)
@@ -70,6 +73,22 @@ def test_a_streamed_sync_run_is_the_unstreamed_one_bit_for_bit_and_large_batch_s
     plain_bytes, streamed_bytes = plain[1]["bytes_received"], streamed[1]["bytes_received"]
     assert abs(streamed_bytes - plain_bytes) < 1e-4 * plain_bytes, (streamed_bytes, plain_bytes)
     assert plain[1]["bytes_sent"] < streamed[1]["bytes_sent"] < 1.01 * plain[1]["bytes_sent"]
+    # pipelined replies: each slice stepped before the barrier, the same run bit for bit
+    pipelined = run(tmp_path, "pipelined", system__transport=transport, system__streaming=True, **PIPELINED, **SYNC)
+    assert_bit_for_bit(plain[2], pipelined[2])
+    for worker in range(2):
+        assert pushes(pipelined[0], worker) == pushes(plain[0], worker)
+    events = list(read_events(Path(pipelined[0].system.log_dir, "server", "events.jsonl")))
+    assert check_coverage(events, 249, 1)["ok"]
+    counts = pipelined[1]["pipelined_replies"]
+    # every round but the first (a worker's first push comes before its connection is known) sends every slice
+    # to both workers, the barrier confirms each, and each reply after the first leaves out every parameter
+    replies = streamed[1]["versions"] - 1
+    assert counts["slices_voided"] == 0 and counts["slices_confirmed"] > 0, counts
+    assert counts["slices_sent"] == 2 * counts["slices_confirmed"], counts
+    assert counts["tensors_omitted"] == 2 * replies * len(plain[2]), counts  # simple_cnn: parameters only
+    # what the worker received: the slices' frames instead of the parameters' bytes in the replies
+    assert abs(pipelined[1]["bytes_received"] - plain_bytes) < 0.01 * plain_bytes
 
 
 @pytest.mark.slow  # per transport: two 2-worker runs on 2 shards, ~10 s
@@ -135,7 +154,8 @@ def test_a_streamed_run_survives_a_killed_worker_and_a_killed_server_with_every_
     drops the parts with the connection); the server SIGKILLs itself mid-run and the workers' streamed pushes
     find the restarted one. Every sample lands in exactly one applied update, and the run trains. (Sync: what
     follows a fault is the same in async, tests/test_fault_tolerance.py; what streaming adds is how a push is cut
-    off, which is the same in both.)"""
+    off, which is the same in both.) With pipelined replies: the slices stepped with the killed worker's parts are
+    voided at the barrier that goes on without it, and the surviving worker is sent the step without it."""
     config, summary, _ = run(
         tmp_path,
         "faulty",
@@ -143,6 +163,7 @@ def test_a_streamed_run_survives_a_killed_worker_and_a_killed_server_with_every_
         system__aggregation_mode="sync",
         system__transport="tcp",
         system__streaming=True,
+        **PIPELINED,
         system__heartbeat_interval=0.5,
         system__heartbeat_timeout=3.0,
         system__inject_faults=["kill:worker=1@step=6", "kill:server@version=20"],
@@ -156,6 +177,9 @@ def test_a_streamed_run_survives_a_killed_worker_and_a_killed_server_with_every_
     server_events = list(read_events(Path(config.system.log_dir, "server", "events.jsonl")))
     report = check_coverage(server_events, 1024, 2)
     assert report["ok"], report
+    voided = [e for e in server_events if e["kind"] == "provisional_voided"]
+    # the round that went on without worker 1 (a slice whose gradients were zero on both workers still stands)
+    assert voided and all(0 < e["slices"] <= e["stepped"] for e in voided), voided
     assert summary["samples_processed"] == 2 * 1024
     assert summary["faults"]["worker_failures"] >= 1 and summary["faults"]["server_recoveries"] >= 1, summary["faults"]
     assert summary["final_accuracy"] > 0.6, summary["final_accuracy"]

@@ -58,7 +58,15 @@ it for each run). Links carry jumbo frames (``--mtu``, :data:`DEFAULT_MTU`). 6 e
 8 steps of 2 x 256 an epoch) as in the issue; the three arms take about 2 minutes here.
 
 With ``streaming`` (``--streaming``) the run has three arms: the PS without streaming first (``ps_unstreamed``,
-today's worker: the targets' reference), then with it (``ps``), then DDP.
+today's worker: the targets' reference), then with it (``ps``), then DDP. With ``pipelined`` (``--pipelined-replies``)
+as well, four: the streamed arm becomes ``ps_streamed`` and ``ps`` is the streamed PS whose server sends each slice
+back as soon as it is stepped (:mod:`src.ps.slice_pipeline`).
+
+With ``trace_dir`` (``--trace-dir``) every process of every arm writes its timeline, and the JSON's
+``exposed_split_s_per_step`` splits each streamed PS arm's and DDP's exposed seconds per worker-step at the moment
+every worker's gradients were ready (:mod:`src.telemetry.peer_wait`): ``waiting_for_peers_s`` before it (the
+barrier or the collective waiting for the slowest worker), ``after_all_ready_s`` after it (what the communication
+itself left exposed).
 
 Needs root and iproute2 (``ip``, ``tc``); without them the JSON says why it did not run. Every namespace and link is
 removed in a ``finally``, with any process left in them.
@@ -79,6 +87,7 @@ from typing import Any
 
 from src.benchmarks.common import log
 from src.benchmarks.ps.netns import Hosts, unavailable
+from src.telemetry import peer_wait
 
 ROOT = Path(__file__).resolve().parents[2]
 PS_RUNNER = ROOT / "run_parameter_server_training.py"
@@ -173,11 +182,18 @@ def _shared_args(run: dict[str, Any]) -> list[str]:
 
 
 def ps_commands(
-    hosts: Hosts, run: dict[str, Any], port: int, *, streaming: bool = False, trace: bool = False
+    hosts: Hosts,
+    run: dict[str, Any],
+    port: int,
+    *,
+    streaming: bool = False,
+    pipelined: bool = False,
+    trace: bool = False,
 ) -> dict[str, tuple[Path, list[str], dict[str, str]]]:
     """Each host's (script, arguments, environment) of the PS arm (logs and checkpoints are added per host);
-    ``streaming``: the workers communicate while they compute (``--streaming``, issue 34); ``trace``: every
-    process writes its timeline (``--trace``)."""
+    ``streaming``: the workers communicate while they compute (``--streaming``, issue 34); ``pipelined``: the server
+    sends each slice back as soon as it is stepped (``--pipelined-replies``); ``trace``: every process writes its
+    timeline (``--trace``)."""
     address = ["--server-address", f"{hosts.ips['server']}:{port}", "--transport", run["transport"]]
     server = [
         *("--role", "server", "--workers", str(NUM_WORKERS), "--aggregation-mode", "sync"),
@@ -185,6 +201,7 @@ def ps_commands(
         *_shared_args(run),
         *("--checkpoint-interval", "100000"),
         *(["--streaming"] if streaming else []),
+        *(["--pipelined-replies"] if pipelined else []),
         *(["--trace"] if trace else []),
     ]
     commands = {"server": (PS_RUNNER, server, {})}
@@ -194,9 +211,13 @@ def ps_commands(
     return commands
 
 
-def ddp_commands(hosts: Hosts, run: dict[str, Any], port: int) -> dict[str, tuple[Path, list[str], dict[str, str]]]:
-    """Each host's (script, arguments, environment) of the DDP arm: rank K on ``worker_K``."""
+def ddp_commands(
+    hosts: Hosts, run: dict[str, Any], port: int, *, trace: bool = False
+) -> dict[str, tuple[Path, list[str], dict[str, str]]]:
+    """Each host's (script, arguments, environment) of the DDP arm: rank K on ``worker_K`` (``trace``: each rank
+    writes its timeline)."""
     args = [*("--world-size", str(NUM_WORKERS)), *_shared_args(run), *("--checkpoint-interval", "100000")]
+    args += ["--trace"] if trace else []
     commands = {}
     for rank, role in enumerate(WORKERS):
         env = {
@@ -276,6 +297,35 @@ def run_processes(
                 process.wait()
         for handle in outputs.values():
             handle.close()
+
+
+def exposed_split(trace_dir: Path, arm: str) -> dict[str, Any] | None:
+    """An arm's exposed communication split at the moment every worker's gradients were ready
+    (:func:`src.telemetry.peer_wait.split_exposed`), from the traces :func:`keep_traces` kept for it; ``None``
+    without them."""
+    traces = sorted(path for path in (Path(trace_dir) / arm).rglob("trace.json") if "server" not in path.parts)
+    if len(traces) != NUM_WORKERS:
+        return None
+    ready, waits = [], []
+    for path in traces:
+        events = json.loads(path.read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        spans: dict[str, list[tuple[float, float]]] = {}
+        for event in events:
+            if event.get("ph") == "X":
+                spans.setdefault(event["name"], []).append((event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6))
+        for intervals in spans.values():
+            intervals.sort()
+        if arm == "ddp":
+            steps = peer_wait.ddp_steps(spans.get("exchange_wait", []))
+        else:
+            steps = peer_wait.ps_steps(
+                spans.get("forward_backward", []), spans.get("reply_wait", []), spans.get("parameter_wait", [])
+            )
+        ready.append(steps[0])
+        waits.append(steps[1])
+    split = peer_wait.split_exposed(ready, waits)
+    return {key: round(value, 5) if isinstance(value, float) else value for key, value in split.items()}
 
 
 def keep_traces(folder: Path, trace_dir: Path | None, arm: str) -> None:
@@ -400,10 +450,13 @@ def summarize(
     ddp_ranks: list[dict[str, Any]],
     reference: dict[str, Any] | None = None,
     unstreamed_summary: dict[str, Any] | None = None,
+    streamed_summary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The bench's JSON from the arms' summaries (``run``: :func:`settings`; ``reference``: see :func:`targets`).
     ``unstreamed_summary``: ``ps_summary`` is a streamed run's, and this is the same run's PS arm without streaming
-    (``ps_unstreamed``, the targets' reference unless ``reference`` is given).
+    (``ps_unstreamed``, the targets' reference unless ``reference`` is given). ``streamed_summary``: ``ps_summary``
+    is a pipelined run's (``system.pipelined_replies``), and this is the same run's streamed arm without it
+    (``ps_streamed``).
 
     Raises:
         ValueError: ``reference`` is not this bench's JSON, or was measured with other settings.
@@ -426,6 +479,13 @@ def summarize(
     if unstreamed is not None:
         result["exposed_fraction"]["ps_unstreamed"] = unstreamed["exposed_fraction"]
         result["streamed_over_unstreamed"] = round(ps["samples_per_s"] / unstreamed["samples_per_s"], 3)
+    if "pipelined_replies" in ps_summary:
+        result["ps"]["pipelined_replies"] = ps_summary["pipelined_replies"]
+    if streamed_summary is not None:
+        streamed = ps_arm(streamed_summary, mbps)
+        result["ps_streamed"] = {**streamed, "streaming": True}
+        result["exposed_fraction"]["ps_streamed"] = streamed["exposed_fraction"]
+        result["pipelined_over_streamed"] = round(ps["samples_per_s"] / streamed["samples_per_s"], 3)
     return result
 
 
@@ -443,11 +503,14 @@ def bench_overlap(
     reference: dict[str, Any] | None = None,
     timeout_s: float = 600.0,
     streaming: bool = False,
+    pipelined: bool = False,
     trace_dir: Path | None = None,
     mtu: int | None = DEFAULT_MTU,
 ) -> dict[str, Any]:
     """Both arms on the same hosts (PS first, then DDP) and their figures; where namespaces cannot be made, why not.
     ``streaming``: the PS arm streams (issue 34), and the same run first measures it without (``ps_unstreamed``).
+    ``pipelined`` (with ``streaming``): the PS arm's server also sends each slice back as soon as it is
+    stepped (``--pipelined-replies``), and the same run measures the streamed arm without it too (``ps_streamed``).
     ``trace_dir``: the PS runs are traced (``--trace``), and each arm's processes' ``trace.json`` files are kept under
     ``trace_dir/<arm>/<host>/`` (``scripts/plot_trace.py`` draws a folder of them as one timeline).
 
@@ -459,6 +522,8 @@ def bench_overlap(
         mbps, epochs, batch_size, max_train_samples=max_train_samples, transport=transport, seed=seed, mtu=mtu
     )
     check_reference(reference, run)
+    if pipelined and not streaming:
+        raise ValueError("pipelined replies need streaming (--streaming)")
     why = unavailable()
     if why is not None:
         log(f"overlap: skipped ({why})")
@@ -472,24 +537,37 @@ def bench_overlap(
         run_processes(hosts, ps_commands(hosts, run, PS_PORT, trace=trace), ps_folder, timeout_s)
         keep_traces(ps_folder, trace_dir, "ps_unstreamed" if streaming else "ps")
         ps_summary = json.loads((ps_folder / "server" / "logs" / "summary.json").read_text())
-        unstreamed_summary = None
+        unstreamed_summary = streamed_summary = None
         if streaming:
             streamed_folder = Path(tmp) / "ps_streamed"
             streamed_folder.mkdir()
             log(f"overlap: PS arm streaming, sync, 2 workers at {mbps:g} Mbit/s")
             commands = ps_commands(hosts, run, PS_PORT + 1, streaming=True, trace=trace)
             run_processes(hosts, commands, streamed_folder, timeout_s)
-            keep_traces(streamed_folder, trace_dir, "ps")
+            keep_traces(streamed_folder, trace_dir, "ps_streamed" if pipelined else "ps")
             unstreamed_summary = ps_summary
             ps_summary = json.loads((streamed_folder / "server" / "logs" / "summary.json").read_text())
+        if pipelined:
+            pipelined_folder = Path(tmp) / "ps_pipelined"
+            pipelined_folder.mkdir()
+            log(f"overlap: PS arm streaming with pipelined replies, sync, 2 workers at {mbps:g} Mbit/s")
+            commands = ps_commands(hosts, run, PS_PORT + 2, streaming=True, pipelined=True, trace=trace)
+            run_processes(hosts, commands, pipelined_folder, timeout_s)
+            keep_traces(pipelined_folder, trace_dir, "ps")
+            streamed_summary = ps_summary
+            ps_summary = json.loads((pipelined_folder / "server" / "logs" / "summary.json").read_text())
         log(f"overlap: DDP arm, 2 ranks at {mbps:g} Mbit/s")
-        run_processes(hosts, ddp_commands(hosts, run, DDP_PORT), ddp_folder, timeout_s)
+        run_processes(hosts, ddp_commands(hosts, run, DDP_PORT, trace=trace), ddp_folder, timeout_s)
+        keep_traces(ddp_folder, trace_dir, "ddp")
         ddp_summary = json.loads((ddp_folder / WORKERS[0] / "logs" / "summary.json").read_text())
         ranks = [
             json.loads((ddp_folder / role / "logs" / f"ddp_rank_{k}.json").read_text())
             for k, role in enumerate(WORKERS)
         ]
-    result = summarize(run, ps_summary, ddp_summary, ranks, reference, unstreamed_summary)
+    result = summarize(run, ps_summary, ddp_summary, ranks, reference, unstreamed_summary, streamed_summary)
+    if trace_dir is not None:  # each arm's exposed time: waiting for the slowest worker, and after it
+        arms = ["ps", "ddp", *(["ps_streamed"] if pipelined else [])]
+        result["exposed_split_s_per_step"] = {arm: exposed_split(trace_dir, arm) for arm in arms}
     log(
         f"overlap: PS {result['ps']['samples_per_s']} samples/s, exposed {result['ps']['exposed_fraction']}; "
         f"DDP {result['ddp']['samples_per_s']} samples/s, exposed {result['ddp']['exposed_fraction']}; "

@@ -131,6 +131,23 @@ def pack_header(
     return body + _HEADER_CRC.pack(zlib.crc32(body))
 
 
+def dense_float32_numel(header: PayloadLike) -> int | None:
+    """The entries of the identity payload whose first :data:`HEADER_SIZE` bytes are ``header``, when it carries
+    float32 values (its body is then the tensor's values, 4 bytes each, in order); ``None`` for any other payload
+    or a header that does not check out. Lets a receiver read a dense gradient's values while its bytes still
+    arrive (:mod:`src.ps.slice_pipeline`); the whole payload is checked as usual once it is in."""
+    raw = bytes(as_buffer(header)[:HEADER_SIZE])
+    if len(raw) < HEADER_SIZE:
+        return None
+    (magic, version, kind_code, _dtype, bits, _ndim, value_code, numel, *_rest) = _HEADER_BODY.unpack_from(raw)
+    (crc,) = _HEADER_CRC.unpack_from(raw, _HEADER_BODY.size)
+    if magic != MAGIC or version != FORMAT_VERSION or crc != zlib.crc32(raw[: _HEADER_BODY.size]):
+        return None
+    if kind_code != Kind.IDENTITY or value_code != _VALUE_CODES[torch.float32] or bits != 32:
+        return None
+    return numel
+
+
 def as_buffer(payload: PayloadLike) -> memoryview:
     """A flat byte view of ``payload`` without copying (bytes, bytearray, uint8 array/tensor)."""
     if isinstance(payload, torch.Tensor):

@@ -85,6 +85,7 @@ from src.ps.model import ServedModel
 from src.ps.pushes import Pushes
 from src.ps.refusals import MEMBERSHIP_CODES, PushRefused, Refused, RunFailed
 from src.ps.sharding import Sharding
+from src.ps.slice_pipeline import Sink, SlicePipeline, slice_elements_of
 from src.ps.staleness import StalenessPolicy
 from src.ps.totals import RunTotals, emulation_summary
 from src.ps.updates import Updates
@@ -147,6 +148,8 @@ class ServerCore:
     ):
         self.config = config
         self.sharding = sharding
+        self.pipeline: SlicePipeline | None = None
+        """system.pipelined_replies: provisional slices (:mod:`src.ps.slice_pipeline`), once a model is served."""
         self._held: dict[int, Contribution] = {}  # sharded: pushes held until their commit, by worker
         self._events_after_replies = events_after_replies
         t, system = config.training, config.system
@@ -241,6 +244,9 @@ class ServerCore:
         self.model.install(model)
         self.evaluations.install(model)
         self.updates.schedule_next_step()
+        if self.config.system.pipelined_replies:
+            self.pipeline = SlicePipeline(self.state, slice_elements_of(self.config.system.pipeline_slice_bytes))
+            self.updates.pipeline = self.pipeline
 
     def flush_events(self) -> None:
         """Write the events recorded for replies now on their way (``events_after_replies``); no lock needed."""
@@ -361,14 +367,25 @@ class ServerCore:
         return self._held.pop(worker)
 
     def push_reply(
-        self, member: Member, request_id: int, verdict: pb.PushReply, work: tuple[list[Batch] | None, bool]
+        self,
+        member: Member,
+        request_id: int,
+        verdict: pb.PushReply,
+        work: tuple[list[Batch] | None, bool],
+        sink: Sink | None = None,
     ) -> bytes | Pieces:
         """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``.
         A sharded server's: the newest version's certificate instead of the parameters (the worker pulls
-        every shard's)."""
+        every shard's). ``sink``: the connection it goes on, whose confirmed provisional slices it leaves out
+        (``system.pipelined_replies``)."""
         if self.sharding is not None:
             verdict.certificate = self.updates.certificate
-        reply = self.pushes.reply(member, request_id, verdict, work, parameters=self.sharding is None)
+        omit = []
+        if self.pipeline is not None:
+            omit = self.pipeline.omitted(member.worker_id, sink)
+            for version, voided, stepped in self.pipeline.take_voided():
+                self.log.event("provisional_voided", version=version, slices=voided, stepped=stepped)
+        reply = self.pushes.reply(member, request_id, verdict, work, parameters=self.sharding is None, omit=omit)
         self.lock.notify_all()
         return reply
 
@@ -552,6 +569,8 @@ class ServerCore:
         summary.update(extra or {})
         if self.work.owns_data:
             summary["steps_skipped"] = self.counters["steps_skipped"]
+        if self.pipeline is not None:  # system.pipelined_replies: what went back before the barriers
+            summary["pipelined_replies"] = dict(self.pipeline.counts)
         self.log.event("run_end", **{k: v for k, v in summary.items() if k != "workers"})
         summary_path = write_summary(summary_json or Path(system.log_dir) / "summary.json", summary)
         self.log.finish(summary, artifacts=[summary_path, checkpoint_path])

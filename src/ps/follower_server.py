@@ -145,8 +145,9 @@ class FollowerServer(GrpcMethods):
         come in and decoded once whole, as shard 0 does (:func:`~src.ps.push_decode.arriving_push_splitter`)."""
         return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
 
-    def push_parts(self, max_bytes: int) -> PushParts:
-        """The parts of a streamed hold about to arrive (:mod:`src.ps.push_parts`), decoded as they come."""
+    def push_parts(self, max_bytes: int, sink: Any = None) -> PushParts:
+        """The parts of a streamed hold about to arrive (:mod:`src.ps.push_parts`), decoded as they come (a follower
+        sends no provisional slices: ``sink`` is always ``None``)."""
         return PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, max_bytes)
 
     def after_reply(self) -> None:

@@ -16,11 +16,13 @@ and refuses the push, with its reason, once the push's message comes: the connec
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from src import parameter_server_pb2 as pb
+from src.compressors.payload_format import HEADER_SIZE, dense_float32_numel
 from src.ps.push_decode import ModelLayout
-from src.transport.stream import split_part
+from src.ps.slice_pipeline import ELEMENT_BYTES
+from src.transport.stream import PART_INDEX, split_part
 from src.transport.wire import MessageSplitter, Received, split
 
 
@@ -53,14 +55,43 @@ class PushParts:
         max_bytes: most bytes the parts together may hold (the transport's push size limit).
     """
 
-    def __init__(self, layout: ModelLayout | None, large_fields, max_bytes: int):
+    def __init__(
+        self,
+        layout: ModelLayout | None,
+        large_fields,
+        max_bytes: int,
+        *,
+        arriving: Callable[[int, memoryview, int], None] | None = None,
+    ):
         self.layout = layout
         self.large_fields = large_fields
         self.max_bytes = max_bytes
+        self.arriving = arriving
         self.nbytes = 0
         self.problem: str | None = None  # the first thing wrong with a part: the push's refusal
         self._payloads: dict[int, memoryview] = {}
         self._early: dict[tuple[str, int], tuple[memoryview, Any]] = {}
+        self._reading: tuple[Any, int, memoryview] | None = None  # the part being read: (its body, index, values)
+
+    def progress(self, body: memoryview, filled: int) -> None:
+        """A transport that reads a part in pieces (TCP): ``filled`` bytes of ``body`` are in. With ``arriving``
+        (``system.pipelined_replies``), a dense float32 gradient's values are reported as they come:
+        ``arriving(index, values, how many are in)``. Nothing is checked here: :meth:`add` checks the whole part."""
+        if self.arriving is None or self.problem is not None:
+            return
+        reading = self._reading
+        if reading is None or reading[0] is not body:
+            if filled < PART_INDEX.size + HEADER_SIZE:
+                return
+            index = PART_INDEX.unpack_from(body)[0]
+            numel = dense_float32_numel(body[PART_INDEX.size :])
+            expected = PART_INDEX.size + HEADER_SIZE + ELEMENT_BYTES * (numel or 0)
+            if numel is None or len(body) != expected:
+                self._reading = (body, -1, body)
+                return
+            self._reading = reading = (body, index, body[PART_INDEX.size + HEADER_SIZE :])
+        if reading[1] >= 0:
+            self.arriving(reading[1], reading[2], (filled - PART_INDEX.size - HEADER_SIZE) // ELEMENT_BYTES)
 
     def add(self, body) -> None:
         """A part arrived (its bytes: the tensor's index, then its payload): check and decode it."""

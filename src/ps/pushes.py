@@ -73,15 +73,22 @@ class Pushes:
         work: tuple[list[Batch] | None, bool],
         *,
         parameters: bool = True,
+        omit: list[int] = (),
     ) -> bytes | Pieces:
         """The serialized Push reply (verdict, parameters, ``work``), remembered for retries of ``request_id``;
         ``parameters=False``: without them (a sharded server's commit reply: the worker pulls every shard's), kept
-        as it is."""
+        as it is. ``omit``: parameters the reply leaves empty, listed in ``provisional`` (the worker holds them:
+        :mod:`src.ps.slice_pipeline`); a retry's reply carries them all (its connection was sent none)."""
         verdict.work.CopyFrom(self.work.message(*work))
         verdict.version = self.model.state.version
         verdict.control.CopyFrom(self.control.control)
         with tracing.span("reply", worker=member.worker_id):
-            if parameters:
+            if parameters and omit:
+                stored = pb.PushReply()
+                stored.CopyFrom(verdict)  # a retry is rebuilt whole from the verdict
+                verdict.provisional.extend(omit)
+                reply = self.model.replies.serialize(verdict, member.worker_id, omit=omit)
+            elif parameters:
                 reply = self.model.replies.serialize(verdict, member.worker_id)
                 stored = self.model.replies.kept_for_retry(reply, verdict)
             else:

@@ -39,9 +39,10 @@ class Replies:
         if views:
             state.before_change = self._release_shared
 
-    def serialize(self, message, worker: int) -> bytes | Pieces:
+    def serialize(self, message, worker: int, omit: list[int] = ()) -> bytes | Pieces:
         """``message`` with the current parameters (dense, or a delta for ``worker``) and buffers, serialized
-        (``views``: as pieces over the tensors themselves, with a lease the sender gives back)."""
+        (``views``: as pieces over the tensors themselves, with a lease the sender gives back); the parameters in
+        ``omit`` left empty (dense only: the worker holds them)."""
         self.state.sent()  # the lookahead point of this version, when workers are sent one
         downlink = self.downlink.encode(worker, self.state.version)
         if self.views:
@@ -49,7 +50,9 @@ class Replies:
             params = [shared.ref(i) for i in range(len(self._param_views))]
             buffers = [shared.ref(len(params) + i) for i in range(len(self._buffer_views))]
         else:
-            params, buffers = self._param_views, self._buffer_views
+            params, buffers = list(self._param_views), self._buffer_views
+        for index in omit:
+            params[index] = b""
         tensors = {"parameters": params} if downlink.dense else {"parameter_deltas": downlink.payloads}
         # buffers first, then the parameters in model order: forward order, so a worker that streams
         # (system.streaming) starts its next forward on the first layers while the later ones arrive

@@ -34,6 +34,8 @@ import socket
 import ssl
 import threading
 import time
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import grpc
@@ -41,6 +43,7 @@ import grpc
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
 from src.ps.refusals import Refused
+from src.ps.tcp_sink import TCPSink
 from src.transport.grpc import server_tls_files, split_address
 from src.transport.tcp import tune_socket
 from src.transport.tcp_frames import (
@@ -81,9 +84,10 @@ class _TCPCall:
 
     framing_bytes = HEADER_BYTES
 
-    def __init__(self, sock: socket.socket, peer: str, deadline_ms: int):
+    def __init__(self, sock: socket.socket, peer: str, deadline_ms: int, sink: TCPSink | None = None):
         self.sock = sock
         self.peer = peer
+        self.sink = sink  # system.pipelined_replies: the connection's provisional slices
         # A little after the caller's own deadline: the caller gives up first and sees DEADLINE_EXCEEDED.
         self.deadline = time.monotonic() + deadline_ms / 1000 + DEADLINE_GRACE_S if deadline_ms else None
 
@@ -225,20 +229,25 @@ class TCPServer:
 
     def _serve(self, raw: socket.socket, peer: str) -> None:
         sock = raw
+        sink = None  # system.pipelined_replies: the connection's provisional slices (plaintext: the config refuses TLS)
         try:
             tune_socket(raw)
             raw.settimeout(AUTH_TIMEOUT_S)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(raw, server_side=True)
-            self._frames(sock, raw, peer)
+            elif getattr(self.driver, "pipelined", False):
+                sink = TCPSink(sock)
+            self._frames(sock, raw, peer, sink)
         except (OSError, PeerClosed) as exc:  # the client went away, a TLS handshake failed, a timeout
             logger.debug("tcp connection from %s ended: %s", peer, exc)
         finally:
+            if sink is not None:
+                sink.close()
             with self._lock:
                 self._connections.pop(raw, None)
             sock.close()
 
-    def _frames(self, sock: socket.socket, raw: socket.socket, peer: str) -> None:
+    def _frames(self, sock: socket.socket, raw: socket.socket, peer: str, sink: TCPSink | None) -> None:
         """Answer the connection's frames one at a time until it closes or breaks the protocol."""
         header_buffer = bytearray(HEADER_BYTES)
         authenticated = False
@@ -267,8 +276,10 @@ class TCPServer:
             sock.settimeout(BODY_TIMEOUT_S)
             if header.method == Method.PUSH_PART:  # a streamed push's gradient: decoded now, answered with the push
                 if parts is None or parts_call != header.call:
-                    parts, parts_call = self.driver.push_parts(self.max_message_bytes), header.call
-                parts.add(receive_body(sock, header.length))
+                    parts, parts_call = self.driver.push_parts(self.max_message_bytes, sink), header.call
+                part = new_body(header.length)
+                receive_exactly(sock, part, partial(parts.progress, part) if parts.arriving is not None else None)
+                parts.add(part)
                 sock.settimeout(None)
                 continue
             if header.method == Method.PUSH and header.streamed:
@@ -297,7 +308,7 @@ class TCPServer:
                     serving = b"NOT_SERVING" if self._stopping.is_set() else b"SERVING"
                     send_frame(sock, pack_header(Kind.REPLY, Method.HEALTH, len(serving), call=header.call), [serving])
                 else:
-                    self._call(sock, header, body, _TCPCall(sock, peer, header.deadline_ms))
+                    self._call(sock, header, body, _TCPCall(sock, peer, header.deadline_ms, sink))
             finally:
                 with self._lock:
                     if raw in self._connections:
@@ -322,23 +333,37 @@ class TCPServer:
             reply = self._dispatch(method, body, call)
         except Refused as refused:
             code = "DEADLINE_EXCEEDED" if refused.code == "CANCELLED" and call.expired() else refused.code
-            send_error(sock, method, header.call, grpc.StatusCode[code], refused.message)
+            with self._writing(call):
+                send_error(sock, method, header.call, grpc.StatusCode[code], refused.message)
             return
         except Exception as exc:  # a bug: the client gets one line, the log the traceback
             logger.exception("tcp %s call from %s failed", method.name, call.peer)
-            send_error(
-                sock,
-                method,
-                header.call,
-                grpc.StatusCode.INTERNAL,
-                f"the server failed handling {method.name}: {type(exc).__name__}: {exc}".splitlines()[0],
-            )
+            with self._writing(call):
+                send_error(
+                    sock,
+                    method,
+                    header.call,
+                    grpc.StatusCode.INTERNAL,
+                    f"the server failed handling {method.name}: {type(exc).__name__}: {exc}".splitlines()[0],
+                )
             return
         pieces = encode(reply)
         try:
-            send_frame(sock, pack_header(Kind.REPLY, method, len(pieces), call=header.call), pieces.buffers)
+            with self._writing(call):
+                send_frame(sock, pack_header(Kind.REPLY, method, len(pieces), call=header.call), pieces.buffers)
         finally:
             pieces.release()  # the lease on the version's tensors the reply was sent from
+
+    @contextmanager
+    def _writing(self, call: _TCPCall):
+        """Write a reply on ``call``'s connection: after its provisional slices, never between two frames."""
+        sink = call.sink
+        if sink is None:
+            yield
+            return
+        self.driver.sent_provisional(sink.flush())
+        with sink.write_lock:
+            yield
 
     def _dispatch(self, method: Method, body, call: _TCPCall) -> Any:
         driver = self.driver

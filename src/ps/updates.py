@@ -31,6 +31,7 @@ from src.ps.model import ServedModel
 from src.ps.refusals import PushRefused
 from src.ps.shard_async import FORGET, WINDOW_PER_WORKER, AppliedWindow
 from src.ps.shard_rounds import RoundCertificate
+from src.ps.slice_pipeline import SlicePipeline
 from src.ps.totals import RunTotals
 from src.ps.work_source import WorkSource
 from src.telemetry import tracing
@@ -78,6 +79,7 @@ class Updates:
         self._to_deliver: dict[int, list[Batch]] = {}  # work handed out, not yet in a reply
         self._ledger: list[torch.Tensor] | None = None  # system.gradient_ledger: sum of the applied gradients (float64)
         self._overriding_schedule: set[int] = set()  # workers warned that their own learning rates win
+        self.pipeline: SlicePipeline | None = None  # system.pipelined_replies (set by the server core)
         self._certify = certify
         self.step_s = 0.0  # seconds of the sync rounds' optimizer steps (a shard's load in a sharded run's summary)
         self._round_certificate = b""
@@ -161,6 +163,9 @@ class Updates:
         handed = self.work.start_round(self.members.ready(), self.members.live())
         if handed:
             self._round = SyncRound(self.state.version, set(handed))
+            if self.pipeline is not None:  # system.pipelined_replies: the round's workers and their samples
+                samples = {w: sum(len(b.indices) for b in batches) for w, batches in handed.items()}
+                self.pipeline.open_round(self.state.version, samples)
             self._to_deliver.update(handed)
             self.totals.training_clock_starts()
         self._check_done()

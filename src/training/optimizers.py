@@ -66,20 +66,25 @@ def apply_gradients(optimizer: torch.optim.Optimizer, params: Sequence[torch.Ten
         return
     with torch.no_grad():
         for group, group_params, group_gradients, buffers in groups:
-            sgd(
-                group_params,
-                group_gradients,
-                buffers,
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                lr=group["lr"],
-                dampening=group["dampening"],
-                nesterov=group["nesterov"],
-                maximize=group["maximize"],
-                has_sparse_grad=False,
-                foreach=group["foreach"],
-                fused=group["fused"],
-            )
+            _sgd_update(group, group_params, group_gradients, buffers)
+
+
+def _sgd_update(group: dict, params: list, gradients: list, buffers: list) -> None:
+    """Torch's SGD update of ``params`` in place, with ``group``'s arguments, as ``SGD.step`` calls it."""
+    sgd(
+        params,
+        gradients,
+        buffers,
+        weight_decay=group["weight_decay"],
+        momentum=group["momentum"],
+        lr=group["lr"],
+        dampening=group["dampening"],
+        nesterov=group["nesterov"],
+        maximize=group["maximize"],
+        has_sparse_grad=False,
+        foreach=group["foreach"],
+        fused=group["fused"],
+    )
 
 
 def _direct_sgd_groups(optimizer, params, gradients) -> list | None:
@@ -126,3 +131,30 @@ def _no_step_hooks(optimizer) -> bool:
         getattr(_torch_optimizer, "_global_optimizer_post_hooks", None),
     )
     return all(hooks is not None and not hooks for hooks in hook_dicts)
+
+
+def stepped_slice(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, gradient: torch.Tensor, start: int, stop: int
+) -> torch.Tensor | None:
+    """What elements ``start:stop`` of ``param`` (flat) would hold after one :func:`apply_gradients` step whose
+    gradient of ``param`` has ``gradient`` (flat, those elements) there; nothing changes. ``None`` where the step
+    cannot be told from a slice: an optimizer other than torch's SGD, a step hook, or a parameter it does not hold.
+
+    Torch's SGD update is elementwise, so a slice's step is the same arithmetic on fewer elements; the sliced
+    call runs the same function :func:`apply_gradients` calls (``torch.optim.sgd.sgd`` with the group's arguments),
+    on a copy of the slice and of its momentum buffer (a first step: none, as ``step()`` starts it). A caller that
+    relies on the result being bit for bit the step's compares the two (:mod:`src.ps.slice_pipeline` does).
+    """
+    if type(optimizer) is not torch.optim.SGD or not _no_step_hooks(optimizer):
+        return None
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
+    if group is None or group.get("differentiable") or gradient.is_sparse:
+        return None
+    value = param.detach().reshape(-1)[start:stop].clone()
+    buffer = None
+    if group["momentum"] != 0:
+        held = optimizer.state.get(param, {}).get("momentum_buffer")
+        buffer = None if held is None else held.reshape(-1)[start:stop].clone()
+    with torch.no_grad():
+        _sgd_update(group, [value], [gradient.to(value.device)], [buffer])
+    return value

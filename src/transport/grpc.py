@@ -28,7 +28,11 @@ and :mod:`src.worker` contain only their algorithms:
   returns, in ``PushStreamReply`` chunks (:func:`reply_chunk_bounds`: small first, so the reply's head is out
   at once), the first carrying the reply's size. The client writes them into one buffer and walks it as it
   fills (:class:`~src.transport.wire.MessageSplitter`), so the verdict and each tensor are taken before the
-  whole reply is in. Its bytes are counted as they cross gRPC, like every message.
+  whole reply is in. Its bytes are counted as they cross gRPC, like every message. With
+  ``system.pipelined_replies`` messages carrying a provisional slice each (``PushStreamReply.provisional``:
+  :func:`provisional_message`) may come first, while the parts still go up; the reply's head says which stand
+  (:meth:`PushStream.provisional <src.transport.stream.PushStream.provisional>`). A call names its likely caller in
+  its metadata (:data:`PUSH_CALLER_METADATA_KEY`) so the server knows where to send them before the push says so.
 * **Choosing a transport.** :func:`src.transport.clients.make_client` returns this client or the TCP
   transport's (:mod:`src.transport.tcp`, same interface) for ``system.transport``; the TLS files,
   token and limits above mean the same on both.
@@ -50,7 +54,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
-from src.transport.stream import PushStream, ReplyBroken, part_pieces
+from src.transport.stream import PROVISIONAL_HEAD, PushStream, ReplyBroken, part_pieces, part_size
 from src.transport.tcp_frames import TransportError
 from src.transport.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
     Outgoing,
@@ -87,6 +91,13 @@ REPLY_CHUNK_BYTES = 1 << 20
 """A streamed push's reply: most bytes of reply in one ``PushStreamReply``."""
 _REPLY_SIZE_TAG = _varint(field_number(pb.PushStreamReply, "reply_size") << 3 | 0)
 _REPLY_TAG = _varint(field_number(pb.PushStreamReply, "reply") << 3 | 2)
+_PROVISIONAL_TAG = _varint(field_number(pb.PushStreamReply, "provisional") << 3 | 2)
+PUSH_STREAM_REPLY_LARGE_FIELDS = ("reply", "provisional")
+"""A ``PushStreamReply``'s bytes fields: views of the message, never parsed by protobuf."""
+PUSH_CALLER_METADATA_KEY = "dts-push-caller-bin"
+"""``system.pipelined_replies``: a ``PushStream`` call's metadata naming the worker it is likely from (the serialized
+``Caller`` of the client's last streamed push), so the server can send it provisional slices while the parts
+arrive, before the push's own message says who it is (a wrong or stale one only costs that call its slices)."""
 
 
 def reply_chunk_bounds(size: int) -> Iterator[tuple[int, int]]:
@@ -113,9 +124,38 @@ def reply_stream_bytes(size: int) -> int:
     return size + sum(len(reply_chunk_prefix(start, end, size)) for start, end in reply_chunk_bounds(size))
 
 
+def provisional_message(version: int, index: int, start: int, values: Any) -> bytes:
+    """The ``PushStreamReply`` carrying a provisional slice (``system.pipelined_replies``): parameter ``index``'s
+    float32 ``values`` (a tensor) from element ``start``, stepped in the round of ``version``; their one copy."""
+    head = PROVISIONAL_HEAD.pack(version, index, start)
+    body = tensor_view(values)
+    return b"".join((_PROVISIONAL_TAG, _varint(len(head) + len(body)), head, body))
+
+
+PART_PIECE_BYTES = 128 << 10
+"""A streamed push's part above this many bytes travels in pieces of at most this size (``part``, then
+``part_more``): gRPC hands a server each message whole, so a large gradient's values reach it as they come only so
+(what ``system.pipelined_replies`` steps slices from, as the TCP server reads a frame's bytes as they come)."""
+
+
 def push_part_message(index: int, payload: Any) -> bytes:
-    """The ``PushStreamRequest`` of a streamed push's part (gradient ``index``'s payload)."""
+    """The ``PushStreamRequest`` of a streamed push's part (gradient ``index``'s payload), whole."""
     return serialize(Outgoing(pb.PushStreamRequest(), {"part": [tuple(part_pieces(index, payload))]}))
+
+
+def push_part_messages(index: int, payload: Any) -> list[bytes]:
+    """The ``PushStreamRequest`` messages of a streamed push's part: one, or above :data:`PART_PIECE_BYTES` its
+    pieces (the first with ``part_size``, the rest ``part_more``)."""
+    size = part_size(payload)
+    if size <= PART_PIECE_BYTES:
+        return [push_part_message(index, payload)]
+    whole = memoryview(b"".join(part_pieces(index, payload)))
+    first = pb.PushStreamRequest(part_size=size)
+    messages = [serialize(Outgoing(first, {"part": [whole[:PART_PIECE_BYTES]]}))]
+    for start in range(PART_PIECE_BYTES, size, PART_PIECE_BYTES):
+        piece = whole[start : start + PART_PIECE_BYTES]
+        messages.append(serialize(Outgoing(pb.PushStreamRequest(), {"part_more": [piece]})))
+    return messages
 
 
 def push_message(request: Outgoing) -> bytes:
@@ -564,6 +604,7 @@ class ParameterServerClient(ProtocolClient):
         self.uplink = uplink
         self._lock = threading.Lock()
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        self._push_caller: bytes | None = None  # the serialized Caller of the last streamed push (its hint)
         model_state = ("parameters", "buffers")
         self._calls = {
             name: self.channel.unary_unary(
@@ -623,6 +664,7 @@ class ParameterServerClient(ProtocolClient):
         """One attempt of a streamed push over ``PushStream`` (see the module docstring): each part as the stream
         hands it over (gRPC's request thread waits in :meth:`PushStream.parts` for backward), then the push; the
         reply's chunks written into one buffer as they come, walked by the stream's splitter."""
+        stream.attempt()
         ended: list[BaseException] = []  # what stopped the parts (the stream aborted, an encode failed)
         started, outside = threading.Event(), threading.Event()  # the call is made; nobody waits in parts()
         outside.set()
@@ -648,10 +690,15 @@ class ParameterServerClient(ProtocolClient):
                     return
                 finally:
                     outside.set()
-                yield self._sending(stream, push_part_message(index, payload))
+                for message in push_part_messages(index, payload):
+                    yield self._sending(stream, message)
+            self._push_caller = _caller_hint(stream.request)
             yield self._sending(stream, push_message(stream.request))
 
-        responses = self._push_stream(requests(), metadata=self._metadata, timeout=timeout)
+        metadata = self._metadata
+        if self._push_caller is not None:  # the server may send this call provisional slices while the parts come
+            metadata += ((PUSH_CALLER_METADATA_KEY, self._push_caller),)
+        responses = self._push_stream(requests(), metadata=metadata, timeout=timeout)
         call.append(responses)
         started.set()
         body = splitter = None
@@ -659,9 +706,12 @@ class ParameterServerClient(ProtocolClient):
         try:
             for data in responses:
                 try:
-                    chunk = split(data, pb.PushStreamReply, ("reply",))
+                    chunk = split(data, pb.PushStreamReply, PUSH_STREAM_REPLY_LARGE_FIELDS)
                 except ValueError as exc:
                     raise TransportError(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
+                if chunk.large["provisional"]:  # system.pipelined_replies: the reply's head says whether it stands
+                    stream.provisional(_provisional_body(chunk, splitter is not None), len(data))
+                    continue
                 if splitter is None:
                     size = chunk.message.reply_size
                     if size > CLIENT_MAX_MESSAGE_BYTES:
@@ -690,6 +740,8 @@ class ParameterServerClient(ProtocolClient):
             raise
         if ended:
             raise ended[0]
+        if stream.problem is not None:  # the head named a slice that did not come: sent again, answered whole
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"PushStream reply: {stream.problem}")
         if splitter is None or filled < len(body):
             raise TransportError(
                 grpc.StatusCode.INTERNAL,
@@ -702,3 +754,23 @@ class ParameterServerClient(ProtocolClient):
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _caller_hint(request: Outgoing) -> bytes | None:
+    """The serialized ``Caller`` of a streamed push's message: the next ``PushStream`` call's likely caller."""
+    caller = getattr(request.message, "caller", None)
+    return caller.SerializeToString() if caller is not None and caller.ByteSize() else None
+
+
+def _provisional_body(chunk: Received, reply_begun: bool) -> memoryview:
+    """The provisional slice of a ``PushStreamReply`` (its head and values, a view of the message).
+
+    Raises:
+        TransportError: the message also carries reply fields, the reply has begun, or the slice has no head.
+    """
+    body = chunk.large["provisional"][0]
+    if reply_begun or chunk.large["reply"] or chunk.message.reply_size:
+        raise TransportError(grpc.StatusCode.INTERNAL, "a PushStream reply's provisional slice came with its reply")
+    if len(body) < PROVISIONAL_HEAD.size:
+        raise TransportError(grpc.StatusCode.INTERNAL, f"a provisional slice of {len(body)} bytes has no head")
+    return body

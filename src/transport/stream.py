@@ -32,6 +32,10 @@ from src.transport.wire import MessageSplitter, Outgoing, chunk_size
 
 PART_INDEX = struct.Struct("<I")
 """A part's leading field: the index of the tensor (parameter) whose gradient payload follows."""
+PROVISIONAL_HEAD = struct.Struct("<qII")
+"""A provisional slice's leading fields (``system.pipelined_replies``, :mod:`src.ps.slice_pipeline`): the version of
+the round that stepped it, the parameter's index and the slice's first element; its float32 values follow."""
+_VALUE_BYTES = 4  # a provisional slice's values are float32
 _CLOSE, _ABORT = object(), object()
 
 
@@ -86,6 +90,12 @@ class PushStream:
         self._head_message: Any = None
         self._error: BaseException | None = None
         self.first_sent: float | None = None  # perf_counter when the first part went out
+        self._staged: dict[int, list[tuple[int, int, memoryview]]] = {}  # provisional slices of this attempt
+        self._staged_bytes = 0
+        self._provisional: frozenset[int] = frozenset()  # the reply's parameters that its head says we hold
+        self.problem: str | None = None
+        """What was wrong with this attempt's reply head (it names a provisional slice that did not come): the
+        transport fails the attempt, which is then sent again (the server answers a retry whole)."""
 
     # ------------------------------------------------------------------------- the worker's side
 
@@ -143,6 +153,37 @@ class PushStream:
             self.encoded.append((item, payload))
             yield item, payload
 
+    def attempt(self) -> None:
+        """A new attempt of the push begins: provisional slices of an earlier one do not count."""
+        self._staged.clear()
+        self._staged_bytes = 0
+        self.problem = None
+
+    def provisional(self, body, size: int) -> None:
+        """A provisional slice arrived (``system.pipelined_replies``; ``body``: a PROVISIONAL frame's, ``size``: the
+        frame's bytes): kept until the reply's head says whether it stands."""
+        version, index, start = PROVISIONAL_HEAD.unpack_from(body)
+        self._staged.setdefault(index, []).append((version, start, memoryview(body)[PROVISIONAL_HEAD.size :]))
+        self._staged_bytes += size
+
+    def _load_provisional(self, message: Any) -> None:
+        """The head names the parameters whose provisional slices stand: each goes to the worker whole.
+
+        Raises:
+            ValueError: the head names one whose slices did not all arrive on this attempt (a server's bug).
+        """
+        self._provisional = frozenset(message.provisional)
+        for index in message.provisional:
+            staged = self._staged.get(index, ())
+            pieces = sorted((start, values) for version, start, values in staged if version + 1 == message.version)
+            filled = 0
+            for start, values in pieces:
+                if start * _VALUE_BYTES != filled:
+                    raise ValueError(f"the reply holds parameter {index} provisional, but its slices leave a gap")
+                filled += len(values)
+            joined = memoryview(b"".join(values for _, values in pieces)) if len(pieces) != 1 else pieces[0][1]
+            self.on_large("parameters", index, joined)
+
     def sent(self, size: int) -> None:
         """The transport sent ``size`` bytes of this push."""
         if self.first_sent is None:
@@ -154,11 +195,22 @@ class PushStream:
         (``reply_bytes``: its size as the transport counts it)."""
 
         def head(message: Any) -> None:
-            self.reply_bytes = reply_bytes
+            if getattr(message, "provisional", None):
+                try:
+                    self._load_provisional(message)
+                except (ValueError, IndexError) as exc:  # a slice missing, or a parameter the model lacks
+                    self.problem = str(exc)  # the head is not given: the transport fails this attempt
+                    return
+            self.reply_bytes = reply_bytes + self._staged_bytes
             self._head_message = message
             self._head.set()
 
-        return MessageSplitter(data, message_type, large_fields, on_large=self.on_large, on_head=head)
+        def large(name: str, index: int, view) -> Any:
+            if name == "parameters" and index in self._provisional and not len(view):
+                return None  # loaded from its provisional slices at the head
+            return self.on_large(name, index, view)
+
+        return MessageSplitter(data, message_type, large_fields, on_large=large, on_head=head)
 
     def fail(self, error: BaseException) -> None:
         """The call ended with ``error``: before the head, :meth:`wait_head` raises it; after it, the tensors

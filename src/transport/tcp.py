@@ -253,6 +253,7 @@ class TCPParameterServerClient(ProtocolClient):
         connection = self._connection(deadline, False)
         call = next(self._calls) & 0xFFFFFFFF
         sock = connection.sock
+        stream.attempt()
         try:
             for index, payload in stream.parts():
                 pieces = part_pieces(index, payload)
@@ -266,6 +267,14 @@ class TCPParameterServerClient(ProtocolClient):
             self._send(stream, sock, header, request.buffers, len(request), deadline)
             sock.settimeout(_remaining(deadline))
             reply_header = receive_header(sock, connection.header)
+            while reply_header.method == Method.PROVISIONAL and reply_header.kind == Kind.REPLY:
+                # system.pipelined_replies: a slice stepped before the barrier; the reply says whether it stands
+                if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
+                    raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"slice of {reply_header.length} bytes")
+                stream.provisional(receive_body(sock, reply_header.length), HEADER_BYTES + reply_header.length)
+                with self._lock:
+                    self.bytes_received += HEADER_BYTES + reply_header.length
+                reply_header = receive_header(sock, connection.header)
             if reply_header.call != call or reply_header.method != Method.PUSH:
                 raise FrameError(
                     grpc.StatusCode.INTERNAL,
@@ -280,6 +289,8 @@ class TCPParameterServerClient(ProtocolClient):
             else:
                 splitter = stream.splitter(body, pb.PushReply, _REPLIES[Method.PUSH][1], size)
                 receive_exactly(sock, body, splitter.advance)
+                if stream.problem is not None:
+                    raise FrameError(grpc.StatusCode.INTERNAL, f"PUSH reply: {stream.problem}")
         except (OSError, PeerClosed, FrameError) as exc:
             raise self._broken(connection, exc) from None
         except BaseException:  # the stream aborted, or its encode failed: the frames sent so far end with it

@@ -82,6 +82,9 @@ class Method(enum.IntEnum):
     STATUS = 8
     HEALTH = 9
     PUSH_PART = 10
+    PROVISIONAL = 11
+    """Server to client, during a streamed push (``system.pipelined_replies``): a provisional slice of a parameter
+    (:data:`src.transport.stream.PROVISIONAL_HEAD`, then its float32 values); the push's reply says which stand."""
 
 
 class TransportError(grpc.RpcError):
