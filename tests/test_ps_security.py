@@ -17,7 +17,7 @@ from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
 from src.config import validate_config
 from src.metrics import read_events
-from src.ps.workers import CONTROLLER_ONLY, SERVER_PATHS, config_for_workers
+from src.ps.workers import SERVER_ONLY, SERVER_PATHS, config_for_workers
 from src.transport.clients import TRANSPORTS, make_client
 from src.worker import Worker
 from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config, transport  # noqa: F401
@@ -299,12 +299,13 @@ def test_the_registration_reply_carries_the_run_without_the_servers_paths(tmp_pa
     for section, field in (dotted.split(".") for dotted in SERVER_PATHS):
         assert sent[section].pop(field) == type(getattr(far, section)).model_fields[field].default
         expected[section].pop(field)
-    for section, field in (dotted.split(".") for dotted in CONTROLLER_ONLY):  # the server's controller's alone
+    for section, field in (dotted.split(".") for dotted in SERVER_ONLY):  # the server's alone
         assert field not in sent[section]
         expected[section].pop(field)
     assert sent == expected
-    # a worker's config from the reply: the controller's settings left out read as their defaults
+    # a worker's config from the reply: the server's settings left out read as their defaults
     assert validate_config(sent).system.controller_policy == "link"
+    assert not validate_config(sent).system.pipelined_replies
 
 
 def test_tls(tmp_path, transport):

@@ -81,12 +81,15 @@ def test_a_streamed_sync_run_is_the_unstreamed_one_bit_for_bit_and_large_batch_s
     events = list(read_events(Path(pipelined[0].system.log_dir, "server", "events.jsonl")))
     assert check_coverage(events, 249, 1)["ok"]
     counts = pipelined[1]["pipelined_replies"]
-    # every round but the first (a worker's first push comes before its connection is known) sends every slice
-    # to both workers, the barrier confirms each, and each reply after the first leaves out every parameter
-    replies = streamed[1]["versions"] - 1
+    # a round sends every slice to both workers, the barrier confirms each, and both replies leave out every parameter
+    # (simple_cnn: parameters only); every round does but the first (a worker's first push comes before its
+    # connection is known) and, at most, one whose push took a new connection (the bench saw one in 140 rounds)
+    rounds = streamed[1]["versions"] - 1
     assert counts["slices_voided"] == 0 and counts["slices_confirmed"] > 0, counts
     assert counts["slices_sent"] == 2 * counts["slices_confirmed"], counts
-    assert counts["tensors_omitted"] == 2 * replies * len(plain[2]), counts  # simple_cnn: parameters only
+    per_round = 2 * len(plain[2])
+    assert counts["tensors_omitted"] % per_round == 0, counts
+    assert (rounds - 1) * per_round <= counts["tensors_omitted"] <= rounds * per_round, counts
     # what the worker received: the slices' frames instead of the parameters' bytes in the replies
     assert abs(pipelined[1]["bytes_received"] - plain_bytes) < 0.01 * plain_bytes
 

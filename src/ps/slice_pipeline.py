@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -67,7 +67,7 @@ class _Round:
     workers: list[int]  # the round's workers, in the barrier's order (worker id)
     samples: list[int]  # the samples handed to each (the barrier weighs its pushes by theirs)
     arrived: dict[tuple[int, int], tuple[Any, int]] = field(default_factory=dict)  # (worker, index) -> (values, count)
-    stepped: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)  # (index, start) -> stop
+    stepped: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)  # -> (stop, values)
     sent: dict[Sink, set[tuple[int, int]]] = field(default_factory=dict)
     confirmed: set[tuple[int, int]] | None = None  # once compared with the barrier's step
     off: bool = False  # the optimizer's step cannot be told from a slice: nothing is stepped early this round
@@ -212,8 +212,3 @@ def slice_elements_of(slice_bytes: int) -> int:
     """Values per slice for ``system.pipeline_slice_bytes``: whole float32 values, a multiple of 64 (so a slice's
     vectorized arithmetic lines up with the whole tensor's), at least 64."""
     return max(64, (slice_bytes // ELEMENT_BYTES) // 64 * 64)
-
-
-def needed_slices(params: Sequence[torch.Tensor], slice_elements: int) -> int:
-    """How many slices a model's parameters make (one per ``slice_elements`` values of each, a last partial one)."""
-    return sum(-(-p.numel() // slice_elements) for p in params)

@@ -38,27 +38,30 @@ SERVER_PATHS = (
 """The server's files and folders: meaningless to a worker on another host, so not sent (see the module docstring).
 A worker's own are among the fields it keeps (:data:`src.worker.LOCAL_FIELDS`)."""
 
-CONTROLLER_ONLY = (
+SERVER_ONLY = (
     "system.controller_policy",
     "system.controller_step_slack",
     "system.controller_critical_drop",
     "system.controller_critical_slack",
+    "system.pipelined_replies",
+    "system.pipeline_slice_bytes",
 )
-"""Settings only the server's controller reads (a worker follows the Control of its replies), left out of the reply:
-a worker's config takes their defaults. The controller's older settings are still sent, as they were when the
-findings' records were made (leaving them out would change every registration reply's size)."""
+"""Settings only the server reads, left out of the reply: a worker's config takes their defaults. The controller's
+(a worker follows the Control of its replies) and the pipelined replies' (a worker takes provisional slices whenever
+they come: :mod:`src.ps.slice_pipeline`). Older server-only settings are still sent, as they were when the findings'
+records were made (leaving them out would change every registration reply's size, so every record)."""
 
 
 def config_for_workers(config: Config) -> str:
     """The run's config as the registration reply carries it: JSON, with :data:`SERVER_PATHS` at their defaults and
-    without :data:`CONTROLLER_ONLY`."""
+    without :data:`SERVER_ONLY`."""
     defaults: dict[str, dict[str, object]] = {}
     for dotted in SERVER_PATHS:
         section, field = dotted.split(".")
         defaults.setdefault(section, {})[field] = type(getattr(config, section)).model_fields[field].default
     sections = {name: getattr(config, name).model_copy(update=fields) for name, fields in defaults.items()}
     left_out: dict[str, set[str]] = {}
-    for dotted in CONTROLLER_ONLY:
+    for dotted in SERVER_ONLY:
         section, field = dotted.split(".")
         left_out.setdefault(section, set()).add(field)
     return config.model_copy(update=sections).model_dump_json(exclude=left_out)
