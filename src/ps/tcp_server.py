@@ -23,6 +23,10 @@ decide differently. What it adds is what a socket server must do itself:
   wire), written outside the core's lock in gather writes.
 * **Limits on connections**: at most ``max_connections`` at a time; one more is answered
   ``RESOURCE_EXHAUSTED`` and closed.
+* **Pipelined replies** (``system.pipelined_replies``, :mod:`src.ps.slice_pipeline`): a streamed push's parts are
+  read as their bytes come, so the pipeline sees a gradient's values arrive; each connection has a
+  :class:`~src.ps.tcp_sink.TCPSink` whose writer thread sends the provisional slices, and the connection's replies go
+  out after them, under the same write lock.
 """
 
 from __future__ import annotations
