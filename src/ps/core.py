@@ -382,7 +382,7 @@ class ServerCore:
             verdict.certificate = self.updates.certificate
         omit = []
         if self.pipeline is not None:
-            omit = self.pipeline.omitted(member.worker_id, sink)
+            omit = self.pipeline.omitted(sink)
             for version, voided, stepped in self.pipeline.take_voided():
                 self.log.event("provisional_voided", version=version, slices=voided, stepped=stepped)
         reply = self.pushes.reply(member, request_id, verdict, work, parameters=self.sharding is None, omit=omit)

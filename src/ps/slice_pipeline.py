@@ -113,9 +113,9 @@ class SlicePipeline:
                 previous.arrived.clear()  # its pushes' buffers are the barrier's now (or dropped): not held here
             self._rounds = [*self._rounds[-1:], _Round(version, workers, [handed[w] for w in workers])]
 
-    def omitted(self, worker: int, sink: Sink | None) -> list[int]:
-        """The parameters ``worker``'s reply may leave out: every slice of each was sent to ``sink`` (the connection
-        the reply goes on) and equals what the barrier's step made. Compares once per version; call it with the core
+    def omitted(self, sink: Sink | None) -> list[int]:
+        """The parameters a reply on ``sink`` (the connection it goes on) may leave out: every slice of each was sent
+        to ``sink`` and equals what the barrier's step made. Compares once per version; call it with the core
         lock held, after the step and before the model changes again."""
         if sink is None:
             return []
