@@ -3,12 +3,14 @@ files in turn, and a test marked ``alone`` has the machine to itself.
 
 Most tests are CPU-bound processes that do not care what runs beside them, and on 2 cores two of them at a time
 finish sooner than one after the other. Some do care: those that time something (a link's measured rate, a
-virtual run calibrated against a real one), those that detect a hang or a partition from seconds of silence,
-and those that build shared machinery (network namespaces, the Slurm cluster, the Docker compose project). They
-are marked ``alone`` (a module's ``pytestmark``, or one test's mark) and run as they would in a serial run:
-tests/lanes.py's lock, held from a test's first fixture set-up to its last teardown (and on to the next test
-when that one is ``alone`` too). The lock wraps pytest-timeout's own wrapper, so a test's timeout does not count
-the wait. Without xdist (``-n 0``, or ``-p no:xdist``) nothing is locked.
+virtual run calibrated against a real one) and those that detect a hang or a partition from seconds of silence.
+They are marked ``alone`` (a module's ``pytestmark``, or one test's mark) and run as they would in a serial run:
+tests/lanes.py's lock, held from a test's first fixture set-up to its last teardown (and on to the next test when
+that one is ``alone`` too). A test that runs on machinery of its own and times nothing (the Slurm cluster, the
+Docker compose project, network namespaces as hosts) is marked ``cluster``: its machinery must not meet another's,
+nor an ``alone`` test's clocks, but an ordinary test may run beside it (its heartbeat timeouts are an ordinary
+run's). The lock wraps pytest-timeout's own wrapper, so a test's timeout does not count the wait. Without xdist
+(``-n 0``, or ``-p no:xdist``) nothing is locked.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 
 import pytest
 
-from tests.lanes import LaneLock, lock_folder
+from tests.lanes import CLUSTER, EXCLUSIVE, SHARED, LaneLock, lock_folder
 
 # Python's default, where the environment turned it off (PYTHONDONTWRITEBYTECODE=1 on the CI machine): compiled
 # modules are kept in __pycache__ (git ignores it), for pytest's rewritten test modules and for every process a
@@ -59,7 +61,7 @@ def _alone(item: pytest.Item | None) -> bool:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if not hasattr(item.config, "workerinput"):  # not an xdist worker: one lane, nothing to share
         return (yield)
-    _lane().take(exclusive=_alone(item))
+    _lane().take(EXCLUSIVE if _alone(item) else CLUSTER if item.get_closest_marker("cluster") else SHARED)
     try:
         return (yield)
     finally:

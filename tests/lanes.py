@@ -1,10 +1,11 @@
-"""The machine lock between the suite's two lanes (pytest-xdist workers): a readers-writer lock on two files.
+"""The machine lock between the suite's two lanes (pytest-xdist workers): a readers-writer lock on files.
 
 Every test holds the machine lock shared; a test marked ``alone`` holds it exclusive, so nothing else runs
-beside it (tests/conftest.py takes it around each test). Both are ``flock`` locks on one run's files, so a
-lane that dies lets go of them. A turnstile, taken before the machine lock and let go once it is held, keeps
-a waiting exclusive holder from being overtaken for ever by the other lane's shared ones: while it waits it
-holds the turnstile, and the next shared holder queues behind it.
+beside it (tests/conftest.py takes it around each test). A test marked ``cluster`` holds it shared and a third
+file, the cluster lock, exclusive: it runs beside an ordinary test but never beside another ``cluster`` test or an
+``alone`` one. All are ``flock`` locks on one run's files, so a lane that dies lets go of them. A turnstile, taken
+before the machine lock and let go once it is held, keeps a waiting exclusive holder from being overtaken for ever
+by the other lane's shared ones: while it waits it holds the turnstile, and the next shared holder queues behind it.
 
 A lane keeps its exclusive hold from one ``alone`` test to the next when they follow each other
 (:class:`LaneLock`): let go between them, the hold would go to the other lane for one of its tests while this
@@ -26,18 +27,32 @@ def lock_folder(controller_pid: int) -> Path:
     return Path(tempfile.gettempdir()) / f"dts-pytest-lanes-{controller_pid}"
 
 
+SHARED, CLUSTER, EXCLUSIVE = "shared", "cluster", "exclusive"
+"""The holds a test takes: an ordinary test's, a ``cluster`` test's, an ``alone`` test's."""
+
+
 @contextmanager
-def holding(folder: Path, exclusive: bool) -> Iterator[None]:
-    """Hold the machine lock in ``folder``, shared or exclusive, for the ``with`` block (through the turnstile)."""
+def holding(folder: Path, hold: str) -> Iterator[None]:
+    """Hold the machine lock in ``folder`` for the ``with`` block (through the turnstile): shared, shared with the
+    cluster lock exclusive (taken once the machine is held: a lane waiting for it holds no turnstile, and its
+    holder never waits for the machine), or exclusive."""
     folder.mkdir(exist_ok=True)
     with open(folder / "turnstile", "a") as turnstile, open(folder / "machine", "a") as machine:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         try:
-            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            fcntl.flock(machine, fcntl.LOCK_EX if hold == EXCLUSIVE else fcntl.LOCK_SH)
         finally:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
         try:
-            yield
+            if hold != CLUSTER:
+                yield
+                return
+            with open(folder / "cluster", "a") as cluster:
+                fcntl.flock(cluster, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(cluster, fcntl.LOCK_UN)
         finally:
             fcntl.flock(machine, fcntl.LOCK_UN)
 
@@ -47,17 +62,17 @@ class LaneLock:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.exclusive: bool | None = None  # None: nothing held
+        self.hold: str | None = None  # SHARED, CLUSTER or EXCLUSIVE; None: nothing held
         self._hold = contextlib.ExitStack()
 
-    def take(self, exclusive: bool) -> None:
-        """Hold the lock shared or exclusive (kept as it is when already held so)."""
-        if self.exclusive == exclusive:
+    def take(self, hold: str) -> None:
+        """Hold the lock so (kept as it is when already held so)."""
+        if self.hold == hold:
             return
         self.let_go()
-        self._hold.enter_context(holding(self.folder, exclusive))
-        self.exclusive = exclusive
+        self._hold.enter_context(holding(self.folder, hold))
+        self.hold = hold
 
     def let_go(self) -> None:
         self._hold.close()
-        self.exclusive = None
+        self.hold = None

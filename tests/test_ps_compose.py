@@ -43,7 +43,7 @@ from src.metrics import read_events
 from src.training.data import load_dataset
 from tests.ps_fixtures import ROOT, make_self_signed_cert
 
-pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
 BASE_IMAGE = "dts-local-base:bookworm-py311"  # the BASE_IMAGE build arg of docker/compose.local.yml
 SERVICES = ("parameter_server", "worker_0", "worker_1")

@@ -23,7 +23,9 @@ from src.metrics import read_events
 from tests.netns_fixtures import remove_namespace
 from tests.ps_fixtures import ROOT, TOKEN, kill_group, run_cli
 
-pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(300)]
+# The runs that only train across the hosts share the machine with an ordinary test (``cluster``); those that time a
+# worker's silence (a kill, a partition) have it to themselves (``alone``).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SERVER_IP, WORKER_IPS = "10.77.0.1", ("10.77.0.2", "10.77.0.3")
 SHARD_IPS = (SERVER_IP, "10.77.0.4")  # a sharded run: shard 0 on the first server host, shard 1 on its own
@@ -107,6 +109,7 @@ def start(namespace: str, environment: dict[str, str], args: list[str], log) -> 
     )
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_server_and_workers_on_separate_hosts(hosts, tmp_path, transport):
     logs = tmp_path / "logs"
@@ -191,6 +194,7 @@ def local_two_shards(tmp_path_factory):
     return summary, load_checkpoint(out / "ckpt" / "parameter_server_final.pt")
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_two_server_shards_and_workers_on_separate_hosts(sharded_hosts, local_two_shards, tmp_path, transport):
     """Shard 0, shard 1 and two workers, each on its own host, started through docker/entrypoint.sh with
@@ -302,6 +306,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.alone
 def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(hosts, tmp_path):
     """Worker 1's host kills it mid-run: the server fails it after the heartbeat timeout and goes on (no hang);
     started again by hand, it registers as a new incarnation and trains until the run ends."""
@@ -391,6 +396,7 @@ def _partition_server_args(tmp_path, logs):
     return [*flags.split(), "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(logs / "server_host")]
 
 
+@pytest.mark.alone
 def test_a_worker_partitioned_for_10s_is_failed_rejoins_by_itself_and_finishes(hosts, tmp_path):
     """Worker 1's link goes down for 10 s mid-run (its process runs on): the server fails it after the 3 s
     heartbeat timeout and goes on with worker 0; back online, worker 1's next call is refused (ABORTED),

@@ -28,7 +28,7 @@ from src.metrics import read_events
 from tests.ps_fixtures import ROOT
 from tests.slurm_fixtures import FINISHED_STATES, SlurmCluster, skip_or_fail, slurm_unavailable
 
-pytestmark = pytest.mark.alone
+pytestmark = pytest.mark.cluster
 
 PS_SCRIPT = ROOT / "deploy" / "slurm" / "ps.sbatch"
 DDP_SCRIPT = ROOT / "deploy" / "slurm" / "ddp.sbatch"
