@@ -597,10 +597,8 @@ class Config(_Section):
             return "not with system.downlink_compression (a reply's deltas follow what each worker holds)"
         if system.tls_cert_file and system.transport == "tcp":
             return "not with TLS over system.transport tcp (slices are written while the connection is being read)"
-        if system.clock == "virtual":
-            return "real time only (virtual time does not model provisional slices yet)"
-        if emulation.uplink_mbps or emulation.downlink_mbps:
-            return "not with emulated links (they delay whole replies, not slices)"
+        if system.clock != "virtual" and (emulation.uplink_mbps or emulation.downlink_mbps):
+            return "not with emulated links in real time (they delay whole replies, not slices; virtual time has them)"
         return None
 
     @model_validator(mode="after")

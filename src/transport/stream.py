@@ -66,6 +66,29 @@ class ReplyBroken(RuntimeError):
     """The reply of a streamed push broke off after its head: the push is settled, the parameters are not all in."""
 
 
+def staged_slice(body) -> tuple[int, int, int, memoryview]:
+    """A provisional slice as it arrived (``body``: :data:`PROVISIONAL_HEAD`, then its float32 values): ``(version,
+    parameter index, first element, values)``."""
+    version, index, start = PROVISIONAL_HEAD.unpack_from(body)
+    return version, index, start, memoryview(body)[PROVISIONAL_HEAD.size :]
+
+
+def joined_slices(staged, index: int, version: int) -> memoryview:
+    """Parameter ``index``'s values from its provisional ``staged`` slices (``(version of their round, first element,
+    values)`` each) of the round that made ``version``: whole, in element order.
+
+    Raises:
+        ValueError: they leave a gap (one did not arrive).
+    """
+    pieces = sorted((start, values) for round_version, start, values in staged if round_version + 1 == version)
+    filled = 0
+    for start, values in pieces:
+        if start * _VALUE_BYTES != filled:
+            raise ValueError(f"the reply holds parameter {index} provisional, but its slices leave a gap")
+        filled += len(values)
+    return memoryview(b"".join(values for _, values in pieces)) if len(pieces) != 1 else pieces[0][1]
+
+
 class PushStream:
     """One streamed push: what the worker hands in and what the client's thread sends and receives (see the module
     docstring).
@@ -162,8 +185,8 @@ class PushStream:
     def provisional(self, body, size: int) -> None:
         """A provisional slice arrived (``system.pipelined_replies``; ``body``: a PROVISIONAL frame's, ``size``: the
         frame's bytes): kept until the reply's head says whether it stands."""
-        version, index, start = PROVISIONAL_HEAD.unpack_from(body)
-        self._staged.setdefault(index, []).append((version, start, memoryview(body)[PROVISIONAL_HEAD.size :]))
+        version, index, start, values = staged_slice(body)
+        self._staged.setdefault(index, []).append((version, start, values))
         self._staged_bytes += size
 
     def _load_provisional(self, message: Any) -> None:
@@ -174,15 +197,7 @@ class PushStream:
         """
         self._provisional = frozenset(message.provisional)
         for index in message.provisional:
-            staged = self._staged.get(index, ())
-            pieces = sorted((start, values) for version, start, values in staged if version + 1 == message.version)
-            filled = 0
-            for start, values in pieces:
-                if start * _VALUE_BYTES != filled:
-                    raise ValueError(f"the reply holds parameter {index} provisional, but its slices leave a gap")
-                filled += len(values)
-            joined = memoryview(b"".join(values for _, values in pieces)) if len(pieces) != 1 else pieces[0][1]
-            self.on_large("parameters", index, joined)
+            self.on_large("parameters", index, joined_slices(self._staged.get(index, ()), index, message.version))
 
     def sent(self, size: int) -> None:
         """The transport sent ``size`` bytes of this push."""

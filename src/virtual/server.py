@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
@@ -44,9 +45,11 @@ from src.ps.grpc_service import PUSH_LARGE_FIELDS
 from src.ps.push_parts import PushParts, arrived_push, push_size
 from src.ps.sharding import Sharding
 from src.trainer import model_from_config
+from src.transport.tcp_frames import RECEIVE_CHUNK_BYTES
 from src.transport.wire import Received
 from src.virtual.launcher import VirtualLauncher
 from src.virtual.network import OneServerLinks, ServerLinks
+from src.virtual.sink import VirtualSink
 from src.virtual.timelines import VirtualTimelines
 from src.virtual.worker import VirtualWorker
 
@@ -117,9 +120,10 @@ class ServerWire:
 
         self.links.upload(worker.worker_id, 8 * len(data), self.cost.uplink_bps(worker.worker_id, sent_at), out)
 
-    def reply(self, call: Call, data: bytes) -> None:
+    def reply(self, call: Call, data: bytes, sent: Callable[[], None] | None = None) -> None:
         """Send the server's reply back to the call's worker (delivered if its process still runs); a streamed
-        push's in its pieces (:attr:`Call.pieces`), one after another on the link."""
+        push's in its pieces (:attr:`Call.pieces`), one after another on the link. ``sent``: called when its last
+        bit has left the link (the connection's next message may start)."""
         worker = call.worker
         costs = self.cost.workers[worker.worker_id]
         sent_at = self.clock.now
@@ -130,13 +134,13 @@ class ServerWire:
                 worker.bytes_received += len(data)
                 call.on_reply(data)
 
+        def out(then: Callable[[], None]) -> None:
+            if sent is not None:
+                sent()
+            self.loop.after(costs.downlink_latency_s, then)
+
         if call.pieces is None:
-            self.links.download(
-                worker.worker_id,
-                8 * len(data),
-                costs.downlink_bps,
-                lambda: self.loop.after(costs.downlink_latency_s, arrived),
-            )
+            self.links.download(worker.worker_id, 8 * len(data), costs.downlink_bps, lambda: out(arrived))
             return
         # A streamed push's reply: its pieces one after another on the link, each heard of after the latency.
         cuts = call.pieces(data)
@@ -150,17 +154,35 @@ class ServerWire:
 
         pieces.append((len(data), whole))
 
-        def send(k: int, sent: int) -> None:
+        def send(k: int, done: int) -> None:
             end, delivered = pieces[k]
 
-            def out() -> None:
-                self.loop.after(costs.downlink_latency_s, delivered)
+            def piece_out() -> None:
                 if k + 1 < len(pieces):
+                    self.loop.after(costs.downlink_latency_s, delivered)
                     send(k + 1, end)
+                else:
+                    out(delivered)
 
-            self.links.download(worker.worker_id, 8 * (end - sent), costs.downlink_bps, out)
+            self.links.download(worker.worker_id, 8 * (end - done), costs.downlink_bps, piece_out)
 
         send(0, 0)
+
+    def provisional(self, worker: VirtualWorker, process: int, body: bytes, sent: Callable[[], None]) -> None:
+        """A provisional slice (``system.pipelined_replies``: :mod:`src.virtual.sink`) down to ``worker``'s process
+        ``process``, as a reply crosses the NIC and the worker's downlink; ``sent`` when it has left the link."""
+        costs = self.cost.workers[worker.worker_id]
+
+        def arrived() -> None:
+            if worker.reachable(process):
+                worker.bytes_received += len(body)
+                worker.provisional(body)
+
+        def out() -> None:
+            sent()
+            self.loop.after(costs.downlink_latency_s, arrived)
+
+        self.links.download(worker.worker_id, 8 * len(body), costs.downlink_bps, out)
 
     def fail(self, call: Call, code: str, message: str) -> None:
         """The call ends with an error status (a small message: its latency only)."""
@@ -232,6 +254,7 @@ class VirtualServer:
         self.waiting: dict[int, Waiter] = {}
         self.held_for_server: list[Callable[[], None]] = []  # registrations waiting for a server to come up
         self.parts: dict[Hashable, PushParts] = {}  # streamed pushes whose parts are arriving, by the worker's key
+        self.sinks: dict[int, VirtualSink] = {}  # system.pipelined_replies: each worker's connection, by worker id
 
     @property
     def downlink_delay_s(self) -> Counter[int]:
@@ -280,6 +303,9 @@ class VirtualServer:
         self.cpu.reset()
         self.waiting.clear()
         self.parts.clear()
+        for sink in self.sinks.values():
+            sink.closed = True
+        self.sinks.clear()
         for call in list(self.open_calls):
             self._fail(call, "UNAVAILABLE", "the parameter server went away")
         self.launcher.server_died(reason, lambda checkpoint: self.start(resume=checkpoint, faults=False))
@@ -332,37 +358,81 @@ class VirtualServer:
     def send_part(self, worker: VirtualWorker, push: Hashable, body: bytes, sent: Callable[[], None]) -> None:
         """One part of the streamed push ``push`` (the worker's key for it): over the worker's link, then into the
         push's parts (:class:`~src.ps.push_parts.PushParts`: checked and decoded on arrival, as the real server's
-        connection thread does), if this server process still runs; ``sent`` when it has left the worker's link."""
+        connection thread does), if this server process still runs; ``sent`` when it has left the worker's link.
+
+        With ``system.pipelined_replies`` and the worker's connection attached to the pipeline, the part crosses
+        the link in pieces of the TCP server's reads (:data:`~src.transport.tcp_frames.RECEIVE_CHUNK_BYTES`), each
+        reported as it arrives (:meth:`~src.ps.push_parts.PushParts.progress`), as the real server reads a frame."""
         epoch = self.epoch
+        sink = self.sinks.get(worker.worker_id)
+        if sink is None or sink.process != worker.process or self.core.pipeline is None:
 
-        def arrived() -> None:
-            if self.running and epoch == self.epoch:
-                self._parts(push).add(body)
+            def arrived() -> None:
+                if self.running and epoch == self.epoch:
+                    self._parts(push).add(body)
 
-        self.wire.upload(worker, body, arrived, sent)
+            self.wire.upload(worker, body, arrived, sent)
+            return
+        cuts = list(range(0, len(body), RECEIVE_CHUNK_BYTES))[1:] + [len(body)]
+        into = memoryview(bytearray(len(body)))
 
-    def _parts(self, push: Hashable) -> PushParts:
+        def piece(k: int, start: int) -> None:
+            end = cuts[k]
+
+            def piece_in() -> None:
+                if not (self.running and epoch == self.epoch):
+                    return
+                into[start:end] = body[start:end]
+                parts = self._parts(push, sink)
+                parts.progress(into, end)
+                if end == len(body):
+                    parts.add(into)
+
+            self.wire.upload(worker, body[start:end], piece_in, sent if end == len(body) else lambda: piece(k + 1, end))
+
+        piece(0, 0)
+
+    def _parts(self, push: Hashable, sink: VirtualSink | None = None) -> PushParts:
         if push not in self.parts:
-            self.parts[push] = PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, self.core.max_message_bytes)
+            pipeline = self.core.pipeline
+            arriving = partial(pipeline.arrived, sink) if pipeline is not None and sink is not None else None
+            self.parts[push] = PushParts(
+                self.core.model.layout, PUSH_LARGE_FIELDS, self.core.max_message_bytes, arriving=arriving
+            )
         return self.parts[push]
 
     def serve_streamed_push(self, push: Hashable) -> Callable[[Call, bytes], None]:
         """The handler of streamed push ``push``'s message: its parts and message assembled
-        (:meth:`~src.ps.push_parts.PushParts.assemble`), handled as any push (:meth:`serve_push`)."""
+        (:meth:`~src.ps.push_parts.PushParts.assemble`), handled as any push (:meth:`serve_push`). With
+        ``system.pipelined_replies`` the worker's connection is attached to the pipeline here, as the real server
+        attaches it when a push comes on it: its next push's values are reported (:meth:`send_part`)."""
 
         def handle(call: Call, data: bytes) -> None:
+            pipeline = self.core.pipeline
+            if pipeline is not None:
+                worker_id = call.worker.worker_id
+                sink = self.sinks.get(worker_id)
+                if sink is None or sink.process != call.process:
+                    if sink is not None:
+                        sink.closed = True
+                    down = partial(self.wire.provisional, call.worker, call.process)
+                    sink = self.sinks[worker_id] = VirtualSink(down, call.process)
+                pipeline.attach(worker_id, sink)
             self.serve_push(call, self._parts(push).assemble(data))
             del self.parts[push]
 
         return handle
 
-    def _reply(self, call: Call, data: bytes) -> None:
-        """Send the server's reply back over the server NIC and the worker's downlink."""
+    def _reply(self, call: Call, data: bytes, sink: VirtualSink | None = None) -> None:
+        """Send the server's reply back over the server NIC and the worker's downlink (after ``sink``'s slices)."""
         self.open_calls.pop(call, None)
         if call.bytes_in is not None:
             self.load.bytes_in += call.bytes_in
             self.load.bytes_out += len(data)
-        self.wire.reply(call, data)
+        if sink is None:
+            self.wire.reply(call, data)
+        else:
+            sink.then(lambda free: self.wire.reply(call, data, sent=free))
 
     def _fail(self, call: Call, code: str, message: str) -> None:
         """The call ends with an error status."""
@@ -518,5 +588,10 @@ class VirtualServer:
             data = self.core.pull_reply(waiter.member, work)
         else:
             request_id, verdict = waiter.push
-            data = self.core.push_reply(waiter.member, request_id, verdict, work)
+            sink = self.sinks.get(waiter.member.worker_id) if self.core.pipeline is not None else None
+            if sink is not None and sink.process != waiter.call.process:
+                sink = None
+            data = self.core.push_reply(waiter.member, request_id, verdict, work, sink)
+            self._reply(waiter.call, data, sink)
+            return
         self._reply(waiter.call, data)

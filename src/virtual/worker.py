@@ -52,7 +52,7 @@ from src.metrics import MetricsLogger
 from src.ps.placement import Placement
 from src.ps.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
 from src.ps.worker_step import WorkerStep, check_layout
-from src.transport.stream import part_pieces, part_size
+from src.transport.stream import joined_slices, part_pieces, part_size, staged_slice
 from src.transport.wire import Outgoing, Received, chunk_size, serialize, split
 from src.virtual.layers import GradientOrder, LayerProfile, reply_pieces
 from src.virtual.timelines import VirtualTimelines
@@ -185,6 +185,10 @@ class VirtualWorker:
         self.pushes = 0
         self.after_tail: Callable[[], None] | None = None
         self.tail_pending = False
+        # system.pipelined_replies: this push's provisional slices by parameter ((version, first element, values)
+        # each), and their bytes
+        self.staged: dict[int, list[tuple[int, int, memoryview]]] = {}
+        self.staged_bytes = 0
 
     @property
     def pid(self) -> int:
@@ -625,6 +629,7 @@ class VirtualWorker:
         encode_s = [compress_s * layers.param_bytes[index] / dense for index in handed]
         self.pushes += 1
         push = (self.worker_id, process, self.pushes)  # the server's key for this push's parts
+        self.staged, self.staged_bytes = {}, 0  # provisional slices of an earlier push do not count
         streamed = StreamedStep(batches, loss, correct, samples, parts, buffers, started=self._now())
         self.step_started = streamed.started
 
@@ -653,6 +658,21 @@ class VirtualWorker:
         self.forward = ForwardPass(run.loop, [f for f, _ in split], layers.needs, self.arriving, forward_done, waited)
         self.forward.start()
 
+    def provisional(self, body: bytes) -> None:
+        """A provisional slice arrived (``system.pipelined_replies``: :mod:`src.virtual.sink`): kept until the reply's
+        head says whether it stands, as the real client's push stream keeps it."""
+        version, index, start, values = staged_slice(body)
+        self.staged.setdefault(index, []).append((version, start, values))
+        self.staged_bytes += len(body)
+
+    def _load_provisional(self, reply: Received) -> int:
+        """Put the slices of every parameter the reply leaves out (``PushReply.provisional``) in its place in
+        ``reply``; returns the bytes of the slices this push was sent (the step's reply bytes count them)."""
+        parameters = reply.large.get("parameters", [])
+        for index in reply.message.provisional:
+            parameters[index] = joined_slices(self.staged.get(index, ()), index, reply.message.version)
+        return self.staged_bytes
+
     def _computed_streamed(
         self, process: int, push: tuple, streamed: StreamedStep, waited_s: float, close_at: float
     ) -> None:
@@ -678,6 +698,9 @@ class VirtualWorker:
 
         def on_pieces(reply_data: bytes) -> list[tuple[int, Callable[[], None]]]:
             head, ends = reply_pieces(reply_data, pb.PushReply, REPLY_FIELDS)
+            # system.pipelined_replies: the tensors the reply leaves out came as slices before it
+            loaded = {("parameters", index) for index in pb.PushReply.FromString(reply_data).provisional}
+            ends = [(end, key) for end, key in ends if key not in loaded]
             arriving = {key for _, key in ends}
 
             def tensor_in(key) -> None:
@@ -691,6 +714,7 @@ class VirtualWorker:
 
         def head_in(reply_data: bytes, arriving: set) -> None:
             reply = split(reply_data, pb.PushReply, REPLY_FIELDS)
+            staged_bytes = self._load_provisional(reply)
             self.arriving, self.tail_pending = arriving, True
             now = self._now()
             step.settle(
@@ -705,7 +729,7 @@ class VirtualWorker:
                 compression_time_s=run.cost.compress_s,
                 communication_time_s=now - computed + waited_s,
                 push_bytes=part_bytes + len(data),
-                reply_bytes=len(reply_data),
+                reply_bytes=len(reply_data) + staged_bytes,
                 bytes_sent=self.bytes_sent,
                 bytes_received=self.bytes_received,
             )  # every tensor loaded now: the next forward computes from them, its waits are timed by their arrival
