@@ -155,6 +155,7 @@ class Worker:
         self._stream_calls: ThreadPoolExecutor | None = None  # system.streaming: the thread that moves the pushes
         self._generation = 0  # system.streaming: streamed replies so far (src/ps/worker_stream.py)
         self._last_calls: list[Future] = []  # system.streaming: the newest push's calls (a reply may be arriving)
+        self._pieced_parts = True  # system.streaming: large parts in pieces (PushStream.pieced)
 
     def emulated_delay_s(self) -> float:
         """Seconds this process waited for emulated compute and uplink (:mod:`src.emulation.netem`)."""
@@ -285,6 +286,7 @@ class Worker:
             )
             if system.streaming:
                 self.streamed = StreamedModel(model, step.params, step.buffers)
+                self._pieced_parts = system.pipelined_replies  # sent only when the server pipelines
                 self._stream_calls = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"worker-{self.worker_id}-push"
                 )
@@ -408,6 +410,8 @@ class Worker:
         streams = [
             PushStream(lambda index, k=k: encode(k, index), streamed.on_large(generation)) for k in range(len(clients))
         ]
+        for stream in streams:  # parts in pieces only for a server that reads them as they come
+            stream.pieced = self._pieced_parts
         calls = [
             (self._shard_calls or self._stream_calls).submit(client.push_streamed, stream)
             for client, stream in zip(clients, streams)

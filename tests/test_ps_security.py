@@ -17,7 +17,7 @@ from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
 from src.config import validate_config
 from src.metrics import read_events
-from src.ps.workers import SERVER_ONLY, SERVER_PATHS, config_for_workers
+from src.ps.workers import SENT_WHEN_ON, SERVER_ONLY, SERVER_PATHS, config_for_workers
 from src.transport.clients import TRANSPORTS, make_client
 from src.worker import Worker
 from tests.ps_fixtures import TOKEN, ServedServer, identity_gradients, make_self_signed_cert, ps_config, transport  # noqa: F401
@@ -302,10 +302,20 @@ def test_the_registration_reply_carries_the_run_without_the_servers_paths(tmp_pa
     for section, field in (dotted.split(".") for dotted in SERVER_ONLY):  # the server's alone
         assert field not in sent[section]
         expected[section].pop(field)
+    for section, field in (dotted.split(".") for dotted in SENT_WHEN_ON):  # off: left out, as before they existed
+        assert field not in sent[section]
+        expected[section].pop(field)
     assert sent == expected
     # a worker's config from the reply: the server's settings left out read as their defaults
     assert validate_config(sent).system.controller_policy == "link"
     assert not validate_config(sent).system.pipelined_replies
+    # on, a switch of SENT_WHEN_ON is sent (a gRPC worker then sends its large parts in pieces), and nothing else moves
+    pipelined = ps_config(
+        tmp_path / "p", system__streaming=True, system__aggregation_mode="sync", system__pipelined_replies=True
+    )
+    sent_on = json.loads(config_for_workers(pipelined))
+    assert sent_on["system"].pop("pipelined_replies") is True and "pipeline_slice_bytes" not in sent_on["system"]
+    assert validate_config(json.loads(config_for_workers(pipelined))).system.pipelined_replies
 
 
 def test_tls(tmp_path, transport):

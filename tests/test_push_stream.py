@@ -26,11 +26,12 @@ from src.transport.grpc import (
     PART_PIECE_BYTES,
     Outgoing,
     push_part_message,
+    push_part_messages,
     reply_chunk_bounds,
     reply_stream_bytes,
     serialize,
 )
-from src.transport.stream import PushStream, part_size
+from src.transport.stream import PART_INDEX, PushStream, part_size
 from src.transport.tcp_frames import HEADER_BYTES
 from src.transport.wire import Received, SharedBuffers, encode
 from tests.ps_fixtures import ServedServer, ps_config
@@ -259,6 +260,21 @@ def test_the_client_counts_exactly_the_messages_that_crossed_the_wire(twins, mon
         assert sent == sum(HEADER_BYTES + part_size(p) for p in payloads) + HEADER_BYTES + message_bytes
         assert received == HEADER_BYTES + whole.ByteSize()
     workers[1].push(workers[1].request(gradients=payloads))  # the twin in step
+
+
+def test_a_large_part_goes_in_pieces_only_to_a_server_that_reads_them_as_they_come():
+    """``PushStream.pieced`` (a worker turns it off when its server does not pipeline): above
+    :data:`PART_PIECE_BYTES` a part is pieces, else one message; the pieces carry the same bytes."""
+    payload = torch.arange(100_000, dtype=torch.float32).numpy().tobytes()  # 400 kB: 4 pieces of 128 kB at most
+    whole = push_part_messages(3, payload, pieced=False)
+    pieces = [pb.PushStreamRequest.FromString(m) for m in push_part_messages(3, payload)]
+    assert [pb.PushStreamRequest.FromString(m).part for m in whole] == [PART_INDEX.pack(3) + payload]
+    assert [p.WhichOneof("kind") for p in pieces] == ["part", "part_more", "part_more", "part_more"]
+    assert pieces[0].part_size == 4 + len(payload) and pieces[0].part + b"".join(p.part_more for p in pieces[1:]) == (
+        PART_INDEX.pack(3) + payload
+    )
+    assert len(push_part_messages(3, payload[:1000])) == 1  # a small part is one message either way
+    assert PushStream(lambda index: None, lambda *args: None).pieced  # the default: pieces, for any server
 
 
 def test_the_replys_head_reaches_the_worker_before_its_last_tensor(twins):

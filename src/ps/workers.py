@@ -43,26 +43,33 @@ SERVER_ONLY = (
     "system.controller_step_slack",
     "system.controller_critical_drop",
     "system.controller_critical_slack",
-    "system.pipelined_replies",
     "system.pipeline_slice_bytes",
 )
 """Settings only the server reads, left out of the reply: a worker's config takes their defaults. The controller's
-(a worker follows the Control of its replies) and the pipelined replies' (a worker takes provisional slices whenever
-they come: :mod:`src.ps.slice_pipeline`). Older server-only settings are still sent, as they were when the findings'
+(a worker follows the Control of its replies) and the slices' size (a worker takes provisional slices whenever they
+come: :mod:`src.ps.slice_pipeline`). Older server-only settings are still sent, as they were when the findings'
 records were made (leaving them out would change every registration reply's size, so every record)."""
+
+SENT_WHEN_ON = ("system.pipelined_replies",)
+"""Switches the reply carries only when they are on (off, a worker's config reads their default, off):
+``pipelined_replies`` tells a streaming gRPC worker to send a large part in pieces, which only a pipelining server
+reads as they come (:data:`src.transport.grpc.PART_PIECE_BYTES`). A run without them sends what it sent before
+they existed, byte for byte."""
 
 
 def config_for_workers(config: Config) -> str:
-    """The run's config as the registration reply carries it: JSON, with :data:`SERVER_PATHS` at their defaults and
-    without :data:`SERVER_ONLY`."""
+    """The run's config as the registration reply carries it: JSON, with :data:`SERVER_PATHS` at their defaults,
+    without :data:`SERVER_ONLY`, and with :data:`SENT_WHEN_ON` only when on."""
     defaults: dict[str, dict[str, object]] = {}
     for dotted in SERVER_PATHS:
         section, field = dotted.split(".")
         defaults.setdefault(section, {})[field] = type(getattr(config, section)).model_fields[field].default
     sections = {name: getattr(config, name).model_copy(update=fields) for name, fields in defaults.items()}
     left_out: dict[str, set[str]] = {}
-    for dotted in SERVER_ONLY:
+    for dotted in SERVER_ONLY + SENT_WHEN_ON:
         section, field = dotted.split(".")
+        if dotted in SENT_WHEN_ON and getattr(getattr(config, section), field):
+            continue  # on: sent
         left_out.setdefault(section, set()).add(field)
     return config.model_copy(update=sections).model_dump_json(exclude=left_out)
 

@@ -143,11 +143,11 @@ def push_part_message(index: int, payload: Any) -> bytes:
     return serialize(Outgoing(pb.PushStreamRequest(), {"part": [tuple(part_pieces(index, payload))]}))
 
 
-def push_part_messages(index: int, payload: Any) -> list[bytes]:
-    """The ``PushStreamRequest`` messages of a streamed push's part: one, or above :data:`PART_PIECE_BYTES` its
-    pieces (the first with ``part_size``, the rest ``part_more``)."""
+def push_part_messages(index: int, payload: Any, pieced: bool = True) -> list[bytes]:
+    """The ``PushStreamRequest`` messages of a streamed push's part: one, or (``pieced``) above
+    :data:`PART_PIECE_BYTES` its pieces (the first with ``part_size``, the rest ``part_more``)."""
     size = part_size(payload)
-    if size <= PART_PIECE_BYTES:
+    if size <= PART_PIECE_BYTES or not pieced:
         return [push_part_message(index, payload)]
     whole = memoryview(b"".join(part_pieces(index, payload)))
     first = pb.PushStreamRequest(part_size=size)
@@ -690,7 +690,7 @@ class ParameterServerClient(ProtocolClient):
                     return
                 finally:
                     outside.set()
-                for message in push_part_messages(index, payload):
+                for message in push_part_messages(index, payload, stream.pieced):
                     yield self._sending(stream, message)
             self._push_caller = _caller_hint(stream.request)
             yield self._sending(stream, push_message(stream.request))

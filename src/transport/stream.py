@@ -103,6 +103,10 @@ class PushStream:
     def __init__(self, encode: Callable[[int], Any], on_large: Callable[[str, int, memoryview], Any]):
         self.encode = encode
         self.on_large = on_large
+        self.pieced = True
+        """A transport that hands a server each message whole (gRPC) sends a large part in pieces, so that a server
+        stepping slices as values arrive (``system.pipelined_replies``) sees them come; a worker whose server does not
+        pipeline turns it off (its parts then go whole, one copy fewer on each side)."""
         self.encoded: list[tuple[int, Any]] = []  # (index, payload), in the order sent: a retry sends them again
         self.encode_s = 0.0  # seconds spent in ``encode``
         self.request: Outgoing | None = None  # the push's small fields and buffers, once closed
