@@ -288,8 +288,10 @@ def test_pipelined_replies_train_as_the_unstreamed_run_bit_for_bit_and_hide_more
     assert counts == {"slices_sent": 2 * 3 * 20, "slices_confirmed": 3 * 20, "slices_voided": 0, "tensors_omitted": 48}
     assert first["exposed_communication_s"] < 0.85 * streamed["exposed_communication_s"], (first, streamed)
     assert first["train_time_s"] < streamed["train_time_s"]
-    # the slices count as received bytes: their heads (16 bytes each) beyond the reply's own
-    assert 0 < first["bytes_received"] - plain["bytes_received"] <= 16 * counts["slices_sent"]
+    # received beyond the unstreamed run: each slice's head (16 bytes), and the switch in each worker's registration
+    # reply (sent only when on)
+    switch = len('"pipelined_replies":true,')
+    assert first["bytes_received"] - plain["bytes_received"] == 16 * counts["slices_sent"] + 2 * switch
 
 
 def test_faults_and_shards_with_streaming_are_refused_in_one_line(tmp_path):
