@@ -26,7 +26,7 @@ injected faults and S > 1 is refused (a shard's recovery is not built in virtual
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Hashable
 
 from src import parameter_server_pb2 as pb
 from src.common.checkpoint import save_checkpoint
@@ -35,6 +35,7 @@ from src.emulation.cost_model import CostModel, ServerTimes
 from src.emulation.event_loop import EventLoop, SerialServer
 from src.ps.follower import FollowerCore
 from src.ps.grpc_service import PUSH_LARGE_FIELDS
+from src.ps.push_parts import PushParts, arrived_push, push_size
 from src.ps.refusals import Refused
 from src.ps.shard_final import shard_part_path
 from src.ps.sharding import Sharding
@@ -88,6 +89,8 @@ class VirtualFollower:
         )
         self.wire = ServerWire(loop, cost, links)
         self.cpu = SerialServer(loop)
+        self.parts: dict[Hashable, PushParts] = {}
+        """Streamed holds' parts so far, by the worker's key for the push (``system.streaming``)."""
         self.load = pb.ShardLoad()
         """What this shard carried (the bytes of the holds and pulls answered and of their replies) and the virtual
         seconds of its update work: its part of a sharded run's summary (:func:`~src.ps.shard_final.shard_loads`)."""
@@ -104,13 +107,38 @@ class VirtualFollower:
         on_error: Callable[[str, str], None],
         *,
         wait_for_server: bool = False,
+        sent: Callable[[], None] | None = None,
     ) -> None:
-        """Send ``data`` from ``worker`` over its uplink and this shard's NIC; ``handle`` it on arrival."""
+        """Send ``data`` from ``worker`` over its uplink and this shard's NIC; ``handle`` it on arrival (``sent``:
+        when ``data`` has left the worker's link)."""
         call = Call(worker, worker.process, on_reply, on_error)
-        self.wire.upload(worker, data, lambda: handle(call, data))
+        self.wire.upload(worker, data, lambda: handle(call, data), sent)
 
-    def serve_push(self, call: Call, data: bytes) -> None:
-        """A held push: this shard's share of ``server_update_s``, then held and acknowledged."""
+    def send_part(self, worker: VirtualWorker, push: Hashable, body: bytes, sent: Callable[[], None]) -> None:
+        """One part of the streamed hold ``push`` (the worker's key for it, ``system.streaming``): over the worker's
+        link and this shard's NIC, then into the hold's parts, checked and decoded on arrival as a real follower's
+        connection thread does (:class:`~src.ps.push_parts.PushParts`); ``sent`` when it has left the worker's link."""
+        self.wire.upload(worker, body, lambda: self._parts(push).add(body), sent)
+
+    def _parts(self, push: Hashable) -> PushParts:
+        if push not in self.parts:
+            self.parts[push] = PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, self.core.model.max_message_bytes)
+        return self.parts[push]
+
+    def serve_streamed_push(self, push: Hashable) -> Callable[[Call, bytes], None]:
+        """The handler of streamed hold ``push``'s message: its parts and message assembled
+        (:meth:`~src.ps.push_parts.PushParts.assemble`), held as any hold (:meth:`serve_push`)."""
+
+        def handle(call: Call, data: bytes) -> None:
+            parts = self._parts(push)
+            del self.parts[push]
+            self.serve_push(call, parts.assemble(data))
+
+        return handle
+
+    def serve_push(self, call: Call, data) -> None:
+        """A held push: this shard's share of ``server_update_s``, then held and acknowledged. ``data``: its bytes, or
+        a streamed hold's parts and message assembled (:class:`~src.ps.push_parts.AssembledPush`)."""
         self.cpu.submit(self.times.update_s, lambda: self._hold(call, data))
 
     def _hold(self, call: Call, data: bytes) -> None:
@@ -119,7 +147,7 @@ class VirtualFollower:
         core = self.core
         try:
             try:
-                received = split(data, pb.PushRequest, PUSH_LARGE_FIELDS)
+                received = arrived_push(data, PUSH_LARGE_FIELDS)
             except ValueError as exc:
                 raise Refused("INVALID_ARGUMENT", f"push: {exc}") from None
             request = received.message
@@ -146,8 +174,8 @@ class VirtualFollower:
             return
         self._answer(call, data, reply)
 
-    def _answer(self, call: Call, data: bytes, reply: bytes) -> None:
-        self.load.bytes_in += len(data)
+    def _answer(self, call: Call, data, reply: bytes) -> None:
+        self.load.bytes_in += push_size(data)
         self.load.bytes_out += len(reply)
         self.wire.reply(call, reply)
 

@@ -39,8 +39,9 @@ faults and ``--resume`` are refused with S > 1 (a shard's recovery is not built 
 
 With ``system.streaming`` each worker does the real streamed worker's step (:mod:`src.virtual.worker`): its compute
 spread over the model's layers (:mod:`src.virtual.layers`), each gradient's part on its link as backward produces
-it, the reply's tensors arriving while the next forward waits per layer (:mod:`src.emulation.overlap`). Injected
-faults and several server shards are refused with it in one line (:func:`streaming_refusal`; not built yet).
+it, the reply's tensors arriving while the next forward waits per layer (:mod:`src.emulation.overlap`); with
+several server shards each gradient's slices stream to their shards as the holds, and the commit and the pulls
+follow. Injected faults are refused with it in one line (:func:`streaming_refusal`; not built yet).
 
 Outputs are a real run's (``summary.json`` with ``clock: virtual``, ``events.jsonl`` per role with
 virtual times, TensorBoard, checkpoints, and with ``system.trace`` a ``trace.json`` per simulated
@@ -97,8 +98,6 @@ def streaming_refusal(config: Config) -> str | None:
         return None
     if system.inject_faults:
         return "system.inject_faults: not with system.streaming in virtual time yet (not built)"
-    if system.num_servers > 1:
-        return f"system.streaming: not with system.num_servers = {system.num_servers} in virtual time yet"
     return None
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -80,7 +81,12 @@ class ShardCalls(Protocol):
         on_error: Callable[[str, str], None],
         *,
         wait_for_server: bool = False,
+        sent: Callable[[], None] | None = None,
     ) -> None: ...
+
+    def send_part(self, worker: VirtualWorker, push: Any, body: bytes, sent: Callable[[], None]) -> None: ...
+
+    def serve_streamed_push(self, push: Any) -> Handler: ...
 
 
 class ServerCalls(ShardCalls, Protocol):
@@ -128,7 +134,7 @@ class StreamedStep:
     loss: float
     correct: int
     samples: int
-    parts: list[tuple[int, Any]]  # (gradient index, payload), in the order backward handed them over
+    parts: list[tuple[int, int, Any]]  # (shard, index there, payload), in the order backward handed them over
     buffers: list
     started: float  # virtual seconds: the step's start (the previous reply's head)
     first_sent: float | None = None  # virtual seconds: the first part onto the link
@@ -177,11 +183,12 @@ class VirtualWorker:
         self.started_at = 0.0
         self.step_started = 0.0  # virtual seconds: when the step now computing was handed its work
         # system.streaming: the reply tensors the next forward needs that have not arrived, the forward in progress,
-        # the worker's uplink (parts, then the push's message, one after another), streamed pushes so far, and what
-        # to do once the last reply's tail is in (None: it is in)
+        # the worker's connection to each server shard (parts, then the push's message, one after another on each;
+        # the connections share the worker's link), streamed pushes so far, and what to do once the last reply's
+        # tail is in (None: it is in)
         self.arriving: set = set()
         self.forward: ForwardPass | None = None
-        self.uplink = FifoLink()
+        self.uplinks: list[FifoLink] = []  # made when a process starts (the run's shards exist by then)
         self.pushes = 0
         self.after_tail: Callable[[], None] | None = None
         self.tail_pending = False
@@ -189,6 +196,10 @@ class VirtualWorker:
         # each), and their bytes
         self.staged: dict[int, list[tuple[int, int, memoryview]]] = {}
         self.staged_bytes = 0
+
+    def _connections(self) -> list[FifoLink]:
+        """A new connection to each server shard (one server: one)."""
+        return [FifoLink() for _ in range(max(1, len(self.run.shards)))]
 
     @property
     def pid(self) -> int:
@@ -214,7 +225,7 @@ class VirtualWorker:
         self.bytes_sent = self.bytes_received = 0
         self.uplink_delay_s = self.compute_extra_s = 0.0
         self.started_at = self._now()
-        self.arriving, self.forward, self.uplink = set(), None, FifoLink()  # a new process: nothing in flight
+        self.arriving, self.forward, self.uplinks = set(), None, self._connections()  # a new process: nothing in flight
         self.tail_pending, self.after_tail = False, None
         self.faults = FaultInjector(self.config.system.inject_faults, "worker", self.worker_id, enabled=faults)
         self._register(0, [], self._first_registration)
@@ -560,7 +571,7 @@ class VirtualWorker:
         payload_bytes = sum(chunk_size(p) for payloads in per_shard for p in payloads)
         del per_shard, buffers
         step_started = self.step_started
-        shards, server = self.run.shards, self.run.server
+        shards = self.run.shards
 
         def send() -> None:
             if not self.reachable(process):
@@ -571,41 +582,51 @@ class VirtualWorker:
             settled = self._settler(
                 request, batches, (payload_bytes, loss, correct, samples, step_s, compress_s), sent_at, step_started
             )
-            acks: dict[int, Received] = {}
-
-            def acknowledged(shard: int, ack: bytes) -> None:
-                traffic.received += len(ack)
-                acks[shard] = split(ack, pb.PushReply, ())
-                if len(acks) == len(shards):  # the commit (async: with the followers' staleness)
-                    commit = step.commit(request, [acks[k] for k in range(len(shards))])
-                    committing = serialize(Outgoing(commit, {"gradients": [], "buffers": []}))
-                    traffic.sent += len(committing)
-                    self._call(committing, server.serve_push, committed, failed)
-
-            def committed(reply_data: bytes) -> None:
-                traffic.received += len(reply_data)
-                reply = split(reply_data, pb.PushReply, MODEL_STATE + ("parameter_deltas",))
-                self._pull_shards(reply.message.certificate, reply.message.version, lambda: settle(reply), traffic)
-
-            def settle(reply) -> None:
-                settled(reply, traffic.sent, traffic.received)
-
-            def failed(code: str, message: str) -> None:
-                self._after_failure(code, message, self._pull, in_flight=request.request_id)
-
+            acknowledged = self._holding(
+                request, traffic, lambda reply: settled(reply, traffic.sent, traffic.received)
+            )
             for k, shard in enumerate(shards):
                 traffic.sent += len(holds[k])
-                on_ack = lambda ack, k=k: acknowledged(k, ack)  # noqa: E731
-                shard.call(self, holds[k], shard.serve_push, on_ack, self._shard_failed(k))
+                shard.call(self, holds[k], shard.serve_push, partial(acknowledged, k), self._shard_failed(k))
 
         return send
+
+    def _holding(
+        self, request: pb.PushRequest, traffic: Traffic, settle: Callable[[Received], None]
+    ) -> Callable[[int, bytes], None]:
+        """What takes each shard's acknowledgement of ``request``'s hold, ``acknowledged(shard, its bytes)``: once
+        every shard holds it, the commit to shard 0 (async: with the followers' staleness), then every shard pulled
+        at once with the commit reply's certificate, then ``settle(the commit's reply)``; ``traffic`` counts every
+        message and reply from the acknowledgements on."""
+        step, shards, server = self.step, self.run.shards, self.run.server
+        acks: dict[int, Received] = {}
+
+        def acknowledged(shard: int, ack: bytes) -> None:
+            traffic.received += len(ack)
+            acks[shard] = split(ack, pb.PushReply, ())
+            if len(acks) == len(shards):
+                commit = step.commit(request, [acks[k] for k in range(len(shards))])
+                committing = serialize(Outgoing(commit, {"gradients": [], "buffers": []}))
+                traffic.sent += len(committing)
+                self._call(committing, server.serve_push, committed, failed)
+
+        def committed(reply_data: bytes) -> None:
+            traffic.received += len(reply_data)
+            reply = split(reply_data, pb.PushReply, REPLY_FIELDS)
+            self._pull_shards(reply.message.certificate, reply.message.version, lambda: settle(reply), traffic)
+
+        def failed(code: str, message: str) -> None:
+            self._after_failure(code, message, self._pull, in_flight=request.request_id)
+
+        return acknowledged
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
     def _step_streamed(self, received) -> None:
         """The real streamed worker's step (``Worker._train_step_streamed``), from now: the forward layer by layer
         as the reply's tensors arrive, backward handing each gradient's part to the link, the push's message after
-        it, the step settled when the reply's head is in (see the module docstring)."""
+        it, the step settled when the reply's head is in (see the module docstring). A sharded run: each gradient's
+        slices go to the shards holding them, each shard's on the worker's connection to it, as its hold."""
         run, step, process = self.run, self.step, self.process
         batches = list(received.message.work.batches)
         samples_in = sum(len(b.indices) for b in batches)
@@ -616,7 +637,21 @@ class VirtualWorker:
         run.gradient_order.begin()
         loss, correct, samples = step.compute(batches)
         handed = run.gradient_order.end()
-        parts = [(index, step.encode_part(index, batches)) for index in handed]
+        # (gradient, shard, its index there, its share of the gradient): one part a gradient, or one a slice
+        if run.placement is None:
+            units = [(index, 0, index, 1.0) for index in handed]
+        else:
+            slices, on_shard = step.sharded.slices_of(step.names), run.placement.on_shard
+            units = [
+                (index, k, position, on_shard(k)[position].numel / step.params[index].numel())
+                for index in handed
+                for k, position in slices[index]
+            ]
+        encode = step.encode_part if run.placement is None else step.encode_slice
+        parts = [
+            (k, position, encode(position, batches) if run.placement is None else encode(k, position, batches))
+            for _, k, position, _ in units
+        ]
         buffers = step.buffers_to_send(batches)
         run.compute_wall_s += time.perf_counter() - computing
         self.compute_extra_s += extra_s
@@ -626,28 +661,34 @@ class VirtualWorker:
         offsets = ready_offsets(backward_s, layers.layer_of)
         dense = sum(layers.param_bytes) or 1
         compress_s = run.cost.compress_s
-        encode_s = [compress_s * layers.param_bytes[index] / dense for index in handed]
         self.pushes += 1
         push = (self.worker_id, process, self.pushes)  # the server's key for this push's parts
         self.staged, self.staged_bytes = {}, 0  # provisional slices of an earlier push do not count
         streamed = StreamedStep(batches, loss, correct, samples, parts, buffers, started=self._now())
         self.step_started = streamed.started
+        targets = run.shards if run.placement is not None else [run.server]
 
-        def send_part(index: int, payload) -> None:
+        def send_part(k: int, position: int, payload) -> None:
             if not self.reachable(process):
                 return
-            body = b"".join(part_pieces(index, payload))
+            body = b"".join(part_pieces(position, payload))
             if streamed.first_sent is None:
                 streamed.first_sent = self._now()
-            self.uplink.put(lambda free: run.server.send_part(self, push, body, free))
+            self.uplinks[k].put(lambda free: targets[k].send_part(self, push, body, free))
 
         def forward_done(waited_s: float) -> None:
             if not self.reachable(process):
                 return
             backward_started = self._now()
-            encoded = encode_times([backward_started + offsets[index] for index in handed], encode_s)
-            for (index, payload), at in zip(parts, encoded):
-                run.loop.at(at, lambda index=index, payload=payload: send_part(index, payload))
+            encoded: list[float] = [0.0] * len(units)
+            for k in range(len(targets)):  # each connection's parts are encoded on its push's one thread
+                mine = [u for u, (_, shard, _, _) in enumerate(units) if shard == k]
+                ready = [backward_started + offsets[units[u][0]] for u in mine]
+                seconds = [compress_s * layers.param_bytes[units[u][0]] * units[u][3] / dense for u in mine]
+                for u, at in zip(mine, encode_times(ready, seconds)):
+                    encoded[u] = at
+            for (k, position, payload), at in zip(parts, encoded):
+                run.loop.at(at, lambda k=k, position=position, payload=payload: send_part(k, position, payload))
             computed = backward_started + sum(backward_s) + extra_s
             close_at = max([computed, *encoded])
             run.loop.at(computed, lambda: self._computed_streamed(process, push, streamed, waited_s, close_at))
@@ -677,7 +718,9 @@ class VirtualWorker:
         self, process: int, push: tuple, streamed: StreamedStep, waited_s: float, close_at: float
     ) -> None:
         """Backward (and an emulated straggler's extra seconds) is over: the push's message, once every part is
-        encoded, after the parts on the link; the step settles when the reply's head is in."""
+        encoded, after the parts on the link; the step settles when the reply's head is in. A sharded run: each
+        shard's hold after its parts on its connection, the commit and the pulls once every shard holds it, the
+        step settled when the pulls are in."""
         if not self.reachable(process):
             return
         run, step = self.run, self.step
@@ -692,9 +735,37 @@ class VirtualWorker:
         request = step.request(
             self.caller, batches, loss, correct, gradient_time_s=gradient_time_s, compression_time_s=run.cost.compress_s
         )
+        part_bytes = sum(part_size(payload) for _, _, payload in parts)
+        payload_bytes = sum(chunk_size(payload) for _, _, payload in parts)
+
+        def settle(reply: Received, push_bytes: int, reply_bytes: int) -> None:
+            now = self._now()
+            step.settle(
+                reply,
+                batches,
+                request,
+                payload_bytes=payload_bytes,
+                loss=loss,
+                correct=correct,
+                samples=samples,
+                gradient_time_s=gradient_time_s,
+                compression_time_s=run.cost.compress_s,
+                communication_time_s=now - computed + waited_s,
+                push_bytes=part_bytes + push_bytes,
+                reply_bytes=reply_bytes,
+                bytes_sent=self.bytes_sent,
+                bytes_received=self.bytes_received,
+            )  # every tensor loaded now: the next forward computes from them, its waits are timed by their arrival
+            timelines = run.timelines
+            timelines.worker(self.worker_id, "reply_wait", computed, now, request_id=request.request_id)
+            timelines.worker(self.worker_id, "push", streamed.first_sent or computed, request_id=request.request_id)
+            timelines.worker(self.worker_id, "step", started, step=step.totals["steps"])
+            self._work(reply)
+
+        if run.placement is not None:
+            run.loop.at(close_at, lambda: self._close_holds(process, push, request, streamed.buffers, settle))
+            return
         data = serialize(Outgoing(request, {"buffers": streamed.buffers}))
-        part_bytes = sum(part_size(payload) for _, payload in parts)
-        payload_bytes = sum(chunk_size(payload) for _, payload in parts)
 
         def on_pieces(reply_data: bytes) -> list[tuple[int, Callable[[], None]]]:
             head, ends = reply_pieces(reply_data, pb.PushReply, REPLY_FIELDS)
@@ -716,28 +787,7 @@ class VirtualWorker:
             reply = split(reply_data, pb.PushReply, REPLY_FIELDS)
             staged_bytes = self._load_provisional(reply)
             self.arriving, self.tail_pending = arriving, True
-            now = self._now()
-            step.settle(
-                reply,
-                batches,
-                request,
-                payload_bytes=payload_bytes,
-                loss=loss,
-                correct=correct,
-                samples=samples,
-                gradient_time_s=gradient_time_s,
-                compression_time_s=run.cost.compress_s,
-                communication_time_s=now - computed + waited_s,
-                push_bytes=part_bytes + len(data),
-                reply_bytes=len(reply_data) + staged_bytes,
-                bytes_sent=self.bytes_sent,
-                bytes_received=self.bytes_received,
-            )  # every tensor loaded now: the next forward computes from them, its waits are timed by their arrival
-            timelines = run.timelines
-            timelines.worker(self.worker_id, "reply_wait", computed, now, request_id=request.request_id)
-            timelines.worker(self.worker_id, "push", streamed.first_sent or computed, request_id=request.request_id)
-            timelines.worker(self.worker_id, "step", started, step=step.totals["steps"])
-            self._work(reply)
+            settle(reply, len(data), len(reply_data) + staged_bytes)
 
         def whole(_reply_data: bytes) -> None:
             self.tail_pending = False
@@ -752,13 +802,43 @@ class VirtualWorker:
             if not self.reachable(process):
                 return
             server = run.server
-            self.uplink.put(
+            self.uplinks[0].put(
                 lambda free: server.call(
                     self, data, server.serve_streamed_push(push), whole, failed, pieces=on_pieces, sent=free
                 )
             )
 
         run.loop.at(close_at, close)
+
+    def _close_holds(
+        self,
+        process: int,
+        push: tuple,
+        request: pb.PushRequest,
+        buffers: list,
+        settle: Callable[[Received, int, int], None],
+    ) -> None:
+        """A sharded run's streamed push, once every part is encoded: each shard's hold after its parts on the
+        worker's connection to it, then the commit and the pulls (:meth:`_holding`); ``settle(the commit's reply,
+        bytes sent, bytes received)`` once every slice is in (``Worker._train_step_streamed``)."""
+        if not self.reachable(process):
+            return
+        traffic = Traffic()
+
+        def pulled(reply: Received) -> None:
+            self.arriving, self.tail_pending = set(), False  # the pulls brought every slice
+            settle(reply, traffic.sent, traffic.received)
+
+        acknowledged = self._holding(request, traffic, pulled)
+        for k, (shard, held) in enumerate(zip(self.run.shards, self.step.holds(request))):
+            data = serialize(Outgoing(held, {"buffers": buffers if k == 0 else []}))
+            traffic.sent += len(data)
+            handle, on_ack, failed = shard.serve_streamed_push(push), partial(acknowledged, k), self._shard_failed(k)
+            self.uplinks[k].put(
+                lambda free, shard=shard, data=data, handle=handle, on_ack=on_ack, failed=failed: shard.call(
+                    self, data, handle, on_ack, failed, sent=free
+                )
+            )
 
     def _finish(self) -> None:
         stats = self._stats()
