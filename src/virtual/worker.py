@@ -24,7 +24,9 @@ makes, the real worker's) goes on the worker's link as soon as it is encoded, th
 message follows after backward. The reply comes down in pieces: its head settles the step and starts the next, its
 tensors arrive behind it. The step's exposed communication (``communication_time_s``, as the real streamed worker
 reports it) is from the end of backward to the reply's head plus the forward's waits. The arithmetic is the
-unstreamed step's: only when the bytes travel changes.
+unstreamed step's: only when the bytes travel changes. With several shards each gradient's slices stream to the shards
+holding them, each on the worker's connection to its shard, as the holds; the commit and the pulls follow as in the
+unstreamed sharded step, and the pulls bring every slice before the step settles.
 """
 
 from __future__ import annotations
@@ -582,9 +584,7 @@ class VirtualWorker:
             settled = self._settler(
                 request, batches, (payload_bytes, loss, correct, samples, step_s, compress_s), sent_at, step_started
             )
-            acknowledged = self._holding(
-                request, traffic, lambda reply: settled(reply, traffic.sent, traffic.received)
-            )
+            acknowledged = self._holding(request, traffic, lambda reply: settled(reply, traffic.sent, traffic.received))
             for k, shard in enumerate(shards):
                 traffic.sent += len(holds[k])
                 shard.call(self, holds[k], shard.serve_push, partial(acknowledged, k), self._shard_failed(k))
