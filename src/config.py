@@ -310,8 +310,9 @@ class SystemConfig(_Section):
     is in and sends it back at once, while the rest of the push is still on its way (P3, BytePS); the barrier's own
     step confirms each slice bit for bit, and a reply leaves out what a worker already holds
     (:mod:`src.ps.slice_pipeline`). The same updates as without it. Dense float32 gradients only (a compressed one
-    travels and comes back as before); one server, no emulated links, real time; over TCP, no TLS (gRPC does its
-    own)."""
+    travels and comes back as before); no emulated links in real time (virtual time models them); over TCP, no TLS
+    (gRPC does its own); with several shards (``num_servers``), over TCP (each shard steps its holds' slices, and a
+    pull leaves out what the worker holds)."""
     pipeline_slice_bytes: PositiveInt = 128 << 10
     """With ``pipelined_replies``: bytes of a slice (rounded down to a multiple of 64 float32 values)."""
     transport: Literal["grpc", "tcp"] = "grpc"
@@ -591,8 +592,11 @@ class Config(_Section):
             return "needs system.streaming (the gradients must arrive during backward)"
         if system.aggregation_mode != "sync":
             return "sync only (an async push is applied as it arrives, with nothing to pipeline against)"
-        if system.num_servers != 1:
-            return "one server only (a sharded step's holds do not send provisional slices yet)"
+        if system.num_servers != 1 and system.transport != "tcp" and system.clock != "virtual":
+            return (
+                "with several shards, system.transport tcp only (a follower sends a hold's slices after its "
+                "acknowledgement, and gRPC's hold call ends with it)"
+            )
         if system.downlink_compression != "none":
             return "not with system.downlink_compression (a reply's deltas follow what each worker holds)"
         if system.tls_cert_file and system.transport == "tcp":

@@ -315,7 +315,7 @@ class ParameterServer(GrpcMethods):
         with tracing.span("serve_pull", worker=request.caller.worker_id), self.core.lock:
             if request.parameters_only:  # a sharded server's worker, after its commit
                 member = self.core.member(request.caller)
-                reply = self.core.parameters(member)
+                reply = self.core.parameters(member, getattr(call, "sink", None))
             else:
                 member = self.core.begin_pull(request.caller)
                 reply = self.core.pull_reply(member, self._await_work(member, call))
@@ -374,7 +374,7 @@ class ParameterServer(GrpcMethods):
         request = received.message
         worker_id, request_id = request.caller.worker_id, request.request_id
         if request.hold:
-            return self._hold(received)
+            return self._hold(received, getattr(call, "sink", None))
         try:
             with core.lock:
                 admitted = core.begin_push(request.caller, request)
@@ -402,14 +402,17 @@ class ParameterServer(GrpcMethods):
         self._emulate_downlink(worker_id, len(reply) + call.framing_bytes)
         return reply
 
-    def _hold(self, received) -> bytes:
+    def _hold(self, received, sink: Sink | None) -> bytes:
         """A sharded server's held push (:meth:`ServerCore.hold <src.ps.core.ServerCore.hold>`): decoded outside the
-        lock, acknowledged at once."""
+        lock, acknowledged at once. ``sink``: the connection's, with ``system.pipelined_replies`` (its next hold's
+        values are reported there, and the pull after it leaves out the slices confirmed)."""
         core, request = self.core, received.message
         worker_id = request.caller.worker_id
         try:
             with core.lock:
                 core.member(request.caller)
+            if core.pipeline is not None and sink is not None:
+                core.pipeline.attach(worker_id, sink)
             contribution = core.decode(worker_id, received)
             with core.lock:
                 return core.hold(core.member(request.caller), request, contribution)

@@ -121,20 +121,22 @@ class PullRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., certificate: _Optional[bytes] = ..., parameters_only: _Optional[bool] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("version", "parameters", "buffers", "work", "control", "certificate")
+    __slots__ = ("version", "parameters", "buffers", "work", "control", "certificate", "provisional")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_FIELD_NUMBER: _ClassVar[int]
     version: int
     parameters: _containers.RepeatedScalarFieldContainer[bytes]
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
     work: Work
     control: Control
     certificate: bytes
-    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., certificate: _Optional[bytes] = ...) -> None: ...
+    provisional: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., certificate: _Optional[bytes] = ..., provisional: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("epoch", "step", "loss", "correct", "gradient_time_s", "compression_time_s", "communication_time_s")
@@ -351,11 +353,19 @@ class StatusReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., done: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., epochs_done: _Optional[int] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., checkpoints: _Optional[_Iterable[int]] = ..., resume_version: _Optional[int] = ..., instance: _Optional[bytes] = ..., agreed_instances: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
-    __slots__ = ("bytes_in", "bytes_out", "update_s")
+    __slots__ = ("bytes_in", "bytes_out", "update_s", "slices_sent", "slices_confirmed", "slices_voided", "tensors_omitted")
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_S_FIELD_NUMBER: _ClassVar[int]
+    SLICES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SLICES_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    SLICES_VOIDED_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     bytes_in: int
     bytes_out: int
     update_s: float
-    def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., update_s: _Optional[float] = ...) -> None: ...
+    slices_sent: int
+    slices_confirmed: int
+    slices_voided: int
+    tensors_omitted: int
+    def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., update_s: _Optional[float] = ..., slices_sent: _Optional[int] = ..., slices_confirmed: _Optional[int] = ..., slices_voided: _Optional[int] = ..., tensors_omitted: _Optional[int] = ...) -> None: ...

@@ -217,11 +217,14 @@ def test_pipelined_replies_name_what_they_need():
     assert load_config(overrides={**base, **tls, "system.streaming": True, "system.transport": "grpc"})
     links = {"emulation.uplink_mbps": 40.0, "emulation.downlink_mbps": 40.0}
     assert load_config(overrides={**base, **links, "system.streaming": True, "system.clock": "virtual"})
+    shards = {"system.streaming": True, "system.num_servers": 2}
+    assert load_config(overrides={**base, **shards})  # over TCP
+    assert load_config(overrides={**base, **shards, "system.transport": "grpc", "system.clock": "virtual"})
     for change, needs in [
         ({}, "needs system.streaming"),
         ({"system.streaming": True, **tls}, "not with TLS over system.transport tcp"),
         ({"system.streaming": True, "system.aggregation_mode": "async"}, "sync only"),
-        ({"system.streaming": True, "system.num_servers": 2}, "one server only"),
+        ({**shards, "system.transport": "grpc"}, "with several shards, system.transport tcp only"),
         ({"system.streaming": True, **links}, "not with emulated links in real time"),
     ]:
         with pytest.raises(Exception, match=needs):

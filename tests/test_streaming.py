@@ -106,6 +106,30 @@ def test_a_streamed_sync_run_on_two_shards_is_the_unstreamed_one_bit_for_bit(tmp
     assert_bit_for_bit(plain[2], streamed[2])
     for worker in range(2):
         assert pushes(streamed[0], worker) == pushes(plain[0], worker)
+    if transport != "tcp":
+        return  # pipelined replies with shards: TCP only (a follower's slices follow its hold's acknowledgement)
+    # pipelined replies: each shard steps its holds' slices as they arrive (a follower for the workers of the last
+    # certificate) and sends them on the hold's connection; each pull leaves out what its step confirmed
+    pipelined = run(tmp_path, "pipelined", system__streaming=True, **PIPELINED, **fields)
+    assert_bit_for_bit(plain[2], pipelined[2])
+    for worker in range(2):
+        assert pushes(pipelined[0], worker) == pushes(plain[0], worker)
+    counts = pipelined[1]["pipelined_replies"]
+    # a follower guesses a round's samples from the round before: the last round (249 samples: 13 and 12 against 16
+    # and 16) misses, and its slices are voided there; shard 0 knows its rounds and voids nothing
+    logs = Path(pipelined[0].system.log_dir)
+    voided = {
+        role: [e["version"] for e in read_events(logs / role / "events.jsonl", "provisional_voided")]
+        for role in ("server", "server_1")
+    }
+    assert voided == {"server": [], "server_1": [pipelined[1]["versions"]]}, voided
+    assert counts["slices_confirmed"] > 0 and counts["slices_voided"] > 0, counts
+    assert counts["slices_sent"] == 2 * (counts["slices_confirmed"] + counts["slices_voided"]), counts
+    # every round from the second on (the first holds attach the connections, and a follower's first round has no
+    # certificate to take its workers from) leaves out every slice's tensor on both shards for both workers
+    rounds = pipelined[1]["versions"] - 2
+    per_round = 2 * sum(len(shard) for shard in pipelined[1]["placement"]["slices_per_shard"])
+    assert counts["tensors_omitted"] >= (rounds - 1) * per_round > 0, counts
 
 
 @pytest.mark.slow  # two 2-worker runs, ~10 s

@@ -380,19 +380,28 @@ class ServerCore:
         (``system.pipelined_replies``)."""
         if self.sharding is not None:
             verdict.certificate = self.updates.certificate
-        omit = []
-        if self.pipeline is not None:
-            omit = self.pipeline.omitted(sink)
-            for version, voided, stepped in self.pipeline.take_voided():
-                self.log.event("provisional_voided", version=version, slices=voided, stepped=stepped)
+        omit = self._omitted(sink) if self.sharding is None else []  # sharded: the pull carries the parameters
         reply = self.pushes.reply(member, request_id, verdict, work, parameters=self.sharding is None, omit=omit)
         self.lock.notify_all()
         return reply
 
-    def parameters(self, member: Member) -> bytes | Pieces:
-        """A sharded server's ``PullRequest.parameters_only``: this shard's parameters at its version, no work."""
+    def _omitted(self, sink: Sink | None) -> list[int]:
+        """The parameters a reply on ``sink`` leaves out (``system.pipelined_replies``); logs voided slices."""
+        if self.pipeline is None:
+            return []
+        omit = self.pipeline.omitted(sink)
+        for version, voided, stepped in self.pipeline.take_voided():
+            self.log.event("provisional_voided", version=version, slices=voided, stepped=stepped)
+        return omit
+
+    def parameters(self, member: Member, sink: Sink | None = None) -> bytes | Pieces:
+        """A sharded server's ``PullRequest.parameters_only``: this shard's parameters at its version, no work.
+        ``sink``: the connection it goes on, whose confirmed provisional slices it leaves out
+        (``system.pipelined_replies``: sent during the worker's hold)."""
         with tracing.span("reply", worker=member.worker_id):
-            return self.replies.serialize(pb.PullReply(version=self.version), member.worker_id)
+            omit = self._omitted(sink)
+            message = pb.PullReply(version=self.version, provisional=omit)
+            return self.replies.serialize(message, member.worker_id, omit=omit)
 
     def abandon(self, worker_id: int, request_id: int) -> None:
         """A push ended without a reply (refused, or its caller gone): a retry is handled afresh."""

@@ -30,6 +30,7 @@ import os
 import secrets
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from torch import nn
@@ -58,6 +59,7 @@ from src.ps.shard_async import FollowerAsync
 from src.ps.shard_model import shard_module
 from src.ps.shard_rounds import FollowerRounds, ForgedCertificate, RoundCertificate, ShardBehind
 from src.ps.shard_sessions import ShardSessions
+from src.ps.slice_pipeline import Sink, SlicePipeline, slice_elements_of
 from src.ps.staleness import StalenessPolicy
 from src.transport.wire import Pieces, Received
 
@@ -108,6 +110,11 @@ class FollowerCore:
         self.model.install(shard_module(model, placement, shard))
         self.asynchronous = config.system.aggregation_mode == "async"
         self.rounds = FollowerRounds(self.model.state, key)
+        self.pipeline: SlicePipeline | None = None
+        """system.pipelined_replies (sync): provisional slices of each round's holds (:mod:`src.ps.slice_pipeline`),
+        whose workers are guessed from the last certificate (see :meth:`_open_round`)."""
+        if config.system.pipelined_replies and not self.asynchronous:
+            self.pipeline = SlicePipeline(self.model.state, slice_elements_of(config.system.pipeline_slice_bytes))
         self.pushes = FollowerAsync(self.model.state, key, StalenessPolicy.from_config(config.system))
         self.sessions = ShardSessions(SessionSigner(key), config.system.num_workers)
         self.checkpoint_dir = shard_checkpoint_dir(config.system.checkpoint_dir, shard)
@@ -221,8 +228,10 @@ class FollowerCore:
             **verdict,
         )
 
-    def pull(self, worker_id: int, request: pb.PullRequest) -> bytes | Pieces:
+    def pull(self, worker_id: int, request: pb.PullRequest, sink: Sink | None = None) -> bytes | Pieces:
         """Apply the version ``request.certificate`` names (if it is not applied yet), then the slices' reply.
+        ``sink``: the connection it goes on (``system.pipelined_replies``): the slices of this worker's hold
+        confirmed by the step are left out (``PullReply.provisional``), since it holds them.
 
         Raises:
             Refused: a forged or malformed certificate (PERMISSION_DENIED), or one this shard cannot apply
@@ -231,10 +240,44 @@ class FollowerCore:
         with self.lock:
             if request.certificate:
                 self._apply(request.certificate)
-            reply = self.model.replies.serialize(pb.PullReply(version=self.version), worker_id)
+            omit = self._omitted(sink)
+            message = pb.PullReply(version=self.version, provisional=omit)
+            reply = self.model.replies.serialize(message, worker_id, omit=omit)
             if request.final:
                 self.run_over.set()
             return reply
+
+    def attach(self, worker_id: int, sink: Sink | None) -> None:
+        """``worker_id``'s holds come on ``sink``'s connection now (``system.pipelined_replies``): its next hold's
+        values are reported there (:meth:`SlicePipeline.attach <src.ps.slice_pipeline.SlicePipeline.attach>`)."""
+        if self.pipeline is not None and sink is not None:
+            self.pipeline.attach(worker_id, sink)
+
+    def arriving(self, sink: Sink | None):
+        """What a streamed hold's parts on ``sink`` report their values to (``None``: nothing: no pipelining, or
+        a connection no hold has come on yet)."""
+        if self.pipeline is None or sink is None or sink.worker is None:
+            return None
+        return partial(self.pipeline.arrived, sink)
+
+    def _omitted(self, sink: Sink | None) -> list[int]:
+        if self.pipeline is None:
+            return []
+        omit = self.pipeline.omitted(sink)
+        for version, voided, stepped in self.pipeline.take_voided():
+            self.log.event("provisional_voided", version=version, slices=voided, stepped=stepped)
+        counts = self.pipeline.counts
+        load = self.load
+        load.slices_sent, load.slices_confirmed = counts["slices_sent"], counts["slices_confirmed"]
+        load.slices_voided, load.tensors_omitted = counts["slices_voided"], counts["tensors_omitted"]
+        return omit
+
+    def _open_round(self, certificate: RoundCertificate, samples: dict[int, int]) -> None:
+        """``system.pipelined_replies``: the next round's holds are stepped slice by slice as they arrive, for the
+        workers of the round just applied with their samples (a guess: only shard 0 knows the round's workers, and
+        only its certificate, after the holds, names them; a wrong guess only voids slices at the comparison)."""
+        if self.pipeline is not None:
+            self.pipeline.open_round(certificate.version, samples)
 
     def _apply(self, data: bytes) -> None:
         started = time.perf_counter()
@@ -243,9 +286,11 @@ class FollowerCore:
                 applied = self.pushes.apply(data, on_version=self._applied, on_forget=self._forgot)
             else:
                 certificate = RoundCertificate.decode(data)
+                held = {worker: c.num_samples for worker, c in self.rounds.held.items()}
                 applied = [(certificate, 1.0)] if self.rounds.apply(certificate) else []
                 if applied:
                     self._applied(certificate, 1.0)
+                    self._open_round(certificate, {w: held[w] for w, _ in certificate.contributors})
         except ForgedCertificate as exc:
             raise Refused("PERMISSION_DENIED", f"shard {self.shard}: {exc}") from None
         except ShardBehind as exc:

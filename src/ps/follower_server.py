@@ -35,6 +35,7 @@ from src.ps.push_parts import PushParts, arrived_push, push_size
 from src.ps.refusals import Refused
 from src.ps.shard_final import shard_part_path
 from src.ps.sharding import Sharding
+from src.ps.slice_pipeline import Sink
 from src.telemetry import tracing
 from src.trainer import model_from_config
 from src.transport.grpc import require_auth_token, start_grpc_server
@@ -134,6 +135,7 @@ class FollowerServer(GrpcMethods):
                 raise Refused("INVALID_ARGUMENT", f"push: {exc}") from None
             request = received.message
             worker_id = self.core.member(request.caller)
+            self.core.attach(worker_id, getattr(call, "sink", None))  # its next hold's values are reported there
             reply = self.core.hold(worker_id, request, self.core.decode(worker_id, received))
             with self.core.lock:
                 self.core.load.bytes_in += push_size(data)
@@ -145,10 +147,22 @@ class FollowerServer(GrpcMethods):
         come in and decoded once whole, as shard 0 does (:func:`~src.ps.push_decode.arriving_push_splitter`)."""
         return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
 
-    def push_parts(self, max_bytes: int, sink: Any = None) -> PushParts:
-        """The parts of a streamed hold about to arrive (:mod:`src.ps.push_parts`), decoded as they come (a follower
-        sends no provisional slices: ``sink`` is always ``None``)."""
-        return PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, max_bytes)
+    def push_parts(self, max_bytes: int, sink: Sink | None = None) -> PushParts:
+        """The parts of a streamed hold about to arrive (:mod:`src.ps.push_parts`), decoded as they come. ``sink``:
+        the connection's, with ``system.pipelined_replies`` (its dense values are reported as they arrive, and the
+        slices stepped go to every worker of the round: :mod:`src.ps.slice_pipeline`)."""
+        return PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, max_bytes, arriving=self.core.arriving(sink))
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether provisional slices are sent (``system.pipelined_replies``): the TCP transport then gives each
+        connection a :class:`~src.ps.slice_pipeline.Sink`."""
+        return self.core.pipeline is not None
+
+    def sent_provisional(self, nbytes: int) -> None:
+        """The transport wrote ``nbytes`` of provisional slices: counted as sent."""
+        with self.core.lock:
+            self.core.load.bytes_out += nbytes
 
     def after_reply(self) -> None:
         """Nothing waits for a reply to be out here (the events are written at once)."""
@@ -156,7 +170,7 @@ class FollowerServer(GrpcMethods):
     def handle_pull(self, request: pb.PullRequest, call: Call) -> bytes | Pieces:
         with tracing.span("serve_pull", worker=request.caller.worker_id):
             worker_id = self.core.member(request.caller)
-            reply = self.core.pull(worker_id, request)
+            reply = self.core.pull(worker_id, request, getattr(call, "sink", None))
             with self.core.lock:
                 self.core.load.bytes_in += request.ByteSize()
                 self.core.load.bytes_out += len(reply)

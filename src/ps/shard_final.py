@@ -139,6 +139,12 @@ def whole_model_summary(
     system = core.config.system
     checkpoint = write_whole_final(system.checkpoint_dir, model, placement, parts)
     summary = {**summary, "placement": placement.describe(), **shard_loads(placement, loads)}
+    if "pipelined_replies" in summary:  # system.pipelined_replies: shard 0's counts, and every follower's
+        counts = dict(summary["pipelined_replies"])
+        for load in loads[1:]:
+            for name in counts:
+                counts[name] += getattr(load, name)
+        summary["pipelined_replies"] = counts
     if test_set is not None:
         model.load_state_dict(checkpoint["model_state_dict"])
         summary["final_loss"], summary["final_accuracy"] = evaluate(model, test_set)

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from src.transport.wire import MessageSplitter, Outgoing, chunk_size
+from src.transport.wire import MessageSplitter, Outgoing, Received, chunk_size
 
 PART_INDEX = struct.Struct("<I")
 """A part's leading field: the index of the tensor (parameter) whose gradient payload follows."""
@@ -87,6 +87,41 @@ def joined_slices(staged, index: int, version: int) -> memoryview:
             raise ValueError(f"the reply holds parameter {index} provisional, but its slices leave a gap")
         filled += len(values)
     return memoryview(b"".join(values for _, values in pieces)) if len(pieces) != 1 else pieces[0][1]
+
+
+class SliceStage:
+    """Provisional slices kept until the reply that names them comes (``system.pipelined_replies``): a sharded
+    server's follower steps a hold's slices and sends them on the hold's connection, and the pull that follows on
+    that connection lists what its step confirmed (``PullReply.provisional``), leaving those parameters out."""
+
+    def __init__(self) -> None:
+        self.slices: dict[int, list[tuple[int, int, memoryview]]] = {}  # parameter -> (round version, start, values)
+        self.nbytes = 0  # the slices' bytes, as their transport counts them
+
+    def add(self, body, size: int | None = None) -> None:
+        """A provisional slice arrived (``body``: :data:`PROVISIONAL_HEAD`, then its values; ``size``: its bytes as
+        its transport counts them, default ``len(body)``)."""
+        version, index, start, values = staged_slice(body)
+        self.slices.setdefault(index, []).append((version, start, values))
+        self.nbytes += len(body) if size is None else size
+
+    def clear(self) -> None:
+        self.slices.clear()
+        self.nbytes = 0
+
+    def fill(self, reply: Received) -> None:
+        """Put each parameter ``reply`` leaves out (its message's ``provisional``) in place from its slices, then
+        forget every slice (what the reply did not name is void).
+
+        Raises:
+            ValueError: a named parameter's slices did not all come (a server's bug).
+        """
+        try:
+            parameters = reply.large.get("parameters", [])
+            for index in reply.message.provisional:
+                parameters[index] = joined_slices(self.slices.get(index, ()), index, reply.message.version)
+        finally:
+            self.clear()
 
 
 class PushStream:
@@ -192,6 +227,13 @@ class PushStream:
         version, index, start, values = staged_slice(body)
         self._staged.setdefault(index, []).append((version, start, values))
         self._staged_bytes += size
+
+    def unclaimed(self, stage: SliceStage) -> None:
+        """Hand this attempt's slices that its reply did not take to ``stage`` (a shard's hold: its acknowledgement
+        takes none; the pull after it on the same connection names them)."""
+        for index, slices in self._staged.items():
+            if index not in self._provisional:
+                stage.slices.setdefault(index, []).extend(slices)
 
     def _load_provisional(self, message: Any) -> None:
         """The head names the parameters whose provisional slices stand: each goes to the worker whole.

@@ -34,14 +34,14 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
 from src.transport.grpc import ProtocolClient, client_tls_roots, split_address
-from src.transport.stream import PushStream, part_pieces, part_size
+from src.transport.stream import PushStream, SliceStage, part_pieces, part_size
 from src.transport.tcp_frames import (
     HEADER_BYTES,
     FrameError,
@@ -52,6 +52,7 @@ from src.transport.tcp_frames import (
     error_of,
     new_body,
     pack_header,
+    parse_header,
     receive_body,
     receive_exactly,
     receive_header,
@@ -67,6 +68,12 @@ here is 30 s + 20 s): a vanished host is noticed even by a call waiting at the b
 SOCKET_BUFFER_BYTES = 4 << 20
 """Send and receive buffers of each connection: a few MB lets a large message stream without stalls."""
 _MODEL_STATE = ("parameters", "buffers")
+
+
+def _is_provisional(header) -> bool:
+    return header.method == Method.PROVISIONAL and header.kind == Kind.REPLY
+
+
 _REPLIES: dict[Method, tuple[Any, tuple[str, ...] | None]] = {
     Method.REGISTER: (pb.RegisterReply, None),
     Method.INITIALIZE: (pb.InitializeReply, None),
@@ -111,14 +118,21 @@ class _Connection:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.header = bytearray(HEADER_BYTES)
+        self.staged = SliceStage()
+        """Provisional slices that came on this connection outside a push's reply (``system.pipelined_replies``,
+        a sharded server: a hold's, for the pull that follows it on this connection)."""
 
     def alive(self) -> bool:
-        """An idle connection has nothing to read; anything readable means the server closed it (or broke it)."""
+        """An idle connection has nothing to read but provisional slices (a shard's, sent after a hold's
+        acknowledgement); anything else readable means the server closed it (or broke it)."""
         try:
             readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
+            if not readable:
+                return True
+            peeked = self.sock.recv(HEADER_BYTES, socket.MSG_PEEK)
+            return len(peeked) == HEADER_BYTES and _is_provisional(parse_header(peeked))
+        except (OSError, ValueError, FrameError):
             return False
-        return not readable
 
     def close(self) -> None:
         try:
@@ -203,9 +217,15 @@ class TCPParameterServerClient(ProtocolClient):
             raise error_of(reply_header, body)
         reply_type, large_fields = _REPLIES[method]
         try:
-            return split(body, reply_type, large_fields) if large_fields else reply_type.FromString(body)
+            reply = split(body, reply_type, large_fields) if large_fields else reply_type.FromString(body)
         except Exception as exc:  # ValueError from split, protobuf's DecodeError
             raise TransportError(grpc.StatusCode.INTERNAL, f"malformed {method.name} reply: {exc}") from None
+        if method == Method.PULL:
+            try:
+                connection.staged.fill(reply)  # the parameters it leaves out: the slices this connection brought
+            except (ValueError, IndexError) as exc:
+                raise TransportError(grpc.StatusCode.INTERNAL, f"PULL reply: {exc}") from None
+        return reply
 
     def _exchange(self, connection: _Connection, header: bytes, pieces: Pieces, deadline: float | None):
         """Send one request frame and read its reply frame, counting and emulating; transport failures close
@@ -220,7 +240,7 @@ class TCPParameterServerClient(ProtocolClient):
             sock.settimeout(_remaining(deadline))
             send_frame(sock, header, pieces.buffers)
             sock.settimeout(_remaining(deadline))
-            reply_header = receive_header(sock, connection.header)
+            reply_header = self._past_slices(connection, lambda body, size: connection.staged.add(body))
             if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
                 raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {reply_header.length} bytes")
             body = receive_body(sock, reply_header.length)
@@ -229,6 +249,21 @@ class TCPParameterServerClient(ProtocolClient):
         with self._lock:
             self.bytes_received += HEADER_BYTES + reply_header.length
         return reply_header, body
+
+    def _past_slices(self, connection: _Connection, stage: Callable[[memoryview, int], None]):
+        """The next frame's header on ``connection`` that is not a provisional slice; each slice before it
+        (``system.pipelined_replies``: stepped before the barrier, the reply says whether it stands) is read and
+        given to ``stage(its body, the frame's bytes)``, and counted as received."""
+        sock = connection.sock
+        header = receive_header(sock, connection.header)
+        while _is_provisional(header):
+            if header.length > CLIENT_MAX_MESSAGE_BYTES:
+                raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"slice of {header.length} bytes")
+            stage(receive_body(sock, header.length), HEADER_BYTES + header.length)
+            with self._lock:
+                self.bytes_received += HEADER_BYTES + header.length
+            header = receive_header(sock, connection.header)
+        return header
 
     def _broken(self, connection: _Connection, exc: BaseException) -> TransportError:
         """Close ``connection`` after ``exc`` (a timeout, a bad frame, a lost connection): the call's error."""
@@ -254,6 +289,7 @@ class TCPParameterServerClient(ProtocolClient):
         call = next(self._calls) & 0xFFFFFFFF
         sock = connection.sock
         stream.attempt()
+        connection.staged.clear()  # an earlier push's slices: its pull has come and gone
         try:
             for index, payload in stream.parts():
                 pieces = part_pieces(index, payload)
@@ -266,15 +302,7 @@ class TCPParameterServerClient(ProtocolClient):
             )
             self._send(stream, sock, header, request.buffers, len(request), deadline)
             sock.settimeout(_remaining(deadline))
-            reply_header = receive_header(sock, connection.header)
-            while reply_header.method == Method.PROVISIONAL and reply_header.kind == Kind.REPLY:
-                # system.pipelined_replies: a slice stepped before the barrier; the reply says whether it stands
-                if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
-                    raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"slice of {reply_header.length} bytes")
-                stream.provisional(receive_body(sock, reply_header.length), HEADER_BYTES + reply_header.length)
-                with self._lock:
-                    self.bytes_received += HEADER_BYTES + reply_header.length
-                reply_header = receive_header(sock, connection.header)
+            reply_header = self._past_slices(connection, stream.provisional)
             if reply_header.call != call or reply_header.method != Method.PUSH:
                 raise FrameError(
                     grpc.StatusCode.INTERNAL,
@@ -298,6 +326,8 @@ class TCPParameterServerClient(ProtocolClient):
             raise
         with self._lock:
             self.bytes_received += size
+        if reply_header.kind != Kind.ERROR:  # a shard's hold: the slices its acknowledgement did not take, for the pull
+            stream.unclaimed(connection.staged)
         self._release(connection, reply_header.closing)
         if reply_header.kind == Kind.ERROR:
             raise error_of(reply_header, body)
