@@ -294,11 +294,12 @@ def test_pipelined_replies_train_as_the_unstreamed_run_bit_for_bit_and_hide_more
     assert first["bytes_received"] - plain["bytes_received"] == 16 * counts["slices_sent"] + 2 * switch
 
 
-def test_a_streamed_sharded_run_trains_as_the_unstreamed_one_and_hides_communication(tmp_path):
+def test_a_streamed_sharded_run_trains_as_the_unstreamed_one_and_pipelined_replies_hide_more(tmp_path):
     """Two shards (``system.num_servers``): each gradient's slices stream to the shard holding them, on the worker's
     connection to it, as backward produces them; each shard's hold follows its parts, then the commit and the pulls
-    (``Worker._train_step_streamed``). The same parameters as the unstreamed sharded run, bit for bit, the same
-    versions and bytes on the wire less the gradients' framing, and less exposed. Deterministic."""
+    (``Worker._train_step_streamed``). The same parameters as the unstreamed sharded run, bit for bit, and less
+    exposed; deterministic. With pipelined replies too, every slice confirmed, and much less exposed: the pulls'
+    values came down during the holds."""
     fields = {**TWO_WORKERS_ON_40_MBPS, "system__num_servers": 2}
     streamed = [streamed_config(tmp_path, f"sharded{n}", **fields) for n in (0, 1)]
     first, second = (run_virtual(c, tensorboard=False) for c in streamed)
@@ -317,6 +318,25 @@ def test_a_streamed_sharded_run_trains_as_the_unstreamed_one_and_hides_communica
     assert first["train_time_s"] < plain["train_time_s"]
     # each shard took the same gradients, as parts: its load counts them
     assert [s["bytes_in"] for s in first["shards"]] == pytest.approx([s["bytes_in"] for s in plain["shards"]], rel=0.02)
+    # pipelined replies: each shard steps its holds' slices as they arrive (the follower for the workers of the last
+    # certificate) and sends them on the hold's connection; the pull after it leaves out what the step confirmed
+    pipelined_config = streamed_config(tmp_path, "pipelined", system__pipelined_replies=True, **fields)
+    pipelined = run_virtual(pipelined_config, tensorboard=False)
+    ours = load_checkpoint(pipelined["checkpoint_path"])["model_state_dict"]
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert pipelined["final_loss"] == plain["final_loss"] and pipelined["versions"] == 4
+    # from the second push on (the first attaches the connections; the follower's first round has no certificate
+    # to take its workers from, but the second does), as on one server: 20 slices a round to both workers
+    counts = pipelined["pipelined_replies"]
+    assert counts == {"slices_sent": 2 * 3 * 20, "slices_confirmed": 3 * 20, "slices_voided": 0, "tensors_omitted": 48}
+    assert pipelined["exposed_communication_s"] < 0.75 * first["exposed_communication_s"], (pipelined, first)
+    # the slices' bytes: counted as received (their values instead of the pulls', and a 16-byte head each), and as
+    # each shard's bytes out
+    extra = pipelined["bytes_received"] - plain["bytes_received"]
+    assert 0 <= extra - (16 * counts["slices_sent"] + 2 * len('"pipelined_replies":true,')) < 100, extra
+    assert (
+        sum(s["bytes_out"] for s in pipelined["shards"]) - sum(s["bytes_out"] for s in plain["shards"]) >= extra - 100
+    )
 
 
 def test_faults_with_streaming_are_refused_in_one_line(tmp_path):

@@ -43,6 +43,7 @@ from src.trainer import model_from_config
 from src.transport.wire import Received, split
 from src.virtual.network import ServerLinks
 from src.virtual.server import Call, ServerWire
+from src.virtual.sink import VirtualSink
 from src.virtual.timelines import VirtualTimelines
 from src.virtual.worker import VirtualWorker
 
@@ -87,13 +88,16 @@ class VirtualFollower:
             clock=loop.clock,
             pid=shard,  # a simulated process: the same events every run
         )
-        self.wire = ServerWire(loop, cost, links)
+        self.wire = ServerWire(loop, cost, links, shard)
         self.cpu = SerialServer(loop)
         self.parts: dict[Hashable, PushParts] = {}
         """Streamed holds' parts so far, by the worker's key for the push (``system.streaming``)."""
-        self.load = pb.ShardLoad()
-        """What this shard carried (the bytes of the holds and pulls answered and of their replies) and the virtual
-        seconds of its update work: its part of a sharded run's summary (:func:`~src.ps.shard_final.shard_loads`)."""
+        self.sinks: dict[int, VirtualSink] = {}
+        """``system.pipelined_replies``: each worker's connection's provisional slices, by worker id."""
+        self.load = self.wire.load = pb.ShardLoad()
+        """What this shard carried (the bytes of the holds and pulls answered and of their replies, and provisional
+        slices) and the virtual seconds of its update work: its part of a sharded run's summary
+        (:func:`~src.ps.shard_final.shard_loads`; with its pipeline's counts once it stops)."""
         self.core.log.event("listening", address="virtual", port=0)
 
     downlink_delay_s = property(lambda self: self.wire.downlink_delay_s, doc="Seconds each worker's replies took.")
@@ -117,12 +121,31 @@ class VirtualFollower:
     def send_part(self, worker: VirtualWorker, push: Hashable, body: bytes, sent: Callable[[], None]) -> None:
         """One part of the streamed hold ``push`` (the worker's key for it, ``system.streaming``): over the worker's
         link and this shard's NIC, then into the hold's parts, checked and decoded on arrival as a real follower's
-        connection thread does (:class:`~src.ps.push_parts.PushParts`); ``sent`` when it has left the worker's link."""
-        self.wire.upload(worker, body, lambda: self._parts(push).add(body), sent)
+        connection thread does (:class:`~src.ps.push_parts.PushParts`); ``sent`` when it has left the worker's link.
+        With ``system.pipelined_replies`` and the worker's connection attached, in pieces of the TCP server's reads,
+        each reported as it arrives (the slices step as they come, as on shard 0: :meth:`ServerWire.upload_in_reads
+        <src.virtual.server.ServerWire.upload_in_reads>`)."""
+        sink = self.sinks.get(worker.worker_id)
+        if self.core.pipeline is None or sink is None or sink.process != worker.process:
+            self.wire.upload(worker, body, lambda: self._parts(push).add(body), sent)
+            return
 
-    def _parts(self, push: Hashable) -> PushParts:
+        def read(into: memoryview, end: int) -> None:
+            parts = self._parts(push, sink)
+            parts.progress(into, end)
+            if end == len(body):
+                parts.add(into)
+
+        self.wire.upload_in_reads(worker, body, read, sent)
+
+    def _parts(self, push: Hashable, sink: VirtualSink | None = None) -> PushParts:
         if push not in self.parts:
-            self.parts[push] = PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, self.core.model.max_message_bytes)
+            self.parts[push] = PushParts(
+                self.core.model.layout,
+                PUSH_LARGE_FIELDS,
+                self.core.model.max_message_bytes,
+                arriving=self.core.arriving(sink),
+            )
         return self.parts[push]
 
     def serve_streamed_push(self, push: Hashable) -> Callable[[Call, bytes], None]:
@@ -130,6 +153,8 @@ class VirtualFollower:
         (:meth:`~src.ps.push_parts.PushParts.assemble`), held as any hold (:meth:`serve_push`)."""
 
         def handle(call: Call, data: bytes) -> None:
+            if self.core.pipeline is not None:  # its next hold's values are reported on this connection
+                self.core.attach(call.worker.worker_id, self.wire.sink(self.sinks, call.worker, call.process))
             parts = self._parts(push)
             del self.parts[push]
             self.serve_push(call, parts.assemble(data))
@@ -167,25 +192,32 @@ class VirtualFollower:
     def _pull(self, call: Call, data: bytes) -> None:
         started = self.clock.now - self.times.reply_s
         self.timelines.server("reply", started, shard=self.shard, worker=call.worker.worker_id)
+        sink = self.sinks.get(call.worker.worker_id)  # system.pipelined_replies: the hold's slices went there
+        sink = sink if sink is not None and sink.process == call.process else None
         try:
-            reply = self.pull_now(pb.PullRequest.FromString(data))
+            reply = self.pull_now(pb.PullRequest.FromString(data), sink)
         except Refused as refused:
             self.wire.fail(call, refused.code, refused.message)
             return
-        self._answer(call, data, reply)
+        self._answer(call, data, reply, sink)
 
-    def _answer(self, call: Call, data, reply: bytes) -> None:
+    def _answer(self, call: Call, data, reply: bytes, sink: VirtualSink | None = None) -> None:
+        """Send ``reply`` to ``call`` (after ``sink``'s slices, on the same line)."""
         self.load.bytes_in += push_size(data)
         self.load.bytes_out += len(reply)
-        self.wire.reply(call, reply)
+        if sink is None:
+            self.wire.reply(call, reply)
+        else:
+            sink.then(lambda free: self.wire.reply(call, reply, sent=free))
 
-    def pull_now(self, request: pb.PullRequest) -> bytes:
-        """The core's answer to a parameters-only pull (no virtual time).
+    def pull_now(self, request: pb.PullRequest, sink: VirtualSink | None = None) -> bytes:
+        """The core's answer to a parameters-only pull (no virtual time); ``sink``: the connection it goes on (its
+        confirmed provisional slices are left out).
 
         Raises:
             Refused: the session does not hold, or the certificate is forged or cannot be applied here.
         """
-        return self.core.pull(self.core.member(request.caller), request)
+        return self.core.pull(self.core.member(request.caller), request, sink)
 
     def part_reader(self) -> _PartReader:
         """What :func:`src.ps.shard_final.collect_parts` pulls this shard's part through (as shard 0's client)."""
@@ -195,6 +227,8 @@ class VirtualFollower:
         """The run is over: write this shard's part of the model (``shard_K_final.pt``); returns where."""
         with self.core.lock:
             part = self.core.part_checkpoint()
+            for name in ("slices_sent", "slices_confirmed", "slices_voided", "tensors_omitted"):
+                setattr(self.load, name, getattr(self.core.load, name))
         path = save_checkpoint(shard_part_path(self.config.system.checkpoint_dir, self.shard), part)
         self.core.log.event("run_end", version=self.core.version, part=str(path))
         return path

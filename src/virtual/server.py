@@ -93,12 +93,15 @@ class ServerWire:
         links: the server's NIC and the workers' links (:mod:`src.virtual.network`).
     """
 
-    def __init__(self, loop: EventLoop, cost: CostModel, links: ServerLinks):
+    def __init__(self, loop: EventLoop, cost: CostModel, links: ServerLinks, shard: int = 0):
         self.loop = loop
         self.clock = loop.clock
         self.cost = cost
         self.links = links
+        self.shard = shard
         self.downlink_delay_s: Counter[int] = Counter()
+        self.load: pb.ShardLoad | None = None
+        """Where the provisional slices sent are counted (the server's load: its bytes out)."""
 
     def upload(
         self, worker: VirtualWorker, data: bytes, arrived: Callable[[], None], sent: Callable[[], None] | None = None
@@ -119,6 +122,37 @@ class ServerWire:
             self.loop.after(costs.uplink_latency_s, through)
 
         self.links.upload(worker.worker_id, 8 * len(data), self.cost.uplink_bps(worker.worker_id, sent_at), out)
+
+    def upload_in_reads(
+        self, worker: VirtualWorker, body: bytes, read: Callable[[memoryview, int], None], sent: Callable[[], None]
+    ) -> None:
+        """Send a streamed push's part ``body`` from ``worker`` in pieces of the TCP server's reads
+        (:data:`~src.transport.tcp_frames.RECEIVE_CHUNK_BYTES`), one after another on the link: ``read(into, end)``
+        as each arrives (``into``: the part's buffer, filled up to ``end``), as the real server reads a frame;
+        ``sent`` when the last piece has left the link (``system.pipelined_replies``: its slices step as they come)."""
+        cuts = list(range(0, len(body), RECEIVE_CHUNK_BYTES))[1:] + [len(body)]
+        into = memoryview(bytearray(len(body)))
+
+        def piece(k: int, start: int) -> None:
+            end = cuts[k]
+
+            def piece_in() -> None:
+                into[start:end] = body[start:end]
+                read(into, end)
+
+            self.upload(worker, body[start:end], piece_in, sent if end == len(body) else lambda: piece(k + 1, end))
+
+        piece(0, 0)
+
+    def sink(self, sinks: dict[int, VirtualSink], worker: VirtualWorker, process: int) -> VirtualSink:
+        """The provisional slices' line of ``worker``'s connection from ``process`` in ``sinks`` (a new process: a
+        new connection, the old one's closed)."""
+        sink = sinks.get(worker.worker_id)
+        if sink is None or sink.process != process:
+            if sink is not None:
+                sink.closed = True
+            sink = sinks[worker.worker_id] = VirtualSink(partial(self.provisional, worker, process), process)
+        return sink
 
     def reply(self, call: Call, data: bytes, sent: Callable[[], None] | None = None) -> None:
         """Send the server's reply back to the call's worker (delivered if its process still runs); a streamed
@@ -172,11 +206,13 @@ class ServerWire:
         """A provisional slice (``system.pipelined_replies``: :mod:`src.virtual.sink`) down to ``worker``'s process
         ``process``, as a reply crosses the NIC and the worker's downlink; ``sent`` when it has left the link."""
         costs = self.cost.workers[worker.worker_id]
+        if self.load is not None:
+            self.load.bytes_out += len(body)
 
         def arrived() -> None:
             if worker.reachable(process):
                 worker.bytes_received += len(body)
-                worker.provisional(body)
+                worker.provisional(body, self.shard)
 
         def out() -> None:
             sent()
@@ -242,9 +278,10 @@ class VirtualServer:
         self.times = times or ServerTimes(cost.server_update_s, cost.server_reply_s)
         self.wire = ServerWire(loop, cost, links or OneServerLinks(loop, cost.server_bps))
         self.cpu = SerialServer(loop)
-        self.load = pb.ShardLoad()
-        """The bytes of the Pull and Push messages answered and of their replies, and the virtual seconds of update
-        work (a sharded run's summary reports every shard's: :func:`~src.ps.shard_final.shard_loads`)."""
+        self.load = self.wire.load = pb.ShardLoad()
+        """The bytes of the Pull and Push messages answered and of their replies (and provisional slices), and the
+        virtual seconds of update work (a sharded run's summary reports every shard's:
+        :func:`~src.ps.shard_final.shard_loads`)."""
         self.core: ServerCore | None = None
         self.running = False
         self.epoch = 0  # one per server process: a call sent to an earlier one fails
@@ -373,24 +410,15 @@ class VirtualServer:
 
             self.wire.upload(worker, body, arrived, sent)
             return
-        cuts = list(range(0, len(body), RECEIVE_CHUNK_BYTES))[1:] + [len(body)]
-        into = memoryview(bytearray(len(body)))
 
-        def piece(k: int, start: int) -> None:
-            end = cuts[k]
-
-            def piece_in() -> None:
-                if not (self.running and epoch == self.epoch):
-                    return
-                into[start:end] = body[start:end]
+        def read(into: memoryview, end: int) -> None:
+            if self.running and epoch == self.epoch:
                 parts = self._parts(push, sink)
                 parts.progress(into, end)
                 if end == len(body):
                     parts.add(into)
 
-            self.wire.upload(worker, body[start:end], piece_in, sent if end == len(body) else lambda: piece(k + 1, end))
-
-        piece(0, 0)
+        self.wire.upload_in_reads(worker, body, read, sent)
 
     def _parts(self, push: Hashable, sink: VirtualSink | None = None) -> PushParts:
         if push not in self.parts:
@@ -410,14 +438,7 @@ class VirtualServer:
         def handle(call: Call, data: bytes) -> None:
             pipeline = self.core.pipeline
             if pipeline is not None:
-                worker_id = call.worker.worker_id
-                sink = self.sinks.get(worker_id)
-                if sink is None or sink.process != call.process:
-                    if sink is not None:
-                        sink.closed = True
-                    down = partial(self.wire.provisional, call.worker, call.process)
-                    sink = self.sinks[worker_id] = VirtualSink(down, call.process)
-                pipeline.attach(worker_id, sink)
+                pipeline.attach(call.worker.worker_id, self.wire.sink(self.sinks, call.worker, call.process))
             self.serve_push(call, self._parts(push).assemble(data))
             del self.parts[push]
 
@@ -470,12 +491,18 @@ class VirtualServer:
 
     def _parameters(self, call: Call, request: pb.PullRequest, seconds: float) -> None:
         self.timelines.server("reply", self.clock.now - seconds, worker=call.worker.worker_id)
+        sink = self._sink_of(call)  # system.pipelined_replies: the hold's slices went there, the reply follows them
         try:
-            data = self.core.parameters(self.core.member(request.caller))
+            data = self.core.parameters(self.core.member(request.caller), sink)
         except Refused as refused:
             self._fail(call, refused.code, refused.message)
             return
-        self._reply(call, data)
+        self._reply(call, data, sink)
+
+    def _sink_of(self, call: Call) -> VirtualSink | None:
+        """The provisional slices' line of ``call``'s connection (``None``: no pipelining, or none yet)."""
+        sink = self.sinks.get(call.worker.worker_id) if self.core.pipeline is not None else None
+        return sink if sink is not None and sink.process == call.process else None
 
     def serve_push(self, call: Call, data: bytes) -> None:
         """A push takes ``server_update_s`` of the server's time (a sharded run's held push: this shard's share; its
@@ -588,9 +615,7 @@ class VirtualServer:
             data = self.core.pull_reply(waiter.member, work)
         else:
             request_id, verdict = waiter.push
-            sink = self.sinks.get(waiter.member.worker_id) if self.core.pipeline is not None else None
-            if sink is not None and sink.process != waiter.call.process:
-                sink = None
+            sink = self._sink_of(waiter.call)
             data = self.core.push_reply(waiter.member, request_id, verdict, work, sink)
             self._reply(waiter.call, data, sink)
             return

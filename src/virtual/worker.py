@@ -55,7 +55,7 @@ from src.metrics import MetricsLogger
 from src.ps.placement import Placement
 from src.ps.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
 from src.ps.worker_step import WorkerStep, check_layout
-from src.transport.stream import joined_slices, part_pieces, part_size, staged_slice
+from src.transport.stream import SliceStage, part_pieces, part_size
 from src.transport.wire import Outgoing, Received, chunk_size, serialize, split
 from src.virtual.layers import GradientOrder, LayerProfile, reply_pieces
 from src.virtual.timelines import VirtualTimelines
@@ -194,14 +194,15 @@ class VirtualWorker:
         self.pushes = 0
         self.after_tail: Callable[[], None] | None = None
         self.tail_pending = False
-        # system.pipelined_replies: this push's provisional slices by parameter ((version, first element, values)
-        # each), and their bytes
-        self.staged: dict[int, list[tuple[int, int, memoryview]]] = {}
-        self.staged_bytes = 0
+        # system.pipelined_replies: the provisional slices each connection brought this step, until the reply that
+        # names them (made with the connections)
+        self.stages: list[SliceStage] = []
 
-    def _connections(self) -> list[FifoLink]:
-        """A new connection to each server shard (one server: one)."""
-        return [FifoLink() for _ in range(max(1, len(self.run.shards)))]
+    def _connect(self) -> None:
+        """New connections to every server shard (one server: one): their lines up, and their slices down."""
+        count = max(1, len(self.run.shards))
+        self.uplinks = [FifoLink() for _ in range(count)]
+        self.stages = [SliceStage() for _ in range(count)]
 
     @property
     def pid(self) -> int:
@@ -227,7 +228,8 @@ class VirtualWorker:
         self.bytes_sent = self.bytes_received = 0
         self.uplink_delay_s = self.compute_extra_s = 0.0
         self.started_at = self._now()
-        self.arriving, self.forward, self.uplinks = set(), None, self._connections()  # a new process: nothing in flight
+        self.arriving, self.forward = set(), None  # a new process: nothing in flight
+        self._connect()
         self.tail_pending, self.after_tail = False, None
         self.faults = FaultInjector(self.config.system.inject_faults, "worker", self.worker_id, enabled=faults)
         self._register(0, [], self._first_registration)
@@ -410,8 +412,9 @@ class VirtualWorker:
             traffic.sent += len(data)
 
             def pulled(reply: bytes, k: int = k) -> None:
-                traffic.received += len(reply)
-                versions[k] = self.step.load_shard(k, split(reply, pb.PullReply, MODEL_STATE))
+                received = split(reply, pb.PullReply, MODEL_STATE)
+                traffic.received += len(reply) + self._load_provisional(received, k)  # and the hold's slices
+                versions[k] = self.step.load_shard(k, received)
                 pending.discard(k)
                 if pending:
                     return
@@ -663,7 +666,8 @@ class VirtualWorker:
         compress_s = run.cost.compress_s
         self.pushes += 1
         push = (self.worker_id, process, self.pushes)  # the server's key for this push's parts
-        self.staged, self.staged_bytes = {}, 0  # provisional slices of an earlier push do not count
+        for stage in self.stages:  # provisional slices of an earlier push do not count
+            stage.clear()
         streamed = StreamedStep(batches, loss, correct, samples, parts, buffers, started=self._now())
         self.step_started = streamed.started
         targets = run.shards if run.placement is not None else [run.server]
@@ -699,20 +703,19 @@ class VirtualWorker:
         self.forward = ForwardPass(run.loop, [f for f, _ in split], layers.needs, self.arriving, forward_done, waited)
         self.forward.start()
 
-    def provisional(self, body: bytes) -> None:
-        """A provisional slice arrived (``system.pipelined_replies``: :mod:`src.virtual.sink`): kept until the reply's
-        head says whether it stands, as the real client's push stream keeps it."""
-        version, index, start, values = staged_slice(body)
-        self.staged.setdefault(index, []).append((version, start, values))
-        self.staged_bytes += len(body)
+    def provisional(self, body: bytes, shard: int = 0) -> None:
+        """A provisional slice arrived from server shard ``shard`` (``system.pipelined_replies``:
+        :mod:`src.virtual.sink`): kept until the reply that names it, as the real client keeps it."""
+        self.stages[shard].add(body)
 
-    def _load_provisional(self, reply: Received) -> int:
-        """Put the slices of every parameter the reply leaves out (``PushReply.provisional``) in its place in
-        ``reply``; returns the bytes of the slices this push was sent (the step's reply bytes count them)."""
-        parameters = reply.large.get("parameters", [])
-        for index in reply.message.provisional:
-            parameters[index] = joined_slices(self.staged.get(index, ()), index, reply.message.version)
-        return self.staged_bytes
+    def _load_provisional(self, reply: Received, shard: int = 0) -> int:
+        """Put the slices of every parameter ``reply`` (a push's, or a shard's pull's) leaves out (its
+        ``provisional``) in its place; returns the bytes of the slices that shard's connection brought (the step's
+        reply bytes count them)."""
+        stage = self.stages[shard]
+        nbytes = stage.nbytes
+        stage.fill(reply)
+        return nbytes
 
     def _computed_streamed(
         self, process: int, push: tuple, streamed: StreamedStep, waited_s: float, close_at: float
