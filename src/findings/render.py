@@ -270,7 +270,7 @@ def _f13_label(arm: dict[str, Any]) -> str:
     if arm["kind"] == "ddp":
         return "DDP (ring allreduce)"
     if arm["kind"] == "sync":
-        return f"sync PS, k = {arm['shards']}"
+        return f"sync PS, k = {arm['shards']}" + (", pipelined replies" if arm.get("pipelined") else "")
     return f"async PS, {arm['shards']} server" + ("s" if arm["shards"] > 1 else "")
 
 

@@ -1,8 +1,9 @@
 """F13 (issue 33): when a sharded parameter server beats ring allreduce, computed from the record of ``f13_shards``.
 
 The matrix (``configs/experiments/f13_shards.yaml``) runs, at 8 workers on 1 Gbit/s links, ring allreduce (DDP),
-the sync parameter server split into k = 1, 2, 4, 8 shards, and the async one with one server; then DDP, sync at
-k = 8 and async with one worker a straggler (+X seconds a step). :func:`f13` gives, per arm: samples/s, seconds per
+the sync parameter server split into k = 1, 2, 4, 8 shards (and k = 8 with pipelined replies: the pull overlapping
+the push), and the async one with one server; then DDP, sync at k = 8 and async with one worker a straggler (+X
+seconds a step). :func:`f13` gives, per arm: samples/s, seconds per
 step (training time over DDP's steps or the server's versions; an async version is one worker's push), the
 formula's step beside it, time and samples to the two thresholds, final accuracy; and against DDP under the same
 straggler, paired by seed: time per sample, PS / DDP (< 1: the PS is faster), and time to target, PS / DDP.
@@ -18,7 +19,8 @@ and gives no curve otherwise.
 sent over its pushes, DDP's gradient bytes; B the link; n workers; k shards; c the compute of a step; X the
 straggler's added seconds):
 
-* sync PS, push then pull: ``c + X + 2 max(M/B, n M/(k B))`` (X: the barrier waits for the straggler);
+* sync PS, push then pull: ``c + X + 2 max(M/B, n M/(k B))`` (X: the barrier waits for the straggler); with
+  pipelined replies (``system.pipelined_replies``), push and pull overlapped, BytePS's: ``c + X + max(M/B, n M/(k B))``;
 * ring allreduce: ``c + X + 2 (n-1)/n M/B``;
 * async PS, one server: ``max(M/B, server_update_s + server_reply_s)`` per version: its NIC or its CPU, whichever
   binds, once enough workers keep it busy (the straggler does not enter).
@@ -38,7 +40,7 @@ MATRIX = "f13_shards"
 REFERENCE = "sync_k1"
 """The one-server sync arm whose evaluations a sharded sync run of the same seed takes (see the module docstring)."""
 LEVELS = (
-    ("", "ddp", ("sync_k1", "sync_k2", "sync_k4", "sync_k8", "async_k1")),
+    ("", "ddp", ("sync_k1", "sync_k2", "sync_k4", "sync_k8", "sync_k8_pipelined", "async_k1")),
     ("slow05_", "slow05_ddp", ("slow05_sync_k8", "slow05_async_k1")),
     ("slow2_", "slow2_ddp", ("slow2_sync_k8", "slow2_async_k1")),
 )
@@ -62,6 +64,10 @@ def _kind(run: dict[str, Any]) -> str:
 
 def _shards(run: dict[str, Any]) -> int:
     return int(run["config"]["system"].get("num_servers") or 1)
+
+
+def _pipelined(run: dict[str, Any]) -> bool:
+    return bool(run["config"]["system"].get("pipelined_replies"))
 
 
 def steps(run: dict[str, Any]) -> int:
@@ -102,7 +108,7 @@ def formula_s(run: dict[str, Any]) -> float:
     if kind == "ddp":
         return compute + 2 * (n - 1) / n * link
     if kind == "sync":
-        return compute + 2 * max(link, n * server / k)
+        return compute + (1 if _pipelined(run) else 2) * max(link, n * server / k)
     return max(server, float(emulation["server_update_s"]) + float(emulation["server_reply_s"]))
 
 
@@ -172,6 +178,7 @@ def _arm(matrix: Matrix, name: str, thresholds: tuple[float, float]) -> dict[str
     return {
         "kind": _kind(first),
         "shards": _shards(first),
+        "pipelined": _pipelined(first),
         "straggler_s": _straggler_s(first),
         "samples_per_step": samples_per_step(first),
         "throughput": _e(matrix.estimate(name, throughput)),

@@ -202,16 +202,26 @@ def _f13_rows(f13: dict[str, Any]) -> list[Row]:
         f"{'no straggler' if seconds == 0 else f'+{seconds:g} s'} {fmt(vs[name]['time_per_sample_ratio'], 2, 'x')}"
         for name, seconds in asyncs
     )
+    piped = f"{sync}_pipelined" if f"{sync}_pipelined" in vs else None
+    with_pipelining = (
+        f"; pipelined replies: {fmt(vs[piped]['time_per_sample_ratio'], 2, 'x')} (formulas "
+        f"{fmt(vs[piped]['formula_ratio'], 2, 'x')})"
+        if piped
+        else ""
+    )
+    verdicts = f"sync PS beats ring: {verdict(vs[sync]['time_per_sample_ratio'], 1.0, above=False)}"
+    if piped:
+        verdicts += f", with pipelined replies: {verdict(vs[piped]['time_per_sample_ratio'], 1.0, above=False)}"
     return [
         [
             "F13 (sharded PS vs ring allreduce)",
             "issue 33: when does a sharded PS beat ring allreduce (BytePS: with k = n shards)?",
             f"time per sample, PS / DDP at {f13['workers']} workers, {f13['link_mbps']:g} Mbit/s: sync PS, "
             f"k = {shards}: {fmt(vs[sync]['time_per_sample_ratio'], 2, 'x')} (formulas "
-            f"{fmt(vs[sync]['formula_ratio'], 2, 'x')}); async PS, 1 server: {by_straggler}",
+            f"{fmt(vs[sync]['formula_ratio'], 2, 'x')}){with_pipelining}; async PS, 1 server: {by_straggler}",
             "-",
-            f"sync PS beats ring: {verdict(vs[sync]['time_per_sample_ratio'], 1.0, above=False)}; async PS with a "
-            f"+{slowest_s:g} s straggler: {verdict(vs[slowest]['time_per_sample_ratio'], 1.0, above=False)}",
+            f"{verdicts}; async PS with a +{slowest_s:g} s straggler: "
+            f"{verdict(vs[slowest]['time_per_sample_ratio'], 1.0, above=False)}",
         ]
     ]
 
