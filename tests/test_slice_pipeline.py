@@ -160,6 +160,17 @@ def test_a_slice_waits_for_the_slowest_worker_and_a_worker_outside_the_round_cou
     assert sinks[2].slices == []
     pipeline.arrived(sinks[1], 0, buffers[1][0], 200)
     assert [(index, start) for _, index, start, _ in sinks[1].slices] == [(0, 0), (0, 64), (0, 128), (0, 192)]
+    # a worker handed no samples (a skipped step: a library user's, or a follower's guess from one) is not waited
+    # for, and weighs nothing: worker 0's values alone are the mean
+    pipeline.open_round(state.version, {0: 16, 2: 0})
+    pipeline.arrived(sinks[0], 0, buffers[0][0], 64)
+    assert sinks[0].slices[-1][1:3] == (0, 0) and sinks[2].slices == []
+    assert torch.equal(
+        sinks[0].slices[-1][3],
+        stepped_slice(
+            state.optimizer, state.params[0], torch.frombuffer(buffers[0][0], dtype=torch.float32, count=64), 0, 64
+        ),
+    )
 
 
 def test_slice_elements_are_whole_vectors():

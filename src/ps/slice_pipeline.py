@@ -106,7 +106,9 @@ class SlicePipeline:
             self._sinks[worker] = sink
 
     def open_round(self, version: int, handed: dict[int, int]) -> None:
-        """The sync round for ``version`` opened: ``handed`` maps each of its workers to the samples handed to it."""
+        """The sync round for ``version`` opened: ``handed`` maps each of its workers to the samples handed to it (a
+        worker of none is left out: its push, a skipped step's, carries no gradient to wait for)."""
+        handed = {worker: samples for worker, samples in handed.items() if samples > 0}
         workers = sorted(handed)
         with self._lock:
             for previous in self._rounds:
