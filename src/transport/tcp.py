@@ -240,7 +240,7 @@ class TCPParameterServerClient(ProtocolClient):
             sock.settimeout(_remaining(deadline))
             send_frame(sock, header, pieces.buffers)
             sock.settimeout(_remaining(deadline))
-            reply_header = self._past_slices(connection, lambda body, size: connection.staged.add(body))
+            reply_header = self._past_slices(connection, connection.staged.add)
             if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
                 raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {reply_header.length} bytes")
             body = receive_body(sock, reply_header.length)

@@ -650,9 +650,9 @@ class VirtualWorker:
                 for index in handed
                 for k, position in slices[index]
             ]
-        encode = step.encode_part if run.placement is None else step.encode_slice
+        sharded = run.placement is not None
         parts = [
-            (k, position, encode(position, batches) if run.placement is None else encode(k, position, batches))
+            (k, position, step.encode_slice(k, position, batches) if sharded else step.encode_part(position, batches))
             for _, k, position, _ in units
         ]
         buffers = step.buffers_to_send(batches)
@@ -670,7 +670,7 @@ class VirtualWorker:
             stage.clear()
         streamed = StreamedStep(batches, loss, correct, samples, parts, buffers, started=self._now())
         self.step_started = streamed.started
-        targets = run.shards if run.placement is not None else [run.server]
+        targets = run.shards if sharded else [run.server]
 
         def send_part(k: int, position: int, payload) -> None:
             if not self.reachable(process):
