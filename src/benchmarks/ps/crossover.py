@@ -271,7 +271,7 @@ def draw(rows: list[dict[str, Any]], links_mbps: list[float], path: Path) -> Pat
                     for n in piped
                 ],
                 marker="s",
-                color="tab:red",
+                color="tab:brown",
                 linewidth=2,
                 label=f"PS, {most} shards, pipelined replies",
             )
