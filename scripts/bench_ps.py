@@ -79,12 +79,14 @@ after the other (``link_overlapped_s``: each direction alone), ``not_halved_s`` 
 1-shard run's: what 2 shards did not halve (compute, round trips, the servers' work), so ratio = 2 - that / T2. Needs
 root and iproute2: otherwise ``skipped`` says why.
 
-``crossover`` (only with ``--crossover``; ~20 minutes): when a sharded PS beats ring allreduce, in virtual time
+``crossover`` (only with ``--crossover``; ~25 minutes): when a sharded PS beats ring allreduce, in virtual time
 (:mod:`src.benchmarks.ps.crossover`): for 1 and 10 Gbit/s links, n in {4, 8, 16, 32, 64} workers and k in {1, 2, 4,
 8, 16} shards, the seconds per sync step of the PS and of DDP (``wide_mlp``, 23 MB), beside the formulas: ours
 ``c + 2 max(M/B, n M/(k B))`` (push, then pull), BytePS's ``c + max(M/B, n M/(k B))`` (push and pull overlapped
-on full-duplex links) and ring allreduce's ``c + 2 (n-1)/n M/B``; ``crossover``: the fewest shards beating DDP
-per link and n, measured and by BytePS's formula; ``--crossover-plot`` draws them.
+on full-duplex links) and ring allreduce's ``c + 2 (n-1)/n M/B``; up to 16 workers the PS with pipelined replies
+too (``ps_pipelined_step_s``: the pull overlapping the push), with its communication seconds against the ring's
+(``communication_over_ring``; ``target_n16_k16_1gbit``: issue 33's cell); ``crossover``: the fewest shards
+beating DDP per link and n, measured, pipelined and by BytePS's formula; ``--crossover-plot`` draws them.
 
 ``training``: samples/s of a 2-worker sync PS run per transport (processes, as
 ``run_parameter_server_training.py`` starts them), a 2-worker async run over TCP and 2-rank DDP, on
