@@ -76,8 +76,9 @@ shard in a namespace whose link ``tc`` limits to ``--netns-mbps`` both ways (50 
 non-link time per step, which 2 shards do not shrink, held the ratio to 1.65 on 2 cores); ``ratio`` = 2 shards'
 samples/s / 1 shard's (target >= 1.8); ``link_s`` each run's bytes over its shards' links, pushes and pulls one
 after the other (``link_overlapped_s``: each direction alone), ``not_halved_s`` = 2 x the 2-shard run's time - the
-1-shard run's: what 2 shards did not halve (compute, round trips, the servers' work), so ratio = 2 - that / T2. Needs
-root and iproute2: otherwise ``skipped`` says why.
+1-shard run's: what 2 shards did not halve (compute, round trips, the servers' work), so ratio = 2 - that / T2. With
+``--netns-pipelined``, 2-shard runs streamed and streamed with pipelined replies too, and their samples/s ratio
+(``pipelined_over_streamed``). Needs root and iproute2: otherwise ``skipped`` says why.
 
 ``crossover`` (only with ``--crossover``; ~25 minutes): when a sharded PS beats ring allreduce, in virtual time
 (:mod:`src.benchmarks.ps.crossover`): for 1 and 10 Gbit/s links, n in {4, 8, 16, 32, 64} workers and k in {1, 2, 4,
@@ -132,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--netns-repeats", type=int, default=1, help="runs of each shard count (medians)")
     parser.add_argument(
+        "--netns-pipelined",
+        action="store_true",
+        help="across namespaces, 2-shard runs streamed and streamed with pipelined replies too (TCP)",
+    )
+    parser.add_argument(
         "--crossover",
         action="store_true",
         help="also the sharded PS against ring allreduce in virtual time (k x n x links, ~20 min on 2 cores)",
@@ -161,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         netns=not args.skip_netns,
         netns_mbps=args.netns_mbps,
         netns_repeats=args.netns_repeats,
+        netns_pipelined=args.netns_pipelined,
         crossover=args.crossover,
         crossover_plot=args.crossover_plot,
     )

@@ -18,6 +18,12 @@ over its shards' links, pushes and pulls one after the other; ``link_overlapped_
 formula's time; ``not_halved_s`` = 2*T2 - T1 is the part of the time that 2 shards did not halve (with T1 = L + C
 and T2 = L/2 + C: C, the same in both runs), so that the ratio is 2 - C/T2.
 
+With ``pipelined``, two more 2-shard runs, streamed (``--streaming``) and streamed with pipelined replies
+(``--pipelined-replies``: each shard steps a slice as soon as both workers' values of it are in and sends it down
+during the holds, :mod:`src.ps.slice_pipeline`), in turns with the others: ``pipelined_over_streamed`` is their
+samples/s ratio. On the shaped links a step's pushes and pulls then cross at once (``link_overlapped_s``), so the
+link-bound time can fall toward half.
+
 ``followers_exit``: each follower's exit status (0), or how it ended otherwise and its last lines: a follower ends
 by itself once shard 0 has said the run is done and gone; the figures are from shard 0's summary, which it writes
 after reading every follower's part.
@@ -182,7 +188,7 @@ def _kill_group(process: subprocess.Popen) -> None:
 def run_across_hosts(hosts: Hosts, num_servers: int, folder: Path, settings: dict, port: int, token: str) -> dict:
     """One sync run across ``hosts``: ``num_servers`` shards on ``server_0..``, the workers on ``worker_0..``, each
     process's logs and checkpoints under ``folder/ROLE``; shard 0's summary, with ``followers_exit``. ``settings``:
-    ``samples``, ``batch_size``, ``slice_bytes``, ``transport``.
+    ``samples``, ``batch_size``, ``slice_bytes``, ``transport``, and ``flags``: more of the runner's (streaming).
 
     Raises:
         RuntimeError: shard 0 or a worker did not end with 0 (with every process's last output).
@@ -195,6 +201,7 @@ def run_across_hosts(hosts: Hosts, num_servers: int, folder: Path, settings: dic
         *("--checkpoint-interval", "100000", "--aggregation-mode", "sync"),
         *("--set", f"system.shard_slice_bytes={settings['slice_bytes']}"),
         *("--set", "training.eval_at_epoch_ends=false"),  # evaluated at the end only, outside the clock
+        *settings.get("flags", ()),
     ]
     where = ["--shard-addresses", ",".join(addresses)] if num_servers > 1 else ["--server-address", addresses[0]]
     roles = {}
@@ -272,9 +279,11 @@ def bench_shards_netns(
     batch_size: int = 16,
     slice_bytes: int = 65536,
     repeats: int = 1,
+    pipelined: bool = False,
 ) -> dict:
     """A sync run with 1 shard and one with 2 (``repeats`` times each, in turns), each server's link shaped to
-    ``mbps`` both ways; samples/s and the ratio; or, where namespaces cannot be made, why not."""
+    ``mbps`` both ways; samples/s and the ratio; with ``pipelined``, 2-shard runs streamed and streamed with
+    pipelined replies too (see the module docstring); or, where namespaces cannot be made, why not."""
     why = unavailable()
     setup = (
         f"simple_cnn on mnist_5k, {samples} samples, 1 epoch, batch {batch_size} per worker, {NUM_WORKERS} workers, "
@@ -288,36 +297,48 @@ def bench_shards_netns(
     settings = {"samples": samples, "batch_size": batch_size, "slice_bytes": slice_bytes, "transport": transport}
     token = os.urandom(16).hex()
     roles = ["server_0", "server_1", *(f"worker_{k}" for k in range(NUM_WORKERS))]
-    runs: dict[int, list[dict]] = {1: [], 2: []}
+    arms: dict[str, tuple[int, list[str]]] = {"1": (1, []), "2": (2, [])}
+    if pipelined:
+        arms["2_streamed"] = (2, ["--streaming"])
+        arms["2_pipelined"] = (2, ["--streaming", "--pipelined-replies"])
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp, Hosts(roles, ["server_0", "server_1"], mbps) as hosts:
         for repeat in range(repeats):
-            for servers in (1, 2) if repeat % 2 == 0 else (2, 1):
-                folder = Path(tmp) / f"s{servers}_{repeat}"
+            for number, arm in enumerate(list(arms) if repeat % 2 == 0 else list(arms)[::-1]):
+                servers, flags = arms[arm]
+                folder = Path(tmp) / f"s{arm}_{repeat}"
                 folder.mkdir()
-                summary = run_across_hosts(hosts, servers, folder, settings, PORT + 2 * repeat + servers, token)
-                runs[servers].append(_entry(summary, servers, mbps))
-                row = runs[servers][-1]
+                port = PORT + len(arms) * repeat + number
+                summary = run_across_hosts(hosts, servers, folder, {**settings, "flags": flags}, port, token)
+                runs[arm].append(_entry(summary, servers, mbps))
+                row = runs[arm][-1]
                 log(
-                    f"shards across namespaces, {servers} shard(s) at {mbps:g} Mbit/s: {row['samples_per_s']} "
-                    f"samples/s ({row['train_time_s']} s, links {row['link_s']} s)"
+                    f"shards across namespaces, {servers} shard(s){' ' + ' '.join(flags) if flags else ''} at "
+                    f"{mbps:g} Mbit/s: {row['samples_per_s']} samples/s ({row['train_time_s']} s, links "
+                    f"{row['link_s']} s)"
                 )
                 for role, ended in row["followers_exit"].items():
                     if ended != 0:
                         log(f"shards across namespaces: {role} did not end cleanly after shard 0: {ended}")
-    one, two = (_median_run(runs[k]) for k in (1, 2))
+    one, two = (_median_run(runs[k]) for k in ("1", "2"))
     not_halved = 2 * two["train_time_s"] - one["train_time_s"]  # T1 = L + C, T2 = L/2 + C: C = 2 T2 - T1
     versions = samples / (batch_size * NUM_WORKERS)
-    return {
+    result = {
         "setup": setup,
         "link_mbps": mbps,
         "one_shard": one,
         "two_shards": two,
-        "runs_samples_per_s": {str(k): [row["samples_per_s"] for row in runs[k]] for k in (1, 2)},
+        "runs_samples_per_s": {arm: [row["samples_per_s"] for row in rows] for arm, rows in runs.items()},
         "ratio": round(two["samples_per_s"] / one["samples_per_s"], 3),
         "target_ratio": 1.8,
         "not_halved_s": round(not_halved, 2),
         "not_halved_ms_per_version": round(not_halved / versions * 1e3, 1),
     }
+    if pipelined:
+        streamed, piped = _median_run(runs["2_streamed"]), _median_run(runs["2_pipelined"])
+        result["two_shards_streamed"], result["two_shards_pipelined"] = streamed, piped
+        result["pipelined_over_streamed"] = round(piped["samples_per_s"] / streamed["samples_per_s"], 3)
+    return result
 
 
 def _median_run(rows: list[dict]) -> dict:
