@@ -152,8 +152,7 @@ class PushStream:
         self._head_message: Any = None
         self._error: BaseException | None = None
         self.first_sent: float | None = None  # perf_counter when the first part went out
-        self._staged: dict[int, list[tuple[int, int, memoryview]]] = {}  # provisional slices of this attempt
-        self._staged_bytes = 0
+        self._staged = SliceStage()  # provisional slices of this attempt
         self._provisional: frozenset[int] = frozenset()  # the reply's parameters that its head says we hold
         self.problem: str | None = None
         """What was wrong with this attempt's reply head (it names a provisional slice that did not come): the
@@ -218,20 +217,17 @@ class PushStream:
     def attempt(self) -> None:
         """A new attempt of the push begins: provisional slices of an earlier one do not count."""
         self._staged.clear()
-        self._staged_bytes = 0
         self.problem = None
 
     def provisional(self, body, size: int) -> None:
         """A provisional slice arrived (``system.pipelined_replies``; ``body``: a PROVISIONAL frame's, ``size``: the
         frame's bytes): kept until the reply's head says whether it stands."""
-        version, index, start, values = staged_slice(body)
-        self._staged.setdefault(index, []).append((version, start, values))
-        self._staged_bytes += size
+        self._staged.add(body, size)
 
     def unclaimed(self, stage: SliceStage) -> None:
         """Hand this attempt's slices that its reply did not take to ``stage`` (a shard's hold: its acknowledgement
         takes none; the pull after it on the same connection names them)."""
-        for index, slices in self._staged.items():
+        for index, slices in self._staged.slices.items():
             if index not in self._provisional:
                 stage.slices.setdefault(index, []).extend(slices)
 
@@ -243,7 +239,9 @@ class PushStream:
         """
         self._provisional = frozenset(message.provisional)
         for index in message.provisional:
-            self.on_large("parameters", index, joined_slices(self._staged.get(index, ()), index, message.version))
+            self.on_large(
+                "parameters", index, joined_slices(self._staged.slices.get(index, ()), index, message.version)
+            )
 
     def sent(self, size: int) -> None:
         """The transport sent ``size`` bytes of this push."""
@@ -262,7 +260,7 @@ class PushStream:
                 except (ValueError, IndexError) as exc:  # a slice missing, or a parameter the model lacks
                     self.problem = str(exc)  # the head is not given: the transport fails this attempt
                     return
-            self.reply_bytes = reply_bytes + self._staged_bytes
+            self.reply_bytes = reply_bytes + self._staged.nbytes
             self._head_message = message
             self._head.set()
 

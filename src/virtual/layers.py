@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from src.ps.worker_stream import StreamedModel
-from src.transport.wire import split
+from src.transport.wire import Received, split
 
 ELEMENT_COST = 64.0
 """Floating-point operations a leaf module's element read or written costs as much as, in the proxy: on the CPUs
@@ -193,10 +193,11 @@ def _offset(view: memoryview, base: np.ndarray) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data - base.ctypes.data
 
 
-def reply_pieces(data: bytes, message_type, large_fields: Sequence[str]) -> tuple[int, list[tuple[int, Key]]]:
+def reply_pieces(data: bytes, message_type, large_fields: Sequence[str]) -> tuple[int, list[tuple[int, Key]], Received]:
     """Where a reply's parts are in by: the byte count at which its head is in (the small fields, handed over when
     the walk reaches the first large field's bytes; the whole message when it has none) and, in byte order, the
-    count at which each tensor is whole (``parameter_deltas`` are a parameter's: ``("parameters", i)``)."""
+    count at which each tensor is whole (``parameter_deltas`` are a parameter's: ``("parameters", i)``); and the
+    reply, split (its tensors views of ``data``)."""
     received = split(data, message_type, large_fields)
     base = np.frombuffer(data, dtype=np.uint8)
     ends: list[tuple[int, int, Key]] = []
@@ -208,7 +209,7 @@ def reply_pieces(data: bytes, message_type, large_fields: Sequence[str]) -> tupl
                 ends.append((start, start + len(view), (key_name, index)))
     ends.sort()
     head = ends[0][0] if ends else len(data)
-    return head, [(end, key) for _, end, key in ends]
+    return head, [(end, key) for _, end, key in ends], received
 
 
 def keys_of(profile: LayerProfile) -> set[Hashable]:

@@ -771,9 +771,9 @@ class VirtualWorker:
         data = serialize(Outgoing(request, {"buffers": streamed.buffers}))
 
         def on_pieces(reply_data: bytes) -> list[tuple[int, Callable[[], None]]]:
-            head, ends = reply_pieces(reply_data, pb.PushReply, REPLY_FIELDS)
+            head, ends, reply = reply_pieces(reply_data, pb.PushReply, REPLY_FIELDS)
             # system.pipelined_replies: the tensors the reply leaves out came as slices before it
-            loaded = {("parameters", index) for index in pb.PushReply.FromString(reply_data).provisional}
+            loaded = {("parameters", index) for index in reply.message.provisional}
             ends = [(end, key) for end, key in ends if key not in loaded]
             arriving = {key for _, key in ends}
 
@@ -782,15 +782,14 @@ class VirtualWorker:
                 if self.forward is not None and self.forward.missing is arriving:
                     self.forward.arrived()
 
-            return [(head, lambda: head_in(reply_data, arriving))] + [
+            return [(head, lambda: head_in(reply, len(reply_data), arriving))] + [
                 (end, lambda key=key: tensor_in(key)) for end, key in ends
             ]
 
-        def head_in(reply_data: bytes, arriving: set) -> None:
-            reply = split(reply_data, pb.PushReply, REPLY_FIELDS)
+        def head_in(reply: Received, reply_bytes: int, arriving: set) -> None:
             staged_bytes = self._load_provisional(reply)
             self.arriving, self.tail_pending = arriving, True
-            settle(reply, len(data), len(reply_data) + staged_bytes)
+            settle(reply, len(data), reply_bytes + staged_bytes)
 
         def whole(_reply_data: bytes) -> None:
             self.tail_pending = False
