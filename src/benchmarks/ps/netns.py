@@ -268,6 +268,7 @@ def _entry(summary: dict, num_servers: int, mbps: float) -> dict:
         "shard_imbalance": summary.get("shard_imbalance"),  # the busiest shard's bytes over the mean (1: even)
         "final_accuracy": summary.get("final_accuracy"),
         "followers_exit": summary["followers_exit"],
+        **({"pipelined_replies": summary["pipelined_replies"]} if "pipelined_replies" in summary else {}),
     }
 
 
