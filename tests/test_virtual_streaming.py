@@ -183,6 +183,19 @@ def streamed_config(tmp_path: Path, name: str, **fields):
     return ps_config(tmp_path, name, **values)
 
 
+def assert_same_run(first: dict, second: dict) -> None:
+    """Two summaries of the same virtual run agree in every field but the wall-clock ones."""
+    wall = set(first["wall_time_fields"]) | {"checkpoint_path"}
+    assert {k: v for k, v in first.items() if k not in wall} == {k: v for k, v in second.items() if k not in wall}
+
+
+def assert_same_model(ours: dict, theirs: dict) -> None:
+    """Two runs' final checkpoints hold the same parameters, bit for bit."""
+    mine = load_checkpoint(ours["checkpoint_path"])["model_state_dict"]
+    other = load_checkpoint(theirs["checkpoint_path"])["model_state_dict"]
+    assert mine.keys() == other.keys() and all(torch.equal(mine[name], other[name]) for name in other)
+
+
 def pushes(config, worker: int = 0) -> list[dict]:
     return list(read_events(Path(config.system.log_dir) / f"worker_{worker}" / "events.jsonl", "push"))
 
@@ -251,14 +264,11 @@ def test_a_streamed_run_is_deterministic_hides_communication_and_trains_as_the_u
     unstreamed = streamed_config(tmp_path, "unstreamed", system__streaming=False, **fields)
     first, second = (run_virtual(c, tensorboard=False) for c in streamed)
     plain = run_virtual(unstreamed, tensorboard=False)
-    wall = set(first["wall_time_fields"]) | {"checkpoint_path"}
-    assert {k: v for k, v in first.items() if k not in wall} == {k: v for k, v in second.items() if k not in wall}
+    assert_same_run(first, second)
     assert pushes(streamed[0], 1) == pushes(streamed[1], 1)
     # the same updates, the same parameters: only when bytes travel changed
     assert first["final_accuracy"] == plain["final_accuracy"] and first["final_loss"] == plain["final_loss"]
-    ours = load_checkpoint(first["checkpoint_path"])["model_state_dict"]
-    theirs = load_checkpoint(plain["checkpoint_path"])["model_state_dict"]
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert_same_model(first, plain)
     # 1.7 MB each way at 40 Mbit/s (0.34 s) against 0.1 s of compute: the streamed worker hides some of it
     assert first["exposed_communication_s"] < 0.85 * plain["exposed_communication_s"]
     assert first["train_time_s"] < plain["train_time_s"]
@@ -276,11 +286,8 @@ def test_pipelined_replies_train_as_the_unstreamed_run_bit_for_bit_and_hide_more
     first, second = (run_virtual(c, tensorboard=False) for c in pipelined)
     streamed = run_virtual(streamed_config(tmp_path, "streamed", **fields), tensorboard=False)
     plain = run_virtual(streamed_config(tmp_path, "unstreamed", system__streaming=False, **fields), tensorboard=False)
-    wall = set(first["wall_time_fields"]) | {"checkpoint_path"}
-    assert {k: v for k, v in first.items() if k not in wall} == {k: v for k, v in second.items() if k not in wall}
-    ours = load_checkpoint(first["checkpoint_path"])["model_state_dict"]
-    theirs = load_checkpoint(plain["checkpoint_path"])["model_state_dict"]
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert_same_run(first, second)
+    assert_same_model(first, plain)
     assert first["final_loss"] == plain["final_loss"] and first["versions"] == plain["versions"] == 4
     counts = first["pipelined_replies"]
     # simple_cnn's 8 tensors in 20 slices of 128 kB (fc1's 401,408 values in 13): from the second push on (the first
@@ -304,11 +311,8 @@ def test_a_streamed_sharded_run_trains_as_the_unstreamed_one_and_pipelined_repli
     streamed = [streamed_config(tmp_path, f"sharded{n}", **fields) for n in (0, 1)]
     first, second = (run_virtual(c, tensorboard=False) for c in streamed)
     plain = run_virtual(streamed_config(tmp_path, "plain", system__streaming=False, **fields), tensorboard=False)
-    wall = set(first["wall_time_fields"]) | {"checkpoint_path"}
-    assert {k: v for k, v in first.items() if k not in wall} == {k: v for k, v in second.items() if k not in wall}
-    ours = load_checkpoint(first["checkpoint_path"])["model_state_dict"]
-    theirs = load_checkpoint(plain["checkpoint_path"])["model_state_dict"]
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert_same_run(first, second)
+    assert_same_model(first, plain)
     assert first["final_loss"] == plain["final_loss"] and first["versions"] == plain["versions"] == 4
     assert first["placement"] == plain["placement"] and len(first["placement"]["bytes_per_shard"]) == 2
     # the holds go up during backward; the pulls come after the commit, as unstreamed (they are not streamed into
@@ -322,8 +326,7 @@ def test_a_streamed_sharded_run_trains_as_the_unstreamed_one_and_pipelined_repli
     # certificate) and sends them on the hold's connection; the pull after it leaves out what the step confirmed
     pipelined_config = streamed_config(tmp_path, "pipelined", system__pipelined_replies=True, **fields)
     pipelined = run_virtual(pipelined_config, tensorboard=False)
-    ours = load_checkpoint(pipelined["checkpoint_path"])["model_state_dict"]
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert_same_model(pipelined, plain)
     assert pipelined["final_loss"] == plain["final_loss"] and pipelined["versions"] == 4
     # from the second push on (the first attaches the connections; the follower's first round has no certificate
     # to take its workers from, but the second does), as on one server: 20 slices a round to both workers
@@ -364,8 +367,6 @@ def test_a_compressed_streamed_run_with_a_compressed_downlink_trains_as_the_unst
     }
     streamed = run_virtual(streamed_config(tmp_path, "streamed", **fields), tensorboard=False)
     plain = run_virtual(streamed_config(tmp_path, "plain", system__streaming=False, **fields), tensorboard=False)
-    ours = load_checkpoint(streamed["checkpoint_path"])["model_state_dict"]
-    theirs = load_checkpoint(plain["checkpoint_path"])["model_state_dict"]
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert_same_model(streamed, plain)
     assert streamed["exposed_communication_s"] < plain["exposed_communication_s"]
     assert streamed["compression_time_s"] == plain["compression_time_s"] > 0  # compress_s per push, as unstreamed

@@ -387,12 +387,7 @@ class ServerCore:
 
     def _omitted(self, sink: Sink | None) -> list[int]:
         """The parameters a reply on ``sink`` leaves out (``system.pipelined_replies``); logs voided slices."""
-        if self.pipeline is None:
-            return []
-        omit = self.pipeline.omitted(sink)
-        for version, voided, stepped in self.pipeline.take_voided():
-            self.log.event("provisional_voided", version=version, slices=voided, stepped=stepped)
-        return omit
+        return self.pipeline.omitted_logged(sink, self.log) if self.pipeline is not None else []
 
     def parameters(self, member: Member, sink: Sink | None = None) -> bytes | Pieces:
         """A sharded server's ``PullRequest.parameters_only``: this shard's parameters at its version, no work.

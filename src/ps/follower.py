@@ -263,9 +263,7 @@ class FollowerCore:
     def _omitted(self, sink: Sink | None) -> list[int]:
         if self.pipeline is None:
             return []
-        omit = self.pipeline.omitted(sink)
-        for version, voided, stepped in self.pipeline.take_voided():
-            self.log.event("provisional_voided", version=version, slices=voided, stepped=stepped)
+        omit = self.pipeline.omitted_logged(sink, self.log)
         counts = self.pipeline.counts
         load = self.load
         load.slices_sent, load.slices_confirmed = counts["slices_sent"], counts["slices_confirmed"]

@@ -149,6 +149,14 @@ class SlicePipeline:
             self._voided.append((done.version + 1, voided, len(done.stepped)))
         return confirmed
 
+    def omitted_logged(self, sink: Sink | None, log: Any) -> list[int]:
+        """:meth:`omitted`, and a ``provisional_voided`` event in ``log`` for each version whose barrier voided
+        slices since (what either server core does before a reply)."""
+        omit = self.omitted(sink)
+        for version, voided, stepped in self.take_voided():
+            log.event("provisional_voided", version=version, slices=voided, stepped=stepped)
+        return omit
+
     def take_voided(self) -> list[tuple[int, int, int]]:
         """The versions whose barrier voided provisional slices since the last call: ``(version, slices voided,
         slices stepped)`` each (the server logs them: a worker that dropped out mid-push shows here)."""

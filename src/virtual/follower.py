@@ -129,14 +129,7 @@ class VirtualFollower:
         if self.core.pipeline is None or sink is None or sink.process != worker.process:
             self.wire.upload(worker, body, lambda: self._parts(push).add(body), sent)
             return
-
-        def read(into: memoryview, end: int) -> None:
-            parts = self._parts(push, sink)
-            parts.progress(into, end)
-            if end == len(body):
-                parts.add(into)
-
-        self.wire.upload_in_reads(worker, body, read, sent)
+        self.wire.upload_in_reads(worker, body, lambda: self._parts(push, sink), sent)
 
     def _parts(self, push: Hashable, sink: VirtualSink | None = None) -> PushParts:
         if push not in self.parts:

@@ -124,12 +124,13 @@ class ServerWire:
         self.links.upload(worker.worker_id, 8 * len(data), self.cost.uplink_bps(worker.worker_id, sent_at), out)
 
     def upload_in_reads(
-        self, worker: VirtualWorker, body: bytes, read: Callable[[memoryview, int], None], sent: Callable[[], None]
+        self, worker: VirtualWorker, body: bytes, parts: Callable[[], PushParts | None], sent: Callable[[], None]
     ) -> None:
         """Send a streamed push's part ``body`` from ``worker`` in pieces of the TCP server's reads
-        (:data:`~src.transport.tcp_frames.RECEIVE_CHUNK_BYTES`), one after another on the link: ``read(into, end)``
-        as each arrives (``into``: the part's buffer, filled up to ``end``), as the real server reads a frame;
-        ``sent`` when the last piece has left the link (``system.pipelined_replies``: its slices step as they come)."""
+        (:data:`~src.transport.tcp_frames.RECEIVE_CHUNK_BYTES`), one after another on the link, each reported to the
+        push's parts as it arrives (``parts()``; ``None``: the server is gone) and the whole part added, as the real
+        server reads a frame; ``sent`` when the last piece has left the link (``system.pipelined_replies``: its
+        slices step as they come)."""
         cuts = list(range(0, len(body), RECEIVE_CHUNK_BYTES))[1:] + [len(body)]
         into = memoryview(bytearray(len(body)))
 
@@ -138,7 +139,11 @@ class ServerWire:
 
             def piece_in() -> None:
                 into[start:end] = body[start:end]
-                read(into, end)
+                target = parts()
+                if target is not None:
+                    target.progress(into, end)
+                    if end == len(body):
+                        target.add(into)
 
             self.upload(worker, body[start:end], piece_in, sent if end == len(body) else lambda: piece(k + 1, end))
 
@@ -410,15 +415,8 @@ class VirtualServer:
 
             self.wire.upload(worker, body, arrived, sent)
             return
-
-        def read(into: memoryview, end: int) -> None:
-            if self.running and epoch == self.epoch:
-                parts = self._parts(push, sink)
-                parts.progress(into, end)
-                if end == len(body):
-                    parts.add(into)
-
-        self.wire.upload_in_reads(worker, body, read, sent)
+        alive = lambda: self.running and epoch == self.epoch  # noqa: E731
+        self.wire.upload_in_reads(worker, body, lambda: self._parts(push, sink) if alive() else None, sent)
 
     def _parts(self, push: Hashable, sink: VirtualSink | None = None) -> PushParts:
         if push not in self.parts:
