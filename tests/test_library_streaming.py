@@ -13,10 +13,14 @@ On a sharded server (2 shards, simple_cnn cut into 64 kB slices) each shard's sl
 the commit and pulls follow unstreamed, as our own workers do: the same bit for bit (sync with 2 worker processes and
 top-k + error feedback over TCP; async with one worker over TCP and gRPC; one worker in sync through a dropped
 backward, a skipped step and gradient accumulation), and a hold that fails raises as an unstreamed hold does.
+
+With pipelined replies (dense, sync, one worker, on one server and on 2 shards): the same bit for bit, every round
+after the first pipelined (the server guesses a round's samples from the worker's last push) and every slice confirmed.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +33,8 @@ import torch.nn.functional as F
 from src.common.checkpoint import load_checkpoint
 from src.config import SetupError
 from src.ps.follower_server import FollowerServer
+from src.ps.shard_model import model_placement
+from src.ps.slice_pipeline import slice_elements_of
 from src.training.data import load_dataset
 from src.transport.tcp_frames import TransportError
 from tests.library_fixtures import (
@@ -468,3 +474,40 @@ def test_a_hold_that_fails_raises_as_unstreamed_and_the_loop_can_go_on(tmp_path,
             assert optimizer.steps == 3 and model.version == 3
         summary = server.finish()
     assert summary["versions"] == 3
+
+
+@pytest.mark.parametrize("shards", [False, True])
+def test_a_sync_user_loop_with_pipelined_replies_is_the_unstreamed_one_bit_for_bit(tmp_path, train_set, shards):
+    """Dense gradients, one worker in sync over TCP, on one server and on 2 shards: each server steps the push's (the
+    hold's) slices as they arrive and sends them back on its connection; each reply leaves out what its step
+    confirmed, and the client fills it in from them. The workers' loops choose their batches, so a server guesses a
+    round's samples from each worker's last push: every round but the first (nothing pushed yet) is pipelined."""
+    fields = dict(system__aggregation_mode="sync", shards=shards)
+    plain = user_loop(tmp_path, "plain", train_set, **fields)
+    pipelined = user_loop(
+        tmp_path,
+        "pipelined",
+        train_set,
+        system__streaming=True,
+        system__pipelined_replies=True,
+        system__pipeline_slice_bytes=16 << 10,
+        **fields,
+    )
+    assert pipelined[1].streaming and pipelined[1]._generation == 7
+    assert_bit_for_bit(plain[0], pipelined[0])
+    assert_bit_for_bit(plain[0], final_parameters(pipelined[3]))
+    assert pipelined[3]["versions"] == plain[3]["versions"] == 7
+    net, elements = simple_cnn(), slice_elements_of(16 << 10)
+    if shards:
+        placement = model_placement(net, 2, 64 << 10)
+        tensors = [piece.numel for k in range(2) for piece in placement.on_shard(k)]
+    else:
+        tensors = [param.numel() for param in net.parameters()]
+    rounds = pipelined[3]["versions"] - 1
+    slices = sum(math.ceil(numel / elements) for numel in tensors)
+    assert pipelined[3]["pipelined_replies"] == {
+        "slices_sent": rounds * slices,  # one worker: each slice to it once
+        "slices_confirmed": rounds * slices,
+        "slices_voided": 0,
+        "tensors_omitted": rounds * len(tensors),
+    }

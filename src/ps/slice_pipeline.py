@@ -11,9 +11,11 @@ slice's push (a link carries both directions at once). This is that, made safe f
 and must survive a worker that fails mid-push:
 
 * **Provisional slices.** The server knows each sync round's workers and the samples it handed each
-  (:meth:`SlicePipeline.open_round`). As a streamed push's dense float32 gradient arrives, the transport reports how
-  many of its values are in (:meth:`SlicePipeline.arrived`). Once every worker of the round has a slice's values
-  (``slice_elements`` of them), the slice's mean (:func:`~src.ps.aggregation.weighted_mean`) and its optimizer step
+  (:meth:`SlicePipeline.open_round`; where the workers' own loops pick their batches, the library's, it guesses each
+  one's samples from its newest applied push, as a follower shard guesses a round from the last certificate). As a
+  streamed push's dense float32 gradient arrives, the transport reports how many of its values are in
+  (:meth:`SlicePipeline.arrived`). Once every worker of the round has a slice's values (``slice_elements`` of them),
+  the slice's mean (:func:`~src.ps.aggregation.weighted_mean`) and its optimizer step
   (:func:`~src.training.optimizers.stepped_slice`) are computed on copies: the model and the optimizer's state are
   not touched. The result goes to each worker's connection (its :class:`Sink`) marked provisional.
 * **Confirmed at the barrier.** The barrier runs the step as it always does, on every push that made it. Then each

@@ -80,6 +80,7 @@ class Updates:
         self._ledger: list[torch.Tensor] | None = None  # system.gradient_ledger: sum of the applied gradients (float64)
         self._overriding_schedule: set[int] = set()  # workers warned that their own learning rates win
         self.pipeline: SlicePipeline | None = None  # system.pipelined_replies (set by the server core)
+        self._pushed_samples: dict[int, int] = {}  # each worker's samples in its newest applied push (sync)
         self._certify = certify
         self.step_s = 0.0  # seconds of the sync rounds' optimizer steps (a shard's load in a sharded run's summary)
         self._round_certificate = b""
@@ -148,6 +149,7 @@ class Updates:
             self.state.step(gradients, buffers)
             self.step_s += time.perf_counter() - started
             self._round = None
+            self._pushed_samples.update((c.worker, c.num_samples) for c in contributions)
             if self._certify is not None:  # shard 0 of a sharded server: the followers apply what this says
                 pushes = [(c.worker, c.request_id) for c in contributions]
                 self._round_certificate = self._certify(self.state.version, pushes, rate).encode()
@@ -164,11 +166,18 @@ class Updates:
         if handed:
             self._round = SyncRound(self.state.version, set(handed))
             if self.pipeline is not None:  # system.pipelined_replies: the round's workers and their samples
-                samples = {w: sum(len(b.indices) for b in batches) for w, batches in handed.items()}
-                self.pipeline.open_round(self.state.version, samples)
+                self.pipeline.open_round(self.state.version, self._round_samples(handed))
             self._to_deliver.update(handed)
             self.totals.training_clock_starts()
         self._check_done()
+
+    def _round_samples(self, handed: dict[int, list[Batch]]) -> dict[int, int]:
+        """The samples each worker of a sync round will push, for the slice pipeline: those handed to it or, where
+        the workers' own loops choose their batches (the library: nothing is handed), a guess, the samples of its
+        newest applied push (none yet: 0, left out of the round). A wrong guess only voids the round's slices."""
+        if self.work.owns_data:
+            return {worker: self._pushed_samples.get(worker, 0) for worker in handed}
+        return {worker: sum(len(b.indices) for b in batches) for worker, batches in handed.items()}
 
     # ------------------------------------------------------------------------- pushes
 

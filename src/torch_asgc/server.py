@@ -137,6 +137,7 @@ FLAGS = {
     "downlink_compression": "system.downlink_compression",
     "downlink_ratio": "system.downlink_ratio",
     "streaming": "system.streaming",
+    "pipelined_replies": "system.pipelined_replies",
 }
 DEFAULTS = {
     "system.checkpoint_dir": "checkpoints/asgc_server",
@@ -168,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         help="workers communicate while they compute: each gradient is sent as backward produces it, and the next "
         "forward starts as its first layers' parameters arrive (same updates; docs/library.md, Streaming)",
+    )
+    run.add_argument(
+        "--pipelined-replies",
+        action="store_const",
+        const=True,
+        help="with --streaming, sync, dense gradients (shards: --transport tcp): each slice of a parameter is stepped "
+        "as soon as every worker's gradient of it is in and sent back during the push; the barrier's step confirms "
+        "it. The workers' loops pick their batches, so a round's samples are guessed from each worker's last push "
+        "(same updates; docs/library.md, Streaming)",
     )
     run.add_argument("--workers", type=int, help="worker ids 0..N-1 (default 2); sync starts when all N have pulled")
     run.add_argument(

@@ -465,3 +465,7 @@ def test_server_cli_names_bad_input(tmp_path, monkeypatch, capsys):
         main(["--workers", "0", *outputs])
     assert bad_config.value.code == 2
     assert "config error: system.num_workers: must be > 0, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as unstreamed:
+        main(["--pipelined-replies", *outputs])  # the flag reaches the config, which names what it needs
+    assert unstreamed.value.code == 2
+    assert "config error: system.pipelined_replies: needs system.streaming" in capsys.readouterr().err
