@@ -108,7 +108,8 @@ def test_virtual_time_matches_a_real_two_shard_run_behind_tc_shaped_links(tmp_pa
 @pytest.mark.timeout(120)
 def test_a_sharded_virtual_run_without_cost_figures_measures_one_servers_over_the_runs_transport(tmp_path, capsys):
     """The figures each shard takes its byte share of are one server's, measured over the config's transport (a
-    sharded config once had its calibration server refuse the unsharded push, and a TCP one a gRPC client)."""
+    sharded config once had its calibration server refuse the unsharded push, a TCP one a gRPC client, and a pipelined
+    one its own async config: pipelined replies are sync's only). Streamed, with pipelined replies."""
     config = ps_config(
         tmp_path,
         "measured",
@@ -118,6 +119,8 @@ def test_a_sharded_virtual_run_without_cost_figures_measures_one_servers_over_th
         system__num_servers=2,
         system__shard_slice_bytes=65536,
         system__transport="tcp",
+        system__streaming=True,
+        system__pipelined_replies=True,
     )
     summary = run_virtual(config, tensorboard=False)
     assert "not in the config; measuring them on this machine" in capsys.readouterr().err
@@ -127,3 +130,4 @@ def test_a_sharded_virtual_run_without_cost_figures_measures_one_servers_over_th
     shares = [b / sum(summary["placement"]["bytes_per_shard"]) for b in summary["placement"]["bytes_per_shard"]]
     assert cost["per_shard"]["update_s"] == pytest.approx([cost["server_update_s"] * share for share in shares])
     assert summary["versions"] == 2 and summary["samples_processed"] == 64
+    assert summary["pipelined_replies"]["slices_confirmed"] > 0, summary["pipelined_replies"]
