@@ -78,7 +78,9 @@ samples/s / 1 shard's (target >= 1.8); ``link_s`` each run's bytes over its shar
 after the other (``link_overlapped_s``: each direction alone), ``not_halved_s`` = 2 x the 2-shard run's time - the
 1-shard run's: what 2 shards did not halve (compute, round trips, the servers' work), so ratio = 2 - that / T2. With
 ``--netns-pipelined``, 2-shard runs streamed and streamed with pipelined replies too, and their samples/s ratio
-(``pipelined_over_streamed``). Needs root and iproute2: otherwise ``skipped`` says why.
+(``pipelined_over_streamed``). With ``--netns-virtual``, each arm's last run again in virtual time, its config from
+its checkpoint, calibrated here, each shard's NIC at the tc rate (``virtual``: samples/s and the steady step both
+ways, virtual / real). Needs root and iproute2: otherwise ``skipped`` says why.
 
 ``crossover`` (only with ``--crossover``; ~25 minutes): when a sharded PS beats ring allreduce, in virtual time
 (:mod:`src.benchmarks.ps.crossover`): for 1 and 10 Gbit/s links, n in {4, 8, 16, 32, 64} workers and k in {1, 2, 4,
@@ -138,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         help="across namespaces, 2-shard runs streamed and streamed with pipelined replies too (TCP)",
     )
     parser.add_argument(
+        "--netns-virtual",
+        action="store_true",
+        help="across namespaces, each arm's run again in virtual time (calibrated here): virtual / real per arm",
+    )
+    parser.add_argument(
         "--crossover",
         action="store_true",
         help="also the sharded PS against ring allreduce in virtual time (k x n x links, ~20 min on 2 cores)",
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         netns_mbps=args.netns_mbps,
         netns_repeats=args.netns_repeats,
         netns_pipelined=args.netns_pipelined,
+        netns_virtual=args.netns_virtual,
         crossover=args.crossover,
         crossover_plot=args.crossover_plot,
     )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,6 @@ import torch
 from src.benchmarks.ps import netns
 from src.common.checkpoint import load_checkpoint
 from src.config import validate_config
-from src.metrics import read_events
 from src.studies.fidelity import compare_with_real
 from src.virtual.run import run_virtual
 from tests.ps_fixtures import ps_config
@@ -45,12 +43,6 @@ SETTINGS = {"samples": 512, "batch_size": 16, "slice_bytes": 65536, "transport":
 """16 sync versions of 2 workers (simple_cnn, 1.7 MB a push, cut in 64 kB slices across the 2 shards): ~9 s of
 training for real, the whole test ~25 s on a quiet machine."""
 ROLES = ["server_0", "server_1", *(f"worker_{k}" for k in range(netns.NUM_WORKERS))]
-
-
-def step_s(log_dir: Path) -> float:
-    """The median seconds between shard 0's consecutive updates: a sync step once the run is going."""
-    times = [e["time"] for e in read_events(log_dir / "server" / "events.jsonl", "update")]
-    return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
 @pytest.mark.slow
@@ -83,8 +75,8 @@ def test_virtual_time_matches_a_real_two_shard_run_behind_tc_shaped_links(tmp_pa
         "virtual": result["virtual"][0],
         "real_link_share": round(link_s / real["train_time_s"], 3),
         "step_s": {
-            "real": round(step_s(Path(config.system.log_dir)), 4),
-            "virtual": round(step_s(virtual_folder / "logs"), 4),
+            "real": round(netns.steady_step_s(Path(config.system.log_dir)), 4),
+            "virtual": round(netns.steady_step_s(virtual_folder / "logs"), 4),
         },
     }
     record["step_ratio"] = round(record["step_s"]["virtual"] / record["step_s"]["real"], 3)

@@ -174,7 +174,7 @@ class VirtualFollower:
         except Refused as refused:
             self.wire.fail(call, refused.code, refused.message)
             return
-        self._answer(call, data, acknowledgement)
+        self._answer(call, data, acknowledgement, self._sink_of(call))  # after the slices already on its connection
         self.load.update_s += self.times.update_s
 
     def serve_pull(self, call: Call, data: bytes) -> None:
@@ -185,14 +185,18 @@ class VirtualFollower:
     def _pull(self, call: Call, data: bytes) -> None:
         started = self.clock.now - self.times.reply_s
         self.timelines.server("reply", started, shard=self.shard, worker=call.worker.worker_id)
-        sink = self.sinks.get(call.worker.worker_id)  # system.pipelined_replies: the hold's slices went there
-        sink = sink if sink is not None and sink.process == call.process else None
+        sink = self._sink_of(call)  # system.pipelined_replies: the hold's slices went there
         try:
             reply = self.pull_now(pb.PullRequest.FromString(data), sink)
         except Refused as refused:
             self.wire.fail(call, refused.code, refused.message)
             return
         self._answer(call, data, reply, sink)
+
+    def _sink_of(self, call: Call) -> VirtualSink | None:
+        """The provisional slices' line of ``call``'s connection (``None``: no pipelining, or none yet)."""
+        sink = self.sinks.get(call.worker.worker_id)
+        return sink if sink is not None and sink.process == call.process else None
 
     def _answer(self, call: Call, data, reply: bytes, sink: VirtualSink | None = None) -> None:
         """Send ``reply`` to ``call`` (after ``sink``'s slices, on the same line)."""

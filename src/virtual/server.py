@@ -540,7 +540,7 @@ class VirtualServer:
                 core.refused(worker_id, request.request_id, refused)
             self._fail(call, refused.code, refused.message)
             return
-        self._reply(call, acknowledgement)
+        self._reply(call, acknowledgement, self._sink_of(call))  # after the slices already on its connection
 
     def _take_push(self, call: Call, received: Received) -> None:
         core = self.core

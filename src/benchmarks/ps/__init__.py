@@ -62,6 +62,7 @@ def run_benchmark(
     netns_mbps: float = 50.0,
     netns_repeats: int = 1,
     netns_pipelined: bool = False,
+    netns_virtual: bool = False,
     crossover: bool = False,
     crossover_plot: str | None = None,
 ) -> dict:
@@ -84,7 +85,9 @@ def run_benchmark(
     if shards:
         result["shards"] = [bench_shards(transport, shards_seconds, shards_repeats) for transport in transports]
     if netns:
-        result["shards_netns"] = bench_shards_netns(netns_mbps, repeats=netns_repeats, pipelined=netns_pipelined)
+        result["shards_netns"] = bench_shards_netns(
+            netns_mbps, repeats=netns_repeats, pipelined=netns_pipelined, virtual=netns_virtual
+        )
     if training:
         result["training"] = bench_training(num_epochs, batch_size, transports, training_repeats)
     if crossover:  # ~20 minutes of virtual runs: only when asked

@@ -24,6 +24,11 @@ during the holds, :mod:`src.ps.slice_pipeline`), in turns with the others: ``pip
 samples/s ratio. On the shaped links a step's pushes and pulls then cross at once (``link_overlapped_s``), so the
 link-bound time can fall toward half.
 
+With ``virtual``, each arm's last run is also run in virtual time (:func:`src.studies.fidelity.compare_with_real`:
+its config from its final checkpoint, the cost model calibrated here, each shard's NIC at ``server_mbps`` = the tc
+rate): ``virtual`` holds, per arm, samples/s and the steady step (:func:`steady_step_s`) both ways and their ratios
+virtual / real, how faithful virtual time is on the setting each arm stands for.
+
 ``followers_exit``: each follower's exit status (0), or how it ended otherwise and its last lines: a follower ends
 by itself once shard 0 has said the run is done and gone; the figures are from shard 0's summary, which it writes
 after reading every follower's part.
@@ -247,6 +252,45 @@ def run_across_hosts(hosts: Hosts, num_servers: int, folder: Path, settings: dic
     return summary
 
 
+def steady_step_s(log_dir: Path) -> float:
+    """The median seconds between shard 0's consecutive updates (in ``log_dir``'s ``server/events.jsonl``): a sync
+    step once the run is going (the first step's warm-up left out)."""
+    import statistics
+
+    from src.metrics import read_events
+
+    times = [e["time"] for e in read_events(Path(log_dir) / "server" / "events.jsonl", "update")]
+    return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+def in_virtual_time(summary: dict, folder: Path, mbps: float) -> dict:
+    """A real run across namespaces (shard 0's ``summary``) again in virtual time under ``folder``, calibrated here,
+    each shard's NIC at ``mbps`` each way: samples/s and the steady step of both, and virtual / real."""
+    from src.common.checkpoint import load_checkpoint
+    from src.config import validate_config
+    from src.studies.fidelity import compare_with_real
+
+    config = validate_config(load_checkpoint(summary["checkpoint_path"])["config"])
+    result = compare_with_real(config, summary, folder, setting={"server_mbps": mbps})
+    real_step, virtual_step = steady_step_s(config.system.log_dir), steady_step_s(folder / "logs")
+    (real,), (virtual,) = result["real"], result["virtual"]
+    return {
+        "samples_per_s": {
+            "real": round(real["throughput_samples_per_s"], 1),
+            "virtual": round(virtual["throughput_samples_per_s"], 1),
+        },
+        "samples_per_s_ratio": round(result["throughput_samples_per_s_ratio"], 3),
+        "step_s": {"real": round(real_step, 4), "virtual": round(virtual_step, 4)},
+        "step_ratio": round(virtual_step / real_step, 3),
+        "calibration": {k: round(v, 5) for k, v in result["calibration"]["emulation"].items()},
+        **(
+            {"pipelined_replies": result["virtual_summary"]["pipelined_replies"]}
+            if "pipelined_replies" in result["virtual_summary"]
+            else {}
+        ),
+    }
+
+
 def _entry(summary: dict, num_servers: int, mbps: float) -> dict:
     """One run's figures: samples/s, and the time its bytes take on the shards' shaped links: ``link_s`` with the
     pushes and the pulls one after the other (a step's hold, commit, pull), ``link_overlapped_s`` if they went at
@@ -281,10 +325,12 @@ def bench_shards_netns(
     slice_bytes: int = 65536,
     repeats: int = 1,
     pipelined: bool = False,
+    virtual: bool = False,
 ) -> dict:
     """A sync run with 1 shard and one with 2 (``repeats`` times each, in turns), each server's link shaped to
     ``mbps`` both ways; samples/s and the ratio; with ``pipelined``, 2-shard runs streamed and streamed with
-    pipelined replies too (see the module docstring); or, where namespaces cannot be made, why not."""
+    pipelined replies too; with ``virtual``, each arm's last run in virtual time too (see the module docstring);
+    or, where namespaces cannot be made, why not."""
     why = unavailable()
     setup = (
         f"simple_cnn on mnist_5k, {samples} samples, 1 epoch, batch {batch_size} per worker, {NUM_WORKERS} workers, "
@@ -303,6 +349,7 @@ def bench_shards_netns(
         arms["2_streamed"] = (2, ["--streaming"])
         arms["2_pipelined"] = (2, ["--streaming", "--pipelined-replies"])
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    fidelity: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp, Hosts(roles, ["server_0", "server_1"], mbps) as hosts:
         for repeat in range(repeats):
             for number, arm in enumerate(list(arms) if repeat % 2 == 0 else list(arms)[::-1]):
@@ -321,6 +368,9 @@ def bench_shards_netns(
                 for role, ended in row["followers_exit"].items():
                     if ended != 0:
                         log(f"shards across namespaces: {role} did not end cleanly after shard 0: {ended}")
+                if virtual and repeat == repeats - 1:
+                    fidelity[arm] = in_virtual_time(summary, folder / "virtual", mbps)
+                    log(f"  in virtual time: {fidelity[arm]['samples_per_s']} samples/s, {fidelity[arm]['step_s']} s")
     one, two = (_median_run(runs[k]) for k in ("1", "2"))
     not_halved = 2 * two["train_time_s"] - one["train_time_s"]  # T1 = L + C, T2 = L/2 + C: C = 2 T2 - T1
     versions = samples / (batch_size * NUM_WORKERS)
@@ -339,6 +389,8 @@ def bench_shards_netns(
         streamed, piped = _median_run(runs["2_streamed"]), _median_run(runs["2_pipelined"])
         result["two_shards_streamed"], result["two_shards_pipelined"] = streamed, piped
         result["pipelined_over_streamed"] = round(piped["samples_per_s"] / streamed["samples_per_s"], 3)
+    if virtual:
+        result["virtual"] = fidelity
     return result
 
 
