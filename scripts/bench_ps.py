@@ -80,7 +80,8 @@ after the other (``link_overlapped_s``: each direction alone), ``not_halved_s`` 
 ``--netns-pipelined``, 2-shard runs streamed and streamed with pipelined replies too, and their samples/s ratio
 (``pipelined_over_streamed``). With ``--netns-virtual``, each arm's last run again in virtual time, its config from
 its checkpoint, calibrated here, each shard's NIC at the tc rate (``virtual``: samples/s and the steady step both
-ways, virtual / real). Needs root and iproute2: otherwise ``skipped`` says why.
+ways, virtual / real); ``--netns-trace-dir DIR`` traces every process and keeps each arm's traces in DIR
+(``scripts/plot_trace.py`` draws them). Needs root and iproute2: otherwise ``skipped`` says why.
 
 ``crossover`` (only with ``--crossover``; ~25 minutes): when a sharded PS beats ring allreduce, in virtual time
 (:mod:`src.benchmarks.ps.crossover`): for 1 and 10 Gbit/s links, n in {4, 8, 16, 32, 64} workers and k in {1, 2, 4,
@@ -145,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         help="across namespaces, each arm's run again in virtual time (calibrated here): virtual / real per arm",
     )
     parser.add_argument(
+        "--netns-trace-dir",
+        help="across namespaces, every process traced; each arm's last run's traces kept here (ARM/real/ROLE/, "
+        "ARM/virtual/ROLE/)",
+    )
+    parser.add_argument(
         "--crossover",
         action="store_true",
         help="also the sharded PS against ring allreduce in virtual time (k x n x links, ~20 min on 2 cores)",
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         netns_repeats=args.netns_repeats,
         netns_pipelined=args.netns_pipelined,
         netns_virtual=args.netns_virtual,
+        netns_trace_dir=args.netns_trace_dir,
         crossover=args.crossover,
         crossover_plot=args.crossover_plot,
     )

@@ -63,6 +63,7 @@ def run_benchmark(
     netns_repeats: int = 1,
     netns_pipelined: bool = False,
     netns_virtual: bool = False,
+    netns_trace_dir: str | None = None,
     crossover: bool = False,
     crossover_plot: str | None = None,
 ) -> dict:
@@ -86,7 +87,11 @@ def run_benchmark(
         result["shards"] = [bench_shards(transport, shards_seconds, shards_repeats) for transport in transports]
     if netns:
         result["shards_netns"] = bench_shards_netns(
-            netns_mbps, repeats=netns_repeats, pipelined=netns_pipelined, virtual=netns_virtual
+            netns_mbps,
+            repeats=netns_repeats,
+            pipelined=netns_pipelined,
+            virtual=netns_virtual,
+            trace_dir=netns_trace_dir,
         )
     if training:
         result["training"] = bench_training(num_epochs, batch_size, transports, training_repeats)

@@ -193,7 +193,8 @@ def _kill_group(process: subprocess.Popen) -> None:
 def run_across_hosts(hosts: Hosts, num_servers: int, folder: Path, settings: dict, port: int, token: str) -> dict:
     """One sync run across ``hosts``: ``num_servers`` shards on ``server_0..``, the workers on ``worker_0..``, each
     process's logs and checkpoints under ``folder/ROLE``; shard 0's summary, with ``followers_exit``. ``settings``:
-    ``samples``, ``batch_size``, ``slice_bytes``, ``transport``, and ``flags``: more of the runner's (streaming).
+    ``samples``, ``batch_size``, ``slice_bytes``, ``transport``, and ``flags``: more of the runner's for the shards
+    (streaming), ``worker_flags`` for the workers (``--trace``).
 
     Raises:
         RuntimeError: shard 0 or a worker did not end with 0 (with every process's last output).
@@ -214,7 +215,8 @@ def run_across_hosts(hosts: Hosts, num_servers: int, folder: Path, settings: dic
         shard = ["--shard", str(k)] if num_servers > 1 else []
         roles[f"server_{k}"] = ["--role", "server", *shard, *where, *run]
     for k in range(NUM_WORKERS):
-        roles[f"worker_{k}"] = ["--role", "worker", "--worker-id", str(k), *where, "--transport", settings["transport"]]
+        worker = ["--role", "worker", "--worker-id", str(k), *where, "--transport", settings["transport"]]
+        roles[f"worker_{k}"] = [*worker, *settings.get("worker_flags", ())]
     processes, outputs, followers = {}, {}, {}
     try:
         for role, args in roles.items():
@@ -326,11 +328,13 @@ def bench_shards_netns(
     repeats: int = 1,
     pipelined: bool = False,
     virtual: bool = False,
+    trace_dir: str | None = None,
 ) -> dict:
     """A sync run with 1 shard and one with 2 (``repeats`` times each, in turns), each server's link shaped to
     ``mbps`` both ways; samples/s and the ratio; with ``pipelined``, 2-shard runs streamed and streamed with
     pipelined replies too; with ``virtual``, each arm's last run in virtual time too (see the module docstring);
-    or, where namespaces cannot be made, why not."""
+    or, where namespaces cannot be made, why not. ``trace_dir``: every process traced (``--trace``), and each arm's
+    last run's traces kept there (``ARM/real/ROLE/trace.json``; with ``virtual``, ``ARM/virtual/...`` too)."""
     why = unavailable()
     setup = (
         f"simple_cnn on mnist_5k, {samples} samples, 1 epoch, batch {batch_size} per worker, {NUM_WORKERS} workers, "
@@ -342,6 +346,8 @@ def bench_shards_netns(
         log(f"shards across namespaces: skipped ({why})")
         return {"skipped": why, "setup": setup}
     settings = {"samples": samples, "batch_size": batch_size, "slice_bytes": slice_bytes, "transport": transport}
+    traced = ["--trace"] if trace_dir else []
+    settings["worker_flags"] = traced
     token = os.urandom(16).hex()
     roles = ["server_0", "server_1", *(f"worker_{k}" for k in range(NUM_WORKERS))]
     arms: dict[str, tuple[int, list[str]]] = {"1": (1, []), "2": (2, [])}
@@ -357,7 +363,8 @@ def bench_shards_netns(
                 folder = Path(tmp) / f"s{arm}_{repeat}"
                 folder.mkdir()
                 port = PORT + len(arms) * repeat + number
-                summary = run_across_hosts(hosts, servers, folder, {**settings, "flags": flags}, port, token)
+                run = {**settings, "flags": [*flags, *traced]}
+                summary = run_across_hosts(hosts, servers, folder, run, port, token)
                 runs[arm].append(_entry(summary, servers, mbps))
                 row = runs[arm][-1]
                 log(
@@ -371,6 +378,8 @@ def bench_shards_netns(
                 if virtual and repeat == repeats - 1:
                     fidelity[arm] = in_virtual_time(summary, folder / "virtual", mbps)
                     log(f"  in virtual time: {fidelity[arm]['samples_per_s']} samples/s, {fidelity[arm]['step_s']} s")
+                if trace_dir and repeat == repeats - 1:
+                    _keep_traces(folder, Path(trace_dir) / arm)
     one, two = (_median_run(runs[k]) for k in ("1", "2"))
     not_halved = 2 * two["train_time_s"] - one["train_time_s"]  # T1 = L + C, T2 = L/2 + C: C = 2 T2 - T1
     versions = samples / (batch_size * NUM_WORKERS)
@@ -392,6 +401,17 @@ def bench_shards_netns(
     if virtual:
         result["virtual"] = fidelity
     return result
+
+
+def _keep_traces(folder: Path, into: Path) -> None:
+    """Copy every trace.json of a run's ``folder`` (``ROLE/logs/...``; its virtual run's ``virtual/logs/...``) to
+    ``into/real/ROLE/`` (``into/virtual/ROLE/``)."""
+    for trace in sorted(folder.glob("*/logs/**/trace.json")):
+        first = trace.relative_to(folder).parts[0]
+        side, role = ("virtual", trace.parent.name) if first == "virtual" else ("real", first)
+        target = into / side / role
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy(trace, target / "trace.json")
 
 
 def _median_run(rows: list[dict]) -> dict:
