@@ -10,6 +10,7 @@ every slice confirmed, and a killed worker's round voided.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from src.common.checkpoint import load_checkpoint
 from src.coordinator import check_coverage
 from src.launch.ps import run_local
 from src.metrics import read_events
+from src.telemetry.tracing import read_trace
 from tests.ps_fixtures import ps_config
 from tests.test_ps_equivalence import assert_same_parameters, baseline_parameters
 
@@ -45,6 +47,7 @@ def assert_bit_for_bit(expected: dict[str, torch.Tensor], actual: dict[str, torc
         assert torch.equal(actual[name], value), f"{name}: max difference {(actual[name] - value).abs().max()}"
 
 
+ROLES = ("server", "server_1")
 PIPELINED = dict(system__pipelined_replies=True, system__pipeline_slice_bytes=4096)  # several slices a tensor
 SYNC = dict(
     system__num_workers=2,
@@ -105,7 +108,7 @@ def test_a_streamed_sync_run_on_two_shards_is_the_unstreamed_one_bit_for_bit(tmp
     and in virtual time, tests/test_virtual_streaming.py.)"""
     fields = dict(SYNC, system__transport=transport, system__num_servers=2, system__shard_slice_bytes=64 << 10)
     plain = run(tmp_path, "plain", **fields)
-    pipelining = PIPELINED if transport == "tcp" else {}
+    pipelining = dict(PIPELINED, system__trace=True) if transport == "tcp" else {}
     streamed = run(tmp_path, "streamed", system__streaming=True, **pipelining, **fields)
     assert any("#" in key for shard in streamed[1]["placement"]["slices_per_shard"] for key in shard)
     assert_bit_for_bit(plain[2], streamed[2])
@@ -130,6 +133,11 @@ def test_a_streamed_sync_run_on_two_shards_is_the_unstreamed_one_bit_for_bit(tmp
     rounds = pipelined[1]["versions"] - 2
     per_round = 2 * sum(len(shard) for shard in pipelined[1]["placement"]["slices_per_shard"])
     assert counts["tensors_omitted"] >= (rounds - 1) * per_round > 0, counts
+    # traced (--trace): the follower's process too, with its holds, pulls and the slices it stepped
+    spans = {role: Counter(e.get("name") for e in read_trace(logs / role / "trace.json")) for role in ROLES}
+    assert spans["server_1"]["serve_hold"] == 2 * pipelined[1]["versions"], spans
+    stepped = sum(spans[role]["provisional"] for role in ("server", "server_1"))
+    assert stepped == counts["slices_confirmed"] + counts["slices_voided"] and spans["server_1"]["provisional"], spans
 
 
 @pytest.mark.slow  # two 2-worker runs, ~10 s

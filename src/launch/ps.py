@@ -222,23 +222,25 @@ def run_follower(
     from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()
-    server = FollowerServer(
-        config, shard=shard, address=address, token=token, resume=resume, model=model, recovering=recovering
-    )
-    stopped = False
-    try:
-        port = server.start()
-        logger.info("parameter-server shard %d of %d listening on port %d", shard, config.system.num_servers, port)
-        if on_listening is not None:
-            on_listening(port)
-        if recovering:
-            _go_back_with_shard_0(config, server)
-        wait(server.core.run_over)
-        stopped = True
-        return server.stop()
-    finally:
-        if not stopped:
-            server.stop()
+    trace = Path(config.system.log_dir) / f"server_{shard}" / tracing.TRACE_FILE  # one started again: trace.1.json
+    with tracing.trace_to(trace, f"server shard {shard}", enabled=config.system.trace, restart=True):
+        server = FollowerServer(
+            config, shard=shard, address=address, token=token, resume=resume, model=model, recovering=recovering
+        )
+        stopped = False
+        try:
+            port = server.start()
+            logger.info("parameter-server shard %d of %d listening on port %d", shard, config.system.num_servers, port)
+            if on_listening is not None:
+                on_listening(port)
+            if recovering:
+                _go_back_with_shard_0(config, server)
+            wait(server.core.run_over)
+            stopped = True
+            return server.stop()
+        finally:
+            if not stopped:
+                server.stop()
 
 
 def _go_back_with_shard_0(config: Config, server) -> None:
