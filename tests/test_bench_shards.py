@@ -64,6 +64,32 @@ def test_the_netns_section_says_why_it_did_not_run_and_holds_no_figure(monkeypat
     assert netns.bench_shards_netns(50)["skipped"] == "needs iproute2 (tc not found)"
 
 
+def test_a_runs_traces_are_kept_per_side_and_role(tmp_path):
+    """--netns-trace-dir: each process's trace of a real run (``ROLE/logs/...``) and of its virtual run
+    (``virtual/logs/ROLE/``) is copied to ``real/ROLE/`` and ``virtual/ROLE/``; nothing else is."""
+    run = tmp_path / "run"
+    written = [
+        "server_0/logs/server/trace.json",
+        "server_1/logs/server_1/trace.json",
+        "worker_1/logs/worker_1/trace.json",
+        "virtual/logs/server/trace.json",
+        "virtual/logs/worker_0/trace.json",
+        "server_0/logs/server/events.jsonl",
+    ]
+    for path in written:
+        (run / path).parent.mkdir(parents=True, exist_ok=True)
+        (run / path).write_text(path)
+    netns._keep_traces(run, tmp_path / "kept")
+    kept = {str(p.relative_to(tmp_path / "kept")): p.read_text() for p in (tmp_path / "kept").rglob("*") if p.is_file()}
+    assert kept == {
+        "real/server_0/trace.json": written[0],
+        "real/server_1/trace.json": written[1],
+        "real/worker_1/trace.json": written[2],
+        "virtual/server/trace.json": written[3],
+        "virtual/worker_0/trace.json": written[4],
+    }
+
+
 def test_the_suite_tables_both_shard_figures_beside_their_references():
     shards = {
         "transport": "tcp",
