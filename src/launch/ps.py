@@ -222,8 +222,9 @@ def run_follower(
     from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()
-    trace = Path(config.system.log_dir) / f"server_{shard}" / tracing.TRACE_FILE  # one started again: trace.1.json
-    with tracing.trace_to(trace, f"server shard {shard}", enabled=config.system.trace, restart=True):
+    trace = Path(config.system.log_dir) / f"server_{shard}" / tracing.TRACE_FILE
+    again = resume is not None or recovering  # started again: its predecessor's trace is kept (trace.1.json, ...)
+    with tracing.trace_to(trace, f"server shard {shard}", enabled=config.system.trace, restart=again):
         server = FollowerServer(
             config, shard=shard, address=address, token=token, resume=resume, model=model, recovering=recovering
         )
