@@ -125,8 +125,8 @@ class VirtualFollower:
         With ``system.pipelined_replies`` and the worker's connection attached, in pieces of the TCP server's reads,
         each reported as it arrives (the slices step as they come, as on shard 0: :meth:`ServerWire.upload_in_reads
         <src.virtual.server.ServerWire.upload_in_reads>`)."""
-        sink = self.sinks.get(worker.worker_id)
-        if self.core.pipeline is None or sink is None or sink.process != worker.process:
+        sink = self.wire.attached(self.sinks, worker, worker.process)
+        if sink is None:
             self.wire.upload(worker, body, lambda: self._parts(push).add(body), sent)
             return
         self.wire.upload_in_reads(worker, body, lambda: self._parts(push, sink), sent)
@@ -195,8 +195,7 @@ class VirtualFollower:
 
     def _sink_of(self, call: Call) -> VirtualSink | None:
         """The provisional slices' line of ``call``'s connection (``None``: no pipelining, or none yet)."""
-        sink = self.sinks.get(call.worker.worker_id)
-        return sink if sink is not None and sink.process == call.process else None
+        return self.wire.attached(self.sinks, call.worker, call.process)
 
     def _answer(self, call: Call, data, reply: bytes, sink: VirtualSink | None = None) -> None:
         """Send ``reply`` to ``call`` (after ``sink``'s slices, on the same line)."""

@@ -159,6 +159,13 @@ class ServerWire:
             sink = sinks[worker.worker_id] = VirtualSink(partial(self.provisional, worker, process), process)
         return sink
 
+    @staticmethod
+    def attached(sinks: dict[int, VirtualSink], worker: VirtualWorker, process: int) -> VirtualSink | None:
+        """The provisional slices' line of ``worker``'s connection from ``process`` in ``sinks``, if it has one
+        (``None``: no pipelining, none yet, or an earlier process's)."""
+        sink = sinks.get(worker.worker_id)
+        return sink if sink is not None and sink.process == process else None
+
     def reply(self, call: Call, data: bytes, sent: Callable[[], None] | None = None) -> None:
         """Send the server's reply back to the call's worker (delivered if its process still runs); a streamed
         push's in its pieces (:attr:`Call.pieces`), one after another on the link. ``sent``: called when its last
@@ -406,17 +413,21 @@ class VirtualServer:
         the link in pieces of the TCP server's reads (:data:`~src.transport.tcp_frames.RECEIVE_CHUNK_BYTES`), each
         reported as it arrives (:meth:`~src.ps.push_parts.PushParts.progress`), as the real server reads a frame."""
         epoch = self.epoch
-        sink = self.sinks.get(worker.worker_id)
-        if sink is None or sink.process != worker.process or self.core.pipeline is None:
+        sink = self.wire.attached(self.sinks, worker, worker.process)
+
+        def parts() -> PushParts | None:  # None: this server process is gone
+            return self._parts(push, sink) if self.running and epoch == self.epoch else None
+
+        if sink is None:
 
             def arrived() -> None:
-                if self.running and epoch == self.epoch:
-                    self._parts(push).add(body)
+                target = parts()
+                if target is not None:
+                    target.add(body)
 
             self.wire.upload(worker, body, arrived, sent)
             return
-        alive = lambda: self.running and epoch == self.epoch  # noqa: E731
-        self.wire.upload_in_reads(worker, body, lambda: self._parts(push, sink) if alive() else None, sent)
+        self.wire.upload_in_reads(worker, body, parts, sent)
 
     def _parts(self, push: Hashable, sink: VirtualSink | None = None) -> PushParts:
         if push not in self.parts:
@@ -499,8 +510,7 @@ class VirtualServer:
 
     def _sink_of(self, call: Call) -> VirtualSink | None:
         """The provisional slices' line of ``call``'s connection (``None``: no pipelining, or none yet)."""
-        sink = self.sinks.get(call.worker.worker_id) if self.core.pipeline is not None else None
-        return sink if sink is not None and sink.process == call.process else None
+        return self.wire.attached(self.sinks, call.worker, call.process)
 
     def serve_push(self, call: Call, data: bytes) -> None:
         """A push takes ``server_update_s`` of the server's time (a sharded run's held push: this shard's share; its
