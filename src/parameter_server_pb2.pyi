@@ -215,7 +215,7 @@ class ShardStaleness(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control", "certificate", "provisional")
+    __slots__ = ("accepted", "reason", "version", "staleness", "weight", "parameters", "buffers", "parameter_deltas", "work", "control", "certificate", "provisional", "rolled_back")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class PushReply(_message.Message):
     CONTROL_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     PROVISIONAL_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     version: int
@@ -240,7 +241,8 @@ class PushReply(_message.Message):
     control: Control
     certificate: bytes
     provisional: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., parameter_deltas: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., certificate: _Optional[bytes] = ..., provisional: _Optional[_Iterable[int]] = ...) -> None: ...
+    rolled_back: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., parameters: _Optional[_Iterable[bytes]] = ..., buffers: _Optional[_Iterable[bytes]] = ..., parameter_deltas: _Optional[_Iterable[bytes]] = ..., work: _Optional[_Union[Work, _Mapping]] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., certificate: _Optional[bytes] = ..., provisional: _Optional[_Iterable[int]] = ..., rolled_back: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("samples", "steps", "bytes_sent", "bytes_received", "gradient_time_s", "compression_time_s", "communication_time_s", "total_time_s", "train_loss", "train_accuracy", "pushes_rejected", "payload_bytes", "dense_bytes", "emulated_delay_s")

@@ -1,6 +1,7 @@
 """Async pushes across shards (src/ps/shard_async.py) between the real cores, in one process: each shard judges a
-push's staleness against its own version, a push is applied on every shard or on none, in shard 0's order, and the
-followers apply the pushes of a worker that died after its commit.
+push's staleness against its own version, a push is applied on the shards that find it fresh enough and rolled back
+on the others (its residual there too), in shard 0's order, and the followers apply the pushes of a worker that died
+after its commit.
 
 The messages are the protocol's own bytes (serialized and split as a transport does), built by the workers' own
 code (src/ps/shard_step.py); the runs of real shard processes are in tests/test_shard_server.py and
@@ -143,10 +144,29 @@ class AsyncRun:
         return acks[1:]
 
     def commit(self, w: int) -> pb.PushReply:
-        """Commit ``w``'s held push to shard 0; its verdict (the reply's parameters wait for :meth:`pull`)."""
+        """Commit ``w``'s held push to shard 0; its verdict (the reply's parameters wait for :meth:`pull`), settled on
+        ``w``'s residuals shard by shard as a worker settles it (:func:`src.ps.shard_step.applied_on`)."""
         _, request = self.pending[w]
         commit = _message(shard_step.commit(request, self.acks[w], self.versions[w][0], "async"))
-        return self._push_to_core(w, commit)
+        verdict = self._push_to_core(w, commit)
+        sharded = ShardedPushCodec(self.placement, self.codecs[w])
+        for shard in range(self.shards):
+            sharded.settle(shard, accepted=shard_step.applied_on(verdict, shard))
+        return verdict
+
+    def residuals(self, w: int, shard: int) -> list[torch.Tensor]:
+        """``w``'s error-feedback residuals of shard ``shard``'s slices (zeros where none)."""
+        feedback = self.codecs[w].feedback
+        out = []
+        for piece in self.placement.on_shard(shard):
+            residual = feedback.residual(piece.key)
+            out.append(torch.zeros(piece.stop - piece.start) if residual is None else residual.reshape(-1))
+        return out
+
+    def slices(self, shard: int) -> list[torch.Tensor]:
+        """Shard ``shard``'s parameters now (copies)."""
+        state = self.core.state if shard == 0 else self.followers[shard - 1].state
+        return [p.detach().clone().reshape(-1) for p in state.params]
 
     def push(self, w: int) -> pb.PushReply:
         """Unsharded: push ``w``'s pending gradient and load the reply."""
@@ -260,35 +280,96 @@ def test_async_over_shards_is_async_on_one_server_push_for_push(tmp_path):
     one.close()
 
 
-def test_each_shard_judges_its_own_staleness_and_a_push_one_rejects_is_applied_on_none(tmp_path):
-    """Worker 0 pulls shard 0 after worker 1's commit but its follower before (the follower lags), so shard 0
-    counts 0 versions of staleness and the follower 1. With max_staleness 0 (set on shard 0 as the controller sets
-    it; the config says 8), shard 0 judges the follower's staleness too and rejects the push, naming the shard, and
-    no shard applies it; with the soft policy each shard weighs it by its own staleness."""
-    run = AsyncRun(_config(tmp_path / "hard", policy="hard", max_staleness=8), _model(), 2)
-    control = run.core.control  # the bound as the adaptive controller moves it: on shard 0 only
-    control.staleness_policy = control.staleness_policy.with_max_staleness(0)
-    run.compute(1)
-    run.hold(1)
-    run.commit(1)  # version 1 on shard 0; worker 1 has not pulled, so the follower is at 0
-    run.pull_shard_0(0)
-    run._pull_follower(0, 1, b"")
-    assert run.versions[0] == [1, 0]
-    run.pull(1)  # worker 1's window brings the follower to version 1
+def _stale_on(run: AsyncRun, shard: int) -> None:
+    """Leave worker 0's next push one version stale on ``shard`` and fresh on the other (2 shards, worker 1 commits a
+    push first). Shard 1: worker 0 pulls shard 0 after worker 1's commit but its follower before (the follower lags),
+    then worker 1's pull brings the follower up. Shard 0: worker 0 has pulled both before worker 1's commit, and the
+    follower has not moved when worker 0's hold comes."""
+    if shard == 1:
+        run.compute(1)
+        run.hold(1)
+        run.commit(1)  # version 1 on shard 0; worker 1 has not pulled, so the follower is at 0
+        run.pull_shard_0(0)
+        run._pull_follower(0, 1, b"")
+        assert run.versions[0] == [1, 0]
+        run.pull(1)  # worker 1's window brings the follower to version 1
+    else:
+        run.compute(1)
+        run.hold(1)
+        run.commit(1)  # version 1 on shard 0 only: worker 0 computes on version 0 of both
     run.compute(0)
+    staleness = [0, 0]
+    staleness[shard] = 1
     (held,) = run.hold(0)
-    assert held.accepted and held.staleness == 1  # the follower holds it and says its staleness; shard 0 judges
+    assert held.accepted and held.staleness == staleness[1]  # the follower holds it and says its staleness
+
+
+def test_a_push_one_shard_finds_too_stale_is_rolled_back_there_only_and_its_residual_goes_with_the_next(tmp_path):
+    """Per-slice Residual Rollback. With max_staleness 0 (set on shard 0 as the controller sets it; the config says
+    8), worker 0's push is one version stale on one shard and fresh on the other. Shard 0 judges both: the push is
+    applied where it is fresh, and rolled back where it is too stale (the version passes there, nothing changes).
+    The worker rolls back that shard's residual only: it holds the whole gradient of those slices, and the next push
+    sends it there; the other shard's residual is committed. Every shard holds the same versions of the same pushes,
+    and the push's batches are done."""
+    for stale in (1, 0):
+        run = AsyncRun(_config(tmp_path / f"hard{stale}", policy="hard", max_staleness=8), _model(), 2)
+        control = run.core.control  # the bound as the adaptive controller moves it: on shard 0 only
+        control.staleness_policy = control.staleness_policy.with_max_staleness(0)
+        _stale_on(run, stale)
+        fresh = 1 - stale
+        batches = [b.batch_id for b in run.work[0]]
+        before = [run.slices(k) for k in range(2)]
+        verdict = run.commit(0)
+        run.pull(0)
+        assert verdict.accepted and list(verdict.rolled_back) == [stale], verdict
+        assert verdict.reason == f"rolled back by the staleness policy on shard {stale}: staleness 1 > max_staleness 0"
+        assert run.core.version == run.followers[0].version == 2
+        assert all(torch.equal(a, b) for a, b in zip(run.slices(stale), before[stale])), "the version passes there"
+        assert not all(torch.equal(a, b) for a, b in zip(run.slices(fresh), before[fresh])), "applied here"
+        gradients, _ = run.pending[0]
+        rolled = dict(gradients)  # worker 0's gradient of the push, whole tensors
+        expected = [rolled[p.name].reshape(-1)[p.start : p.stop] for p in run.placement.on_shard(stale)]
+        for residual, gradient in zip(run.residuals(0, stale), expected):
+            torch.testing.assert_close(residual, gradient, rtol=0, atol=0)  # identity: all of it, back
+        assert all(not r.any() for r in run.residuals(0, fresh)), "sent and applied: nothing kept"
+        assert not set(batches) & {b.batch_id for b in run.work[0]}, "applied: its batches are done"
+        push = next(e for e in run.events(0) if e["kind"] == "push" and e["worker"] == 0)
+        assert push["accepted"] and push["rolled_back"] == [stale]
+        assert push["shard_staleness"] == [int(stale == 0), int(stale == 1)]
+        chain = decode_chain(verdict.certificate)  # the followers learn it from shard 0's signed word
+        assert [(c.version, c.rolled_back) for c in chain] == [(1, ()), (2, (stale,))]
+        update = [e for e in run.events(stale) if e["kind"] == "update"][-1]
+        assert update["version"] == 2 and update.get("rolled_back") is True
+        audit = check_shards(run.events(0), {1: run.events(1)})
+        assert audit["ok"] and audit["versions"] == 2, audit
+        assert run.core.totals.counters["slices_rolled_back"] == 1
+        run.compute(0)
+        assert run.step(0).accepted and run.core.version == run.followers[0].version == 3
+        assert all(not r.any() for k in range(2) for r in run.residuals(0, k)), "the rolled-back gradient went out"
+        run.close()
+
+
+def test_a_push_every_shard_finds_too_stale_is_applied_on_none_and_its_batches_stay(tmp_path):
+    """Stale on both shards: no shard applies it, the worker rolls back every residual and carries its batches."""
+    run = AsyncRun(_config(tmp_path / "hard", policy="hard", max_staleness=0), _model(), 2)
+    run.compute(0)
+    run.step(1)  # worker 0 computed on version 0 of both shards, which are now at 1
+    run.hold(0)
+    batches = [b.batch_id for b in run.work[0]]
     verdict = run.commit(0)
-    assert not verdict.accepted and verdict.staleness == 0  # shard 0 judged its own: 0 versions
-    assert verdict.reason == "rejected by the staleness policy: shard 1: staleness 1 > max_staleness 0"
+    assert not verdict.accepted and not verdict.rolled_back and verdict.staleness == 1
+    assert verdict.reason == "rejected by the staleness policy: staleness 1 > max_staleness 0"
     assert run.core.version == run.followers[0].version == 1, "applied on no shard"
-    assert [c.version for c in decode_chain(verdict.certificate)] == [1]
+    assert [b.batch_id for b in run.work[0]][: len(batches)] == batches, "its batches stay with it"
+    assert all(r.any() for k in range(2) for r in run.residuals(0, k)), "every residual rolled back"
     run.pull(0)
     run.compute(0)
-    assert run.step(0).accepted, "the batches stayed with the worker, and its next push is applied everywhere"
-    assert run.core.version == run.followers[0].version == 2
+    assert run.step(0).accepted and run.core.version == run.followers[0].version == 2
     run.close()
 
+
+def test_each_shard_weighs_a_push_by_its_own_staleness(tmp_path):
+    """With the soft policy each shard weighs a push by the staleness it counted."""
     run = AsyncRun(_config(tmp_path / "soft", policy="soft", beta=0.5), _model(), 2)
     run.step(0)
     run.compute(0)

@@ -155,7 +155,7 @@ def test_a_shard_killed_from_outside_and_a_killed_worker_are_survived(tmp_path, 
 
 
 def test_async_a_shard_killed_from_outside_and_a_killed_worker_are_survived(tmp_path, expected_async):
-    """The same in async (each push a version, applied on every shard or on none, in shard 0's order): every
+    """The same in async (each push a version on every shard, in shard 0's order): every
     follower's history is shard 0's, and coverage stays exact on every shard."""
     kill_follower_and_worker(tmp_path, expected_async, accuracy=ASYNC_ACCURACY, emulation__step_delay_s=0.05, **ASYNC)
 

@@ -15,7 +15,7 @@ from src.config import Config
 from src.ps.aggregation import Contribution, ModelState
 from src.ps.shard_model import model_placement, shard_module, trainable, whole_state
 from src.ps.shard_push import shard_gradients
-from src.ps.shard_rounds import FollowerRounds, ForgedCertificate, ShardBehind, certify
+from src.ps.shard_rounds import FollowerRounds, ForgedCertificate, RoundCertificate, ShardBehind, certify
 from src.ps.staleness import server_optimizer
 
 KEY = session_key(b"the run's token")
@@ -107,12 +107,23 @@ def test_a_forged_or_tampered_certificate_is_refused_and_changes_nothing():
         certify(session_key(b"not the run's token"), 1, [(0, 7)], 0.1),
         replace(genuine, learning_rate=0.2),
         replace(genuine, contributors=((0, 7), (1, 8))),
+        replace(genuine, rolled_back=(1,)),  # an async push's rollbacks are shard 0's word too
         replace(genuine, tag=b""),
     ):
         with pytest.raises(ForgedCertificate):
             follower.apply(forged)
     assert part.version == 0 and all(torch.equal(p, b) for p, b in zip(part.params, before))
     assert follower.apply(genuine) and part.version == 1
+
+
+def test_a_certificate_on_the_wire_is_the_certificate_rolled_back_shards_and_all():
+    for rolled_back in ((), (0,), (1, 3)):
+        certificate = certify(KEY, 5, [(2, 9), (0, 4)], 0.05, rolled_back)
+        assert RoundCertificate.decode(certificate.encode()) == certificate
+        assert certificate.contributors == ((0, 4), (2, 9)) and certificate.rolled_back == rolled_back
+    for malformed in (b"", certify(KEY, 5, [(0, 4)], 0.05, (1, 2)).encode()[:-3]):
+        with pytest.raises(ForgedCertificate, match="malformed"):
+            RoundCertificate.decode(malformed)
 
 
 def test_a_follower_that_lacks_a_certified_push_or_a_version_says_it_is_behind():

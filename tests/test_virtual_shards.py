@@ -3,9 +3,10 @@
 Claims: the network rates transfers that cross several links max-min fairly (and is the server NIC's fair share
 where a transfer crosses one shared link); each shard takes its byte share of the server's times; a virtual run with
 2 shards trains as the virtual run with one server does (the same cores, the protocol's bytes), every shard holding
-every version of the same pushes, and runs the same twice; with the server NICs the bottleneck, 2 shards halve the
-step and the step is the BytePS formula's; with compute the bottleneck, the step stays; what is not built for shards
-(faults, resume) is refused in one line, and the runner takes ``--servers`` with ``--clock virtual``.
+every version of the same pushes, and runs the same twice; in async a push too stale on one shard is rolled back
+there alone; with the server NICs the bottleneck, 2 shards halve the step and the step is the BytePS formula's; with
+compute the bottleneck, the step stays; what is not built for shards (faults, resume) is refused in one line, and
+the runner takes ``--servers`` with ``--clock virtual``.
 """
 
 from __future__ import annotations
@@ -197,6 +198,39 @@ def test_async_over_two_virtual_shards_every_shard_alike_and_the_same_twice(tmp_
     assert stale and all(e["weight"] == pytest.approx(1 / (1 + 0.5 * e["staleness"])) for e in stale)
     for key in ("versions", "final_accuracy", "final_loss", "max_staleness", "train_time_s"):
         assert first[key] == second[key], key
+
+
+def test_async_a_push_too_stale_on_one_shard_is_rolled_back_there_alone_and_coverage_stays_exact(tmp_path):
+    """Rollback per slice in a whole run (3 workers, one twice as slow, max_staleness 0): shard 0 judges every
+    shard's staleness, and pushes too stale on shard 0 alone, on the follower alone, and on both occur. The first two
+    are applied on the other shard and pass the version unchanged on that one (the follower's update event says so,
+    weight 0); the last are rejected whole. Every version is the same push on both shards, and every sample is in
+    exactly one applied update."""
+    config = config_of(
+        tmp_path,
+        "a",
+        2,
+        system__aggregation_mode="async",
+        system__num_workers=3,
+        system__staleness_policy="hard",
+        system__max_staleness=0,
+        emulation__workers={2: {"slowdown": 2.0}},
+        training__momentum=0.9,
+        **COSTS,
+    )
+    summary = run_virtual(config, tensorboard=False)
+    pushes = events(config, "server", "push")
+    rolled = [tuple(e["rolled_back"]) for e in pushes if e.get("rolled_back")]
+    assert set(rolled) == {(0,), (1,)} and all(e["accepted"] for e in pushes if e.get("rolled_back"))
+    assert summary["slices_rolled_back"] == len(rolled) and summary["pushes_rejected"] > 0
+    assert summary["pushes_applied"] == summary["versions"] == sum(1 for e in pushes if e["accepted"])
+    updates = {e["version"]: e for e in events(config, "server_1", "update")}
+    passed = [v for v, e in updates.items() if e.get("rolled_back")]
+    assert len(passed) == rolled.count((1,)) and all(updates[v]["weight"] == 0.0 for v in passed)
+    assert len([e for e in events(config, "server", "update") if e.get("rolled_back")]) == rolled.count((0,))
+    server = events(config, "server")
+    assert check_shards(server, {1: events(config, "server_1")})["ok"]
+    assert summary["samples_processed"] == SAMPLES and check_coverage(server, SAMPLES, 1)["ok"]
 
 
 @pytest.fixture(scope="module")

@@ -157,6 +157,12 @@ class ModelState:
         self._revision += 1
         self.forgotten.clear()
 
+    def pass_version(self) -> None:
+        """Version + 1 with nothing changed: an async push applied on other shards and rolled back on this one (its
+        staleness here was over the bound; :mod:`src.ps.shard_async`)."""
+        self.version += 1
+        self.forgotten.clear()
+
     def average(self, contributions: list[Contribution]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sample-weighted mean of the gradients and buffers of ``contributions`` (none may be empty)."""
         if len(contributions) == 1:  # the weighted average of one gradient is that gradient

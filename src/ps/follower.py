@@ -115,7 +115,7 @@ class FollowerCore:
         whose workers are guessed from the last certificate (see :meth:`_open_round`)."""
         if config.system.pipelined_replies and not self.asynchronous:
             self.pipeline = SlicePipeline(self.model.state, slice_elements_of(config.system.pipeline_slice_bytes))
-        self.pushes = FollowerAsync(self.model.state, key, StalenessPolicy.from_config(config.system))
+        self.pushes = FollowerAsync(self.model.state, key, StalenessPolicy.from_config(config.system), shard)
         self.sessions = ShardSessions(SessionSigner(key), config.system.num_workers)
         self.checkpoint_dir = shard_checkpoint_dir(config.system.checkpoint_dir, shard)
         self.load = pb.ShardLoad()
@@ -304,6 +304,7 @@ class FollowerCore:
             requests=[list(pair) for pair in certificate.contributors],
             learning_rate=certificate.learning_rate,
             **({"weight": weight} if self.asynchronous else {}),
+            **({"rolled_back": True} if self.shard in certificate.rolled_back else {}),
         )
         if self.version % self.config.training.checkpoint_interval == 0:
             self._checkpoint()  # before the next version: at the versions shard 0 writes its own

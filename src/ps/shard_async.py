@@ -1,5 +1,6 @@
-"""Async pushes across parameter-server shards: each shard judges a push's staleness against its own version, and
-a push is applied on every shard or on none, in the same order everywhere.
+"""Async pushes across parameter-server shards: each shard judges a push's staleness against its own version, a
+push is applied on every shard whose staleness is within the bound and rolled back on the others (ps-lite's per-key
+apply), and every version passes on every shard in the same order.
 
 A worker's async step over ``S`` shards takes the sync protocol's three calls (:mod:`src.ps.shard_rounds`), each
 to every shard at once:
@@ -10,28 +11,39 @@ to every shard at once:
    (``PushReply.staleness``). Shard 0 holds its slices.
 2. **Commit.** The worker commits to shard 0 with every follower's staleness (``PushRequest.shard_staleness``).
    Shard 0 judges every shard's staleness, its own too, with the run's staleness policy as it stands (the
-   adaptive controller may have moved its bound); if every shard's is accepted, it applies its slices with its
-   weight, and the new version's certificate (one push, its rate) joins a window of the newest
-   :data:`WINDOW_PER_WORKER` x workers certificates (:class:`AppliedWindow`). If one shard's is rejected, no shard
-   applies it: the worker rolls its whole push back into its error feedback and the push's batches stay with it,
-   as an unsharded server's rejection does. Its reply carries the window (:func:`encode_chain`).
+   adaptive controller may have moved its bound).
+   * **Every shard accepts:** shard 0 applies its slices with its weight, and the new version's certificate (one
+     push, its rate) joins a window of the newest :data:`WINDOW_PER_WORKER` x workers certificates
+     (:class:`AppliedWindow`).
+   * **Some shards reject, some accept:** the push is applied, and the shards that rejected it *roll it back*.
+     The certificate names them (``RoundCertificate.rolled_back``), and there the version passes without changing
+     anything (:meth:`~src.ps.aggregation.ModelState.pass_version`); the reply names them too
+     (``PushReply.rolled_back``), and the worker rolls back only those shards' residuals
+     (:func:`src.ps.shard_step.applied_on`): their compensated gradient goes back into the error feedback, so it
+     travels with the worker's next push to those shards (the spec's Residual Rollback, per slice). The push's
+     batches are done, as with any applied push.
+   * **Every shard rejects:** no shard applies it: the worker rolls its whole push back into its error feedback
+     and the push's batches stay with it, as an unsharded server's rejection does.
+
+   Its reply carries the window (:func:`encode_chain`).
 3. **Pull.** The worker pulls every shard, each follower's pull carrying the window. A follower applies the
-   certified pushes it has not applied, in shard 0's order, each with the weight it judged (:meth:`FollowerAsync.
-   apply`). Every reply's window reaches every follower with the pulls of the worker that got it, so a follower
-   is never more than a few versions behind shard 0, and a push whose worker died after its commit reaches the
-   followers with the next worker's pulls.
+   certified pushes it has not applied, in shard 0's order, each with the weight it judged, or passes the version
+   where the certificate says it rolled the push back (:meth:`FollowerAsync.apply`). Every reply's window reaches
+   every follower with the pulls of the worker that got it, so a follower is never more than a few versions
+   behind shard 0, and a push whose worker died after its commit reaches the followers with the next worker's
+   pulls.
 
 With the lookahead correction (``system.async_correction``), shard 0 drops a worker's momentum when the worker
 leaves (it failed, or finished): a certificate at the current version naming the workers with request id
 :data:`FORGET` (0) joins the window then, and shard 0's Pull replies carry the window too, so a follower drops it
 at the same point, before it answers the pull of the worker that registers again.
 
-Why "on every shard or on none" rather than a rejection per slice (ps-lite's per-key apply): a push applied on one
-shard and rolled back on another leaves its samples applied on some shards only; a worker that then dies holds
-batches the run would have to hand out again for some shards only. All-or-nothing keeps the invariant of every
-unsharded run, every sample index of every epoch in exactly one applied update, on every shard, with one work
-plan. Each shard still weighs a push by its own staleness (``staleness_policy: soft``), and its bound applies to
-each shard's staleness (``hard``).
+Why a rolled-back slice keeps the invariant of every unsharded run, every sample index of every epoch in exactly
+one applied update, on every shard, with one work plan: the push is in the version on every shard (the events list
+it on each), and what a shard rolled back is its slices' share of the gradient, which the worker's error feedback
+holds and sends with its next push there, as it holds what top-k leaves out of a push. A worker that dies loses its
+residuals, rolled-back ones included, as it loses what compression kept back. Only a push no shard accepts is
+rejected as a whole: its batches are then carried, since no update holds them.
 
 Why the same order everywhere: version ``v`` of every shard is then made of the same pushes (what
 :func:`src.coordinator.check_shards` audits, as for sync), so the shards of an async run checkpoint at the same
@@ -127,10 +139,12 @@ class FollowerAsync:
         state: the follower's part of the model.
         key: the run's session key (the certificates' signing key).
         policy: the run's staleness policy (``system.staleness_policy``, ``staleness_beta``, ``max_staleness``).
+        shard: this follower's shard (a certificate that names it among ``rolled_back`` passes the version here).
     """
 
-    def __init__(self, state: ModelState, key: bytes, policy: StalenessPolicy):
+    def __init__(self, state: ModelState, key: bytes, policy: StalenessPolicy, shard: int):
         self.state = state
+        self.shard = shard
         self._key = key
         self._weights = policy.with_max_staleness(UNBOUNDED)  # the weight only: shard 0 judges the bound
         self.held: dict[int, OrderedDict[int, tuple[Contribution, float]]] = {}
@@ -165,7 +179,8 @@ class FollowerAsync:
         on_version: Callable[[RoundCertificate, float], None] = lambda certificate, weight: None,
         on_forget: Callable[[int, int], None] = lambda version, worker: None,
     ) -> list[tuple[RoundCertificate, float]]:
-        """Apply the certified pushes of the chain in ``data`` not applied here yet, in order; each with its weight.
+        """Apply the certified pushes of the chain in ``data`` not applied here yet, in order; each with its weight
+        (0.0, and nothing changes but the version, where a certificate says this shard rolled its push back).
         ``on_version(certificate, weight)`` is called after each, ``on_forget(version, worker)`` after a worker's
         momentum is dropped (a follower's events and checkpoints).
 
@@ -198,7 +213,11 @@ class FollowerAsync:
                 if held.popitem(last=False)[0] == request:
                     break
             self.state.set_learning_rate(certificate.learning_rate)
-            self.state.step(contribution.gradients, contribution.buffers, weight, worker=worker)
+            if self.shard in certificate.rolled_back:  # too stale here: the version passes, the others apply it
+                weight = 0.0
+                self.state.pass_version()
+            else:
+                self.state.step(contribution.gradients, contribution.buffers, weight, worker=worker)
             self._forgotten.clear()
             applied.append((certificate, weight))
             on_version(certificate, weight)

@@ -6,9 +6,9 @@ gradients, in the placement's order); :class:`ShardedPushCodec` encodes each sha
 worker's one :class:`~src.ps.worker_protocol.PushCodec` (so the compression policy, the rounding generator
 and the error feedback are the same objects as unsharded), with the residuals keyed by slice
 (:attr:`~src.ps.placement.Slice.key`): compression and error feedback are per slice, and each shard's verdict
-settles its slices (:meth:`ShardedPushCodec.settle`). Shard 0's verdict is every shard's (a push is applied on
-every shard or on none: :mod:`src.ps.shard_async`), so a rejected push rolls every slice back, and no gradient
-mass is lost on any shard.
+settles its slices (:meth:`ShardedPushCodec.settle`). Shard 0's reply says each shard's verdict (async: a shard
+where the push was too stale rolls it back, the others apply it: :mod:`src.ps.shard_async`), so a shard's
+rolled-back slices go back into their residuals alone, and no gradient mass is lost on any shard.
 
 The way back: :func:`load_shard_reply` puts one shard's reply (its slices, and on shard 0 the buffers) into the
 worker's whole model, so the worker trains on the model as the shards hold it together.

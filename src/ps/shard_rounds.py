@@ -43,7 +43,8 @@ from dataclasses import dataclass, replace
 from src.common.sessions import TAG_BYTES, signature
 from src.ps.aggregation import Contribution, ModelState
 
-_HEAD = struct.Struct(">Qd")  # version, learning rate
+_HEAD = struct.Struct(">QdH")  # version, learning rate, how many shards rolled the version's push back
+_SHARD = struct.Struct(">H")  # a shard that rolled it back
 _CONTRIBUTOR = struct.Struct(">iQ")  # worker id, request id
 
 
@@ -58,17 +59,20 @@ class ForgedCertificate(ValueError):
 @dataclass(frozen=True)
 class RoundCertificate:
     """Shard 0's word on sync version ``version``: applied from ``contributors`` ((worker id, request id), by
-    worker id) at ``learning_rate``; ``tag`` signs the rest."""
+    worker id) at ``learning_rate``; ``tag`` signs the rest. ``rolled_back`` (async only): the shards whose staleness
+    was over the bound, where the version passes without changing anything (:mod:`src.ps.shard_async`)."""
 
     version: int
     contributors: tuple[tuple[int, int], ...]
     learning_rate: float
     tag: bytes = b""
+    rolled_back: tuple[int, ...] = ()
 
     def body(self) -> bytes:
-        """The signed bytes: version, rate, then each contributor."""
-        head = _HEAD.pack(self.version, self.learning_rate)
-        return head + b"".join(_CONTRIBUTOR.pack(worker, request) for worker, request in self.contributors)
+        """The signed bytes: version, rate, the shards that rolled it back, then each contributor."""
+        head = _HEAD.pack(self.version, self.learning_rate, len(self.rolled_back))
+        shards = b"".join(_SHARD.pack(shard) for shard in self.rolled_back)
+        return head + shards + b"".join(_CONTRIBUTOR.pack(worker, request) for worker, request in self.contributors)
 
     def encode(self) -> bytes:
         """The certificate on the wire (``PushReply.certificate``, ``PullRequest.certificate``): body, then tag."""
@@ -81,25 +85,36 @@ class RoundCertificate:
         Raises:
             ForgedCertificate: ``data`` is not a certificate's length.
         """
-        count, rest = divmod(len(data) - _HEAD.size - TAG_BYTES, _CONTRIBUTOR.size)
+        if len(data) < _HEAD.size + TAG_BYTES:
+            raise ForgedCertificate(f"a round certificate of {len(data)} bytes is malformed")
+        version, learning_rate, rolled = _HEAD.unpack_from(data)
+        start = _HEAD.size + rolled * _SHARD.size
+        count, rest = divmod(len(data) - start - TAG_BYTES, _CONTRIBUTOR.size)
         if count < 1 or rest:
             raise ForgedCertificate(f"a round certificate of {len(data)} bytes is malformed")
-        version, learning_rate = _HEAD.unpack_from(data)
-        contributors = tuple(_CONTRIBUTOR.unpack_from(data, _HEAD.size + i * _CONTRIBUTOR.size) for i in range(count))
-        return cls(version, contributors, learning_rate, bytes(data[len(data) - TAG_BYTES :]))
+        shards = tuple(_SHARD.unpack_from(data, _HEAD.size + i * _SHARD.size)[0] for i in range(rolled))
+        contributors = tuple(_CONTRIBUTOR.unpack_from(data, start + i * _CONTRIBUTOR.size) for i in range(count))
+        return cls(version, contributors, learning_rate, bytes(data[len(data) - TAG_BYTES :]), shards)
 
 
-def certify(key: bytes, version: int, contributors: list[tuple[int, int]], learning_rate: float) -> RoundCertificate:
+def certify(
+    key: bytes,
+    version: int,
+    contributors: list[tuple[int, int]],
+    learning_rate: float,
+    rolled_back: tuple[int, ...] = (),
+) -> RoundCertificate:
     """Shard 0's signed certificate of ``version`` (contributors sorted by worker id; at least one: a barrier that
-    every worker left applies nothing, so it has no certificate)."""
+    every worker left applies nothing, so it has no certificate); ``rolled_back``: the shards where its async push
+    is not applied."""
     if not contributors:
         raise ValueError(f"version {version}: a certificate needs at least one contributor")
-    unsigned = RoundCertificate(version, tuple(sorted(contributors)), float(learning_rate))
+    unsigned = RoundCertificate(version, tuple(sorted(contributors)), float(learning_rate), b"", tuple(rolled_back))
     return replace(unsigned, tag=_tag(key, unsigned))
 
 
 def _tag(key: bytes, certificate: RoundCertificate) -> bytes:
-    return signature(key, b"dts round v1", certificate.body())
+    return signature(key, b"dts round v2", certificate.body())
 
 
 def check_signature(key: bytes, certificate: RoundCertificate) -> None:

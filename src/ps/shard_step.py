@@ -8,7 +8,8 @@ send is built here, once:
 * :func:`holds`: the push's hold to each shard, each based on the version of that shard's slices the worker
   holds (sync: all the same; async: each shard's own, which is what the shard's staleness is counted from);
 * :func:`commit`: the tensor-free commit to shard 0, which in async carries the followers' staleness;
-* :func:`shards_apart`: whether the slices the pulls brought can be trained on together.
+* :func:`shards_apart`: whether the slices the pulls brought can be trained on together;
+* :func:`applied_on`: whether a shard applied the push (its residuals are committed) or rolled it back.
 
 Pure: no I/O.
 """
@@ -53,3 +54,10 @@ def shards_apart(versions: Sequence[int], version: int, mode: str) -> bool:
     if mode == "async":
         return any(v < version for v in versions)
     return any(v != version for v in versions)
+
+
+def applied_on(reply: pb.PushReply, shard: int) -> bool:
+    """Whether shard ``shard`` applied the push that ``reply`` (shard 0's commit reply) answers: it was accepted, and
+    not rolled back there (async: a shard where its staleness was over the bound rolls its slices back, and the
+    worker rolls back their residuals, while the others apply theirs: :mod:`src.ps.shard_async`)."""
+    return reply.accepted and shard not in reply.rolled_back

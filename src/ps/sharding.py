@@ -6,7 +6,8 @@ alone (:mod:`src.common.sessions`), takes a worker's push in two calls (held, th
 holds its slices) and signs a certificate of each sync version for the followers
 (:mod:`src.ps.shard_rounds`). :class:`Sharding` is that role's settings and checks; the core calls it.
 
-Async pushes are applied on every shard or on none, in shard 0's order (:mod:`src.ps.shard_async`).
+Async pushes are applied on the shards that accept their staleness and rolled back on the others, in shard 0's
+order (:mod:`src.ps.shard_async`).
 
 What a sharded run does not do yet (:meth:`Sharding.refusal` says which, in one line): a model that a worker
 brings (Initialize), evaluation on the server (shard 0 holds a part of the model), downlink compression.
@@ -59,9 +60,12 @@ class Sharding:
         """Shard 0's part of ``model``."""
         return shard_module(model, self.placement, 0)
 
-    def certify(self, version: int, pushes: list[tuple[int, int]], learning_rate: float) -> RoundCertificate:
-        """The signed certificate of sync version ``version``."""
-        return certify(self.key, version, pushes, learning_rate)
+    def certify(
+        self, version: int, pushes: list[tuple[int, int]], learning_rate: float, rolled_back: tuple[int, ...] = ()
+    ) -> RoundCertificate:
+        """The signed certificate of version ``version`` (async: ``rolled_back``, the shards its push is not
+        applied on)."""
+        return certify(self.key, version, pushes, learning_rate, rolled_back)
 
     @staticmethod
     def check_push(sharding: Sharding | None, request: pb.PushRequest) -> None:

@@ -147,6 +147,7 @@ class RunTotals:
             "versions": versions,
             "pushes_applied": self.counters["pushes_applied"],
             "pushes_rejected": self.counters["pushes_rejected"],
+            "slices_rolled_back": self.counters["slices_rolled_back"],
             "pushes_refused": self.counters["pushes_refused"],
             "staleness_histogram": {str(k): v for k, v in histogram.items()},
             "mean_staleness": sum(k * v for k, v in histogram.items()) / judged if judged else 0.0,

@@ -252,24 +252,27 @@ class Updates:
         self.totals.staleness_histogram[staleness] += 1
         policy = self.control.staleness_policy
         weight, reason = policy.verdict(staleness)
-        shards = {}
-        if request.commit:  # a sharded server: every shard's staleness judged here; applied on all shards or none
+        shards, rolled_back = {}, ()
+        if request.commit:  # a sharded server: every shard's staleness judged here, each shard's verdict its own
             shards = {entry.shard: entry.staleness for entry in request.shard_staleness}
-            judged = [(k, *policy.verdict(tau)) for k, tau in sorted(shards.items())]
-            refusals = [(k, why) for k, shard_weight, why in judged if shard_weight is None]
-            if weight is not None and refusals:
-                weight, reason = None, f"shard {refusals[0][0]}: {refusals[0][1]}"
+            verdicts = {0: (weight, reason), **{k: policy.verdict(tau) for k, tau in shards.items()}}
+            refusals = [(k, why) for k, (shard_weight, why) in sorted(verdicts.items()) if shard_weight is None]
+            if refusals and len(refusals) < len(verdicts):  # applied where accepted, rolled back on the others
+                rolled_back = tuple(k for k, _ in refusals)
+                reason = "; ".join(f"shard {k}: {why}" for k, why in refusals)
+        accepted = weight is not None or bool(rolled_back)
         self._log_push(
             member,
             request,
             contribution,
             staleness=staleness,
-            weight=weight,
-            accepted=weight is not None,
+            weight=weight if weight is not None else (0.0 if accepted else None),
+            accepted=accepted,
             reason=reason,
             **({"shard_staleness": [staleness, *(shards[k] for k in sorted(shards))]} if shards else {}),
+            **({"rolled_back": list(rolled_back)} if rolled_back else {}),
         )
-        if weight is None:
+        if not accepted:
             self.totals.counters["pushes_rejected"] += 1
             return pb.PushReply(
                 accepted=False, staleness=staleness, weight=0.0, reason=f"rejected by the staleness policy: {reason}"
@@ -277,12 +280,23 @@ class Updates:
         self._set_step_learning_rate([contribution])
         if self._certify is not None:
             self._certify_forgotten()
-        self.state.step(contribution.gradients, contribution.buffers, weight, worker=member.worker_id)
+        if 0 in rolled_back:  # too stale on this shard: the version passes here, the shards that took it apply it
+            self.state.pass_version()
+        else:
+            self.state.step(contribution.gradients, contribution.buffers, weight, worker=member.worker_id)
         if self._certify is not None:  # shard 0 of a sharded server: the followers apply what the window says
             pushes = [(member.worker_id, request.request_id)]
-            self.window.add(self._certify(self.state.version, pushes, self.state.learning_rate))
-        self._applied([contribution])
-        return pb.PushReply(accepted=True, staleness=staleness, weight=weight)
+            self.window.add(self._certify(self.state.version, pushes, self.state.learning_rate, rolled_back))
+        if rolled_back:
+            self.totals.counters["slices_rolled_back"] += len(rolled_back)
+        self._applied([contribution], **({"rolled_back": True} if 0 in rolled_back else {}))
+        return pb.PushReply(
+            accepted=True,
+            staleness=staleness,
+            weight=weight if weight is not None else 0.0,
+            rolled_back=rolled_back,
+            reason=f"rolled back by the staleness policy on {reason}" if rolled_back else "",
+        )
 
     def _skipped(self, member: Member, request: pb.PushRequest) -> pb.PushReply:
         self.totals.counters["steps_skipped"] += 1
@@ -335,8 +349,9 @@ class Updates:
 
     # ------------------------------------------------------------------------- updates
 
-    def _applied(self, contributions: list[Contribution]) -> None:
-        """The update just stepped holds everything its contributors held: bookkeeping, events, then ``on_update``."""
+    def _applied(self, contributions: list[Contribution], **fields: object) -> None:
+        """The update just stepped holds everything its contributors held: bookkeeping, events (``fields`` added to
+        the update's), then ``on_update``."""
         counters = self.totals.counters
         samples, epochs_done = [], []
         samples_before = counters["samples_applied"]
@@ -357,6 +372,7 @@ class Updates:
             samples=samples,
             num_samples=sum(c.num_samples for c in contributions),
             learning_rate=self.state.learning_rate,
+            **fields,
         )
         if all(c.learning_rate is None for c in contributions):
             self.schedule_next_step()

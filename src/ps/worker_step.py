@@ -383,9 +383,9 @@ class WorkerStep:
         ``parameters=False``: the reply's version and control only (its tensors arrive by themselves: a sharded
         server's pulls, a streamed reply)."""
         accepted = reply.message.accepted
-        if self.sharded is not None:  # sync: one verdict for every shard's slices
+        if self.sharded is not None:  # one verdict for every shard's slices, but async a shard's own rollback
             for shard in range(self.placement.num_shards):
-                self.sharded.settle(shard, accepted=accepted)
+                self.sharded.settle(shard, accepted=shard_step.applied_on(reply.message, shard))
         else:
             self.codec.settle(accepted=accepted)
         self.carried = [] if accepted else self.carried + list(batches)

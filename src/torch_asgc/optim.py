@@ -88,6 +88,7 @@ from src.compressors.error_feedback import ErrorFeedback
 from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
 from src.ps.shard_push import ShardedPushCodec
+from src.ps.shard_step import applied_on
 from src.ps.worker_protocol import PushCodec, count_push
 from src.ps.worker_stream import ShardStreams
 from src.training.lr_schedule import is_constant
@@ -573,8 +574,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return accepted
 
     def _push_shards(self, request: pb.PushRequest, per_shard: list[list[bytes]], model) -> bool:
-        """:meth:`_push` to a sharded server (``WorkerClient.push_shards``): one verdict for every shard's slices;
-        returns whether the push was accepted."""
+        """:meth:`_push` to a sharded server (``WorkerClient.push_shards``): one verdict for every shard's slices
+        (async: but a shard's own rollback); returns whether the push was accepted."""
         result = self.client.push_shards(request, per_shard, model.buffer_views(), model.shard_versions)
         return self._settle_shards(result, model)
 
@@ -592,7 +593,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reply, pulled = result
         accepted = reply.message.accepted
         for shard in shards:
-            sharded.settle(shard, accepted=accepted)
+            sharded.settle(shard, accepted=applied_on(reply.message, shard))
         model.load_shards(pulled)
         if model.shards_apart(reply.message.version):  # a shard is starting again: pull again
             model.sync()
