@@ -355,7 +355,7 @@ class StatusReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., aggregation_mode: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., done: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., epochs_done: _Optional[int] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., checkpoints: _Optional[_Iterable[int]] = ..., resume_version: _Optional[int] = ..., instance: _Optional[bytes] = ..., agreed_instances: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
-    __slots__ = ("bytes_in", "bytes_out", "update_s", "slices_sent", "slices_confirmed", "slices_voided", "tensors_omitted")
+    __slots__ = ("bytes_in", "bytes_out", "update_s", "slices_sent", "slices_confirmed", "slices_voided", "tensors_omitted", "rolled_back")
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_S_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +363,7 @@ class ShardLoad(_message.Message):
     SLICES_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     SLICES_VOIDED_FIELD_NUMBER: _ClassVar[int]
     TENSORS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     bytes_in: int
     bytes_out: int
     update_s: float
@@ -370,4 +371,5 @@ class ShardLoad(_message.Message):
     slices_confirmed: int
     slices_voided: int
     tensors_omitted: int
-    def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., update_s: _Optional[float] = ..., slices_sent: _Optional[int] = ..., slices_confirmed: _Optional[int] = ..., slices_voided: _Optional[int] = ..., tensors_omitted: _Optional[int] = ...) -> None: ...
+    rolled_back: int
+    def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., update_s: _Optional[float] = ..., slices_sent: _Optional[int] = ..., slices_confirmed: _Optional[int] = ..., slices_voided: _Optional[int] = ..., tensors_omitted: _Optional[int] = ..., rolled_back: _Optional[int] = ...) -> None: ...

@@ -297,14 +297,17 @@ class FollowerCore:
             self.load.update_s += time.perf_counter() - started
 
     def _applied(self, certificate: RoundCertificate, weight: float) -> None:
-        """The version ``certificate`` names is applied: its event, and a checkpoint at shard 0's versions."""
+        """The version ``certificate`` names is applied (or passed: rolled back here): its event, and a checkpoint at
+        shard 0's versions."""
+        rolled_back = self.shard in certificate.rolled_back
+        self.load.rolled_back += rolled_back
         self.log.event(
             "update",
             version=self.version,
             requests=[list(pair) for pair in certificate.contributors],
             learning_rate=certificate.learning_rate,
             **({"weight": weight} if self.asynchronous else {}),
-            **({"rolled_back": True} if self.shard in certificate.rolled_back else {}),
+            **({"rolled_back": True} if rolled_back else {}),
         )
         if self.version % self.config.training.checkpoint_interval == 0:
             self._checkpoint()  # before the next version: at the versions shard 0 writes its own

@@ -22,6 +22,7 @@ from src import parameter_server_pb2 as pb
 from src.common.checkpoint import CheckpointError, final_checkpoint_path, load_checkpoint, save_checkpoint
 from src.ps.placement import Placement
 from src.ps.shard_model import whole_state
+from src.ps.updates import ROLLED_BACK_HERE
 from src.transport.wire import Received
 
 
@@ -90,8 +91,9 @@ def write_whole_final(
 
 
 def shard_loads(placement: Placement, loads: list[pb.ShardLoad]) -> dict[str, Any]:
-    """The summary's per-shard load (``shards``: bytes placed, bytes in and out, optimizer seconds, by shard) and
-    ``shard_imbalance``: the busiest shard's bytes in and out over the mean (1.0: even)."""
+    """The summary's per-shard load (``shards``: bytes placed, bytes in and out, optimizer seconds, async pushes
+    rolled back there, by shard) and ``shard_imbalance``: the busiest shard's bytes in and out over the mean (1.0:
+    even)."""
     placed = placement.bytes_per_shard()
     shards = [
         {
@@ -100,6 +102,7 @@ def shard_loads(placement: Placement, loads: list[pb.ShardLoad]) -> dict[str, An
             "bytes_in": load.bytes_in,
             "bytes_out": load.bytes_out,
             "update_s": round(load.update_s, 6),
+            "rolled_back": load.rolled_back,
         }
         for shard, load in enumerate(loads)
     ]
@@ -138,7 +141,10 @@ def whole_model_summary(
 
     system = core.config.system
     checkpoint = write_whole_final(system.checkpoint_dir, model, placement, parts)
-    summary = {**summary, "placement": placement.describe(), **shard_loads(placement, loads)}
+    own = pb.ShardLoad()
+    own.CopyFrom(loads[0])
+    own.rolled_back = core.totals.counters[ROLLED_BACK_HERE]  # shard 0 decides every rollback; these were its own
+    summary = {**summary, "placement": placement.describe(), **shard_loads(placement, [own, *loads[1:]])}
     if "pipelined_replies" in summary:  # system.pipelined_replies: shard 0's counts, and every follower's
         counts = dict(summary["pipelined_replies"])
         for load in loads[1:]:

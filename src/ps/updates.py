@@ -40,6 +40,10 @@ from src.training.lr_schedule import is_constant, scheduled_learning_rate
 logger = logging.getLogger(__name__)
 
 
+ROLLED_BACK_HERE = "rolled_back_on_shard_0"
+"""Shard 0's counter of the async pushes it rolled back on its own slices (a sharded run's per-shard load)."""
+
+
 class Updates:
     """The sync barrier or async apply of one server (see the module docstring).
 
@@ -289,6 +293,7 @@ class Updates:
             self.window.add(self._certify(self.state.version, pushes, self.state.learning_rate, rolled_back))
         if rolled_back:
             self.totals.counters["slices_rolled_back"] += len(rolled_back)
+            self.totals.counters[ROLLED_BACK_HERE] += 0 in rolled_back
         self._applied([contribution], **({"rolled_back": True} if 0 in rolled_back else {}))
         return pb.PushReply(
             accepted=True,

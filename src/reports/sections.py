@@ -216,7 +216,8 @@ def _bytes(report: Mapping[str, Any]) -> list[Block]:
 
 def _shard_loads(report: Mapping[str, Any]) -> list[Block]:
     """Each sharded run's load per server shard: the bytes placed on it, the bytes of the messages it took in and
-    sent out, its optimizer's seconds, and the imbalance (the busiest shard's bytes over the mean)."""
+    sent out, its optimizer's seconds, the async pushes it rolled back (too stale there, applied on the others), and
+    the imbalance (the busiest shard's bytes over the mean)."""
     blocks: list[Block] = []
     for r in report["runs"]:
         if not r.get("shards"):
@@ -225,7 +226,7 @@ def _shard_loads(report: Mapping[str, Any]) -> list[Block]:
             ("h3", f"{r['label']}: load per server shard (imbalance {_fmt(r['shard_imbalance'], 'x')})"),
             (
                 "table",
-                ["shard", "bytes placed", "bytes in", "bytes out", "optimizer time"],
+                ["shard", "bytes placed", "bytes in", "bytes out", "optimizer time", "pushes rolled back"],
                 [
                     [
                         str(shard["shard"]),
@@ -233,6 +234,7 @@ def _shard_loads(report: Mapping[str, Any]) -> list[Block]:
                         _fmt(shard["bytes_in"], "bytes"),
                         _fmt(shard["bytes_out"], "bytes"),
                         f"{_fmt(shard['update_s'])} s",
+                        _fmt(shard.get("rolled_back")),
                     ]
                     for shard in r["shards"]
                 ],

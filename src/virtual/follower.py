@@ -97,7 +97,7 @@ class VirtualFollower:
         self.load = self.wire.load = pb.ShardLoad()
         """What this shard carried (the bytes of the holds and pulls answered and of their replies, and provisional
         slices) and the virtual seconds of its update work: its part of a sharded run's summary
-        (:func:`~src.ps.shard_final.shard_loads`; with its pipeline's counts once it stops)."""
+        (:func:`~src.ps.shard_final.shard_loads`; with its pipeline's and rollbacks' counts once it stops)."""
         self.core.log.event("listening", address="virtual", port=0)
 
     downlink_delay_s = property(lambda self: self.wire.downlink_delay_s, doc="Seconds each worker's replies took.")
@@ -223,7 +223,7 @@ class VirtualFollower:
         """The run is over: write this shard's part of the model (``shard_K_final.pt``); returns where."""
         with self.core.lock:
             part = self.core.part_checkpoint()
-            for name in ("slices_sent", "slices_confirmed", "slices_voided", "tensors_omitted"):
+            for name in ("slices_sent", "slices_confirmed", "slices_voided", "tensors_omitted", "rolled_back"):
                 setattr(self.load, name, getattr(self.core.load, name))
         path = save_checkpoint(shard_part_path(self.config.system.checkpoint_dir, self.shard), part)
         self.core.log.event("run_end", version=self.core.version, part=str(path))
