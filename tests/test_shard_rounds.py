@@ -117,13 +117,18 @@ def test_a_forged_or_tampered_certificate_is_refused_and_changes_nothing():
 
 
 def test_a_certificate_on_the_wire_is_the_certificate_rolled_back_shards_and_all():
+    """A sync version's certificate has no rollbacks (its bytes as they always were); an async one's names the shards
+    that rolled its push back, maybe none."""
+    sync = certify(KEY, 5, [(2, 9), (0, 4)], 0.05)
+    assert RoundCertificate.decode(sync.encode()) == sync and len(sync.encode()) == 16 + 2 * 12 + 16
+    assert sync.contributors == ((0, 4), (2, 9)) and sync.rolled_back is None and not sync.rolls_back(0)
     for rolled_back in ((), (0,), (1, 3)):
         certificate = certify(KEY, 5, [(2, 9), (0, 4)], 0.05, rolled_back)
-        assert RoundCertificate.decode(certificate.encode()) == certificate
-        assert certificate.contributors == ((0, 4), (2, 9)) and certificate.rolled_back == rolled_back
-    for malformed in (b"", certify(KEY, 5, [(0, 4)], 0.05, (1, 2)).encode()[:-3]):
+        assert RoundCertificate.decode(certificate.encode(), asynchronous=True) == certificate
+        assert certificate.rolled_back == rolled_back and certificate.rolls_back(1) == (1 in rolled_back)
+    for malformed in (b"", certify(KEY, 5, [(0, 4)], 0.05, (1, 2)).encode()[:-3], sync.encode()[:17]):
         with pytest.raises(ForgedCertificate, match="malformed"):
-            RoundCertificate.decode(malformed)
+            RoundCertificate.decode(malformed, asynchronous=True)
 
 
 def test_a_follower_that_lacks_a_certified_push_or_a_version_says_it_is_behind():

@@ -299,7 +299,7 @@ class FollowerCore:
     def _applied(self, certificate: RoundCertificate, weight: float) -> None:
         """The version ``certificate`` names is applied (or passed: rolled back here): its event, and a checkpoint at
         shard 0's versions."""
-        rolled_back = self.shard in certificate.rolled_back
+        rolled_back = certificate.rolls_back(self.shard)
         self.load.rolled_back += rolled_back
         self.log.event(
             "update",

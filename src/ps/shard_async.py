@@ -104,7 +104,7 @@ def decode_chain(data: bytes) -> list[RoundCertificate]:
         offset += _LENGTH.size
         if offset + length > len(data):
             raise ForgedCertificate(f"a certificate chain of {len(data)} bytes is malformed")
-        certificates.append(RoundCertificate.decode(data[offset : offset + length]))
+        certificates.append(RoundCertificate.decode(data[offset : offset + length], asynchronous=True))
         offset += length
     return certificates
 
@@ -213,7 +213,7 @@ class FollowerAsync:
                 if held.popitem(last=False)[0] == request:
                     break
             self.state.set_learning_rate(certificate.learning_rate)
-            if self.shard in certificate.rolled_back:  # too stale here: the version passes, the others apply it
+            if certificate.rolls_back(self.shard):  # too stale here: the version passes, the others apply it
                 weight = 0.0
                 self.state.pass_version()
             else:

@@ -90,10 +90,10 @@ def write_whole_final(
     return checkpoint
 
 
-def shard_loads(placement: Placement, loads: list[pb.ShardLoad]) -> dict[str, Any]:
-    """The summary's per-shard load (``shards``: bytes placed, bytes in and out, optimizer seconds, async pushes
-    rolled back there, by shard) and ``shard_imbalance``: the busiest shard's bytes in and out over the mean (1.0:
-    even)."""
+def shard_loads(placement: Placement, loads: list[pb.ShardLoad], *, asynchronous: bool = False) -> dict[str, Any]:
+    """The summary's per-shard load (``shards``: bytes placed, bytes in and out, optimizer seconds, and with
+    ``asynchronous`` the pushes rolled back there, by shard) and ``shard_imbalance``: the busiest shard's bytes in and
+    out over the mean (1.0: even)."""
     placed = placement.bytes_per_shard()
     shards = [
         {
@@ -102,7 +102,7 @@ def shard_loads(placement: Placement, loads: list[pb.ShardLoad]) -> dict[str, An
             "bytes_in": load.bytes_in,
             "bytes_out": load.bytes_out,
             "update_s": round(load.update_s, 6),
-            "rolled_back": load.rolled_back,
+            **({"rolled_back": load.rolled_back} if asynchronous else {}),
         }
         for shard, load in enumerate(loads)
     ]
@@ -144,7 +144,9 @@ def whole_model_summary(
     own = pb.ShardLoad()
     own.CopyFrom(loads[0])
     own.rolled_back = core.totals.counters[ROLLED_BACK_HERE]  # shard 0 decides every rollback; these were its own
-    summary = {**summary, "placement": placement.describe(), **shard_loads(placement, [own, *loads[1:]])}
+    asynchronous = system.aggregation_mode == "async"
+    loads = [own, *loads[1:]]
+    summary = {**summary, "placement": placement.describe(), **shard_loads(placement, loads, asynchronous=asynchronous)}
     if "pipelined_replies" in summary:  # system.pipelined_replies: shard 0's counts, and every follower's
         counts = dict(summary["pipelined_replies"])
         for load in loads[1:]:

@@ -43,8 +43,9 @@ from dataclasses import dataclass, replace
 from src.common.sessions import TAG_BYTES, signature
 from src.ps.aggregation import Contribution, ModelState
 
-_HEAD = struct.Struct(">QdH")  # version, learning rate, how many shards rolled the version's push back
-_SHARD = struct.Struct(">H")  # a shard that rolled it back
+_HEAD = struct.Struct(">Qd")  # version, learning rate
+_COUNT = struct.Struct(">H")  # async: how many shards rolled the version's push back
+_SHARD = struct.Struct(">H")  # async: a shard that rolled it back
 _CONTRIBUTOR = struct.Struct(">iQ")  # worker id, request id
 
 
@@ -59,40 +60,53 @@ class ForgedCertificate(ValueError):
 @dataclass(frozen=True)
 class RoundCertificate:
     """Shard 0's word on sync version ``version``: applied from ``contributors`` ((worker id, request id), by
-    worker id) at ``learning_rate``; ``tag`` signs the rest. ``rolled_back`` (async only): the shards whose staleness
-    was over the bound, where the version passes without changing anything (:mod:`src.ps.shard_async`)."""
+    worker id) at ``learning_rate``; ``tag`` signs the rest. ``rolled_back``: an async version's (``None`` for a sync
+    one's): the shards whose staleness was over the bound, where the version passes without changing anything
+    (:mod:`src.ps.shard_async`)."""
 
     version: int
     contributors: tuple[tuple[int, int], ...]
     learning_rate: float
     tag: bytes = b""
-    rolled_back: tuple[int, ...] = ()
+    rolled_back: tuple[int, ...] | None = None
 
     def body(self) -> bytes:
-        """The signed bytes: version, rate, the shards that rolled it back, then each contributor."""
-        head = _HEAD.pack(self.version, self.learning_rate, len(self.rolled_back))
-        shards = b"".join(_SHARD.pack(shard) for shard in self.rolled_back)
-        return head + shards + b"".join(_CONTRIBUTOR.pack(worker, request) for worker, request in self.contributors)
+        """The signed bytes: version, rate, (async) the shards that rolled it back, then each contributor."""
+        head = _HEAD.pack(self.version, self.learning_rate)
+        if self.rolled_back is not None:
+            head += _COUNT.pack(len(self.rolled_back)) + b"".join(_SHARD.pack(shard) for shard in self.rolled_back)
+        return head + b"".join(_CONTRIBUTOR.pack(worker, request) for worker, request in self.contributors)
+
+    def rolls_back(self, shard: int) -> bool:
+        """Whether ``shard`` rolled this version's (async) push back."""
+        return self.rolled_back is not None and shard in self.rolled_back
 
     def encode(self) -> bytes:
         """The certificate on the wire (``PushReply.certificate``, ``PullRequest.certificate``): body, then tag."""
         return self.body() + self.tag
 
     @classmethod
-    def decode(cls, data: bytes) -> RoundCertificate:
-        """The certificate in ``data`` (:meth:`encode`'s bytes; the tag is checked where it is applied).
+    def decode(cls, data: bytes, *, asynchronous: bool = False) -> RoundCertificate:
+        """The certificate in ``data`` (:meth:`encode`'s bytes, of an ``asynchronous`` version's or a sync one's; the
+        tag is checked where it is applied).
 
         Raises:
             ForgedCertificate: ``data`` is not a certificate's length.
         """
-        if len(data) < _HEAD.size + TAG_BYTES:
-            raise ForgedCertificate(f"a round certificate of {len(data)} bytes is malformed")
-        version, learning_rate, rolled = _HEAD.unpack_from(data)
-        start = _HEAD.size + rolled * _SHARD.size
+        start, shards = _HEAD.size, None
+        if asynchronous:
+            if len(data) < start + _COUNT.size:
+                raise ForgedCertificate(f"a round certificate of {len(data)} bytes is malformed")
+            (rolled,) = _COUNT.unpack_from(data, start)
+            start += _COUNT.size
+            if len(data) < start + rolled * _SHARD.size:
+                raise ForgedCertificate(f"a round certificate of {len(data)} bytes is malformed")
+            shards = tuple(_SHARD.unpack_from(data, start + i * _SHARD.size)[0] for i in range(rolled))
+            start += rolled * _SHARD.size
         count, rest = divmod(len(data) - start - TAG_BYTES, _CONTRIBUTOR.size)
         if count < 1 or rest:
             raise ForgedCertificate(f"a round certificate of {len(data)} bytes is malformed")
-        shards = tuple(_SHARD.unpack_from(data, _HEAD.size + i * _SHARD.size)[0] for i in range(rolled))
+        version, learning_rate = _HEAD.unpack_from(data)
         contributors = tuple(_CONTRIBUTOR.unpack_from(data, start + i * _CONTRIBUTOR.size) for i in range(count))
         return cls(version, contributors, learning_rate, bytes(data[len(data) - TAG_BYTES :]), shards)
 
@@ -102,19 +116,20 @@ def certify(
     version: int,
     contributors: list[tuple[int, int]],
     learning_rate: float,
-    rolled_back: tuple[int, ...] = (),
+    rolled_back: tuple[int, ...] | None = None,
 ) -> RoundCertificate:
     """Shard 0's signed certificate of ``version`` (contributors sorted by worker id; at least one: a barrier that
-    every worker left applies nothing, so it has no certificate); ``rolled_back``: the shards where its async push
-    is not applied."""
+    every worker left applies nothing, so it has no certificate); ``rolled_back``: an async version's, the shards
+    where its push is not applied (``None``: a sync version's)."""
     if not contributors:
         raise ValueError(f"version {version}: a certificate needs at least one contributor")
-    unsigned = RoundCertificate(version, tuple(sorted(contributors)), float(learning_rate), b"", tuple(rolled_back))
+    shards = None if rolled_back is None else tuple(rolled_back)
+    unsigned = RoundCertificate(version, tuple(sorted(contributors)), float(learning_rate), b"", shards)
     return replace(unsigned, tag=_tag(key, unsigned))
 
 
 def _tag(key: bytes, certificate: RoundCertificate) -> bytes:
-    return signature(key, b"dts round v2", certificate.body())
+    return signature(key, b"dts round v1", certificate.body())
 
 
 def check_signature(key: bytes, certificate: RoundCertificate) -> None:

@@ -61,10 +61,14 @@ class Sharding:
         return shard_module(model, self.placement, 0)
 
     def certify(
-        self, version: int, pushes: list[tuple[int, int]], learning_rate: float, rolled_back: tuple[int, ...] = ()
+        self,
+        version: int,
+        pushes: list[tuple[int, int]],
+        learning_rate: float,
+        rolled_back: tuple[int, ...] | None = None,
     ) -> RoundCertificate:
-        """The signed certificate of version ``version`` (async: ``rolled_back``, the shards its push is not
-        applied on)."""
+        """The signed certificate of version ``version`` (async: with ``rolled_back``, the shards its push is not
+        applied on, maybe none; ``None``: a sync version's)."""
         return certify(self.key, version, pushes, learning_rate, rolled_back)
 
     @staticmethod

@@ -107,7 +107,7 @@ class Updates:
         if self.state is not None and self.state.forgotten:
             forgotten = [(worker, FORGET) for worker in self.state.forgotten]
             self.state.forgotten.clear()
-            self.window.add(self._certify(self.state.version, forgotten, self.state.learning_rate))
+            self.window.add(self._certify(self.state.version, forgotten, self.state.learning_rate, ()))
 
     @property
     def state(self) -> ModelState | None:

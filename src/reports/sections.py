@@ -222,11 +222,13 @@ def _shard_loads(report: Mapping[str, Any]) -> list[Block]:
     for r in report["runs"]:
         if not r.get("shards"):
             continue
+        rollbacks = any("rolled_back" in shard for shard in r["shards"])  # async runs only
         blocks += [
             ("h3", f"{r['label']}: load per server shard (imbalance {_fmt(r['shard_imbalance'], 'x')})"),
             (
                 "table",
-                ["shard", "bytes placed", "bytes in", "bytes out", "optimizer time", "pushes rolled back"],
+                ["shard", "bytes placed", "bytes in", "bytes out", "optimizer time"]
+                + (["pushes rolled back"] if rollbacks else []),
                 [
                     [
                         str(shard["shard"]),
@@ -234,8 +236,8 @@ def _shard_loads(report: Mapping[str, Any]) -> list[Block]:
                         _fmt(shard["bytes_in"], "bytes"),
                         _fmt(shard["bytes_out"], "bytes"),
                         f"{_fmt(shard['update_s'])} s",
-                        _fmt(shard.get("rolled_back")),
                     ]
+                    + ([_fmt(shard.get("rolled_back"))] if rollbacks else [])
                     for shard in r["shards"]
                 ],
             ),
