@@ -222,7 +222,7 @@ def test_async_a_push_too_stale_on_one_shard_is_rolled_back_there_alone_and_cove
     pushes = events(config, "server", "push")
     rolled = [tuple(e["rolled_back"]) for e in pushes if e.get("rolled_back")]
     assert set(rolled) == {(0,), (1,)} and all(e["accepted"] for e in pushes if e.get("rolled_back"))
-    assert summary["slices_rolled_back"] == len(rolled) and summary["pushes_rejected"] > 0
+    assert summary["pushes_rejected"] > 0
     assert [s["rolled_back"] for s in summary["shards"]] == [rolled.count((0,)), rolled.count((1,))]
     assert summary["pushes_applied"] == summary["versions"] == sum(1 for e in pushes if e["accepted"])
     updates = {e["version"]: e for e in events(config, "server_1", "update")}

@@ -147,11 +147,6 @@ class RunTotals:
             "versions": versions,
             "pushes_applied": self.counters["pushes_applied"],
             "pushes_rejected": self.counters["pushes_rejected"],
-            **(
-                {"slices_rolled_back": self.counters["slices_rolled_back"]}
-                if config.system.num_servers > 1 and config.system.aggregation_mode == "async"
-                else {}
-            ),  # async shards only: each shard's rollbacks (src/ps/shard_async.py)
             "pushes_refused": self.counters["pushes_refused"],
             "staleness_histogram": {str(k): v for k, v in histogram.items()},
             "mean_staleness": sum(k * v for k, v in histogram.items()) / judged if judged else 0.0,

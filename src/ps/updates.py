@@ -291,10 +291,10 @@ class Updates:
         if self._certify is not None:  # shard 0 of a sharded server: the followers apply what the window says
             pushes = [(member.worker_id, request.request_id)]
             self.window.add(self._certify(self.state.version, pushes, self.state.learning_rate, rolled_back))
-        if rolled_back:
-            self.totals.counters["slices_rolled_back"] += len(rolled_back)
-            self.totals.counters[ROLLED_BACK_HERE] += 0 in rolled_back
-        self._applied([contribution], **({"rolled_back": True} if 0 in rolled_back else {}))
+        here = 0 in rolled_back
+        if here:
+            self.totals.counters[ROLLED_BACK_HERE] += 1  # the followers count theirs (ShardLoad.rolled_back)
+        self._applied([contribution], **({"rolled_back": True} if here else {}))
         return pb.PushReply(
             accepted=True,
             staleness=staleness,
