@@ -3,8 +3,16 @@
 Claim: one cell of every virtual-time findings matrix (``docs/findings/<matrix>.json``), re-run here from its
 matrix file (``configs/experiments/<matrix>.yaml``) at the torch thread count its record was made with, resolves to
 the record's config and gives the record's summary, evaluations, controller decisions, largest applied staleness
-and (sharded) updates exactly: every field but the wall-clock ones the summary lists in ``wall_time_fields``. A
-change that moves a figure fails here until its matrix is re-collected (docs/findings.md, "To measure anew").
+and (sharded) updates: every field but the wall-clock ones the summary lists in ``wall_time_fields``. A change
+that moves a figure fails here until its matrix is re-collected (docs/findings.md, "To measure anew").
+
+Exactly where the CPU kernels match: a record's provenance names torch's CPU capability and version
+(``cpu_capability``, ``torch_version``, :func:`src.launch.provenance.kernels`), and a re-run on the same ones must
+give every field to the last bit. On another CPU (AVX2 against the records' AVX512, say) the kernels sum floats in
+another order, which moves a loss in its sixth digit and, through training, further. There the counts, bytes,
+versions, virtual seconds and controller decisions must still be exact (they were, on every cell, on both kernels
+measured), and the losses and accuracies (the evaluations' and the summary's) within :data:`KERNEL_BOUNDS`, bounds
+measured across the kernels (docs/findings.md, "Records across CPUs").
 
 The cells are cheap ones that each exercise what their matrix is about (a staleness bound, 16 workers, top-k with
 error feedback, a 250 Mbit/s uplink, the adaptive controller, two server shards, the controller's probe and a link
@@ -27,6 +35,7 @@ from src.findings.record import collect_run, load_records
 from src.findings.runs import MATRICES
 from src.launch import experiment as rx
 from src.launch import matrix as run_matrix
+from src.launch.provenance import kernels
 from tests.ps_fixtures import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -44,8 +53,29 @@ CELLS = {
 """The cell of each matrix that is re-run (4 to 18 s each on one thread here: about 85 s in all)."""
 
 
+KERNEL_BOUNDS: dict[str, tuple[float, float]] = {
+    "f1_stragglers": (0.04, 0.01),
+    "f1_scaling": (2e-5, 1e-3),
+    "f2_compression": (0.2, 0.06),
+    "f8_bandwidth": (6e-5, 1e-3),
+    "f11_controller": (2e-5, 1e-3),
+    "f13_shards": (1e-6, 1e-3),
+    "f14_links": (2e-3, 2e-3),
+}
+"""Per matrix, ``(loss, accuracy)``: how far the re-run cell's losses and accuracies may be from its record's on a
+CPU whose kernels are not the record's. Each bound is twice the largest difference measured among the record
+(AVX512) and re-runs of the cell on AVX2 and on torch's DEFAULT kernels (``ATEN_CPU_CAPABILITY=default``), rounded
+up, and at least 1e-6 for a loss and one test image for an accuracy (1e-3: mnist_5k holds out 1,000):
+docs/findings.md's "Records across CPUs" tables the measured differences. Async runs and top-k's early steps
+amplify a last-digit difference (F1's stragglers, F2); sync dense runs keep it in the sixth digit."""
+
+KERNEL_FIELDS = ("final_loss", "final_accuracy")
+"""The summary's fields that the kernels move: the final evaluation (an evaluation's accuracy and loss are its
+3rd and 4th entries)."""
+
+
 def test_every_findings_matrix_has_a_cell_here():
-    assert set(CELLS) == set(MATRICES)
+    assert set(CELLS) == set(MATRICES) == set(KERNEL_BOUNDS)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +151,9 @@ def test_a_cell_of_the_matrix_reproduces_its_committed_record_exactly(matrix, of
         record["config"]
     )
     expected, got = comparable(record), comparable(rerun)
+    same_kernels = all(record["experiment"].get(key) == value for key, value in kernels().items())
+    if not same_kernels:  # another CPU's floats: the losses and accuracies within the measured bounds
+        expected, got = within_bounds(expected, got, KERNEL_BOUNDS[matrix])
     differing = [
         f"summary.{field}: record {expected['summary'].get(field)!r:.300}, re-run {got['summary'].get(field)!r:.300}"
         for field in sorted(set(expected["summary"]) | set(got["summary"]))
@@ -130,4 +163,46 @@ def test_a_cell_of_the_matrix_reproduces_its_committed_record_exactly(matrix, of
         for part in expected
         if part != "summary" and expected[part] != got[part]
     ]
-    assert not differing, f"{matrix} {name}: the re-run differs from the record in\n" + "\n".join(differing)
+    kernels_named = ", ".join(f"{key} {record['experiment'].get(key)} here {value}" for key, value in kernels().items())
+    assert not differing, (
+        f"{matrix} {name}: the re-run differs from the record ({'exactly' if same_kernels else 'within bounds'}: "
+        f"{kernels_named}) in\n" + "\n".join(differing)
+    )
+
+
+def within_bounds(
+    expected: dict[str, Any], got: dict[str, Any], bounds: tuple[float, float]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``expected`` and ``got`` with each loss and accuracy of ``got`` that is within ``bounds`` (loss, accuracy) of
+    ``expected``'s replaced by ``expected``'s: what stays different is what differs beyond the bounds (or anything
+    else)."""
+    loss_bound, accuracy_bound = bounds
+    got = json.loads(json.dumps(got))
+
+    def near(record: Any, rerun: Any, bound: float) -> bool:
+        numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (record, rerun))
+        return numbers and abs(record - rerun) <= bound
+
+    for field, bound in zip(KERNEL_FIELDS, (loss_bound, accuracy_bound)):
+        if near(expected["summary"].get(field), got["summary"].get(field), bound):
+            got["summary"][field] = expected["summary"][field]
+    if len(got["evals"]) == len(expected["evals"]):
+        for mine, theirs in zip(got["evals"], expected["evals"]):
+            for position, bound in ((2, accuracy_bound), (3, loss_bound)):
+                if len(mine) == len(theirs) > position and near(theirs[position], mine[position], bound):
+                    mine[position] = theirs[position]
+    return expected, got
+
+
+def test_the_bounds_let_through_only_the_kernels_fields():
+    """A loss or accuracy within the bound is let through; one beyond it, or any other field off by as little, is
+    not."""
+    record = {"summary": {"final_loss": 0.5, "final_accuracy": 0.8, "bytes_sent": 10}, "evals": [[768, 1.0, 0.8, 0.5]]}
+    rerun = json.loads(json.dumps(record))
+    rerun["summary"].update(final_loss=0.5001, final_accuracy=0.801)
+    rerun["evals"][0][3] = 0.5001
+    assert within_bounds(record, rerun, (1e-3, 1e-2))[1] == record
+    assert within_bounds(record, rerun, (1e-5, 1e-2))[1] != record
+    assert within_bounds(record, rerun, (1e-3, 1e-4))[1]["summary"]["final_accuracy"] == 0.801
+    rerun["evals"][0][1] = 1.0001  # a virtual second: exact whatever the kernels
+    assert within_bounds(record, rerun, (1.0, 1.0))[1]["evals"] != record["evals"]

@@ -364,7 +364,8 @@ def realtime(matrices: dict[str, Matrix]) -> dict[str, Any]:
 
 
 def provenance(matrices: dict[str, Matrix]) -> dict[str, Any]:
-    """Per matrix: runs, seeds, commits, clocks, the load average range and the wall seconds the runs took."""
+    """Per matrix: runs, seeds, commits, clocks, CPU kernels, the load average range and the wall seconds the runs
+    took."""
     out = {}
     for name, matrix in matrices.items():
         experiments = [run["experiment"] for run in matrix.runs]
@@ -381,6 +382,9 @@ def provenance(matrices: dict[str, Matrix]) -> dict[str, Any]:
             "commits": sorted({str(e.get("commit"))[:10] for e in experiments}),
             "dirty": any(e.get("dirty") for e in experiments),
             "clocks": sorted({str(e.get("clock")) for e in experiments}),
+            "kernels": sorted(
+                {f"{e['cpu_capability']}, torch {e['torch_version']}" for e in experiments if "cpu_capability" in e}
+            ),
             "load_1min": [min(loads), max(loads)] if loads else None,
             "wall_s": sum(e.get("wall_time_s", 0.0) for e in experiments),
         }

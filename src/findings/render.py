@@ -481,13 +481,17 @@ def _render_provenance(p: dict[str, Any]) -> list[str]:
             str(v["configurations"]),
             str(v["seeds"]),
             ", ".join(v["clocks"]),
+            "; ".join(v["kernels"]) or "-",
             ", ".join(v["commits"]) + (" (changes)" if v["dirty"] else ""),
             "-" if v["load_1min"] is None else f"{v['load_1min'][0]:.2f}-{v['load_1min'][1]:.2f}",
             f"{v['wall_s'] / 60:.1f}",
         ]
         for name, v in p.items()
     ]
-    return table(["matrix", "runs", "configurations", "seeds", "clock", "commit", "load (1 min)", "wall minutes"], rows)
+    return table(
+        ["matrix", "runs", "configurations", "seeds", "clock", "CPU kernels", "commit", "load (1 min)", "wall minutes"],
+        rows,
+    )
 
 
 RENDERERS: dict[str, Callable[[Any], list[str]]] = {

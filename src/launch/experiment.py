@@ -205,7 +205,7 @@ def run_experiment(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
     import torch
 
-    from src.launch.provenance import code_version
+    from src.launch.provenance import code_version, kernels
 
     status = {
         "name": experiment["name"],
@@ -215,6 +215,7 @@ def run_experiment(
         "clock": config.system.clock,
         # this process's intra-op threads: a virtual run's last digits depend on them (a float sum's order)
         "torch_threads": torch.get_num_threads(),
+        **kernels(),  # and the CPU kernels: another CPU's move a loss in its sixth digit
         **code_version(),
     }
     status_path = run_dir / "experiment.json"

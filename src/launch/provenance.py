@@ -1,7 +1,9 @@
-"""Where a result came from: the commit of the code that produced it, and whether that tree had changes.
+"""Where a result came from: the commit of the code that produced it, whether that tree had changes, and the
+kernels that computed it.
 
-An experiment record (``experiment.json`` of :mod:`scripts.run_experiment`) keeps both, so a committed
-result can be traced to the code that made it (``git show COMMIT``).
+An experiment record (``experiment.json`` of :mod:`scripts.run_experiment`) keeps all three, so a committed
+result can be traced to the code that made it (``git show COMMIT``) and to the CPU kernels its floats came from
+(:func:`kernels`): the same code on a CPU with other vector instructions moves a loss in its sixth digit.
 """
 
 from __future__ import annotations
@@ -32,3 +34,15 @@ def code_version(root: Path = ROOT) -> dict[str, object]:
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
+
+
+def kernels() -> dict[str, str]:
+    """``{"cpu_capability": ..., "torch_version": ...}``: the vector instructions torch's CPU kernels use here
+    (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, ``AVX2``, ``DEFAULT``, ...) and torch's version.
+
+    Two runs of one config agree to the last bit only where both match: a float sum's order is the kernel's
+    (docs/findings.md, "Records across CPUs").
+    """
+    import torch
+
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_version": torch.__version__}
