@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     import grpc  # after flag checks: --help and flag errors stay fast
 
     from src.common.supervisor import LaunchError
-    from src.ps.refusals import RunFailed
-    from src.transport.grpc import AuthTokenMissing
+    from src.ps.state.refusals import RunFailed
+    from src.transport.settings import AuthTokenMissing
     from src.worker import IncarnationRevoked
 
     return exit_status(

@@ -230,7 +230,7 @@ class SystemConfig(_Section):
     local_steps: PositiveInt = 1
     """Local optimizer steps (plain SGD at the learning rate) a PS worker takes between pushes; it
     pushes the sum of their gradients. 1 = one gradient per push."""
-    # --- async correction and adaptive compression (src/ps/staleness.py, src/adaptive/controller.py) ---
+    # --- async correction and adaptive compression (src/ps/state/staleness.py, src/adaptive/controller.py) ---
     async_correction: Literal["none", "implicit_momentum", "lookahead"] = "lookahead"
     """Async SGD's correction for staleness: lookahead (per-worker momentum, lr/N per push, pulls at the
     lookahead point: N async workers take the steps of N sync workers), implicit_momentum (explicit
@@ -291,7 +291,7 @@ class SystemConfig(_Section):
     server_address: str = "127.0.0.1:0"
     """Where the parameter server listens / workers connect; port 0 lets the local launcher pick."""
     num_servers: PositiveInt = 1
-    """Parameter-server shards: the model split across this many server processes (:mod:`src.ps.placement`;
+    """Parameter-server shards: the model split across this many server processes (:mod:`src.ps.shards.placement`;
     sync or async); 1: one server holds every parameter."""
     shard_slice_bytes: PositiveInt = 4 << 20
     """With num_servers > 1: a tensor above this many bytes is cut into slices across the shards (BytePS's 4 MB
@@ -300,7 +300,7 @@ class SystemConfig(_Section):
     """Every shard's ``host:port``, shard 0 first, for a sharded run across hosts (each shard binds its own
     entry, workers connect to all); empty: the local launcher picks them."""
     streaming: bool = False
-    """Parameter server: a worker communicates while it computes (:mod:`src.ps.worker_stream`). Its push leaves in
+    """Parameter server: a worker communicates while it computes (:mod:`src.ps.worker.streaming`). Its push leaves in
     parts as backward produces the gradients (each compensated and compressed as it is ready), and the reply comes
     back in forward order, so the next forward starts once its first layers' parameters are in and waits for a later
     one only if it must. The same push, verdict and update as without it: only when the bytes travel changes.
@@ -309,7 +309,7 @@ class SystemConfig(_Section):
     """With ``streaming``, sync: the server steps each slice of a parameter as soon as every worker's gradient of it
     is in and sends it back at once, while the rest of the push is still on its way (P3, BytePS); the barrier's own
     step confirms each slice bit for bit, and a reply leaves out what a worker already holds
-    (:mod:`src.ps.slice_pipeline`). The same updates as without it. Dense float32 gradients only (a compressed one
+    (:mod:`src.ps.state.slice_pipeline`). The same updates as without it. Dense float32 gradients only (a compressed one
     travels and comes back as before); no emulated links in real time (virtual time models them); over TCP, no TLS
     (gRPC does its own); with several shards (``num_servers``), over TCP (each shard steps its holds' slices, and a
     pull leaves out what the worker holds)."""

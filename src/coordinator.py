@@ -71,7 +71,7 @@ class MembershipError(Exception):
     * ``unknown``: no such session here (the server restarted, or the worker never registered):
       the worker should register again.
     * ``revoked``: this incarnation was failed or replaced: it is over (the process may register
-      again as a new incarnation, :mod:`src.ps.worker_protocol`, or stop).
+      again as a new incarnation, :mod:`src.ps.worker.membership`, or stop).
     * ``finished``: this incarnation has finished.
     """
 
@@ -91,7 +91,7 @@ class Membership:
         first_incarnation: incarnations are numbered from here (a resumed server continues its count).
         session_bytes: random bytes for a session (injectable for tests).
         signer: sign sessions with the run's key instead (shard 0 of a sharded server:
-            :mod:`src.ps.shard_sessions` checks them on the other shards).
+            :mod:`src.ps.shards.sessions` checks them on the other shards).
     """
 
     def __init__(

@@ -1,15 +1,15 @@
-"""The parameter server: a driver of the server core (:mod:`src.ps.core`) over real connections.
+"""The parameter server: a driver of the server core (:mod:`src.ps.server.core`) over real connections.
 
 Everything the server decides (membership, the work plan, the sync barrier and async apply,
 staleness, the controller, the downlink, de-dup, checkpoints, events and the summary) is in
-:class:`~src.ps.core.ServerCore`; this module adds what a real network service needs, once for
+:class:`~src.ps.server.core.ServerCore`; this module adds what a real network service needs, once for
 every transport (``system.transport``):
 
 * the calls (``handle_register``, ``handle_push``, ...): each takes the core's lock, calls the core,
-  and lets a :class:`~src.ps.refusals.Refused` out for the transport to turn into its own error with the
+  and lets a :class:`~src.ps.state.refusals.Refused` out for the transport to turn into its own error with the
   same status name. The transports are thin: gRPC (:func:`~src.transport.grpc.service_handler`, the
-  ``Register``/``Push``/... methods of :class:`~src.ps.grpc_service.GrpcMethods`) and binary frames over TCP
-  (:mod:`src.ps.tcp_server`);
+  ``Register``/``Push``/... methods of :class:`~src.transport.grpc_service.GrpcMethods`) and binary frames over TCP
+  (:mod:`src.transport.tcp_server`);
 * the waits: a Pull or Push whose work is not there yet (the sync barrier, or nothing unassigned)
   waits on the core's lock, waking every :data:`WAIT_POLL_S` to notice a call whose client went away;
 * push decoding outside the lock, so pushes of different workers decode in parallel, and replies
@@ -45,19 +45,21 @@ from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError
 from src.coordinator import WorkPlan
 from src.emulation import netem
-from src.ps.aggregation import RequestLog
-from src.ps.core import ServerCore
-from src.ps.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
-from src.ps.push_decode import arriving_push_splitter
-from src.ps.push_parts import PushParts, arrived_push, push_size
-from src.ps.refusals import PushRefused, Refused, RunFailed
-from src.ps.sharding import Sharding
-from src.ps.slice_pipeline import Sink
-from src.ps.staleness import StalenessPolicy
-from src.ps.work_source import PlannedWork, WorkSource
+from src.ps.server.core import ServerCore
+from src.ps.server.work_source import PlannedWork, WorkSource
+from src.ps.shards.shard_zero import Sharding
+from src.ps.state.aggregation import RequestLog
+from src.ps.state.decoding import arriving_push_splitter
+from src.ps.state.refusals import RunFailed
+from src.ps.state.staleness import StalenessPolicy
+from src.ps.state.streamed_parts import PushParts, arrived_push, push_size
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config
-from src.transport.grpc import require_auth_token, start_grpc_server
+from src.transport.errors import PushRefused, Refused
+from src.transport.grpc import start_grpc_server
+from src.transport.grpc_service import PUSH_LARGE_FIELDS, Call, GrpcMethods
+from src.transport.settings import require_auth_token
+from src.transport.sinks import Sink
 from src.transport.wire import MessageSplitter, Pieces
 
 WAIT_POLL_S = 0.5  # a waiting call wakes this often to notice a cancelled RPC
@@ -88,7 +90,7 @@ def test_set_for(config: Config):
 
 
 class ParameterServer(GrpcMethods):
-    """A :class:`~src.ps.core.ServerCore` served over gRPC or TCP (see the module docstring).
+    """A :class:`~src.ps.server.core.ServerCore` served over gRPC or TCP (see the module docstring).
 
     Args:
         config: the run's config (mode, workers, optimizer, heartbeats, outputs).
@@ -102,11 +104,11 @@ class ParameterServer(GrpcMethods):
         faults: fire the config's ``kill:server@version=N`` faults (``False`` in a restarted server).
         on_event: called (outside the lock) with ``(kind, fields)`` for events a launcher acts on
             (``worker_failed``).
-        work: where work comes from (default: the dataset's plan); see :mod:`src.ps.work_source`.
+        work: where work comes from (default: the dataset's plan); see :mod:`src.ps.server.work_source`.
         model_label, data_label: what checkpoints and summaries call the model and the data.
         max_message_bytes: the message limit while the model's size is not known yet (a server without a model).
         transport: ``"grpc"`` or ``"tcp"`` (default ``system.transport``).
-        sharding: serve shard 0 of a sharded server (:class:`~src.ps.sharding.Sharding`; default: the run's own
+        sharding: serve shard 0 of a sharded server (:class:`~src.ps.shards.shard_zero.Sharding`; default: the run's own
             when ``system.num_servers`` > 1). It does not evaluate: shard 0 holds a part of the model.
     """
 
@@ -177,11 +179,11 @@ class ParameterServer(GrpcMethods):
         }  # emulated server -> worker links
         self.instance = secrets.token_bytes(8)  # random per process: the other shards notice a restart by it
         self.resume_version: int | None = None  # a sharded server started again: the version every shard goes to
-        self.agreed_instances: list[bytes] = []  # ... chosen with these followers (src/ps/shard_recovery.py)
+        self.agreed_instances: list[bytes] = []  # ... chosen with these followers (src/ps/shards/recovery.py)
         self.load = pb.ShardLoad()  # the bytes of the Pull and Push messages in and out (update_s: a shard's)
         self._load_lock = threading.Lock()
         self._stop_serving: Callable[[float], None] | None = None
-        self.transport_server: Any = None  # the grpc.Server or src.ps.tcp_server.TCPServer, once started
+        self.transport_server: Any = None  # the grpc.Server or src.transport.tcp_server.TCPServer, once started
         self._monitor: threading.Thread | None = None
         self.port: int | None = None
 
@@ -202,7 +204,7 @@ class ParameterServer(GrpcMethods):
         system = self.config.system
         max_calls = 3 * system.num_workers + 8  # per worker: a waiting push, a heartbeat, a spare
         if self.transport == "tcp":
-            from src.ps.tcp_server import TCPServer
+            from src.transport.tcp_server import TCPServer
 
             tcp = TCPServer(
                 self, system, token=self.token, max_message_bytes=self.core.max_message_bytes, max_connections=max_calls
@@ -254,10 +256,10 @@ class ParameterServer(GrpcMethods):
         return load
 
     def _whole_model(self, summary: dict[str, Any], summary_json: str | Path | None) -> dict[str, Any]:
-        """Shard 0 of a sharded run, at its end: read the other shards' parts (:mod:`src.ps.shard_final`), put the
+        """Shard 0 of a sharded run, at its end: read the other shards' parts (:mod:`src.ps.shards.final`), put the
         whole model into the final checkpoint, evaluate it, and say so in the summary (written again) with every
         shard's load."""
-        from src.ps.shard_final import collect_parts, reader_session, whole_model_summary
+        from src.ps.shards.final import collect_parts, reader_session, whole_model_summary
         from src.transport.clients import make_client
 
         system, placement = self.config.system, self.core.sharding.placement
@@ -343,16 +345,16 @@ class ParameterServer(GrpcMethods):
     def push_splitter(self, data) -> MessageSplitter:
         """A splitter of a push arriving into ``data``, for a transport that reads it in pieces (TCP): each
         gradient is checked as its bytes come in and decoded as soon as it is whole, outside the lock
-        (:class:`~src.ps.push_decode.ArrivingPush`); pass the splitter to :meth:`handle_push` once every byte
+        (:class:`~src.ps.state.decoding.ArrivingPush`); pass the splitter to :meth:`handle_push` once every byte
         has arrived."""
         # the layout is fixed once installed; a push before Initialize is refused later
         return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
 
     def push_parts(self, max_bytes: int, sink: Sink | None = None) -> PushParts:
-        """The parts of a streamed push about to arrive (:mod:`src.ps.push_parts`): each gradient checked and
+        """The parts of a streamed push about to arrive (:mod:`src.ps.state.streamed_parts`): each gradient checked and
         decoded as it comes, outside the lock; pass ``parts.assemble(message bytes)`` to :meth:`handle_push`.
         ``sink``: the connection's, with ``system.pipelined_replies`` (its dense values are reported as they
-        arrive: :meth:`PushParts.progress <src.ps.push_parts.PushParts.progress>`)."""
+        arrive: :meth:`PushParts.progress <src.ps.state.streamed_parts.PushParts.progress>`)."""
         pipeline = self.core.pipeline
         arriving = None
         if pipeline is not None and sink is not None and sink.worker is not None:
@@ -362,7 +364,7 @@ class ParameterServer(GrpcMethods):
     @property
     def pipelined(self) -> bool:
         """Whether provisional slices are sent (``system.pipelined_replies``): a transport then gives each
-        connection a :class:`~src.ps.slice_pipeline.Sink`."""
+        connection a :class:`~src.ps.state.slice_pipeline.Sink`."""
         return self.core.config.system.pipelined_replies
 
     def _serve_push(self, data, call: Call) -> bytes | Pieces:
@@ -403,7 +405,7 @@ class ParameterServer(GrpcMethods):
         return reply
 
     def _hold(self, received, sink: Sink | None) -> bytes:
-        """A sharded server's held push (:meth:`ServerCore.hold <src.ps.core.ServerCore.hold>`): decoded outside the
+        """A sharded server's held push (:meth:`ServerCore.hold <src.ps.server.core.ServerCore.hold>`): decoded outside the
         lock, acknowledged at once. ``sink``: the connection's, with ``system.pipelined_replies`` (its next hold's
         values are reported there, and the pull after it leaves out the slices confirmed)."""
         core, request = self.core, received.message
@@ -434,7 +436,7 @@ class ParameterServer(GrpcMethods):
     def handle_status(self) -> pb.StatusReply:
         with self.core.lock:
             status = self.core.status()
-        if self.core.sharding is not None:  # what the other shards watch (src/ps/shard_recovery.py)
+        if self.core.sharding is not None:  # what the other shards watch (src/ps/shards/recovery.py)
             status.instance = self.instance
             status.checkpoints.extend(self.checkpoint_versions())
             if self.resume_version is not None:
@@ -449,7 +451,7 @@ class ParameterServer(GrpcMethods):
         return [int(p.stem.rsplit("_", 1)[1]) for p in numbered_checkpoints(self.config.system.checkpoint_dir)]
 
     def fail(self, message: str) -> None:
-        """End the run with ``message`` (another shard of a sharded run went away: :mod:`src.ps.shard_recovery`).
+        """End the run with ``message`` (another shard of a sharded run went away: :mod:`src.ps.shards.recovery`).
         The shards start again together, so a worker's waiting call is refused as after a server restart
         (UNAVAILABLE): it registers again rather than ending."""
         self.core.stop_run(RunFailed(message), code="UNAVAILABLE")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from src.ps.aggregation import ModelState
+from src.ps.state.aggregation import ModelState
 from src.training import optimizers
 from src.training.optimizers import apply_gradients
 

@@ -14,7 +14,7 @@ import json
 import torch
 
 from src.config import validate_config
-from src.ps.staleness import server_optimizer
+from src.ps.state.staleness import server_optimizer
 from src.studies.async_simulation import AsyncSimulation, simulate_repeats, simulation_config
 from src.trainer import forward_backward, model_from_config
 from src.training.data import load_dataset, make_shards

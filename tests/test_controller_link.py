@@ -182,7 +182,7 @@ def test_the_model_needs_two_payload_sizes_for_a_fit():
 
 def test_the_server_pairs_a_push_s_communication_time_with_the_worker_s_previous_payload():
     from src.config import validate_config
-    from src.ps.control import ServerControl
+    from src.ps.server.control import ServerControl
 
     config = validate_config(
         {"system": {"adaptive_compression": True, "compression_enabled": True, "compression_type": "topk"}}

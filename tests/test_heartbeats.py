@@ -1,4 +1,4 @@
-"""The worker's heartbeat thread (src/ps/worker_protocol.py ``Heartbeats``) is over once its owner has closed it.
+"""The worker's heartbeat thread (src/ps/worker/connections.py ``Heartbeats``) is over once its owner has closed it.
 
 A beat still in flight when a worker process exits aborts the interpreter inside gRPC's C core
 (exit 134 after a finished run); ``stop_and_close`` therefore closes the channel under the beat
@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 
-from src.ps.worker_protocol import Heartbeats
+from src.ps.worker.connections import Heartbeats
+from src.transport.errors import CallError
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class _Cancelled(grpc.RpcError):
-    pass
+class _Cancelled(CallError):
+    def __init__(self) -> None:
+        super().__init__("CANCELLED", "the channel was closed")
 
 
 def test_stop_and_close_returns_only_after_a_beat_in_flight_has_ended():

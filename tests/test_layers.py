@@ -18,18 +18,21 @@ PURE = (
     "src.compressors.registry",
     "src.compressors.error_feedback",
     "src.compressors.policy",
-    "src.ps.staleness",
+    "src.ps.state.staleness",
     "src.adaptive.controller",
     "src.coordinator",
-    "src.ps.aggregation",
-    "src.ps.downlink",
-    "src.ps.placement",
-    "src.ps.shard_model",
-    "src.ps.shard_sessions",
-    "src.ps.sharding",
-    "src.ps.shard_rounds",
-    "src.ps.shard_async",
-    "src.ps.shard_step",
+    "src.ps.state.aggregation",
+    "src.ps.state.downlink",
+    "src.ps.shards.placement",
+    "src.ps.shards.parts",
+    "src.ps.shards.sessions",
+    "src.ps.shards.shard_zero",
+    "src.ps.shards.rounds",
+    "src.ps.shards.asynchronous",
+    "src.ps.worker.machine",
+    "src.ps.worker.calls",
+    "src.ps.worker.membership",
+    "src.ps.worker.codec",
     "src.common.sessions",
     "src.emulation.event_loop",
     "src.emulation.overlap",
@@ -123,15 +126,15 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _layers() -> list[list[str]]:
-    """The layers of ``docs/architecture.md``'s drawing, top first: each line's folders (``ps/``) and top modules
-    (``config.py``), the names before the first word that is neither."""
+    """The layers of ``docs/architecture.md``'s drawing, top first: each line's folders (``ps/``, or a folder's own
+    subfolder, ``ps/worker/``) and top modules (``config.py``), the names before the first word that is neither."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     drawing = re.search(r"## Layers\n.*?```\n(.*?)```", text, re.S).group(1)
     layers = []
     for line in drawing.splitlines():
         names = []
         for word in line.replace(",", " ").split():
-            if not re.fullmatch(r"[a-z_0-9]+(/|\.py)", word):
+            if not re.fullmatch(r"[a-z_0-9]+(/[a-z_0-9]+)*(/|\.py)", word):
                 break
             names.append(word)
         if names:
@@ -139,28 +142,38 @@ def _layers() -> list[list[str]]:
     return layers
 
 
-def _place(module: str) -> str:
-    """The layer name of a ``src`` module: its folder (``ps/``) or, at the top, its file (``config.py``)."""
+def _place(module: str, drawn: frozenset[str] = frozenset()) -> str:
+    """The layer name of a ``src`` module: at the top, its file (``config.py``); else its folder (``ps/``), or the
+    deepest of its folders that ``drawn`` names (``ps/worker/``)."""
     parts = module.split(".")
-    return f"{parts[1]}/" if len(parts) > 2 or (SRC / parts[1]).is_dir() else f"{parts[1]}.py"
+    if len(parts) == 2 and not (SRC / parts[1]).is_dir():
+        return f"{parts[1]}.py"
+    folders = parts[1:] if (SRC / Path(*parts[1:])).is_dir() else parts[1:-1]
+    deeper = [f"{'/'.join(folders[:n])}/" for n in range(len(folders), 1, -1)]
+    return next((name for name in deeper if name in drawn), f"{folders[0]}/")
 
 
 def test_every_folder_and_top_module_has_one_layer():
     drawn = [name for layer in _layers() for name in layer]
     assert len(drawn) == len(set(drawn)), drawn
     inside, _ = _graph()
-    assert {_place(m) for m in inside if m != "src"} == set(drawn)
+    assert {_place(m, frozenset(drawn)) for m in inside if m != "src"} == set(drawn)
 
 
 def _upward(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
     """The imports of ``graph`` that leave their folder for one not below it in ``layers`` (top first)."""
     level = {name: index for index, layer in enumerate(reversed(layers)) for name in layer}
+    drawn = frozenset(level)
+
+    def place(module: str) -> str:
+        return _place(module, drawn)
+
     return sorted(
         f"{module} -> {target}"
         for module, targets in graph.items()
         if module != "src"
         for target in targets
-        if target != "src" and _place(target) != _place(module) and level[_place(target)] >= level[_place(module)]
+        if target != "src" and place(target) != place(module) and level[place(target)] >= level[place(module)]
     )
 
 
@@ -170,17 +183,23 @@ def test_a_folder_imports_only_from_folders_below_it():
 
 
 def test_the_layer_check_finds_a_planted_upward_or_sideways_import():
-    assert (_place("src.ps.core"), _place("src.config"), _place("src.torch_asgc")) == (
+    assert (_place("src.ps.server.core"), _place("src.config"), _place("src.torch_asgc")) == (
         "ps/",
         "config.py",
         "torch_asgc/",
     )
+    assert _place("src.ps.server.core", frozenset({"ps/", "ps/server/"})) == "ps/server/"
+    assert _place("src.ps", frozenset({"ps/", "ps/server/"})) == "ps/"
     layers = [["launch/"], ["ps/", "worker.py"], ["common/"]]
-    graph = {"src.ps.core": {"src.common.seeds", "src.ps.model"}, "src.launch.ps": {"src.ps.core"}}
+    graph = {"src.ps.server.core": {"src.common.seeds", "src.ps.state.model"}, "src.launch.ps": {"src.ps.server.core"}}
     assert _upward(graph, layers) == []
     graph["src.common.seeds"] = {"src.launch.ps"}
-    graph["src.worker"] = {"src.ps.core"}
-    assert _upward(graph, layers) == ["src.common.seeds -> src.launch.ps", "src.worker -> src.ps.core"]
+    graph["src.worker"] = {"src.ps.server.core"}
+    assert _upward(graph, layers) == ["src.common.seeds -> src.launch.ps", "src.worker -> src.ps.server.core"]
+    sides = [["ps/worker/"], ["ps/server/"], ["ps/state/"]]  # a folder's subfolders in their own order
+    assert _upward({"src.ps.state.model": {"src.ps.server.core"}, "src.ps.worker.machine": set()}, sides) == [
+        "src.ps.state.model -> src.ps.server.core"
+    ]
 
 
 def test_no_import_circle_in_src():
@@ -190,11 +209,11 @@ def test_no_import_circle_in_src():
 
 
 def test_type_checking_and_lazy_imports_count():
-    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from src.ps.core import ServerCore\n"
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from src.ps.server.core import ServerCore\n"
     source += "def f():\n    from .seeds import derive_seed\n"
     source += "import torch_asgc.server\n"
     found = _imports_of_text(source, "src.common.planted")
-    assert {"src.ps.core", "src.common.seeds", "src.torch_asgc.server"} <= found
+    assert {"src.ps.server.core", "src.common.seeds", "src.torch_asgc.server"} <= found
 
 
 def test_the_circle_finder_finds_a_planted_circle():

@@ -2,7 +2,7 @@
 server.
 
 Shard 0 is the library's server (:class:`~torch_asgc.server.ClientLoopServer`, a model factory) and shard 1 a
-follower (:class:`~src.ps.follower_server.FollowerServer`), each serving on loopback; two worker processes run
+follower (:class:`~src.ps.shards.follower_server.FollowerServer`), each serving on loopback; two worker processes run
 a plain loop through :class:`~torch_asgc.model.DistributedModel` and :class:`~torch_asgc.optim.DistributedOptimizer`
 with simple_cnn cut into 64 kB slices across the shards. The final checkpoint (the whole model, put together by
 shard 0) equals the one-server run's to float32 rounding. A client that gives fewer addresses than the server
@@ -16,7 +16,7 @@ import torch
 
 from src.common.checkpoint import load_checkpoint
 from src.config import SetupError
-from src.ps.follower_server import FollowerServer
+from src.ps.shards.follower_server import FollowerServer
 from tests.library_fixtures import TOKEN, LibraryServer, equivalence_worker, library_config, run_worker_processes
 from torch_asgc import connect
 from torch_asgc.server import main as server_main

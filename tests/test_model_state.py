@@ -1,4 +1,4 @@
-"""The sync barrier's average (src.ps.aggregation.ModelState.average): the sample-weighted mean of the pushes."""
+"""The sync barrier's average (src.ps.state.aggregation.ModelState.average): the sample-weighted mean of the pushes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from src.ps.aggregation import Contribution, ModelState
+from src.ps.state.aggregation import Contribution, ModelState
 
 
 def _state() -> ModelState:

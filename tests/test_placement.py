@@ -1,4 +1,4 @@
-"""The shards' placement (src/ps/placement.py): deterministic from the layout, balanced by bytes, a tensor whole
+"""The shards' placement (src/ps/shards/placement.py): deterministic from the layout, balanced by bytes, a tensor whole
 unless it is above the slice size, and split/assemble give back every element."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from src.ps.placement import TensorEntry, layout_of, place
+from src.ps.shards.placement import TensorEntry, layout_of, place
 from src.training.models import build_model
 
 

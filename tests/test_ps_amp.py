@@ -1,4 +1,4 @@
-"""Mixed precision in the parameter-server worker (training.amp, src/ps/worker_step.py, src/trainer.py MixedPrecision).
+"""Mixed precision in the parameter-server worker (training.amp, src/ps/worker/compute.py, src/trainer.py MixedPrecision).
 
 Claims: ``--amp bf16`` trains within 1 point of float32 (one-sided, as tests/test_ddp_precision.py),
 the server's parameters and checkpoint stay float32; under fp16 a gradient that overflowed is not
@@ -17,7 +17,7 @@ from src import parameter_server_pb2 as pb
 from src.common.checkpoint import load_checkpoint
 from src.coordinator import check_coverage
 from src.metrics import MetricsLogger, read_events
-from src.ps.worker_step import WorkerStep
+from src.ps.worker.compute import WorkerCompute
 from src.trainer import MixedPrecision, forward_backward, model_from_config
 from src.training.data import load_dataset
 from src.virtual.run import run_virtual
@@ -66,9 +66,9 @@ def test_an_fp16_gradient_that_overflowed_is_computed_again_and_the_finite_one_i
     reference = model_from_config(config)
     reference.load_state_dict(model.state_dict())
     with MetricsLogger(tmp_path / "worker_0", tensorboard=False) as log:
-        step = WorkerStep(config, 0, model=model, train_set=train_set, device=torch.device("cpu"), log=log)
+        step = WorkerCompute(config, 0, model=model, train_set=train_set, device=torch.device("cpu"), log=log)
         step.amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
-        step.compute([batch])
+        step.compute([batch], 0, 1)
     overflows = list(read_events(tmp_path / "worker_0" / "events.jsonl", "amp_overflow"))
     assert overflows and all(e["batch_id"] == 7 for e in overflows)
     assert step.amp.scaler.get_scale() < 2.0**24 and step.amp.skipped_steps == len(overflows)

@@ -315,7 +315,7 @@ def test_shards_override_runs_two_server_shards(compose, sharded_compose):
     """parameter_server is shard 0, parameter_server_1 shard 1 (the same run's flags, its own container on
     training_net, with a healthcheck); the workers get both addresses and start once both shards are healthy.
     Both shards restart on failure and resume an unfinished run from the shards' folder (they go back together:
-    src/ps/shard_recovery.py). docker-compose.yml itself is unchanged: test_compose_services_network_and_volumes."""
+    src/ps/shards/recovery.py). docker-compose.yml itself is unchanged: test_compose_services_network_and_volumes."""
     services = sharded_compose["services"]
     assert set(services) == {"parameter_server", "parameter_server_1", "worker_0", "worker_1"}
     addresses = "parameter_server:50051,parameter_server_1:50051"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from src.compression import IDENTITY, decompress
-from src.transport.grpc import copy_bytes_into
+from src.transport.wire import copy_bytes_into
 from tests.ps_fixtures import ServedServer, ps_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,6 @@ import socket
 import time
 import tracemalloc
 
-import grpc
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -25,16 +24,17 @@ from hypothesis import strategies as st
 
 from src import parameter_server_pb2 as pb
 from src.transport.clients import TRANSPORTS
-from src.transport.grpc import Outgoing, serialize
+from src.transport.errors import CallError
+from src.transport.wire import Outgoing, serialize
 from tests.ps_fixtures import TOKEN, ServedServer, ps_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REFUSALS = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.ABORTED,
+    "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION",
+    "NOT_FOUND",
+    "ABORTED",
 }
 
 
@@ -72,9 +72,9 @@ def attempt(target, body: bytes) -> None:
     before = [p.detach().clone() for p in served.server.state.params]
     try:
         raw_push(body)
-    except grpc.RpcError as refused:
-        assert refused.code() in REFUSALS, (refused.code(), refused.details())
-        details = refused.details() or ""
+    except CallError as refused:
+        assert refused.code in REFUSALS, (refused.code, refused.message)
+        details = refused.message or ""
         assert details and "\n" not in details and "Traceback" not in details, details
         assert served.server.state.version == before_version
         assert all(torch.equal(a, b) for a, b in zip(before, served.server.state.params))
@@ -131,7 +131,7 @@ def test_mutated_pushes_are_refused_cleanly_or_applied_when_still_valid(target, 
 
 ATTEMPT_S = 20.0
 """An attempt (connect, send, read to the end) must end within this: the server closes or answers, never wedges."""
-REFUSED_FRAMES = REFUSALS | {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+REFUSED_FRAMES = REFUSALS | {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED"}
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def raw_exchange(served, data: bytes) -> list[tuple]:
 
 
 def frame_attempt(target, data: bytes, *, authenticated_prefix: bool) -> None:
-    from src.transport.tcp_frames import STATUS_BY_NUMBER, Kind, Method
+    from src.transport.tcp_frames import STATUS_NAMES, Kind, Method
 
     served, worker, frames = target
     before_version = served.server.state.version
@@ -208,7 +208,7 @@ def frame_attempt(target, data: bytes, *, authenticated_prefix: bool) -> None:
     for header, body in replies:
         assert header.kind in (Kind.REPLY, Kind.ERROR)
         if header.kind == Kind.ERROR:
-            code = STATUS_BY_NUMBER[header.status]
+            code = STATUS_NAMES[header.status]
             details = body.decode()
             assert code in REFUSED_FRAMES, (code, details)
             assert details and "\n" not in details and "Traceback" not in details, details

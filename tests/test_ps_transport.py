@@ -8,8 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from src import parameter_server_pb2 as pb
-from src.transport.grpc import Outgoing, copy_bytes_into, serialize, split, tensor_to_bytes, tensor_view
-from src.transport.wire import MessageSplitter, encode
+from src.transport.wire import (
+    MessageSplitter,
+    Outgoing,
+    copy_bytes_into,
+    encode,
+    serialize,
+    split,
+    tensor_to_bytes,
+    tensor_view,
+)
 
 
 def full_push(gradients, buffers) -> pb.PushRequest:

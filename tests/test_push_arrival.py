@@ -20,7 +20,7 @@ from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY, build_compressor
 from src.compressors.payload_format import HEADER_SIZE
 from src.parameter_server import ParameterServer
-from src.ps.refusals import PushRefused
+from src.transport.errors import PushRefused
 from src.transport.tcp_frames import new_body
 from src.transport.wire import Outgoing, serialize, split
 from tests.ps_fixtures import TOKEN, ps_config
@@ -138,7 +138,7 @@ def test_a_bad_push_decoded_as_it_arrives_is_refused_as_the_whole_push_is(tmp_pa
 def _recording_checks(monkeypatch, piece_bytes: int) -> list[int]:
     """Check arriving values in pieces of ``piece_bytes``; the number of values of every finiteness check."""
     import src.compressors.base as compressor_base
-    import src.ps.push_decode as push_decode
+    import src.ps.state.decoding as push_decode
 
     checks: list[int] = []
     real = push_decode.all_finite

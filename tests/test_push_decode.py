@@ -11,9 +11,9 @@ from torch import nn
 
 from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY
-from src.ps.aggregation import ModelState
-from src.ps.push_decode import ModelLayout
-from src.ps.refusals import PushRefused
+from src.ps.state.aggregation import ModelState
+from src.ps.state.decoding import ModelLayout
+from src.transport.errors import PushRefused
 from src.transport.wire import Received
 
 

@@ -152,25 +152,25 @@ def test_architecture_page_names_every_module_in_src():
 
 
 def test_the_architecture_check_finds_a_missing_row_a_stale_row_and_a_missing_section(tmp_path):
-    for name in ("src/__init__.py", "src/config.py", "src/ps/__init__.py", "src/ps/core.py"):
+    for name in ("src/__init__.py", "src/config.py", "src/ps/__init__.py", "src/ps/engine.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
     rows = "| module | what |\n|---|---|\n"
     page = (
         f"# Page\n\n## Modules\n\n### `src/`\n\n{rows}| `src/__init__.py` | x |\n| `src/config.py` | x |\n\n"
-        f"### `src/ps/`\n\n{rows}| `src/ps/__init__.py` | x |\n| `src/ps/core.py` | x |\n\n## Next\n"
+        f"### `src/ps/`\n\n{rows}| `src/ps/__init__.py` | x |\n| `src/ps/engine.py` | x |\n\n## Next\n"
     )
     assert architecture_problems(page, tmp_path) == []
-    missing_row = page.replace("| `src/ps/core.py` | x |\n", "")
-    assert architecture_problems(missing_row, tmp_path) == ["no row for src/ps/core.py"]
-    assert architecture_problems(page.replace("ps/core.py", "ps/ps_core.py"), tmp_path) == [
-        "no row for src/ps/core.py",
+    missing_row = page.replace("| `src/ps/engine.py` | x |\n", "")
+    assert architecture_problems(missing_row, tmp_path) == ["no row for src/ps/engine.py"]
+    assert architecture_problems(page.replace("ps/engine.py", "ps/ps_core.py"), tmp_path) == [
+        "no row for src/ps/engine.py",
         "a row for src/ps/ps_core.py, which does not exist",
     ]
     assert architecture_problems(page.replace("### `src/ps/`\n", ""), tmp_path) == [
         "no section for folder src/ps/",
         "src/ps/__init__.py is listed under src/",
-        "src/ps/core.py is listed under src/",
+        "src/ps/engine.py is listed under src/",
     ]
 
 

@@ -1,4 +1,4 @@
-"""A worker declared failed while it was alive rejoins by itself (src/ps/worker_protocol.py, src/common/supervisor.py).
+"""A worker declared failed while it was alive rejoins by itself (src/ps/worker/membership.py, src/common/supervisor.py).
 
 Claims: what a failed call means and the rejoin budget (``system.max_rejoins``), one line when it
 is spent; the launchers' grace for a revoked process (rejoin, or hung and killed, never both); in
@@ -20,7 +20,7 @@ from src.common.child_processes import process_context
 from src.common.supervisor import RejoinGrace
 from src.coordinator import check_coverage
 from src.metrics import read_events
-from src.ps.worker_protocol import IncarnationRevoked, Rejoins, failed_call
+from src.ps.worker.membership import IncarnationRevoked, Rejoins, failed_call
 from src.virtual.run import run_virtual
 from tests.ps_fixtures import ps_config
 

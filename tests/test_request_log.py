@@ -1,8 +1,8 @@
-"""The de-dup log (src/ps/aggregation.py RequestLog): a retry gets the first reply, nothing is applied twice."""
+"""The de-dup log (src/ps/state/aggregation.py RequestLog): a retry gets the first reply, nothing is applied twice."""
 
 from __future__ import annotations
 
-from src.ps.aggregation import RequestLog
+from src.ps.state.aggregation import RequestLog
 
 
 def test_a_retry_gets_the_first_reply_and_only_the_newest_reply_is_kept():

@@ -1,10 +1,10 @@
-"""Async pushes across shards (src/ps/shard_async.py) between the real cores, in one process: each shard judges a
+"""Async pushes across shards (src/ps/shards/asynchronous.py) between the real cores, in one process: each shard judges a
 push's staleness against its own version, a push is applied on the shards that find it fresh enough and rolled back
 on the others (its residual there too), in shard 0's order, and the followers apply the pushes of a worker that died
 after its commit.
 
 The messages are the protocol's own bytes (serialized and split as a transport does), built by the workers' own
-code (src/ps/shard_step.py); the runs of real shard processes are in tests/test_shard_server.py and
+code (src/ps/worker/machine.py); the runs of real shard processes are in tests/test_shard_server.py and
 tests/test_ps_equivalence.py."""
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ from src import parameter_server_pb2 as pb
 from src.config import config_from_data
 from src.coordinator import applied_history, check_shards
 from src.parameter_server import planned_work
-from src.ps import shard_step
-from src.ps.core import ServerCore
-from src.ps.follower import FollowerCore
-from src.ps.refusals import PushRefused, Refused
-from src.ps.shard_async import decode_chain
-from src.ps.shard_model import model_placement
-from src.ps.shard_push import ShardedPushCodec, load_shard_reply
-from src.ps.sharding import Sharding
-from src.ps.updates import ROLLED_BACK_HERE
-from src.ps.worker_protocol import PushCodec, load_reply, served_tensors
+from src.ps.server.core import ServerCore
+from src.ps.shards.asynchronous import ROLLED_BACK_HERE, decode_chain
+from src.ps.shards.follower import FollowerCore
+from src.ps.shards.parts import model_placement
+from src.ps.shards.shard_zero import Sharding
+from src.ps.worker.codec import PushCodec
+from src.ps.worker.loading import load_reply, load_shard_reply, served_tensors
+from src.ps.worker.machine import applied_on, commit, holds
+from src.transport.errors import PushRefused, Refused
 from tests.test_shard_protocol import KEY, SAMPLES, _data, _message, _model, _reply
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -71,7 +70,8 @@ class AsyncRun:
         self.replicas = [copy.deepcopy(model) for _ in workers]
         names = [n for n, _ in served_tensors(model)[0]]
         self.codecs = [
-            PushCodec(config.system, None, error_feedback=True, seed=0, worker_id=w, names=names) for w in workers
+            PushCodec(config.system, None, error_feedback=True, seed=0, worker_id=w, names=names, placement=self.placement)
+            for w in workers
         ]
         self.callers, self.members, self.work = {}, {}, {}
         self.versions = {w: [0] * shards for w in workers}
@@ -130,8 +130,8 @@ class AsyncRun:
     def hold(self, w: int) -> list[pb.PushReply]:
         """Every shard holds ``w``'s pending push (each based on its own version); the followers' hold replies."""
         gradients, request = self.pending[w]
-        per_shard = ShardedPushCodec(self.placement, self.codecs[w]).encode(gradients, 0)
-        held = shard_step.holds(request, self.versions[w])
+        per_shard = self.codecs[w].encode(gradients, 0)
+        held = holds(request, self.versions[w])
         acks = [pb.PushReply(accepted=True)]
         for k, follower in enumerate(self.followers, start=1):
             follower.member(held[k].caller)
@@ -146,13 +146,12 @@ class AsyncRun:
 
     def commit(self, w: int) -> pb.PushReply:
         """Commit ``w``'s held push to shard 0; its verdict (the reply's parameters wait for :meth:`pull`), settled on
-        ``w``'s residuals shard by shard as a worker settles it (:func:`src.ps.shard_step.applied_on`)."""
+        ``w``'s residuals shard by shard as a worker settles it (:func:`src.ps.worker.machine.applied_on`)."""
         _, request = self.pending[w]
-        commit = _message(shard_step.commit(request, self.acks[w], self.versions[w][0], "async"))
-        verdict = self._push_to_core(w, commit)
-        sharded = ShardedPushCodec(self.placement, self.codecs[w])
+        message = _message(commit(request, self.acks[w], self.versions[w][0], "async"))
+        verdict = self._push_to_core(w, message)
         for shard in range(self.shards):
-            sharded.settle(shard, accepted=shard_step.applied_on(verdict, shard))
+            self.codecs[w].settle(shard, accepted=applied_on(verdict, shard))
         return verdict
 
     def residuals(self, w: int, shard: int) -> list[torch.Tensor]:
@@ -172,7 +171,7 @@ class AsyncRun:
     def push(self, w: int) -> pb.PushReply:
         """Unsharded: push ``w``'s pending gradient and load the reply."""
         gradients, request = self.pending[w]
-        verdict = self._push_to_core(w, _message(request, self.codecs[w].encode(gradients, 0)))
+        verdict = self._push_to_core(w, _message(request, self.codecs[w].encode(gradients, 0)[0]))
         self._load(w, 0, self._reply)
         return verdict
 
@@ -408,7 +407,7 @@ def test_what_a_sharded_async_server_refuses(tmp_path):
     run.compute(0)
     run.hold(0)
     _, request = run.pending[0]
-    bare = _message(shard_step.commit(request, run.acks[0][:1], 0, "sync"))  # no follower's staleness
+    bare = _message(commit(request, run.acks[0][:1], 0, "sync"))  # no follower's staleness
     with run.core.lock:
         member = run.core.begin_push(bare.message.caller, bare.message)
         with pytest.raises(PushRefused, match=r"staleness of shards \[\], but an async commit carries every"):

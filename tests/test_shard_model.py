@@ -1,4 +1,4 @@
-"""A shard's part of the model (src/ps/shard_model.py): the parts put back together are the model, and the
+"""A shard's part of the model (src/ps/shards/parts.py): the parts put back together are the model, and the
 server's steps on the parts are its steps on the whole model, to float32 rounding (sync with S shards is sync with
 one)."""
 
@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from src.config import Config
-from src.ps.aggregation import Contribution, ModelState
-from src.ps.shard_model import model_placement, shard_module, trainable, whole_state
-from src.ps.shard_push import shard_gradients
-from src.ps.staleness import server_optimizer
+from src.ps.shards.parts import model_placement, shard_module, trainable, whole_state
+from src.ps.state.aggregation import Contribution, ModelState
+from src.ps.state.staleness import server_optimizer
+from src.ps.worker.codec import shard_gradients
 
 
 def _model() -> nn.Module:

@@ -1,4 +1,4 @@
-"""The sharded server's sync protocol between the real cores (src/ps/shard_rounds.py), in one process: hold on every
+"""The sharded server's sync protocol between the real cores (src/ps/shards/rounds.py), in one process: hold on every
 shard, commit to shard 0, pull every shard with its certificate. Two shards train as one server does, and both as
 large-batch SGD does; what a shard must refuse, it refuses.
 
@@ -17,14 +17,14 @@ from src import parameter_server_pb2 as pb
 from src.common.sessions import SessionSigner, session_key
 from src.config import config_from_data
 from src.parameter_server import planned_work
-from src.ps.core import ServerCore
-from src.ps.follower import FollowerCore
-from src.ps.refusals import PushRefused, Refused
-from src.ps.shard_model import model_placement
-from src.ps.shard_push import ShardedPushCodec, load_shard_reply
-from src.ps.shard_rounds import RoundCertificate
-from src.ps.sharding import Sharding
-from src.ps.worker_protocol import PushCodec, load_reply, served_tensors
+from src.ps.server.core import ServerCore
+from src.ps.shards.follower import FollowerCore
+from src.ps.shards.parts import model_placement
+from src.ps.shards.rounds import RoundCertificate
+from src.ps.shards.shard_zero import Sharding
+from src.ps.worker.codec import PushCodec
+from src.ps.worker.loading import load_reply, load_shard_reply, served_tensors
+from src.transport.errors import PushRefused, Refused
 from src.transport.wire import Outgoing, serialize, split
 
 KEY = session_key(b"the run's token")
@@ -97,8 +97,10 @@ class Shards:
         self.workers = range(config.system.num_workers)
         self.replicas = [copy.deepcopy(model) for _ in self.workers]
         names = [n for n, _ in served_tensors(model)[0]]
+        placement = self.placement if shards > 1 else None
         self.codecs = [
-            PushCodec(config.system, None, error_feedback=False, seed=0, worker_id=w, names=names) for w in self.workers
+            PushCodec(config.system, None, error_feedback=False, seed=0, worker_id=w, names=names, placement=placement)
+            for w in self.workers
         ]
         self.callers, self.work, self.request_ids = {}, {}, {w: 0 for w in self.workers}
         self.certificates: dict[int, bytes] = {}
@@ -164,13 +166,13 @@ class Shards:
             gradients, num_samples, _ = self.gradient(w)
             self.request_ids[w] += 1
             if self.shards == 1:
-                payloads = self.codecs[w].encode(gradients, 0)
+                payloads = self.codecs[w].encode(gradients, 0)[0]
                 received = _message(self.request(w, num_samples), payloads)
                 with self.core.lock:
                     members[w] = self.core.begin_push(received.message.caller, received.message)
                     verdicts[w] = self.core.apply_push(members[w], received.message, self.core.decode(w, received))
                 continue
-            per_shard = ShardedPushCodec(self.placement, self.codecs[w]).encode(gradients, 0)
+            per_shard = self.codecs[w].encode(gradients, 0)
             held = self.request(w, num_samples, hold=True)
             for k, follower in enumerate(self.followers, start=1):  # hold on every shard
                 received = _message(held, per_shard[k])
@@ -315,11 +317,11 @@ def test_what_the_shards_refuse(tmp_path):
 
 @pytest.mark.parametrize(("code", "kind"), [("INTERNAL", "ends"), ("UNAVAILABLE", "registers again")])
 def test_a_run_stopped_from_outside_refuses_waiting_calls_with_its_code(tmp_path, code, kind):
-    """Shard 0 stops the run when another shard goes away (src/ps/shard_recovery.py): the shards start again
+    """Shard 0 stops the run when another shard goes away (src/ps/shards/recovery.py): the shards start again
     together, so a worker's waiting call is refused UNAVAILABLE, as after a server restart (the worker registers
     again); any other stop is INTERNAL (the worker ends with the error)."""
-    from src.ps.refusals import RunFailed
-    from src.ps.worker_protocol import failed_call
+    from src.ps.state.refusals import RunFailed
+    from src.ps.worker.membership import failed_call
 
     run = Shards(replace_dirs(_config(tmp_path, workers=2), tmp_path / code), _model(), 2)
     run.start()

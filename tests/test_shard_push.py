@@ -1,4 +1,4 @@
-"""A push cut by the shards' placement (src/ps/shard_push.py): each shard's slices decode back to the gradient,
+"""A push cut by the shards' placement (src/ps/worker/codec.py): each shard's slices decode back to the gradient,
 compression and error feedback are per slice, and a shard's rejection rolls back its slices only."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import torch
 
 from src.compression import TopKCompressor, decompress
 from src.compressors.policy import CompressionPolicy
-from src.ps.placement import layout_of, place
-from src.ps.shard_push import ShardedPushCodec, shard_gradients
-from src.ps.worker_protocol import PushCodec
+from src.ps.shards.placement import layout_of, place
+from src.ps.worker.codec import PushCodec, shard_gradients
 
 ASYNC_HARD = SimpleNamespace(aggregation_mode="async", staleness_policy="hard")
 
@@ -29,15 +28,17 @@ def _placement(gradients, shards=2):
     return place(layout_of(gradients), shards, slice_bytes=4096)
 
 
-def _codec(policy, *, error_feedback=True):
+def _codec(policy, placement, *, error_feedback=True):
     names = [name for name, _ in _gradients()]
-    return PushCodec(ASYNC_HARD, policy, error_feedback=error_feedback, seed=0, worker_id=0, names=names)
+    return PushCodec(
+        ASYNC_HARD, policy, error_feedback=error_feedback, seed=0, worker_id=0, names=names, placement=placement
+    )
 
 
 def test_each_shards_slices_decode_back_to_the_whole_gradient():
     gradients = _gradients()
     placement = _placement(gradients)
-    sharded = ShardedPushCodec(placement, _codec(None, error_feedback=False))
+    sharded = _codec(None, placement, error_feedback=False)
     payloads = sharded.encode(gradients, step=0)
     assert [len(p) for p in payloads] == [len(keys) for keys in sharded.keys]
     parts = {}
@@ -53,7 +54,7 @@ def test_top_k_keeps_its_share_of_every_slice():
     gradients = _gradients()
     placement = _placement(gradients)
     topk = TopKCompressor(ratio=0.1)
-    sharded = ShardedPushCodec(placement, _codec(CompressionPolicy(topk)))
+    sharded = _codec(CompressionPolicy(topk), placement)
     payloads = sharded.encode(gradients, step=0)
     for shard, shard_payloads in enumerate(payloads):
         for piece, payload in zip(placement.on_shard(shard), shard_payloads):
@@ -66,8 +67,7 @@ def test_top_k_keeps_its_share_of_every_slice():
 def test_a_rejection_by_one_shard_rolls_back_its_slices_only_and_no_mass_is_lost():
     gradients = _gradients()
     placement = _placement(gradients)
-    codec = _codec(CompressionPolicy(TopKCompressor(ratio=0.1)))
-    sharded = ShardedPushCodec(placement, codec)
+    codec = sharded = _codec(CompressionPolicy(TopKCompressor(ratio=0.1)), placement)
     payloads = sharded.encode(gradients, step=0)
     sharded.settle(0, accepted=True)
     sharded.settle(1, accepted=False)

@@ -1,4 +1,4 @@
-"""Sync versions across shards (src/ps/shard_rounds.py): followers apply what shard 0 certified, so S shards give
+"""Sync versions across shards (src/ps/shards/rounds.py): followers apply what shard 0 certified, so S shards give
 the unsharded server's model (to float32 rounding), also when a worker fails mid-push; forged and out-of-order
 certificates are refused."""
 
@@ -12,11 +12,11 @@ from torch import nn
 
 from src.common.sessions import session_key
 from src.config import Config
-from src.ps.aggregation import Contribution, ModelState
-from src.ps.shard_model import model_placement, shard_module, trainable, whole_state
-from src.ps.shard_push import shard_gradients
-from src.ps.shard_rounds import FollowerRounds, ForgedCertificate, RoundCertificate, ShardBehind, certify
-from src.ps.staleness import server_optimizer
+from src.ps.shards.parts import model_placement, shard_module, trainable, whole_state
+from src.ps.shards.rounds import FollowerRounds, ForgedCertificate, RoundCertificate, ShardBehind, certify
+from src.ps.state.aggregation import Contribution, ModelState
+from src.ps.state.staleness import server_optimizer
+from src.ps.worker.codec import shard_gradients
 
 KEY = session_key(b"the run's token")
 WORKERS = 3

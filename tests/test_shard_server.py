@@ -1,5 +1,5 @@
 """A sharded server over real connections: shard 0 (the parameter server with its part) and a follower shard
-(src/ps/follower_server.py), each serving on loopback over each transport, driven by hand through raw clients.
+(src/ps/shards/follower_server.py), each serving on loopback over each transport, driven by hand through raw clients.
 
 A session shard 0 issued works on the follower with no call between the shards; a forged one and a stale one
 are refused there; calls that are shard 0's are refused by the follower with a line that says so; random and
@@ -8,7 +8,6 @@ keeps serving at its version."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,9 +15,10 @@ from hypothesis import strategies as st
 
 from src import parameter_server_pb2 as pb
 from src.compression import IDENTITY
-from src.ps.follower_server import FollowerServer
+from src.ps.shards.follower_server import FollowerServer
 from src.transport.clients import TRANSPORTS, make_client
-from src.transport.grpc import Outgoing, serialize
+from src.transport.errors import CallError
+from src.transport.wire import Outgoing, serialize
 from tests.ps_fixtures import TOKEN, ServedServer, ps_config
 from tests.test_ps_fuzz import REFUSALS, mutate
 
@@ -128,30 +128,30 @@ def test_forged_and_stale_sessions_are_refused_on_the_follower(shards):
     served, worker = shards
     follower = worker.clients[1]
     forged = pb.Caller(worker_id=0, session=bytes(32))
-    with pytest.raises(grpc.RpcError) as refused:
+    with pytest.raises(CallError) as refused:
         follower.pull(forged, parameters_only=True)
-    assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "signature" in refused.value.details()
+    assert refused.value.code == "NOT_FOUND" and "signature" in refused.value.message
     old = worker.caller
     worker.register()  # a new incarnation: shard 0 issues a new session; the follower learns it from its use
     worker.reply = worker.clients[0].pull(worker.caller)
     worker.version = worker.reply.message.version
     follower.pull(worker.caller, parameters_only=True)
-    with pytest.raises(grpc.RpcError) as refused:
+    with pytest.raises(CallError) as refused:
         follower.pull(old, parameters_only=True)
-    assert refused.value.code() == grpc.StatusCode.ABORTED and "stale" in refused.value.details()
+    assert refused.value.code == "ABORTED" and "stale" in refused.value.message
     worker.step()  # the new session goes on working on both shards
     assert served.follower.core.version == served.zero.server.version
 
 
 def test_calls_of_shard_0_are_refused_by_the_follower(shards):
     served, worker = shards
-    with pytest.raises(grpc.RpcError) as refused:
+    with pytest.raises(CallError) as refused:
         worker.clients[1].register(0)
-    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and "shard 0" in refused.value.details()
+    assert refused.value.code == "UNIMPLEMENTED" and "shard 0" in refused.value.message
     plain = pb.PushRequest(caller=worker.caller, base_version=worker.version, request_id=99)
-    with pytest.raises(grpc.RpcError) as refused:
+    with pytest.raises(CallError) as refused:
         worker.clients[1].push(plain)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hold" in refused.value.details()
+    assert refused.value.code == "INVALID_ARGUMENT" and "hold" in refused.value.message
 
 
 def valid_hold(worker: ShardWorker) -> bytes:
@@ -183,9 +183,9 @@ def test_random_and_mutated_holds_are_refused_cleanly_by_a_follower(shards, data
     before = [p.detach().clone() for p in core.state.params]
     try:
         worker.clients[1].push_bytes(bytes(body), timeout=30)
-    except grpc.RpcError as refused:
-        assert refused.code() in REFUSALS | {grpc.StatusCode.PERMISSION_DENIED}, (refused.code(), refused.details())
-        details = refused.details() or ""
+    except CallError as refused:
+        assert refused.code in REFUSALS | {"PERMISSION_DENIED"}, (refused.code, refused.message)
+        details = refused.message or ""
         assert details and "\n" not in details and "Traceback" not in details, details
     assert core.version == before_version  # a hold changes nothing until a certificate names it
     assert all(torch.equal(a, b) for a, b in zip(before, core.state.params))

@@ -1,4 +1,4 @@
-"""Sessions across parameter-server shards (src/common/sessions.py, src/ps/shard_sessions.py): a session shard 0
+"""Sessions across parameter-server shards (src/common/sessions.py, src/ps/shards/sessions.py): a session shard 0
 issues is accepted on every shard without asking shard 0; forged, misdirected, stale and failed ones are refused
 on each."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from src.common.sessions import SESSION_BYTES, ForgedSession, SessionSigner, session_key
 from src.coordinator import Membership, MembershipError
-from src.ps.shard_sessions import ShardSessions
+from src.ps.shards.sessions import ShardSessions
 
 KEY = session_key(b"the run's token")
 

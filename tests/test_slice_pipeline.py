@@ -1,4 +1,4 @@
-"""Provisional slices (``system.pipelined_replies``, :mod:`src.ps.slice_pipeline`), one component at a time.
+"""Provisional slices (``system.pipelined_replies``, :mod:`src.ps.state.slice_pipeline`), one component at a time.
 
 A slice stepped before the barrier must be the barrier's step of it bit for bit, or be voided: its optimizer step
 (:func:`~src.training.optimizers.stepped_slice`) is torch's SGD on fewer elements; the pipeline steps a slice once
@@ -16,9 +16,10 @@ from torch import nn
 
 from src import parameter_server_pb2 as pb
 from src.config import load_config
-from src.ps.aggregation import Contribution, ModelState
-from src.ps.slice_pipeline import Sink, SlicePipeline, slice_elements_of
+from src.ps.state.aggregation import Contribution, ModelState
+from src.ps.state.slice_pipeline import SlicePipeline, slice_elements_of
 from src.training.optimizers import apply_gradients, build_optimizer, stepped_slice
+from src.transport.sinks import Sink
 from src.transport.stream import PROVISIONAL_HEAD, PushStream
 from src.transport.wire import Outgoing, serialize, split
 

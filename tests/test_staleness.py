@@ -1,4 +1,4 @@
-"""Contract tests of src/ps/staleness.py: policy verdicts follow the formulas; LookaheadMomentum equals
+"""Contract tests of src/ps/state/staleness.py: policy verdicts follow the formulas; LookaheadMomentum equals
 torch's SGD with one worker and synchronous momentum SGD on the mean gradient with N workers.
 
 Tolerances: verdict weights are exact formulas (1e-12); optimizer trajectories are float32 sums in a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from src.config import validate_config
-from src.ps.staleness import (
+from src.ps.state.staleness import (
     LookaheadMomentum,
     StalenessPolicy,
     compensated_momentum,

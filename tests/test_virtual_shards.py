@@ -24,7 +24,7 @@ from src.coordinator import check_coverage, check_shards
 from src.emulation.cost_model import shard_times
 from src.emulation.event_loop import EventLoop, SharedLink
 from src.metrics import read_events
-from src.ps.shard_final import shard_part_path
+from src.ps.shards.final import shard_part_path
 from src.virtual.network import FairNetwork
 from src.virtual.run import VirtualRun, run_virtual
 from tests.ps_fixtures import ps_config
@@ -178,7 +178,7 @@ def test_two_virtual_shards_train_as_one_virtual_server_every_shard_alike_and_th
 
 def test_async_over_two_virtual_shards_every_shard_alike_and_the_same_twice(tmp_path):
     """Async (3 workers with uneven compute, so pushes are stale and the soft policy weighs them): every push is
-    a version on every shard, of the same push (src/ps/shard_async.py), every sample in exactly one update, and the
+    a version on every shard, of the same push (src/ps/shards/asynchronous.py), every sample in exactly one update, and the
     run is deterministic."""
     fields = dict(
         system__aggregation_mode="async",

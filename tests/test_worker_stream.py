@@ -1,4 +1,4 @@
-"""The streamed worker's hooks (src/ps/worker_stream.py) on a model, in one process.
+"""The streamed worker's hooks (src/ps/worker/streaming.py) on a model, in one process.
 
 Backward hands each gradient over as autograd produces it (reverse layer order); the next forward waits for a
 module's tensors of the awaited reply only, takes the values the reply brought, and raises when that reply broke
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from src.ps.worker_stream import ShardStreams, StreamedModel
+from src.ps.worker.streaming import PushStreams, StreamedModel
 from src.transport.stream import ReplyBroken
 from src.transport.wire import tensor_to_bytes
 
@@ -54,7 +54,7 @@ def test_backward_hands_every_gradient_over_once_in_reverse_layer_order_and_the_
 
 def test_a_gradient_cut_across_shards_goes_to_each_shard_holding_a_slice():
     streams = [Recorder(), Recorder()]
-    shards = ShardStreams(streams, [[(0, 0), (1, 0)], [(1, 1)]])
+    shards = PushStreams(streams, [[(0, 0), (1, 0)], [(1, 1)]])
     shards.ready(0)
     shards.ready(1)
     assert streams[0].handed == [0] and streams[1].handed == [0, 1]

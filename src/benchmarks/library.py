@@ -18,7 +18,8 @@ from src.compression import build_compressor
 from src.compressors.error_feedback import ErrorFeedback
 from src.compressors.policy import CompressionPolicy
 from src.config import load_config
-from src.ps.worker_protocol import encode_gradients, load_reply, settle_push
+from src.ps.worker.codec import encode_gradients, settle_push
+from src.ps.worker.loading import load_reply
 from src.training.data import dataset_info, load_dataset
 from src.training.models import build_model
 from src.transport.grpc import ParameterServerClient

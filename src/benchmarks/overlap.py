@@ -60,7 +60,7 @@ it for each run). Links carry jumbo frames (``--mtu``, :data:`DEFAULT_MTU`). 6 e
 With ``streaming`` (``--streaming``) the run has three arms: the PS without streaming first (``ps_unstreamed``,
 today's worker: the targets' reference), then with it (``ps``), then DDP. With ``pipelined`` (``--pipelined-replies``)
 as well, four: the streamed arm becomes ``ps_streamed`` and ``ps`` is the streamed PS whose server sends each slice
-back as soon as it is stepped (:mod:`src.ps.slice_pipeline`).
+back as soon as it is stepped (:mod:`src.ps.state.slice_pipeline`).
 
 With ``trace_dir`` (``--trace-dir``) every process of every arm writes its timeline, and the JSON's
 ``exposed_split_s_per_step`` splits each streamed PS arm's and DDP's exposed seconds per worker-step at the moment

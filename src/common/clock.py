@@ -1,6 +1,6 @@
 """Where a run's time comes from: the machine's clocks, or a virtual clock that a simulation advances.
 
-The parameter server's core (:mod:`src.ps.core`), its event logs and its summary read time only
+The parameter server's core (:mod:`src.ps.server.core`), its event logs and its summary read time only
 through a :class:`Clock`, so the same code runs on the wall clock (real processes, real waits) and
 on a :class:`VirtualClock` (:mod:`src.virtual.run`: one process, where time is computed by a cost
 model and moves only when the simulation says so).

@@ -34,7 +34,7 @@ def session_key(secret: bytes) -> bytes:
 
 def signature(key: bytes, purpose: bytes, body: bytes) -> bytes:
     """The run's 16-byte tag of ``body`` for ``purpose`` (HMAC-SHA256 under ``key``, cut): what a session and a
-    shard's round certificate (:mod:`src.ps.shard_rounds`) carry; the purpose keeps one's tag from passing as
+    shard's round certificate (:mod:`src.ps.shards.rounds`) carry; the purpose keeps one's tag from passing as
     the other's. Compare tags with :func:`hmac.compare_digest`."""
     return hmac.new(key, purpose + body, hashlib.sha256).digest()[:TAG_BYTES]
 

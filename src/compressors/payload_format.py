@@ -135,7 +135,7 @@ def dense_float32_numel(header: PayloadLike) -> int | None:
     """The entries of the identity payload whose first :data:`HEADER_SIZE` bytes are ``header``, when it carries
     float32 values (its body is then the tensor's values, 4 bytes each, in order); ``None`` for any other payload
     or a header that does not check out. Lets a receiver read a dense gradient's values while its bytes still
-    arrive (:mod:`src.ps.slice_pipeline`); the whole payload is checked as usual once it is in."""
+    arrive (:mod:`src.ps.state.slice_pipeline`); the whole payload is checked as usual once it is in."""
     raw = bytes(as_buffer(header)[:HEADER_SIZE])
     if len(raw) < HEADER_SIZE:
         return None

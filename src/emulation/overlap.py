@@ -1,7 +1,7 @@
 """The timing of a streamed parameter-server step in virtual time (``system.streaming``): compute spread over the
 layers, gradients ready in backward order, parts queued on the worker's link, the next forward waiting per layer.
 
-A streamed worker (:mod:`src.ps.worker_stream`) sends each gradient as backward produces it and takes the reply's
+A streamed worker (:mod:`src.ps.worker.streaming`) sends each gradient as backward produces it and takes the reply's
 tensors as they arrive, while its next forward waits for a layer only if it must. This module holds the pure pieces
 a virtual worker (:mod:`src.virtual.worker`) composes into such a step on the event loop
 (:mod:`src.emulation.event_loop`):

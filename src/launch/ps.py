@@ -56,7 +56,7 @@ from src.config import Config
 from src.metrics import EventLog
 from src.telemetry import tracing
 from src.telemetry.logs import setup_logging
-from src.transport.grpc import resolve_auth_token, split_address
+from src.transport.settings import resolve_auth_token, split_address
 
 STARTUP_TIMEOUT_S = 600.0  # server start: imports, dataset, model (a torchvision download can be slow)
 STOP_GRACE_S = 5.0
@@ -117,15 +117,15 @@ def run_server(
         summary_json: summary path (default ``<log_dir>/summary.json``).
         on_listening: called with the bound port once the server accepts connections.
         resume: continue from this server checkpoint (file or folder); shard 0 of a sharded run across hosts:
-            from the newest version every shard has checkpointed (:mod:`src.ps.shard_recovery`).
+            from the newest version every shard has checkpointed (:mod:`src.ps.shards.recovery`).
         faults: fire the config's server faults (``False`` for a restarted server).
         on_event: told about worker failures (the local launcher kills hung processes).
         watch_shards: shard 0 of a sharded run watches the other shards and ends the run when one goes away
             (across hosts; a local launcher restarts the shards itself and says ``False``).
     """
+    from src.common.memory import reuse_freed_memory
     from src.parameter_server import ParameterServer
     from src.telemetry.trackers import require_trackers
-    from src.transport.grpc import reuse_freed_memory
 
     require_trackers(config)
     reuse_freed_memory()
@@ -155,7 +155,7 @@ def run_server(
             if on_listening is not None:
                 on_listening(port)
             if watching:
-                from src.ps.shard_recovery import ShardWatch
+                from src.ps.shards.recovery import ShardWatch
 
                 watch = ShardWatch(followers, config.system.heartbeat_timeout, server.fail)
                 watch.start()
@@ -174,7 +174,7 @@ def run_server(
 def _shard_clients(config: Config, token: str | None, addresses: list[str]) -> list:
     """A client of each of ``addresses`` (other shards of this run), for Status calls."""
     from src.transport.clients import make_client
-    from src.transport.grpc import require_auth_token
+    from src.transport.settings import require_auth_token
 
     system = config.system
     token = token or require_auth_token(system)
@@ -186,9 +186,9 @@ def _shard_clients(config: Config, token: str | None, addresses: list[str]) -> l
 
 def _common_resume(config: Config, resume: str | Path, followers: list) -> tuple[Path, tuple[int, list[bytes]]]:
     """Shard 0 of a sharded run starting again: its checkpoint of the newest version every shard has, and the
-    version with the followers' instances it was chosen with (:func:`src.ps.shard_recovery.choose_version`)."""
+    version with the followers' instances it was chosen with (:func:`src.ps.shards.recovery.choose_version`)."""
     from src.common.checkpoint import CheckpointError, numbered_path
-    from src.ps.shard_recovery import choose_version
+    from src.ps.shards.recovery import choose_version
 
     folder = Path(resume) if Path(resume).is_dir() else Path(resume).parent
     logger.info("shard 0: asking the other shards which versions they have checkpointed")
@@ -214,12 +214,12 @@ def run_follower(
 ) -> Path:
     """Serve follower shard ``shard`` of a sharded run on ``address`` until ``wait(over)`` returns (``over``: set
     once shard 0 has read this shard's part); then write its
-    part of the model and return where (:class:`~src.ps.follower_server.FollowerServer`). ``resume``: continue
+    part of the model and return where (:class:`~src.ps.shards.follower_server.FollowerServer`). ``resume``: continue
     from this shard's checkpoint (a file, or the run's checkpoint folder); ``model``: the served model at its
     initial values (default the config's); ``recovering``: starting again across hosts, go back to the version
-    shard 0 chooses (:mod:`src.ps.shard_recovery`)."""
-    from src.ps.follower_server import FollowerServer
-    from src.transport.grpc import reuse_freed_memory
+    shard 0 chooses (:mod:`src.ps.shards.recovery`)."""
+    from src.common.memory import reuse_freed_memory
+    from src.ps.shards.follower_server import FollowerServer
 
     reuse_freed_memory()
     trace = Path(config.system.log_dir) / f"server_{shard}" / tracing.TRACE_FILE
@@ -246,7 +246,7 @@ def run_follower(
 
 def _go_back_with_shard_0(config: Config, server) -> None:
     """A follower starting again across hosts: wait for shard 0 to choose the version, then take it up."""
-    from src.ps.shard_recovery import wait_for_resume_version
+    from src.ps.shards.recovery import wait_for_resume_version
 
     [client] = _shard_clients(config, server.token, config.system.shard_addresses[:1])
     try:
@@ -263,16 +263,16 @@ def _go_back_with_shard_0(config: Config, server) -> None:
 
 def wait_for_run_end(config: Config, over: threading.Event | None = None, *, poll_s: float = 0.5) -> None:
     """A follower shard on its own host: return once ``over`` is set (shard 0 has read this shard's part:
-    :mod:`src.ps.shard_final`), or once shard 0 (``system.shard_addresses[0]``) has said the run is done and has
+    :mod:`src.ps.shards.final`), or once shard 0 (``system.shard_addresses[0]``) has said the run is done and has
     then gone away.
 
     Raises:
         RunFailed: shard 0 started again (another instance), or went away before the run was done and has not
             answered for ``system.heartbeat_timeout``: every shard goes back to a common checkpoint, so this one
-            ends for its supervisor to start it again with ``--resume`` (:mod:`src.ps.shard_recovery`).
+            ends for its supervisor to start it again with ``--resume`` (:mod:`src.ps.shards.recovery`).
     """
-    from src.ps.refusals import RunFailed
-    from src.ps.shard_recovery import status_or_none
+    from src.ps.shards.recovery import status_or_none
+    from src.ps.state.refusals import RunFailed
 
     system = config.system
     [client] = _shard_clients(config, None, system.shard_addresses[:1])
@@ -306,7 +306,7 @@ def run_worker(
     config: Config, worker_id: int, *, token: str | None = None, address: str | None = None, faults: bool = True
 ) -> dict[str, Any]:
     """Train as worker ``worker_id`` of the server at ``address`` (default ``system.server_address``)."""
-    from src.transport.grpc import reuse_freed_memory
+    from src.common.memory import reuse_freed_memory
     from src.worker import Worker
 
     reuse_freed_memory()
@@ -335,7 +335,7 @@ def _server_child(
         with lock:
             report.send(message)
 
-    from src.ps.refusals import RunFailed
+    from src.ps.state.refusals import RunFailed
 
     try:
         summary = run_server(
@@ -670,7 +670,7 @@ def _shards_ended(run: _LocalRun, process) -> None:
     version is made of the same pushes on every shard, so the versions past it are voided on all of them and
     redone: no shard holds a version the others lack. The workers register again, as after a server restart."""
     from src.common.checkpoint import numbered_path
-    from src.ps.follower import shard_checkpoint_dir
+    from src.ps.shards.follower import shard_checkpoint_dir
 
     attempt = run.spend_restart("server")
     if attempt is None:

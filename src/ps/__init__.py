@@ -1,3 +1,4 @@
-"""The parameter server: its core and the core's collaborators, aggregation, staleness, downlink, the TCP
-server, the worker's step and protocol.
-"""
+"""The parameter server, by side: ``state/`` (the served model and the update rules every shard applies), ``shards/``
+(placement, rounds and certificates, async per shard, recovery, the follower core), ``server/`` (the server core and
+its collaborators) and ``worker/`` (the step machine every worker carries). The server transports are in
+``src/transport/``."""

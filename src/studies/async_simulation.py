@@ -29,12 +29,12 @@ from src.compression import decompress
 from src.compressors.error_feedback import ErrorFeedback
 from src.compressors.policy import policy_from_config
 from src.config import Config, validate_config
-from src.ps.staleness import LookaheadMomentum, StalenessPolicy, server_optimizer
+from src.ps.state.staleness import LookaheadMomentum, StalenessPolicy, server_optimizer
 from src.trainer import evaluate, forward_backward, model_from_config
 from src.training.data import load_dataset, make_shards, steps_per_epoch
 
 
-# ---- design-space variants measured in docs/async.md (the one chosen is src.ps.staleness.LookaheadMomentum)
+# ---- design-space variants measured in docs/async.md (the one chosen is src.ps.state.staleness.LookaheadMomentum)
 class MomentumVariant:
     """Variants of momentum for async pushes, for the design-space comparison (``--variant`` JSON):
 

@@ -11,7 +11,7 @@ and the report's time split shows it for every architecture. What it is, measure
   ``communication_time_s``: from the end of compression to the reply in hand (the uplink transfer,
   the server's decode and apply, in sync mode the wait at the barrier for the other workers, the
   reply's build and transfer). An emulated uplink's wait is inside it.
-* **Parameter server, streaming** (``system.streaming``, :mod:`src.ps.worker_stream`): the push leaves in
+* **Parameter server, streaming** (``system.streaming``, :mod:`src.ps.worker.streaming`): the push leaves in
   parts during backward and the reply arrives during the next forward, so only the waits are exposed, and
   the worker's ``communication_time_s`` counts exactly them: from the end of backward (its last gradient
   handed over) to the reply's head in hand (span ``reply_wait``: the parts still on the wire, the server, the

@@ -10,7 +10,7 @@ a forward waiting for a layer) is what the communication itself leaves exposed.
 :func:`split_exposed` splits each worker's waits of each step at that moment, the same way for both architectures,
 from their traces (``system.trace``):
 
-* **Parameter server, streamed** (:mod:`src.ps.worker_stream`): a step's gradients are ready when its
+* **Parameter server, streamed** (:mod:`src.ps.worker.streaming`): a step's gradients are ready when its
   ``forward_backward`` span ends; its waits are its ``reply_wait`` span and the ``parameter_wait`` spans of the
   next forward.
 * **DDP** (:class:`~src.telemetry.exposed_comm.BackwardWait`): a step's gradients are ready when its last gradient

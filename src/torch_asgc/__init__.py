@@ -26,7 +26,7 @@ The server: ``python -m torch_asgc.server`` (:mod:`torch_asgc.server`). Integrat
 from src.compression import build_compressor
 from src.compressors.error_feedback import ErrorFeedback
 from src.compressors.policy import CompressionPolicy
-from src.ps.worker_protocol import IncarnationRevoked
+from src.ps.worker.membership import IncarnationRevoked
 
 from . import ddp
 from .client import WorkerClient, connect

@@ -5,8 +5,8 @@ The forward pass is the module's own; the wrapper only
 * at construction, gives a server that has no model yet this module's layout and initial values
   (the first worker to do so wins; the others get its values), then pulls the server's parameters
   and buffers into the module (sync: once every worker is there, like DDP's start);
-* loads the parameters of every push reply (:class:`~torch_asgc.optim.DistributedOptimizer` calls
-  :meth:`DistributedModel.load`), and tracks their version (the *Worker Version*, sent with each
+* holds the parameters of every reply in the module (the client's step machine loads them,
+  :class:`~src.ps.worker.machine.StepMachine`), and their version (the *Worker Version*, sent with each
   push so the server knows the gradient's staleness);
 * counts the samples of the training forwards since the last step (the first dimension of the first
   tensor argument, in training mode with gradients on), so each push says how many samples its
@@ -14,7 +14,7 @@ The forward pass is the module's own; the wrapper only
 
 With a server that streams (``system.streaming``, :class:`~torch_asgc.optim.DistributedOptimizer` turns it on)
 a push's reply is still arriving when ``step()`` returns: each module's forward waits until its own tensors are in
-(:class:`src.ps.worker_stream.StreamedModel`'s pre-hooks), so the next forward's first layers run while the last
+(:class:`src.ps.worker.streaming.StreamedModel`'s pre-hooks), so the next forward's first layers run while the last
 ones arrive. :meth:`DistributedModel.state_dict`, :meth:`~DistributedModel.load_state_dict` and
 :meth:`~DistributedModel.sync` first wait for the whole reply (:meth:`DistributedModel.wait_for_reply`); the plain
 module's own ``state_dict()`` does not. A reply that breaks off after its head (its push was applied, some
@@ -32,20 +32,17 @@ import logging
 from concurrent.futures import Future, wait
 from typing import Any, Callable
 
-import grpc
 import torch
 from torch import nn
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError
-from src.ps import shard_step
-from src.ps.served_model import layout_mismatch
-from src.ps.shard_push import load_shard_reply
-from src.ps.sharding import Sharding
-from src.ps.worker_protocol import load_reply, served_tensors
-from src.ps.worker_stream import StreamedModel
-from src.transport.grpc import Received, tensor_view
-from src.transport.stream import PushStream, ReplyBroken
+from src.ps.shards.shard_zero import Sharding
+from src.ps.state.model_sources import layout_mismatch
+from src.ps.worker import PushStreams, StreamedModel, served_tensors
+from src.transport.errors import CallError
+from src.transport.stream import ReplyBroken
+from src.transport.wire import tensor_view
 
 from .client import WorkerClient
 
@@ -83,9 +80,14 @@ class DistributedModel(nn.Module):
         self.placement = (  # a sharded server's: where each parameter's slices live (every process computes it)
             Sharding.of_run(module, client.config.system, client.token).placement if client.sharded else None
         )
-        self.version = 0
-        self.shard_versions = [0] * (self.placement.num_shards if self.placement is not None else 1)
-        """A sharded server: the version of each shard's slices loaded (each push to a shard is based on its own)."""
+        self.machine = client.machine
+        self.machine.attach(
+            [n for n, _ in self.trainable],
+            [p for _, p in self.trainable],
+            [n for n, _ in self.float_buffers],
+            [b for _, b in self.float_buffers],
+            self.placement,
+        )
         self._samples = 0
         self.streamed: StreamedModel | None = None
         """``system.streaming``: the hooks that hand gradients to a streamed push and wait for a reply's tensors."""
@@ -97,10 +99,10 @@ class DistributedModel(nn.Module):
             if client.registration.model_wanted:
                 try:
                     self.offer()
-                except grpc.RpcError as exc:  # another worker's model came first and differs
-                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                except CallError as exc:  # another worker's model came first and differs
+                    if exc.code != "FAILED_PRECONDITION":
                         raise
-                    raise SetupError(exc.details()) from None
+                    raise SetupError(exc.message) from None
             else:
                 self._check_layout(client.registration)
             self.sync()
@@ -108,6 +110,16 @@ class DistributedModel(nn.Module):
             client.model = None
             self.remove_hooks()
             raise
+
+    @property
+    def version(self) -> int:
+        """The version of the parameters the module holds (a sharded server's: shard 0's)."""
+        return self.machine.version
+
+    @property
+    def shard_versions(self) -> list[int]:
+        """A sharded server: the version of each shard's slices the module holds."""
+        return self.machine.shard_versions
 
     # ------------------------------------------------------------------------- the user's side
 
@@ -129,18 +141,19 @@ class DistributedModel(nn.Module):
         In sync mode this waits for this worker's turn in the barrier (right away between steps).
         """
         self.wait_for_reply()
-        while True:
-            reply = self.client.pull()
-            if reply.message.work.batches:
-                raise SetupError(
-                    "this server hands out its own batches (run_parameter_server_training.py); for your own "
-                    "loop and data start `python -m torch_asgc.server`"
-                )
-            if self.placement is None:
-                return self.load(reply)
-            self.load_shards([reply, *self.client.pull_shards(reply.message.certificate, first=1)])
-            if not self.shards_apart(self.version):  # else a shard is starting again: pull again
-                return self.version
+        reply = self.client.run(self.machine.pull_everything())
+        if reply.message.work.batches:
+            raise SetupError(
+                "this server hands out its own batches (run_parameter_server_training.py); for your own "
+                "loop and data start `python -m torch_asgc.server`"
+            )
+        self.loaded()
+        return self.version
+
+    def loaded(self) -> None:
+        """The machine loaded every tensor of a reply into the module: the next forward waits for none."""
+        if self.streamed is not None:
+            self.streamed.loaded()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.wait_for_reply()
@@ -155,8 +168,8 @@ class DistributedModel(nn.Module):
         if self.reply_call is not None:
             wait([self.reply_call])
 
-    def stream_pushes(self, open_push: Callable[[], PushStream | None]) -> StreamedModel:
-        """Put the streaming hooks on the module (:class:`~src.ps.worker_stream.StreamedModel`): the first gradient
+    def stream_pushes(self, open_push: Callable[[], PushStreams | None]) -> StreamedModel:
+        """Put the streaming hooks on the module (:class:`~src.ps.worker.streaming.StreamedModel`): the first gradient
         of a backward opens a push with ``open_push``, each gradient goes to it as it is ready, and each module's
         forward waits for its own tensors of the reply being read."""
         self.streamed = StreamedModel(
@@ -173,31 +186,6 @@ class DistributedModel(nn.Module):
     def parameter_names(self) -> list[str]:
         return [n for n, _ in self.trainable]
 
-    def load(self, reply: Received) -> int:
-        """Put a pull or push reply's parameters and buffers into the module; returns (and keeps) their version."""
-        self.wait_for_reply()
-        self.version = load_reply([p for _, p in self.trainable], [b for _, b in self.float_buffers], reply)
-        if self.streamed is not None:
-            self.streamed.loaded()  # every tensor is in: the forward waits for nothing
-        return self.version
-
-    def load_shards(self, replies: list[Received]) -> list[int]:
-        """A sharded server's replies, one per shard in order (shard 0's carries the buffers), into the module;
-        their versions (shard 0's is kept)."""
-        params = {name: param for name, param in self.trainable}
-        buffers = [b for _, b in self.float_buffers]
-        versions = [load_shard_reply(self.placement, k, params, buffers, reply) for k, reply in enumerate(replies)]
-        self.version = versions[0]
-        self.shard_versions = versions
-        if self.streamed is not None:
-            self.streamed.loaded()  # every slice is in (a streamed step pulls them): the forward waits for nothing
-        return versions
-
-    def shards_apart(self, version: int) -> bool:
-        """Whether the shards' slices loaded do not fit together after shard 0 answered at ``version``
-        (:func:`src.ps.shard_step.shards_apart`)."""
-        return shard_step.shards_apart(self.shard_versions, version, self.client.mode)
-
     def buffer_views(self) -> list[memoryview]:
         """The floating-point buffers as float32 bytes, for a push."""
         return [tensor_view(b) for _, b in self.float_buffers]
@@ -213,13 +201,7 @@ class DistributedModel(nn.Module):
 
     def offer(self) -> bool:
         """Give a server without a model this module's layout and values; whether they became version 0."""
-        request = pb.InitializeRequest(
-            parameter_specs=[pb.TensorSpec(name=n, shape=list(p.shape)) for n, p in self.trainable],
-            buffer_specs=[pb.TensorSpec(name=n, shape=list(b.shape)) for n, b in self.float_buffers],
-        )
-        return self.client.initialize(
-            request, [tensor_view(p) for _, p in self.trainable], [tensor_view(b) for _, b in self.float_buffers]
-        )
+        return self.client.run(self.machine.offer())
 
     def remove_hooks(self) -> None:
         if self._hook is not None:

@@ -7,16 +7,18 @@ optimizer; per parameter of the :class:`~torch_asgc.model.DistributedModel` it
 
 1. takes the gradient (unscaled first under AMP, see below; zero for a parameter that got none),
 2. adds the error-feedback residual (``compensate``), compresses, keeps what was left out
-   (``update``): a :class:`src.ps.worker_protocol.PushCodec`, the same code our own workers run,
+   (``update``): a :class:`src.ps.worker.codec.PushCodec`, the same code our own workers run,
 3. pushes the payloads with the Worker Version and the step's sample count, and
 4. on the reply: commits the residuals (accepted) or rolls them back (rejected by the staleness
    policy: the whole compensated gradient waits in the residual for the next push, no gradient mass
    is lost), then loads the parameters the reply carries into the model.
 
-A push whose reply was lost with the server's session (the server restarted) or with this
-worker's incarnation (the server declared it failed while it was alive; the client rejoined) is
-committed if the server says it had applied it, else rolled back into the residual (the user's loop
-does not redo its samples).
+Steps 3 and 4 are the worker's step machine (:class:`src.ps.worker.machine.StepMachine`), the one our own workers
+carry, so the library speaks the protocol exactly as they do. A push whose reply was lost with the server's session
+(the server restarted, or a shard is starting again) or with this worker's incarnation (the server declared it
+failed while it was alive; the client rejoined) is committed if the server says it had applied it, else rolled back
+into the residual (the user's loop does not redo its samples); the parameters are pulled again. The adaptive
+controller's Active Fraction, sent in the replies, applies to the pushes after it.
 
 ``zero_grad()`` clears the gradients as the wrapped optimizer does; ``param_groups`` and ``state``
 are the wrapped optimizer's (schedulers and GradScaler work on them); ``state_dict()`` holds the
@@ -42,11 +44,11 @@ the same way. A skipped step sends nothing in async mode; in sync mode it sends 
 
 **Streaming.** When the server streams (``system.streaming``, ``python -m torch_asgc.server --streaming``; the
 library learns it at registration), the push travels while the user's loop computes, with the same arithmetic
-(:mod:`src.ps.worker_stream`, :mod:`src.transport.stream`: the code our own streamed workers run):
+(:mod:`src.ps.worker.streaming`, :mod:`src.transport.stream`: the code our own streamed workers run):
 
-* ``loss.backward()``: the first gradient ready opens a streamed push (``WorkerClient.push_streamed``); each
+* ``loss.backward()``: the first gradient ready opens a streamed push (``Connections.open_streams``); each
   gradient is handed to it as autograd produces it, and the client's push thread compensates, compresses
-  (:class:`~src.ps.worker_protocol.PushCodec`) and sends it while backward goes on;
+  (:class:`~src.ps.worker.codec.PushCodec`) and sends it while backward goes on;
 * ``step()``: the parameters that got no gradient go as zeros, then the push's small fields (sample count, Worker
   Version, learning rate to send, metrics) close it; ``step()`` waits for the reply's head only (verdict, version)
   and settles the residuals as above;
@@ -55,10 +57,10 @@ library learns it at registration), the push travels while the user's loop compu
   (:class:`~torch_asgc.model.DistributedModel`).
 
 A sharded server streams as our own workers stream to it: one streamed push per shard, its parts that shard's
-slices (``ShardedPushCodec.encode_slice``, error feedback per slice), each gradient handed to the shards holding
-its slices (:class:`~src.ps.worker_stream.ShardStreams`); ``step()`` closes each with its hold, waits for every
-hold's reply, then commits to shard 0 and pulls every shard's slices as unstreamed (``WorkerClient.commit_shards``,
-the same code), so the next forward waits for nothing. A hold that fails raises as an unstreamed one does.
+slices (``PushCodec.encode_slice``, error feedback per slice), each gradient handed to the shards holding
+its slices (:class:`~src.ps.worker.streaming.PushStreams`); ``step()`` closes each with its hold, waits for every
+hold's reply, then commits to shard 0 and pulls every shard's slices as unstreamed (the step machine's), so the next
+forward waits for nothing. A hold that fails is what a failed unstreamed hold is: the shards are starting again.
 
 What a streamed step does differently, and why: a step skipped for non-finite gradients gives up its streamed push
 (the server drops its parts; the residuals and the rounding generator go back to where they were) and sends the
@@ -82,17 +84,12 @@ from typing import Any, Callable
 
 import torch
 
-from src import parameter_server_pb2 as pb
 from src.compression import Compressor
 from src.compressors.error_feedback import ErrorFeedback
 from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
-from src.ps.shard_push import ShardedPushCodec
-from src.ps.shard_step import applied_on
-from src.ps.worker_protocol import PushCodec, count_push
-from src.ps.worker_stream import ShardStreams
+from src.ps.worker import PushCodec, PushStreams, Rejoined, StepFigures
 from src.training.lr_schedule import is_constant
-from src.transport.grpc import Received
 from src.transport.stream import PushStream
 from src.transport.wire import chunk_size
 
@@ -139,18 +136,13 @@ def _differences(optimizer: torch.optim.Optimizer, training: Any) -> list[str]:
 class _OpenPush:
     """A streamed push opened by a backward (``system.streaming``) and not yet closed by ``step()``."""
 
-    streams: list[PushStream]  # one server's push; a sharded server's: each shard's hold, in shard order
-    calls: list[Future]
-    generation: int  # the reply's number (src/ps/worker_stream.py)
+    streams: list[PushStream]  # one per shard (one server: one)
+    generation: int  # the reply's number (src/ps/worker/streaming.py)
     generator_state: torch.Tensor  # the rounding generator before its parts: restored if the push is given up
-    sharded: ShardedPushCodec | None  # a sharded server's: the parts are slices
 
-    def encoded_keys(self, names: list[str]) -> list[str]:
-        """The residual keys the parts encoded so far updated (``names``: the parameters', in push order)."""
-        if self.sharded is None:
-            return [names[index] for index, _ in self.streams[0].encoded]
-        placement = self.sharded.placement
-        return [placement.on_shard(k)[position].key for k, s in enumerate(self.streams) for position, _ in s.encoded]
+    def encoded_keys(self, codec: PushCodec) -> list[Any]:
+        """The residual keys the parts encoded so far updated."""
+        return [codec.keys[k][position] for k, stream in enumerate(self.streams) for position, _ in stream.encoded]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -209,13 +201,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if hasattr(self, "_patch_step_function"):
             self._patch_step_function()  # step hooks and profiler labels, as for any optimizer
         system, training = client.config.system, client.config.training
-        self.codec = PushCodec(
+        self.machine = client.machine
+        self.machine.codec = PushCodec(
             system,
             resolve_compression(compression, system),
             error_feedback=error_feedback,
             seed=training.seed if seed is None else seed,
             worker_id=client.worker_id,
             names=model.parameter_names,
+            placement=model.placement,
         )
         self.steps = 0
         self.skipped_steps = 0
@@ -242,6 +236,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
     # ------------------------------------------------------------------------- the push's compression state
+
+    @property
+    def codec(self) -> PushCodec:
+        return self.machine.codec
 
     @property
     def policy(self) -> CompressionPolicy | None:
@@ -339,7 +337,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Raises:
             IncarnationRevoked: the server declared this worker failed (the process should stop).
-            grpc.RpcError: the server refused the push (the message names the problem).
+            CallError: the server refused the push (the message names the problem).
         """
         loss = None
         started = time.perf_counter()
@@ -358,92 +356,94 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if bool(found_inf > 0) if found_inf is not None else not _all_finite(gradients):
             if push is not None:  # its parts are dropped; the skip goes as it does unstreamed
                 self._abandon(push, RuntimeError("a step skipped for non-finite gradients"))
-            self._skip(model)
+            self.skipped_steps += 1
+            model.wait_for_reply()
+            self.client.run(self.machine.skip())  # sync: the barrier goes on without us
+            model.loaded()
             return loss
         if samples <= 0:
             self._warn_no_samples()
             samples = 1
         computed = time.perf_counter()
-        if push is not None:
-            self._step_streamed(push, model, loss, samples, started, computed)
-            return loss
-        model.wait_for_reply()  # a streamed reply still arriving is in before this push's reply is loaded
-        named = _named_gradients(model.trainable, gradients, grad_scale)
-        if model.placement is not None:  # a sharded server: each shard's slices, error feedback per slice
-            per_shard = ShardedPushCodec(model.placement, self.codec).encode(named, self.steps)
-            payloads = [payload for shard in per_shard for payload in shard]
-        else:
-            per_shard, payloads = None, self.codec.encode(named, self.steps)
+        if push is None:
+            model.wait_for_reply()  # a streamed reply still arriving is in before this push's reply is loaded
+            payloads = self.machine.encode(_named_gradients(model.trainable, gradients, grad_scale))
         compressed = time.perf_counter()
-        totals = self.client.totals
-        request = self._request(model, loss, samples, computed - started, compressed - computed)
-        accepted = (
-            self._push(request, payloads, model) if per_shard is None else self._push_shards(request, per_shard, model)
+        request = self.machine.request(
+            samples=samples,
+            loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else None,
+            gradient_time_s=computed - started,
+            compression_time_s=0.0 if push is not None else compressed - computed,
+            learning_rate=self._learning_rate_to_send(),
         )
-        finished = time.perf_counter()
+        if push is not None:
+            self._step_streamed(push, request, started, computed)
+        else:
+            outcome = self.client.run(self.machine.push(request, payloads, model.buffer_views()))
+            payload_bytes = sum(chunk_size(p) for shard in payloads for p in shard)
+            times = (computed - started, compressed - computed, time.perf_counter() - compressed)
+            self._settle(outcome, payload_bytes, *times)
         self._mark_wrapped_stepped()
         self.steps += 1
-        count_push(
-            totals,
-            accepted=accepted,
-            samples=samples,
-            gradient_time_s=computed - started,
-            compression_time_s=compressed - computed,
-            communication_time_s=finished - compressed,
-            payload_bytes=sum(chunk_size(p) for p in payloads),
-            dense_bytes=4 * sum(p.numel() for _, p in model.trainable),
-        )
-        totals["last_communication_s"] = finished - compressed
-        if request.metrics.loss:
-            totals["train_loss"] = request.metrics.loss
         return loss
+
+    def _settle(
+        self, outcome: Any, payload_bytes: int, gradient_s: float, compression_s: float, communication_s: float
+    ) -> None:
+        """The push's reply settled and counted by the step machine (the model holds its parameters then); a push
+        lost with a session was settled by the registration, and the parameters pulled."""
+        if isinstance(outcome, Rejoined):
+            self.client.model.loaded()
+            return
+        connections = self.client.connections
+        sent, received = connections.exchanged
+        self.machine.settle(
+            outcome,
+            StepFigures(
+                gradient_time_s=gradient_s,
+                compression_time_s=compression_s,
+                communication_time_s=communication_s,
+                payload_bytes=payload_bytes,
+                push_bytes=sent,
+                reply_bytes=received,
+                bytes_sent=connections.bytes_sent,
+                bytes_received=connections.bytes_received,
+            ),
+        )
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
-    def _open_push(self) -> PushStream | ShardStreams | None:
+    def _open_push(self) -> PushStreams | None:
         """The first gradient of a backward is ready and no push is open (autograd's thread): open a streamed push
-        whose parts are this codec's payloads, its reply's tensors going into the model as they arrive. A sharded
-        server: one per shard, whose parts are that shard's slices (as our own streamed workers push)."""
+        (one per shard) whose parts are the machine's payloads, its reply's tensors going into the model as they
+        arrive."""
         if not self.streaming:
             return None
-        model, codec, steps = self.client.model, self.codec, self.steps
-        trainable, streamed = model.trainable, model.streamed
+        model, machine = self.client.model, self.machine
+        streamed = model.streamed
         self._generation += 1
         generation = self._generation
+        params = [p for _, p in model.trainable]
 
-        def gradient_of(param: torch.Tensor) -> torch.Tensor:
-            return param.grad if param.grad is not None else torch.zeros_like(param, dtype=torch.float32)
+        def gradient_of(index: int) -> torch.Tensor:
+            grad = params[index].grad
+            return grad if grad is not None else torch.zeros_like(params[index], dtype=torch.float32)
 
-        def ended(call: Future) -> None:  # the reply is in, or the call failed (after its head: the forward pulls)
-            if call.exception() is not None:
+        def encode(shard: int, position: int) -> Any:  # on the shard's push thread, while backward goes on
+            return machine.encode_part(shard, position, gradient_of)
+
+        def ended(_stream: PushStream, call: Future) -> None:  # the reply is in, or the call failed
+            if call.exception() is not None:  # after its head: the forward pulls
                 streamed.reply_broken(generation, call.exception())
 
-        generator_state = codec.generator.get_state()
+        generator_state = machine.codec.generator.get_state()
         streamed.repeated = 0
-        if model.placement is None:
-
-            def encode(index: int) -> Any:  # on the client's push thread, while backward goes on
-                name, param = trainable[index]
-                return codec.encode([(name, gradient_of(param))], steps)[0]
-
-            stream = PushStream(encode, streamed.on_large(generation))
-            calls = [self.client.push_streamed(stream, ended)]
-            self._open = _OpenPush([stream], calls, generation, generator_state, None)
-            return stream
-        sharded = ShardedPushCodec(model.placement, codec)
-        params = dict(trainable)
-
-        def encode_slice(shard: int, position: int) -> Any:  # on shard ``shard``'s push thread
-            param = params[sharded.placement.on_shard(shard)[position].name]
-            return sharded.encode_slice(shard, position, gradient_of(param), steps)
-
-        streams = [
-            PushStream(lambda position, k=k: encode_slice(k, position), streamed.on_large(generation))
-            for k in range(model.placement.num_shards)
-        ]
-        calls = self.client.push_shards_streamed(streams, ended)
-        self._open = _OpenPush(streams, calls, generation, generator_state, sharded)
-        return ShardStreams(streams, sharded.slices_of(model.parameter_names))
+        pieced = self.client.config.system.pipelined_replies
+        streams = self.client.connections.open_streams(
+            encode, streamed.on_large(generation), pieced=pieced, on_end=ended
+        )
+        self._open = _OpenPush(streams, generation, generator_state)
+        return PushStreams(streams, machine.codec.slices_of(model.parameter_names))
 
     def _streamable(self, push: _OpenPush, found_inf: Any) -> _OpenPush | None:
         """``push`` if it holds this step's gradient as the unstreamed push would; ``None`` (given up) after a
@@ -474,84 +474,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _abandon(self, push: _OpenPush, error: BaseException) -> None:
         """Give up a streamed push before its message: the server drops its parts; the residuals its parts
         updated and the rounding generator go back to where they were, as if nothing had been encoded."""
+        self.client.connections.abort_streams(error)  # returns once nothing more is encoded for it
+        self.client.model.streamed.end_backward()  # the push is no longer fed
+        self.codec.give_up(push.encoded_keys(self.codec), push.generator_state)
+
+    def _step_streamed(self, push: _OpenPush, request: Any, started: float, computed: float) -> None:
+        """Close the streamed push with its small fields (each shard's hold), wait for the reply's head (a sharded
+        server's: the commit's reply and the pulls) and settle it; one server's reply tensors go on arriving for the
+        next forward."""
         model = self.client.model
-        for stream in push.streams:
-            self.client.abort_push_stream(stream, error)  # returns once nothing more is encoded for it
-        model.streamed.end_backward()  # the push is no longer fed
-        if self.codec.feedback is not None:
-            for key in push.encoded_keys(model.parameter_names):
-                self.codec.feedback.discard(key)
-        self.codec.generator.set_state(push.generator_state)
-
-    def _request(
-        self, model, loss: Any, samples: int, gradient_time_s: float, compression_time_s: float
-    ) -> pb.PushRequest:
-        """The push of this step (a new request id), streamed or not."""
-        return pb.PushRequest(
-            base_version=model.version,
-            request_id=self.client.next_request_id(),
-            num_samples=samples,
-            learning_rate=self._learning_rate_to_send(),
-            metrics=pb.StepMetrics(
-                step=self.steps,
-                loss=float(loss) if isinstance(loss, (torch.Tensor, float)) else 0.0,
-                gradient_time_s=gradient_time_s,
-                compression_time_s=compression_time_s,
-                communication_time_s=self.client.totals.get("last_communication_s", 0.0),
-            ),
-        )
-
-    def _step_streamed(self, push: _OpenPush, model, loss: Any, samples: int, started: float, computed: float):
-        """Close the streamed push with its small fields, wait for the reply's head and settle it; the reply's
-        tensors go on arriving for the next forward. A sharded server: close each shard's stream with its hold, wait
-        for every hold's reply, then commit and pull as unstreamed."""
-        streams, streamed, totals = push.streams, model.streamed, self.client.totals
+        streamed = model.streamed
         streamed.end_backward()  # the parameters no gradient reached go now, as zeros
-        request = self._request(model, loss, samples, computed - started, 0.0)
-        if push.sharded is not None:
-            self.client.close_shard_streams(streams, request, model.buffer_views(), model.shard_versions)
-            accepted = self._settle_shards(
-                self.client.shard_streams_commit(streams, request, model.shard_versions), model
-            )
-            head_in = time.perf_counter()
-        else:
-            stream = streams[0]
-
-            def compression_time() -> None:  # on the push thread, every part encoded: their seconds
-                request.metrics.compression_time_s = stream.encode_s
-
-            self.client.close_push_stream(stream, request, model.buffer_views(), before_send=compression_time)
-            model.reply_call = push.calls[0]
-            head = self.client.push_stream_head(stream, request.request_id)
-            head_in = time.perf_counter()
-            if isinstance(head, bool):  # lost with the server's session: registered again, the registration's verdict
-                accepted = head
-                self.codec.settle_lost(applied=accepted, redone=False)
-                model.sync()
-            else:
-                accepted = head.accepted
-                self.codec.settle(accepted=accepted)
-                model.version = head.version
-                streamed.expect(push.generation)  # the next forward waits for this reply's tensors, module by module
+        if model.placement is None:
+            model.reply_call = self.client.connections.stream_calls[0]
+        outcome = self.client.run(self.machine.push(request, [], model.buffer_views(), streamed=True))
+        head_in = time.perf_counter()
+        if not isinstance(outcome, Rejoined) and model.placement is None:
+            streamed.expect(push.generation)  # the next forward waits for this reply's tensors, module by module
+        elif not isinstance(outcome, Rejoined):
+            model.loaded()  # the pulls brought every slice
         waited, self._waited_s = streamed.waited_s - self._waited_s, streamed.waited_s
-        self._mark_wrapped_stepped()
-        self.steps += 1
-        count_push(
-            totals,
-            accepted=accepted,
-            samples=samples,
-            gradient_time_s=computed - started,
-            compression_time_s=sum(stream.encode_s for stream in streams),
-            communication_time_s=head_in - computed + waited,  # exposed: the wait for the head, the forwards' waits
-            payload_bytes=sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded),
-            dense_bytes=4 * sum(p.numel() for _, p in model.trainable),
-        )
-        totals["last_communication_s"] = head_in - computed + waited
-        if request.metrics.loss:
-            totals["train_loss"] = request.metrics.loss
+        streams = push.streams
+        payload_bytes = sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded)
+        encode_s = sum(stream.encode_s for stream in streams)
+        # exposed: the wait for the head, and the forwards' waits for tensors
+        self._settle(outcome, payload_bytes, computed - started, encode_s, head_in - computed + waited)
 
     def _warn_no_samples(self) -> None:
-        """Once per optimizer: no forward counted a batch, so the push is counted as 1 sample."""
+        """Once per optimizer: no forward counted a batch since the last step, so the push is counted as 1 sample."""
         if not self._warned_samples:
             warnings.warn(
                 "DistributedOptimizer: no training forward counted a batch since the last step; "
@@ -559,45 +509,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
             self._warned_samples = True
-
-    def _push(self, request: pb.PushRequest, payloads: list[bytes], model) -> bool:
-        """Push and settle the verdict: load the reply's parameters, or (the reply lost with the server's session:
-        registered again) pull them; returns whether the push was accepted."""
-        reply = self.client.push(request, payloads, model.buffer_views())
-        if isinstance(reply, bool):
-            self.codec.settle_lost(applied=reply, redone=False)
-            model.sync()
-            return reply
-        accepted = reply.message.accepted
-        self.codec.settle(accepted=accepted)
-        model.load(reply)
-        return accepted
-
-    def _push_shards(self, request: pb.PushRequest, per_shard: list[list[bytes]], model) -> bool:
-        """:meth:`_push` to a sharded server (``WorkerClient.push_shards``): one verdict for every shard's slices
-        (async: but a shard's own rollback); returns whether the push was accepted."""
-        result = self.client.push_shards(request, per_shard, model.buffer_views(), model.shard_versions)
-        return self._settle_shards(result, model)
-
-    def _settle_shards(self, result: tuple[Received, list[Received]] | bool, model) -> bool:
-        """A sharded step's end, streamed or not (``WorkerClient.commit_shards``' result): settle every shard's
-        slices by the one verdict and load the pulls, or (the commit's reply lost with shard 0's session: registered
-        again) settle by whether it was applied and pull; returns whether the push was accepted."""
-        sharded = ShardedPushCodec(model.placement, self.codec)
-        shards = range(model.placement.num_shards)
-        if isinstance(result, bool):
-            for shard in shards:
-                sharded.settle_lost(shard, applied=result, redone=False)
-            model.sync()
-            return result
-        reply, pulled = result
-        accepted = reply.message.accepted
-        for shard in shards:
-            sharded.settle(shard, accepted=applied_on(reply.message, shard))
-        model.load_shards(pulled)
-        if model.shards_apart(reply.message.version):  # a shard is starting again: pull again
-            model.sync()
-        return accepted
 
     def _learning_rate_to_send(self) -> float | None:
         """The wrapped optimizer's current rate, when it goes with the push (``send_learning_rate``); ``None``: not."""
@@ -616,30 +527,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
             self._warned_schedule = True
         return float(group["lr"])
-
-    def _skip(self, model) -> None:
-        """A step with inf/NaN gradients: push nothing (sync: tell the barrier to go on without us)."""
-        self.skipped_steps += 1
-        self.client.totals["steps_skipped"] += 1
-        model.wait_for_reply()
-        if self.client.mode == "sync":
-            request = pb.PushRequest(
-                base_version=model.version, request_id=self.client.next_request_id(), num_samples=0
-            )
-            if model.placement is not None:  # held on shard 0 only, then committed: the barrier goes on without us
-                result = self.client.push_shards(request, [], [], model.shard_versions)
-                if isinstance(result, bool):
-                    model.sync()
-                    return
-                model.load_shards(result[1])
-                if model.shards_apart(result[0].message.version):
-                    model.sync()
-                return
-            reply = self.client.push(request, [], [])
-            if isinstance(reply, bool):
-                model.sync()
-            else:
-                model.load(reply)
 
     def _mark_wrapped_stepped(self) -> None:
         # An LR scheduler built on the wrapped optimizer checks that it was stepped before the

@@ -46,9 +46,9 @@ from torch import nn
 
 from src.config import Config, SetupError
 from src.parameter_server import ParameterServer
-from src.ps.refusals import RunFailed
-from src.ps.served_model import import_factory
-from src.ps.work_source import ClientWork
+from src.ps.server.work_source import ClientWork
+from src.ps.state.model_sources import import_factory
+from src.ps.state.refusals import RunFailed
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ClientLoopServer(ParameterServer):
     """A parameter server whose workers run their own training loop on their own data (see the module docstring).
 
     The service of :class:`~src.parameter_server.ParameterServer` over the same core, with the
-    workers' own loops as its work source (:class:`~src.ps.work_source.ClientWork`) and no evaluation.
+    workers' own loops as its work source (:class:`~src.ps.server.work_source.ClientWork`) and no evaluation.
 
     Args:
         config: the run's config: ``system`` (workers, mode, compression, heartbeats, outputs, TLS) and
@@ -298,7 +298,7 @@ def summary_lines(summary: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from src.launch.cli import COMPRESSION_FLAGS, config_from_args, exit_status
-    from src.transport.grpc import AuthTokenMissing
+    from src.transport.settings import AuthTokenMissing
 
     parser = build_parser()
     args = parser.parse_args(argv)

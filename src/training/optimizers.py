@@ -1,7 +1,7 @@
 """The optimizer registry: ``training.optimizer`` -> a torch optimizer (plain or fused), and one step of it
 with given gradients (:func:`apply_gradients`, the parameter server's update).
 
-Free of I/O and of the trainer's imports, so the server's update rule (:func:`src.ps.staleness.server_optimizer`)
+Free of I/O and of the trainer's imports, so the server's update rule (:func:`src.ps.state.staleness.server_optimizer`)
 reaches it without data loading, checkpoints or trackers.
 """
 
@@ -143,7 +143,7 @@ def stepped_slice(
     Torch's SGD update is elementwise, so a slice's step is the same arithmetic on fewer elements; the sliced
     call runs the same function :func:`apply_gradients` calls (``torch.optim.sgd.sgd`` with the group's arguments),
     on a copy of the slice and of its momentum buffer (a first step: none, as ``step()`` starts it). A caller that
-    relies on the result being bit for bit the step's compares the two (:mod:`src.ps.slice_pipeline` does).
+    relies on the result being bit for bit the step's compares the two (:mod:`src.ps.state.slice_pipeline` does).
     """
     if type(optimizer) is not torch.optim.SGD or not _no_step_hooks(optimizer):
         return None

@@ -41,12 +41,9 @@ and :mod:`src.worker` contain only their algorithms:
 from __future__ import annotations
 
 import hmac
-import os
 import threading
-import time
 from concurrent import futures
-from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
@@ -54,8 +51,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
-from src.transport.stream import PROVISIONAL_HEAD, PushStream, ReplyBroken, part_pieces, part_size
-from src.transport.tcp_frames import TransportError
+from src.transport.errors import CallError
+from src.transport.protocol import ProtocolClient
+from src.transport.settings import AUTH_TOKEN_ENV, client_tls_roots, server_tls_files
+from src.transport.stream import PROVISIONAL_HEAD, PushStream, part_pieces, part_size
 from src.transport.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
     Outgoing,
     Received,
@@ -71,14 +70,11 @@ from src.transport.wire import (  # noqa: F401  (re-exported: the message codec 
 )
 
 AUTH_METADATA_KEY = "authorization"
-AUTH_TOKEN_ENV = "DTS_AUTH_TOKEN"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 """The health service's methods answer without the auth token (see the module docstring)."""
 # A client accepts whatever its server sends (the server is trusted); 2 GiB is protobuf's ceiling.
 CLIENT_MAX_MESSAGE_BYTES = 2**31 - 1
-# Statuses worth retrying with the same request: the call may not have reached the server.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 PUSH_REPLY_LARGE_FIELDS = ("parameters", "buffers", "parameter_deltas")
@@ -163,104 +159,7 @@ def push_message(request: Outgoing) -> bytes:
     return serialize(Outgoing(pb.PushStreamRequest(), {"push": [tuple(encode(request).buffers)]}))
 
 
-class AuthTokenMissing(SetupError):
-    """No token was configured for a role that needs one."""
-
-
-def resolve_auth_token(system: SystemConfig) -> str | None:
-    """The configured token: ``system.auth_token``, else ``$DTS_AUTH_TOKEN``, else ``None``."""
-    configured = system.auth_token.get_secret_value() if system.auth_token is not None else None
-    return configured or os.environ.get(AUTH_TOKEN_ENV) or None
-
-
-def require_auth_token(system: SystemConfig) -> str:
-    """Like :func:`resolve_auth_token`, but a missing token is an error.
-
-    Raises:
-        AuthTokenMissing: neither the config nor the environment has one.
-    """
-    token = resolve_auth_token(system)
-    if not token:
-        raise AuthTokenMissing(f"no auth token: set system.auth_token in the config or ${AUTH_TOKEN_ENV}")
-    return token
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``; IPv6 hosts may be bracketed (``[::1]:50051``)."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-# ----------------------------------------------------------------------------- memory
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8  # glibc mallopt parameters
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
-
-
-def reuse_freed_memory() -> bool:
-    """Make glibc keep and reuse freed memory instead of returning it to the kernel at once.
-
-    Every step allocates and frees message-sized buffers (the serialized push, the pull reply,
-    decompressed gradients, gRPC's own copies of each message). By default glibc serves such sizes
-    with fresh ``mmap`` pages and unmaps them on free, so each step pays a page fault per 4 KB
-    touched: on a VM that is several times the cost of copying the bytes. So:
-
-    * the mmap threshold goes to its ceiling (32 MB) and the trim threshold to 1 GB;
-    * ``mmap`` for single blocks is turned off (``M_MMAP_MAX=0``), since a resnet18's ~45 MB
-      messages are above any threshold: a 45 MB ``bytes`` copy takes ~30 ms with fresh pages and
-      ~5 ms in reused ones here;
-    * one malloc arena for all threads (``M_ARENA_MAX=1``): gRPC handles each call on whichever
-      pool thread is free, each thread would get its own arena, and a thread arena hands a heap
-      that falls empty back to the kernel whatever the trim threshold (measured: the server's
-      16 MB pull reply faulted 2,048 pages on every version; none with one arena).
-
-    Together: resnet18 push + pull ~150 ms -> ~90 ms (``scripts/bench_ps.py``; the raw echo gains
-    as much). The price is that the process keeps its peak heap. Call it once at the start of a
-    server or worker process, before it starts threads; a no-op returning ``False`` off glibc.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return (
-        bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
-        and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-        and bool(mallopt(_M_MMAP_MAX, 0))
-        and bool(mallopt(_M_ARENA_MAX, 1))
-    )
-
-
 # ----------------------------------------------------------------------------- security
-
-
-def _read(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise SetupError(f"{what}: cannot read {path} ({exc.strerror})") from None
-
-
-def server_tls_files(system: SystemConfig) -> tuple[bytes, bytes] | None:
-    """The server's PEM certificate and key when ``tls_cert_file`` and ``tls_key_file`` are set, else ``None``.
-
-    Raises:
-        SetupError: only one of the two is set, or a file cannot be read.
-    """
-    if bool(system.tls_cert_file) != bool(system.tls_key_file):
-        raise SetupError("system.tls_cert_file and system.tls_key_file: set both for TLS, or neither")
-    if not system.tls_cert_file:
-        return None
-    return _read(system.tls_cert_file, "system.tls_cert_file"), _read(system.tls_key_file, "system.tls_key_file")
-
-
-def client_tls_roots(system: SystemConfig) -> bytes | None:
-    """The PEM a client verifies the server against: ``tls_ca_file``, else ``tls_cert_file``; ``None``: plaintext."""
-    roots_file = system.tls_ca_file or system.tls_cert_file
-    return _read(roots_file, "system.tls_ca_file") if roots_file else None
 
 
 def server_credentials(system: SystemConfig) -> grpc.ServerCredentials | None:
@@ -421,149 +320,6 @@ def start_grpc_server(
 # ----------------------------------------------------------------------------- client
 
 
-class ProtocolClient:
-    """The parameter server's calls as a worker (or a tool) makes them, whatever the transport.
-
-    A subclass sends one attempt of a call (:meth:`_attempt`: the call's name, its request message
-    or :class:`~src.transport.wire.Outgoing`, raising a :class:`grpc.RpcError` on failure); this class builds
-    the requests and retries a call that failed in transport (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``)
-    ``retries`` times with backoff, resending the same request (a push keeps its request id, which the
-    server applies at most once). Subclasses set ``retries`` and ``connect_timeout_s``.
-    """
-
-    retries: int
-    connect_timeout_s: float
-
-    def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
-        raise NotImplementedError
-
-    def _call(
-        self, name: str, request, *, timeout: float | None = None, wait_for_ready: bool = False, retry: bool = True
-    ):
-        attempt = 0
-        while True:
-            try:
-                return self._attempt(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
-            except grpc.RpcError as exc:
-                if not retry or exc.code() not in RETRYABLE or attempt >= self.retries:
-                    raise
-                attempt += 1
-                time.sleep(min(0.2 * 2**attempt, 1.0))  # backoff before resending the same request (a restarted
-                # server is found within a second of coming up: it waits one heartbeat timeout for its workers)
-
-    def register(
-        self,
-        worker_id: int,
-        last_request_id: int = 0,
-        carried_batch_ids: Sequence[int] = (),
-        *,
-        timeout: float | None = None,
-        any_worker_id: bool = False,
-    ) -> pb.RegisterReply:
-        """Join the run (again); waits up to ``timeout`` (default ``connect_timeout_s``) for the server.
-
-        Args:
-            last_request_id: the last push this process sent, if it lost its session (the reply says
-                whether it was applied).
-            any_worker_id: let the server pick a free worker id (the reply's ``worker_id``).
-        """
-        request = pb.RegisterRequest(
-            worker_id=worker_id,
-            last_request_id=last_request_id,
-            carried_batch_ids=carried_batch_ids,
-            pid=os.getpid(),
-            any_worker_id=any_worker_id,
-        )
-        # wait_for_ready: reconnect with backoff until the server accepts or the deadline passes.
-        return self._call(
-            "Register", request, timeout=timeout or self.connect_timeout_s, wait_for_ready=True, retry=False
-        )
-
-    def initialize(
-        self, request: pb.InitializeRequest, parameters: Sequence[Any], buffers: Sequence[Any]
-    ) -> pb.InitializeReply:
-        """Offer the model's layout (in ``request``) and initial values to a server that has no model yet."""
-        return self._call("Initialize", Outgoing(request, {"parameters": parameters, "buffers": buffers}))
-
-    def pull(
-        self, caller: pb.Caller, *, certificate: bytes = b"", parameters_only: bool = False, final: bool = False
-    ) -> Received:
-        """The parameters at the newest version and this worker's next work (a :class:`~pb.PullReply` and views).
-        A sharded server's shard: ``parameters_only`` (no work), after applying ``certificate``'s version
-        (:mod:`src.ps.shard_rounds`); ``final``: shard 0 reading the part at the end of the run."""
-        request = pb.PullRequest(caller=caller, certificate=certificate, parameters_only=parameters_only, final=final)
-        return self._call("Pull", request)
-
-    def push(
-        self,
-        request: pb.PushRequest,
-        gradients: Sequence[Any] = (),
-        buffers: Sequence[Any] = (),
-        *,
-        wait_for_ready: bool = False,
-        timeout: float | None = None,
-    ) -> Received:
-        """Send one step; the reply (a :class:`~pb.PushReply` and views) carries the next parameters and work.
-
-        A retry resends the same bytes (same request id), which the server applies at most once.
-        """
-        return self._call(
-            "Push",
-            Outgoing(request, {"gradients": gradients, "buffers": buffers}),
-            wait_for_ready=wait_for_ready,
-            timeout=timeout,
-        )
-
-    def push_streamed(self, stream: PushStream, *, timeout: float | None = None) -> Received:
-        """Send a streamed push (``system.streaming``, :mod:`src.transport.stream`): each part as ``stream`` hands it
-        over, then the push; the reply is taken as it arrives (its head and tensors go to ``stream``'s waiters).
-        Returns the whole reply. A failure before the reply's head is retried as any call (the parts again, the
-        same request id); after it, :class:`~src.transport.stream.ReplyBroken` (the push is settled).
-        """
-        attempt = 0
-        while True:
-            try:
-                return self._attempt_streamed(stream, timeout=timeout)
-            except grpc.RpcError as exc:
-                if stream.has_head:
-                    stream.fail(exc)
-                    raise ReplyBroken(f"the reply broke off after its head: {exc.details()}") from None
-                if exc.code() not in RETRYABLE or attempt >= self.retries:
-                    stream.fail(exc)
-                    raise
-                attempt += 1
-                time.sleep(min(0.2 * 2**attempt, 1.0))
-            except BaseException as exc:
-                stream.fail(exc)
-                raise
-
-    def _attempt_streamed(self, stream: PushStream, *, timeout: float | None) -> Received:
-        raise NotImplementedError(f"{type(self).__name__} does not stream pushes")
-
-    def push_bytes(self, data: bytes, *, timeout: float | None = None) -> Received:
-        """Send ``data`` as a Push message as it is, without a retry (tools and tests of the server's parser)."""
-        return self._call("Push", data, timeout=timeout, retry=False)
-
-    def heartbeat(self, caller: pb.Caller, stats: pb.WorkerStats, timeout: float) -> pb.HeartbeatReply:
-        """One heartbeat (no retry: the next one follows soon)."""
-        return self._call("Heartbeat", pb.HeartbeatRequest(caller=caller, stats=stats), timeout=timeout, retry=False)
-
-    def finish(self, caller: pb.Caller, stats: pb.WorkerStats) -> pb.FinishReply:
-        return self._call("Finish", pb.FinishRequest(caller=caller, stats=stats))
-
-    def status(self, timeout: float | None = 10.0, wait_for_ready: bool = False) -> pb.StatusReply:
-        return self._call("Status", pb.StatusRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
 class ParameterServerClient(ProtocolClient):
     """A worker's (or a tool's) connection to the parameter server, counting the bytes it moves.
 
@@ -644,7 +400,10 @@ class ParameterServerClient(ProtocolClient):
         return parse
 
     def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
-        return self._calls[name](request, metadata=self._metadata, timeout=timeout, wait_for_ready=wait_for_ready)
+        try:
+            return self._calls[name](request, metadata=self._metadata, timeout=timeout, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as exc:
+            raise call_error(exc) from exc
 
     def _received(self, data: bytes) -> bytes:
         with self._lock:
@@ -708,25 +467,26 @@ class ParameterServerClient(ProtocolClient):
                 try:
                     chunk = split(data, pb.PushStreamReply, PUSH_STREAM_REPLY_LARGE_FIELDS)
                 except ValueError as exc:
-                    raise TransportError(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
+                    raise CallError("INTERNAL", f"malformed PushStream reply: {exc}") from None
                 if chunk.large["provisional"]:  # system.pipelined_replies: the reply's head says whether it stands
                     stream.provisional(_provisional_body(chunk, splitter is not None), len(data))
                     continue
                 if splitter is None:
                     size = chunk.message.reply_size
                     if size > CLIENT_MAX_MESSAGE_BYTES:
-                        raise TransportError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {size} bytes")
+                        raise CallError("RESOURCE_EXHAUSTED", f"reply of {size} bytes")
                     body = memoryview(np.empty(size, dtype=np.uint8))  # no zero-fill: every byte is written
                     splitter = stream.splitter(body, pb.PushReply, PUSH_REPLY_LARGE_FIELDS, reply_stream_bytes(size))
                 for piece in chunk.large["reply"]:
                     if filled + len(piece) > len(body):
-                        raise TransportError(grpc.StatusCode.INTERNAL, f"the reply runs past its {len(body)} bytes")
+                        raise CallError("INTERNAL", f"the reply runs past its {len(body)} bytes")
                     body[filled : filled + len(piece)] = piece
                     filled += len(piece)
                 splitter.advance(filled)
         except grpc.RpcError as exc:
             responses.cancel()
-            if exc.code() in RETRYABLE:
+            failed = call_error(exc)
+            if failed.retryable:
                 # gRPC's request thread may still wait in parts() for the next gradient: it takes that one (into
                 # stream.encoded, which a retry sends first) before a retry's own thread reads the parts
                 with turn:
@@ -734,26 +494,32 @@ class ParameterServerClient(ProtocolClient):
                 outside.wait()
             if ended:
                 raise ended[0] from None
-            raise
+            raise failed from exc
         except BaseException:  # the worker's on_large failed: the call ends with it
             responses.cancel()
             raise
         if ended:
             raise ended[0]
         if stream.problem is not None:  # the head named a slice that did not come: sent again, answered whole
-            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"PushStream reply: {stream.problem}")
+            raise CallError("UNAVAILABLE", f"PushStream reply: {stream.problem}")
         if splitter is None or filled < len(body):
-            raise TransportError(
-                grpc.StatusCode.INTERNAL,
+            raise CallError(
+                "INTERNAL",
                 f"the PushStream reply ended after {filled} of {len(body) if body is not None else '?'} bytes",
             )
         try:
             return splitter.finish()
         except ValueError as exc:
-            raise TransportError(grpc.StatusCode.INTERNAL, f"malformed PushStream reply: {exc}") from None
+            raise CallError("INTERNAL", f"malformed PushStream reply: {exc}") from None
 
     def close(self) -> None:
         self.channel.close()
+
+
+def call_error(exc: grpc.RpcError) -> CallError:
+    """A failed gRPC call as the transport-neutral :class:`~src.transport.errors.CallError` (its status's name)."""
+    code = exc.code()
+    return CallError(code.name if code is not None else "UNKNOWN", exc.details() or str(exc))
 
 
 def _caller_hint(request: Outgoing) -> bytes | None:
@@ -766,11 +532,11 @@ def _provisional_body(chunk: Received, reply_begun: bool) -> memoryview:
     """The provisional slice of a ``PushStreamReply`` (its head and values, a view of the message).
 
     Raises:
-        TransportError: the message also carries reply fields, the reply has begun, or the slice has no head.
+        CallError: the message also carries reply fields, the reply has begun, or the slice has no head.
     """
     body = chunk.large["provisional"][0]
     if reply_begun or chunk.large["reply"] or chunk.message.reply_size:
-        raise TransportError(grpc.StatusCode.INTERNAL, "a PushStream reply's provisional slice came with its reply")
+        raise CallError("INTERNAL", "a PushStream reply's provisional slice came with its reply")
     if len(body) < PROVISIONAL_HEAD.size:
-        raise TransportError(grpc.StatusCode.INTERNAL, f"a provisional slice of {len(body)} bytes has no head")
+        raise CallError("INTERNAL", f"a provisional slice of {len(body)} bytes has no head")
     return body

@@ -31,6 +31,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from src.transport.errors import CallError
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
@@ -53,7 +55,7 @@ def check(
     """The health status name (``SERVING``, ``NOT_SERVING``...) of ``service`` at ``address``.
 
     Raises:
-        grpc.RpcError: the server did not answer (not up, wrong TLS, unknown service: ``NOT_FOUND``).
+        CallError: the server did not answer (not up, wrong TLS, unknown service: ``NOT_FOUND``).
     """
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     if tls_ca:
@@ -64,9 +66,12 @@ def check(
     else:
         channel = grpc.insecure_channel(address, options)
     with channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
-        )
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise CallError(exc.code().name, exc.details()) from exc
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
@@ -76,7 +81,7 @@ def check_tcp(
     """``SERVING`` from a TCP-transport server at ``address`` (see :func:`src.transport.tcp_frames.health_check`).
 
     Raises:
-        grpc.RpcError: the server did not answer (a :class:`~src.transport.tcp_frames.TransportError`).
+        CallError: the server did not answer.
     """
     import ssl
 
@@ -122,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             status = check(
                 address, service=args.service, timeout_s=args.timeout, tls_ca=args.tls_ca, server_name=args.server_name
             )
-    except grpc.RpcError as exc:
-        print(f"unhealthy: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except CallError as exc:
+        print(f"unhealthy: {address}: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"unhealthy: cannot read --tls-ca {args.tls_ca}: {exc.strerror}", file=sys.stderr)

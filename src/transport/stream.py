@@ -1,7 +1,7 @@
 """One streamed push as a client moves it (``system.streaming``), whatever the transport: its parts as backward
 produces the gradients, then its small fields; and its reply, taken as it arrives.
 
-The worker's side (:mod:`src.ps.worker_stream`) feeds a :class:`PushStream`: :meth:`PushStream.ready` for each
+The worker's side (:mod:`src.ps.worker.streaming`) feeds a :class:`PushStream`: :meth:`PushStream.ready` for each
 gradient as backward produces it (called from autograd's thread: it only queues the index), and
 :meth:`PushStream.close` with the push's small fields once backward is done. A client's
 ``push_streamed(stream)`` runs on its own thread: it takes the parts from :meth:`PushStream.parts` (each gradient
@@ -17,7 +17,7 @@ encoded, then the rest; the server applies a request id at most once), as any ca
 push is settled: a failure after it ends the call, and :meth:`PushStream.fail` wakes whatever waits on the
 tensors, which pulls the parameters instead.
 
-The server's side of the parts is :mod:`src.ps.push_parts`.
+The server's side of the parts is :mod:`src.ps.state.streamed_parts`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from src.transport.wire import MessageSplitter, Outgoing, Received, chunk_size
 PART_INDEX = struct.Struct("<I")
 """A part's leading field: the index of the tensor (parameter) whose gradient payload follows."""
 PROVISIONAL_HEAD = struct.Struct("<qII")
-"""A provisional slice's leading fields (``system.pipelined_replies``, :mod:`src.ps.slice_pipeline`): the version of
+"""A provisional slice's leading fields (``system.pipelined_replies``, :mod:`src.ps.state.slice_pipeline`): the version of
 the round that stepped it, the parameter's index and the slice's first element; its float32 values follow."""
 _VALUE_BYTES = 4  # a provisional slice's values are float32
 _CLOSE, _ABORT = object(), object()

@@ -2,10 +2,10 @@
 
 :class:`TCPParameterServerClient` has the interface of the gRPC client
 (:class:`src.transport.grpc.ParameterServerClient`): the same calls, the same messages, the same
-byte counters, emulated uplink and retries, and failures as :class:`~src.transport.tcp_frames.TransportError`
-(a :class:`grpc.RpcError` with the same status codes), so the worker, the library and the tools
+byte counters, emulated uplink and retries, and failures as :class:`~src.transport.errors.CallError`
+(with gRPC's status names), so the worker, the library and the tools
 choose a transport and nothing else (:func:`src.transport.clients.make_client`). The frames are
-:mod:`src.transport.tcp_frames`'; the server is :mod:`src.ps.tcp_server`.
+:mod:`src.transport.tcp_frames`'; the server is :mod:`src.transport.tcp_server`.
 
 * **Connections.** A call takes an idle connection (one whose server has not closed it) or opens
   one: TCP (``TCP_NODELAY``, keepalive), TLS when the config has a CA or certificate to verify the
@@ -36,19 +36,18 @@ import threading
 import time
 from typing import Any, Callable
 
-import grpc
-
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
-from src.transport.grpc import ProtocolClient, client_tls_roots, split_address
+from src.transport.protocol import ProtocolClient
+from src.transport.settings import client_tls_roots, split_address
 from src.transport.stream import PushStream, SliceStage, part_pieces, part_size
 from src.transport.tcp_frames import (
     HEADER_BYTES,
+    CallError,
     FrameError,
     Kind,
     Method,
     PeerClosed,
-    TransportError,
     error_of,
     new_body,
     pack_header,
@@ -195,7 +194,7 @@ class TCPParameterServerClient(ProtocolClient):
     # ------------------------------------------------------------------------- one attempt of a call
 
     def _attempt(self, name: str, request, *, timeout: float | None, wait_for_ready: bool):
-        """One frame out, one back (retries are :class:`~src.transport.grpc.ProtocolClient`'s)."""
+        """One frame out, one back (retries are :class:`~src.transport.protocol.ProtocolClient`'s)."""
         method, pieces = Method[name.upper()], encode(request)
         if self.closed:
             raise ValueError("the client is closed")
@@ -207,8 +206,8 @@ class TCPParameterServerClient(ProtocolClient):
         reply_header, body = self._exchange(connection, header, pieces, deadline)
         if reply_header.call != call or reply_header.method != method:
             connection.close()
-            raise TransportError(
-                grpc.StatusCode.INTERNAL,
+            raise CallError(
+                "INTERNAL",
                 f"the server answered call {reply_header.call} "
                 f"({reply_header.method.name}) to call {call} ({method.name})",
             )
@@ -219,12 +218,12 @@ class TCPParameterServerClient(ProtocolClient):
         try:
             reply = split(body, reply_type, large_fields) if large_fields else reply_type.FromString(body)
         except Exception as exc:  # ValueError from split, protobuf's DecodeError
-            raise TransportError(grpc.StatusCode.INTERNAL, f"malformed {method.name} reply: {exc}") from None
+            raise CallError("INTERNAL", f"malformed {method.name} reply: {exc}") from None
         if method == Method.PULL:
             try:
                 connection.staged.fill(reply)  # the parameters it leaves out: the slices this connection brought
             except (ValueError, IndexError) as exc:
-                raise TransportError(grpc.StatusCode.INTERNAL, f"PULL reply: {exc}") from None
+                raise CallError("INTERNAL", f"PULL reply: {exc}") from None
         return reply
 
     def _exchange(self, connection: _Connection, header: bytes, pieces: Pieces, deadline: float | None):
@@ -242,7 +241,7 @@ class TCPParameterServerClient(ProtocolClient):
             sock.settimeout(_remaining(deadline))
             reply_header = self._past_slices(connection, connection.staged.add)
             if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
-                raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {reply_header.length} bytes")
+                raise FrameError("RESOURCE_EXHAUSTED", f"reply of {reply_header.length} bytes")
             body = receive_body(sock, reply_header.length)
         except (OSError, PeerClosed, FrameError) as exc:
             raise self._broken(connection, exc) from None
@@ -258,23 +257,21 @@ class TCPParameterServerClient(ProtocolClient):
         header = receive_header(sock, connection.header)
         while _is_provisional(header):
             if header.length > CLIENT_MAX_MESSAGE_BYTES:
-                raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"slice of {header.length} bytes")
+                raise FrameError("RESOURCE_EXHAUSTED", f"slice of {header.length} bytes")
             stage(receive_body(sock, header.length), HEADER_BYTES + header.length)
             with self._lock:
                 self.bytes_received += HEADER_BYTES + header.length
             header = receive_header(sock, connection.header)
         return header
 
-    def _broken(self, connection: _Connection, exc: BaseException) -> TransportError:
+    def _broken(self, connection: _Connection, exc: BaseException) -> CallError:
         """Close ``connection`` after ``exc`` (a timeout, a bad frame, a lost connection): the call's error."""
         connection.close()
         if isinstance(exc, socket.timeout):
-            return TransportError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply from {self.address} before the deadline"
-            )
+            return CallError("DEADLINE_EXCEEDED", f"no reply from {self.address} before the deadline")
         if isinstance(exc, FrameError):
-            return TransportError(grpc.StatusCode.UNAVAILABLE, f"bad frame from {self.address}: {exc.message}")
-        return TransportError(grpc.StatusCode.UNAVAILABLE, f"connection to {self.address} lost: {exc}")
+            return CallError("UNAVAILABLE", f"bad frame from {self.address}: {exc.message}")
+        return CallError("UNAVAILABLE", f"connection to {self.address} lost: {exc}")
 
     # ------------------------------------------------------------------------- a streamed push
 
@@ -305,11 +302,11 @@ class TCPParameterServerClient(ProtocolClient):
             reply_header = self._past_slices(connection, stream.provisional)
             if reply_header.call != call or reply_header.method != Method.PUSH:
                 raise FrameError(
-                    grpc.StatusCode.INTERNAL,
+                    "INTERNAL",
                     f"the server answered call {reply_header.call} ({reply_header.method.name}) to call {call} (PUSH)",
                 )
             if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
-                raise FrameError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reply of {reply_header.length} bytes")
+                raise FrameError("RESOURCE_EXHAUSTED", f"reply of {reply_header.length} bytes")
             body = new_body(reply_header.length)
             size = HEADER_BYTES + reply_header.length
             if reply_header.kind == Kind.ERROR:
@@ -318,7 +315,7 @@ class TCPParameterServerClient(ProtocolClient):
                 splitter = stream.splitter(body, pb.PushReply, _REPLIES[Method.PUSH][1], size)
                 receive_exactly(sock, body, splitter.advance)
                 if stream.problem is not None:
-                    raise FrameError(grpc.StatusCode.INTERNAL, f"PUSH reply: {stream.problem}")
+                    raise FrameError("INTERNAL", f"PUSH reply: {stream.problem}")
         except (OSError, PeerClosed, FrameError) as exc:
             raise self._broken(connection, exc) from None
         except BaseException:  # the stream aborted, or its encode failed: the frames sent so far end with it
@@ -334,7 +331,7 @@ class TCPParameterServerClient(ProtocolClient):
         try:
             return splitter.finish()
         except ValueError as exc:
-            raise TransportError(grpc.StatusCode.INTERNAL, f"malformed PUSH reply: {exc}") from None
+            raise CallError("INTERNAL", f"malformed PUSH reply: {exc}") from None
 
     def _send(
         self, stream: PushStream, sock: socket.socket, header: bytes, pieces, size: int, deadline: float | None = None
@@ -361,14 +358,14 @@ class TCPParameterServerClient(ProtocolClient):
         while True:
             try:
                 return self._connect(deadline)
-            except TransportError as exc:
-                waiting = wait_for_ready and exc.code() == grpc.StatusCode.UNAVAILABLE and not self.closed
+            except CallError as exc:
+                waiting = wait_for_ready and exc.code == "UNAVAILABLE" and not self.closed
                 left = _remaining(deadline)
                 if not waiting or (left is not None and left <= backoff):
                     if waiting:
-                        raise TransportError(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"{self.address} did not accept a connection before the deadline ({exc.details()})",
+                        raise CallError(
+                            "DEADLINE_EXCEEDED",
+                            f"{self.address} did not accept a connection before the deadline ({exc.message})",
                         ) from None
                     raise
                 time.sleep(backoff)  # the server is (re)starting: try again until the deadline
@@ -379,19 +376,15 @@ class TCPParameterServerClient(ProtocolClient):
         try:
             raw = socket.create_connection((self._host, self._port), timeout=left if left is not None else 30.0)
         except socket.timeout:
-            raise TransportError(grpc.StatusCode.UNAVAILABLE, f"connecting to {self.address} timed out") from None
+            raise CallError("UNAVAILABLE", f"connecting to {self.address} timed out") from None
         except OSError as exc:
-            raise TransportError(
-                grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.address}: {exc.strerror or exc}"
-            ) from None
+            raise CallError("UNAVAILABLE", f"cannot connect to {self.address}: {exc.strerror or exc}") from None
         try:
             tune_socket(raw)
             sock = self._tls.wrap_socket(raw, server_hostname=self._host) if self._tls is not None else raw
         except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
             raw.close()
-            raise TransportError(
-                grpc.StatusCode.UNAVAILABLE, f"TLS handshake with {self.address} failed: {exc}"
-            ) from None
+            raise CallError("UNAVAILABLE", f"TLS handshake with {self.address} failed: {exc}") from None
         connection = _Connection(sock)
         if self._token is not None:
             self._hello(connection, deadline)

@@ -1,6 +1,6 @@
 """The frames of the parameter server's TCP transport: their layout, and reading and writing them on a socket.
 
-Shared by the client (:mod:`src.transport.tcp`), the server (:mod:`src.ps.tcp_server`) and the health
+Shared by the client (:mod:`src.transport.tcp`), the server (:mod:`src.transport.tcp_server`) and the health
 probe (:mod:`src.transport.healthcheck`); it imports neither torch nor the server, so a probe stays light.
 
 A frame is a fixed 20-byte header, then ``length`` bytes of body::
@@ -33,7 +33,7 @@ joining of chunks), whose views become the message's tensors. Writing: the heade
 pieces go out in one gather write (``sendmsg``), so tensors are sent from their own memory; a TLS
 socket, which has no gather write, sends the pieces one by one.
 
-Errors: :class:`TransportError` is a :class:`grpc.RpcError` with ``code()`` and ``details()``, so
+Errors: a failed call raises :class:`~src.transport.errors.CallError` (``code``, ``message``), as the gRPC client's do, so
 code written against the gRPC transport (retries, lost sessions, refusals) reads both the same.
 """
 
@@ -48,8 +48,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import grpc
 import numpy as np
+
+from src.transport.errors import STATUS_NAMES, CallError
 
 MAGIC = b"DTS1"
 HEADER = struct.Struct("<4sBBBBIII")
@@ -62,7 +63,6 @@ HELLO_MAX_BYTES = 4096
 """Largest HELLO (auth token) or HEALTH body: all a connection that has not authenticated may make the server read."""
 MAX_IOV = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 """Buffers per ``sendmsg`` call (the kernel's IOV_MAX)."""
-STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class Kind(enum.IntEnum):
@@ -87,32 +87,11 @@ class Method(enum.IntEnum):
     (:data:`src.transport.stream.PROVISIONAL_HEAD`, then its float32 values); the push's reply says which stand."""
 
 
-class TransportError(grpc.RpcError):
-    """A call of the TCP transport that failed: the server refused it, or the connection failed (also a streamed
-    gRPC reply that broke on the client's side, :meth:`src.transport.grpc.ParameterServerClient._attempt_streamed`).
-
-    Like a failed gRPC call: ``code()`` is a :class:`grpc.StatusCode` (the server's refusals carry the
-    status the server core named; a lost connection is ``UNAVAILABLE``, a passed deadline
-    ``DEADLINE_EXCEEDED``), ``details()`` says what was wrong.
-    """
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 class FrameError(Exception):
     """A frame that breaks the protocol (bad magic, unknown kind or method, over its limit): the
     reader answers with ``status`` and closes the connection, since it cannot find the next frame."""
 
-    def __init__(self, status: grpc.StatusCode, message: str):
+    def __init__(self, status: str, message: str):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -147,7 +126,7 @@ def pack_header(
     length: int,
     *,
     call: int = 0,
-    status: grpc.StatusCode | None = None,
+    status: str | None = None,
     deadline_ms: int = 0,
     closing: bool = False,
     streamed: bool = False,
@@ -156,7 +135,7 @@ def pack_header(
         MAGIC,
         kind,
         method,
-        status.value[0] if status is not None else 0,
+        STATUS_NAMES.index(status) if status is not None else 0,
         (CLOSING if closing else 0) | (STREAMED if streamed else 0),
         call & 0xFFFFFFFF,
         min(max(deadline_ms, 0), 0xFFFFFFFF),
@@ -173,7 +152,7 @@ def parse_header(data) -> Header:
     magic, kind, method, status, flags, call, deadline_ms, length = HEADER.unpack(data)
     if magic != MAGIC:
         raise FrameError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ARGUMENT",
             f"not a frame of this protocol: magic {bytes(magic)!r}, expected {MAGIC!r} "
             f"(a client of another transport? system.transport must match on both ends)",
         )
@@ -181,7 +160,7 @@ def parse_header(data) -> Header:
         return Header(Kind(kind), Method(method), status, flags, call, deadline_ms, length)
     except ValueError:
         what = f"kind {kind}" if kind not in Kind._value2member_map_ else f"method {method}"
-        raise FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"frame of unknown {what}") from None
+        raise FrameError("INVALID_ARGUMENT", f"frame of unknown {what}") from None
 
 
 RECEIVE_CHUNK_BYTES = 32 << 10
@@ -324,7 +303,7 @@ def _send_shared(sock: socket.socket, items: list, shared) -> None:
 
 
 def send_error(
-    sock: socket.socket, method: Method, call: int, status: grpc.StatusCode, details: str, *, closing: bool = False
+    sock: socket.socket, method: Method, call: int, status: str, details: str, *, closing: bool = False
 ) -> int:
     """Write an ERROR frame; returns its size."""
     body = details.encode("utf-8", "replace")
@@ -332,10 +311,10 @@ def send_error(
     return HEADER_BYTES + len(body)
 
 
-def error_of(header: Header, body) -> TransportError:
-    """The :class:`TransportError` an ERROR frame carries."""
-    code = STATUS_BY_NUMBER.get(header.status, grpc.StatusCode.UNKNOWN)
-    return TransportError(code, bytes(body).decode("utf-8", "replace"))
+def error_of(header: Header, body) -> CallError:
+    """The :class:`CallError` an ERROR frame carries."""
+    code = STATUS_NAMES[header.status] if header.status < len(STATUS_NAMES) else "UNKNOWN"
+    return CallError(code, bytes(body).decode("utf-8", "replace"))
 
 
 def peer_name(address: tuple) -> str:
@@ -350,7 +329,7 @@ def health_check(
     """Ask a TCP-transport server whether it serves (no auth token needed); returns ``SERVING``.
 
     Raises:
-        TransportError: the server did not answer (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``) or refused.
+        CallError: the server did not answer (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``) or refused.
     """
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as raw:
@@ -359,14 +338,14 @@ def health_check(
                 send_frame(sock, pack_header(Kind.REQUEST, Method.HEALTH, 0, call=1), [])
                 header = receive_header(sock, bytearray(HEADER_BYTES))
                 if header.length > HELLO_MAX_BYTES:
-                    raise TransportError(grpc.StatusCode.INTERNAL, f"health reply of {header.length} bytes")
+                    raise CallError("INTERNAL", f"health reply of {header.length} bytes")
                 body = receive_body(sock, header.length)
     except socket.timeout:
-        raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s") from None
+        raise CallError("DEADLINE_EXCEEDED", f"no answer within {timeout_s:g} s") from None
     except FrameError as exc:
-        raise TransportError(grpc.StatusCode.UNAVAILABLE, exc.message) from None
+        raise CallError("UNAVAILABLE", exc.message) from None
     except OSError as exc:
-        raise TransportError(grpc.StatusCode.UNAVAILABLE, f"cannot reach {host}:{port}: {exc}") from None
+        raise CallError("UNAVAILABLE", f"cannot reach {host}:{port}: {exc}") from None
     if header.kind == Kind.ERROR:
         raise error_of(header, body)
     return bytes(body).decode("ascii", "replace")

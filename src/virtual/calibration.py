@@ -3,13 +3,13 @@
 Each figure is measured on the code a real run executes, so a virtual run of a config models this
 machine running that config:
 
-* ``compute_s``: the worker's forward/backward of one batch (:meth:`src.ps.worker_step.WorkerStep.compute`),
+* ``compute_s``: the worker's forward/backward of one batch (:meth:`src.ps.worker.compute.WorkerCompute.compute`),
   median over steps after a warm-up; with ``concurrent`` > 1, measured in that many processes at
   once (what N workers on this machine's cores see: they share the cores).
 * ``compress_s``: the worker's error feedback and compression of one push
-  (:meth:`~src.ps.worker_step.WorkerStep.encode`, with the config's compression).
+  (:meth:`~src.ps.worker.codec.PushCodec.encode`, with the config's compression).
 * ``server_update_s``: the server core's work per push: parse, admit, decode and apply
-  (:class:`src.ps.core.ServerCore`, async, one worker).
+  (:class:`src.ps.server.core.ServerCore`, async, one worker).
 * ``server_reply_s``: the core's work per reply (the next work, the parameters, serialized), plus
   the transport's own time per round trip: a real push over the run's transport (``system.transport``) on
   loopback minus the core's work, so a virtual run's server time holds everything a real round trip costs
@@ -48,8 +48,7 @@ WARMUP_STEPS = 3
 
 
 def _worker_step(config: Config, log_dir: str):
-    from src.ps.worker_step import WorkerStep
-
+    """A worker's compute and push codec, as a real worker builds them: ``(step, train_set, log)``."""
     t = config.training
     train_set = load_dataset(
         t.dataset, "train", data_dir=t.data_dir, max_samples=t.max_train_samples, num_samples=t.num_samples, seed=t.seed
@@ -57,7 +56,37 @@ def _worker_step(config: Config, log_dir: str):
     model = model_from_config(config)
     model.train()
     log = MetricsLogger(log_dir, tensorboard=False)
-    return WorkerStep(config, 0, model=model, train_set=train_set, device=torch.device("cpu"), log=log), train_set, log
+    return _Step(config, model, train_set, log), train_set, log
+
+
+class _Step:
+    """One worker's step as the calibration times it: its compute (:class:`~src.ps.worker.compute.WorkerCompute`),
+    then its encoding (:class:`~src.ps.worker.codec.PushCodec`, one server's payloads)."""
+
+    def __init__(self, config: Config, model: torch.nn.Module, train_set, log: MetricsLogger):
+        from src.compressors.policy import policy_from_config
+        from src.ps.worker import PushCodec, WorkerCompute
+
+        system = config.system
+        self.model = model
+        self.computing = WorkerCompute(config, 0, model=model, train_set=train_set, device=torch.device("cpu"), log=log)
+        self.codec = PushCodec(
+            system,
+            policy_from_config(system),
+            error_feedback=system.error_feedback,
+            seed=config.training.seed,
+            worker_id=0,
+            names=self.computing.names,
+        )
+
+    def compute(self, batches: list[pb.Batch]) -> tuple[float, int, int]:
+        return self.computing.compute(batches, 0, 1)
+
+    def encode(self, batches: list[pb.Batch]) -> list:
+        return self.codec.encode(self.computing.gradients(batches), 0)[0]
+
+    def buffers_to_send(self, batches: list[pb.Batch]) -> list:
+        return self.computing.buffers_to_send(batches)
 
 
 def _batches(config: Config, train_set, count: int) -> list[pb.Batch]:
@@ -270,7 +299,7 @@ def measure_server(config: Config, *, pushes: int = 30) -> dict[str, float]:
     on the machine weighs on both alike.
     """
     from src.parameter_server import ParameterServer, planned_work
-    from src.ps.core import ServerCore
+    from src.ps.server.core import ServerCore
     from src.transport.clients import make_client
 
     with tempfile.TemporaryDirectory() as tmp:

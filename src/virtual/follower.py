@@ -2,10 +2,10 @@
 messages.
 
 With ``system.num_servers`` = S > 1, shard 0 is the simulated parameter server
-(:class:`~src.virtual.server.VirtualServer` with the run's :class:`~src.ps.sharding.Sharding`); shards 1..S-1 are
-:class:`VirtualFollower` objects, each a driver of :class:`~src.ps.follower.FollowerCore`, as
-:class:`src.ps.follower_server.FollowerServer` is over real connections. It takes the two calls a real follower
-takes, with the protocol's bytes (:mod:`src.ps.shard_rounds`):
+(:class:`~src.virtual.server.VirtualServer` with the run's :class:`~src.ps.shards.shard_zero.Sharding`); shards 1..S-1 are
+:class:`VirtualFollower` objects, each a driver of :class:`~src.ps.shards.follower.FollowerCore`, as
+:class:`src.ps.shards.follower_server.FollowerServer` is over real connections. It takes the two calls a real follower
+takes, with the protocol's bytes (:mod:`src.ps.shards.rounds`):
 
 * a held push (``PushRequest.hold``): checked, decoded and held by the core, then acknowledged;
 * a parameters-only pull (``PullRequest.parameters_only``, with shard 0's certificate of the newest version): the
@@ -17,7 +17,7 @@ size; a held push takes this shard's share of ``server_update_s`` and a pull's r
 ``server_reply_s`` (its share of the model's bytes) on its own CPU (:class:`~src.emulation.event_loop.SerialServer`).
 
 At the end of the run (:meth:`VirtualFollower.stop`) it writes its part of the model as a real follower does
-(``shard_K_final.pt``, :meth:`~src.ps.follower.FollowerCore.part_checkpoint`); shard 0 reads the parts as the
+(``shard_K_final.pt``, :meth:`~src.ps.shards.follower.FollowerCore.part_checkpoint`); shard 0 reads the parts as the
 real one does, by parameters-only pulls with the last certificate (:meth:`VirtualFollower.part_reader`, taking
 no virtual time, as evaluations and checkpoints take none). A follower is not killed in virtual time: a run with
 injected faults and S > 1 is refused (a shard's recovery is not built in virtual time).
@@ -33,13 +33,13 @@ from src.common.checkpoint import save_checkpoint
 from src.config import Config
 from src.emulation.cost_model import CostModel, ServerTimes
 from src.emulation.event_loop import EventLoop, SerialServer
-from src.ps.follower import FollowerCore
-from src.ps.grpc_service import PUSH_LARGE_FIELDS
-from src.ps.push_parts import PushParts, arrived_push, push_size
-from src.ps.refusals import Refused
-from src.ps.shard_final import shard_part_path
-from src.ps.sharding import Sharding
+from src.ps.shards.final import shard_part_path
+from src.ps.shards.follower import FollowerCore
+from src.ps.shards.shard_zero import Sharding
+from src.ps.state.streamed_parts import PushParts, arrived_push, push_size
 from src.trainer import model_from_config
+from src.transport.errors import Refused
+from src.transport.grpc_service import PUSH_LARGE_FIELDS
 from src.transport.wire import Received, split
 from src.virtual.network import ServerLinks
 from src.virtual.server import Call, ServerWire
@@ -97,7 +97,7 @@ class VirtualFollower:
         self.load = self.wire.load = pb.ShardLoad()
         """What this shard carried (the bytes of the holds and pulls answered and of their replies, and provisional
         slices) and the virtual seconds of its update work: its part of a sharded run's summary
-        (:func:`~src.ps.shard_final.shard_loads`; with its pipeline's and rollbacks' counts once it stops)."""
+        (:func:`~src.ps.shards.final.shard_loads`; with its pipeline's and rollbacks' counts once it stops)."""
         self.core.log.event("listening", address="virtual", port=0)
 
     downlink_delay_s = property(lambda self: self.wire.downlink_delay_s, doc="Seconds each worker's replies took.")
@@ -121,7 +121,7 @@ class VirtualFollower:
     def send_part(self, worker: VirtualWorker, push: Hashable, body: bytes, sent: Callable[[], None]) -> None:
         """One part of the streamed hold ``push`` (the worker's key for it, ``system.streaming``): over the worker's
         link and this shard's NIC, then into the hold's parts, checked and decoded on arrival as a real follower's
-        connection thread does (:class:`~src.ps.push_parts.PushParts`); ``sent`` when it has left the worker's link.
+        connection thread does (:class:`~src.ps.state.streamed_parts.PushParts`); ``sent`` when it has left the worker's link.
         With ``system.pipelined_replies`` and the worker's connection attached, in pieces of the TCP server's reads,
         each reported as it arrives (the slices step as they come, as on shard 0: :meth:`ServerWire.upload_in_reads
         <src.virtual.server.ServerWire.upload_in_reads>`)."""
@@ -143,7 +143,7 @@ class VirtualFollower:
 
     def serve_streamed_push(self, push: Hashable) -> Callable[[Call, bytes], None]:
         """The handler of streamed hold ``push``'s message: its parts and message assembled
-        (:meth:`~src.ps.push_parts.PushParts.assemble`), held as any hold (:meth:`serve_push`)."""
+        (:meth:`~src.ps.state.streamed_parts.PushParts.assemble`), held as any hold (:meth:`serve_push`)."""
 
         def handle(call: Call, data: bytes) -> None:
             if self.core.pipeline is not None:  # its next hold's values are reported on this connection
@@ -156,7 +156,7 @@ class VirtualFollower:
 
     def serve_push(self, call: Call, data) -> None:
         """A held push: this shard's share of ``server_update_s``, then held and acknowledged. ``data``: its bytes, or
-        a streamed hold's parts and message assembled (:class:`~src.ps.push_parts.AssembledPush`)."""
+        a streamed hold's parts and message assembled (:class:`~src.ps.state.streamed_parts.AssembledPush`)."""
         self.cpu.submit(self.times.update_s, lambda: self._hold(call, data))
 
     def _hold(self, call: Call, data: bytes) -> None:
@@ -216,7 +216,7 @@ class VirtualFollower:
         return self.core.pull(self.core.member(request.caller), request, sink)
 
     def part_reader(self) -> _PartReader:
-        """What :func:`src.ps.shard_final.collect_parts` pulls this shard's part through (as shard 0's client)."""
+        """What :func:`src.ps.shards.final.collect_parts` pulls this shard's part through (as shard 0's client)."""
         return _PartReader(self)
 
     def stop(self) -> Path:
@@ -235,7 +235,7 @@ class VirtualFollower:
 
 
 class _PartReader:
-    """A parameters-only pull of a follower's part, in process: the client :func:`~src.ps.shard_final.collect_parts`
+    """A parameters-only pull of a follower's part, in process: the client :func:`~src.ps.shards.final.collect_parts`
     expects (``pull(caller, certificate=, parameters_only=, final=)`` returning the split reply)."""
 
     def __init__(self, follower: VirtualFollower):

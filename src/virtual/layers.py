@@ -2,7 +2,7 @@
 for, how a step's compute spreads over the layers, the order backward hands the gradients over, and where a reply's
 tensors end in its bytes.
 
-A *layer* is what the real streamed worker's forward pre-hooks gate (:class:`src.ps.worker_stream.StreamedModel`):
+A *layer* is what the real streamed worker's forward pre-hooks gate (:class:`src.ps.worker.streaming.StreamedModel`):
 a module with parameters or buffers of its own, in the order the forward reaches them. Its forward waits for those
 tensors of the reply; the modules without tensors that run after it (activations, pooling, flattening, the loss)
 are part of its segment, since they need nothing more from the reply.
@@ -19,7 +19,7 @@ the same element traffic. ``scripts/calibrate.py --layers`` prints this split be
 this machine.
 
 **The order of the gradients** (:class:`GradientOrder`): the real worker's own hooks (:class:`StreamedModel
-<src.ps.worker_stream.StreamedModel>`) on the compute model, recording the order in which backward hands each
+<src.ps.worker.streaming.StreamedModel>`) on the compute model, recording the order in which backward hands each
 gradient over (reverse layer order, as autograd produces them; the ones without a gradient after backward).
 
 **A reply's tensors** (:func:`reply_pieces`): the byte offsets at which a reply's head (its small fields) and each of
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from src.ps.worker_stream import StreamedModel
+from src.ps.worker.streaming import StreamedModel
 from src.transport.wire import Received, split
 
 ELEMENT_COST = 64.0
@@ -162,7 +162,7 @@ def layer_profile(model: nn.Module, sample: torch.Tensor, batch_size: int) -> La
 
 class GradientOrder:
     """The order in which a streamed worker's backward hands the gradients over, by the real worker's hooks
-    (:class:`~src.ps.worker_stream.StreamedModel`) on ``model``: :meth:`begin` before a compute, :meth:`end` after
+    (:class:`~src.ps.worker.streaming.StreamedModel`) on ``model``: :meth:`begin` before a compute, :meth:`end` after
     it returns the indices (served order) in the order handed over, every parameter once."""
 
     def __init__(self, model: nn.Module):

@@ -3,7 +3,7 @@
 With one server (:class:`~src.virtual.server.VirtualServer`), a worker has one message in flight at a time, so a
 message crosses the server NIC (:class:`~src.emulation.event_loop.SharedLink`) capped at its worker's link rate:
 :class:`OneServerLinks`. With ``system.num_servers`` = S > 1 shards, a worker sends its slices to every shard *at
-once* (:mod:`src.ps.shard_rounds`), so its S messages share its own uplink while each also shares its shard's NIC
+once* (:mod:`src.ps.shards.rounds`), so its S messages share its own uplink while each also shares its shard's NIC
 with the other workers' messages: a transfer crosses two links at once, each shared by different transfers.
 :class:`FairNetwork` rates such transfers max-min fairly over every link they cross (progressive filling: every
 transfer's rate rises together until a link it crosses is full; the transfers of a full link keep that rate, the

@@ -1,10 +1,10 @@
 """Virtual time: a parameter-server job in one process, where time is computed by a cost model, not measured.
 
 ``run_parameter_server_training.py --clock virtual`` (``system.clock: virtual``) runs the same job
-as a real run: the real server core (:class:`~src.ps.core.ServerCore`: membership, the work plan,
+as a real run: the real server core (:class:`~src.ps.server.core.ServerCore`: membership, the work plan,
 the barrier and async apply, staleness, the controller, the downlink, de-dup, checkpoints, events,
 the summary) and N simulated workers, each doing the real worker's step
-(:class:`~src.ps.worker_step.WorkerStep`: its real gradient on its real batch at the parameters it
+(:class:`~src.ps.worker.machine.StepMachine`: its real gradient on its real batch at the parameters it
 last received, error feedback, compression, rollback on rejection, local steps). Only *when* things
 happen is simulated, by a discrete-event loop (:mod:`src.emulation.event_loop`) over the cost model
 (:mod:`src.emulation.cost_model`): a worker's step takes its compute seconds, a message crosses the worker's
@@ -20,20 +20,20 @@ launcher (:mod:`src.virtual.launcher`). The launcher's part is simulated too:
 ``--inject-fault`` kills (``kill``), stops (``hang``) or pauses (``pause=SECONDS``) a simulated worker
 at its step, or kills the server at a version; the server detects silence by the virtual
 heartbeats; a worker declared failed while it runs gets a heartbeat timeout to rejoin by itself (a
-paused one does, as the real worker, :func:`src.ps.worker_protocol.failed_call`), else it is hung and
+paused one does, as the real worker, :func:`src.ps.worker.membership.failed_call`), else it is hung and
 killed (:class:`~src.common.supervisor.RejoinGrace`); a dead process is restarted after
 ``emulation.restart_s`` (budget ``system.max_restarts``), a restarted server resumes from its newest
 checkpoint and the workers register with it again, exactly as :mod:`src.launch.ps` does for real
 processes.
 
 With ``system.num_servers`` = S > 1 (sync) the server is split into S shards as a real sharded run's
-(:mod:`src.ps.shard_rounds`): shard 0 is the :class:`~src.virtual.server.VirtualServer` with the run's
-:class:`~src.ps.sharding.Sharding` (the placement, and the session key from the run's auth token, or a fresh one
+(:mod:`src.ps.shards.rounds`): shard 0 is the :class:`~src.virtual.server.VirtualServer` with the run's
+:class:`~src.ps.shards.shard_zero.Sharding` (the placement, and the session key from the run's auth token, or a fresh one
 per run: every simulated process uses it), the others :class:`~src.virtual.follower.VirtualFollower` objects, each
 with its own NIC, its own CPU and its share of the server's times (:func:`~src.emulation.cost_model.shard_times`), over
 one network with the workers' links (:mod:`src.virtual.network`). At the end the followers' parts are read as the
-real shard 0 reads them (:func:`~src.ps.shard_final.collect_parts`), the whole model is written into
-``parameter_server_final.pt`` (:func:`~src.ps.shard_final.write_whole_final`) and evaluated, and the summary gets its
+real shard 0 reads them (:func:`~src.ps.shards.final.collect_parts`), the whole model is written into
+``parameter_server_final.pt`` (:func:`~src.ps.shards.final.write_whole_final`) and evaluated, and the summary gets its
 final loss and accuracy and the ``placement``; each follower writes its part (``shard_K_final.pt``). Injected
 faults and ``--resume`` are refused with S > 1 (a shard's recovery is not built yet).
 
@@ -66,8 +66,8 @@ from src.common.supervisor import LaunchError
 from src.config import Config, SetupError
 from src.emulation.cost_model import CostModel
 from src.emulation.event_loop import EventLoop
-from src.ps.shard_final import collect_parts, reader_session, whole_model_summary
-from src.ps.sharding import Sharding
+from src.ps.shards.final import collect_parts, reader_session, whole_model_summary
+from src.ps.shards.shard_zero import Sharding
 from src.trainer import load_splits, model_from_config
 from src.virtual.calibration import with_measured_figures
 from src.virtual.follower import VirtualFollower

@@ -1,6 +1,6 @@
 """The server process of a virtual-time run: the real server core driven by simulated messages.
 
-:class:`VirtualServer` is a driver of :class:`~src.ps.core.ServerCore`, as the gRPC service
+:class:`VirtualServer` is a driver of :class:`~src.ps.server.core.ServerCore`, as the gRPC service
 (:mod:`src.parameter_server`) and the TCP server are: it calls the same core methods in the same
 order, under the core's lock, with the real protocol's bytes. What it adds is *when*: a message
 crosses the sending worker's link and the server NIC (:class:`~src.emulation.event_loop.SharedLink`, shared
@@ -10,15 +10,15 @@ Push whose work is not there yet (the sync barrier) is parked until it is. An in
 (:class:`ServerKilled`) fails every open call and hands the restart to the launcher
 (:class:`~src.virtual.launcher.VirtualLauncher`).
 
-With ``system.num_servers`` = S > 1 it is shard 0 (its core holds a :class:`~src.ps.sharding.Sharding`): it takes
-held pushes and their commits (:mod:`src.ps.shard_rounds`) and parameters-only pulls, as the real server's
+With ``system.num_servers`` = S > 1 it is shard 0 (its core holds a :class:`~src.ps.shards.shard_zero.Sharding`): it takes
+held pushes and their commits (:mod:`src.ps.shards.rounds`) and parameters-only pulls, as the real server's
 handlers do, with its own NIC in the run's :class:`~src.virtual.network.FairNetwork` and its share of the server's
 times (:func:`~src.emulation.cost_model.shard_times`); the followers are :mod:`src.virtual.follower`'s.
 :class:`ServerWire` is how any simulated server's messages travel (shared with the followers).
 
 A streamed push (``system.streaming``, :mod:`src.virtual.worker`'s streamed step) reaches it as the real one
 reaches the TCP server: each part (:meth:`VirtualServer.send_part`) crosses the worker's link on its own and is taken
-into the push's :class:`~src.ps.push_parts.PushParts` on arrival (checked and decoded there, as the real server
+into the push's :class:`~src.ps.state.streamed_parts.PushParts` on arrival (checked and decoded there, as the real server
 does), then the push's message, which :meth:`VirtualServer.serve_push` handles with the parts assembled, as today's
 push, when its last byte is in. Its reply goes down the link in pieces (:attr:`Call.pieces`): the worker hears of
 the head and of each tensor as the bytes that complete it arrive.
@@ -39,12 +39,12 @@ from src.coordinator import Member
 from src.emulation.cost_model import CostModel, ServerTimes
 from src.emulation.event_loop import EventLoop, SerialServer
 from src.parameter_server import MONITOR_PERIOD_S, planned_work
-from src.ps.aggregation import RequestLog
-from src.ps.core import PushRefused, Refused, ServerCore
-from src.ps.grpc_service import PUSH_LARGE_FIELDS
-from src.ps.push_parts import PushParts, arrived_push, push_size
-from src.ps.sharding import Sharding
+from src.ps.server.core import PushRefused, Refused, ServerCore
+from src.ps.shards.shard_zero import Sharding
+from src.ps.state.aggregation import RequestLog
+from src.ps.state.streamed_parts import PushParts, arrived_push, push_size
 from src.trainer import model_from_config
+from src.transport.grpc_service import PUSH_LARGE_FIELDS
 from src.transport.tcp_frames import RECEIVE_CHUNK_BYTES
 from src.transport.wire import Received
 from src.virtual.launcher import VirtualLauncher
@@ -293,7 +293,7 @@ class VirtualServer:
         self.load = self.wire.load = pb.ShardLoad()
         """The bytes of the Pull and Push messages answered and of their replies (and provisional slices), and the
         virtual seconds of update work (a sharded run's summary reports every shard's:
-        :func:`~src.ps.shard_final.shard_loads`)."""
+        :func:`~src.ps.shards.final.shard_loads`)."""
         self.core: ServerCore | None = None
         self.running = False
         self.epoch = 0  # one per server process: a call sent to an earlier one fails
@@ -406,12 +406,12 @@ class VirtualServer:
 
     def send_part(self, worker: VirtualWorker, push: Hashable, body: bytes, sent: Callable[[], None]) -> None:
         """One part of the streamed push ``push`` (the worker's key for it): over the worker's link, then into the
-        push's parts (:class:`~src.ps.push_parts.PushParts`: checked and decoded on arrival, as the real server's
+        push's parts (:class:`~src.ps.state.streamed_parts.PushParts`: checked and decoded on arrival, as the real server's
         connection thread does), if this server process still runs; ``sent`` when it has left the worker's link.
 
         With ``system.pipelined_replies`` and the worker's connection attached to the pipeline, the part crosses
         the link in pieces of the TCP server's reads (:data:`~src.transport.tcp_frames.RECEIVE_CHUNK_BYTES`), each
-        reported as it arrives (:meth:`~src.ps.push_parts.PushParts.progress`), as the real server reads a frame."""
+        reported as it arrives (:meth:`~src.ps.state.streamed_parts.PushParts.progress`), as the real server reads a frame."""
         epoch = self.epoch
         sink = self.wire.attached(self.sinks, worker, worker.process)
 
@@ -440,7 +440,7 @@ class VirtualServer:
 
     def serve_streamed_push(self, push: Hashable) -> Callable[[Call, bytes], None]:
         """The handler of streamed push ``push``'s message: its parts and message assembled
-        (:meth:`~src.ps.push_parts.PushParts.assemble`), handled as any push (:meth:`serve_push`). With
+        (:meth:`~src.ps.state.streamed_parts.PushParts.assemble`), handled as any push (:meth:`serve_push`). With
         ``system.pipelined_replies`` the worker's connection is attached to the pipeline here, as the real server
         attaches it when a push comes on it: its next push's values are reported (:meth:`send_part`)."""
 
@@ -515,7 +515,7 @@ class VirtualServer:
     def serve_push(self, call: Call, data: bytes) -> None:
         """A push takes ``server_update_s`` of the server's time (a sharded run's held push: this shard's share; its
         commit, which carries no tensors: none); its reply follows at once when its work is there. ``data``: its
-        bytes, or a streamed push's parts and message assembled (:class:`~src.ps.push_parts.AssembledPush`)."""
+        bytes, or a streamed push's parts and message assembled (:class:`~src.ps.state.streamed_parts.AssembledPush`)."""
         call.bytes_in = push_size(data)
         try:
             received = arrived_push(data, PUSH_LARGE_FIELDS)

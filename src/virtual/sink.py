@@ -1,7 +1,7 @@
 """A simulated worker connection's provisional slices (``system.pipelined_replies`` in virtual time).
 
-The real server's connection writes :mod:`src.ps.slice_pipeline`'s slices to its worker as PROVISIONAL frames, in
-order, and the connection's reply after the last of them (:class:`~src.ps.tcp_sink.TCPSink`). Here each slice is a
+The real server's connection writes :mod:`src.ps.state.slice_pipeline`'s slices to its worker as PROVISIONAL frames, in
+order, and the connection's reply after the last of them (:class:`~src.transport.tcp_sink.TCPSink`). Here each slice is a
 message of its serialized size (:data:`~src.transport.stream.PROVISIONAL_HEAD`, then the values) that crosses the
 server's NIC and the worker's downlink, one after another on :attr:`VirtualSink.downlink`, and the reply of the
 worker's push is put on the same line after them (:meth:`VirtualServer._reply
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from src.emulation.overlap import FifoLink
-from src.ps.slice_pipeline import Sink
+from src.transport.sinks import Sink
 from src.transport.stream import PROVISIONAL_HEAD
 from src.transport.wire import tensor_view
 

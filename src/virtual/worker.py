@@ -1,39 +1,31 @@
-"""A simulated worker process of a virtual-time run: the real worker's protocol, driven by events.
+"""A simulated worker process of a virtual-time run: the real worker's step machine, driven by events.
 
-:class:`VirtualWorker` sends the messages :class:`src.worker.Worker` sends (register, pull, push,
-heartbeat, finish: the real protocol's bytes) to the simulated server
-(:class:`~src.virtual.server.VirtualServer`) and does the real worker's step
-(:class:`~src.ps.worker_step.WorkerStep`) on its real batches; only its timing comes from the cost
-model: the step's compute seconds, then ``compress_s``, then the push. Injected faults kill, stop
-(``hang``) or pause it at a step; a failed call is handled as the real worker does
-(:func:`src.ps.worker_protocol.failed_call`: register again, or exit for the launcher to restart it).
+:class:`VirtualWorker` carries the step machine that :class:`src.worker.Worker` carries
+(:class:`~src.ps.worker.machine.StepMachine`: register, pull, push, settle, rejoin, finish, whole or streamed, on one
+server or on every shard of a sharded one) and computes the real worker's gradients
+(:class:`~src.ps.worker.compute.WorkerCompute`) on its real batches; only its timing comes from the cost model: the
+step's compute seconds, then ``compress_s``, then the calls of each exchange, each message on the worker's links
+(:mod:`src.virtual.network`) to the simulated server shard it goes to (:class:`~src.virtual.server.VirtualServer`,
+:class:`~src.virtual.follower.VirtualFollower`): the real protocol's bytes. Injected faults kill, stop (``hang``) or
+pause it at a step; a failed call means what the machine says it means (register again, or exit 1 for the launcher to
+restart it).
 
-With several server shards (``system.num_servers`` = S > 1) it does the real worker's sharded step
-(``Worker._push_to_shards`` and ``Worker._pull_shards`` in :mod:`src.worker`; its messages built by
-:mod:`src.ps.shard_step`): each shard's slices held on every shard at once, then, once every shard has
-acknowledged, the commit to shard 0 (async: with the followers' staleness), whose reply carries the verdict, the
-next work and the certificate, then every shard's slices pulled at once (the followers' with the certificate). Its
-messages to different shards are in flight together and share its own links (:mod:`src.virtual.network`).
-
-With ``system.streaming`` it does the real streamed worker's step (``Worker._train_step_streamed``,
-:mod:`src.ps.worker_stream`), timed by :mod:`src.emulation.overlap` over the model's layers
-(:mod:`src.virtual.layers`): the step's compute seconds spread over the layers; the forward waits, layer by layer, for
-the tensors of the reply it computes from; backward hands each gradient over as its layer's segment ends (in the
-order the real worker's hooks record), and its part (the payload :meth:`~src.ps.worker_step.WorkerStep.encode_part`
-makes, the real worker's) goes on the worker's link as soon as it is encoded, the parts one after another; the push's
-message follows after backward. The reply comes down in pieces: its head settles the step and starts the next, its
-tensors arrive behind it. The step's exposed communication (``communication_time_s``, as the real streamed worker
-reports it) is from the end of backward to the reply's head plus the forward's waits. The arithmetic is the
-unstreamed step's: only when the bytes travel changes. With several shards each gradient's slices stream to the shards
-holding them, each on the worker's connection to its shard, as the holds; the commit and the pulls follow as in the
-unstreamed sharded step, and the pulls bring every slice before the step settles.
+With ``system.streaming`` it takes the real streamed worker's step, timed by :mod:`src.emulation.overlap` over the
+model's layers (:mod:`src.virtual.layers`): the step's compute seconds spread over the layers; the forward waits,
+layer by layer, for the tensors of the reply it computes from; backward hands each gradient over as its layer's
+segment ends (in the order the real worker's hooks record), and its part (each shard's slices of it) goes on the
+worker's connection to that shard as soon as it is encoded, the parts one after another; the push's message (each
+shard's hold) follows after backward. The reply comes down in pieces: its head settles the step and starts the next,
+its tensors arrive behind it. The step's exposed communication (``communication_time_s``, as the real streamed worker
+reports it) is from the end of backward to the reply's head (a sharded server's: to the pulls' end) plus the forward's
+waits. The arithmetic is the unstreamed step's: only when the bytes travel changes.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -47,14 +39,28 @@ from src.common.clock import VirtualClock
 from src.common.faults import FaultInjector, FaultSpec
 from src.common.seeds import derive_seed
 from src.common.supervisor import LaunchError
+from src.compressors.policy import policy_from_config
 from src.config import Config
 from src.emulation.cost_model import CostModel
 from src.emulation.event_loop import EventLoop
 from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, split_step
 from src.metrics import MetricsLogger
-from src.ps.placement import Placement
-from src.ps.worker_protocol import Failure, IncarnationRevoked, Rejoins, failed_call
-from src.ps.worker_step import WorkerStep, check_layout
+from src.ps.shards.placement import Placement
+from src.ps.worker import (
+    Call,
+    Exchange,
+    IncarnationRevoked,
+    Membership,
+    PushCodec,
+    Rejoined,
+    Rejoins,
+    StepFigures,
+    StepMachine,
+    WorkerCompute,
+    check_layout,
+)
+from src.ps.worker.calls import FINISH, PULL, PUSH, REGISTER
+from src.transport.errors import CallError
 from src.transport.stream import SliceStage, part_pieces, part_size
 from src.transport.wire import Outgoing, Received, chunk_size, serialize, split
 from src.virtual.layers import GradientOrder, LayerProfile, reply_pieces
@@ -129,32 +135,21 @@ class WorkerRun(Protocol):
 
 
 @dataclass
-class StreamedStep:
-    """A streamed step in progress (``system.streaming``): what its push and settling need once backward is over."""
+class Push:
+    """The push of the step now: what its calls need, and when its messages went (virtual seconds)."""
 
-    batches: list[pb.Batch]
-    loss: float
-    correct: int
-    samples: int
-    parts: list[tuple[int, int, Any]]  # (shard, index there, payload), in the order backward handed them over
-    buffers: list
-    started: float  # virtual seconds: the step's start (the previous reply's head)
-    first_sent: float | None = None  # virtual seconds: the first part onto the link
-
-
-@dataclass
-class Traffic:
-    """The bytes one sharded push moved: its messages to every shard, and their replies."""
-
-    sent: int = 0
-    received: int = 0
+    key: tuple = ()  # the servers' key for a streamed push's parts
+    buffers: list = field(default_factory=list)
+    sent_at: float = 0.0  # its first message onto the link (streamed: its message after the parts)
+    hold_s: list[float] = field(default_factory=list)  # streamed, per shard: the seconds its parts took to encode
+    traffic: list[tuple[int, int]] = field(default_factory=list)  # (sent, received) of each of its calls
 
 
 class VirtualWorker:
-    """A simulated worker process: the real worker's protocol (:class:`src.worker.Worker`) driven by events.
+    """A simulated worker process: the real worker's step machine (:class:`src.worker.Worker`'s) driven by events.
 
-    Its parameter replica (what the server last sent it) outlives its processes: a restarted process
-    pulls into the same tensors.
+    Its parameter replica (what the server last sent it) outlives its processes: a restarted process pulls into the
+    same tensors.
     """
 
     def __init__(self, run: WorkerRun, worker_id: int):
@@ -166,8 +161,6 @@ class VirtualWorker:
         self.hung = False
         self.pause_s: float | None = None  # a pause fault: how long until the stopped process runs again
         self.beating = 0  # the heartbeat chain that is current (a resumed process starts a new one)
-        self.rejoins = Rejoins(worker_id, run.config.system.max_rejoins)
-        self.last_failure: Failure | None = None
         self.finishing = False  # a Finish is on its way
         self.compress_s = run.cost.compress_s
         """What compressing the latest push cost (none for a push that went uncompressed)."""
@@ -176,14 +169,15 @@ class VirtualWorker:
             [torch.zeros_like(p) for p in model.parameters() if p.requires_grad],
             [torch.zeros_like(b) for b in model.buffers() if b.is_floating_point()],
         )
-        self.step: WorkerStep | None = None
+        self.membership = Membership(worker_id)
+        self.machine: StepMachine | None = None
+        self.compute: WorkerCompute | None = None
         self.log: MetricsLogger | None = None
-        self.caller = pb.Caller(worker_id=worker_id)
-        self.incarnation = 0
         self.bytes_sent = self.bytes_received = 0
         self.uplink_delay_s = self.compute_extra_s = 0.0
         self.started_at = 0.0
         self.step_started = 0.0  # virtual seconds: when the step now computing was handed its work
+        self.push = Push()
         # system.streaming: the reply tensors the next forward needs that have not arrived, the forward in progress,
         # the worker's connection to each server shard (parts, then the push's message, one after another on each;
         # the connections share the worker's link), streamed pushes so far, and what to do once the last reply's
@@ -198,16 +192,15 @@ class VirtualWorker:
         # names them (made with the connections)
         self.stages: list[SliceStage] = []
 
-    def _connect(self) -> None:
-        """New connections to every server shard (one server: one): their lines up, and their slices down."""
-        count = max(1, len(self.run.shards))
-        self.uplinks = [FifoLink() for _ in range(count)]
-        self.stages = [SliceStage() for _ in range(count)]
-
     @property
     def pid(self) -> int:
         """A process id unique to this worker's process number (what registration reports)."""
         return (self.worker_id + 1) * 10_000 + self.process
+
+    @property
+    def targets(self) -> list[ShardCalls]:
+        """Every server shard, shard 0 (the server) first; one server: it alone."""
+        return self.run.shards or [self.run.server]
 
     def reachable(self, process: int) -> bool:
         """Whether a message for ``process`` still reaches a running, unstopped process."""
@@ -222,17 +215,18 @@ class VirtualWorker:
         """A new process of this worker: register, then pull and train."""
         self.process += 1
         self.alive, self.hung, self.pause_s = True, False, None
-        self.rejoins = Rejoins(self.worker_id, self.config.system.max_rejoins)  # a new process: a new budget
-        self.step = None
-        self.caller = pb.Caller(worker_id=self.worker_id)
+        self.membership = Membership(self.worker_id, Rejoins(self.worker_id, self.config.system.max_rejoins))
+        self.machine = None
         self.bytes_sent = self.bytes_received = 0
         self.uplink_delay_s = self.compute_extra_s = 0.0
         self.started_at = self._now()
         self.arriving, self.forward = set(), None  # a new process: nothing in flight
-        self._connect()
+        count = len(self.targets)  # new connections to every server shard: their lines up, their slices down
+        self.uplinks = [FifoLink() for _ in range(count)]
+        self.stages = [SliceStage() for _ in range(count)]
         self.tail_pending, self.after_tail = False, None
         self.faults = FaultInjector(self.config.system.inject_faults, "worker", self.worker_id, enabled=faults)
-        self._register(0, [], self._first_registration)
+        self._run(self.membership.register(), self._first_registration)
 
     def end(self, exit_description: str | None) -> None:
         """This process ends (``None``: it finished; otherwise how it died, for the launcher)."""
@@ -263,83 +257,135 @@ class VirtualWorker:
         self._heartbeat(process, self._new_heartbeat_chain())
         go_on()
 
-    # ------------------------------------------------------------------------- calls
+    # ------------------------------------------------------------------------- exchanges on events
 
-    def _call(self, data: bytes, handle, on_reply, on_error=None, *, wait_for_server: bool = False) -> None:
-        self.run.server.call(self, data, handle, on_reply, on_error or self._failed, wait_for_server=wait_for_server)
-
-    def _failed(self, code: str, message: str) -> None:
-        """A call failed for a reason the real worker does not recover from."""
-        raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {code}: {message}")
-
-    def _after_failure(self, code: str, message: str, then: Callable[[], None], *, in_flight: int = 0) -> None:
-        """A call failed: register again after a lost session or a revoked incarnation and go on with ``then``
-        (settling the push ``in_flight``, its request id), as the real worker; a revoked worker whose
-        rejoin budget is spent exits 1; any other failure is the run's error."""
-        try:
-            failure = failed_call(code, message, self.worker_id, self.rejoins)
-        except IncarnationRevoked:
-            self.end("exited with status 1")  # the launcher restarts it
-            return
-        if failure is None:
-            self._failed(code, message)
-            return
-        step = self.step
-        self.last_failure = failure
-        if failure == "revoked":
-            step.begin_incarnation(self._stats())
-
-        def registered(registration: pb.RegisterReply) -> None:
-            applied = bool(in_flight) and registration.last_request_applied
-            step.rejoined(failure, in_flight=bool(in_flight), applied=applied)
-            then()
-
-        self._register(in_flight, step.carried_to_register(failure), registered)
-
-    def _register(
-        self, last_request_id: int, carried: list[pb.Batch], then: Callable[[pb.RegisterReply], None]
+    def _run(
+        self, exchange: Exchange, done: Callable[[Any], None], start: Callable[[Callable[[], None]], None] | None = None
     ) -> None:
-        request = pb.RegisterRequest(
-            worker_id=self.worker_id,
-            last_request_id=last_request_id,
-            carried_batch_ids=[b.batch_id for b in carried],
-            pid=self.pid,
-        )
+        """Carry ``exchange`` on the event loop: each round's calls at once, ``done(outcome)`` once it returns. The
+        first round's messages are made now (its push's payloads may be views of the gradient the shared compute
+        model holds now) and sent by ``start(send)`` (default: at once). A call the machine does not recover from is
+        the run's error; a revoked incarnation with no rejoin left exits 1 (the launcher restarts it)."""
+        process = self.process
 
-        def registered(data: bytes) -> None:
-            registration = pb.RegisterReply.FromString(data)
-            self.caller = pb.Caller(worker_id=self.worker_id, session=registration.session)
-            self.incarnation = registration.incarnation
-            then(registration)
+        def advance(replies: list | None, begin: Callable[[Callable[[], None]], None] | None = None) -> None:
+            try:
+                calls = exchange.send(replies)
+            except StopIteration as stop:
+                done(stop.value)
+                return
+            except IncarnationRevoked:
+                self.end("exited with status 1")
+                return
+            except CallError as error:
+                raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {error}") from None
+            senders = [self._message(call) for call in calls]
+            replies_in: list = [None] * len(calls)
+            pending = [len(calls)]
 
-        self._call(request.SerializeToString(), self.run.server.serve_register, registered, wait_for_server=True)
+            def arrived(index: int, reply: Any) -> None:
+                replies_in[index] = reply
+                pending[0] -= 1
+                if pending[0] == 0:
+                    advance(replies_in)
+
+            def send() -> None:
+                if self.reachable(process):
+                    for index, sender in enumerate(senders):
+                        sender(partial(arrived, index))
+
+            (begin or (lambda go: go()))(send)
+
+        advance(None, start)
+
+    def _message(self, call: Call) -> Callable[[Callable[[Any], None]], None]:
+        """``call``'s message, made now; what sends it and hands its reply (or its :class:`CallError`) on."""
+        target, message = self.targets[call.shard], call.message
+        if call.method == PUSH and call.streamed:
+            return partial(self._close_stream, call)
+        if call.method == REGISTER:
+            message.pid = self.pid
+            handle, parse = target.serve_register, lambda data: (pb.RegisterReply.FromString(data), 0)
+        elif call.method == FINISH:
+            handle, parse = target.serve_finish, lambda data: (pb.FinishReply.FromString(data), 0)
+        elif call.method == PULL:
+            handle, parse = target.serve_pull, partial(self._pulled_reply, call.shard, message.parameters_only)
+        else:  # a push, or a hold, or a commit
+            handle, parse = target.serve_push, lambda data: (split(data, pb.PushReply, REPLY_FIELDS), 0)
+        if call.method == PUSH:
+            data = serialize(Outgoing(message, {name: list(values) for name, values in call.tensors.items()}))
+        else:
+            data = message.SerializeToString()
+        push, wait = self.push, call.method == REGISTER
+
+        def send(reply: Callable[[Any], None]) -> None:
+            def replied(reply_data: bytes) -> None:
+                received, staged = parse(reply_data)
+                push.traffic.append((len(data), len(reply_data) + staged))
+                reply(received)
+
+            target.call(
+                self,
+                data,
+                handle,
+                replied,
+                lambda code, text: reply(CallError(code, text)),
+                wait_for_server=wait,
+            )
+
+        return send
+
+    def _pulled_reply(self, shard: int, parameters_only: bool, data: bytes) -> tuple[Received, int]:
+        """A pull's reply, and the bytes of the provisional slices it takes: a shard's slices (``parameters_only``)
+        take those its connection brought (``system.pipelined_replies``: the hold's), as the real client does."""
+        received = split(data, pb.PullReply, MODEL_STATE)
+        if not parameters_only:
+            return received, 0
+        stage = self.stages[shard]
+        staged = stage.nbytes
+        stage.fill(received)
+        return received, staged
+
+    # ------------------------------------------------------------------------- registration, heartbeats
 
     def _first_registration(self, registration: pb.RegisterReply) -> None:
-        run, config = self.run, self.config
+        run, config, system = self.run, self.config, self.config.system
         check_layout(self.worker_id, config, run.compute_model, registration, run.placement)
         self.log = MetricsLogger(
-            Path(config.system.log_dir) / f"worker_{self.worker_id}",
+            Path(system.log_dir) / f"worker_{self.worker_id}",
             tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
             role="worker",
             worker=self.worker_id,
             clock=run.clock.time,
         )
+        compute = self.compute = WorkerCompute(
+            config, self.worker_id, model=run.compute_model, train_set=run.train_set, device=torch.device("cpu"),
+            log=self.log, replica=self.replica, faults=self.faults, fire_fault=self._fault,
+        )  # fmt: skip
         seed = random.Random(derive_seed(config.training.seed, self.worker_id, self.process))  # its request ids
-        self.step = WorkerStep(
-            config,
-            self.worker_id,
-            model=run.compute_model,
-            train_set=run.train_set,
-            device=torch.device("cpu"),
-            log=self.log,
-            replica=self.replica,
-            faults=self.faults,
-            fire_fault=self._fault,
-            request_ids=seed.getrandbits(62) or 1,
+        codec = PushCodec(
+            system,
+            policy_from_config(system),
+            error_feedback=system.error_feedback,
+            seed=config.training.seed,
+            worker_id=self.worker_id,
+            names=compute.names,
             placement=run.placement,
         )
+        self.machine = StepMachine(
+            self.membership, system, names=compute.names, params=compute.params, buffer_names=compute.buffer_names,
+            buffers=compute.buffers, placement=run.placement, codec=codec, log=self.log, stats=self._stats,
+            request_ids=seed.getrandbits(62) or 1,
+        )  # fmt: skip
         self._heartbeat(self.process, self._new_heartbeat_chain())
-        self._pull(first=True)
+        self._run(self.machine.pull_everything(), self._started)
+
+    def _started(self, received: Received) -> None:
+        self.arriving = set()  # every tensor loaded: the next forward waits for none
+        self.log.event(
+            "run_start", address="virtual", incarnation=self.membership.incarnation, version=self.machine.version
+        )
+        self._work(received)
 
     def _new_heartbeat_chain(self) -> int:
         self.beating += 1
@@ -349,18 +395,14 @@ class VirtualWorker:
         """Every ``heartbeat_interval`` from the first registration on, while the process runs (not when stopped)."""
         if not self.reachable(process) or chain != self.beating:
             return
-        if self.step is not None:
-            request = pb.HeartbeatRequest(caller=self.caller, stats=self._stats())
-            self._call(
-                request.SerializeToString(),
-                self.run.server.serve_heartbeat,
-                lambda data: None,
-                lambda code, message: None,
-            )  # a failed heartbeat is ignored, as the real worker's
+        if self.machine is not None:  # a failed heartbeat is ignored, as the real worker's
+            request = pb.HeartbeatRequest(caller=self.membership.caller, stats=self._stats())
+            server = self.run.server
+            server.call(self, request.SerializeToString(), server.serve_heartbeat, lambda _: None, lambda *_: None)
         self.run.loop.after(self.config.system.heartbeat_interval, lambda: self._heartbeat(process, chain))
 
     def _stats(self) -> pb.WorkerStats:
-        return self.step.stats(
+        return self.machine.stats(
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             total_time_s=self._now() - self.started_at,
@@ -369,75 +411,7 @@ class VirtualWorker:
 
     # ------------------------------------------------------------------------- training
 
-    def _pull(self, *, first: bool = False) -> None:
-        def pulled(data: bytes) -> None:
-            received = split(data, pb.PullReply, MODEL_STATE)
-            self.arriving = set()  # every tensor loaded: the next forward waits for none
-            if self.run.placement is None:
-                self.step.load(received)
-                self._pulled(received, first)
-                return
-            self.step.load(received, parameters=False)  # a sharded run's shard 0: its slices, then the others'
-            self.step.load_shard(0, received)
-            then = lambda: self._pulled(received, first)  # noqa: E731
-            self._pull_shards(received.message.certificate, received.message.version, then, Traffic(), first_shard=1)
-
-        request = pb.PullRequest(caller=self.caller)
-        self._call(
-            request.SerializeToString(),
-            self.run.server.serve_pull,
-            pulled,
-            lambda code, message: self._after_failure(code, message, lambda: self._pull(first=first)),
-        )
-
-    def _pulled(self, received, first: bool) -> None:
-        if first:
-            self.log.event("run_start", address="virtual", incarnation=self.incarnation, version=self.step.version)
-        else:
-            self.log.event("rejoined", incarnation=self.incarnation, version=self.step.version, after=self.last_failure)
-        self._work(received)
-
-    def _pull_shards(
-        self, certificate: bytes, version: int, then: Callable[[], None], traffic: Traffic, *, first_shard: int = 0
-    ) -> None:
-        """Every shard's slices from ``first_shard`` on, pulled at once (the followers' after applying
-        ``certificate``'s version), each loaded as it arrives; ``then`` once all are in, all at shard 0's
-        ``version`` (``src.worker``'s ``Worker._pull_shards``)."""
-        shards = self.run.shards
-        pending = set(range(first_shard, len(shards)))
-        versions: dict[int, int] = {}
-        for k in range(first_shard, len(shards)):
-            request = pb.PullRequest(caller=self.caller, certificate=certificate if k else b"", parameters_only=True)
-            data = request.SerializeToString()
-            traffic.sent += len(data)
-
-            def pulled(reply: bytes, k: int = k) -> None:
-                received = split(reply, pb.PullReply, MODEL_STATE)
-                traffic.received += len(reply) + self._load_provisional(received, k)  # and the hold's slices
-                versions[k] = self.step.load_shard(k, received)
-                pending.discard(k)
-                if pending:
-                    return
-                if self.step.shards_apart(version):  # no shard restarts here: a bug, not a recovery
-                    raise LaunchError(
-                        f"worker {self.worker_id}: shard 0 at version {version}, the others at "
-                        f"{[versions[k] for k in sorted(versions)]}"
-                    )
-                then()
-
-            shards[k].call(self, data, shards[k].serve_pull, pulled, self._shard_failed(k))
-
-    def _shard_failed(self, shard: int) -> Callable[[str, str], None]:
-        """A shard refused a hold or a pull: the run's error. (A real worker registers again, as after a server
-        restart, since the launcher restarts every shard from a common version; no shard is killed in virtual time,
-        so here a refusal would be the same refusal again.)"""
-
-        def failed(code: str, message: str) -> None:
-            raise LaunchError(f"worker {self.worker_id}: server shard {shard} call failed: {code}: {message}")
-
-        return failed
-
-    def _work(self, received) -> None:
+    def _work(self, received: Received) -> None:
         """A reply arrived: finish, or compute the handed batches (their compute seconds from now)."""
         if received.message.work.finished:
             if self.tail_pending:  # the last reply's tensors are still arriving: finish once they are in
@@ -456,181 +430,107 @@ class VirtualWorker:
         self.step_started = self._now()
         self.run.loop.after(step_s, lambda: self._computed(process, batches, step_s, extra_s))
 
+    def _rejoined(self, rejoined: Rejoined) -> None:
+        """A call was lost with a session: the machine registered again and pulled every tensor."""
+        self.arriving = set()
+        self._work(rejoined.work)
+
     def _computed(self, process: int, batches: list[pb.Batch], step_s: float, extra_s: float) -> None:
         """The step's compute time has passed: its real gradient and payloads, then the push after ``compress_s``."""
         if not self.reachable(process):
             return
-        step = self.step
+        machine, compute, run = self.machine, self.compute, self.run
         computing = time.perf_counter()
-        loss, correct, samples = step.compute(batches)
-        self.run.compute_wall_s += time.perf_counter() - computing
+        loss, correct, _ = compute.compute(batches, machine.version, machine.totals["steps"] + 1)
+        run.compute_wall_s += time.perf_counter() - computing
         self.compute_extra_s += extra_s
-        self.run.timelines.worker(
-            self.worker_id, "forward_backward", self._now() - step_s, step=step.totals["steps"] + 1
-        )
-        step.reach_step()
+        run.timelines.worker(self.worker_id, "forward_backward", self._now() - step_s, step=machine.totals["steps"] + 1)
+        compute.reach_step(machine.totals["steps"] + 1)
         if not (self.alive and self.process == process) or (self.hung and self.pause_s is None):
             return  # the fault killed or stopped this process before it sent anything
-        # Encoded now, while the shared compute model holds this worker's gradient (a real paused process
-        # encodes once it runs again: the same payloads, since nothing they are made of changes meanwhile).
-        prepare = self._push if self.run.placement is None else self._push_to_shards
-        send = prepare(process, batches, loss, correct, samples, step_s)
-        compress_s = self.compress_s
-        if self.hung:  # paused: the process goes on (compresses, pushes) once it runs again
-            self.run.loop.after(
-                self.pause_s, lambda: self._resumed(process, lambda: self.run.loop.after(compress_s, send))
-            )
-        else:
-            self.run.loop.after(compress_s, send)
-
-    def _push(
-        self, process: int, batches: list[pb.Batch], loss: float, correct: int, samples: int, step_s: float
-    ) -> Callable[[], None]:
-        """The push of the step just computed, encoded now; returns what sends it (after ``compress_s``)."""
-        step = self.step
-        payloads = step.encode(batches)
-        payload_bytes = sum(chunk_size(p) for p in payloads)
-        # compress_s is what compressing costs: a push sent uncompressed (its Active Fraction, as the controller's
-        # rho 1, or a warm-up step's, system.warmup_steps) spends none, as a real worker's does not
-        compressed = payload_bytes < step.dense_bytes_per_step
-        compress_s = self.compress_s = self.run.cost.compress_s if compressed else 0.0
-        request = step.request(
-            self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
+        # Encoded now, while the shared compute model holds this worker's gradient (a real paused process encodes
+        # once it runs again: the same payloads, since nothing they are made of changes meanwhile).
+        payloads = machine.encode(compute.gradients(batches))
+        payload_bytes = sum(chunk_size(p) for shard in payloads for p in shard)
+        # compress_s is what compressing costs: a push sent uncompressed (its Active Fraction, as the controller's rho
+        # 1, or a warm-up step's, system.warmup_steps) spends none, as a real worker's does not
+        compressed = payload_bytes < machine.dense_bytes_per_step
+        compress_s = self.compress_s = run.cost.compress_s if compressed else 0.0
+        request = machine.request(
+            batches, loss=loss, correct=correct, gradient_time_s=step_s, compression_time_s=compress_s
         )
-        data = serialize(Outgoing(request, {"gradients": payloads, "buffers": step.buffers_to_send(batches)}))
-        del payloads
+        push = self.push = Push()
         step_started = self.step_started
 
-        def send() -> None:
-            if not self.reachable(process):
+        def start(send: Callable[[], None]) -> None:
+            def go() -> None:
+                push.sent_at = self._now()
+                run.timelines.worker(self.worker_id, "compress", push.sent_at - compress_s)
+                send()
+
+            if self.hung:  # paused: the process goes on (compresses, pushes) once it runs again
+                run.loop.after(self.pause_s, lambda: self._resumed(process, lambda: run.loop.after(compress_s, go)))
+            else:
+                run.loop.after(compress_s, go)
+
+        def pushed(outcome: Received | Rejoined) -> None:
+            if isinstance(outcome, Rejoined):
+                self._rejoined(outcome)
                 return
-            sent_at = self._now()
-            received_before = self.bytes_received
-            self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
-            settled = self._settler(
-                request, batches, (payload_bytes, loss, correct, samples, step_s, compress_s), sent_at, step_started
-            )
+            figures = (step_s, compress_s, self._now() - push.sent_at, payload_bytes)
+            self._settle(outcome, figures, 0, (step_started, push.sent_at, request.request_id))
 
-            def replied(reply_data: bytes) -> None:
-                reply = split(reply_data, pb.PushReply, MODEL_STATE + ("parameter_deltas",))
-                settled(reply, len(data), self.bytes_received - received_before)
+        self._run(machine.push(request, payloads, compute.buffers_to_send(batches)), pushed, start)
 
-            def failed(code: str, message: str) -> None:
-                self._after_failure(code, message, self._pull, in_flight=request.request_id)
-
-            self._call(data, self.run.server.serve_push, replied, failed)
-
-        return send
-
-    def _settler(
-        self, request: pb.PushRequest, batches: list[pb.Batch], figures: tuple, sent_at: float, step_started: float
-    ) -> Callable[[Any, int, int], None]:
-        """What settles the push ``request`` once its reply is in (``figures``: payload bytes, loss, correct,
-        samples, compute seconds): ``settled(reply, push_bytes, reply_bytes)`` settles the step, draws its spans
-        and takes the reply's work."""
-        payload_bytes, loss, correct, samples, step_s, compress_s = figures
-        step = self.step
-
-        def settled(reply: Any, push_bytes: int, reply_bytes: int) -> None:
-            step.settle(
-                reply,
-                batches,
-                request,
-                payload_bytes=payload_bytes,
-                loss=loss,
-                correct=correct,
-                samples=samples,
-                gradient_time_s=step_s,
+    def _settle(self, reply: Received, figures: tuple, part_bytes: int, spans: tuple[float, float, int]) -> None:
+        """Settle the step's reply (``figures``: its compute, compression and communication seconds and its payload
+        bytes; ``part_bytes``: a streamed push's parts), draw its spans (``spans``: when the step started and its push
+        went, its request id) and take the reply's work."""
+        gradient_s, compress_s, communication_s, payload_bytes = figures
+        step_started, sent_at, request_id = spans
+        machine, push = self.machine, self.push
+        machine.settle(
+            reply,
+            StepFigures(
+                gradient_time_s=gradient_s,
                 compression_time_s=compress_s,
-                communication_time_s=self._now() - sent_at,
-                push_bytes=push_bytes,
-                reply_bytes=reply_bytes,
+                communication_time_s=communication_s,
+                payload_bytes=payload_bytes,
+                push_bytes=part_bytes + sum(sent for sent, _ in push.traffic),
+                reply_bytes=sum(received for _, received in push.traffic),
                 bytes_sent=self.bytes_sent,
                 bytes_received=self.bytes_received,
-            )
-            timelines = self.run.timelines
-            timelines.worker(self.worker_id, "push", sent_at, request_id=request.request_id)
-            timelines.worker(self.worker_id, "step", step_started, step=step.totals["steps"])
-            self._work(reply)
-
-        return settled
-
-    def _push_to_shards(
-        self, process: int, batches: list[pb.Batch], loss: float, correct: int, samples: int, step_s: float
-    ) -> Callable[[], None]:
-        """A sharded run's push of the step just computed, encoded now (each shard's slices); returns what sends it:
-        held on every shard at once, committed to shard 0 once every shard holds it, then every shard pulled at
-        once with the commit reply's certificate (``src.worker``'s ``Worker._push_to_shards``). ``push_bytes`` and
-        ``reply_bytes`` are the exact sizes of those messages and their replies."""
-        step = self.step
-        per_shard = step.encode_shards(batches)
-        compress_s = self.compress_s = self.run.cost.compress_s
-        request = step.request(
-            self.caller, batches, loss, correct, gradient_time_s=step_s, compression_time_s=compress_s
+            ),
         )
-        buffers = step.buffers_to_send(batches)
-        holds = [
-            serialize(Outgoing(held, {"gradients": payloads, "buffers": buffers if k == 0 else []}))
-            for k, (held, payloads) in enumerate(zip(step.holds(request), per_shard))
-        ]
-        payload_bytes = sum(chunk_size(p) for payloads in per_shard for p in payloads)
-        del per_shard, buffers
-        step_started = self.step_started
-        shards = self.run.shards
+        timelines = self.run.timelines
+        timelines.worker(self.worker_id, "push", sent_at, request_id=request_id)
+        timelines.worker(self.worker_id, "step", step_started, step=machine.totals["steps"])
+        self._work(reply)
 
-        def send() -> None:
-            if not self.reachable(process):
+    def _finish(self) -> None:
+        self.finishing = True
+
+        def finished(rejoined: Rejoined | None) -> None:
+            self.finishing = False
+            if rejoined is not None:
+                self._rejoined(rejoined)
                 return
-            sent_at = self._now()
-            traffic = Traffic()
-            self.run.timelines.worker(self.worker_id, "compress", sent_at - compress_s)
-            settled = self._settler(
-                request, batches, (payload_bytes, loss, correct, samples, step_s, compress_s), sent_at, step_started
-            )
-            acknowledged = self._holding(request, traffic, lambda reply: settled(reply, traffic.sent, traffic.received))
-            for k, shard in enumerate(shards):
-                traffic.sent += len(holds[k])
-                shard.call(self, holds[k], shard.serve_push, partial(acknowledged, k), self._shard_failed(k))
+            stats = self.machine.finished_stats
+            result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
+            feedback = self.machine.codec.feedback
+            self.compute.write_ledger(self.config.system.log_dir, lambda n: feedback.residual(n) if feedback else None)
+            self.log.event("run_end", incarnation=self.membership.incarnation, **result)
+            self.end(None)
 
-        return send
-
-    def _holding(
-        self, request: pb.PushRequest, traffic: Traffic, settle: Callable[[Received], None]
-    ) -> Callable[[int, bytes], None]:
-        """What takes each shard's acknowledgement of ``request``'s hold, ``acknowledged(shard, its bytes)``: once
-        every shard holds it, the commit to shard 0 (async: with the followers' staleness), then every shard pulled
-        at once with the commit reply's certificate, then ``settle(the commit's reply)``; ``traffic`` counts every
-        message and reply from the acknowledgements on."""
-        step, shards, server = self.step, self.run.shards, self.run.server
-        acks: dict[int, Received] = {}
-
-        def acknowledged(shard: int, ack: bytes) -> None:
-            traffic.received += len(ack)
-            acks[shard] = split(ack, pb.PushReply, ())
-            if len(acks) == len(shards):
-                commit = step.commit(request, [acks[k] for k in range(len(shards))])
-                committing = serialize(Outgoing(commit, {"gradients": [], "buffers": []}))
-                traffic.sent += len(committing)
-                self._call(committing, server.serve_push, committed, failed)
-
-        def committed(reply_data: bytes) -> None:
-            traffic.received += len(reply_data)
-            reply = split(reply_data, pb.PushReply, REPLY_FIELDS)
-            self._pull_shards(reply.message.certificate, reply.message.version, lambda: settle(reply), traffic)
-
-        def failed(code: str, message: str) -> None:
-            self._after_failure(code, message, self._pull, in_flight=request.request_id)
-
-        return acknowledged
+        self._run(self.machine.finish(self._stats), finished)
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
-    def _step_streamed(self, received) -> None:
-        """The real streamed worker's step (``Worker._train_step_streamed``), from now: the forward layer by layer
-        as the reply's tensors arrive, backward handing each gradient's part to the link, the push's message after
-        it, the step settled when the reply's head is in (see the module docstring). A sharded run: each gradient's
-        slices go to the shards holding them, each shard's on the worker's connection to it, as its hold."""
-        run, step, process = self.run, self.step, self.process
+    def _step_streamed(self, received: Received) -> None:
+        """The real streamed worker's step, from now: the forward layer by layer as the reply's tensors arrive,
+        backward handing each gradient's parts to the links, the push's message after it, the step settled when the
+        reply's head is in (see the module docstring)."""
+        run, machine, compute, process = self.run, self.machine, self.compute, self.process
         batches = list(received.message.work.batches)
         samples_in = sum(len(b.indices) for b in batches)
         step_s, extra_s = run.cost.step_s(self.worker_id, samples_in) if batches else (0.0, 0.0)
@@ -638,69 +538,64 @@ class VirtualWorker:
         # order the real worker's hooks hand them over; only when they travel is simulated below.
         computing = time.perf_counter()
         run.gradient_order.begin()
-        loss, correct, samples = step.compute(batches)
+        loss, correct, _ = compute.compute(batches, machine.version, machine.totals["steps"] + 1)
         handed = run.gradient_order.end()
-        # (gradient, shard, its index there, its share of the gradient): one part a gradient, or one a slice
-        if run.placement is None:
-            units = [(index, 0, index, 1.0) for index in handed]
-        else:
-            slices, on_shard = step.sharded.slices_of(step.names), run.placement.on_shard
-            units = [
-                (index, k, position, on_shard(k)[position].numel / step.params[index].numel())
-                for index in handed
-                for k, position in slices[index]
-            ]
-        sharded = run.placement is not None
-        parts = [
-            (k, position, step.encode_slice(k, position, batches) if sharded else step.encode_part(position, batches))
-            for _, k, position, _ in units
-        ]
-        buffers = step.buffers_to_send(batches)
+        # (gradient, shard, its position there, its share of the gradient): one part a gradient, or one a slice
+        placement, slices = run.placement, machine.codec.slices_of(compute.names)
+        units = [
+            (index, k, position, 1.0 if placement is None else placement.on_shard(k)[position].numel / compute.params[index].numel())
+            for index in handed
+            for k, position in slices[index]
+        ]  # fmt: skip
+        gradient_of = partial(compute.gradient, batches=batches)
+        parts = [(k, position, machine.encode_part(k, position, gradient_of)) for _, k, position, _ in units]
         run.compute_wall_s += time.perf_counter() - computing
         self.compute_extra_s += extra_s
         layers = run.layers
-        split = split_step(step_s - extra_s, layers.weights)
-        backward_s = [b for _, b in split]
+        split_s = split_step(step_s - extra_s, layers.weights)
+        backward_s = [b for _, b in split_s]
         offsets = ready_offsets(backward_s, layers.layer_of)
         dense = sum(layers.param_bytes) or 1
         compress_s = run.cost.compress_s
         self.pushes += 1
-        push = (self.worker_id, process, self.pushes)  # the server's key for this push's parts
+        push = self.push = Push(key=(self.worker_id, process, self.pushes), buffers=compute.buffers_to_send(batches))
+        push.hold_s = [0.0] * len(self.targets)
         for stage in self.stages:  # provisional slices of an earlier push do not count
             stage.clear()
-        streamed = StreamedStep(batches, loss, correct, samples, parts, buffers, started=self._now())
-        self.step_started = streamed.started
-        targets = run.shards if sharded else [run.server]
+        started = self.step_started = self._now()
+        first_sent: list[float] = []
 
         def send_part(k: int, position: int, payload) -> None:
             if not self.reachable(process):
                 return
             body = b"".join(part_pieces(position, payload))
-            if streamed.first_sent is None:
-                streamed.first_sent = self._now()
-            self.uplinks[k].put(lambda free: targets[k].send_part(self, push, body, free))
+            if not first_sent:
+                first_sent.append(self._now())
+            self.uplinks[k].put(lambda free: self.targets[k].send_part(self, push.key, body, free))
 
         def forward_done(waited_s: float) -> None:
             if not self.reachable(process):
                 return
             backward_started = self._now()
             encoded: list[float] = [0.0] * len(units)
-            for k in range(len(targets)):  # each connection's parts are encoded on its push's one thread
+            for k in range(len(self.targets)):  # each connection's parts are encoded on its push's one thread
                 mine = [u for u, (_, shard, _, _) in enumerate(units) if shard == k]
                 ready = [backward_started + offsets[units[u][0]] for u in mine]
                 seconds = [compress_s * layers.param_bytes[units[u][0]] * units[u][3] / dense for u in mine]
+                push.hold_s[k] = sum(seconds)
                 for u, at in zip(mine, encode_times(ready, seconds)):
                     encoded[u] = at
             for (k, position, payload), at in zip(parts, encoded):
                 run.loop.at(at, lambda k=k, position=position, payload=payload: send_part(k, position, payload))
             computed = backward_started + sum(backward_s) + extra_s
             close_at = max([computed, *encoded])
-            run.loop.at(computed, lambda: self._computed_streamed(process, push, streamed, waited_s, close_at))
+            streamed = (batches, loss, correct, parts, started, first_sent)
+            run.loop.at(computed, lambda: self._computed_streamed(process, streamed, waited_s, close_at))
 
         def waited(start: float, end: float) -> None:  # the real worker's forward pre-hook span
             run.timelines.worker(self.worker_id, "parameter_wait", start, end)
 
-        self.forward = ForwardPass(run.loop, [f for f, _ in split], layers.needs, self.arriving, forward_done, waited)
+        self.forward = ForwardPass(run.loop, [f for f, _ in split_s], layers.needs, self.arriving, forward_done, waited)
         self.forward.start()
 
     def provisional(self, body: bytes, shard: int = 0) -> None:
@@ -708,72 +603,61 @@ class VirtualWorker:
         :mod:`src.virtual.sink`): kept until the reply that names it, as the real client keeps it."""
         self.stages[shard].add(body)
 
-    def _load_provisional(self, reply: Received, shard: int = 0) -> int:
-        """Put the slices of every parameter ``reply`` (a push's, or a shard's pull's) leaves out (its
-        ``provisional``) in its place; returns the bytes of the slices that shard's connection brought (the step's
-        reply bytes count them)."""
-        stage = self.stages[shard]
-        nbytes = stage.nbytes
-        stage.fill(reply)
-        return nbytes
-
-    def _computed_streamed(
-        self, process: int, push: tuple, streamed: StreamedStep, waited_s: float, close_at: float
-    ) -> None:
-        """Backward (and an emulated straggler's extra seconds) is over: the push's message, once every part is
-        encoded, after the parts on the link; the step settles when the reply's head is in. A sharded run: each
-        shard's hold after its parts on its connection, the commit and the pulls once every shard holds it, the
-        step settled when the pulls are in."""
+    def _computed_streamed(self, process: int, streamed: tuple, waited_s: float, close_at: float) -> None:
+        """Backward (and an emulated straggler's extra seconds) is over: the push's message (each shard's hold), once
+        every part is encoded, after the parts on the link; the step settles when the reply's head is in (a sharded
+        run's: the commit's reply, once the pulls brought every slice)."""
         if not self.reachable(process):
             return
-        run, step = self.run, self.step
-        batches, loss, correct, samples = streamed.batches, streamed.loss, streamed.correct, streamed.samples
-        parts, started = streamed.parts, streamed.started
+        run, machine, push = self.run, self.machine, self.push
+        batches, loss, correct, parts, started, first_sent = streamed
         computed = self._now()
-        run.timelines.worker(self.worker_id, "forward_backward", started, step=step.totals["steps"] + 1)
-        step.reach_step()
+        run.timelines.worker(self.worker_id, "forward_backward", started, step=machine.totals["steps"] + 1)
+        self.compute.reach_step(machine.totals["steps"] + 1)
         if not self.reachable(process) or self.hung:
             return  # faults are refused with streaming in virtual time (src.virtual.run): a kill before the push
         gradient_time_s = computed - started - waited_s
-        request = step.request(
-            self.caller, batches, loss, correct, gradient_time_s=gradient_time_s, compression_time_s=run.cost.compress_s
+        request = machine.request(
+            batches, loss=loss, correct=correct, gradient_time_s=gradient_time_s, compression_time_s=run.cost.compress_s
         )
         part_bytes = sum(part_size(payload) for _, _, payload in parts)
         payload_bytes = sum(chunk_size(payload) for _, _, payload in parts)
 
-        def settle(reply: Received, push_bytes: int, reply_bytes: int) -> None:
+        def pushed(outcome: Received | Rejoined) -> None:
+            if isinstance(outcome, Rejoined):
+                self._rejoined(outcome)
+                return
+            if run.placement is not None:
+                self.arriving, self.tail_pending = set(), False  # the pulls brought every slice
             now = self._now()
-            step.settle(
-                reply,
-                batches,
-                request,
-                payload_bytes=payload_bytes,
-                loss=loss,
-                correct=correct,
-                samples=samples,
-                gradient_time_s=gradient_time_s,
-                compression_time_s=run.cost.compress_s,
-                communication_time_s=now - computed + waited_s,
-                push_bytes=part_bytes + push_bytes,
-                reply_bytes=reply_bytes,
-                bytes_sent=self.bytes_sent,
-                bytes_received=self.bytes_received,
-            )  # every tensor loaded now: the next forward computes from them, its waits are timed by their arrival
-            timelines = run.timelines
-            timelines.worker(self.worker_id, "reply_wait", computed, now, request_id=request.request_id)
-            timelines.worker(self.worker_id, "push", streamed.first_sent or computed, request_id=request.request_id)
-            timelines.worker(self.worker_id, "step", started, step=step.totals["steps"])
-            self._work(reply)
+            figures = (gradient_time_s, run.cost.compress_s, now - computed + waited_s, payload_bytes)
+            run.timelines.worker(self.worker_id, "reply_wait", computed, now, request_id=request.request_id)
+            spans = (started, first_sent[0] if first_sent else computed, request.request_id)
+            self._settle(outcome, figures, part_bytes, spans)
 
-        if run.placement is not None:
-            run.loop.at(close_at, lambda: self._close_holds(process, push, request, streamed.buffers, settle))
-            return
-        data = serialize(Outgoing(request, {"buffers": streamed.buffers}))
+        def start(send: Callable[[], None]) -> None:
+            run.loop.at(close_at, lambda: self.reachable(process) and send())
+
+        self._run(machine.push(request, [], push.buffers, streamed=True), pushed, start)
+
+    def _close_stream(self, call: Call, reply: Callable[[Any], None]) -> None:
+        """A streamed push's message (one server's push, or a shard's hold) after its parts on the worker's connection
+        to that shard; its reply's head hands the step on (one server's: its tensors arrive behind it, each in when
+        its last byte is; the forward waits for them)."""
+        shard, message, push = call.shard, call.message, self.push
+        if self.run.placement is not None:
+            message.metrics.compression_time_s = push.hold_s[shard]
+        data = serialize(Outgoing(message, {"buffers": list(call.tensors.get("buffers", ()))}))
+        target = self.targets[shard]
+
+        def acknowledged(ack: bytes) -> None:  # a shard's hold: the ack is its whole reply
+            push.traffic.append((len(data), len(ack)))
+            reply(split(ack, pb.PushReply, ()))
 
         def on_pieces(reply_data: bytes) -> list[tuple[int, Callable[[], None]]]:
-            head, ends, reply = reply_pieces(reply_data, pb.PushReply, REPLY_FIELDS)
+            head, ends, received = reply_pieces(reply_data, pb.PushReply, REPLY_FIELDS)
             # system.pipelined_replies: the tensors the reply leaves out came as slices before it
-            loaded = {("parameters", index) for index in reply.message.provisional}
+            loaded = {("parameters", index) for index in received.message.provisional}
             ends = [(end, key) for end, key in ends if key not in loaded]
             arriving = {key for _, key in ends}
 
@@ -782,14 +666,15 @@ class VirtualWorker:
                 if self.forward is not None and self.forward.missing is arriving:
                     self.forward.arrived()
 
-            return [(head, lambda: head_in(reply, len(reply_data), arriving))] + [
-                (end, lambda key=key: tensor_in(key)) for end, key in ends
-            ]
+            def head_in() -> None:
+                stage = self.stages[0]
+                staged = stage.nbytes
+                stage.fill(received)
+                self.arriving, self.tail_pending = arriving, True
+                push.traffic.append((len(data), len(reply_data) + staged))
+                reply(received)
 
-        def head_in(reply: Received, reply_bytes: int, arriving: set) -> None:
-            staged_bytes = self._load_provisional(reply)
-            self.arriving, self.tail_pending = arriving, True
-            settle(reply, len(data), reply_bytes + staged_bytes)
+            return [(head, head_in)] + [(end, lambda key=key: tensor_in(key)) for end, key in ends]
 
         def whole(_reply_data: bytes) -> None:
             self.tail_pending = False
@@ -797,66 +682,12 @@ class VirtualWorker:
             if after is not None:
                 after()
 
-        def failed(code: str, message: str) -> None:
-            self._after_failure(code, message, self._pull, in_flight=request.request_id)
+        def failed(code: str, text: str) -> None:
+            reply(CallError(code, text))
 
-        def close() -> None:
-            if not self.reachable(process):
-                return
-            server = run.server
-            self.uplinks[0].put(
-                lambda free: server.call(
-                    self, data, server.serve_streamed_push(push), whole, failed, pieces=on_pieces, sent=free
-                )
-            )
-
-        run.loop.at(close_at, close)
-
-    def _close_holds(
-        self,
-        process: int,
-        push: tuple,
-        request: pb.PushRequest,
-        buffers: list,
-        settle: Callable[[Received, int, int], None],
-    ) -> None:
-        """A sharded run's streamed push, once every part is encoded: each shard's hold after its parts on the
-        worker's connection to it, then the commit and the pulls (:meth:`_holding`); ``settle(the commit's reply,
-        bytes sent, bytes received)`` once every slice is in (``Worker._train_step_streamed``)."""
-        if not self.reachable(process):
-            return
-        traffic = Traffic()
-
-        def pulled(reply: Received) -> None:
-            self.arriving, self.tail_pending = set(), False  # the pulls brought every slice
-            settle(reply, traffic.sent, traffic.received)
-
-        acknowledged = self._holding(request, traffic, pulled)
-        for k, (shard, held) in enumerate(zip(self.run.shards, self.step.holds(request))):
-            data = serialize(Outgoing(held, {"buffers": buffers if k == 0 else []}))
-            traffic.sent += len(data)
-            handle, on_ack, failed = shard.serve_streamed_push(push), partial(acknowledged, k), self._shard_failed(k)
-            self.uplinks[k].put(
-                lambda free, shard=shard, data=data, handle=handle, on_ack=on_ack, failed=failed: shard.call(
-                    self, data, handle, on_ack, failed, sent=free
-                )
-            )
-
-    def _finish(self) -> None:
-        stats = self._stats()
-        self.finishing = True
-
-        def finished(data: bytes) -> None:
-            self.finishing = False
-            result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
-            self.step.write_ledger(self.config.system.log_dir)
-            self.log.event("run_end", incarnation=self.incarnation, **result)
-            self.end(None)
-
-        request = pb.FinishRequest(caller=self.caller, stats=stats)
-
-        def failed(code: str, message: str) -> None:
-            self.finishing = False
-            self._after_failure(code, message, self._pull)
-
-        self._call(request.SerializeToString(), self.run.server.serve_finish, finished, failed)
+        handle = target.serve_streamed_push(push.key)
+        if self.run.placement is None:
+            send = partial(target.call, self, data, handle, whole, failed, pieces=on_pieces)
+        else:
+            send = partial(target.call, self, data, handle, acknowledged, failed)
+        self.uplinks[shard].put(lambda free: send(sent=free))

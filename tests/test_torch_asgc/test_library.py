@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +17,9 @@ from torch import nn
 from src.compression import build_compressor
 from src.compressors.policy import CompressionPolicy
 from src.config import SetupError
-from src.ps.served_model import import_factory, model_from_layout
-from src.ps.staleness import StalenessPolicy
+from src.ps.state.model_sources import import_factory, model_from_layout
+from src.ps.state.staleness import StalenessPolicy
+from src.transport.errors import CallError
 from tests.library_fixtures import TOKEN, LibraryServer, TinyConvNet, library_config, small_mlp
 from tests.ps_fixtures import transport  # noqa: F401  (fixture: each transport)
 from torch_asgc import DistributedModel, DistributedOptimizer, connect
@@ -63,9 +63,9 @@ def test_connect_needs_the_right_token(served, monkeypatch, transport):
     monkeypatch.delenv("DTS_AUTH_TOKEN", raising=False)
     with pytest.raises(SetupError, match="no auth token"):
         connect(server.url)
-    with pytest.raises(grpc.RpcError) as refused:
+    with pytest.raises(CallError) as refused:
         connect(server.url, token="wrong", connect_timeout_s=10)
-    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert refused.value.code == "UNAUTHENTICATED"
 
 
 def test_connect_names_a_bad_transport():
@@ -79,9 +79,9 @@ def test_server_assigns_free_worker_ids_and_close_leaves_the_run(served):
     server = served(system__num_workers=2)
     first, second = connect(server.address, token=TOKEN), connect(server.address, token=TOKEN)
     assert (first.worker_id, second.worker_id) == (0, 1)
-    with pytest.raises(grpc.RpcError) as full:
+    with pytest.raises(CallError) as full:
         connect(server.address, token=TOKEN, connect_timeout_s=10)
-    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert full.value.code == "RESOURCE_EXHAUSTED"
     with first:
         assert first.mode == "async" and first.config.system.num_workers == 2
     second.close()
@@ -238,13 +238,12 @@ def test_topk_error_feedback_sends_less_and_keeps_the_rest(served):
         assert torch.equal(optimizer.feedback.residual("1.weight"), residual) and optimizer.steps == 1
 
 
-def test_library_optimizer_pushes_the_bytes_the_ps_worker_step_encodes(served, tmp_path):
+def test_library_optimizer_pushes_the_bytes_the_ps_worker_step_encodes(served):
     """One implementation of a step: for the same config, worker id and gradients, DistributedOptimizer
-    sends the payloads a PS worker's WorkerStep encodes (quantization's stochastic rounding included)
-    and keeps the same residuals."""
-    from src import parameter_server_pb2 as pb
-    from src.metrics import MetricsLogger
-    from src.ps.worker_step import WorkerStep
+    sends the payloads a PS worker's codec, built from the server's config as the worker builds it, encodes
+    (quantization's stochastic rounding included) and keeps the same residuals."""
+    from src.compressors.policy import policy_from_config
+    from src.ps.worker import PushCodec
 
     server = served(
         system__compression_enabled=True,
@@ -258,26 +257,31 @@ def test_library_optimizer_pushes_the_bytes_the_ps_worker_step_encodes(served, t
         DistributedModel(net, client)
         optimizer = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), client)
         sent = []
-        push = client.push
-        client.push = lambda request, payloads, buffers: (
+        push = client.transport.push
+        client.transport.push = lambda request, payloads=(), buffers=(), **options: (
             sent.append(list(payloads)),
-            push(request, payloads, buffers),
+            push(request, payloads, buffers, **options),
         )[1]
-        with MetricsLogger(tmp_path / "worker", tensorboard=False) as log:
-            step = WorkerStep(
-                client.config, client.worker_id, model=twin, train_set=None, device=torch.device("cpu"), log=log
-            )
-            for index in range(2):
-                for p, q in zip(net.parameters(), twin.parameters()):
-                    p.grad = torch.randn(p.shape, generator=generator)
-                    q.grad = p.grad.clone()
-                optimizer.step(num_samples=1)
-                step.totals["steps"] = index
-                assert step.encode([pb.Batch(indices=[0])]) == sent[-1]
-                step.codec.settle(accepted=True)
+        system = client.config.system
+        names = [name for name, _ in twin.named_parameters()]
+        codec = PushCodec(
+            system,
+            policy_from_config(system),
+            error_feedback=system.error_feedback,
+            seed=client.config.training.seed,
+            worker_id=client.worker_id,
+            names=names,
+        )
+        for index in range(2):
+            for p, q in zip(net.parameters(), twin.parameters()):
+                p.grad = torch.randn(p.shape, generator=generator)
+                q.grad = p.grad.clone()
+            optimizer.step(num_samples=1)
+            assert codec.encode([(n, q.grad) for n, q in twin.named_parameters()], index)[0] == sent[-1]
+            codec.settle(0, accepted=True)
         assert len(sent) == 2 and client.totals["pushes_rejected"] == 0
-        for name, _ in twin.named_parameters():
-            assert torch.equal(step.codec.feedback.residual(name), optimizer.feedback.residual(name))
+        for name in names:
+            assert torch.equal(codec.feedback.residual(name), optimizer.feedback.residual(name))
 
 
 def test_rejected_push_rolls_back_and_keeps_the_parameters(served):
@@ -420,7 +424,7 @@ def test_server_that_plans_its_own_work_is_named(tmp_path):
         client = connect(served.address, token=PS_TOKEN)
         with pytest.raises(SetupError, match="python -m torch_asgc.server"):
             DistributedModel(model_from_config(config), client)
-        with pytest.raises(grpc.RpcError, match="the run is not finished"):
+        with pytest.raises(CallError, match="the run is not finished"):
             client.close()  # that server's run is not over; close() still stops heartbeats and the channel
     finally:
         served.close()
@@ -428,7 +432,7 @@ def test_server_that_plans_its_own_work_is_named(tmp_path):
 
 def test_lost_push_settles_by_whether_it_was_applied_and_redone():
     from src.compressors.error_feedback import ErrorFeedback
-    from src.ps.worker_protocol import encode_gradients, settle_lost_push
+    from src.ps.worker.codec import encode_gradients, settle_lost_push
 
     policy = CompressionPolicy(build_compressor("topk", ratio=0.25))
     gradient = torch.arange(8.0)

@@ -69,7 +69,7 @@ def run_benchmark(
 ) -> dict:
     """The sections asked for (``round_trips`` and, over TCP, ``shard_round_trips``, ``ceiling``, ``shards``,
     ``shards_netns``, ``training``, ``crossover``) with the machine's load around them."""
-    from src.transport.grpc import reuse_freed_memory
+    from src.common.memory import reuse_freed_memory
 
     reuse_freed_memory()  # the client side, as run_worker does (the echo clients share this process)
     result: dict = {"machine": f"{os.cpu_count()} CPUs", "load_average_before": os.getloadavg()[0]}

@@ -25,7 +25,7 @@ def _ceiling_server(transport: str, num_workers: int, token: str, report, stop) 
     then, once stopped, the locked time of every push."""
     import torch
 
-    from src.transport.grpc import reuse_freed_memory
+    from src.common.memory import reuse_freed_memory
     from torch_asgc.server import ClientLoopServer
 
     torch.set_num_threads(1)
@@ -42,8 +42,8 @@ def _ceiling_server(transport: str, num_workers: int, token: str, report, stop) 
 
 def _ceiling_clients(transport: str, address: str, token: str, num_clients: int, seconds: float, report) -> None:
     """Client process: ``num_clients`` threads pushing as fast as the server answers, for ``seconds``."""
+    from src.common.memory import reuse_freed_memory
     from src.transport.clients import make_client
-    from src.transport.grpc import reuse_freed_memory
 
     reuse_freed_memory()
     clients = [make_client(address, transport=transport, token=token) for _ in range(num_clients)]

@@ -137,7 +137,7 @@ def instrument(core) -> dict[str, list[float]]:
 
 
 def instrument_follower(core) -> dict[str, list[float]]:
-    """Time a follower shard's pieces per step (:class:`~src.ps.follower.FollowerCore`): the hold's decode (of which
+    """Time a follower shard's pieces per step (:class:`~src.ps.shards.follower.FollowerCore`): the hold's decode (of which
     while it arrived), its hold (under the lock), the optimizer step, building the reply, and the whole pull (under
     the lock: applying the certified version, then the reply)."""
     timings = _instrument_decode_step_reply(core)
@@ -167,7 +167,7 @@ def pusher(client, registration):
 
     from src import parameter_server_pb2 as pb
     from src.compression import IDENTITY
-    from src.transport.grpc import tensor_view
+    from src.transport.wire import tensor_view
 
     caller = pb.Caller(worker_id=registration.worker_id, session=registration.session)
     gradients = [IDENTITY.compress(torch.full(tuple(spec.shape), 1e-6)) for spec in registration.parameter_specs]

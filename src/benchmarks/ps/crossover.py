@@ -19,7 +19,7 @@ the formula); ``ps_over_ddp`` the measured PS step over the measured DDP step (<
 
 **Pipelined** (up to :data:`PIPELINED_MAX_WORKERS` workers, where a run's slice messages stay few enough to
 simulate in seconds): the same run with ``system.streaming`` and ``system.pipelined_replies``
-(:mod:`src.ps.slice_pipeline`): each shard steps a slice of :data:`PIPELINE_SLICE_BYTES` as soon as every
+(:mod:`src.ps.state.slice_pipeline`): each shard steps a slice of :data:`PIPELINE_SLICE_BYTES` as soon as every
 worker's values of it are in and sends it down at once, so the pull overlaps the push, as BytePS's formula
 assumes. ``ps_pipelined_step_s`` beside ``byteps_formula_s`` (``pipelined_ratio_to_byteps``), and each
 architecture's communication seconds a step (its step less the compute, ``c``): ``communication_over_ring`` is

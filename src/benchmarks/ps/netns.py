@@ -20,7 +20,7 @@ and T2 = L/2 + C: C, the same in both runs), so that the ratio is 2 - C/T2.
 
 With ``pipelined``, two more 2-shard runs, streamed (``--streaming``) and streamed with pipelined replies
 (``--pipelined-replies``: each shard steps a slice as soon as both workers' values of it are in and sends it down
-during the holds, :mod:`src.ps.slice_pipeline`), in turns with the others: ``pipelined_over_streamed`` is their
+during the holds, :mod:`src.ps.state.slice_pipeline`), in turns with the others: ``pipelined_over_streamed`` is their
 samples/s ratio. On the shaped links a step's pushes and pulls then cross at once (``link_overlapped_s``), so the
 link-bound time can fall toward half.
 

@@ -7,7 +7,7 @@ one. The server, its echoes and the reference step run in one spawned process.
 
 **The per-shard row** (:func:`bench_shard_round_trip`, TCP): what one follower shard's link carries per sync step
 of a sharded server, against the same references. One worker (this process), two shards (shard 0, a
-:class:`~src.parameter_server.ParameterServer`, and follower shard 1, a :class:`~src.ps.follower_server.FollowerServer`,
+:class:`~src.parameter_server.ParameterServer`, and follower shard 1, a :class:`~src.ps.shards.follower_server.FollowerServer`,
 each in its own process, sync), the model :func:`shard_model_mb` (8 tensors, 4 a shard: the follower's link carries
 the row's size, as one server's link does in the row of that size; resnet18 from 20 MB, the follower about half). The
 worker's step (``src/worker.py``'s, identity gradients) makes its calls one at a time, so that nothing else is on the
@@ -92,8 +92,8 @@ def _serve(transport: str, size_mb: float, token: str, report, stop) -> None:
     and (gRPC) the gRPC echo; reports the reference optimizer step and, at the end, the server's timings."""
     import torch
 
+    from src.common.memory import reuse_freed_memory
     from src.parameter_server import ParameterServer
-    from src.transport.grpc import reuse_freed_memory
 
     torch.set_num_threads(1)
     reuse_freed_memory()  # as run_server does
@@ -237,14 +237,14 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
 
 
 def _serve_follower(model_mb: float, token: str, report, stop) -> None:
-    """Child process: follower shard 1 of 2 (:class:`~src.ps.follower_server.FollowerServer`, TCP, sync) of the model
+    """Child process: follower shard 1 of 2 (:class:`~src.ps.shards.follower_server.FollowerServer`, TCP, sync) of the model
     of ``model_mb``, the raw TCP echo and the stepping echo of its slices; reports torch's step on its slices and, at
     the end, its timings (:func:`~src.benchmarks.ps.common.instrument_follower`)."""
     import torch
 
-    from src.ps.follower_server import FollowerServer
-    from src.ps.shard_model import shard_module
-    from src.transport.grpc import reuse_freed_memory
+    from src.common.memory import reuse_freed_memory
+    from src.ps.shards.follower_server import FollowerServer
+    from src.ps.shards.parts import shard_module
 
     torch.set_num_threads(1)
     reuse_freed_memory()  # as run_server does
@@ -275,7 +275,7 @@ class _ShardStepper:
 
         from src import parameter_server_pb2 as pb
         from src.compression import IDENTITY
-        from src.ps.shard_model import model_placement
+        from src.ps.shards.parts import model_placement
 
         self.shard_0, self.follower = shard_0, follower
         registration = shard_0.register(0)
@@ -305,15 +305,15 @@ class _ShardStepper:
         return result
 
     def __call__(self) -> float:
-        from src.ps import shard_step
+        from src.ps.worker.machine import commit, holds
 
         self.request_id += 1
         version = self.reply.version
         request = next_request(self.caller, self.reply, self.request_id)
-        held = shard_step.holds(request, [version, version])
+        held = holds(request, [version, version])
         ack_0 = self.shard_0.push(held[0], self.payloads[0]).message
         ack = self._timed("hold", lambda: self.follower.push(held[1], self.payloads[1]).message)
-        reply = self.shard_0.push(shard_step.commit(request, [ack_0, ack], version, "sync")).message
+        reply = self.shard_0.push(commit(request, [ack_0, ack], version, "sync")).message
         if not reply.accepted:
             raise RuntimeError(f"shard 0 refused the commit of request {request.request_id}: {reply.reason}")
         pulled = self._timed(

@@ -13,7 +13,7 @@ Each client is a thread of one client process with no compute, doing what a work
   from what splitting the model across two server processes changes.
 
 Shard 0 (:class:`~src.parameter_server.ParameterServer`) and the follower
-(:class:`~src.ps.follower_server.FollowerServer`) each run in a spawned process of their own, the clients in
+(:class:`~src.ps.shards.follower_server.FollowerServer`) each run in a spawned process of their own, the clients in
 another. The clients start together after one warm-up step each and stop together (sync: every client's k-th
 step is in the same version, so all of them do the same number). Each row: pushes/s (client steps per second,
 all clients), GB/s the clients sent (``in``) and sent plus received (``total``), and each shard's own share,
@@ -75,7 +75,7 @@ def serve_shard(
     asked, until told to stop (the round trips' per-shard row runs its shard 0 here too)."""
     import torch
 
-    from src.transport.grpc import reuse_freed_memory
+    from src.common.memory import reuse_freed_memory
 
     torch.set_num_threads(1)
     reuse_freed_memory()  # as run_server does
@@ -84,7 +84,7 @@ def serve_shard(
         model = sized_model(model_mb)
         if shard == 0:
             from src.parameter_server import ParameterServer
-            from src.ps.sharding import Sharding
+            from src.ps.shards.shard_zero import Sharding
 
             server = ParameterServer(
                 config,
@@ -104,7 +104,7 @@ def serve_shard(
             def stop() -> None:
                 server.stop(grace=0)
         else:
-            from src.ps.follower_server import FollowerServer
+            from src.ps.shards.follower_server import FollowerServer
 
             server = FollowerServer(config, shard=shard, address="127.0.0.1:0", token=token, model=model)
 
@@ -130,7 +130,7 @@ class _Client:
 
         from src import parameter_server_pb2 as pb
         from src.compression import IDENTITY
-        from src.ps.shard_model import model_placement
+        from src.ps.shards.parts import model_placement
         from src.transport.clients import make_client
 
         self.pb = pb
@@ -140,7 +140,7 @@ class _Client:
         shards = len(addresses)
         if not sharded:
             self.payloads = [[IDENTITY.compress(torch.zeros(tuple(s.shape))) for s in registration.parameter_specs]]
-        else:  # each shard's slices, as every process of the run places them (src/ps/placement.py)
+        else:  # each shard's slices, as every process of the run places them (src/ps/shards/placement.py)
             placement = model_placement(sized_model(SHARDS_MB), shards, SLICE_BYTES)
             self.payloads = [
                 [IDENTITY.compress(torch.zeros(piece.numel)) for piece in placement.on_shard(k)] for k in range(shards)
@@ -213,7 +213,7 @@ def _shard_clients(
 ) -> None:
     """Client process: ``num_clients`` threads, each a :class:`_Client`; one warm-up step each, then (told ``go``)
     steps for ``seconds``; all of them stop after the same step (see :func:`_timed_steps`)."""
-    from src.transport.grpc import reuse_freed_memory
+    from src.common.memory import reuse_freed_memory
 
     reuse_freed_memory()
     clients: list[_Client] = [None] * num_clients  # type: ignore[list-item]

@@ -1,0 +1,223 @@
+"""A worker's connections to every server shard, and the step machine's calls made on them, blocking.
+
+The process worker (:mod:`src.worker`) and the library's client (:mod:`src.torch_asgc.client`) carry the step
+machine's exchanges (:mod:`src.ps.worker.machine`) the same way: :meth:`Connections.run` makes each call on the
+client of its shard (:func:`src.transport.clients.make_client`: gRPC or TCP), the calls yielded together at once on
+one thread per shard, and hands the replies back (:func:`src.ps.worker.calls.run_blocking`).
+
+:class:`Heartbeats` says "alive" every ``system.heartbeat_interval`` from a thread of its own.
+
+A streamed push (``system.streaming``, :mod:`src.transport.stream`) is one :class:`~src.transport.stream.PushStream`
+per shard, opened before backward (:meth:`Connections.open_streams`) on that shard's push thread: its parts go as
+backward hands the gradients over. The machine's streamed Push closes it with the push's message, and its reply is the
+reply's head; the tensors behind it go on arriving on the push thread (into the model, through the stream's
+``on_large``) while the next step computes.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Sequence
+
+from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call, Exchange, T, run_blocking
+from src.transport.errors import CallError
+from src.transport.stream import PushStream
+from src.transport.wire import Outgoing, Received
+
+
+class Connections:
+    """One client per server shard, shard 0 (the server) first (see the module docstring).
+
+    Args:
+        clients: the connections, in shard order.
+        name: the threads' name prefix.
+    """
+
+    def __init__(self, clients: Sequence[Any], *, name: str):
+        self.clients = list(clients)
+        self.name = name
+        self.pool = (
+            ThreadPoolExecutor(len(self.clients), thread_name_prefix=f"{name}-shard") if len(clients) > 1 else None
+        )
+        self.streams: list[PushStream] = []  # the streamed push of the step now (one stream per shard)
+        self.stream_calls: list[Future] = []  # their calls (each ends when its reply is all in, or failed)
+        self._push_threads: list[ThreadPoolExecutor] = []
+        self.traffic: list[tuple[int, int]] = []  # (sent, received) of each call of the last run
+        self.unclosed: set[int] = set()  # the shards whose stream of the streamed push now takes parts still
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self.clients)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes_received for c in self.clients)
+
+    def run(self, exchange: Exchange[T]) -> T:
+        """Carry ``exchange`` to its outcome (raises what it raises); :attr:`traffic` counts its calls' bytes."""
+        self.traffic: list[tuple[int, int]] = []
+        return run_blocking(exchange, self.perform, self.pool)
+
+    @property
+    def exchanged(self) -> tuple[int, int]:
+        """The bytes the last :meth:`run`'s calls sent and received (a streamed push's: its stream's, every part)."""
+        return sum(sent for sent, _ in self.traffic), sum(received for _, received in self.traffic)
+
+    def perform(self, call: Call) -> Any:
+        """Make ``call`` on its shard's client; its reply. Its bytes go into :attr:`traffic`.
+
+        Raises:
+            CallError: the call failed.
+        """
+        if call.method == PUSH and call.streamed:
+            stream = self.streams[call.shard]
+            try:
+                return self._close_stream(call.shard, call.message, call.tensors.get("buffers", ()))
+            finally:
+                self.traffic.append((stream.sent_bytes, stream.reply_bytes))
+        client = self.clients[call.shard]
+        sent, received = client.bytes_sent, client.bytes_received
+        try:
+            return self._call(client, call)
+        finally:
+            self.traffic.append((client.bytes_sent - sent, client.bytes_received - received))
+
+    @staticmethod
+    def _call(client: Any, call: Call) -> Any:
+        message, tensors = call.message, call.tensors
+        if call.method == PUSH:
+            return client.push(message, tensors.get("gradients", ()), tensors.get("buffers", ()))
+        if call.method == PULL:
+            return client.pull(message.caller, certificate=message.certificate, parameters_only=message.parameters_only)
+        if call.method == REGISTER:
+            return client.register(
+                message.worker_id,
+                message.last_request_id,
+                list(message.carried_batch_ids),
+                any_worker_id=message.any_worker_id,
+            )
+        if call.method == FINISH:
+            return client.finish(message.caller, message.stats)
+        if call.method == INITIALIZE:
+            return client.initialize(message, tensors["parameters"], tensors["buffers"])
+        raise ValueError(f"unknown call {call.method!r}")
+
+    # ------------------------------------------------------------------------- streamed pushes
+
+    def open_streams(
+        self,
+        encode: Callable[[int, int], Any],
+        on_large: Callable[[str, int, memoryview], Any],
+        *,
+        pieced: bool,
+        on_end: Callable[[PushStream, Future], None] | None = None,
+    ) -> list[PushStream]:
+        """Open a streamed push to every shard: shard ``k``'s parts are ``encode(k, position)``, encoded on its push
+        thread as backward hands them over; every reply's tensors go to ``on_large`` as they arrive; ``pieced``: large
+        parts in pieces (for a server that steps slices as they arrive: ``system.pipelined_replies``). ``on_end(stream,
+        call)`` runs on the push thread when a stream's call has ended. A shard's streamed push starts once its
+        previous one's reply is all in."""
+        if not self._push_threads:
+            self._push_threads = [
+                ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-push{f'-shard-{k}' if k else ''}")
+                for k in range(len(self.clients))
+            ]
+        self.streams = [PushStream(lambda index, k=k: encode(k, index), on_large) for k in range(len(self.clients))]
+        self.stream_calls = []
+        self.unclosed = set(range(len(self.streams)))
+        for k, stream in enumerate(self.streams):
+            stream.pieced = pieced
+            call = self._push_threads[k].submit(self.clients[k].push_streamed, stream)
+            if on_end is not None:
+                call.add_done_callback(lambda done, stream=stream: on_end(stream, done))
+            self.stream_calls.append(call)
+        return self.streams
+
+    def _close_stream(self, shard: int, message: Any, buffers: Sequence[Any]) -> Received:
+        """Close shard ``shard``'s streamed push with ``message`` (which carries the seconds its parts took to
+        encode) and ``buffers``; its reply's head, once in.
+
+        Raises:
+            CallError: the push failed before its head (its call has ended by then: nothing more is encoded).
+        """
+        stream = self.streams[shard]
+        self.unclosed.discard(shard)
+
+        def encoding_seconds() -> None:  # on the push thread, every part encoded
+            message.metrics.compression_time_s = stream.encode_s
+
+        stream.close(Outgoing(message, {"buffers": list(buffers)}), before_send=encoding_seconds)
+        try:
+            return Received(stream.wait_head(), {})
+        except CallError:
+            wait([self.stream_calls[shard]])
+            raise
+
+    def abort_streams(self, error: BaseException) -> None:
+        """Give up the streamed push before its message (the servers drop its parts); returns once every stream's
+        call has ended, so nothing more is encoded for it."""
+        for stream in self.streams:
+            stream.abort(error)
+        self.unclosed = set()
+        self.wait_streams()
+
+    def wait_streams(self) -> None:
+        """Wait until the streamed push's calls have ended: its replies all in, or failed."""
+        wait(self.stream_calls)
+
+    def end_streams(self, error: BaseException) -> None:
+        """Before Finish: a streamed push still taking parts is given up with ``error``, and the last reply's tensors
+        are waited for (so the totals count every byte)."""
+        if self.unclosed:
+            self.abort_streams(error)
+        self.wait_streams()
+
+    def close(self) -> None:
+        """Close every shard's client but shard 0's (its owner closes it after its heartbeats), and the threads."""
+        for client in self.clients[1:]:
+            client.close()
+        for pool in [self.pool, *self._push_threads]:
+            if pool is not None:
+                pool.shutdown()
+
+
+class Heartbeats(threading.Thread):
+    """Calls ``beat()`` (one heartbeat call) every ``interval`` seconds until :meth:`stop`.
+
+    A failed heartbeat is ignored: the training loop's own calls find out what is wrong and act on it.
+    """
+
+    def __init__(self, beat: Callable[[], object], interval: float, *, name: str = "worker-heartbeat"):
+        super().__init__(name=name, daemon=True)
+        self.beat = beat
+        self.interval = interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.beat()
+            except CallError:
+                pass
+            except ValueError:  # the channel was closed under a last beat: the owner is shutting down
+                if not self.stopped.is_set():
+                    raise
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def stop_and_close(self, close_channel: Callable[[], None]) -> None:
+        """Stop, close the channel (a beat in flight is cancelled), and wait until the thread has ended.
+
+        The wait is what matters: a beat still inside gRPC's C core when the interpreter exits is torn
+        down there and the process aborts ("terminate called without an active exception", SIGABRT),
+        so a worker that trained to the end would exit 134 instead of 0.
+        """
+        self.stop()
+        close_channel()
+        if self.is_alive():
+            self.join()
+
+
+__all__ = ["Connections", "Heartbeats"]
