@@ -405,8 +405,8 @@ class ParameterServer(GrpcMethods):
         return reply
 
     def _hold(self, received, sink: Sink | None) -> bytes:
-        """A sharded server's held push (:meth:`ServerCore.hold <src.ps.server.core.ServerCore.hold>`): decoded outside the
-        lock, acknowledged at once. ``sink``: the connection's, with ``system.pipelined_replies`` (its next hold's
+        """A sharded server's held push (:meth:`ServerCore.hold <src.ps.server.core.ServerCore.hold>`): decoded outside
+        the lock, acknowledged at once. ``sink``: the connection's, with ``system.pipelined_replies`` (its next hold's
         values are reported there, and the pull after it leaves out the slices confirmed)."""
         core, request = self.core, received.message
         worker_id = request.caller.worker_id

@@ -12,7 +12,8 @@ run before it is in. A GradScaler is refused in one line.
 On a sharded server (2 shards, simple_cnn cut into 64 kB slices) each shard's slices stream to it as its hold and
 the commit and pulls follow unstreamed, as our own workers do: the same bit for bit (sync with 2 worker processes and
 top-k + error feedback over TCP; async with one worker over TCP and gRPC; one worker in sync through a dropped
-backward, a skipped step and gradient accumulation), and a hold that fails is a shard starting again, as for every worker.
+backward, a skipped step and gradient accumulation), and a hold that fails is a shard starting again, as for every
+worker.
 
 With pipelined replies (dense, sync, one worker, on one server and on 2 shards): the same bit for bit, every round
 after the first pipelined (the server guesses a round's samples from the worker's last push) and every slice confirmed.

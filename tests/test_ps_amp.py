@@ -1,4 +1,5 @@
-"""Mixed precision in the parameter-server worker (training.amp, src/ps/worker/compute.py, src/trainer.py MixedPrecision).
+"""Mixed precision in the parameter-server worker (training.amp, src/ps/worker/compute.py, src/trainer.py
+MixedPrecision).
 
 Claims: ``--amp bf16`` trains within 1 point of float32 (one-sided, as tests/test_ddp_precision.py),
 the server's parameters and checkpoint stay float32; under fp16 a gradient that overflowed is not

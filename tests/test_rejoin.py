@@ -1,4 +1,5 @@
-"""A worker declared failed while it was alive rejoins by itself (src/ps/worker/membership.py, src/common/supervisor.py).
+"""A worker declared failed while it was alive rejoins by itself (src/ps/worker/membership.py,
+src/common/supervisor.py).
 
 Claims: what a failed call means and the rejoin budget (``system.max_rejoins``), one line when it
 is spent; the launchers' grace for a revoked process (rejoin, or hung and killed, never both); in

@@ -1,5 +1,5 @@
-"""Async pushes across shards (src/ps/shards/asynchronous.py) between the real cores, in one process: each shard judges a
-push's staleness against its own version, a push is applied on the shards that find it fresh enough and rolled back
+"""Async pushes across shards (src/ps/shards/asynchronous.py) between the real cores, in one process: each shard judges
+a push's staleness against its own version, a push is applied on the shards that find it fresh enough and rolled back
 on the others (its residual there too), in shard 0's order, and the followers apply the pushes of a worker that died
 after its commit.
 
@@ -70,7 +70,9 @@ class AsyncRun:
         self.replicas = [copy.deepcopy(model) for _ in workers]
         names = [n for n, _ in served_tensors(model)[0]]
         self.codecs = [
-            PushCodec(config.system, None, error_feedback=True, seed=0, worker_id=w, names=names, placement=self.placement)
+            PushCodec(
+                config.system, None, error_feedback=True, seed=0, worker_id=w, names=names, placement=self.placement
+            )
             for w in workers
         ]
         self.callers, self.members, self.work = {}, {}, {}

@@ -1,11 +1,11 @@
 """Streamed pushes (``system.streaming``, issue 34) against unstreamed ones, on real processes.
 
 A streamed worker sends each gradient as backward produces it and takes the reply as it arrives, the next forward
-waiting per layer (:mod:`src.ps.worker_stream`). Only when the bytes travel may change: the same runs streamed and
-not give the same parameters bit for bit (sync with 2 workers, with and without compression and a compressed
-downlink; async with one worker; 2 shards), the same pushes in the events, and every sample once, with faults too.
-Pipelined replies (``system.pipelined_replies``, :mod:`src.ps.state.slice_pipeline`) too: the same parameters bit for bit,
-every slice confirmed, and a killed worker's round voided.
+waiting per layer (:mod:`src.ps.worker_stream`). Only when the bytes travel may change: the same runs streamed and not
+give the same parameters bit for bit (sync with 2 workers, with and without compression and a compressed downlink; async
+with one worker; 2 shards), the same pushes in the events, and every sample once, with faults too. Pipelined replies
+(``system.pipelined_replies``, :mod:`src.ps.state.slice_pipeline`) too: the same parameters bit for bit, every slice
+confirmed, and a killed worker's round voided.
 """
 
 from __future__ import annotations

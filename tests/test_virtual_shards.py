@@ -177,9 +177,9 @@ def test_two_virtual_shards_train_as_one_virtual_server_every_shard_alike_and_th
 
 
 def test_async_over_two_virtual_shards_every_shard_alike_and_the_same_twice(tmp_path):
-    """Async (3 workers with uneven compute, so pushes are stale and the soft policy weighs them): every push is
-    a version on every shard, of the same push (src/ps/shards/asynchronous.py), every sample in exactly one update, and the
-    run is deterministic."""
+    """Async (3 workers with uneven compute, so pushes are stale and the soft policy weighs them): every push is a
+    version on every shard, of the same push (src/ps/shards/asynchronous.py), every sample in exactly one update, and
+    the run is deterministic."""
     fields = dict(
         system__aggregation_mode="async",
         system__num_workers=3,

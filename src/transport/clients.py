@@ -19,9 +19,9 @@ def make_client(address: str, *, transport: str = "grpc", **kwargs: Any):
     """A client of the parameter server at ``address`` over ``transport`` (``system.transport``).
 
     Both clients have the same calls, byte counters, uplink emulation and retries, and fail with a
-    :class:`~src.transport.errors.CallError` carrying the same status codes (:class:`~src.transport.grpc.ParameterServerClient` for gRPC,
-    :class:`src.transport.tcp.TCPParameterServerClient` for TCP). ``kwargs``: as the clients take
-    (``token``, ``system``, ``connect_timeout_s``, ``retries``, ``uplink``).
+    :class:`~src.transport.errors.CallError` carrying the same status codes
+    (:class:`~src.transport.grpc.ParameterServerClient` for gRPC, :class:`src.transport.tcp.TCPParameterServerClient`
+    for TCP). ``kwargs``: as the clients take (``token``, ``system``, ``connect_timeout_s``, ``retries``, ``uplink``).
 
     Raises:
         SetupError: an unknown transport.

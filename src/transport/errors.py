@@ -6,8 +6,8 @@ transport maps it to its own error, and every client raises :class:`CallError` f
 Both clients (gRPC, :mod:`src.transport.grpc`; binary frames on TCP, :mod:`src.transport.tcp`) raise it, and the
 worker's step machine (:mod:`src.ps.worker.machine`) reads it, as the virtual clock's calls make it: a ``code``, one of
 gRPC's status names as strings (``"UNAVAILABLE"``, ``"NOT_FOUND"``, ``"ABORTED"``, ...; the server core names its
-refusals with them, :mod:`src.ps.state.refusals`), and a ``message`` that says what was wrong. So nothing on the worker's
-side, and nothing on the TCP transport's, depends on gRPC.
+refusals with them, :mod:`src.ps.state.refusals`), and a ``message`` that says what was wrong. So nothing on the
+worker's side, and nothing on the TCP transport's, depends on gRPC.
 """
 
 from __future__ import annotations

@@ -4,25 +4,26 @@ A driver (:class:`src.parameter_server.ParameterServer`, a follower shard's
 :class:`~src.ps.shards.follower_server.FollowerServer`) has ``handle_register``, ``handle_push``, ``handle_pull``, ...;
 :class:`GrpcMethods` gives it the service's methods (``Register``, ``Push``, ...) that
 :func:`src.transport.grpc.service_handler` serves, each :class:`~src.ps.state.refusals.Refused` turned into the gRPC
-status of the same name (:func:`refusals`). The TCP server (:mod:`src.transport.tcp_server`) calls the same ``handle_*``.
+status of the same name (:func:`refusals`). The TCP server (:mod:`src.transport.tcp_server`) calls the same
+``handle_*``.
 
 ``PushStream`` (``system.streaming``) is a streamed push over gRPC: each part goes to the driver's ``push_parts``
-(:class:`~src.ps.state.streamed_parts.PushParts`: checked and decoded as it arrives, on the call's thread), the push's own
-message then to ``handle_push`` as :meth:`PushParts.assemble <src.ps.state.streamed_parts.PushParts.assemble>` makes it; the
-reply (the same bytes ``Push`` answers) goes back in ``PushStreamReply`` chunks straight from its pieces
+(:class:`~src.ps.state.streamed_parts.PushParts`: checked and decoded as it arrives, on the call's thread), the push's
+own message then to ``handle_push`` as :meth:`PushParts.assemble <src.ps.state.streamed_parts.PushParts.assemble>` makes
+it; the reply (the same bytes ``Push`` answers) goes back in ``PushStreamReply`` chunks straight from its pieces
 (:func:`reply_messages`; the parameters' lease given back once the last chunk is made). What is wrong with a part
 refuses the push when its message comes, as on TCP; a message that is not a ``PushStreamRequest`` refuses it at once.
 
 With ``system.pipelined_replies`` (a driver whose ``pipelined`` is true) the call also sends provisional slices
 (:mod:`src.ps.state.slice_pipeline`) while the parts still come and while it waits at the barrier: the push is read and
 handled on a thread of the call's own, and the handler yields what the call's :class:`~src.transport.grpc_sink.GrpcSink`
-queues, then the reply (or raises the refusal, on the handler's thread). A call does not say whose push it carries
-until its last message, so the client names its likely caller in the call's metadata
-(:data:`~src.transport.grpc.PUSH_CALLER_METADATA_KEY`: its last streamed push's); if that is a live member's
-session, the worker is attached to this call's sink before the parts are read (:meth:`SlicePipeline.attach
-<src.ps.state.slice_pipeline.SlicePipeline.attach>`), so its values are reported as they come and its slices come here. A
-wrong name costs that call its slices only: each sink is one call's, and a reply leaves out only what went on its
-own call (and the barrier checks every slice).
+queues, then the reply (or raises the refusal, on the handler's thread). A call does not say whose push it carries until
+its last message, so the client names its likely caller in the call's metadata
+(:data:`~src.transport.grpc.PUSH_CALLER_METADATA_KEY`: its last streamed push's); if that is a live member's session,
+the worker is attached to this call's sink before the parts are read (:meth:`SlicePipeline.attach
+<src.ps.state.slice_pipeline.SlicePipeline.attach>`), so its values are reported as they come and its slices come here.
+A wrong name costs that call its slices only: each sink is one call's, and a reply leaves out only what went on its own
+call (and the barrier checks every slice).
 """
 
 from __future__ import annotations
@@ -279,8 +280,9 @@ def _first_piece(parts, size: int, piece) -> list | None:
 
 
 def _piece(parts, piecing: list, piece, *, copied: bool = False) -> list | None:
-    """The next ``piece`` of the part being pieced together (``copied``: already in its buffer): its values reported
-    as they come (:meth:`PushParts.progress <src.ps.state.streamed_parts.PushParts.progress>`), the part taken once whole."""
+    """The next ``piece`` of the part being pieced together (``copied``: already in its buffer): its values reported as
+    they come (:meth:`PushParts.progress <src.ps.state.streamed_parts.PushParts.progress>`), the part taken once whole.
+    """
     buffer, filled = piecing
     if filled + len(piece) > len(buffer):
         raise Refused("INVALID_ARGUMENT", f"push stream: a part's pieces run past its {len(buffer)} bytes")

@@ -22,8 +22,8 @@ class ProtocolClient:
     """The parameter server's calls as a worker (or a tool) makes them, whatever the transport.
 
     A subclass sends one attempt of a call (:meth:`_attempt`: the call's name, its request message
-    or :class:`~src.transport.wire.Outgoing`, raising a :class:`~src.transport.errors.CallError` on failure); this class builds
-    the requests and retries a call that failed in transport (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``)
+    or :class:`~src.transport.wire.Outgoing`, raising a :class:`~src.transport.errors.CallError` on failure); this class
+    builds the requests and retries a call that failed in transport (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``)
     ``retries`` times with backoff, resending the same request (a push keeps its request id, which the
     server applies at most once). Subclasses set ``retries`` and ``connect_timeout_s``.
     """

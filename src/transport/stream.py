@@ -33,8 +33,8 @@ from src.transport.wire import MessageSplitter, Outgoing, Received, chunk_size
 PART_INDEX = struct.Struct("<I")
 """A part's leading field: the index of the tensor (parameter) whose gradient payload follows."""
 PROVISIONAL_HEAD = struct.Struct("<qII")
-"""A provisional slice's leading fields (``system.pipelined_replies``, :mod:`src.ps.state.slice_pipeline`): the version of
-the round that stepped it, the parameter's index and the slice's first element; its float32 values follow."""
+"""A provisional slice's leading fields (``system.pipelined_replies``, :mod:`src.ps.state.slice_pipeline`): the version
+of the round that stepped it, the parameter's index and the slice's first element; its float32 values follow."""
 _VALUE_BYTES = 4  # a provisional slice's values are float32
 _CLOSE, _ABORT = object(), object()
 

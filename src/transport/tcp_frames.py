@@ -33,8 +33,8 @@ joining of chunks), whose views become the message's tensors. Writing: the heade
 pieces go out in one gather write (``sendmsg``), so tensors are sent from their own memory; a TLS
 socket, which has no gather write, sends the pieces one by one.
 
-Errors: a failed call raises :class:`~src.transport.errors.CallError` (``code``, ``message``), as the gRPC client's do, so
-code written against the gRPC transport (retries, lost sessions, refusals) reads both the same.
+Errors: a failed call raises :class:`~src.transport.errors.CallError` (``code``, ``message``), as the gRPC client's do,
+so code written against the gRPC transport (retries, lost sessions, refusals) reads both the same.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ decide differently. What it adds is what a socket server must do itself:
   ``RESOURCE_EXHAUSTED`` and closed.
 * **Pipelined replies** (``system.pipelined_replies``, :mod:`src.ps.state.slice_pipeline`): a streamed push's parts are
   read as their bytes come, so the pipeline sees a gradient's values arrive; each connection has a
-  :class:`~src.transport.tcp_sink.TCPSink` whose writer thread sends the provisional slices, and the connection's replies go
-  out after them, under the same write lock.
+  :class:`~src.transport.tcp_sink.TCPSink` whose writer thread sends the provisional slices, and the connection's
+  replies go out after them, under the same write lock.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 messages.
 
 With ``system.num_servers`` = S > 1, shard 0 is the simulated parameter server
-(:class:`~src.virtual.server.VirtualServer` with the run's :class:`~src.ps.shards.shard_zero.Sharding`); shards 1..S-1 are
-:class:`VirtualFollower` objects, each a driver of :class:`~src.ps.shards.follower.FollowerCore`, as
+(:class:`~src.virtual.server.VirtualServer` with the run's :class:`~src.ps.shards.shard_zero.Sharding`); shards 1..S-1
+are :class:`VirtualFollower` objects, each a driver of :class:`~src.ps.shards.follower.FollowerCore`, as
 :class:`src.ps.shards.follower_server.FollowerServer` is over real connections. It takes the two calls a real follower
 takes, with the protocol's bytes (:mod:`src.ps.shards.rounds`):
 
@@ -121,10 +121,10 @@ class VirtualFollower:
     def send_part(self, worker: VirtualWorker, push: Hashable, body: bytes, sent: Callable[[], None]) -> None:
         """One part of the streamed hold ``push`` (the worker's key for it, ``system.streaming``): over the worker's
         link and this shard's NIC, then into the hold's parts, checked and decoded on arrival as a real follower's
-        connection thread does (:class:`~src.ps.state.streamed_parts.PushParts`); ``sent`` when it has left the worker's link.
-        With ``system.pipelined_replies`` and the worker's connection attached, in pieces of the TCP server's reads,
-        each reported as it arrives (the slices step as they come, as on shard 0: :meth:`ServerWire.upload_in_reads
-        <src.virtual.server.ServerWire.upload_in_reads>`)."""
+        connection thread does (:class:`~src.ps.state.streamed_parts.PushParts`); ``sent`` when it has left the worker's
+        link. With ``system.pipelined_replies`` and the worker's connection attached, in pieces of the TCP server's
+        reads, each reported as it arrives (the slices step as they come, as on shard 0:
+        :meth:`ServerWire.upload_in_reads <src.virtual.server.ServerWire.upload_in_reads>`)."""
         sink = self.wire.attached(self.sinks, worker, worker.process)
         if sink is None:
             self.wire.upload(worker, body, lambda: self._parts(push).add(body), sent)

@@ -28,8 +28,8 @@ processes.
 
 With ``system.num_servers`` = S > 1 (sync) the server is split into S shards as a real sharded run's
 (:mod:`src.ps.shards.rounds`): shard 0 is the :class:`~src.virtual.server.VirtualServer` with the run's
-:class:`~src.ps.shards.shard_zero.Sharding` (the placement, and the session key from the run's auth token, or a fresh one
-per run: every simulated process uses it), the others :class:`~src.virtual.follower.VirtualFollower` objects, each
+:class:`~src.ps.shards.shard_zero.Sharding` (the placement, and the session key from the run's auth token, or a fresh
+one per run: every simulated process uses it), the others :class:`~src.virtual.follower.VirtualFollower` objects, each
 with its own NIC, its own CPU and its share of the server's times (:func:`~src.emulation.cost_model.shard_times`), over
 one network with the workers' links (:mod:`src.virtual.network`). At the end the followers' parts are read as the
 real shard 0 reads them (:func:`~src.ps.shards.final.collect_parts`), the whole model is written into

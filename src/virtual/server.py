@@ -10,18 +10,18 @@ Push whose work is not there yet (the sync barrier) is parked until it is. An in
 (:class:`ServerKilled`) fails every open call and hands the restart to the launcher
 (:class:`~src.virtual.launcher.VirtualLauncher`).
 
-With ``system.num_servers`` = S > 1 it is shard 0 (its core holds a :class:`~src.ps.shards.shard_zero.Sharding`): it takes
-held pushes and their commits (:mod:`src.ps.shards.rounds`) and parameters-only pulls, as the real server's
-handlers do, with its own NIC in the run's :class:`~src.virtual.network.FairNetwork` and its share of the server's
-times (:func:`~src.emulation.cost_model.shard_times`); the followers are :mod:`src.virtual.follower`'s.
-:class:`ServerWire` is how any simulated server's messages travel (shared with the followers).
+With ``system.num_servers`` = S > 1 it is shard 0 (its core holds a :class:`~src.ps.shards.shard_zero.Sharding`): it
+takes held pushes and their commits (:mod:`src.ps.shards.rounds`) and parameters-only pulls, as the real server's
+handlers do, with its own NIC in the run's :class:`~src.virtual.network.FairNetwork` and its share of the server's times
+(:func:`~src.emulation.cost_model.shard_times`); the followers are :mod:`src.virtual.follower`'s. :class:`ServerWire` is
+how any simulated server's messages travel (shared with the followers).
 
-A streamed push (``system.streaming``, :mod:`src.virtual.worker`'s streamed step) reaches it as the real one
-reaches the TCP server: each part (:meth:`VirtualServer.send_part`) crosses the worker's link on its own and is taken
-into the push's :class:`~src.ps.state.streamed_parts.PushParts` on arrival (checked and decoded there, as the real server
-does), then the push's message, which :meth:`VirtualServer.serve_push` handles with the parts assembled, as today's
-push, when its last byte is in. Its reply goes down the link in pieces (:attr:`Call.pieces`): the worker hears of
-the head and of each tensor as the bytes that complete it arrive.
+A streamed push (``system.streaming``, :mod:`src.virtual.worker`'s streamed step) reaches it as the real one reaches the
+TCP server: each part (:meth:`VirtualServer.send_part`) crosses the worker's link on its own and is taken into the
+push's :class:`~src.ps.state.streamed_parts.PushParts` on arrival (checked and decoded there, as the real server does),
+then the push's message, which :meth:`VirtualServer.serve_push` handles with the parts assembled, as today's push, when
+its last byte is in. Its reply goes down the link in pieces (:attr:`Call.pieces`): the worker hears of the head and of
+each tensor as the bytes that complete it arrive.
 """
 
 from __future__ import annotations
@@ -406,12 +406,13 @@ class VirtualServer:
 
     def send_part(self, worker: VirtualWorker, push: Hashable, body: bytes, sent: Callable[[], None]) -> None:
         """One part of the streamed push ``push`` (the worker's key for it): over the worker's link, then into the
-        push's parts (:class:`~src.ps.state.streamed_parts.PushParts`: checked and decoded on arrival, as the real server's
-        connection thread does), if this server process still runs; ``sent`` when it has left the worker's link.
+        push's parts (:class:`~src.ps.state.streamed_parts.PushParts`: checked and decoded on arrival, as the real
+        server's connection thread does), if this server process still runs; ``sent`` when it has left the worker's
+        link.
 
-        With ``system.pipelined_replies`` and the worker's connection attached to the pipeline, the part crosses
-        the link in pieces of the TCP server's reads (:data:`~src.transport.tcp_frames.RECEIVE_CHUNK_BYTES`), each
-        reported as it arrives (:meth:`~src.ps.state.streamed_parts.PushParts.progress`), as the real server reads a frame."""
+        With ``system.pipelined_replies`` and the worker's connection attached to the pipeline, the part crosses the
+        link in pieces of the TCP server's reads (:data:`~src.transport.tcp_frames.RECEIVE_CHUNK_BYTES`), each reported
+        as it arrives (:meth:`~src.ps.state.streamed_parts.PushParts.progress`), as the real server reads a frame."""
         epoch = self.epoch
         sink = self.wire.attached(self.sinks, worker, worker.process)
 
@@ -514,8 +515,8 @@ class VirtualServer:
 
     def serve_push(self, call: Call, data: bytes) -> None:
         """A push takes ``server_update_s`` of the server's time (a sharded run's held push: this shard's share; its
-        commit, which carries no tensors: none); its reply follows at once when its work is there. ``data``: its
-        bytes, or a streamed push's parts and message assembled (:class:`~src.ps.state.streamed_parts.AssembledPush`)."""
+        commit, which carries no tensors: none); its reply follows at once when its work is there. ``data``: its bytes,
+        or a streamed push's parts and message assembled (:class:`~src.ps.state.streamed_parts.AssembledPush`)."""
         call.bytes_in = push_size(data)
         try:
             received = arrived_push(data, PUSH_LARGE_FIELDS)

@@ -1,13 +1,13 @@
 """A simulated worker connection's provisional slices (``system.pipelined_replies`` in virtual time).
 
 The real server's connection writes :mod:`src.ps.state.slice_pipeline`'s slices to its worker as PROVISIONAL frames, in
-order, and the connection's reply after the last of them (:class:`~src.transport.tcp_sink.TCPSink`). Here each slice is a
-message of its serialized size (:data:`~src.transport.stream.PROVISIONAL_HEAD`, then the values) that crosses the
-server's NIC and the worker's downlink, one after another on :attr:`VirtualSink.downlink`, and the reply of the
-worker's push is put on the same line after them (:meth:`VirtualServer._reply
-<src.virtual.server.VirtualServer._reply>`): a worker hears of its slices before the reply that names them, as on
-a real connection. A slice's step costs no virtual seconds of the server's CPU (the real server computes it on the
-connection's thread while the barrier waits; its CPU is not the server's lock).
+order, and the connection's reply after the last of them (:class:`~src.transport.tcp_sink.TCPSink`). Here each slice is
+a message of its serialized size (:data:`~src.transport.stream.PROVISIONAL_HEAD`, then the values) that crosses the
+server's NIC and the worker's downlink, one after another on :attr:`VirtualSink.downlink`, and the reply of the worker's
+push is put on the same line after them (:meth:`VirtualServer._reply <src.virtual.server.VirtualServer._reply>`): a
+worker hears of its slices before the reply that names them, as on a real connection. A slice's step costs no virtual
+seconds of the server's CPU (the real server computes it on the connection's thread while the barrier waits; its CPU is
+not the server's lock).
 """
 
 from __future__ import annotations

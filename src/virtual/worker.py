@@ -543,8 +543,8 @@ class VirtualWorker:
         # (gradient, shard, its position there, its share of the gradient): one part a gradient, or one a slice
         placement, slices = run.placement, machine.codec.slices_of(compute.names)
         units = [
-            (index, k, position, 1.0 if placement is None else placement.on_shard(k)[position].numel / compute.params[index].numel())
-            for index in handed
+            (index, k, position, 1.0 if placement is None else placement.on_shard(k)[position].numel /
+            compute.params[index].numel()) for index in handed
             for k, position in slices[index]
         ]  # fmt: skip
         gradient_of = partial(compute.gradient, batches=batches)

@@ -137,9 +137,9 @@ def instrument(core) -> dict[str, list[float]]:
 
 
 def instrument_follower(core) -> dict[str, list[float]]:
-    """Time a follower shard's pieces per step (:class:`~src.ps.shards.follower.FollowerCore`): the hold's decode (of which
-    while it arrived), its hold (under the lock), the optimizer step, building the reply, and the whole pull (under
-    the lock: applying the certified version, then the reply)."""
+    """Time a follower shard's pieces per step (:class:`~src.ps.shards.follower.FollowerCore`): the hold's decode (of
+    which while it arrived), its hold (under the lock), the optimizer step, building the reply, and the whole pull
+    (under the lock: applying the certified version, then the reply)."""
     timings = _instrument_decode_step_reply(core)
     timings["hold"], timings["pull"] = [], []
     _timed(core, "hold", timings["hold"])

@@ -7,13 +7,14 @@ one. The server, its echoes and the reference step run in one spawned process.
 
 **The per-shard row** (:func:`bench_shard_round_trip`, TCP): what one follower shard's link carries per sync step
 of a sharded server, against the same references. One worker (this process), two shards (shard 0, a
-:class:`~src.parameter_server.ParameterServer`, and follower shard 1, a :class:`~src.ps.shards.follower_server.FollowerServer`,
-each in its own process, sync), the model :func:`shard_model_mb` (8 tensors, 4 a shard: the follower's link carries
-the row's size, as one server's link does in the row of that size; resnet18 from 20 MB, the follower about half). The
-worker's step (``src/worker.py``'s, identity gradients) makes its calls one at a time, so that nothing else is on the
-wire while a timed one is: hold on shard 0, hold on the follower, commit to shard 0, pull the follower (with the
-certificate), pull shard 0. ``shard_round_trip_ms`` is the median over steps of the follower's two calls' times
-as the worker sees them, each from its request's first byte sent to its reply's last byte in:
+:class:`~src.parameter_server.ParameterServer`, and follower shard 1, a
+:class:`~src.ps.shards.follower_server.FollowerServer`, each in its own process, sync), the model :func:`shard_model_mb`
+(8 tensors, 4 a shard: the follower's link carries the row's size, as one server's link does in the row of that size;
+resnet18 from 20 MB, the follower about half). The worker's step (``src/worker.py``'s, identity gradients) makes its
+calls one at a time, so that nothing else is on the wire while a timed one is: hold on shard 0, hold on the follower,
+commit to shard 0, pull the follower (with the certificate), pull shard 0. ``shard_round_trip_ms`` is the median over
+steps of the follower's two calls' times as the worker sees them, each from its request's first byte sent to its reply's
+last byte in:
 
 * the hold: the follower's slices up (``follower_bytes.hold``), decoded and checked as they arrive, held; an
   acknowledgement down (``ack``);
@@ -237,9 +238,9 @@ def bench_round_trips(transport: str, size_mb: float, repeats: int) -> dict:
 
 
 def _serve_follower(model_mb: float, token: str, report, stop) -> None:
-    """Child process: follower shard 1 of 2 (:class:`~src.ps.shards.follower_server.FollowerServer`, TCP, sync) of the model
-    of ``model_mb``, the raw TCP echo and the stepping echo of its slices; reports torch's step on its slices and, at
-    the end, its timings (:func:`~src.benchmarks.ps.common.instrument_follower`)."""
+    """Child process: follower shard 1 of 2 (:class:`~src.ps.shards.follower_server.FollowerServer`, TCP, sync) of the
+    model of ``model_mb``, the raw TCP echo and the stepping echo of its slices; reports torch's step on its slices and,
+    at the end, its timings (:func:`~src.benchmarks.ps.common.instrument_follower`)."""
     import torch
 
     from src.common.memory import reuse_freed_memory

@@ -123,7 +123,8 @@ class ServerCore:
         events_after_replies: a push's ``push`` and ``update`` events are recorded under the lock and
             written by :meth:`flush_events`, which the driver calls once the push's reply is on its way
             (a killed server may lose the events of replies it had just sent). Default: written at once.
-        sharding: serve shard 0 of a sharded server (:class:`~src.ps.shards.shard_zero.Sharding`): its part of ``model``,
+        sharding: serve shard 0 of a sharded server (:class:`~src.ps.shards.shard_zero.Sharding`): its part of
+        ``model``,
             signed sessions every shard checks, pushes held then committed, a certificate per sync version
             (:mod:`src.ps.shards.rounds`). Default: the whole model.
     """

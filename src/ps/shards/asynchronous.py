@@ -19,8 +19,8 @@ to every shard at once:
      The certificate names them (``RoundCertificate.rolled_back``), and there the version passes without changing
      anything (:meth:`~src.ps.state.aggregation.ModelState.pass_version`); the reply names them too
      (``PushReply.rolled_back``), and the worker rolls back only those shards' residuals
-     (:func:`src.ps.worker.machine.StepMachine.settle`): their compensated gradient goes back into the error feedback, so it
-     travels with the worker's next push to those shards (the spec's Residual Rollback, per slice). The push's
+     (:func:`src.ps.worker.machine.StepMachine.settle`): their compensated gradient goes back into the error feedback,
+     so it travels with the worker's next push to those shards (the spec's Residual Rollback, per slice). The push's
      batches are done, as with any applied push.
    * **Every shard rejects:** no shard applies it: the worker rolls its whole push back into its error feedback
      and the push's batches stay with it, as an unsharded server's rejection does.

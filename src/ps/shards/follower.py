@@ -113,8 +113,9 @@ class FollowerCore:
         self.asynchronous = config.system.aggregation_mode == "async"
         self.rounds = FollowerRounds(self.model.state, key)
         self.pipeline: SlicePipeline | None = None
-        """system.pipelined_replies (sync): provisional slices of each round's holds (:mod:`src.ps.state.slice_pipeline`),
-        whose workers are guessed from the last certificate (see :meth:`_open_round`)."""
+        """system.pipelined_replies (sync): provisional slices of each round's holds
+        (:mod:`src.ps.state.slice_pipeline`), whose workers are guessed from the last certificate (see
+        :meth:`_open_round`)."""
         if config.system.pipelined_replies and not self.asynchronous:
             self.pipeline = SlicePipeline(self.model.state, slice_elements_of(config.system.pipeline_slice_bytes))
         self.pushes = FollowerAsync(self.model.state, key, StalenessPolicy.from_config(config.system), shard)

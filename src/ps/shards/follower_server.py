@@ -3,8 +3,8 @@ connections.
 
 With ``system.num_servers`` = S > 1, shard 0 is the parameter server (:class:`~src.parameter_server.ParameterServer`
 with a :class:`~src.ps.shards.shard_zero.Sharding`): it registers the workers, plans their work and closes each sync
-barrier. Shards 1..S-1 run this: each serves its slices of the model (:mod:`src.ps.shards.placement`) on its own address,
-over the run's transport (gRPC or TCP, the same handlers and framing as shard 0's), and takes two calls:
+barrier. Shards 1..S-1 run this: each serves its slices of the model (:mod:`src.ps.shards.placement`) on its own
+address, over the run's transport (gRPC or TCP, the same handlers and framing as shard 0's), and takes two calls:
 
 * ``Push`` with ``hold``: a worker's slices, decoded outside the lock and held until shard 0 certifies the
   version (:mod:`src.ps.shards.rounds`); the reply is an acknowledgement.
@@ -149,9 +149,9 @@ class FollowerServer(GrpcMethods):
         return arriving_push_splitter(self.core.model.layout, data, PUSH_LARGE_FIELDS)
 
     def push_parts(self, max_bytes: int, sink: Sink | None = None) -> PushParts:
-        """The parts of a streamed hold about to arrive (:mod:`src.ps.state.streamed_parts`), decoded as they come. ``sink``:
-        the connection's, with ``system.pipelined_replies`` (its dense values are reported as they arrive, and the
-        slices stepped go to every worker of the round: :mod:`src.ps.state.slice_pipeline`)."""
+        """The parts of a streamed hold about to arrive (:mod:`src.ps.state.streamed_parts`), decoded as they come.
+        ``sink``: the connection's, with ``system.pipelined_replies`` (its dense values are reported as they arrive, and
+        the slices stepped go to every worker of the round: :mod:`src.ps.state.slice_pipeline`)."""
         return PushParts(self.core.model.layout, PUSH_LARGE_FIELDS, max_bytes, arriving=self.core.arriving(sink))
 
     @property

@@ -1,10 +1,10 @@
 """Shard 0's part in a sharded parameter server: what its server core does differently from an unsharded one.
 
-With ``S > 1`` shards (:mod:`src.ps.shards.placement`), shard 0's :class:`~src.ps.server.core.ServerCore` serves its part of the
-model (:func:`~src.ps.shards.parts.shard_module`), signs the sessions it issues so that every shard checks them
-alone (:mod:`src.common.sessions`), takes a worker's push in two calls (held, then committed once every shard
-holds its slices) and signs a certificate of each sync version for the followers
-(:mod:`src.ps.shards.rounds`). :class:`Sharding` is that role's settings and checks; the core calls it.
+With ``S > 1`` shards (:mod:`src.ps.shards.placement`), shard 0's :class:`~src.ps.server.core.ServerCore` serves its
+part of the model (:func:`~src.ps.shards.parts.shard_module`), signs the sessions it issues so that every shard checks
+them alone (:mod:`src.common.sessions`), takes a worker's push in two calls (held, then committed once every shard holds
+its slices) and signs a certificate of each sync version for the followers (:mod:`src.ps.shards.rounds`).
+:class:`Sharding` is that role's settings and checks; the core calls it.
 
 Async pushes are applied on the shards that accept their staleness and rolled back on the others, in shard 0's
 order (:mod:`src.ps.shards.asynchronous`).

@@ -89,7 +89,8 @@ def commit(request: pb.PushRequest, acks: Sequence[Any], base_version: int, mode
 def applied_on(reply: pb.PushReply, shard: int) -> bool:
     """Whether shard ``shard`` applied the push ``reply`` (one server's reply, or shard 0's commit reply) answers: it
     was accepted, and not rolled back there (async: a shard where its staleness was over the bound rolls its slices
-    back, and the worker rolls back their residuals, while the others apply theirs: :mod:`src.ps.shards.asynchronous`)."""
+    back, and the worker rolls back their residuals, while the others apply theirs: :mod:`src.ps.shards.asynchronous`).
+    """
     return reply.accepted and shard not in reply.rolled_back
 
 
