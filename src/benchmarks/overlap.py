@@ -1,7 +1,7 @@
-"""Issue 34's measuring stick: how much of its time a parameter-server worker and a DDP rank spend waiting on the
-network, on the same tc-shaped links, with today's non-overlapped PS worker as the reference.
+"""The measuring stick of communication hidden behind compute: how much of its time a parameter-server worker and a DDP
+rank spend waiting on the network, on the same tc-shaped links, with today's non-overlapped PS worker as the reference.
 
-The set-up (issue 34, "Measured here"): three hosts, each a network namespace joined by a veth pair to one bridge
+The set-up: three hosts, each a network namespace joined by a veth pair to one bridge
 (:class:`~src.benchmarks.ps.netns.Hosts`): ``server``, ``worker_0`` and ``worker_1``. Each worker's link is shaped
 by ``tc`` tbf to ``mbps`` both ways (on its own end: what it sends; on the bridge's end: what it receives). The
 server's link is not shaped: the issue's server sits *in* the router, where the workers' links meet, so what limits
@@ -46,7 +46,7 @@ The fields of each arm:
 
 And of the run: ``ps_over_ddp`` (samples/s), ``exposed_fraction`` of both side by side, ``communication_over_compute``
 (PS: link time per step over compute per step; the issue asks for links "so that communication is about as long as
-compute", about 1), and ``targets``: issue 34's three, each with the reference it is measured against (today's
+compute", about 1), and ``targets``: the three, each with the reference it is measured against (today's
 worker: this run's PS arm, or ``reference``'s, an earlier run of this bench) and, where a reference from another run
 is given, whether it is met.
 
@@ -191,7 +191,7 @@ def ps_commands(
     trace: bool = False,
 ) -> dict[str, tuple[Path, list[str], dict[str, str]]]:
     """Each host's (script, arguments, environment) of the PS arm (logs and checkpoints are added per host);
-    ``streaming``: the workers communicate while they compute (``--streaming``, issue 34); ``pipelined``: the server
+    ``streaming``: the workers communicate while they compute (``--streaming``); ``pipelined``: the server
     sends each slice back as soon as it is stepped (``--pipelined-replies``); ``trace``: every process writes its
     timeline (``--trace``)."""
     address = ["--server-address", f"{hosts.ips['server']}:{port}", "--transport", run["transport"]]
@@ -407,7 +407,7 @@ def targets(
     reference: dict[str, Any] | None = None,
     unstreamed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Issue 34's targets. ``reference``: an earlier run of this bench (its JSON) whose PS arm is today's worker;
+    """The targets. ``reference``: an earlier run of this bench (its JSON) whose PS arm is today's worker;
     else ``unstreamed``: this run's PS arm without streaming (a streamed run's own reference); neither: this run's
     PS arm is the reference, so only the third target can be judged."""
     base = reference["ps"] if reference is not None else unstreamed if unstreamed is not None else ps
@@ -508,7 +508,7 @@ def bench_overlap(
     mtu: int | None = DEFAULT_MTU,
 ) -> dict[str, Any]:
     """Both arms on the same hosts (PS first, then DDP) and their figures; where namespaces cannot be made, why not.
-    ``streaming``: the PS arm streams (issue 34), and the same run first measures it without (``ps_unstreamed``).
+    ``streaming``: the PS arm streams, and the same run first measures it without (``ps_unstreamed``).
     ``pipelined`` (with ``streaming``): the PS arm's server also sends each slice back as soon as it is
     stepped (``--pipelined-replies``), and the same run measures the streamed arm without it too (``ps_streamed``).
     ``trace_dir``: the PS runs are traced (``--trace``), and each arm's processes' ``trace.json`` files are kept under

@@ -1,5 +1,5 @@
-"""The spec's findings F1-F12, issue 33's F13 and issue 35's F14, computed from the committed records of their matrices
-(docs/findings/*.json).
+"""The spec's findings F1-F12, and F13 (sharded servers) and F14 (the controller on four links), computed from the
+committed records of their matrices (docs/findings/*.json).
 
 Each finding is one or two matrices (``configs/experiments/f*.yaml``, virtual time, seed the outer
 axis, at least 8 seeds, an A/A arm). :func:`compute` turns their records (:mod:`src.findings.record`,

@@ -1,4 +1,4 @@
-"""F13 (issue 33): when a sharded parameter server beats ring allreduce, computed from the record of ``f13_shards``.
+"""F13: when a sharded parameter server beats ring allreduce, computed from the record of ``f13_shards``.
 
 The matrix (``configs/experiments/f13_shards.yaml``) runs, at 8 workers on 1 Gbit/s links, ring allreduce (DDP),
 the sync parameter server split into k = 1, 2, 4, 8 shards (and k = 8 with pipelined replies: the pull overlapping
@@ -15,7 +15,7 @@ at the sharded run's time of each version, when the two runs end on the same mod
 identical final accuracy, the final loss equal up to the order of float sums; how many did is ``same_update``),
 and gives no curve otherwise.
 
-**Formulas** (issue 33's bench (c), :mod:`src.benchmarks.ps.crossover`; M the bytes of one push: the run's bytes
+**Formulas** (the crossover bench, :mod:`src.benchmarks.ps.crossover`; M the bytes of one push: the run's bytes
 sent over its pushes, DDP's gradient bytes; B the link; n workers; k shards; c the compute of a step; X the
 straggler's added seconds):
 
@@ -118,7 +118,7 @@ def formula_per_sample_s(run: dict[str, Any]) -> float:
 
 
 def byteps_formula_s(run: dict[str, Any]) -> float | None:
-    """BytePS's sync step, push and pull overlapped (issue 34): ``c + X + max(M/B, n M/(k B))``; sync PS only."""
+    """BytePS's sync step, push and pull overlapped: ``c + X + max(M/B, n M/(k B))``; sync PS only."""
     if _kind(run) != "sync":
         return None
     emulation, system = run["config"]["emulation"], run["config"]["system"]

@@ -1,5 +1,5 @@
-"""The summary block of docs/findings.md: each claim (the spec's F1-F12, issue 33's F13, issue 35's F14) beside
-what was measured.
+"""The summary block of docs/findings.md: each claim (the spec's F1-F12, F13 on sharded servers, F14 on the controller's
+links) beside what was measured.
 
 One row per claim (a finding measured under two setups has a row for each): the finding, what the spec
 reports, what the records give (mean [95% interval] over seeds), the target this project set, and whether
@@ -215,7 +215,7 @@ def _f13_rows(f13: dict[str, Any]) -> list[Row]:
     return [
         [
             "F13 (sharded PS vs ring allreduce)",
-            "issue 33: when does a sharded PS beat ring allreduce (BytePS: with k = n shards)?",
+            "F13: when does a sharded PS beat ring allreduce (BytePS: with k = n shards)?",
             f"time per sample, PS / DDP at {f13['workers']} workers, {f13['link_mbps']:g} Mbit/s: sync PS, "
             f"k = {shards}: {fmt(vs[sync]['time_per_sample_ratio'], 2, 'x')} (formulas "
             f"{fmt(vs[sync]['formula_ratio'], 2, 'x')}){with_pipelining}; async PS, 1 server: {by_straggler}",
@@ -227,7 +227,7 @@ def _f13_rows(f13: dict[str, Any]) -> list[Row]:
 
 
 def _f14_rows(f14: dict[str, Any]) -> list[Row]:
-    """Issue 35's controller against the best fixed compression on four links."""
+    """F14: the controller against the best fixed compression on four links."""
     if not f14:
         return []
     met, cells = f14["cells_met"]
@@ -241,7 +241,7 @@ def _f14_rows(f14: dict[str, Any]) -> list[Row]:
     return [
         [
             "F14 (controller on four links)",
-            "issue 35: no later than the best fixed compression, in as many seeds, with <= 1.2x its bytes, on every "
+            "F14: no later than the best fixed compression, in as many seeds, with <= 1.2x its bytes, on every "
             "link; within 5% of dense at 10 Gbit/s",
             f"every target met in {met} of {cells} link-and-target cells"
             + (f"; not in: {', '.join(failed)}" if failed else ""),

@@ -1,4 +1,5 @@
-"""When a sharded parameter server beats ring allreduce: virtual time against BytePS's formulas (issue 33, bench (c)).
+"""When a sharded parameter server beats ring allreduce: virtual time against BytePS's formulas (``bench_ps.py
+--crossover``).
 
 For each link bandwidth B (every worker's uplink and downlink, every server shard's NIC, every DDP rank's link),
 each worker count n and each shard count k, one short sync run in virtual time (the real cores and protocol
@@ -23,7 +24,7 @@ simulate in seconds): the same run with ``system.streaming`` and ``system.pipeli
 worker's values of it are in and sends it down at once, so the pull overlaps the push, as BytePS's formula
 assumes. ``ps_pipelined_step_s`` beside ``byteps_formula_s`` (``pipelined_ratio_to_byteps``), and each
 architecture's communication seconds a step (its step less the compute, ``c``): ``communication_over_ring`` is
-the ring formula's over the pipelined PS's (issue 33's target: >= 1.8 at n = k = 16 on 1 Gbit/s, the formulas
+the ring formula's over the pipelined PS's (the target: >= 1.8 at n = k = 16 on 1 Gbit/s, the formulas
 1.875), ``communication_over_ddp`` the measured DDP's over it. The first update gap is left out of every arm's
 step (a worker's first hold attaches its connections, and a follower's first round has no certificate to take
 its workers from, so the first round is not pipelined; unpipelined, every gap is the same). Virtual time charges
@@ -225,7 +226,7 @@ def bench_crossover(
             max(abs(r["pipelined_ratio_to_byteps"] - 1) for r in pipelined), 4
         )
         target = [r for r in pipelined if r["workers"] == r["shards"] == 16 and r["mbps"] == 1000]
-        if target:  # issue 33's: the ring's communication over the PS's, >= 1.8 (the formulas: 1.875)
+        if target:  # the ring's communication over the PS's, >= 1.8 (the formulas: 1.875)
             result["target_n16_k16_1gbit"] = {
                 key: target[0][key]
                 for key in ("communication_over_ring", "communication_over_ddp", "pipelined_over_ddp")

@@ -25,7 +25,7 @@ Shard 0's calls (its own link's) are outside it. ``hold_ms`` and ``pull_ms`` are
 references run in the follower's process on its slices, with the same bytes: ``raw_tcp_echo_ms`` (the hold's
 message up, the pull reply's down, no work), ``stepping_echo_ms`` (the same with torch's step on the follower's
 slices between, from the pushed bytes) and ``optimizer_step_ms`` (that step warm). ``stepping_echo_ratio`` =
-``stepping_echo_ms`` / ``shard_round_trip_ms``, ``target`` 0.85 from 4 MB (issue 33; ``None`` below);
+``stepping_echo_ms`` / ``shard_round_trip_ms``, ``target`` 0.85 from 4 MB (``None`` below);
 ``limit_ratio`` = (``raw_tcp_echo_ms`` + ``optimizer_step_ms``) / ``shard_round_trip_ms`` as in the one-server rows;
 ``server_ms`` the follower's own parts (:func:`~src.benchmarks.ps.common.instrument_follower`). The stepping echo
 moves the same bytes in one exchange where the shard's link takes two (the protocol's hold, then the pull once
@@ -68,7 +68,7 @@ from src.benchmarks.ps.shards import SLICE_BYTES, serve_shard, shards_config
 from src.transport.tcp_frames import RECEIVE_CHUNK_BYTES
 
 SHARD_TARGET = 0.85
-"""The per-shard row's target ``stepping_echo_ratio`` (issue 33), from :data:`SHARD_TARGET_FROM_MB` up."""
+"""The per-shard row's target ``stepping_echo_ratio``, from :data:`SHARD_TARGET_FROM_MB` up."""
 SHARD_TARGET_FROM_MB = 4
 
 

@@ -277,7 +277,8 @@ class StepMachine:
         acks = yield holds
         failed = failure_in(acks)
         if failed is not None:
-            return (yield from self._shard_failed(failed, request.request_id))
+            yield from self._shard_failed(failed, request.request_id)
+            return Rejoined((yield from self._pulled_again()))
         commit = self.commit(request, acks)
         if streamed:  # each hold carried the seconds its parts took to encode (its driver's measure): the push's
             commit.metrics.compression_time_s = sum(call.message.metrics.compression_time_s for call in holds)
@@ -291,7 +292,8 @@ class StepMachine:
         pulled = yield self._shard_pulls(reply.message.certificate, first=0)
         failed = failure_in(pulled) or self._load_shards(pulled, reply.message.version)
         if failed is not None:
-            return (yield from self._shard_failed(failed, request.request_id))
+            yield from self._shard_failed(failed, request.request_id)
+            return Rejoined((yield from self._pulled_again()))
         return reply
 
     def pull_everything(self) -> Exchange[Received]:
@@ -312,7 +314,7 @@ class StepMachine:
             failed = failure_in(pulled) or self._load_shards(pulled, reply.message.version, first=1)
             if failed is None:
                 return reply
-            yield from self._shard_failed(failed, 0)
+            yield from self._shard_failed(failed)
 
     def pull_parameters(self) -> Exchange[Received | Rejoined]:
         """One server's parameters alone, the work kept (a streamed reply broke off after its head: the same work is
@@ -422,16 +424,16 @@ class StepMachine:
             )
         return received
 
-    def _shard_failed(self, error: CallError, in_flight: int) -> Exchange[Rejoined]:
+    def _shard_failed(self, error: CallError, in_flight: int = 0) -> Exchange[bool]:
         """A shard failed a call, or the shards answered at different versions: they are starting again together from
-        a common version, so register again with shard 0 as after a lost session."""
+        a common version, so register again with shard 0 as after a lost session; whether ``in_flight`` was applied."""
         logger.warning(
             "worker %s: a server shard failed a call (%s); registering again with shard 0",
             self.membership.worker_id,
             error,
         )
         self.membership.last_failure = "lost"
-        return (yield from self._lost("lost", in_flight))
+        return (yield from self.rejoin("lost", in_flight))
 
     def _shard_pulls(self, certificate: bytes, *, first: int) -> list[Call]:
         """Every shard's slices from shard ``first`` on, the followers' after applying ``certificate``'s version."""
@@ -449,6 +451,7 @@ class StepMachine:
         for k, reply in enumerate(pulled, start=first):
             self.shard_versions[k] = load_shard_reply(self.placement, k, named, self.buffers, reply)
         versions = self.shard_versions
+        self.version = versions[0]
         apart = any(v < version for v in versions) if self.mode == "async" else any(v != version for v in versions)
         return CallError("UNAVAILABLE", f"shard 0 at version {version}, the shards at {versions}") if apart else None
 
@@ -522,6 +525,7 @@ class StepMachine:
             accepted=message.accepted,
             staleness=message.staleness,
             version=self.version,
+            **({"rolled_back": list(message.rolled_back)} if message.rolled_back else {}),  # async: per shard
         )
         if totals["steps"] % LOG_EVERY_STEPS and not message.work.finished:
             return
