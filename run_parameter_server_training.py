@@ -247,7 +247,8 @@ def checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 def run_role(args: argparse.Namespace, config: Config) -> None:
     """This process's role: one worker, the server alone, or the whole job here (real or virtual clock)."""
-    from src.launch.ps import run_local, run_server, run_worker
+    from src.launch.ps import run_local
+    from src.launch.ps_roles import run_server, run_worker
 
     resume = args.resume
     if args.resume_unfinished and not (args.role == "server" and args.shard):
@@ -272,7 +273,7 @@ def run_role(args: argparse.Namespace, config: Config) -> None:
 
         summary = run_virtual(config, summary_json=args.summary_json, resume=resume)
     elif args.role == "server" and args.shard:
-        from src.launch.ps import run_follower, wait_for_run_end
+        from src.launch.ps_roles import run_follower, wait_for_run_end
 
         recovering = bool(args.resume or args.resume_unfinished)  # it goes back to what shard 0 chooses
         if recovering:

@@ -20,7 +20,6 @@ from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     NonNegativeInt,
@@ -30,10 +29,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 
 from src.adaptive.settings import ControllerSettings
-from src.common.bounds import BOUND_NAMES, bounds_rule
+from src.common.validation import Section, bounded, describe
+from src.training.lr_schedule import LRScheduleConfig
 
 DATASET_NAMES = ("mnist", "fashion_mnist", "cifar10", "mnist_5k", "synthetic")
 SECRET_FIELDS = ("system.auth_token",)
@@ -54,18 +53,6 @@ class SetupError(ValueError):
     traceback."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def _bounded(default: Any, *, why: str | None = None, **constraints: Any) -> Any:
-    """``Field(default, **constraints)`` whose error message adds ``why`` after the rule (what the bound
-    means, e.g. ``0 = no warm-up``). ``allow_inf_nan=False`` among the constraints: the rule says "a finite
-    number" (a lower bound alone lets infinity through). ``why`` rides in ``json_schema_extra``, pydantic's
-    place for a field's own data (the JSON schema shows it too)."""
-    return Field(default, json_schema_extra={"why": why} if why else None, **constraints)
-
-
 def _controller_setting(name: str, **extra: Any) -> Any:
     """The ``system.controller_<name>`` field: its default and bounds are the controller's own
     (:class:`src.adaptive.settings.ControllerSettings`, the one declaration of them)."""
@@ -74,51 +61,7 @@ def _controller_setting(name: str, **extra: Any) -> Any:
     return Field(setting.default, **setting.metadata, **finite, **extra)
 
 
-class LRScheduleConfig(_Section):
-    """``training.lr_schedule``: the learning rate by step, applied by the parameter server's optimizer by
-    version (sync and async; also the library's server) as torch's own schedulers would set it
-    (:mod:`src.training.lr_schedule`). A resumed server continues it from its checkpoint's version."""
-
-    kind: Literal["constant", "step", "cosine"] = "constant"
-    """constant (training.learning_rate), step (x gamma every step_size steps), cosine (down to min_lr at
-    total_steps)."""
-    warmup_steps: int = _bounded(0, ge=0, why="0 = no warm-up")
-    """Linear warm-up first: from warmup_start_factor x the rate up to it over this many steps (0: none)."""
-    warmup_start_factor: float = Field(0.1, gt=0, le=1)
-    """The warm-up's first rate, as a fraction of training.learning_rate, in (0, 1]."""
-    step_size: int = Field(default=0, validate_default=True)
-    """step: steps between multiplications by gamma, > 0 (after the warm-up)."""
-    gamma: float = Field(0.1, gt=0, le=1)
-    """step: the factor, in (0, 1]."""
-    total_steps: int = Field(default=0, validate_default=True)
-    """cosine: the step at which the rate reaches min_lr, > warmup_steps (the warm-up counts in it)."""
-    min_lr: float = Field(0.0, ge=0, allow_inf_nan=False)
-    """cosine: the floor, >= 0."""
-
-    @field_validator("step_size")
-    @classmethod
-    def _step_size_for_step(cls, value: int, info) -> int:
-        if info.data.get("kind") == "step" and value <= 0:
-            raise ValueError("must be > 0 with kind step (steps between multiplications by gamma)")
-        if value < 0:
-            raise ValueError("must be >= 0")
-        return value
-
-    @field_validator("total_steps")
-    @classmethod
-    def _total_for_cosine(cls, value: int, info) -> int:
-        warmup = info.data.get("warmup_steps") or 0
-        if info.data.get("kind") == "cosine" and value <= warmup:
-            raise ValueError(
-                f"must be > training.lr_schedule.warmup_steps ({warmup}) with kind cosine "
-                f"(the step at which the rate reaches min_lr)"
-            )
-        if value < 0:
-            raise ValueError("must be >= 0")
-        return value
-
-
-class TrainingConfig(_Section):
+class TrainingConfig(Section):
     """What is trained and how: data, model, optimizer, schedule."""
 
     batch_size: PositiveInt = 64
@@ -131,31 +74,31 @@ class TrainingConfig(_Section):
     """A name from ``src.training.models.MODELS``."""
     checkpoint_interval: PositiveInt = 1
     """Epochs between checkpoints (baseline, DDP) or server versions between checkpoints (PS)."""
-    checkpoint_interval_steps: int = _bounded(0, ge=0, why="0 = checkpoint only at epoch ends")
+    checkpoint_interval_steps: int = bounded(0, ge=0, why="0 = checkpoint only at epoch ends")
     """DDP: also checkpoint every this many optimizer steps (mid-epoch too); 0 = epoch checkpoints only."""
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     seed: int = 0
     data_dir: str = "./data"
-    max_train_samples: int | None = _bounded(None, gt=0, why="or omitted for all samples")
+    max_train_samples: int | None = bounded(None, gt=0, why="or omitted for all samples")
     """Use only the first N training samples (smoke runs); ``None`` uses all."""
-    max_test_samples: int | None = _bounded(None, gt=0, why="or omitted for all samples")
+    max_test_samples: int | None = bounded(None, gt=0, why="or omitted for all samples")
     num_samples: PositiveInt = 2048
     """Training-set size of the ``synthetic`` dataset."""
     eval_batch_size: PositiveInt = 1000
-    eval_interval: int = _bounded(0, ge=0, why="0 = evaluate only at epoch ends")
+    eval_interval: int = bounded(0, ge=0, why="0 = evaluate only at epoch ends")
     """Also evaluate every this many steps (parameter server: server versions); 0 = only at epoch ends."""
     eval_at_epoch_ends: bool = True
     """Evaluate at every epoch's end; ``False``: only at the run's end (and every ``eval_interval`` /
     ``eval_every_samples``). Throughput benchmarks turn it off so no evaluation runs inside a training clock:
     DDP and the baseline pause their clocks to evaluate, a parameter server evaluates on a thread beside its
     workers, which on a machine they share takes the workers' CPU."""
-    eval_every_samples: int = _bounded(0, ge=0, why="0 = evaluate only at epoch ends")
+    eval_every_samples: int = bounded(0, ge=0, why="0 = evaluate only at epoch ends")
     """Also evaluate each time the samples applied (all workers or ranks together) pass a multiple of this
     (0 = off): sync and async runs, PS and DDP, are then scored at the same sample counts. Pick a multiple
     of num_workers x batch_size so every run lands exactly on the counts."""
-    target_accuracy: float | None = _bounded(None, gt=0, le=1, why="or omitted for no target")
+    target_accuracy: float | None = bounded(None, gt=0, le=1, why="or omitted for no target")
     """Accuracy in (0, 1] whose first crossing the summary reports as time to target; ``None`` for none."""
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available, else CPU)."""
@@ -185,7 +128,7 @@ class TrainingConfig(_Section):
         raise ValueError("must be cpu, cuda, cuda:N or auto")
 
 
-class SystemConfig(_Section):
+class SystemConfig(Section):
     """How it is distributed: architecture, workers, compression, fault tolerance, outputs."""
 
     num_workers: PositiveInt = 2
@@ -235,7 +178,7 @@ class SystemConfig(_Section):
     """Async SGD's correction for staleness: lookahead (per-worker momentum, lr/N per push, pulls at the
     lookahead point: N async workers take the steps of N sync workers), implicit_momentum (explicit
     momentum lowered by 1 - 1/N), none (the plain optimizer)."""
-    async_step_scale: float | None = _bounded(
+    async_step_scale: float | None = bounded(
         None, gt=0, allow_inf_nan=False, why="or null for the stability-matched default"
     )
     """lookahead: multiplier of every push's step; null = the stability-matched default (0.825 for 2
@@ -433,10 +376,10 @@ _EMULATED_BOUNDS: dict[str, dict[str, Any]] = {
 
 
 def _emulated(name: str, default: float | None = None) -> Any:
-    return _bounded(default, **_EMULATED_BOUNDS[name])
+    return bounded(default, **_EMULATED_BOUNDS[name])
 
 
-class _EmulationSection(_Section):
+class _EmulationSection(Section):
     # every emulated value is finite; an infinite or NaN one is refused as "must be a finite number"
     model_config = ConfigDict(allow_inf_nan=False)
 
@@ -524,7 +467,7 @@ class EmulationConfig(_EmulationSection):
 TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     """Where a run's metrics go besides ``events.jsonl`` (the source of truth, always written)."""
 
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
@@ -558,7 +501,7 @@ class MetricsConfig(_Section):
         return value
 
 
-class Config(_Section):
+class Config(Section):
     """A whole run: ``training`` + ``system`` (+ ``emulation``, off by default; ``metrics``: where metrics go)."""
 
     training: TrainingConfig = TrainingConfig()
@@ -624,73 +567,12 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
 
-_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number")
-"""pydantic's error types of a broken field constraint (``gt``/``ge``/``lt``/``le``, ``allow_inf_nan=False``)."""
-
-
-def _field_info(loc: tuple[Any, ...]) -> FieldInfo | None:
-    """The declaration of the field an error's location names (dict keys and list indexes passed over)."""
-    model: Any = Config
-    info = None
-    for part in loc:
-        if isinstance(part, str) and isinstance(model, type) and part in getattr(model, "model_fields", {}):
-            info = model.model_fields[part]
-            inner = [t for t in (info.annotation, *getattr(info.annotation, "__args__", ())) if isinstance(t, type)]
-            model = next((t for t in inner if issubclass(t, BaseModel)), None)
-    return info
-
-
-def _bound_rule(loc: tuple[Any, ...], kind: str) -> str:
-    """The whole rule of a bounded field, from its constraints (pydantic's own error names one bound only)."""
-    info = _field_info(loc)
-    metadata = info.metadata if info is not None else []
-    bounds = {name: getattr(m, name) for m in metadata for name in BOUND_NAMES if getattr(m, name, None) is not None}
-    finite = any(getattr(m, "allow_inf_nan", None) is False for m in metadata)
-    if not bounds or (kind == "finite_number" and not finite):
-        return "must be a finite number"
-    why = (info.json_schema_extra or {}).get("why") if isinstance(info.json_schema_extra, dict) else None
-    return f"must be {bounds_rule(bounds, finite=finite)}" + (f" ({why})" if why else "")
-
-
-def _describe(error: Mapping[str, Any]) -> str:
-    field = ".".join(str(part) for part in error["loc"]) or "config"
-    kind = error["type"]
-    context = error.get("ctx") or {}
-    if kind == "extra_forbidden":
-        return f"{field}: unknown key"
-    if kind == "missing":
-        return f"{field}: required"
-    if kind == "value_error":
-        rule = str(context.get("error", error["msg"]))
-    elif kind in _BOUND_ERRORS:
-        rule = _bound_rule(tuple(error["loc"]), kind)
-    elif kind == "literal_error":
-        rule = f"must be one of {context.get('expected', '')}"
-    elif kind.startswith("int_"):
-        rule = "must be an integer"
-    elif kind.startswith("float_"):
-        rule = "must be a number"
-    elif kind.startswith("bool_"):
-        rule = "must be true or false"
-    elif kind.startswith("string_"):
-        rule = "must be a string"
-    elif kind in ("model_type", "model_attributes_type", "dict_type"):
-        rule = "must be a mapping"
-    else:
-        rule = error["msg"]
-    if field in SECRET_FIELDS:
-        return f"{field}: {rule} (value not shown: it is a secret)"
-    if not error["loc"] and kind == "value_error":
-        return rule  # a rule across sections (Config's own validators): its message names the fields
-    return f"{field}: {rule}, got {error.get('input')!r}"
-
-
 def validate_config(data: Mapping[str, Any]) -> Config:
     """Validate a nested dict; raises :class:`ConfigError` listing every problem."""
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError([_describe(error) for error in exc.errors()]) from None
+        raise ConfigError([describe(error, Config, SECRET_FIELDS) for error in exc.errors()]) from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

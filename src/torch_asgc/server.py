@@ -266,7 +266,7 @@ def serve(
 def serve_follower(config: Config, shard: int, *, model_source: str, token: str | None = None) -> Path:
     """Serve follower shard ``shard`` of a sharded run (``system.shard_addresses``) until shard 0 has ended the
     run; returns where its part of the model was written."""
-    from src.launch.ps import run_follower, wait_for_run_end
+    from src.launch.ps_roles import run_follower, wait_for_run_end
 
     model = model_from_source(config, model_source)
     if model is None:

@@ -24,7 +24,55 @@ Pure: no I/O; the caller sets the rate on its optimizer's groups before each ste
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from src.common.validation import Section, bounded
+
+
+class LRScheduleConfig(Section):
+    """``training.lr_schedule``: the learning rate by step, applied by the parameter server's optimizer by
+    version (sync and async; also the library's server) as torch's own schedulers would set it
+    (:mod:`src.training.lr_schedule`). A resumed server continues it from its checkpoint's version."""
+
+    kind: Literal["constant", "step", "cosine"] = "constant"
+    """constant (training.learning_rate), step (x gamma every step_size steps), cosine (down to min_lr at
+    total_steps)."""
+    warmup_steps: int = bounded(0, ge=0, why="0 = no warm-up")
+    """Linear warm-up first: from warmup_start_factor x the rate up to it over this many steps (0: none)."""
+    warmup_start_factor: float = Field(0.1, gt=0, le=1)
+    """The warm-up's first rate, as a fraction of training.learning_rate, in (0, 1]."""
+    step_size: int = Field(default=0, validate_default=True)
+    """step: steps between multiplications by gamma, > 0 (after the warm-up)."""
+    gamma: float = Field(0.1, gt=0, le=1)
+    """step: the factor, in (0, 1]."""
+    total_steps: int = Field(default=0, validate_default=True)
+    """cosine: the step at which the rate reaches min_lr, > warmup_steps (the warm-up counts in it)."""
+    min_lr: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """cosine: the floor, >= 0."""
+
+    @field_validator("step_size")
+    @classmethod
+    def _step_size_for_step(cls, value: int, info) -> int:
+        if info.data.get("kind") == "step" and value <= 0:
+            raise ValueError("must be > 0 with kind step (steps between multiplications by gamma)")
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("total_steps")
+    @classmethod
+    def _total_for_cosine(cls, value: int, info) -> int:
+        warmup = info.data.get("warmup_steps") or 0
+        if info.data.get("kind") == "cosine" and value <= warmup:
+            raise ValueError(
+                f"must be > training.lr_schedule.warmup_steps ({warmup}) with kind cosine "
+                f"(the step at which the rate reaches min_lr)"
+            )
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
 
 
 def scheduled_learning_rate(schedule: Any, base_lr: float, step: int) -> float:

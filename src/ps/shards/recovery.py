@@ -11,7 +11,7 @@ by its own supervisor (compose's restart policy, a Slurm requeue, an operator), 
 * **Noticing.** Every server process has a random ``instance`` in its Status. Shard 0 watches each follower
   (:class:`ShardWatch`): a follower that answers with another instance (it started again) or does not answer for
   ``system.heartbeat_timeout`` ends shard 0's run with an error. A follower watches shard 0 the same way
-  (:func:`src.launch.ps.wait_for_run_end`). A process that ends so exits non-zero, so its supervisor starts it
+  (:func:`src.launch.ps_roles.wait_for_run_end`). A process that ends so exits non-zero, so its supervisor starts it
   again with ``--resume`` (or ``--resume-unfinished``) and the run's checkpoint folder.
 * **Agreeing.** A follower started again with ``--resume`` restores nothing yet and answers calls
   ``UNAVAILABLE`` (clients retry), its Status listing its checkpoints' versions and no version (-1). Shard 0
