@@ -31,7 +31,6 @@ totals go to the server with each heartbeat and at Finish, which puts them in th
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent.futures import Future
@@ -41,10 +40,9 @@ from typing import Any
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector
 from src.compressors.policy import policy_from_config
-from src.config import Config, SetupError, validate_config
+from src.config import Config, SetupError
 from src.emulation.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.metrics import MetricsLogger
-from src.ps.server.members import SERVER_PATHS
 from src.ps.shards.shard_zero import Sharding
 from src.ps.worker import (
     Connections,
@@ -55,12 +53,12 @@ from src.ps.worker import (
     PushStreams,
     Rejoined,
     Rejoins,
-    StepFigures,
     StepMachine,
     StreamedModel,
     WorkerCompute,
     check_layout,
 )
+from src.ps.worker.run_config import merge_run_config
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config, resolve_device
 from src.transport.clients import make_client
@@ -70,37 +68,17 @@ from src.transport.wire import Received, chunk_size
 
 logger = logging.getLogger(__name__)
 
-LOCAL_FIELDS = (
-    *SERVER_PATHS,  # its own files and folders (the server does not send its own)
-    "training.device",
-    "system.server_address",
-    "system.shard_addresses",
-    "system.transport",
-    "system.inject_faults",
-    "system.max_rejoins",
-)
-"""Fields a worker takes from its own config; everything else comes from the server."""
-
 
 class ServerEndedRun(RuntimeError):
     """The server stopped before this worker was told the run is finished."""
-
-
-def merge_run_config(local: Config, run_config_json: str) -> Config:
-    """The server's run config with this worker's :data:`LOCAL_FIELDS` put back."""
-    merged = json.loads(run_config_json)
-    mine = local.to_dict()
-    for dotted in LOCAL_FIELDS:
-        section, field = dotted.split(".")
-        merged[section][field] = mine[section][field]
-    return validate_config(merged)
 
 
 class Worker:
     """One worker of a parameter-server run; :meth:`run` trains until the server says the run is finished.
 
     Args:
-        config: this worker's config (its :data:`LOCAL_FIELDS` are used; the rest comes from the server).
+        config: this worker's config (its local fields are used, :data:`~src.ps.worker.run_config.LOCAL_FIELDS`; the
+            rest comes from the server).
         worker_id: ``0..num_workers-1``; it is also the shard the worker reads first.
         address: the server's ``host:port`` (default ``system.server_address``).
         token: the run's auth token (default :func:`~src.transport.grpc.require_auth_token`).
@@ -155,15 +133,7 @@ class Worker:
     def stats(self) -> pb.WorkerStats:
         """This process's running totals (read by the heartbeat thread too)."""
         total_time_s = time.perf_counter() - self._started
-        if self.machine is None:
-            return pb.WorkerStats(total_time_s=total_time_s)
-        connections = self.connections
-        return self.machine.stats(
-            bytes_sent=connections.bytes_sent,
-            bytes_received=connections.bytes_received,
-            total_time_s=total_time_s,
-            emulated_delay_s=self.emulated_delay_s(),
-        )
+        return self.connections.stats(self.machine, total_time_s, self.emulated_delay_s())
 
     def run(self) -> dict[str, Any]:
         """Register, train on whatever the server hands out until it says finished, finish; returns the totals.
@@ -317,20 +287,9 @@ class Worker:
             outcome = connections.run(machine.push(request, payloads, compute.buffers_to_send(batches)))
         if isinstance(outcome, Rejoined):
             return self._pulled(outcome.work)
-        sent, replied = connections.exchanged
-        machine.settle(
-            outcome,
-            StepFigures(
-                gradient_time_s=computed - started,
-                compression_time_s=compressed - computed,
-                communication_time_s=time.perf_counter() - compressed,
-                payload_bytes=sum(chunk_size(p) for shard in payloads for p in shard),
-                push_bytes=sent,
-                reply_bytes=replied,
-                bytes_sent=connections.bytes_sent,
-                bytes_received=connections.bytes_received,
-            ),
-        )
+        payload_bytes = sum(chunk_size(p) for shard in payloads for p in shard)
+        times = (computed - started, compressed - computed, time.perf_counter() - compressed)
+        machine.settle(outcome, connections.figures(*times, payload_bytes))
         tracing.record("step", started, time.perf_counter(), step=machine.totals["steps"])
         return outcome
 
@@ -389,20 +348,10 @@ class Worker:
             streamed.expect(generation)  # the next forward waits for this reply's tensors, module by module
         else:
             streamed.loaded()  # the pulls brought every slice
-        sent, replied = connections.exchanged
-        machine.settle(
-            outcome,
-            StepFigures(
-                gradient_time_s=computed - started - forward_waits,
-                compression_time_s=sum(stream.encode_s for stream in streams),
-                communication_time_s=head_in - computed + forward_waits,
-                payload_bytes=sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded),
-                push_bytes=sent,
-                reply_bytes=replied,
-                bytes_sent=connections.bytes_sent,
-                bytes_received=connections.bytes_received,
-            ),
-        )
+        payload_bytes = sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded)
+        encode_s = sum(stream.encode_s for stream in streams)
+        times = (computed - started - forward_waits, encode_s, head_in - computed + forward_waits)
+        machine.settle(outcome, connections.figures(*times, payload_bytes))
         tracing.record("step", started, head_in, step=machine.totals["steps"])
         return outcome
 
@@ -412,4 +361,4 @@ class Worker:
         self.connections.abort_streams(error)
 
 
-__all__ = ["IncarnationRevoked", "LOCAL_FIELDS", "ServerEndedRun", "Worker", "merge_run_config"]
+__all__ = ["IncarnationRevoked", "ServerEndedRun", "Worker"]

@@ -194,13 +194,7 @@ class WorkerClient:
 
     def stats(self) -> pb.WorkerStats:
         """This process's running totals (read by the heartbeat thread too)."""
-        total_time_s = time.perf_counter() - self._started
-        if self.machine is None:
-            return pb.WorkerStats(total_time_s=total_time_s)
-        connections = self.connections
-        return self.machine.stats(
-            bytes_sent=connections.bytes_sent, bytes_received=connections.bytes_received, total_time_s=total_time_s
-        )
+        return self.connections.stats(self.machine, time.perf_counter() - self._started)
 
 
 def transport_of(address: str, transport: str | None) -> tuple[str, str]:

@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -88,12 +87,13 @@ from src.compression import Compressor
 from src.compressors.error_feedback import ErrorFeedback
 from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
-from src.ps.worker import PushCodec, PushStreams, Rejoined, StepFigures
+from src.ps.worker import PushCodec, PushStreams, Rejoined
 from src.training.lr_schedule import is_constant
 from src.transport.stream import PushStream
 from src.transport.wire import chunk_size
 
 from .client import WorkerClient
+from .wrapped import WrappedOptimizer, differences
 
 
 def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | None:
@@ -116,22 +116,6 @@ def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | No
     )
 
 
-def _differences(optimizer: torch.optim.Optimizer, training: Any) -> list[str]:
-    """How the wrapped optimizer's hyperparameters differ from the server's."""
-    kinds = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
-    if type(optimizer) is not kinds[training.optimizer]:
-        return [f"it is {type(optimizer).__name__}, the server's is {training.optimizer}"]
-    expected = {"lr": training.learning_rate, "weight_decay": training.weight_decay}
-    if training.optimizer == "sgd":
-        expected["momentum"] = training.momentum
-    found = []
-    for group in optimizer.param_groups:
-        for key, value in expected.items():
-            if key in group and abs(float(group[key]) - value) > 1e-12:
-                found.append(f"{key} {group[key]} (server: {value})")
-    return sorted(set(found))
-
-
 @dataclass
 class _OpenPush:
     """A streamed push opened by a backward (``system.streaming``) and not yet closed by ``step()``."""
@@ -145,7 +129,7 @@ class _OpenPush:
         return [codec.keys[k][position] for k, stream in enumerate(self.streams) for position, _ in stream.encoded]
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(WrappedOptimizer):
     """Wrap ``optimizer`` so that ``step()`` pushes through ``client`` (see the module docstring).
 
     Args:
@@ -163,8 +147,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         SetupError: no DistributedModel on ``client`` yet, the optimizer holds parameters it does not have, or
             (a server that streams) the model already has a DistributedOptimizer.
     """
-
-    _step_supports_amp_scaling = True  # GradScaler calls step() with grad_scale / found_inf set, every iteration
 
     def __init__(
         self,
@@ -186,20 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "DistributedOptimizer: the optimizer holds parameters that are not trainable "
                     "parameters of the DistributedModel"
                 )
-        self.wrapped = optimizer
+        super().__init__(optimizer)
         self.client = client
-        # torch.optim.Optimizer's bookkeeping without its __init__ (which would reset the wrapped state)
-        for name in (
-            "_optimizer_step_pre_hooks",
-            "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks",
-            "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks",
-            "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, name, OrderedDict())
-        if hasattr(self, "_patch_step_function"):
-            self._patch_step_function()  # step hooks and profiler labels, as for any optimizer
         system, training = client.config.system, client.config.training
         self.machine = client.machine
         self.machine.codec = PushCodec(
@@ -225,12 +195,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if model.streamed is not None:
                 raise SetupError("DistributedOptimizer: streaming takes one DistributedOptimizer per DistributedModel")
             model.stream_pushes(self._open_push)
-        differences = _differences(optimizer, training)
-        if differences:
+        differing = differences(optimizer, training)
+        if differing:
             warnings.warn(
                 "DistributedOptimizer: the server applies its own optimizer "
                 f"({training.optimizer}, lr {training.learning_rate}); the wrapped optimizer differs: "
-                + "; ".join(differences)
+                + "; ".join(differing)
                 + " (a learning-rate scheduler on it sends its rates to the server)",
                 stacklevel=2,
             )
@@ -258,35 +228,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def generator(self) -> torch.Generator:
         return self.codec.generator
 
-    # ------------------------------------------------------------------------- the wrapped optimizer's view
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.wrapped.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.wrapped.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.wrapped.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.wrapped.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.wrapped.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.wrapped.defaults = value
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.wrapped.add_param_group(param_group)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's; a streamed push opened by a backward since the last step is given up first
         (those gradients are being dropped: the next backward's go)."""
@@ -294,9 +235,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if push is not None:
             self._abandon(push, RuntimeError("zero_grad() before step(): the push's gradients were dropped"))
         self.wrapped.zero_grad(set_to_none=set_to_none)
-
-    def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.wrapped!r})"
 
     # ------------------------------------------------------------------------- state
 
@@ -395,21 +333,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(outcome, Rejoined):
             self.client.model.loaded()
             return
-        connections = self.client.connections
-        sent, received = connections.exchanged
-        self.machine.settle(
-            outcome,
-            StepFigures(
-                gradient_time_s=gradient_s,
-                compression_time_s=compression_s,
-                communication_time_s=communication_s,
-                payload_bytes=payload_bytes,
-                push_bytes=sent,
-                reply_bytes=received,
-                bytes_sent=connections.bytes_sent,
-                bytes_received=connections.bytes_received,
-            ),
-        )
+        times = (gradient_s, compression_s, communication_s)
+        self.machine.settle(outcome, self.client.connections.figures(*times, payload_bytes))
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
@@ -527,11 +452,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
             self._warned_schedule = True
         return float(group["lr"])
-
-    def _mark_wrapped_stepped(self) -> None:
-        # An LR scheduler built on the wrapped optimizer checks that it was stepped before the
-        # scheduler steps; the step is ours, so say so (avoids a misleading warning).
-        self.wrapped._opt_called = True  # noqa: SLF001
 
 
 def _named_gradients(

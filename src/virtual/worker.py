@@ -28,24 +28,17 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
 from src import parameter_server_pb2 as pb
-from src.common.clock import VirtualClock
 from src.common.faults import FaultInjector, FaultSpec
 from src.common.seeds import derive_seed
 from src.common.supervisor import LaunchError
 from src.compressors.policy import policy_from_config
-from src.config import Config
-from src.emulation.cost_model import CostModel
-from src.emulation.event_loop import EventLoop
 from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, split_step
 from src.metrics import MetricsLogger
-from src.ps.shards.placement import Placement
 from src.ps.worker import (
     Call,
     Exchange,
@@ -63,75 +56,11 @@ from src.ps.worker.calls import FINISH, PULL, PUSH, REGISTER
 from src.transport.errors import CallError
 from src.transport.stream import SliceStage, part_pieces, part_size
 from src.transport.wire import Outgoing, Received, chunk_size, serialize, split
-from src.virtual.layers import GradientOrder, LayerProfile, reply_pieces
-from src.virtual.timelines import VirtualTimelines
+from src.virtual.layers import reply_pieces
+from src.virtual.wiring import ShardCalls, WorkerRun
 
 MODEL_STATE = ("parameters", "buffers")
 REPLY_FIELDS = MODEL_STATE + ("parameter_deltas",)
-
-Handler = Callable[[Any, bytes], None]
-"""A server's handler of one message: the call it arrived on, and its bytes."""
-
-
-class ShardCalls(Protocol):
-    """What a simulated worker calls on every server shard (:class:`src.virtual.server.VirtualServer` and
-    :class:`src.virtual.follower.VirtualFollower` are ones): Push (a sharded run's held push, or commit) and Pull."""
-
-    serve_pull: Handler
-    serve_push: Handler
-
-    def call(
-        self,
-        worker: VirtualWorker,
-        data: bytes,
-        handle: Handler,
-        on_reply: Callable[[bytes], None],
-        on_error: Callable[[str, str], None],
-        *,
-        wait_for_server: bool = False,
-        sent: Callable[[], None] | None = None,
-    ) -> None: ...
-
-    def send_part(self, worker: VirtualWorker, push: Any, body: bytes, sent: Callable[[], None]) -> None: ...
-
-    def serve_streamed_push(self, push: Any) -> Handler: ...
-
-
-class ServerCalls(ShardCalls, Protocol):
-    """What a simulated worker calls on the simulated server (shard 0 of a sharded run; :class:`VirtualServer
-    <src.virtual.server.VirtualServer>` is one): every call."""
-
-    serve_register: Handler
-    serve_heartbeat: Handler
-    serve_finish: Handler
-
-
-class ProcessEnds(Protocol):
-    """What a simulated worker tells its launcher (:class:`src.virtual.launcher.VirtualLauncher` is one)."""
-
-    def process_ended(self, worker: VirtualWorker, exit_description: str) -> None: ...
-
-
-class WorkerRun(Protocol):
-    """What a simulated worker reads from its run (:class:`src.virtual.run.VirtualRun` is one): the config, the
-    clock and cost model, the shared compute model and data, the server and launcher it talks to, and with several
-    server shards their placement and every shard (shard 0, the server, first; ``placement`` ``None``: one server)."""
-
-    config: Config
-    cost: CostModel
-    loop: EventLoop
-    clock: VirtualClock
-    tensorboard: bool
-    compute_wall_s: float
-    timelines: VirtualTimelines
-    compute_model: nn.Module
-    train_set: TensorDataset
-    server: ServerCalls
-    launcher: ProcessEnds
-    placement: Placement | None
-    shards: list[ShardCalls]
-    layers: LayerProfile | None
-    gradient_order: GradientOrder | None
 
 
 @dataclass

@@ -37,7 +37,7 @@ SERVER_PATHS = (
     "system.tls_ca_file",
 )
 """The server's files and folders: meaningless to a worker on another host, so not sent (see the module docstring).
-A worker's own are among the fields it keeps (:data:`src.worker.LOCAL_FIELDS`)."""
+A worker's own are among the fields it keeps (:data:`src.ps.worker.run_config.LOCAL_FIELDS`)."""
 
 SERVER_ONLY = (
     "system.controller_policy",

@@ -20,7 +20,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
+from src import parameter_server_pb2 as pb
 from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call, Exchange, T, run_blocking
+from src.ps.worker.machine import StepFigures, StepMachine
 from src.transport.errors import CallError
 from src.transport.stream import PushStream
 from src.transport.wire import Outgoing, Received
@@ -63,6 +65,29 @@ class Connections:
     def exchanged(self) -> tuple[int, int]:
         """The bytes the last :meth:`run`'s calls sent and received (a streamed push's: its stream's, every part)."""
         return sum(sent for sent, _ in self.traffic), sum(received for _, received in self.traffic)
+
+    def figures(
+        self, gradient_s: float, compression_s: float, communication_s: float, payload_bytes: int
+    ) -> StepFigures:
+        """The step just pushed, as :meth:`StepMachine.settle <src.ps.worker.machine.StepMachine.settle>` counts it:
+        the driver's seconds and payload bytes, and the bytes the push's calls moved (:attr:`exchanged`)."""
+        push_bytes, reply_bytes = self.exchanged
+        return StepFigures(
+            gradient_s, compression_s, communication_s, payload_bytes, push_bytes, reply_bytes, self.bytes_sent,
+            self.bytes_received,
+        )  # fmt: skip
+
+    def stats(self, machine: StepMachine | None, total_time_s: float, emulated_delay_s: float = 0.0) -> pb.WorkerStats:
+        """What this process reports with heartbeats and at Finish: ``machine``'s totals (``None``: not yet built)
+        with the bytes these connections moved."""
+        if machine is None:
+            return pb.WorkerStats(total_time_s=total_time_s)
+        return machine.stats(
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            total_time_s=total_time_s,
+            emulated_delay_s=emulated_delay_s,
+        )
 
     def perform(self, call: Call) -> Any:
         """Make ``call`` on its shard's client; its reply. Its bytes go into :attr:`traffic`.
