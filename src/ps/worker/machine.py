@@ -166,7 +166,7 @@ class StepMachine:
         self.finished_stats: pb.WorkerStats | None = None  # what the accepted Finish reported
         self._earlier: dict[str, float] = {}  # what this process reported for its earlier incarnations
         self._epoch = [0.0, 0, 0]  # loss * samples, correct, samples so far
-        self._step: tuple[list[pb.Batch], float | None, int, int] = ([], None, 0, 0)  # the push in flight's
+        self._step: tuple = ([], [], None, 0, 0)  # the push in flight's batches, batch ids, loss, correct, samples
 
     def attach(
         self,
@@ -221,7 +221,7 @@ class StepMachine:
         self.request_id += 1
         covered = self.carried + list(batches)
         samples = sum(len(b.indices) for b in batches) if samples is None else samples
-        self._step = (list(batches), loss, correct, samples)
+        self._step = (list(batches), [b.batch_id for b in covered], loss, correct, samples)
         return pb.PushRequest(
             caller=self.caller,
             base_version=self.version,
@@ -486,7 +486,7 @@ class StepMachine:
         in a commit reply, whose slices came with the pulls). Returns whether it was accepted."""
         message = reply.message
         accepted = message.accepted
-        batches, loss, correct, samples = self._step
+        batches, _, loss, correct, samples = self._step
         for shard in range(self.num_shards):  # one verdict, but async a shard's own rollback
             self.codec.settle(shard, accepted=applied_on(message, shard))
         self.carried = [] if accepted else self.carried + batches
@@ -518,7 +518,7 @@ class StepMachine:
             "push",
             step=totals["steps"],
             num_samples=samples,
-            batch_ids=[b.batch_id for b in self._step[0]],
+            batch_ids=self._step[1],
             payload_bytes=figures.payload_bytes,
             push_bytes=figures.push_bytes,
             reply_bytes=figures.reply_bytes,
