@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 import torch
 
 from src.config import validate_config
@@ -42,6 +43,7 @@ def _simulation(config, **kwargs) -> AsyncSimulation:
     return AsyncSimulation(config, **options)
 
 
+@pytest.mark.slow
 def test_one_worker_is_sequential_training_with_the_servers_optimizer():
     config = _config(1)
     simulation = _simulation(config)
@@ -64,6 +66,7 @@ def test_one_worker_is_sequential_training_with_the_servers_optimizer():
         torch.testing.assert_close(simulation.model.state_dict()[name], expected, rtol=RTOL, atol=ATOL, msg=name)
 
 
+@pytest.mark.slow
 def test_several_workers_count_staleness_and_a_hard_bound_rejects_above_it():
     free = _simulation(_config(3), schedule="exponential").run()
     bounded = _simulation(_config(3, staleness_policy="hard", max_staleness=1), schedule="exponential").run()
@@ -77,6 +80,7 @@ def test_several_workers_count_staleness_and_a_hard_bound_rejects_above_it():
     assert bounded["versions"] == pushes - bounded["rejected"]
 
 
+@pytest.mark.slow
 def test_the_commands_config_sets_its_fields_and_repeats_report_every_run():
     fields = {
         "workers": 2,

@@ -13,11 +13,13 @@ import pytest
 from src.studies.async_stability import largest_stable_h, progress_per_epoch, stability_rows, stability_table
 
 
+@pytest.mark.slow
 def test_sync_momentum_is_stable_up_to_two_times_one_plus_momentum():
     assert largest_stable_h(0.9, 2, "sync") == pytest.approx(2 * (1 + 0.9), rel=0.02)
     assert largest_stable_h(0.0, 2, "sync") == pytest.approx(2.0, rel=0.02)
 
 
+@pytest.mark.slow
 def test_plain_async_is_far_less_stable_and_implicit_momentum_buys_stability_with_speed():
     sync, plain, implicit = (largest_stable_h(0.9, 2, method) for method in ("sync", "plain", "implicit_momentum"))
     assert plain < implicit < sync

@@ -49,6 +49,7 @@ def test_the_stepping_echo_replies_with_the_parameters_torchs_sgd_makes_of_the_p
     assert not server.is_alive()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_per_shard_row_times_a_followers_hold_and_pull_beside_the_stepping_echo_of_their_bytes():
     repeats = 3

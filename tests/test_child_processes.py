@@ -12,6 +12,7 @@ import pytest
 from src.common.child_processes import PRELOAD, process_context
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_what_the_forkserver_imports_never_imports_grpc():
     """gRPC does not survive fork: the modules imported before any fork must not bring it in."""

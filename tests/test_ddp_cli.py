@@ -343,6 +343,7 @@ def _mid_epoch_checkpoint(path: Path, *, world_size: int, batch_size: int) -> Pa
     return save_checkpoint(path, checkpoint)
 
 
+@pytest.mark.slow
 def test_a_mid_epoch_checkpoint_needs_the_same_ranks_and_batch_size(capsys, tmp_path):
     checkpoint = _mid_epoch_checkpoint(tmp_path / "checkpoint_000010.pt", world_size=2, batch_size=32)
     code, err = _main(

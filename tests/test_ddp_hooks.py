@@ -438,6 +438,7 @@ def single_rank_group(tmp_path):
         ({"compression_enabled": True, "compression_type": "quantization", "allreduce": "ring"}, "quantization"),
     ],
 )
+@pytest.mark.slow
 def test_comm_hook_from_config_on_one_rank_leaves_gradients_alone(single_rank_group, fields, name):
     system = SystemConfig(**{**fields, "compression_ratio": 1.0})
     module = _tiny_model()

@@ -124,6 +124,7 @@ def test_hang_is_a_real_sigstop_at_the_step():
         child.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_pause_is_a_real_sigstop_and_a_real_sigcont_that_many_seconds_later():
     child = subprocess.Popen(

@@ -149,6 +149,7 @@ def sync_unstreamed(tmp_path_factory) -> dict:
     return sync_run(tmp_path_factory.mktemp("sync"), "plain", system__transport="tcp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_two_worker_processes_streaming_with_topk_and_error_feedback_are_the_unstreamed_run_bit_for_bit(
     tmp_path, sync_unstreamed, transport
@@ -376,6 +377,7 @@ def sync_shards_unstreamed(tmp_path_factory) -> dict:
     return sync_run(tmp_path_factory.mktemp("sync-shards"), "plain", shards=True, system__transport="tcp")
 
 
+@pytest.mark.slow
 def test_two_worker_processes_streaming_to_two_shards_are_the_unstreamed_run_bit_for_bit(
     tmp_path, sync_shards_unstreamed
 ):
@@ -477,6 +479,7 @@ def test_a_hold_that_fails_is_a_shard_starting_again_streamed_or_not(tmp_path, t
     assert summary["versions"] == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shards", [False, True])
 def test_a_sync_user_loop_with_pipelined_replies_is_the_unstreamed_one_bit_for_bit(tmp_path, train_set, shards):
     """Dense gradients, one worker in sync over TCP, on one server and on 2 shards: each server steps the push's (the

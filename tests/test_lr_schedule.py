@@ -170,6 +170,7 @@ def test_the_servers_update_at_each_version_steps_at_torchs_cosine_rate_as_the_b
     )
 
 
+@pytest.mark.slow
 def test_a_resumed_server_continues_the_schedule_from_its_checkpoint(tmp_path):
     """The server is killed at version 13 and resumes from its checkpoint at 10: the versions it redoes and
     the rest step at the schedule's rate for their version, as if nothing had happened."""

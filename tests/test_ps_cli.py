@@ -78,6 +78,7 @@ def test_four_async_topk_workers_from_a_config_file(tmp_path):
         (["--role", "server", "--server-address", "0.0.0.0:0"], "--role server needs a fixed port"),
     ],
 )
+@pytest.mark.slow
 def test_bad_flags_exit_nonzero_with_one_line(tmp_path, args, message):
     result = run_cli(args, cwd=tmp_path, timeout=60)
     assert result.returncode == 2
@@ -85,6 +86,7 @@ def test_bad_flags_exit_nonzero_with_one_line(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_worker_role_without_a_token_says_so(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "DTS_AUTH_TOKEN"}
     process = run_command(

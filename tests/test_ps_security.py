@@ -242,6 +242,7 @@ def test_a_replaced_incarnation_is_refused(tmp_path, transport):
         served.close()
 
 
+@pytest.mark.slow
 def test_run_finishes_despite_a_misbehaving_worker(tmp_path, transport):
     """Worker 1 sends only bad pushes, then stops; worker 0 trains, worker 1's work moves to it, the run completes."""
     config = ps_config(

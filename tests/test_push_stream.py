@@ -341,6 +341,7 @@ def test_a_streamed_push_needs_the_token(twins):
     assert refused.value.code == "UNAUTHENTICATED"
 
 
+@pytest.mark.slow
 def test_a_streamed_push_whose_call_ends_while_backward_goes_on_is_sent_again_whole(twins, monkeypatch):
     """The call's deadline passes while the client waits for a gradient: the retry sends every part again, the
     one the ended call's request thread took meanwhile included, and the push is applied once."""

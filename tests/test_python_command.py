@@ -43,6 +43,7 @@ def script(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["0", "3", "message", "raise", "interrupt"])
 def test_a_forked_command_is_the_executed_command(script, tmp_path, mode):

@@ -162,6 +162,7 @@ def test_ps_exposed_communication_is_the_workers_time_blocked_on_the_reply(ps_ru
     assert two["exposed_communication_s"] == pytest.approx(sum(w["exposed_communication_s"] for w in two["workers"]))
 
 
+@pytest.mark.slow
 def test_a_virtual_run_writes_the_same_step_spans_on_its_virtual_clock(tmp_path):
     from src.virtual.run import run_virtual
     from tests.test_virtual_time import virtual_config

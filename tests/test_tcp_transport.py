@@ -113,6 +113,7 @@ def test_byte_counters_count_the_exact_frames(served):
         )
 
 
+@pytest.mark.slow
 def test_a_call_past_its_deadline_ends_on_both_sides(tmp_path):
     """A sync pull waits for a round that cannot start (one of two workers): the client's deadline ends it,
     and the server's waiting call sees it and stops (the worker's next call is served at once)."""
@@ -136,6 +137,7 @@ def test_a_call_past_its_deadline_ends_on_both_sides(tmp_path):
         served.close()
 
 
+@pytest.mark.slow
 def test_the_client_reconnects_through_a_server_restart(tmp_path):
     """A server stopped and started again on the same port: a client's idle connection is dead, the next call
     connects afresh; a Register sent while no server listens waits for it (``wait_for_ready``)."""

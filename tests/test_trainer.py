@@ -203,6 +203,7 @@ def test_cli_end_to_end_and_evaluate_on_torchvision_layout(tmp_path):
         (["--resume", "{tmp}/nowhere"], "no usable checkpoint"),
     ],
 )
+@pytest.mark.slow
 def test_cli_errors_are_one_line_and_non_zero(tmp_path, args, message, monkeypatch):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     result = run_cli(

@@ -117,6 +117,7 @@ def test_a_streamed_layer_split_is_refused_in_virtual_ddp(tmp_path):
         run_virtual_ddp(config, tensorboard=False)
 
 
+@pytest.mark.slow
 def test_virtual_ddp_without_epoch_evaluations_evaluates_only_the_runs_end(tmp_path):
     from src.metrics import read_events
 

@@ -127,6 +127,7 @@ def test_each_shard_takes_its_byte_share_of_the_servers_times():
 # ----------------------------------------------------------------------------- whole runs
 
 
+@pytest.mark.slow
 def test_two_virtual_shards_train_as_one_virtual_server_every_shard_alike_and_the_same_twice(tmp_path):
     """The same cores, the protocol's bytes: momentum SGD over 8 versions ends on the one server's parameters (to
     float32 rounding where a tensor is cut); every follower version is shard 0's, of the same pushes; every sample
@@ -176,6 +177,7 @@ def test_two_virtual_shards_train_as_one_virtual_server_every_shard_alike_and_th
     assert first["train_time_s"] == second["train_time_s"] and first["total_time_s"] == second["total_time_s"]
 
 
+@pytest.mark.slow
 def test_async_over_two_virtual_shards_every_shard_alike_and_the_same_twice(tmp_path):
     """Async (3 workers with uneven compute, so pushes are stale and the soft policy weighs them): every push is a
     version on every shard, of the same push (src/ps/shards/asynchronous.py), every sample in exactly one update, and
@@ -200,6 +202,7 @@ def test_async_over_two_virtual_shards_every_shard_alike_and_the_same_twice(tmp_
         assert first[key] == second[key], key
 
 
+@pytest.mark.slow
 def test_async_a_push_too_stale_on_one_shard_is_rolled_back_there_alone_and_coverage_stays_exact(tmp_path):
     """Rollback per slice in a whole run (3 workers, one twice as slow, max_staleness 0): shard 0 judges every
     shard's staleness, and pushes too stale on shard 0 alone, on the follower alone, and on both occur. The first two
@@ -244,6 +247,7 @@ def link_bound(tmp_path_factory) -> dict[int, object]:
     return configs
 
 
+@pytest.mark.slow
 def test_with_the_server_nics_the_bottleneck_two_shards_halve_the_step(link_bound, tmp_path):
     """Link-bound: a step is ~2 n M / (S B) (every worker's push into the NICs, then every pull out of them), compute
     and the server's times ~0.1% of it, so the ratio is 1/2 times the heaviest shard's share over the mean (1.004
@@ -259,6 +263,7 @@ def test_with_the_server_nics_the_bottleneck_two_shards_halve_the_step(link_boun
     assert 0.95 <= compute_ratio < 1.0, compute_ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shards", [1, 2])
 def test_a_link_bound_step_takes_what_the_byteps_formula_says(link_bound, shards):
     """BytePS's time for a non-colocated PS, per direction: max(M / B_worker, n M / (k B_server)) for n workers

@@ -276,6 +276,7 @@ def test_a_streamed_run_is_deterministic_hides_communication_and_trains_as_the_u
     json.dumps(first)  # the summary is still plain JSON
 
 
+@pytest.mark.slow
 def test_pipelined_replies_train_as_the_unstreamed_run_bit_for_bit_and_hide_more_than_streaming(tmp_path):
     """``system.pipelined_replies`` in virtual time (:mod:`src.virtual.sink`): the same two-worker run on 40 Mbit/s
     links, its slices stepped as the parts' pieces arrive and sent down before the reply, every one confirmed: the
@@ -301,6 +302,7 @@ def test_pipelined_replies_train_as_the_unstreamed_run_bit_for_bit_and_hide_more
     assert first["bytes_received"] - plain["bytes_received"] == 16 * counts["slices_sent"] + 2 * switch
 
 
+@pytest.mark.slow
 def test_a_streamed_sharded_run_trains_as_the_unstreamed_one_and_pipelined_replies_hide_more(tmp_path):
     """Two shards (``system.num_servers``): each gradient's slices stream to the shard holding them, on the worker's
     connection to it, as backward produces them; each shard's hold follows its parts, then the commit and the pulls

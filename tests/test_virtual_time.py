@@ -108,6 +108,7 @@ def test_a_virtual_run_without_a_figure_it_needs_is_refused_naming_it(tmp_path):
         CostModel(faulty)
 
 
+@pytest.mark.slow
 def test_a_virtual_run_without_its_figures_measures_them_here_says_so_and_names_them_in_the_summary(tmp_path, capsys):
     config = ps_config(
         tmp_path, "measured", system__clock="virtual", training__max_train_samples=256, training__num_epochs=1
@@ -327,6 +328,7 @@ CHAOS = dict(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, server_dies_at", [("sync", 30), ("async", 100)])  # after the hang is handled
 def test_a_killed_a_hung_worker_and_a_killed_server_are_survived_in_virtual_time(tmp_path, mode, server_dies_at):
     faults = ["kill:worker=1@step=5", "hang:worker=2@step=12", f"kill:server@version={server_dies_at}"]
@@ -424,6 +426,7 @@ def test_virtual_time_matches_a_real_run_of_the_same_experiment_calibrated_here(
     assert real["versions"] == virtual["versions"] and abs(real["final_accuracy"] - virtual["final_accuracy"]) <= 0.01
 
 
+@pytest.mark.slow
 def test_a_push_that_goes_uncompressed_spends_no_compression_time(tmp_path):
     """Top-k at rho 1 sends every value uncompressed (the adaptive controller's "no compression"): in virtual time
     it costs what a dense run costs, not ``compress_s`` more a push; top-k at 0.1 spends it on every push but the

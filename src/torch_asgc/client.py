@@ -117,6 +117,11 @@ class WorkerClient:
         return self.membership.registration
 
     @property
+    def rejoins(self) -> Rejoins | None:
+        """The budget of rejoins after a revocation (``max_rejoins``; set at the first registration)."""
+        return self.membership.rejoins
+
+    @property
     def mode(self) -> str:
         """``sync`` or ``async``: the server's aggregation mode."""
         return self.config.system.aggregation_mode
