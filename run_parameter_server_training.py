@@ -301,10 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     check_role_flags(parser, args)
     config = checked_config(parser, args)
 
-    import grpc  # after flag checks: --help and flag errors stay fast
-
-    from src.common.supervisor import LaunchError
+    from src.common.supervisor import LaunchError  # after flag checks: --help and flag errors stay fast
     from src.ps.state.refusals import RunFailed
+    from src.transport.errors import CallError
     from src.transport.settings import AuthTokenMissing
     from src.worker import IncarnationRevoked
 
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             AuthTokenMissing: str,
             RunFailed: str,
             IncarnationRevoked: str,
-            grpc.RpcError: lambda exc: f"parameter server call failed: {exc.code().name}: {exc.details()}",
+            CallError: lambda exc: f"parameter server call failed: {exc}",
         },
         interrupted="interrupted: stopped the parameter server and its workers",
     )
