@@ -15,8 +15,8 @@ the cores that virtual time does not model.
 
 Compared, per arm: samples/s and each worker's exposed communication (``communication_time_s``: the push round trip
 unstreamed; from the end of backward to the reply's head plus the next forward's waits streamed), virtual / real;
-held within 15% for the streamed arm, the pipelined arm's step within 15% and its exposed seconds within 35%
-(:data:`PIPELINED_EXPOSED_BOUND`), and the same versions and accuracy for all.
+held within 15% for the streamed arm, the pipelined arm's step within 15% and its exposed seconds within 25% or 30 ms
+a step (:data:`PIPELINED_EXPOSED_BOUND`), and the same versions and accuracy for all.
 
 ``python -m pytest -q -s -n 0 tests/test_virtual_streaming_fidelity.py`` prints the record
 (``docs/virtual_time.md``, "Streaming"; ``docs/virtual_pipelined_fidelity.json``).
@@ -49,13 +49,16 @@ against 0.13-0.3 s of compute at batch 256 on one thread): 6-10 s of training pe
 step is slower (the first forward and backward, the connections), which the model charges as any other: over 8 steps
 that put the virtual run 15-20% ahead in samples/s where the steps after it agreed within 5%."""
 BOUND = 0.15
-PIPELINED_EXPOSED_BOUND = 0.35
-"""The pipelined arm's exposed seconds: virtual time leans low there, since the real step also pays TCP's ~3% below the
-line rate on the uplink it is bound by and the server's slice steps (0.36 ms each), which the model does not charge: a
-few milliseconds, against 0.12-0.14 s a step on the AVX-512 machine (0.83-0.96 of the real ones in five runs), but
-against 0.075-0.085 s on an AVX2 one (2 cores, AMD EPYC), where the same few milliseconds are 0.66-0.97 of the real
-ones (ten runs, before and after the worker's step machine: the same spread). Its step is held to :data:`BOUND` as the
-others'."""
+PIPELINED_EXPOSED_BOUND = 0.25
+PIPELINED_EXPOSED_UNMODELLED_S = 0.03
+"""The pipelined arm's exposed seconds: virtual time leans low there, by what it does not model of a pipelined step:
+the server's slice steps (20 a round, 0.36 ms each: 7 ms), TCP's ~3% below the line rate on the uplink the step is
+bound by (about 5 ms), and three processes' scheduling on two cores. Against 0.12-0.14 s exposed a step (the AVX-512
+machine: 0.83-0.96 of the real seconds in five runs) that is within :data:`PIPELINED_EXPOSED_BOUND`; on a faster AVX2
+machine (2 cores, AMD EPYC) the real step exposes only 0.04-0.085 s, and the same milliseconds are 0.60-0.97 of it (ten
+runs, before and after the worker's step machine alike), 8-22 ms a step. So the virtual seconds must be within
+:data:`PIPELINED_EXPOSED_BOUND` of the real ones, or within :data:`PIPELINED_EXPOSED_UNMODELLED_S` of them. Its step
+is held to :data:`BOUND` as the others'."""
 ARMS = ("unstreamed", "streamed", "pipelined")
 """Today's worker, the streamed one (``--streaming``), and streamed with pipelined replies (``--pipelined-replies``:
 the server's provisional slices, :mod:`src.virtual.sink` in virtual time)."""
@@ -191,9 +194,13 @@ def test_virtual_time_matches_a_real_streamed_run_behind_tc_shaped_worker_links(
         }
     print(json.dumps(record, indent=1))
 
+    assert record["streamed"]["steady_exposed_ratio"] == pytest.approx(1.0, abs=BOUND), record
+    pipelined = record["pipelined"]["steady_exposed_s_per_step"]
+    assert (
+        record["pipelined"]["steady_exposed_ratio"] == pytest.approx(1.0, abs=PIPELINED_EXPOSED_BOUND)
+        or abs(pipelined["virtual"] - pipelined["real"]) <= PIPELINED_EXPOSED_UNMODELLED_S
+    ), record
     for arm in ("streamed", "pipelined"):
-        exposed_bound = PIPELINED_EXPOSED_BOUND if arm == "pipelined" else BOUND
-        assert record[arm]["steady_exposed_ratio"] == pytest.approx(1.0, abs=exposed_bound), record
         assert record[arm]["step_ratio"] == pytest.approx(1.0, abs=BOUND), record
     for arm in ARMS:
         assert record[arm]["real"]["versions"] == record[arm]["virtual"]["versions"] == EPOCHS * SAMPLES // 512
