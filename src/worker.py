@@ -69,10 +69,6 @@ from src.transport.wire import Received, chunk_size
 logger = logging.getLogger(__name__)
 
 
-class ServerEndedRun(RuntimeError):
-    """The server stopped before this worker was told the run is finished."""
-
-
 class Worker:
     """One worker of a parameter-server run; :meth:`run` trains until the server says the run is finished.
 
@@ -361,4 +357,4 @@ class Worker:
         self.connections.abort_streams(error)
 
 
-__all__ = ["IncarnationRevoked", "ServerEndedRun", "Worker"]
+__all__ = ["IncarnationRevoked", "Worker"]
