@@ -44,6 +44,7 @@ def stream_config(tmp_path, transport: str):
         training__num_epochs=1000,
         training__max_train_samples=32,
         system__transport=transport,
+        system__heartbeat_timeout=600,  # the hand-driven workers send no heartbeats between the module's tests
     )
 
 

@@ -208,6 +208,8 @@ def test_a_streamed_run_survives_a_killed_worker_and_a_killed_server_with_every_
         training__momentum=0.9,
         training__checkpoint_interval=5,
         emulation__step_delay_s=0.1,
+        # worker 1 ends its backward after worker 0: the slices are stepped with both workers' parts when it dies
+        emulation__workers={1: {"step_delay_s": 0.3}},
     )
     server_events = list(read_events(Path(config.system.log_dir, "server", "events.jsonl")))
     report = check_coverage(server_events, 1024, 2)
