@@ -436,8 +436,8 @@ class EmulationConfig(_EmulationSection):
     (or the worker's own). A message takes the rate in force when it starts."""
 
     layer_split: list[tuple[float, float]] = []
-    """Virtual time, ``system.streaming``: each layer's ``[forward, backward]`` share of a step's compute, one pair
-    per layer in forward order (the modules with tensors of their own: ``scripts/calibrate.py --layers`` prints
+    """Virtual time, ``system.streaming`` or DDP: each layer's ``[forward, backward]`` share of a step's compute, one
+    pair per layer in forward order (the modules with tensors of their own: ``scripts/calibrate.py --layers`` prints
     their names and the split it measured on this machine, ready to paste); the pairs are weights (their sum need
     not be 1). Empty: the split comes from the model's shapes (:mod:`src.virtual.layers`), the same on every
     machine."""
@@ -555,10 +555,14 @@ class Config(Section):
                 "emulation.uplink_schedule: a mid-run link change is modelled in virtual time only "
                 "(system.clock: virtual)"
             )
-        if self.emulation.layer_split and not (self.system.clock == "virtual" and self.system.streaming):
+        system = self.system
+        if self.emulation.layer_split and not (
+            system.clock == "virtual" and (system.streaming or system.architecture == "ddp")
+        ):
             raise ValueError(
-                "emulation.layer_split: a streamed step's compute split over its layers is modelled in virtual "
-                "time only (system.clock: virtual, system.streaming: true)"
+                "emulation.layer_split: a step's compute split over its layers is modelled in virtual time only, "
+                "for a streamed parameter server or DDP (system.clock: virtual, and system.streaming: true or "
+                "system.architecture: ddp)"
             )
         return self
 

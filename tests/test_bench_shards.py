@@ -212,9 +212,10 @@ def test_hosts_that_fail_to_build_remove_what_they_made_and_only_that():
 def test_the_crossover_bench_follows_its_formula_where_the_link_dominates():
     """bench (c) on its smallest case: 4 workers, 1 and 2 shards on 1 Gbit/s, and DDP: the virtual PS step is our
     formula's within 10% (the server's few ms aside), 2 shards nearly halve it, BytePS's overlapped formula is
-    half of ours, and DDP's step is the ring formula's. With pipelined replies (on 1 shard) the push and the pull
-    overlap, and the step is BytePS's formula's within 3% (the shard's NIC binds here: n M / (k B))."""
-    from src.benchmarks.ps.crossover import bench_crossover, ps_step
+    half of ours, and DDP's step is the ring formula's less at most the compute it overlaps. With pipelined
+    replies (on 1 shard) the push and the pull overlap, and the step is BytePS's formula's within 3% (the
+    shard's NIC binds here: n M / (k B))."""
+    from src.benchmarks.ps.crossover import COMPUTE_S, bench_crossover, ps_step
 
     result = bench_crossover([4], [1, 2], [1000], pipelined_max_workers=0)
     one, two = result["rows"]
@@ -222,7 +223,8 @@ def test_the_crossover_bench_follows_its_formula_where_the_link_dominates():
     assert all(abs(row["ratio_to_formula"] - 1) < 0.1 for row in (one, two)), result["rows"]
     assert 0.45 < two["ps_step_s"] / one["ps_step_s"] < 0.6
     assert one["byteps_formula_s"] < 0.55 * one["ours_formula_s"]
-    assert one["ddp_step_s"] == pytest.approx(one["allreduce_formula_s"], rel=0.02)
+    # DDP's buckets go while backward computes the ones before them: the overlap hides at most the compute
+    assert one["allreduce_formula_s"] - COMPUTE_S < one["ddp_step_s"] < one["allreduce_formula_s"]
     assert abs(one["pipelined_ratio_to_byteps"] - 1) < 0.03, one
     assert result["crossover"] == [
         {

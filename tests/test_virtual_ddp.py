@@ -2,7 +2,7 @@
 
 Claims: an uncompressed virtual DDP run is large-batch SGD (the real DDP's contract); a compressed
 one ends on a real 2-rank gloo run's parameters and sends its exact bytes (the hook's own code over
-DDP's own buckets); a step takes the slowest rank's compute plus the ring all-reduce; faults are refused.
+DDP's own buckets); each bucket's ring all-reduce overlaps backward, as a real DDP's does; faults are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ from src.virtual.ddp import run_virtual_ddp
 from tests.test_ps_equivalence import assert_same_parameters, baseline_parameters
 
 pytestmark = pytest.mark.timeout(300)
+
+BUCKETS = [
+    ("classifier.3.bias", "classifier.3.weight", "classifier.1.bias", "classifier.1.weight"),
+    ("features.3.weight", "features.3.bias", "features.0.weight", "features.0.bias"),
+]
+"""simple_cnn's buckets in a real DDP run: the classifier's gradients are ready first."""
 
 
 def ddp_config(tmp_path, name: str, **fields):
@@ -52,7 +58,12 @@ def test_virtual_ddp_without_compression_is_large_batch_sgd(tmp_path):
     assert_same_parameters(expected, parameters(summary))
 
 
-def test_a_step_takes_the_slowest_rank_plus_the_ring_all_reduce(tmp_path):
+def test_each_buckets_ring_all_reduce_starts_when_every_rank_produced_it_and_overlaps_backward(tmp_path):
+    """simple_cnn's two buckets (the classifier's, then the features'), 4 ranks, rank 2 four times slower; every
+    layer's forward and backward an equal eighth of a step (``emulation.layer_split``). Rank 2 starts each step 3 x
+    0.02 s late (its straggling comes after its backward and exchange in a real DDP), so it has the classifier's
+    bucket at 0.06 + 0.01 (forward) + 0.005 (two layers' backward), and the features' at 0.08, when its backward
+    ends; each bucket's ring waits for the one before it."""
     config = ddp_config(
         tmp_path,
         "timed",
@@ -60,14 +71,17 @@ def test_a_step_takes_the_slowest_rank_plus_the_ring_all_reduce(tmp_path):
         emulation__uplink_mbps=1000,
         emulation__uplink_latency_ms=0.5,
         emulation__workers={2: {"slowdown": 4}},
+        emulation__layer_split=[[1, 1]] * 4,
         training__max_train_samples=256,
     )
     summary = run_virtual_ddp(config, tensorboard=False)
-    gradient_bytes = 4 * sum(
-        p.numel() for p in torch.load(summary["checkpoint_path"], weights_only=True)["model_state_dict"].values()
-    )
-    step = 4 * 0.02 + ring_allreduce_s(4, gradient_bytes, 1e9, 0.0005)  # 4 full batches of 16 per step
+    sizes = {name: 4 * value.numel() for name, value in parameters(summary).items()}
+    classifier, features = (sum(sizes[name] for name in bucket) for bucket in BUCKETS)
+    ring = [ring_allreduce_s(4, size, 1e9, 0.0005) for size in (classifier, features)]
+    step = max(0.08, 0.075 + ring[0]) + ring[1]  # 4 full batches of 16 per step
     assert summary["steps"] == 4 and summary["train_time_s"] == pytest.approx(4 * step)
+    assert summary["communication_time_s"] == pytest.approx(4 * (step - 0.08))  # exposed: past the slowest compute
+    gradient_bytes = classifier + features
     assert summary["bytes_sent_per_rank_per_step"] == 2 * 3 * gradient_bytes // 4  # the ring's 2(N-1)/N
 
 
@@ -78,10 +92,7 @@ def test_the_buckets_are_the_ones_the_real_hook_learns(tmp_path):
 
     config = ddp_config(tmp_path, "buckets")
     buckets = rebuilt_buckets(model_from_config(config), load_dataset("mnist_5k", "train").images[:1])
-    assert buckets == [
-        ("classifier.3.bias", "classifier.3.weight", "classifier.1.bias", "classifier.1.weight"),
-        ("features.3.weight", "features.3.bias", "features.0.weight", "features.0.bias"),
-    ]
+    assert buckets == BUCKETS
 
 
 @pytest.mark.slow
@@ -111,9 +122,9 @@ def test_faults_are_refused_in_virtual_ddp(tmp_path):
         run_virtual_ddp(ddp_config(tmp_path, "faulty", system__inject_faults=["kill:rank=1@step=2"]), tensorboard=False)
 
 
-def test_a_streamed_layer_split_is_refused_in_virtual_ddp(tmp_path):
-    config = ddp_config(tmp_path, "split", system__streaming=True, emulation__layer_split=[[1, 1]] * 4)
-    with pytest.raises(SetupError, match="^emulation.layer_split spreads a streamed parameter-server step's compute"):
+def test_a_layer_split_of_another_model_is_refused_in_virtual_ddp(tmp_path):
+    config = ddp_config(tmp_path, "split", emulation__layer_split=[[1, 1]] * 3)
+    with pytest.raises(SetupError, match="^emulation.layer_split has 3 pairs; the model's streamed layers are 4: "):
         run_virtual_ddp(config, tensorboard=False)
 
 

@@ -13,12 +13,17 @@ them, and one optimizer step follows:
   (:func:`~src.ddp.compressed_exchange.write_average_`): the hook's own code, over DDP's own bucket layout
   (:func:`~src.ddp.hook_state.rebuilt_buckets`). Warm-up steps are the plain mean.
 
-Time (:mod:`src.emulation.cost_model`): a step takes the slowest rank's compute (the barrier:
-``emulation.compute_s``, ``slowdown``, ``step_delay_s`` per rank), plus, for compression,
-``compress_s``, plus the exchange: :func:`~src.emulation.cost_model.ring_allreduce_s` of the gradient bytes, or
-:func:`~src.emulation.cost_model.all_gather_s` of the exact payloads, on the slowest rank's link
-(``uplink_mbps``, ``uplink_latency_ms``). The exchange is not overlapped with the backward pass (a
-real DDP hides part of it there): the model is conservative for DDP.
+Time (:mod:`src.emulation.cost_model`): the exchange overlaps backward, bucket by bucket, as a real DDP's does.
+Each rank's compute (``emulation.compute_s``, ``slowdown``, ``step_delay_s`` per rank) spreads over the model's
+layers as a streamed parameter-server step's does (:func:`src.virtual.layers.layer_profile`'s proxy, or
+``emulation.layer_split``): the forward, then backward from the last layer to the first. A bucket is ready on a rank
+when backward has produced its every gradient, and its exchange starts once every rank has it ready and the bucket
+before it is through (one collective at a time, in DDP's bucket order, on the slowest rank's link:
+``uplink_mbps``, ``uplink_latency_ms``): :func:`~src.emulation.cost_model.ring_allreduce_s` of its bytes, or, with
+compression, its share of ``compress_s`` and :func:`~src.emulation.cost_model.all_gather_s` of its exact payloads.
+An emulated straggler's added seconds come after its backward and exchange in a real DDP, so its next step starts
+that much later: here they come before its forward. A step ends when the slowest rank's compute and the last
+bucket's exchange are through; its communication seconds are what the exchange adds past the compute (exposed).
 
 Outputs as a real DDP run's: ``summary.json`` (``clock: virtual``), the run's ``events.jsonl`` and
 TensorBoard under ``log_dir``, ``rank_<k>/events.jsonl``, the final checkpoint. Faults are not
@@ -42,6 +47,7 @@ from src.ddp.compressed_exchange import accumulate_payloads, encode_segments, wr
 from src.ddp.hook_state import CompressionHookState, Piece, rebuilt_buckets
 from src.ddp_trainer import _scaled_loss
 from src.emulation.cost_model import CostModel, all_gather_s, ring_allreduce_s
+from src.emulation.overlap import encode_times, ready_offsets, split_step
 from src.metrics import LOG_EVERY_STEPS, MetricsLogger, TimeToTarget, write_summary
 from src.trainer import (
     checkpoint_of_run,
@@ -55,6 +61,7 @@ from src.trainer import (
 )
 from src.training.data import make_shards, steps_per_epoch
 from src.virtual.calibration import with_measured_figures
+from src.virtual.layers import layer_profile
 
 
 class VirtualDDP:
@@ -104,11 +111,14 @@ class VirtualDDP:
                 "emulation.uplink_schedule: a mid-run link change is modelled in the parameter server's "
                 "virtual time only, not in virtual DDP"
             )
-        if self.cost.layer_split:
-            raise SetupError(
-                "emulation.layer_split spreads a streamed parameter-server step's compute over its layers; "
-                "virtual DDP does not use it"
-            )
+        self.layers = layer_profile(self.model, self.train_set.images[0], t.batch_size)
+        if config.emulation.layer_split:  # a split measured on some machine instead of the shapes' proxy
+            try:
+                self.layers = self.layers.with_split(config.emulation.layer_split)
+            except ValueError as exc:
+                raise SetupError(str(exc)) from None
+        served = {id(p): index for index, (_, p) in enumerate(self.named)}
+        self.bucket_indices = [[served[id(p)] for p in params] for params in self.bucket_params]
         links = [w.uplink_bps for w in self.cost.workers]
         self.bandwidth_bps = None if any(b is None for b in links) else min(links)
         self.latency_s = max(w.uplink_latency_s for w in self.cost.workers)
@@ -133,12 +143,13 @@ class VirtualDDP:
             for params in self.bucket_params
         ]
 
-    def _train_step(self, rank_batches: list[list[int]], step_samples: int) -> tuple[float, float, int, int]:
-        """One synchronous step of every rank; returns (rank 0's mean loss, its accuracy, samples, payload bytes)."""
+    def _train_step(self, rank_batches: list[list[int]], step_samples: int) -> tuple[float, float, int, list[int]]:
+        """One synchronous step of every rank; returns (rank 0's mean loss, its accuracy, samples, rank 0's payload
+        bytes per bucket)."""
         step = self.step
         compressing = self.states is not None and step >= self.states[0].policy.warmup_steps
         totals: list[list[torch.Tensor | None]] = [[None] for _ in self.buckets]
-        payload_bytes = 0
+        payload_bytes = [0] * len(self.buckets)
         first_loss, first_correct, first_count = 0.0, 0, 0
         for rank, indices in enumerate(rank_batches):
             images, labels = self.train_set.batch(indices)
@@ -160,7 +171,7 @@ class VirtualDDP:
                         buffer.device,
                         compensated=compensated,
                     )
-                    payload_bytes += sum(len(p) for p in payloads) if rank == 0 else 0
+                    payload_bytes[index] += sum(len(p) for p in payloads) if rank == 0 else 0
                 else:
                     totals[index][0] = buffer if totals[index][0] is None else totals[index][0].add_(buffer)
         for index, params in enumerate(self.bucket_params):  # the mean, back into the gradients
@@ -181,19 +192,35 @@ class VirtualDDP:
         return first_loss, first_correct / max(first_count, 1), sum(len(b) for b in rank_batches), payload_bytes
 
     def _step_seconds(
-        self, rank_batches: list[list[int]], payload_bytes: int, compressing: bool
+        self, rank_batches: list[list[int]], payload_bytes: list[int], compressing: bool
     ) -> tuple[float, float]:
-        """(the step's virtual seconds, its exchange's): the slowest rank's compute, then the exchange."""
-        compute = max(self.cost.step_s(rank, len(batch))[0] for rank, batch in enumerate(rank_batches))
+        """(the step's virtual seconds, its exposed exchange's): each bucket's exchange once every rank's backward
+        produced it and the bucket before it is through, the step's end the slowest rank's compute or the last
+        exchange's (see the module docstring)."""
+        ready = [0.0] * len(self.buckets)
+        slowest = 0.0
+        for rank, batch in enumerate(rank_batches):
+            step_s, extra_s = self.cost.step_s(rank, len(batch))
+            split_s = split_step(step_s - extra_s, self.layers.weights)
+            offsets = ready_offsets([b for _, b in split_s], self.layers.layer_of)
+            backward_starts = extra_s + sum(f for f, _ in split_s)  # its straggling, then its forward
+            for index, params in enumerate(self.bucket_indices):
+                ready[index] = max(ready[index], backward_starts + max(offsets[i] for i in params))
+            slowest = max(slowest, step_s)
+        bucket_bytes = [4 * sum(self.named[i][1].numel() for i in params) for params in self.bucket_indices]
         if compressing:
-            exchange = self.cost.compress_s + all_gather_s(
-                self.world, [payload_bytes] * self.world, self.bandwidth_bps, self.latency_s
-            )
-            self.bytes_sent_per_rank += (self.world - 1) * payload_bytes
+            seconds = [
+                self.cost.compress_s * size / self.gradient_bytes
+                + all_gather_s(self.world, [sent] * self.world, self.bandwidth_bps, self.latency_s)
+                for size, sent in zip(bucket_bytes, payload_bytes)
+            ]
+            self.bytes_sent_per_rank += (self.world - 1) * sum(payload_bytes)
         else:
-            exchange = ring_allreduce_s(self.world, self.gradient_bytes, self.bandwidth_bps, self.latency_s)
+            seconds = [ring_allreduce_s(self.world, size, self.bandwidth_bps, self.latency_s) for size in bucket_bytes]
             self.bytes_sent_per_rank += ring_allreduce_bytes(self.world, self.gradient_bytes)
-        return compute + exchange, exchange
+        exchanged = encode_times(ready, seconds)[-1] if seconds else 0.0  # one collective after another
+        step = max(slowest, exchanged)
+        return step, step - slowest
 
     # ------------------------------------------------------------------------- the run
 
@@ -321,7 +348,7 @@ class VirtualDDP:
             "restarts": 0,
             "resumed_from": None,
             "clock": "virtual",
-            "training_clock": "the slowest rank's steps, exchanges included (virtual time)",
+            "training_clock": "the slowest rank's steps, exchanges overlapping backward (virtual time)",
             **target.fields(),
             "total_time_s": train_time,
             "train_time_s": train_time,
