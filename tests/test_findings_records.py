@@ -6,13 +6,15 @@ the record's config and gives the record's summary, evaluations, controller deci
 and (sharded) updates: every field but the wall-clock ones the summary lists in ``wall_time_fields``. A change
 that moves a figure fails here until its matrix is re-collected (docs/findings.md, "To measure anew").
 
-Exactly where the CPU kernels match: a record's provenance names torch's CPU capability and version
-(``cpu_capability``, ``torch_version``, :func:`src.launch.provenance.kernels`), and a re-run on the same ones must
-give every field to the last bit. On another CPU (AVX2 against the records' AVX512, say) the kernels sum floats in
-another order, which moves a loss in its sixth digit and, through training, further. There the counts, bytes,
-versions, virtual seconds and controller decisions must still be exact (they were, on every cell, on both kernels
-measured), and the losses and accuracies (the evaluations' and the summary's) within :data:`KERNEL_BOUNDS`, bounds
-measured across the kernels (docs/findings.md, "Records across CPUs").
+Exactly where the CPU kernels match: a record's provenance names torch's CPU capability, the CPU's vector and
+matrix extensions and torch's version (``cpu_capability``, ``cpu_isa``, ``torch_version``,
+:func:`src.launch.provenance.kernels`), and a re-run with the same three must give every field to the last bit. On
+another CPU (AVX2 against AVX512, or an AVX512 CPU with AMX against one without) the kernels sum floats in another
+order, which moves a loss in its sixth digit and, through training, further. There the counts, bytes, versions,
+virtual seconds and controller decisions must still be exact (they were, on every cell, on every CPU measured), and
+the losses and accuracies (the evaluations' and the summary's) within :data:`KERNEL_BOUNDS`, bounds measured across
+CPUs (docs/findings.md, "Records across CPUs"). A record that does not name its extensions is compared within the
+bounds everywhere.
 
 The cells are cheap ones that each exercise what their matrix is about (a staleness bound, 16 workers, top-k with
 error feedback, a 250 Mbit/s uplink, the adaptive controller, two server shards, the controller's probe and a link
@@ -64,10 +66,11 @@ KERNEL_BOUNDS: dict[str, tuple[float, float]] = {
 }
 """Per matrix, ``(loss, accuracy)``: how far the re-run cell's losses and accuracies may be from its record's on a
 CPU whose kernels are not the record's. Each bound is twice the largest difference measured among the record
-(AVX512) and re-runs of the cell on AVX2 and on torch's DEFAULT kernels (``ATEN_CPU_CAPABILITY=default``), rounded
-up, and at least 1e-6 for a loss and one test image for an accuracy (1e-3: mnist_5k holds out 1,000):
-docs/findings.md's "Records across CPUs" tables the measured differences. Async runs and top-k's early steps
-amplify a last-digit difference (F1's stragglers, F2); sync dense runs keep it in the sixth digit."""
+(AVX512) and re-runs of the cell on AVX2, on torch's DEFAULT kernels (``ATEN_CPU_CAPABILITY=default``) and on an
+AVX512 Xeon with AMX (all within the bounds set from the first two), rounded up, and at least 1e-6 for a loss and one
+test image for an accuracy (1e-3: mnist_5k holds out 1,000): docs/findings.md's "Records across CPUs" tables the
+measured differences. Async runs and top-k's early steps amplify a last-digit difference (F1's stragglers, F2); sync
+dense runs keep it in the sixth digit."""
 
 KERNEL_FIELDS = ("final_loss", "final_accuracy")
 """The summary's fields that the kernels move: the final evaluation (an evaluation's accuracy and loss are its

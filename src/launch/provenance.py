@@ -37,12 +37,29 @@ def code_version(root: Path = ROOT) -> dict[str, object]:
 
 
 def kernels() -> dict[str, str]:
-    """``{"cpu_capability": ..., "torch_version": ...}``: the vector instructions torch's CPU kernels use here
-    (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, ``AVX2``, ``DEFAULT``, ...) and torch's version.
+    """``{"cpu_capability": ..., "cpu_isa": ..., "torch_version": ...}``: the vector instructions torch's CPU
+    kernels use here (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, ``AVX2``, ``DEFAULT``, ...), the
+    vector and matrix extensions the CPU has (:func:`cpu_isa`), and torch's version.
 
-    Two runs of one config agree to the last bit only where both match: a float sum's order is the kernel's
-    (docs/findings.md, "Records across CPUs").
-    """
+    Two runs of one config agree to the last bit only where all three match: a float sum's order is the kernel's,
+    and the math libraries under torch pick their kernels by the extensions, not only by the widest vectors (an
+    Intel CPU with AMX and AVX-512 FP16 moved F11's loss in its sixth digit against another AVX512 one;
+    docs/findings.md, "Records across CPUs")."""
     import torch
 
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_version": torch.__version__}
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_isa": cpu_isa(),
+        "torch_version": torch.__version__,
+    }
+
+
+def cpu_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's vector and matrix extensions that kernels are picked by (its ``avx*``, ``amx*``, ``fma*`` and
+    ``*vnni*`` flags, sorted, space-separated), read from ``cpuinfo``; ``unknown`` where there is no such file."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return " ".join(sorted({f for f in flags if f.startswith(("avx", "amx", "fma")) or "vnni" in f})) or "unknown"

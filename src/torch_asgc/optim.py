@@ -1,76 +1,27 @@
 """DistributedOptimizer: a user's optimizer whose step() goes through the parameter server.
 
-The server holds the authoritative optimizer (its config's ``training.optimizer``, learning rate,
-momentum, weight decay) and applies the workers' gradients: averaged per version (sync) or one push
-at a time with the staleness policy's weight (async). So ``step()`` does not step the wrapped
-optimizer; per parameter of the :class:`~torch_asgc.model.DistributedModel` it
+The server holds the authoritative optimizer (its config's ``training.optimizer``, learning rate, momentum, weight
+decay) and applies the workers' gradients, so ``step()`` does not step the wrapped optimizer. It takes each
+parameter's gradient of the :class:`~torch_asgc.model.DistributedModel` (zero for one that got none; unscaled first
+under AMP), and hands it to the worker's step machine (:class:`src.ps.worker.machine.StepMachine`, the one our own
+workers carry): error feedback and compression (:class:`src.ps.worker.codec.PushCodec`), the push with the Worker
+Version and the step's sample count, and the reply settled (residuals committed, or rolled back when the staleness
+policy rejects the push or its reply was lost with a session) before the parameters it carries are loaded.
 
-1. takes the gradient (unscaled first under AMP, see below; zero for a parameter that got none),
-2. adds the error-feedback residual (``compensate``), compresses, keeps what was left out
-   (``update``): a :class:`src.ps.worker.codec.PushCodec`, the same code our own workers run,
-3. pushes the payloads with the Worker Version and the step's sample count, and
-4. on the reply: commits the residuals (accepted) or rolls them back (rejected by the staleness
-   policy: the whole compensated gradient waits in the residual for the next push, no gradient mass
-   is lost), then loads the parameters the reply carries into the model.
+docs/library.md says what a user's loop sees, and this module does it:
 
-Steps 3 and 4 are the worker's step machine (:class:`src.ps.worker.machine.StepMachine`), the one our own workers
-carry, so the library speaks the protocol exactly as they do. A push whose reply was lost with the server's session
-(the server restarted, or a shard is starting again) or with this worker's incarnation (the server declared it
-failed while it was alive; the client rejoined) is committed if the server says it had applied it, else rolled back
-into the residual (the user's loop does not redo its samples); the parameters are pulled again. The adaptive
-controller's Active Fraction, sent in the replies, applies to the pushes after it.
+* **Schedules reach the server**: once a torch LR scheduler drives the wrapped optimizer (the ``initial_lr`` it
+  leaves on the groups), each push carries ``param_groups[0]["lr"]`` (``send_learning_rate``: ``True`` always,
+  ``False`` never); the other hyperparameters are the server's (a warning names a mismatch).
+* **AMP**: ``scaler.step(optimizer)`` calls ``step()`` with ``grad_scale`` and ``found_inf``; a step with inf/NaN
+  gradients is skipped and not pushed (sync: a gradient-free skip lets the barrier go on).
+* **Streaming** (a server with ``system.streaming``): the first gradient of a backward opens a streamed push (one per
+  shard), each gradient goes as autograd produces it, and ``step()`` closes it and waits for the reply's head only;
+  the reply's tensors go on arriving for the next forward (:mod:`src.ps.worker.streaming`). A skipped step or a
+  ``zero_grad()`` before ``step()`` gives the push up (the residuals and the rounding generator go back); gradient
+  accumulation turns streaming off for the run; a GradScaler is refused.
 
-``zero_grad()`` clears the gradients as the wrapped optimizer does; ``param_groups`` and ``state``
-are the wrapped optimizer's (schedulers and GradScaler work on them); ``state_dict()`` holds the
-wrapped optimizer's state, the error-feedback residuals and the step counts, and
-``load_state_dict()`` takes it back (or a plain state dict of the wrapped optimizer).
-The wrapped optimizer's hyperparameters are not applied: the server's are (a warning says so when
-they differ), except its learning rate once a scheduler drives it: **schedules reach the server.**
-Each push then carries the wrapped optimizer's current rate (``param_groups[0]["lr"]``, as the
-user's ``torch.optim.lr_scheduler`` -- or Lightning's, or the Hugging Face Trainer's -- set it) and
-the server's optimizer steps with it (``PushRequest.learning_rate``). "Driven by a scheduler" is
-what torch's schedulers leave on the groups they drive (``initial_lr``); ``send_learning_rate=True``
-sends the rate also without one (a loop that sets ``lr`` itself), ``False`` never (the server's
-``training.lr_schedule`` applies). A warning names the mismatch when the server has a schedule of
-its own.
-
-**AMP.** With ``torch.autocast`` and ``GradScaler``, ``scaler.step(optimizer)`` always calls this
-``step()`` (the optimizer declares ``_step_supports_amp_scaling``) with the scaler's ``grad_scale``
-and ``found_inf``: gradients are divided by the scale before compression, and a step whose
-gradients hold inf/NaN is skipped and its gradient not pushed, as GradScaler would skip it; then
-``scaler.update()`` lowers the scale as usual. Without a scaler, non-finite gradients skip the step
-the same way. A skipped step sends nothing in async mode; in sync mode it sends a gradient-free
-"skip" message so that the version's barrier goes on without this worker.
-
-**Streaming.** When the server streams (``system.streaming``, ``python -m torch_asgc.server --streaming``; the
-library learns it at registration), the push travels while the user's loop computes, with the same arithmetic
-(:mod:`src.ps.worker.streaming`, :mod:`src.transport.stream`: the code our own streamed workers run):
-
-* ``loss.backward()``: the first gradient ready opens a streamed push (``Connections.open_streams``); each
-  gradient is handed to it as autograd produces it, and the client's push thread compensates, compresses
-  (:class:`~src.ps.worker.codec.PushCodec`) and sends it while backward goes on;
-* ``step()``: the parameters that got no gradient go as zeros, then the push's small fields (sample count, Worker
-  Version, learning rate to send, metrics) close it; ``step()`` waits for the reply's head only (verdict, version)
-  and settles the residuals as above;
-* the reply's tensors go on arriving after ``step()`` returns, buffers first, then the parameters in forward
-  order: the next forward waits, module by module, only for the tensors it needs
-  (:class:`~torch_asgc.model.DistributedModel`).
-
-A sharded server streams as our own workers stream to it: one streamed push per shard, its parts that shard's
-slices (``PushCodec.encode_slice``, error feedback per slice), each gradient handed to the shards holding
-its slices (:class:`~src.ps.worker.streaming.PushStreams`); ``step()`` closes each with its hold, waits for every
-hold's reply, then commits to shard 0 and pulls every shard's slices as unstreamed (the step machine's), so the next
-forward waits for nothing. A hold that fails is what a failed unstreamed hold is: the shards are starting again.
-
-What a streamed step does differently, and why: a step skipped for non-finite gradients gives up its streamed push
-(the server drops its parts; the residuals and the rounding generator go back to where they were) and sends the
-skip message as above. ``zero_grad()`` after a backward and before its ``step()`` gives that push up too, so the
-next backward's gradients are the ones that go. **Gradient accumulation** (a second backward before ``step()``):
-the first backward's gradients have gone already, so that push is given up and the accumulated gradient pushed
-unstreamed at ``step()``; streaming stays off for the rest of the run (a warning says so) and every step is exactly
-the unstreamed one. A ``GradScaler`` is refused (:class:`~src.config.SetupError` at the first ``step()``): the
-gradients stream out scaled, before the scaler can unscale or check them; use bfloat16 autocast, which needs no
-scaler.
+``state_dict()`` holds the wrapped optimizer's state, the error-feedback residuals and the step counts.
 """
 
 from __future__ import annotations
