@@ -39,7 +39,6 @@ from typing import Any
 
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector
-from src.compressors.policy import policy_from_config
 from src.config import Config, SetupError
 from src.emulation.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.metrics import MetricsLogger
@@ -49,7 +48,6 @@ from src.ps.worker import (
     Heartbeats,
     IncarnationRevoked,
     Membership,
-    PushCodec,
     PushStreams,
     Rejoined,
     Rejoins,
@@ -192,19 +190,9 @@ class Worker:
                 config, self.worker_id, model=model, train_set=load_split(config, "train"), device=device, log=log,
                 faults=self.faults,
             )  # fmt: skip
-            codec = PushCodec(
-                system,
-                policy_from_config(system),
-                error_feedback=system.error_feedback,
-                seed=t.seed,
-                worker_id=self.worker_id,
-                names=compute.names,
-                placement=placement,
+            machine = self.machine = compute.step_machine(
+                self.membership, system, placement=placement, stats=self.stats
             )
-            machine = self.machine = StepMachine(
-                self.membership, system, names=compute.names, params=compute.params, buffer_names=compute.buffer_names,
-                buffers=compute.buffers, placement=placement, codec=codec, log=log, stats=self.stats,
-            )  # fmt: skip
             if system.streaming:
                 self.streamed = StreamedModel(model, compute.params, compute.buffers)
                 self.pipelined = system.pipelined_replies
@@ -231,11 +219,7 @@ class Worker:
                     continue
                 step = self._step_streamed if self.streamed is not None else self._step
                 received = step(received)
-            stats = machine.finished_stats
-            result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
-            feedback = codec.feedback
-            compute.write_ledger(system.log_dir, lambda name: feedback.residual(name) if feedback else None)
-            log.event("run_end", incarnation=self.membership.incarnation, **result)
+            result = compute.end_run(machine, system.log_dir)
         logger.info(
             "worker %d: finished at version %d: %d samples in %d steps",
             self.worker_id,

@@ -36,7 +36,6 @@ from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector, FaultSpec
 from src.common.seeds import derive_seed
 from src.common.supervisor import LaunchError
-from src.compressors.policy import policy_from_config
 from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, split_step
 from src.metrics import MetricsLogger
 from src.ps.worker import (
@@ -44,7 +43,6 @@ from src.ps.worker import (
     Exchange,
     IncarnationRevoked,
     Membership,
-    PushCodec,
     Rejoined,
     Rejoins,
     StepFigures,
@@ -292,20 +290,9 @@ class VirtualWorker:
             log=self.log, replica=self.replica, faults=self.faults, fire_fault=self._fault,
         )  # fmt: skip
         seed = random.Random(derive_seed(config.training.seed, self.worker_id, self.process))  # its request ids
-        codec = PushCodec(
-            system,
-            policy_from_config(system),
-            error_feedback=system.error_feedback,
-            seed=config.training.seed,
-            worker_id=self.worker_id,
-            names=compute.names,
-            placement=run.placement,
+        self.machine = compute.step_machine(
+            self.membership, system, placement=run.placement, stats=self._stats, request_ids=seed.getrandbits(62) or 1
         )
-        self.machine = StepMachine(
-            self.membership, system, names=compute.names, params=compute.params, buffer_names=compute.buffer_names,
-            buffers=compute.buffers, placement=run.placement, codec=codec, log=self.log, stats=self._stats,
-            request_ids=seed.getrandbits(62) or 1,
-        )  # fmt: skip
         self._heartbeat(self.process, self._new_heartbeat_chain())
         self._run(self.machine.pull_everything(), self._started)
 
@@ -444,11 +431,7 @@ class VirtualWorker:
             if rejoined is not None:
                 self._rejoined(rejoined)
                 return
-            stats = self.machine.finished_stats
-            result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
-            feedback = self.machine.codec.feedback
-            self.compute.write_ledger(self.config.system.log_dir, lambda n: feedback.residual(n) if feedback else None)
-            self.log.event("run_end", incarnation=self.membership.incarnation, **result)
+            self.compute.end_run(self.machine, self.config.system.log_dir)
             self.end(None)
 
         self._run(self.machine.finish(self._stats), finished)

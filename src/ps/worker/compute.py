@@ -23,10 +23,14 @@ from torch import nn
 
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector, FaultSpec
+from src.compressors.policy import policy_from_config
 from src.config import Config, SetupError
 from src.metrics import MetricsLogger
 from src.ps.shards.placement import Placement
+from src.ps.worker.codec import PushCodec
 from src.ps.worker.loading import served_tensors
+from src.ps.worker.machine import StepMachine
+from src.ps.worker.membership import Membership
 from src.trainer import MixedPrecision, forward_backward
 from src.training.lr_schedule import scheduled_learning_rate
 from src.transport.wire import tensor_view
@@ -193,6 +197,41 @@ class WorkerCompute:
         self.faults.reached(
             step, fire=self.fire_fault, announce=lambda fault: self.log.event("fault_injected", fault=str(fault))
         )
+
+    def step_machine(
+        self,
+        membership: Membership,
+        system: Any,
+        *,
+        placement: Placement | None,
+        stats: Callable[[], pb.WorkerStats],
+        request_ids: int | None = None,
+    ) -> StepMachine:
+        """This worker's step machine over its tensors, compressing as the run's ``system`` says (error feedback
+        seeded by ``training.seed`` and the worker id), logging to this worker's log."""
+        codec = PushCodec(
+            system,
+            policy_from_config(system),
+            error_feedback=system.error_feedback,
+            seed=self.training.seed,
+            worker_id=self.worker_id,
+            names=self.names,
+            placement=placement,
+        )
+        return StepMachine(
+            membership, system, names=self.names, params=self.params, buffer_names=self.buffer_names,
+            buffers=self.buffers, placement=placement, codec=codec, log=self.log, stats=stats, request_ids=request_ids,
+        )  # fmt: skip
+
+    def end_run(self, machine: StepMachine, log_dir: str | Path) -> dict[str, Any]:
+        """The run is over (the server took this worker's Finish): the ledger written, ``run_end`` logged with the
+        totals the Finish reported, which are returned."""
+        stats = machine.finished_stats
+        result = {field.name: getattr(stats, field.name) for field in pb.WorkerStats.DESCRIPTOR.fields}
+        feedback = machine.codec.feedback
+        self.write_ledger(log_dir, lambda name: feedback.residual(name) if feedback else None)
+        self.log.event("run_end", incarnation=machine.membership.incarnation, **result)
+        return result
 
     def write_ledger(self, log_dir: str | Path, residual: Callable[[str], torch.Tensor | None]) -> None:
         """system.gradient_ledger: the gradients computed and the residuals left (``residual(name)``; ``None``:
