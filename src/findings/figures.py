@@ -382,13 +382,17 @@ def provenance(matrices: dict[str, Matrix]) -> dict[str, Any]:
             "commits": sorted({str(e.get("commit"))[:10] for e in experiments}),
             "dirty": any(e.get("dirty") for e in experiments),
             "clocks": sorted({str(e.get("clock")) for e in experiments}),
-            "kernels": sorted(
-                {f"{e['cpu_capability']}, torch {e['torch_version']}" for e in experiments if "cpu_capability" in e}
-            ),
+            "kernels": sorted({_kernels(e) for e in experiments if "cpu_capability" in e}),
             "load_1min": [min(loads), max(loads)] if loads else None,
             "wall_s": sum(e.get("wall_time_s", 0.0) for e in experiments),
         }
     return out
+
+
+def _kernels(experiment: dict[str, Any]) -> str:
+    """A run's CPU kernels in a few words: torch's capability, AMX where the record names it, torch's version."""
+    amx = " with AMX" if "amx" in experiment.get("cpu_isa", "") else ""
+    return f"{experiment['cpu_capability']}{amx}, torch {experiment['torch_version']}"
 
 
 def compute(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
