@@ -308,3 +308,18 @@ def test_the_spec_datasets_configs_train_on_files_in_torchvision_layouts(tmp_pat
     summary = run_virtual(rx.build_config(experiment, run_data, tmp_path / "run"), tensorboard=False)
     assert summary["dataset"] == data["training"]["dataset"] and summary["samples_processed"] == 48
     assert 0.0 <= summary["final_accuracy"] <= 1.0
+
+
+def test_a_runs_kernels_name_the_cpus_vector_and_matrix_extensions(tmp_path):
+    """``cpu_isa`` keeps the flags kernels are picked by (what the records are compared exactly on) and nothing
+    else; the provenance table names AMX where a record's extensions hold it."""
+    from src.findings.figures import _kernels
+    from src.launch.provenance import cpu_isa
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni amx_tile ht\n")
+    assert cpu_isa(cpuinfo) == "amx_tile avx2 avx512_vnni avx512f fma"
+    assert cpu_isa(tmp_path / "none") == "unknown"
+    run = {"cpu_capability": "AVX512", "torch_version": "2.14.1"}
+    assert _kernels(run) == "AVX512, torch 2.14.1"
+    assert _kernels({**run, "cpu_isa": cpu_isa(cpuinfo)}) == "AVX512 with AMX, torch 2.14.1"

@@ -61,7 +61,7 @@ from src.trainer import (
 )
 from src.training.data import make_shards, steps_per_epoch
 from src.virtual.calibration import with_measured_figures
-from src.virtual.layers import layer_profile
+from src.virtual.layers import run_layers
 
 
 class VirtualDDP:
@@ -111,14 +111,10 @@ class VirtualDDP:
                 "emulation.uplink_schedule: a mid-run link change is modelled in the parameter server's "
                 "virtual time only, not in virtual DDP"
             )
-        self.layers = layer_profile(self.model, self.train_set.images[0], t.batch_size)
-        if config.emulation.layer_split:  # a split measured on some machine instead of the shapes' proxy
-            try:
-                self.layers = self.layers.with_split(config.emulation.layer_split)
-            except ValueError as exc:
-                raise SetupError(str(exc)) from None
+        self.layers = run_layers(self.model, self.train_set.images[0], config)
         served = {id(p): index for index, (_, p) in enumerate(self.named)}
         self.bucket_indices = [[served[id(p)] for p in params] for params in self.bucket_params]
+        self.bucket_bytes = [4 * sum(p.numel() for p in params) for params in self.bucket_params]
         links = [w.uplink_bps for w in self.cost.workers]
         self.bandwidth_bps = None if any(b is None for b in links) else min(links)
         self.latency_s = max(w.uplink_latency_s for w in self.cost.workers)
@@ -207,16 +203,17 @@ class VirtualDDP:
             for index, params in enumerate(self.bucket_indices):
                 ready[index] = max(ready[index], backward_starts + max(offsets[i] for i in params))
             slowest = max(slowest, step_s)
-        bucket_bytes = [4 * sum(self.named[i][1].numel() for i in params) for params in self.bucket_indices]
         if compressing:
             seconds = [
                 self.cost.compress_s * size / self.gradient_bytes
                 + all_gather_s(self.world, [sent] * self.world, self.bandwidth_bps, self.latency_s)
-                for size, sent in zip(bucket_bytes, payload_bytes)
+                for size, sent in zip(self.bucket_bytes, payload_bytes)
             ]
             self.bytes_sent_per_rank += (self.world - 1) * sum(payload_bytes)
         else:
-            seconds = [ring_allreduce_s(self.world, size, self.bandwidth_bps, self.latency_s) for size in bucket_bytes]
+            seconds = [
+                ring_allreduce_s(self.world, size, self.bandwidth_bps, self.latency_s) for size in self.bucket_bytes
+            ]
             self.bytes_sent_per_rank += ring_allreduce_bytes(self.world, self.gradient_bytes)
         exchanged = encode_times(ready, seconds)[-1] if seconds else 0.0  # one collective after another
         step = max(slowest, exchanged)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from src.config import Config, SetupError
 from src.ps.worker.streaming import StreamedModel
 from src.transport.wire import Received, split
 
@@ -158,6 +159,23 @@ def layer_profile(model: nn.Module, sample: torch.Tensor, batch_size: int) -> La
         layer_of=tuple(layer_of),
         param_bytes=tuple(4 * p.numel() for p in params),
     )
+
+
+def run_layers(model: nn.Module, sample: torch.Tensor, config: Config) -> LayerProfile:
+    """The layers a run's step spreads over (a streamed PS worker's, a virtual DDP rank's): the shapes' proxy for a
+    batch of ``training.batch_size`` inputs like ``sample``, weighted by ``emulation.layer_split`` where the config
+    gives one (a split measured on some machine).
+
+    Raises:
+        SetupError: the split has not one pair per layer of the model (the message names the layers).
+    """
+    layers = layer_profile(model, sample, config.training.batch_size)
+    if not config.emulation.layer_split:
+        return layers
+    try:
+        return layers.with_split(config.emulation.layer_split)
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
 
 
 class GradientOrder:

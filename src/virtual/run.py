@@ -72,7 +72,7 @@ from src.trainer import load_splits, model_from_config
 from src.virtual.calibration import with_measured_figures
 from src.virtual.follower import VirtualFollower
 from src.virtual.launcher import VirtualLauncher
-from src.virtual.layers import GradientOrder, layer_profile
+from src.virtual.layers import GradientOrder, run_layers
 from src.virtual.network import shard_links
 from src.virtual.server import VirtualServer
 from src.virtual.timelines import VirtualTimelines
@@ -136,13 +136,7 @@ class VirtualRun:
         self.compute_model.train()
         self.layers = self.gradient_order = None
         if config.system.streaming:  # the layers a streamed step spreads over, the order backward hands them over
-            sample = self.train_set.batch([0])[0][0]
-            self.layers = layer_profile(self.compute_model, sample, config.training.batch_size)
-            if config.emulation.layer_split:  # a split measured on some machine instead of the shapes' proxy
-                try:
-                    self.layers = self.layers.with_split(config.emulation.layer_split)
-                except ValueError as exc:
-                    raise SetupError(str(exc)) from None
+            self.layers = run_layers(self.compute_model, self.train_set.images[0], config)
             self.gradient_order = GradientOrder(self.compute_model)
         self.workers = [VirtualWorker(self, k) for k in range(config.system.num_workers)]
         self.launcher = VirtualLauncher(config, self.loop, self.cost.restart_s, self.workers)
