@@ -3,13 +3,17 @@ files in turn, and a test marked ``alone`` has the machine to itself.
 
 Most tests are CPU-bound processes that do not care what runs beside them, and on 2 cores two of them at a time
 finish sooner than one after the other. Some do care: those that time something (a link's measured rate, a
-virtual run calibrated against a real one) and those that detect a hang or a partition from seconds of silence.
-They are marked ``alone`` (a module's ``pytestmark``, or one test's mark) and run as they would in a serial run:
+virtual run calibrated against a real one), and those whose margin against a timeout is a second or two (a pause
+that must end within the launcher's grace, a slow DDP rank that must never look hung). They are marked ``alone``
+(a module's ``pytestmark``, or one test's mark) and run as they would in a serial run:
 tests/lanes.py's lock, held from a test's first fixture set-up to its last teardown (and on to the next test when
 that one is ``alone`` too). A test that runs on machinery of its own and times nothing (the Slurm cluster, the
 Docker compose project, network namespaces as hosts) is marked ``cluster``: its machinery must not meet another's,
 nor an ``alone`` test's clocks, but an ordinary test may run beside it (its heartbeat timeouts are an ordinary
-run's). The lock wraps pytest-timeout's own wrapper, so a test's timeout does not count the wait. Without xdist
+run's). A test that detects a killed or stopped worker or shard from a 3 s heartbeat timeout, with bounds of a
+second or more around it, is ordinary (tests/test_fault_tolerance.py, tests/test_shard_faults.py) or ``cluster``
+(tests/test_ps_multihost.py): beside the heaviest ordinary files they took 1.0-1.2x their time alone and passed. The
+lock wraps pytest-timeout's own wrapper, so a test's timeout does not count the wait. Without xdist
 (``-n 0``, or ``-p no:xdist``) nothing is locked.
 """
 
@@ -22,7 +26,7 @@ import sys
 
 import pytest
 
-from tests.lanes import CLUSTER, EXCLUSIVE, SHARED, LaneLock, lock_folder
+from tests.lanes import CLUSTER, EXCLUSIVE, SHARED, FileMarks, LaneLock, file_order, lock_folder
 
 # Python's default, where the environment turned it off (PYTHONDONTWRITEBYTECODE=1 on the CI machine): compiled
 # modules are kept in __pycache__ (git ignores it), for pytest's rewritten test modules and for every process a
@@ -37,14 +41,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a lane, files with more slow tests first (a file's count of them is a fair guess at its time), so the
-    last files the lanes take are the small ones that even them out. Both lanes sort alike (xdist checks)."""
+    """The order the lanes take files in (:func:`tests.lanes.file_order`; both lanes sort alike: xdist checks); a
+    file's tests keep their order."""
     if not hasattr(config, "workerinput"):
         return
-    slow_tests: dict[str, int] = {}
+    by_file: dict[object, list[pytest.Item]] = {}
     for item in items:
-        slow_tests[item.path] = slow_tests.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow_tests[item.path])  # stable: a file's tests keep their order
+        by_file.setdefault(item.path, []).append(item)
+    marks = {
+        path: FileMarks(
+            len(tests), *(sum(t.get_closest_marker(m) is not None for t in tests) for m in ("alone", "slow", "cluster"))
+        )
+        for path, tests in by_file.items()
+    }
+    items[:] = [item for path in file_order(marks) for item in by_file[path]]
 
 
 @functools.cache

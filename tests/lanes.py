@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 
 def lock_folder(controller_pid: int) -> Path:
@@ -76,3 +77,42 @@ class LaneLock:
     def let_go(self) -> None:
         self._hold.close()
         self.hold = None
+
+
+class FileMarks(NamedTuple):
+    """A test file's count of tests, and of those marked ``alone``, ``slow`` and ``cluster``."""
+
+    tests: int
+    alone: int
+    slow: int
+    cluster: int
+
+
+CLUSTER_SPACING = 2
+"""Ordinary files after each ``cluster`` file in :func:`file_order`: the other lane's share while one runs a cluster
+file (the Slurm file takes ~150 s, two of the slowest ordinary files about as long)."""
+
+
+def file_order(files: dict[Hashable, FileMarks]) -> list[Hashable]:
+    """The order the lanes take the files in (``files`` in collection order, which breaks ties).
+
+    * Files with ``alone`` tests first, those that are all ``alone`` before those that are partly: at the start both
+      lanes take such files, so an ``alone`` test waits only for the other lane's ``alone`` test or a short ordinary
+      one, never for a minute-long ordinary test to end (as one that comes mid-suite does).
+    * Then the rest, files with more slow tests first (a file's count of them is a fair guess at its time), so the
+      last files the lanes take are the small ones that even them out; each ``cluster`` file followed by
+      :data:`CLUSTER_SPACING` ordinary ones, so the other lane is on ordinary files while one runs a cluster file
+      (two cluster files at once take turns test by test, each lane idle while the other's test runs).
+    """
+
+    def phase(marks: FileMarks) -> int:
+        return 0 if marks.alone == marks.tests else 1 if marks.alone else 2
+
+    ordered = sorted(files, key=lambda f: (phase(files[f]), -files[f].slow))  # stable: collection order
+    rest = [f for f in ordered if phase(files[f]) == 2]
+    ordinary = [f for f in rest if not files[f].cluster]
+    spread: list[Hashable] = []
+    for cluster in (f for f in rest if files[f].cluster):
+        spread += [cluster, *ordinary[:CLUSTER_SPACING]]
+        del ordinary[:CLUSTER_SPACING]
+    return [f for f in ordered if phase(files[f]) < 2] + spread + ordinary

@@ -19,7 +19,7 @@ from src.launch.ps import run_local
 from src.metrics import read_events
 from tests.ps_fixtures import ps_config
 
-pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HEARTBEAT = {"system__heartbeat_interval": 0.5, "system__heartbeat_timeout": 3.0}
 NUM_TRAIN = 4000  # all of mnist_5k's training split

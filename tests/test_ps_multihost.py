@@ -23,8 +23,8 @@ from src.metrics import read_events
 from tests.netns_fixtures import remove_namespace
 from tests.ps_fixtures import ROOT, TOKEN, kill_group, run_cli
 
-# The runs that only train across the hosts share the machine with an ordinary test (``cluster``); those that time a
-# worker's silence (a kill, a partition) have it to themselves (``alone``).
+# Every run across the hosts shares the machine with an ordinary test (``cluster``): those that detect a worker's
+# silence (a kill, a partition) do so from a 3 s heartbeat timeout, with seconds of margin around it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SERVER_IP, WORKER_IPS = "10.77.0.1", ("10.77.0.2", "10.77.0.3")
@@ -306,7 +306,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.alone
+@pytest.mark.cluster
 def test_a_worker_killed_on_its_host_is_survived_and_rejoins_when_started_again(hosts, tmp_path):
     """Worker 1's host kills it mid-run: the server fails it after the heartbeat timeout and goes on (no hang);
     started again by hand, it registers as a new incarnation and trains until the run ends."""
@@ -396,7 +396,7 @@ def _partition_server_args(tmp_path, logs):
     return [*flags.split(), "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(logs / "server_host")]
 
 
-@pytest.mark.alone
+@pytest.mark.cluster
 def test_a_worker_partitioned_for_10s_is_failed_rejoins_by_itself_and_finishes(hosts, tmp_path):
     """Worker 1's link goes down for 10 s mid-run (its process runs on): the server fails it after the 3 s
     heartbeat timeout and goes on with worker 0; back online, worker 1's next call is refused (ABORTED),

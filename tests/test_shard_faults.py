@@ -27,7 +27,7 @@ from src.coordinator import check_coverage, check_shards
 from src.metrics import read_events
 from tests.ps_fixtures import RUNNER, kill_group, ps_config
 
-pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_TRAIN = 2000  # of mnist_5k's training split
 KILL_AFTER_VERSION = 25
