@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,8 @@ from src.metrics import MetricsLogger
 from src.ps.shards.shard_zero import Sharding
 from src.ps.worker import (
     Connections,
-    Heartbeats,
     IncarnationRevoked,
     Membership,
-    PushStreams,
     Rejoined,
     Rejoins,
     StepMachine,
@@ -61,8 +59,8 @@ from src.telemetry import tracing
 from src.trainer import load_split, model_from_config, resolve_device
 from src.transport.clients import make_client
 from src.transport.settings import require_auth_token
-from src.transport.stream import PushStream, ReplyBroken
-from src.transport.wire import Received, chunk_size
+from src.transport.stream import ReplyBroken
+from src.transport.wire import Received
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +136,6 @@ class Worker:
             SetupError: the local model does not match the server's layout.
         """
         connections = self.connections = Connections([self._client(self.address)], name=f"worker-{self.worker_id}")
-        heartbeats = None
         try:
             registration = connections.run(self.membership.register())
             config = merge_run_config(self.local_config, registration.run_config_json)
@@ -155,23 +152,13 @@ class Worker:
             for client in connections.clients:
                 client.uplink = link_or_none(conditions.uplink)
             self.compute_delay = ComputeDelay(conditions, worker_seed(config.training.seed, self.worker_id))
-            interval = config.system.heartbeat_interval
-            shard_0 = connections.clients[0]
-            heartbeats = Heartbeats(
-                lambda: shard_0.heartbeat(self.membership.caller, self.stats(), timeout=interval * 2),
-                interval,
-                name=f"worker-{self.worker_id}-heartbeat",
-            )
-            heartbeats.start()
+            name = f"worker-{self.worker_id}-heartbeat"
+            connections.start_heartbeats(self.membership, self.stats, config.system.heartbeat_interval, name)
             return self._train(config, registration)
         finally:
             connections.close()
             if self.streamed is not None:
                 self.streamed.close()
-            if heartbeats is not None:
-                heartbeats.stop_and_close(connections.clients[0].close)
-            else:
-                connections.clients[0].close()
 
     def _train(self, config: Config, registration: pb.RegisterReply) -> dict[str, Any]:
         t, system = config.training, config.system
@@ -267,9 +254,8 @@ class Worker:
             outcome = connections.run(machine.push(request, payloads, compute.buffers_to_send(batches)))
         if isinstance(outcome, Rejoined):
             return self._pulled(outcome.work)
-        payload_bytes = sum(chunk_size(p) for shard in payloads for p in shard)
         times = (computed - started, compressed - computed, time.perf_counter() - compressed)
-        machine.settle(outcome, connections.figures(*times, payload_bytes))
+        machine.settle(outcome, connections.figures(*times, payloads))
         tracing.record("step", started, time.perf_counter(), step=machine.totals["steps"])
         return outcome
 
@@ -285,23 +271,14 @@ class Worker:
         machine, compute, connections, streamed = self.machine, self.compute, self.connections, self.streamed
         batches = list(received.message.work.batches)
         self._generation += 1
-        generation = self._generation
-
-        def encode(shard: int, position: int) -> Any:  # on a push's thread, while backward goes on
-            with tracing.span("compress", shard=shard, part=position):
-                return machine.encode_part(shard, position, lambda index: compute.gradient(index, batches))
-
-        def ended(stream: PushStream, done: Future) -> None:  # on the push's thread: the reply is in, or it failed
-            if stream.first_sent is not None:  # the push in flight, hidden or not (reply_wait: what was not)
-                tracing.record("push", stream.first_sent, time.perf_counter(), step=machine.totals["steps"] + 1)
-            if done.exception() is not None:
-                streamed.reply_broken(generation, done.exception())
-
+        gradient_of = partial(compute.gradient, batches=batches)
         pieced = self.pipelined  # large parts in pieces only for a server that reads them as they come
-        streams = connections.open_streams(encode, streamed.on_large(generation), pieced=pieced, on_end=ended)
+        push = connections.open_push(
+            machine, streamed, gradient_of, compute.names, generation=self._generation, pieced=pieced, traced=True
+        )
         waited_before = streamed.waited_s
         started = time.perf_counter()
-        streamed.begin_push(PushStreams(streams, machine.codec.slices_of(compute.names)))
+        streamed.begin_push(push)
         try:
             loss, correct, _ = self._compute(batches, started)
         except ReplyBroken as broken:  # the previous reply's tensors stopped coming: pull them, compute again
@@ -324,14 +301,10 @@ class Worker:
         if isinstance(outcome, Rejoined):
             return self._pulled(outcome.work)
         head_in = time.perf_counter()
-        if machine.placement is None:
-            streamed.expect(generation)  # the next forward waits for this reply's tensors, module by module
-        else:
-            streamed.loaded()  # the pulls brought every slice
-        payload_bytes = sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded)
-        encode_s = sum(stream.encode_s for stream in streams)
-        times = (computed - started - forward_waits, encode_s, head_in - computed + forward_waits)
-        machine.settle(outcome, connections.figures(*times, payload_bytes))
+        # the next forward waits for this reply's tensors, module by module (a sharded server's pulls brought them)
+        streamed.expect(self._generation if machine.placement is None else 0)
+        times = (computed - started - forward_waits, head_in - computed + forward_waits)
+        machine.settle(outcome, connections.streamed_figures(*times))
         tracing.record("step", started, head_in, step=machine.totals["steps"])
         return outcome
 

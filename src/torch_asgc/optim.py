@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,7 +40,6 @@ from src.config import SetupError
 from src.ps.worker import PushCodec, PushStreams, Rejoined
 from src.training.lr_schedule import is_constant
 from src.transport.stream import PushStream
-from src.transport.wire import chunk_size
 
 from .client import WorkerClient
 from .wrapped import WrappedOptimizer, differences
@@ -269,23 +267,19 @@ class DistributedOptimizer(WrappedOptimizer):
             self._step_streamed(push, request, started, computed)
         else:
             outcome = self.client.run(self.machine.push(request, payloads, model.buffer_views()))
-            payload_bytes = sum(chunk_size(p) for shard in payloads for p in shard)
             times = (computed - started, compressed - computed, time.perf_counter() - compressed)
-            self._settle(outcome, payload_bytes, *times)
+            self._settle(outcome, lambda: self.client.connections.figures(*times, payloads))
         self._mark_wrapped_stepped()
         self.steps += 1
         return loss
 
-    def _settle(
-        self, outcome: Any, payload_bytes: int, gradient_s: float, compression_s: float, communication_s: float
-    ) -> None:
-        """The push's reply settled and counted by the step machine (the model holds its parameters then); a push
-        lost with a session was settled by the registration, and the parameters pulled."""
+    def _settle(self, outcome: Any, figures: Callable[[], Any]) -> None:
+        """The push's reply settled and counted by the step machine with ``figures()`` (the model holds its
+        parameters then); a push lost with a session was settled by the registration, and the parameters pulled."""
         if isinstance(outcome, Rejoined):
             self.client.model.loaded()
-            return
-        times = (gradient_s, compression_s, communication_s)
-        self.machine.settle(outcome, self.client.connections.figures(*times, payload_bytes))
+        else:
+            self.machine.settle(outcome, figures())
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
@@ -296,30 +290,21 @@ class DistributedOptimizer(WrappedOptimizer):
         if not self.streaming:
             return None
         model, machine = self.client.model, self.machine
-        streamed = model.streamed
         self._generation += 1
-        generation = self._generation
         params = [p for _, p in model.trainable]
 
         def gradient_of(index: int) -> torch.Tensor:
             grad = params[index].grad
             return grad if grad is not None else torch.zeros_like(params[index], dtype=torch.float32)
 
-        def encode(shard: int, position: int) -> Any:  # on the shard's push thread, while backward goes on
-            return machine.encode_part(shard, position, gradient_of)
-
-        def ended(_stream: PushStream, call: Future) -> None:  # the reply is in, or the call failed
-            if call.exception() is not None:  # after its head: the forward pulls
-                streamed.reply_broken(generation, call.exception())
-
         generator_state = machine.codec.generator.get_state()
-        streamed.repeated = 0
-        pieced = self.client.config.system.pipelined_replies
-        streams = self.client.connections.open_streams(
-            encode, streamed.on_large(generation), pieced=pieced, on_end=ended
-        )
-        self._open = _OpenPush(streams, generation, generator_state)
-        return PushStreams(streams, machine.codec.slices_of(model.parameter_names))
+        model.streamed.repeated = 0
+        push = self.client.connections.open_push(
+            machine, model.streamed, gradient_of, model.parameter_names, generation=self._generation,
+            pieced=self.client.config.system.pipelined_replies,
+        )  # fmt: skip
+        self._open = _OpenPush(push.streams, self._generation, generator_state)
+        return push
 
     def _streamable(self, push: _OpenPush, found_inf: Any) -> _OpenPush | None:
         """``push`` if it holds this step's gradient as the unstreamed push would; ``None`` (given up) after a
@@ -365,16 +350,12 @@ class DistributedOptimizer(WrappedOptimizer):
             model.reply_call = self.client.connections.stream_calls[0]
         outcome = self.client.run(self.machine.push(request, [], model.buffer_views(), streamed=True))
         head_in = time.perf_counter()
-        if not isinstance(outcome, Rejoined) and model.placement is None:
-            streamed.expect(push.generation)  # the next forward waits for this reply's tensors, module by module
-        elif not isinstance(outcome, Rejoined):
-            model.loaded()  # the pulls brought every slice
+        # the next forward waits for this reply's tensors, module by module (sharded: the pulls brought every slice)
+        streamed.expect(push.generation if model.placement is None and not isinstance(outcome, Rejoined) else 0)
         waited, self._waited_s = streamed.waited_s - self._waited_s, streamed.waited_s
-        streams = push.streams
-        payload_bytes = sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded)
-        encode_s = sum(stream.encode_s for stream in streams)
         # exposed: the wait for the head, and the forwards' waits for tensors
-        self._settle(outcome, payload_bytes, computed - started, encode_s, head_in - computed + waited)
+        figures = (computed - started, head_in - computed + waited)
+        self._settle(outcome, lambda: self.client.connections.streamed_figures(*figures))
 
     def _warn_no_samples(self) -> None:
         """Once per optimizer: no forward counted a batch since the last step, so the push is counted as 1 sample."""
