@@ -34,14 +34,12 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector
 from src.config import Config, SetupError
 from src.emulation.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
-from src.metrics import MetricsLogger
 from src.ps.shards.shard_zero import Sharding
 from src.ps.worker import (
     Connections,
@@ -53,6 +51,7 @@ from src.ps.worker import (
     StreamedModel,
     WorkerCompute,
     check_layout,
+    worker_log,
 )
 from src.ps.worker.run_config import merge_run_config
 from src.telemetry import tracing
@@ -167,12 +166,7 @@ class Worker:
         sharded = len(self.connections.clients) > 1
         placement = Sharding.of_run(model, system, self.token).placement if sharded else None
         check_layout(self.worker_id, config, model, registration, placement)
-        with MetricsLogger(
-            Path(system.log_dir) / f"worker_{self.worker_id}",
-            tensorboard=self.tensorboard and "tensorboard" in config.metrics.trackers,
-            role="worker",
-            worker=self.worker_id,
-        ) as log:
+        with worker_log(config, self.worker_id, tensorboard=self.tensorboard) as log:
             compute = self.compute = WorkerCompute(
                 config, self.worker_id, model=model, train_set=load_split(config, "train"), device=device, log=log,
                 faults=self.faults,
@@ -183,10 +177,7 @@ class Worker:
             if system.streaming:
                 self.streamed = StreamedModel(model, compute.params, compute.buffers)
                 self.pipelined = system.pipelined_replies
-            received = self._pulled(self.connections.run(machine.pull_everything()))
-            log.event(
-                "run_start", address=self.address, incarnation=self.membership.incarnation, version=machine.version
-            )
+            received = self._pulled(self.connections.run(machine.start(self.address)))
             logger.info(
                 "worker %d: registered with %s as incarnation %d at version %d (%s)",
                 self.worker_id,

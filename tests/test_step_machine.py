@@ -303,3 +303,14 @@ def test_the_controllers_active_fraction_applies_from_the_next_push_and_is_an_ev
     assert (event["step"], event["compression_ratio"], event["previous_compression_ratio"]) == (2, 0.25, 0.5)
     [push] = read_events(tmp_path / "events.jsonl", "push")
     assert push["batch_ids"] == [7] and push["push_bytes"] == 120 and push["version"] == 1
+
+
+def test_the_first_pull_is_the_run_start_and_a_steps_figures_count_its_calls_bytes(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        machine = _machine(log=log)
+        received, rounds = drive(machine.start("here:1"), lambda calls: [_reply(pb.PullReply, _tensors(), version=3)])
+    assert [call.method for [call] in rounds] == [PULL] and received.message.version == machine.version == 3
+    [event] = read_events(tmp_path / "events.jsonl", "run_start")
+    assert (event["address"], event["incarnation"], event["version"]) == ("here:1", machine.membership.incarnation, 3)
+    figures = StepFigures.of((0.1, 0.01, 0.2), 100, [(70, 30), (50, 100)], (1000, 2000))
+    assert figures == FIGURES

@@ -27,7 +27,6 @@ import random
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -49,6 +48,7 @@ from src.ps.worker import (
     StepMachine,
     WorkerCompute,
     check_layout,
+    worker_log,
 )
 from src.ps.worker.calls import FINISH, PULL, PUSH, REGISTER
 from src.transport.errors import CallError
@@ -278,13 +278,7 @@ class VirtualWorker:
     def _first_registration(self, registration: pb.RegisterReply) -> None:
         run, config, system = self.run, self.config, self.config.system
         check_layout(self.worker_id, config, run.compute_model, registration, run.placement)
-        self.log = MetricsLogger(
-            Path(system.log_dir) / f"worker_{self.worker_id}",
-            tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
-            role="worker",
-            worker=self.worker_id,
-            clock=run.clock.time,
-        )
+        self.log = worker_log(config, self.worker_id, tensorboard=run.tensorboard, clock=run.clock.time)
         compute = self.compute = WorkerCompute(
             config, self.worker_id, model=run.compute_model, train_set=run.train_set, device=torch.device("cpu"),
             log=self.log, replica=self.replica, faults=self.faults, fire_fault=self._fault,
@@ -294,14 +288,7 @@ class VirtualWorker:
             self.membership, system, placement=run.placement, stats=self._stats, request_ids=seed.getrandbits(62) or 1
         )
         self._heartbeat(self.process, self._new_heartbeat_chain())
-        self._run(self.machine.pull_everything(), self._started)
-
-    def _started(self, received: Received) -> None:
-        self.arriving = set()  # every tensor loaded: the next forward waits for none
-        self.log.event(
-            "run_start", address="virtual", incarnation=self.membership.incarnation, version=self.machine.version
-        )
-        self._work(received)
+        self._run(self.machine.start("virtual"), self._pulled)
 
     def _new_heartbeat_chain(self) -> int:
         self.beating += 1
@@ -348,8 +335,11 @@ class VirtualWorker:
 
     def _rejoined(self, rejoined: Rejoined) -> None:
         """A call was lost with a session: the machine registered again and pulled every tensor."""
-        self.arriving = set()
-        self._work(rejoined.work)
+        self._pulled(rejoined.work)
+
+    def _pulled(self, received: Received) -> None:
+        self.arriving = set()  # every tensor loaded: the next forward waits for none
+        self._work(received)
 
     def _computed(self, process: int, batches: list[pb.Batch], step_s: float, extra_s: float) -> None:
         """The step's compute time has passed: its real gradient and payloads, then the push after ``compress_s``."""
@@ -402,25 +392,12 @@ class VirtualWorker:
         """Settle the step's reply (``figures``: its compute, compression and communication seconds and its payload
         bytes; ``part_bytes``: a streamed push's parts), draw its spans (``spans``: when the step started and its push
         went, its request id) and take the reply's work."""
-        gradient_s, compress_s, communication_s, payload_bytes = figures
         step_started, sent_at, request_id = spans
-        machine, push = self.machine, self.push
-        machine.settle(
-            reply,
-            StepFigures(
-                gradient_time_s=gradient_s,
-                compression_time_s=compress_s,
-                communication_time_s=communication_s,
-                payload_bytes=payload_bytes,
-                push_bytes=part_bytes + sum(sent for sent, _ in push.traffic),
-                reply_bytes=sum(received for _, received in push.traffic),
-                bytes_sent=self.bytes_sent,
-                bytes_received=self.bytes_received,
-            ),
-        )
+        traffic, totals = [(part_bytes, 0), *self.push.traffic], (self.bytes_sent, self.bytes_received)
+        self.machine.settle(reply, StepFigures.of(figures[:3], figures[3], traffic, totals))
         timelines = self.run.timelines
         timelines.worker(self.worker_id, "push", sent_at, request_id=request_id)
-        timelines.worker(self.worker_id, "step", step_started, step=machine.totals["steps"])
+        timelines.worker(self.worker_id, "step", step_started, step=self.machine.totals["steps"])
         self._work(reply)
 
     def _finish(self) -> None:

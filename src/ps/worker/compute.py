@@ -56,6 +56,14 @@ def check_layout(
         )
 
 
+def worker_log(config: Config, worker_id: int, *, tensorboard: bool, **clock: Any) -> MetricsLogger:
+    """Worker ``worker_id``'s event log, ``<log_dir>/worker_<k>`` (TensorBoard scalars beside it when
+    ``tensorboard`` and the run's trackers name it; ``clock``: a virtual run's)."""
+    tensorboard = tensorboard and "tensorboard" in config.metrics.trackers
+    path = Path(config.system.log_dir) / f"worker_{worker_id}"
+    return MetricsLogger(path, tensorboard=tensorboard, role="worker", worker=worker_id, **clock)
+
+
 class WorkerCompute:
     """One worker's gradients (see the module docstring).
 
@@ -248,4 +256,4 @@ class WorkerCompute:
         )
 
 
-__all__ = ["MAX_OVERFLOW_RETRIES", "WorkerCompute", "check_layout"]
+__all__ = ["MAX_OVERFLOW_RETRIES", "WorkerCompute", "check_layout", "worker_log"]

@@ -68,17 +68,12 @@ class Connections:
         self.traffic: list[tuple[int, int]] = []
         return run_blocking(exchange, self.perform, self.pool)
 
-    @property
-    def exchanged(self) -> tuple[int, int]:
-        """The bytes the last :meth:`run`'s calls sent and received (a streamed push's: its stream's, every part)."""
-        return sum(sent for sent, _ in self.traffic), sum(received for _, received in self.traffic)
-
     def figures(
         self, gradient_s: float, compression_s: float, communication_s: float, payloads: Sequence[Sequence[Any]]
     ) -> StepFigures:
         """The step just pushed, as :meth:`StepMachine.settle <src.ps.worker.machine.StepMachine.settle>` counts it:
-        the driver's seconds, the bytes of each shard's ``payloads`` and those the push's calls moved
-        (:attr:`exchanged`)."""
+        the driver's seconds, the bytes of each shard's ``payloads`` and those the push's calls moved (:attr:`traffic`;
+        a streamed push's: its stream's, every part)."""
         payload_bytes = sum(chunk_size(payload) for shard in payloads for payload in shard)
         return self._figures(gradient_s, compression_s, communication_s, payload_bytes)
 
@@ -89,14 +84,9 @@ class Connections:
         encode_s = sum(stream.encode_s for stream in self.streams)
         return self._figures(gradient_s, encode_s, communication_s, payload_bytes)
 
-    def _figures(
-        self, gradient_s: float, compression_s: float, communication_s: float, payload_bytes: int
-    ) -> StepFigures:
-        push_bytes, reply_bytes = self.exchanged
-        return StepFigures(
-            gradient_s, compression_s, communication_s, payload_bytes, push_bytes, reply_bytes, self.bytes_sent,
-            self.bytes_received,
-        )  # fmt: skip
+    def _figures(self, gradient_s: float, compression_s: float, communication_s: float, payload_bytes: int):
+        seconds = (gradient_s, compression_s, communication_s)
+        return StepFigures.of(seconds, payload_bytes, self.traffic, (self.bytes_sent, self.bytes_received))
 
     def stats(self, machine: StepMachine | None, total_time_s: float, emulated_delay_s: float = 0.0) -> pb.WorkerStats:
         """What this process reports with heartbeats and at Finish: ``machine``'s totals (``None``: not yet built)
