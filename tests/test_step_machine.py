@@ -22,7 +22,7 @@ from src.compressors.policy import CompressionPolicy
 from src.metrics import MetricsLogger, read_events
 from src.ps.shards.placement import layout_of, place
 from src.ps.worker import Membership, PushCodec, Rejoined, Rejoins, StepFigures, StepMachine
-from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call
+from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call, run_callbacks
 from src.ps.worker.membership import IncarnationRevoked
 from src.transport.errors import CallError
 from src.transport.wire import Outgoing, Received, serialize, split, tensor_view
@@ -314,3 +314,19 @@ def test_the_first_pull_is_the_run_start_and_a_steps_figures_count_its_calls_byt
     assert (event["address"], event["incarnation"], event["version"]) == ("here:1", machine.membership.incarnation, 3)
     figures = StepFigures.of((0.1, 0.01, 0.2), 100, [(70, 30), (50, 100)], (1000, 2000))
     assert figures == FIGURES
+
+
+def test_an_exchange_carried_by_callbacks_goes_round_by_round_and_hands_what_it_raises_on():
+    machine, sent, outcomes, errors, held = _machine(), [], [], [], []
+
+    def message(call: Call) -> Callable:
+        sent.append(call.method)  # made now; sent when the driver says
+        return lambda reply: reply(_reply(pb.PullReply, _tensors(), version=4))
+
+    run_callbacks(machine.pull_everything(), message, outcomes.append, start=held.append)
+    assert sent == [PULL] and outcomes == []
+    held[0]()
+    assert outcomes[0].message.version == machine.version == 4
+    refused = lambda call: lambda reply: reply(CallError("PERMISSION_DENIED", "no"))  # noqa: E731
+    run_callbacks(machine.pull_everything(), refused, outcomes.append, failed=errors.append)
+    assert len(outcomes) == 1 and errors[0].code == "PERMISSION_DENIED"

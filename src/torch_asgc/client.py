@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, SystemConfig, validate_config
 from src.ps.worker import Connections, Exchange, IncarnationRevoked, Membership, Rejoins, StepMachine
-from src.transport.clients import TRANSPORTS, make_client
+from src.transport.clients import make_client, transport_of
 from src.transport.settings import AUTH_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
@@ -190,25 +190,6 @@ class WorkerClient:
     def stats(self) -> pb.WorkerStats:
         """This process's running totals (read by the heartbeat thread too)."""
         return self.connections.stats(self.machine, time.perf_counter() - self._started)
-
-
-def transport_of(address: str, transport: str | None) -> tuple[str, str]:
-    """``(host:port, transport)`` of an address that may name its transport (``tcp://host:port``,
-    ``grpc://host:port``); a plain ``host:port`` uses ``transport`` (default gRPC).
-
-    Raises:
-        SetupError: an unknown scheme, or a scheme and a ``transport`` that disagree.
-    """
-    scheme, separator, rest = address.partition("://")
-    if not separator:
-        return address, transport or "grpc"
-    if scheme not in TRANSPORTS:
-        raise SetupError(
-            f"address {address!r}: unknown transport {scheme!r} (use {' or '.join(f'{t}://' for t in TRANSPORTS)})"
-        )
-    if transport is not None and transport != scheme:
-        raise SetupError(f"address {address!r} names transport {scheme!r}, but transport={transport!r}")
-    return rest, scheme
 
 
 def connect(

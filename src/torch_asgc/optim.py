@@ -33,36 +33,16 @@ from typing import Any, Callable
 
 import torch
 
-from src.compression import Compressor
 from src.compressors.error_feedback import ErrorFeedback
-from src.compressors.policy import CompressionPolicy, policy_from_config
+from src.compressors.policy import CompressionPolicy
 from src.config import SetupError
 from src.ps.worker import PushCodec, PushStreams, Rejoined
+from src.ps.worker.codec import resolve_compression
 from src.training.lr_schedule import is_constant
 from src.transport.stream import PushStream
 
 from .client import WorkerClient
 from .wrapped import WrappedOptimizer, differences
-
-
-def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | None:
-    """``None``: what the server's config says; ``"none"``: uncompressed; a compressor or a policy: that.
-
-    Raises:
-        ValueError: anything else.
-    """
-    if compression is None:
-        return policy_from_config(system)
-    if isinstance(compression, str) and compression in ("none", "identity"):
-        return None
-    if isinstance(compression, CompressionPolicy):
-        return compression
-    if isinstance(compression, Compressor):
-        return CompressionPolicy(compression)
-    raise ValueError(
-        f"compression: expected None (the server's setting), 'none', a Compressor "
-        f"(src.compression.build_compressor) or a CompressionPolicy, got {compression!r}"
-    )
 
 
 @dataclass
@@ -191,7 +171,7 @@ class DistributedOptimizer(WrappedOptimizer):
         """The wrapped optimizer's state, the error-feedback residuals and the step counts."""
         return {
             "optimizer": self.wrapped.state_dict(),
-            "error_feedback": self.feedback.state_dict() if self.feedback is not None else None,
+            "error_feedback": self.codec.residual_state(),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
         }
@@ -202,13 +182,7 @@ class DistributedOptimizer(WrappedOptimizer):
             self.wrapped.load_state_dict(state_dict)
             return
         self.wrapped.load_state_dict(state_dict["optimizer"])
-        residuals = state_dict["error_feedback"]
-        if residuals is not None:
-            if self.feedback is None:
-                self.feedback = ErrorFeedback()
-            self.feedback.load_state_dict(residuals)
-        elif self.feedback is not None:
-            self.feedback.reset()
+        self.codec.load_residuals(state_dict["error_feedback"])
         self.steps = int(state_dict.get("steps", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 

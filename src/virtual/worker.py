@@ -50,7 +50,7 @@ from src.ps.worker import (
     check_layout,
     worker_log,
 )
-from src.ps.worker.calls import FINISH, PULL, PUSH, REGISTER
+from src.ps.worker.calls import FINISH, PULL, PUSH, REGISTER, run_callbacks
 from src.transport.errors import CallError
 from src.transport.stream import SliceStage, part_pieces, part_size
 from src.transport.wire import Outgoing, Received, chunk_size, serialize, split
@@ -189,41 +189,26 @@ class VirtualWorker:
     def _run(
         self, exchange: Exchange, done: Callable[[Any], None], start: Callable[[Callable[[], None]], None] | None = None
     ) -> None:
-        """Carry ``exchange`` on the event loop: each round's calls at once, ``done(outcome)`` once it returns. The
-        first round's messages are made now (its push's payloads may be views of the gradient the shared compute
-        model holds now) and sent by ``start(send)`` (default: at once). A call the machine does not recover from is
-        the run's error; a revoked incarnation with no rejoin left exits 1 (the launcher restarts it)."""
+        """Carry ``exchange`` on the event loop (:func:`~src.ps.worker.calls.run_callbacks`), ``done(outcome)`` once
+        it returns. The first round's messages are made now (its push's payloads may be views of the gradient the
+        shared compute model holds now) and sent by ``start(send)`` (default: at once), each only while this process
+        runs. A call the machine does not recover from is the run's error; a revoked incarnation with no rejoin left
+        exits 1 (the launcher restarts it)."""
         process = self.process
 
-        def advance(replies: list | None, begin: Callable[[Callable[[], None]], None] | None = None) -> None:
-            try:
-                calls = exchange.send(replies)
-            except StopIteration as stop:
-                done(stop.value)
-                return
-            except IncarnationRevoked:
-                self.end("exited with status 1")
-                return
-            except CallError as error:
-                raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {error}") from None
-            senders = [self._message(call) for call in calls]
-            replies_in: list = [None] * len(calls)
-            pending = [len(calls)]
+        def message(call: Call) -> Callable[[Callable[[Any], None]], None]:
+            send = self._message(call)
+            return lambda reply: send(reply) if self.reachable(process) else None
 
-            def arrived(index: int, reply: Any) -> None:
-                replies_in[index] = reply
-                pending[0] -= 1
-                if pending[0] == 0:
-                    advance(replies_in)
+        run_callbacks(exchange, message, done, start=start, failed=self._failed)
 
-            def send() -> None:
-                if self.reachable(process):
-                    for index, sender in enumerate(senders):
-                        sender(partial(arrived, index))
-
-            (begin or (lambda go: go()))(send)
-
-        advance(None, start)
+    def _failed(self, error: Exception) -> None:
+        if isinstance(error, IncarnationRevoked):
+            self.end("exited with status 1")
+        elif isinstance(error, CallError):
+            raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {error}") from None
+        else:
+            raise error
 
     def _message(self, call: Call) -> Callable[[Callable[[Any], None]], None]:
         """``call``'s message, made now; what sends it and hands its reply (or its :class:`CallError`) on."""

@@ -23,9 +23,9 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from src.common.seeds import derive_seed
-from src.compression import IDENTITY, TopKCompressor
+from src.compression import IDENTITY, Compressor, TopKCompressor
 from src.compressors.error_feedback import ErrorFeedback
-from src.compressors.policy import CompressionPolicy
+from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.ps.shards.placement import Placement
 
 
@@ -107,6 +107,26 @@ def shard_gradients(
     ]
 
 
+def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | None:
+    """``None``: what the server's config says; ``"none"``: uncompressed; a compressor or a policy: that.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if compression is None:
+        return policy_from_config(system)
+    if isinstance(compression, str) and compression in ("none", "identity"):
+        return None
+    if isinstance(compression, CompressionPolicy):
+        return compression
+    if isinstance(compression, Compressor):
+        return CompressionPolicy(compression)
+    raise ValueError(
+        f"compression: expected None (the server's setting), 'none', a Compressor "
+        f"(src.compression.build_compressor) or a CompressionPolicy, got {compression!r}"
+    )
+
+
 class PushCodec:
     """One worker's encode and settle, on one server or on every shard of a sharded one (see the module docstring).
 
@@ -174,6 +194,19 @@ class PushCodec:
         placement = self.placement
         where = {s.key: (k, i) for k in range(placement.num_shards) for i, s in enumerate(placement.on_shard(k))}
         return [[where[s.key] for s in placement.of_tensor(name)] for name in names]
+
+    def residual_state(self) -> dict[str, Any] | None:
+        """The error-feedback residuals as a state dict (``None``: no error feedback)."""
+        return self.feedback.state_dict() if self.feedback is not None else None
+
+    def load_residuals(self, state: dict[str, Any] | None) -> None:
+        """Take back :meth:`residual_state` (``None``: no residuals; error feedback, if on, starts from zero)."""
+        if state is not None:
+            if self.feedback is None:
+                self.feedback = ErrorFeedback()
+            self.feedback.load_state_dict(state)
+        elif self.feedback is not None:
+            self.feedback.reset()
 
     def settle(self, shard: int, *, accepted: bool) -> None:
         """Shard ``shard``'s verdict on its slices (one server: ``0``, every tensor): commit, or roll back."""
