@@ -23,6 +23,7 @@ from src.metrics import MetricsLogger, read_events
 from src.ps.shards.placement import layout_of, place
 from src.ps.worker import Membership, PushCodec, Rejoined, Rejoins, StepFigures, StepMachine
 from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call, run_callbacks
+from src.ps.worker.codec import all_finite, named_gradients
 from src.ps.worker.membership import IncarnationRevoked
 from src.transport.errors import CallError
 from src.transport.wire import Outgoing, Received, serialize, split, tensor_view
@@ -330,3 +331,15 @@ def test_an_exchange_carried_by_callbacks_goes_round_by_round_and_hands_what_it_
     refused = lambda call: lambda reply: reply(CallError("PERMISSION_DENIED", "no"))  # noqa: E731
     run_callbacks(machine.pull_everything(), refused, outcomes.append, failed=errors.append)
     assert len(outcomes) == 1 and errors[0].code == "PERMISSION_DENIED"
+
+
+def test_the_codec_gives_each_slices_share_of_its_tensor_and_a_users_gradients_unscaled_zeros_for_none():
+    codec = _machine(shards=2).codec
+    shares = codec.shares_of(NAMES, [12, 3])
+    assert [[(k, position) for k, position, _ in parts] for parts in shares] == codec.slices_of(NAMES)
+    assert [sum(share for _, _, share in parts) for parts in shares] == pytest.approx([1.0, 1.0])
+    trainable = [("w", torch.zeros(2)), ("b", torch.zeros(1))]
+    named = named_gradients(trainable, [torch.full((2,), 4.0), None], torch.tensor(2.0))
+    assert [n for n, _ in named] == ["w", "b"] and torch.equal(named[0][1], torch.full((2,), 2.0))
+    assert torch.equal(named[1][1], torch.zeros(1))
+    assert all_finite([None, torch.ones(2)]) and not all_finite([torch.tensor([float("inf")])])

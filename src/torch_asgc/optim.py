@@ -34,10 +34,9 @@ from typing import Any, Callable
 import torch
 
 from src.compressors.error_feedback import ErrorFeedback
-from src.compressors.policy import CompressionPolicy
 from src.config import SetupError
 from src.ps.worker import PushCodec, PushStreams, Rejoined
-from src.ps.worker.codec import resolve_compression
+from src.ps.worker.codec import all_finite, named_gradients, resolve_compression
 from src.training.lr_schedule import is_constant
 from src.transport.stream import PushStream
 
@@ -141,10 +140,6 @@ class DistributedOptimizer(WrappedOptimizer):
         return self.machine.codec
 
     @property
-    def policy(self) -> CompressionPolicy | None:
-        return self.codec.policy
-
-    @property
     def feedback(self) -> ErrorFeedback | None:
         """The error-feedback residuals (``None``: no error feedback)."""
         return self.codec.feedback
@@ -152,10 +147,6 @@ class DistributedOptimizer(WrappedOptimizer):
     @feedback.setter
     def feedback(self, value: ErrorFeedback | None) -> None:
         self.codec.feedback = value
-
-    @property
-    def generator(self) -> torch.Generator:
-        return self.codec.generator
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's; a streamed push opened by a backward since the last step is given up first
@@ -214,7 +205,7 @@ class DistributedOptimizer(WrappedOptimizer):
         grad_scale = getattr(self, "grad_scale", None)  # None: already unscaled (scaler.unscale_), or no scaler
         if push is not None:
             push = self._streamable(push, found_inf)
-        if bool(found_inf > 0) if found_inf is not None else not _all_finite(gradients):
+        if bool(found_inf > 0) if found_inf is not None else not all_finite(gradients):
             if push is not None:  # its parts are dropped; the skip goes as it does unstreamed
                 self._abandon(push, RuntimeError("a step skipped for non-finite gradients"))
             self.skipped_steps += 1
@@ -228,7 +219,7 @@ class DistributedOptimizer(WrappedOptimizer):
         computed = time.perf_counter()
         if push is None:
             model.wait_for_reply()  # a streamed reply still arriving is in before this push's reply is loaded
-            payloads = self.machine.encode(_named_gradients(model.trainable, gradients, grad_scale))
+            payloads = self.machine.encode(named_gradients(model.trainable, gradients, grad_scale))
         compressed = time.perf_counter()
         request = self.machine.request(
             samples=samples,
@@ -358,27 +349,6 @@ class DistributedOptimizer(WrappedOptimizer):
             )
             self._warned_schedule = True
         return float(group["lr"])
-
-
-def _named_gradients(
-    trainable: list[tuple[str, torch.Tensor]], gradients: list[torch.Tensor | None], grad_scale: torch.Tensor | None
-) -> list[tuple[str, torch.Tensor]]:
-    """Each trainable parameter's gradient by name: zeros for a parameter without one, unscaled by a GradScaler's
-    ``grad_scale`` when the scaler left it scaled."""
-    inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-    named = []
-    for (name, param), gradient in zip(trainable, gradients):
-        if gradient is None:
-            gradient = torch.zeros_like(param, dtype=torch.float32)
-        elif inverse_scale is not None:
-            gradient = gradient.float() * inverse_scale.to(gradient.device)
-        named.append((name, gradient))
-    return named
-
-
-def _all_finite(gradients: list[torch.Tensor | None]) -> bool:
-    checks = [torch.isfinite(g).all() for g in gradients if g is not None]
-    return bool(torch.stack(checks).all()) if checks else True
 
 
 __all__ = ["DistributedOptimizer", "resolve_compression"]

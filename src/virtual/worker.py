@@ -415,12 +415,8 @@ class VirtualWorker:
         loss, correct, _ = compute.compute(batches, machine.version, machine.totals["steps"] + 1)
         handed = run.gradient_order.end()
         # (gradient, shard, its position there, its share of the gradient): one part a gradient, or one a slice
-        placement, slices = run.placement, machine.codec.slices_of(compute.names)
-        units = [
-            (index, k, position, 1.0 if placement is None else placement.on_shard(k)[position].numel /
-            compute.params[index].numel()) for index in handed
-            for k, position in slices[index]
-        ]  # fmt: skip
+        shares = machine.codec.shares_of(compute.names, [p.numel() for p in compute.params])
+        units = [(index, k, position, share) for index in handed for k, position, share in shares[index]]
         gradient_of = partial(compute.gradient, batches=batches)
         parts = [(k, position, machine.encode_part(k, position, gradient_of)) for _, k, position, _ in units]
         run.compute_wall_s += time.perf_counter() - computing

@@ -127,6 +127,28 @@ def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | No
     )
 
 
+def named_gradients(
+    trainable: list[tuple[str, torch.Tensor]], gradients: list[torch.Tensor | None], grad_scale: torch.Tensor | None
+) -> list[tuple[str, torch.Tensor]]:
+    """Each trainable parameter's gradient by name: zeros for a parameter without one, unscaled by a GradScaler's
+    ``grad_scale`` when the scaler left it scaled."""
+    inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+    named = []
+    for (name, param), gradient in zip(trainable, gradients):
+        if gradient is None:
+            gradient = torch.zeros_like(param, dtype=torch.float32)
+        elif inverse_scale is not None:
+            gradient = gradient.float() * inverse_scale.to(gradient.device)
+        named.append((name, gradient))
+    return named
+
+
+def all_finite(gradients: list[torch.Tensor | None]) -> bool:
+    """Whether every gradient (``None``: none) holds only finite values."""
+    checks = [torch.isfinite(g).all() for g in gradients if g is not None]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
 class PushCodec:
     """One worker's encode and settle, on one server or on every shard of a sharded one (see the module docstring).
 
@@ -207,6 +229,14 @@ class PushCodec:
             self.feedback.load_state_dict(state)
         elif self.feedback is not None:
             self.feedback.reset()
+
+    def shares_of(self, names: Sequence[str], numels: Sequence[int]) -> list[list[tuple[int, int, float]]]:
+        """:meth:`slices_of` with each part's share of its tensor (``numels``: the tensors' sizes; one server: 1)."""
+        on_shard = self.placement.on_shard if self.placement is not None else None
+        return [
+            [(k, position, 1.0 if on_shard is None else on_shard(k)[position].numel / numel) for k, position in parts]
+            for parts, numel in zip(self.slices_of(names), numels)
+        ]
 
     def settle(self, shard: int, *, accepted: bool) -> None:
         """Shard ``shard``'s verdict on its slices (one server: ``0``, every tensor): commit, or roll back."""
