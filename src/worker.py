@@ -1,32 +1,29 @@
 """A parameter-server worker process: register -> pull -> (train on the handed batches -> push) until finished.
 
-The worker learns the run from the server at registration (the config's training and compression settings and the
-model layout), so a worker on another host needs only the server address and the auth token; its own config keeps
-only what is local to its machine (:data:`LOCAL_FIELDS`).
+The worker learns the run from the server at registration (training and compression settings, the model layout), so
+a worker on another host needs only the server address and the auth token; its own config keeps only what is local
+to its machine (:data:`~src.ps.worker.run_config.LOCAL_FIELDS`).
 
-Per step the server hands the worker batches (sample indices) with the parameters to train on; the worker computes
-their gradient (:class:`~src.ps.worker.compute.WorkerCompute`) and pushes it; the push's reply carries the verdict,
-the next parameters and the next batches: one call per step (a sharded server's: a hold on every shard, a commit,
-a pull from every shard). What it sends and what a reply or a failed call means is the step machine's
-(:class:`~src.ps.worker.machine.StepMachine`: the protocol, the compression and error feedback, registering again
-after a lost session or a revoked incarnation, up to ``system.max_rejoins`` times, then
-:class:`~src.ps.worker.membership.IncarnationRevoked`). This module is its driver in a real process: the calls on
-``system.transport``'s connections (:class:`~src.ps.worker.connections.Connections`), the wall clock, a heartbeat
-thread (every ``system.heartbeat_interval``, with the running totals), emulated stragglers and links.
+Per step the server hands out batches (sample indices) with the parameters; the worker computes their gradient
+(:class:`~src.ps.worker.compute.WorkerCompute`) and pushes it, and the reply carries the verdict, the next parameters
+and the next batches (a sharded server's step: a hold on every shard, a commit, a pull from every shard). What is sent,
+and what a reply or a failed call means, is the step machine's (:class:`~src.ps.worker.machine.StepMachine`: the
+protocol, compression and error feedback, registering again after a lost session or a revoked incarnation, up to
+``system.max_rejoins`` times, then :class:`~src.ps.worker.membership.IncarnationRevoked`). This module drives it in a
+process: the calls on ``system.transport``'s connections (:class:`~src.ps.worker.connections.Connections`, and a
+heartbeat thread with the running totals every ``system.heartbeat_interval``), the wall clock, emulated stragglers and
+links. With ``system.streaming`` the push travels while backward computes, and the next forward takes each layer's
+parameters as the reply brings them (:mod:`src.ps.worker.streaming`).
 
-With ``system.streaming`` the push travels while backward computes (:mod:`src.ps.worker.streaming`): each gradient
-goes as its part as soon as it is ready, and the next forward takes each layer's parameters as the reply brings them.
+Emulation (:mod:`src.emulation.netem`, the run config's ``emulation``): a slowed worker waits after each
+forward/backward (counted as gradient time), and a narrow uplink makes every message wait its transfer time before it
+is sent (counted as communication time); ``emulated_delay_s`` in the totals is the sum of both waits.
 
-Emulation (:mod:`src.emulation.netem`, the run config's ``emulation`` section, learnt from the server): a slowed
-worker waits after each forward/backward (counted as gradient time), and a narrow uplink makes every message wait its
-transfer time in the client before it is sent (counted as communication time); ``emulated_delay_s`` in the totals is
-the sum of both waits.
-
-Measured per worker: gradient time (forward/backward), compression time, communication time (the push round trip,
-including waiting at the sync barrier; the worker computes nothing meanwhile, so all of it is exposed communication,
-:mod:`src.telemetry.exposed_comm`), bytes sent and received (the serialized messages or frames of
-``system.transport``), samples, loss and accuracy. Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the
-totals go to the server with each heartbeat and at Finish, which puts them in the run summary.
+Measured per worker: gradient, compression and communication time (the push round trip, the sync barrier's wait
+included: the worker computes nothing meanwhile, so all of it is exposed communication,
+:mod:`src.telemetry.exposed_comm`), bytes sent and received (the messages or frames of ``system.transport``), samples,
+loss and accuracy. Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the totals go to the server with
+each heartbeat and at Finish, which puts them in the run summary.
 """
 
 from __future__ import annotations

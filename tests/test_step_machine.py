@@ -343,3 +343,10 @@ def test_the_codec_gives_each_slices_share_of_its_tensor_and_a_users_gradients_u
     assert [n for n, _ in named] == ["w", "b"] and torch.equal(named[0][1], torch.full((2,), 2.0))
     assert torch.equal(named[1][1], torch.zeros(1))
     assert all_finite([None, torch.ones(2)]) and not all_finite([torch.tensor([float("inf")])])
+
+
+def test_a_workers_codec_takes_the_runs_error_feedback_unless_told_and_the_compression_it_is_given():
+    plain = PushCodec.of_worker(SimpleNamespace(**vars(SYNC), error_feedback=True), 0, 1, NAMES, compression="none")
+    assert plain.policy is None and plain.feedback is None  # identity payloads in sync: nothing to feed back
+    topk = PushCodec.of_worker(SYNC, 0, 1, NAMES, compression=TopKCompressor(ratio=0.5), error_feedback=True)
+    assert topk.policy.compressor.ratio == 0.5 and topk.feedback is not None

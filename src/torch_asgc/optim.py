@@ -100,15 +100,10 @@ class DistributedOptimizer(WrappedOptimizer):
         self.client = client
         system, training = client.config.system, client.config.training
         self.machine = client.machine
-        self.machine.codec = PushCodec(
-            system,
-            resolve_compression(compression, system),
-            error_feedback=error_feedback,
-            seed=training.seed if seed is None else seed,
-            worker_id=client.worker_id,
-            names=model.parameter_names,
-            placement=model.placement,
-        )
+        self.machine.codec = PushCodec.of_worker(
+            system, training.seed if seed is None else seed, client.worker_id, model.parameter_names, model.placement,
+            compression=compression, error_feedback=error_feedback,
+        )  # fmt: skip
         self.steps = 0
         self.skipped_steps = 0
         self.send_learning_rate = send_learning_rate

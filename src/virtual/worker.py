@@ -307,13 +307,12 @@ class VirtualWorker:
             else:
                 self._finish()
             return
-        if self.config.system.streaming:
-            self._step_streamed(received)
-            return
         batches = list(received.message.work.batches)
-        step_s, extra_s = (
-            self.run.cost.step_s(self.worker_id, sum(len(b.indices) for b in batches)) if batches else (0.0, 0.0)
-        )
+        samples = sum(len(b.indices) for b in batches)
+        step_s, extra_s = self.run.cost.step_s(self.worker_id, samples) if batches else (0.0, 0.0)
+        if self.config.system.streaming:
+            self._step_streamed(batches, step_s, extra_s)
+            return
         process = self.process
         self.step_started = self._now()
         self.run.loop.after(step_s, lambda: self._computed(process, batches, step_s, extra_s))
@@ -400,14 +399,12 @@ class VirtualWorker:
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
-    def _step_streamed(self, received: Received) -> None:
-        """The real streamed worker's step, from now: the forward layer by layer as the reply's tensors arrive,
-        backward handing each gradient's parts to the links, the push's message after it, the step settled when the
-        reply's head is in (see the module docstring)."""
+    def _step_streamed(self, batches: list[pb.Batch], step_s: float, extra_s: float) -> None:
+        """The real streamed worker's step on ``batches`` (``step_s``: its compute seconds, ``extra_s`` of them an
+        emulated straggler's), from now: the forward layer by layer as the reply's tensors arrive, backward handing
+        each gradient's parts to the links, the push's message after it, the step settled when the reply's head is in
+        (see the module docstring)."""
         run, machine, compute, process = self.run, self.machine, self.compute, self.process
-        batches = list(received.message.work.batches)
-        samples_in = sum(len(b.indices) for b in batches)
-        step_s, extra_s = run.cost.step_s(self.worker_id, samples_in) if batches else (0.0, 0.0)
         # The real gradient and parts now (the shared compute model holds this worker's gradient only now), in the
         # order the real worker's hooks hand them over; only when they travel is simulated below.
         computing = time.perf_counter()

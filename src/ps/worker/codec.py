@@ -187,6 +187,27 @@ class PushCodec:
         )
         """Per shard (one server: one), the residual keys its verdict settles."""
 
+    @classmethod
+    def of_worker(
+        cls,
+        system: Any,
+        seed: int,
+        worker_id: int,
+        names: Sequence[str],
+        placement: Placement | None = None,
+        *,
+        compression: Any = None,
+        error_feedback: bool | None = None,
+    ) -> PushCodec:
+        """Worker ``worker_id``'s codec of ``names``, rounding seeded by ``seed``: ``compression`` as
+        :func:`resolve_compression` reads it (``None``: the run's ``system`` settings), ``error_feedback`` (``None``:
+        ``system.error_feedback``)."""
+        policy = resolve_compression(compression, system)
+        feedback = system.error_feedback if error_feedback is None else error_feedback
+        return cls(
+            system, policy, error_feedback=feedback, seed=seed, worker_id=worker_id, names=names, placement=placement
+        )
+
     def encode(self, named_gradients: Iterable[tuple[str, torch.Tensor]], step: int) -> list[list[Any]]:
         """Each shard's payloads (one server: ``[payloads]``), one per tensor or slice; the residuals wait for the
         verdict (:meth:`settle`)."""
