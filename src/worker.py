@@ -1,68 +1,62 @@
 """A parameter-server worker process: register -> pull -> (train on the handed batches -> push) until finished.
 
-The worker learns the run from the server at registration (the config's training and compression settings and the
-model layout), so a worker on another host needs only the server address and the auth token; its own config keeps
-only what is local to its machine (:data:`LOCAL_FIELDS`).
+The worker learns the run from the server at registration (training and compression settings, the model layout), so
+a worker on another host needs only the server address and the auth token; its own config keeps only what is local
+to its machine (:data:`~src.ps.worker.run_config.LOCAL_FIELDS`).
 
-Per step the server hands the worker batches (sample indices) with the parameters to train on; the worker computes
-their gradient (:class:`~src.ps.worker.compute.WorkerCompute`) and pushes it; the push's reply carries the verdict,
-the next parameters and the next batches: one call per step (a sharded server's: a hold on every shard, a commit,
-a pull from every shard). What it sends and what a reply or a failed call means is the step machine's
-(:class:`~src.ps.worker.machine.StepMachine`: the protocol, the compression and error feedback, registering again
-after a lost session or a revoked incarnation, up to ``system.max_rejoins`` times, then
-:class:`~src.ps.worker.membership.IncarnationRevoked`). This module is its driver in a real process: the calls on
-``system.transport``'s connections (:class:`~src.ps.worker.connections.Connections`), the wall clock, a heartbeat
-thread (every ``system.heartbeat_interval``, with the running totals), emulated stragglers and links.
+Per step the server hands out batches (sample indices) with the parameters; the worker computes their gradient
+(:class:`~src.ps.worker.compute.WorkerCompute`) and pushes it, and the reply carries the verdict, the next parameters
+and the next batches (a sharded server's step: a hold on every shard, a commit, a pull from every shard). What is sent,
+and what a reply or a failed call means, is the step machine's (:class:`~src.ps.worker.machine.StepMachine`: the
+protocol, compression and error feedback, registering again after a lost session or a revoked incarnation, up to
+``system.max_rejoins`` times, then :class:`~src.ps.worker.membership.IncarnationRevoked`). This module drives it in a
+process: the calls on ``system.transport``'s connections (:class:`~src.ps.worker.connections.Connections`, and a
+heartbeat thread with the running totals every ``system.heartbeat_interval``), the wall clock, emulated stragglers and
+links. With ``system.streaming`` the push travels while backward computes, and the next forward takes each layer's
+parameters as the reply brings them (:mod:`src.ps.worker.streaming`).
 
-With ``system.streaming`` the push travels while backward computes (:mod:`src.ps.worker.streaming`): each gradient
-goes as its part as soon as it is ready, and the next forward takes each layer's parameters as the reply brings them.
+Emulation (:mod:`src.emulation.netem`, the run config's ``emulation``): a slowed worker waits after each
+forward/backward (counted as gradient time), and a narrow uplink makes every message wait its transfer time before it
+is sent (counted as communication time); ``emulated_delay_s`` in the totals is the sum of both waits.
 
-Emulation (:mod:`src.emulation.netem`, the run config's ``emulation`` section, learnt from the server): a slowed
-worker waits after each forward/backward (counted as gradient time), and a narrow uplink makes every message wait its
-transfer time in the client before it is sent (counted as communication time); ``emulated_delay_s`` in the totals is
-the sum of both waits.
-
-Measured per worker: gradient time (forward/backward), compression time, communication time (the push round trip,
-including waiting at the sync barrier; the worker computes nothing meanwhile, so all of it is exposed communication,
-:mod:`src.telemetry.exposed_comm`), bytes sent and received (the serialized messages or frames of
-``system.transport``), samples, loss and accuracy. Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the
-totals go to the server with each heartbeat and at Finish, which puts them in the run summary.
+Measured per worker: gradient, compression and communication time (the push round trip, the sync barrier's wait
+included: the worker computes nothing meanwhile, so all of it is exposed communication,
+:mod:`src.telemetry.exposed_comm`), bytes sent and received (the messages or frames of ``system.transport``), samples,
+loss and accuracy. Events and TensorBoard scalars go to ``<log_dir>/worker_<k>``; the totals go to the server with
+each heartbeat and at Finish, which puts them in the run summary.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector
 from src.config import Config, SetupError
 from src.emulation.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
-from src.metrics import MetricsLogger
 from src.ps.shards.shard_zero import Sharding
 from src.ps.worker import (
     Connections,
-    Heartbeats,
     IncarnationRevoked,
     Membership,
-    PushStreams,
     Rejoined,
     Rejoins,
     StepMachine,
     StreamedModel,
     WorkerCompute,
     check_layout,
+    worker_log,
 )
 from src.ps.worker.run_config import merge_run_config
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config, resolve_device
 from src.transport.clients import make_client
 from src.transport.settings import require_auth_token
-from src.transport.stream import PushStream, ReplyBroken
-from src.transport.wire import Received, chunk_size
+from src.transport.stream import ReplyBroken
+from src.transport.wire import Received
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +132,6 @@ class Worker:
             SetupError: the local model does not match the server's layout.
         """
         connections = self.connections = Connections([self._client(self.address)], name=f"worker-{self.worker_id}")
-        heartbeats = None
         try:
             registration = connections.run(self.membership.register())
             config = merge_run_config(self.local_config, registration.run_config_json)
@@ -155,23 +148,13 @@ class Worker:
             for client in connections.clients:
                 client.uplink = link_or_none(conditions.uplink)
             self.compute_delay = ComputeDelay(conditions, worker_seed(config.training.seed, self.worker_id))
-            interval = config.system.heartbeat_interval
-            shard_0 = connections.clients[0]
-            heartbeats = Heartbeats(
-                lambda: shard_0.heartbeat(self.membership.caller, self.stats(), timeout=interval * 2),
-                interval,
-                name=f"worker-{self.worker_id}-heartbeat",
-            )
-            heartbeats.start()
+            name = f"worker-{self.worker_id}-heartbeat"
+            connections.start_heartbeats(self.membership, self.stats, config.system.heartbeat_interval, name)
             return self._train(config, registration)
         finally:
             connections.close()
             if self.streamed is not None:
                 self.streamed.close()
-            if heartbeats is not None:
-                heartbeats.stop_and_close(connections.clients[0].close)
-            else:
-                connections.clients[0].close()
 
     def _train(self, config: Config, registration: pb.RegisterReply) -> dict[str, Any]:
         t, system = config.training, config.system
@@ -180,12 +163,7 @@ class Worker:
         sharded = len(self.connections.clients) > 1
         placement = Sharding.of_run(model, system, self.token).placement if sharded else None
         check_layout(self.worker_id, config, model, registration, placement)
-        with MetricsLogger(
-            Path(system.log_dir) / f"worker_{self.worker_id}",
-            tensorboard=self.tensorboard and "tensorboard" in config.metrics.trackers,
-            role="worker",
-            worker=self.worker_id,
-        ) as log:
+        with worker_log(config, self.worker_id, tensorboard=self.tensorboard) as log:
             compute = self.compute = WorkerCompute(
                 config, self.worker_id, model=model, train_set=load_split(config, "train"), device=device, log=log,
                 faults=self.faults,
@@ -196,10 +174,7 @@ class Worker:
             if system.streaming:
                 self.streamed = StreamedModel(model, compute.params, compute.buffers)
                 self.pipelined = system.pipelined_replies
-            received = self._pulled(self.connections.run(machine.pull_everything()))
-            log.event(
-                "run_start", address=self.address, incarnation=self.membership.incarnation, version=machine.version
-            )
+            received = self._pulled(self.connections.run(machine.start(self.address)))
             logger.info(
                 "worker %d: registered with %s as incarnation %d at version %d (%s)",
                 self.worker_id,
@@ -267,9 +242,8 @@ class Worker:
             outcome = connections.run(machine.push(request, payloads, compute.buffers_to_send(batches)))
         if isinstance(outcome, Rejoined):
             return self._pulled(outcome.work)
-        payload_bytes = sum(chunk_size(p) for shard in payloads for p in shard)
         times = (computed - started, compressed - computed, time.perf_counter() - compressed)
-        machine.settle(outcome, connections.figures(*times, payload_bytes))
+        machine.settle(outcome, connections.figures(*times, payloads))
         tracing.record("step", started, time.perf_counter(), step=machine.totals["steps"])
         return outcome
 
@@ -285,23 +259,14 @@ class Worker:
         machine, compute, connections, streamed = self.machine, self.compute, self.connections, self.streamed
         batches = list(received.message.work.batches)
         self._generation += 1
-        generation = self._generation
-
-        def encode(shard: int, position: int) -> Any:  # on a push's thread, while backward goes on
-            with tracing.span("compress", shard=shard, part=position):
-                return machine.encode_part(shard, position, lambda index: compute.gradient(index, batches))
-
-        def ended(stream: PushStream, done: Future) -> None:  # on the push's thread: the reply is in, or it failed
-            if stream.first_sent is not None:  # the push in flight, hidden or not (reply_wait: what was not)
-                tracing.record("push", stream.first_sent, time.perf_counter(), step=machine.totals["steps"] + 1)
-            if done.exception() is not None:
-                streamed.reply_broken(generation, done.exception())
-
+        gradient_of = partial(compute.gradient, batches=batches)
         pieced = self.pipelined  # large parts in pieces only for a server that reads them as they come
-        streams = connections.open_streams(encode, streamed.on_large(generation), pieced=pieced, on_end=ended)
+        push = connections.open_push(
+            machine, streamed, gradient_of, compute.names, generation=self._generation, pieced=pieced, traced=True
+        )
         waited_before = streamed.waited_s
         started = time.perf_counter()
-        streamed.begin_push(PushStreams(streams, machine.codec.slices_of(compute.names)))
+        streamed.begin_push(push)
         try:
             loss, correct, _ = self._compute(batches, started)
         except ReplyBroken as broken:  # the previous reply's tensors stopped coming: pull them, compute again
@@ -324,14 +289,10 @@ class Worker:
         if isinstance(outcome, Rejoined):
             return self._pulled(outcome.work)
         head_in = time.perf_counter()
-        if machine.placement is None:
-            streamed.expect(generation)  # the next forward waits for this reply's tensors, module by module
-        else:
-            streamed.loaded()  # the pulls brought every slice
-        payload_bytes = sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded)
-        encode_s = sum(stream.encode_s for stream in streams)
-        times = (computed - started - forward_waits, encode_s, head_in - computed + forward_waits)
-        machine.settle(outcome, connections.figures(*times, payload_bytes))
+        # the next forward waits for this reply's tensors, module by module (a sharded server's pulls brought them)
+        streamed.expect(self._generation if machine.placement is None else 0)
+        times = (computed - started - forward_waits, head_in - computed + forward_waits)
+        machine.settle(outcome, connections.streamed_figures(*times))
         tracing.record("step", started, head_in, step=machine.totals["steps"])
         return outcome
 

@@ -22,7 +22,8 @@ from src.compressors.policy import CompressionPolicy
 from src.metrics import MetricsLogger, read_events
 from src.ps.shards.placement import layout_of, place
 from src.ps.worker import Membership, PushCodec, Rejoined, Rejoins, StepFigures, StepMachine
-from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call
+from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call, run_callbacks
+from src.ps.worker.codec import all_finite, named_gradients
 from src.ps.worker.membership import IncarnationRevoked
 from src.transport.errors import CallError
 from src.transport.wire import Outgoing, Received, serialize, split, tensor_view
@@ -303,3 +304,49 @@ def test_the_controllers_active_fraction_applies_from_the_next_push_and_is_an_ev
     assert (event["step"], event["compression_ratio"], event["previous_compression_ratio"]) == (2, 0.25, 0.5)
     [push] = read_events(tmp_path / "events.jsonl", "push")
     assert push["batch_ids"] == [7] and push["push_bytes"] == 120 and push["version"] == 1
+
+
+def test_the_first_pull_is_the_run_start_and_a_steps_figures_count_its_calls_bytes(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        machine = _machine(log=log)
+        received, rounds = drive(machine.start("here:1"), lambda calls: [_reply(pb.PullReply, _tensors(), version=3)])
+    assert [call.method for [call] in rounds] == [PULL] and received.message.version == machine.version == 3
+    [event] = read_events(tmp_path / "events.jsonl", "run_start")
+    assert (event["address"], event["incarnation"], event["version"]) == ("here:1", machine.membership.incarnation, 3)
+    figures = StepFigures.of((0.1, 0.01, 0.2), 100, [(70, 30), (50, 100)], (1000, 2000))
+    assert figures == FIGURES
+
+
+def test_an_exchange_carried_by_callbacks_goes_round_by_round_and_hands_what_it_raises_on():
+    machine, sent, outcomes, errors, held = _machine(), [], [], [], []
+
+    def message(call: Call) -> Callable:
+        sent.append(call.method)  # made now; sent when the driver says
+        return lambda reply: reply(_reply(pb.PullReply, _tensors(), version=4))
+
+    run_callbacks(machine.pull_everything(), message, outcomes.append, start=held.append)
+    assert sent == [PULL] and outcomes == []
+    held[0]()
+    assert outcomes[0].message.version == machine.version == 4
+    refused = lambda call: lambda reply: reply(CallError("PERMISSION_DENIED", "no"))  # noqa: E731
+    run_callbacks(machine.pull_everything(), refused, outcomes.append, failed=errors.append)
+    assert len(outcomes) == 1 and errors[0].code == "PERMISSION_DENIED"
+
+
+def test_the_codec_gives_each_slices_share_of_its_tensor_and_a_users_gradients_unscaled_zeros_for_none():
+    codec = _machine(shards=2).codec
+    shares = codec.shares_of(NAMES, [12, 3])
+    assert [[(k, position) for k, position, _ in parts] for parts in shares] == codec.slices_of(NAMES)
+    assert [sum(share for _, _, share in parts) for parts in shares] == pytest.approx([1.0, 1.0])
+    trainable = [("w", torch.zeros(2)), ("b", torch.zeros(1))]
+    named = named_gradients(trainable, [torch.full((2,), 4.0), None], torch.tensor(2.0))
+    assert [n for n, _ in named] == ["w", "b"] and torch.equal(named[0][1], torch.full((2,), 2.0))
+    assert torch.equal(named[1][1], torch.zeros(1))
+    assert all_finite([None, torch.ones(2)]) and not all_finite([torch.tensor([float("inf")])])
+
+
+def test_a_workers_codec_takes_the_runs_error_feedback_unless_told_and_the_compression_it_is_given():
+    plain = PushCodec.of_worker(SimpleNamespace(**vars(SYNC), error_feedback=True), 0, 1, NAMES, compression="none")
+    assert plain.policy is None and plain.feedback is None  # identity payloads in sync: nothing to feed back
+    topk = PushCodec.of_worker(SYNC, 0, 1, NAMES, compression=TopKCompressor(ratio=0.5), error_feedback=True)
+    assert topk.policy.compressor.ratio == 0.5 and topk.feedback is not None

@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, SystemConfig, validate_config
-from src.ps.worker import Connections, Exchange, Heartbeats, IncarnationRevoked, Membership, Rejoins, StepMachine
-from src.transport.clients import TRANSPORTS, make_client
+from src.ps.worker import Connections, Exchange, IncarnationRevoked, Membership, Rejoins, StepMachine
+from src.transport.clients import make_client, transport_of
 from src.transport.settings import AUTH_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,6 @@ class WorkerClient:
         self.config: Config | None = None
         self.model: Any = None
         self._max_rejoins = max_rejoins
-        self._heartbeats: Heartbeats | None = None
         self._started = time.perf_counter()
         self.closed = False
 
@@ -151,13 +150,8 @@ class WorkerClient:
         max_rejoins = system.max_rejoins if self._max_rejoins is None else self._max_rejoins
         self.membership.rejoins = Rejoins(self.worker_id, max_rejoins)
         self.machine = StepMachine(self.membership, system, planned_work=False, stats=self.stats)
-        interval = system.heartbeat_interval
-        self._heartbeats = Heartbeats(
-            lambda: self.transport.heartbeat(self.membership.caller, self.stats(), timeout=2 * interval),
-            interval,
-            name=f"asgc-worker-{self.worker_id}-heartbeat",
-        )
-        self._heartbeats.start()
+        name = f"asgc-worker-{self.worker_id}-heartbeat"
+        self.connections.start_heartbeats(self.membership, self.stats, system.heartbeat_interval, name)
         return self
 
     def run(self, exchange: Exchange) -> Any:
@@ -180,10 +174,6 @@ class WorkerClient:
             self.run(self.machine.finish(self.stats))
         finally:
             self.connections.close()
-            if self._heartbeats is not None:
-                self._heartbeats.stop_and_close(self.transport.close)
-            else:
-                self.transport.close()
 
     def __enter__(self) -> "WorkerClient":
         return self
@@ -200,25 +190,6 @@ class WorkerClient:
     def stats(self) -> pb.WorkerStats:
         """This process's running totals (read by the heartbeat thread too)."""
         return self.connections.stats(self.machine, time.perf_counter() - self._started)
-
-
-def transport_of(address: str, transport: str | None) -> tuple[str, str]:
-    """``(host:port, transport)`` of an address that may name its transport (``tcp://host:port``,
-    ``grpc://host:port``); a plain ``host:port`` uses ``transport`` (default gRPC).
-
-    Raises:
-        SetupError: an unknown scheme, or a scheme and a ``transport`` that disagree.
-    """
-    scheme, separator, rest = address.partition("://")
-    if not separator:
-        return address, transport or "grpc"
-    if scheme not in TRANSPORTS:
-        raise SetupError(
-            f"address {address!r}: unknown transport {scheme!r} (use {' or '.join(f'{t}://' for t in TRANSPORTS)})"
-        )
-    if transport is not None and transport != scheme:
-        raise SetupError(f"address {address!r} names transport {scheme!r}, but transport={transport!r}")
-    return rest, scheme
 
 
 def connect(
@@ -262,7 +233,6 @@ def connect(
         return client.open()
     except BaseException:
         client.connections.close()
-        client.transport.close()
         raise
 
 

@@ -28,43 +28,20 @@ from __future__ import annotations
 
 import time
 import warnings
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from src.compression import Compressor
 from src.compressors.error_feedback import ErrorFeedback
-from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.config import SetupError
 from src.ps.worker import PushCodec, PushStreams, Rejoined
+from src.ps.worker.codec import all_finite, named_gradients, resolve_compression
 from src.training.lr_schedule import is_constant
 from src.transport.stream import PushStream
-from src.transport.wire import chunk_size
 
 from .client import WorkerClient
 from .wrapped import WrappedOptimizer, differences
-
-
-def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | None:
-    """``None``: what the server's config says; ``"none"``: uncompressed; a compressor or a policy: that.
-
-    Raises:
-        ValueError: anything else.
-    """
-    if compression is None:
-        return policy_from_config(system)
-    if isinstance(compression, str) and compression in ("none", "identity"):
-        return None
-    if isinstance(compression, CompressionPolicy):
-        return compression
-    if isinstance(compression, Compressor):
-        return CompressionPolicy(compression)
-    raise ValueError(
-        f"compression: expected None (the server's setting), 'none', a Compressor "
-        f"(src.compression.build_compressor) or a CompressionPolicy, got {compression!r}"
-    )
 
 
 @dataclass
@@ -123,15 +100,10 @@ class DistributedOptimizer(WrappedOptimizer):
         self.client = client
         system, training = client.config.system, client.config.training
         self.machine = client.machine
-        self.machine.codec = PushCodec(
-            system,
-            resolve_compression(compression, system),
-            error_feedback=error_feedback,
-            seed=training.seed if seed is None else seed,
-            worker_id=client.worker_id,
-            names=model.parameter_names,
-            placement=model.placement,
-        )
+        self.machine.codec = PushCodec.of_worker(
+            system, training.seed if seed is None else seed, client.worker_id, model.parameter_names, model.placement,
+            compression=compression, error_feedback=error_feedback,
+        )  # fmt: skip
         self.steps = 0
         self.skipped_steps = 0
         self.send_learning_rate = send_learning_rate
@@ -163,10 +135,6 @@ class DistributedOptimizer(WrappedOptimizer):
         return self.machine.codec
 
     @property
-    def policy(self) -> CompressionPolicy | None:
-        return self.codec.policy
-
-    @property
     def feedback(self) -> ErrorFeedback | None:
         """The error-feedback residuals (``None``: no error feedback)."""
         return self.codec.feedback
@@ -174,10 +142,6 @@ class DistributedOptimizer(WrappedOptimizer):
     @feedback.setter
     def feedback(self, value: ErrorFeedback | None) -> None:
         self.codec.feedback = value
-
-    @property
-    def generator(self) -> torch.Generator:
-        return self.codec.generator
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's; a streamed push opened by a backward since the last step is given up first
@@ -193,7 +157,7 @@ class DistributedOptimizer(WrappedOptimizer):
         """The wrapped optimizer's state, the error-feedback residuals and the step counts."""
         return {
             "optimizer": self.wrapped.state_dict(),
-            "error_feedback": self.feedback.state_dict() if self.feedback is not None else None,
+            "error_feedback": self.codec.residual_state(),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
         }
@@ -204,13 +168,7 @@ class DistributedOptimizer(WrappedOptimizer):
             self.wrapped.load_state_dict(state_dict)
             return
         self.wrapped.load_state_dict(state_dict["optimizer"])
-        residuals = state_dict["error_feedback"]
-        if residuals is not None:
-            if self.feedback is None:
-                self.feedback = ErrorFeedback()
-            self.feedback.load_state_dict(residuals)
-        elif self.feedback is not None:
-            self.feedback.reset()
+        self.codec.load_residuals(state_dict["error_feedback"])
         self.steps = int(state_dict.get("steps", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
@@ -242,7 +200,7 @@ class DistributedOptimizer(WrappedOptimizer):
         grad_scale = getattr(self, "grad_scale", None)  # None: already unscaled (scaler.unscale_), or no scaler
         if push is not None:
             push = self._streamable(push, found_inf)
-        if bool(found_inf > 0) if found_inf is not None else not _all_finite(gradients):
+        if bool(found_inf > 0) if found_inf is not None else not all_finite(gradients):
             if push is not None:  # its parts are dropped; the skip goes as it does unstreamed
                 self._abandon(push, RuntimeError("a step skipped for non-finite gradients"))
             self.skipped_steps += 1
@@ -256,7 +214,7 @@ class DistributedOptimizer(WrappedOptimizer):
         computed = time.perf_counter()
         if push is None:
             model.wait_for_reply()  # a streamed reply still arriving is in before this push's reply is loaded
-            payloads = self.machine.encode(_named_gradients(model.trainable, gradients, grad_scale))
+            payloads = self.machine.encode(named_gradients(model.trainable, gradients, grad_scale))
         compressed = time.perf_counter()
         request = self.machine.request(
             samples=samples,
@@ -269,23 +227,19 @@ class DistributedOptimizer(WrappedOptimizer):
             self._step_streamed(push, request, started, computed)
         else:
             outcome = self.client.run(self.machine.push(request, payloads, model.buffer_views()))
-            payload_bytes = sum(chunk_size(p) for shard in payloads for p in shard)
             times = (computed - started, compressed - computed, time.perf_counter() - compressed)
-            self._settle(outcome, payload_bytes, *times)
+            self._settle(outcome, lambda: self.client.connections.figures(*times, payloads))
         self._mark_wrapped_stepped()
         self.steps += 1
         return loss
 
-    def _settle(
-        self, outcome: Any, payload_bytes: int, gradient_s: float, compression_s: float, communication_s: float
-    ) -> None:
-        """The push's reply settled and counted by the step machine (the model holds its parameters then); a push
-        lost with a session was settled by the registration, and the parameters pulled."""
+    def _settle(self, outcome: Any, figures: Callable[[], Any]) -> None:
+        """The push's reply settled and counted by the step machine with ``figures()`` (the model holds its
+        parameters then); a push lost with a session was settled by the registration, and the parameters pulled."""
         if isinstance(outcome, Rejoined):
             self.client.model.loaded()
-            return
-        times = (gradient_s, compression_s, communication_s)
-        self.machine.settle(outcome, self.client.connections.figures(*times, payload_bytes))
+        else:
+            self.machine.settle(outcome, figures())
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
@@ -296,30 +250,21 @@ class DistributedOptimizer(WrappedOptimizer):
         if not self.streaming:
             return None
         model, machine = self.client.model, self.machine
-        streamed = model.streamed
         self._generation += 1
-        generation = self._generation
         params = [p for _, p in model.trainable]
 
         def gradient_of(index: int) -> torch.Tensor:
             grad = params[index].grad
             return grad if grad is not None else torch.zeros_like(params[index], dtype=torch.float32)
 
-        def encode(shard: int, position: int) -> Any:  # on the shard's push thread, while backward goes on
-            return machine.encode_part(shard, position, gradient_of)
-
-        def ended(_stream: PushStream, call: Future) -> None:  # the reply is in, or the call failed
-            if call.exception() is not None:  # after its head: the forward pulls
-                streamed.reply_broken(generation, call.exception())
-
         generator_state = machine.codec.generator.get_state()
-        streamed.repeated = 0
-        pieced = self.client.config.system.pipelined_replies
-        streams = self.client.connections.open_streams(
-            encode, streamed.on_large(generation), pieced=pieced, on_end=ended
-        )
-        self._open = _OpenPush(streams, generation, generator_state)
-        return PushStreams(streams, machine.codec.slices_of(model.parameter_names))
+        model.streamed.repeated = 0
+        push = self.client.connections.open_push(
+            machine, model.streamed, gradient_of, model.parameter_names, generation=self._generation,
+            pieced=self.client.config.system.pipelined_replies,
+        )  # fmt: skip
+        self._open = _OpenPush(push.streams, self._generation, generator_state)
+        return push
 
     def _streamable(self, push: _OpenPush, found_inf: Any) -> _OpenPush | None:
         """``push`` if it holds this step's gradient as the unstreamed push would; ``None`` (given up) after a
@@ -365,16 +310,12 @@ class DistributedOptimizer(WrappedOptimizer):
             model.reply_call = self.client.connections.stream_calls[0]
         outcome = self.client.run(self.machine.push(request, [], model.buffer_views(), streamed=True))
         head_in = time.perf_counter()
-        if not isinstance(outcome, Rejoined) and model.placement is None:
-            streamed.expect(push.generation)  # the next forward waits for this reply's tensors, module by module
-        elif not isinstance(outcome, Rejoined):
-            model.loaded()  # the pulls brought every slice
+        # the next forward waits for this reply's tensors, module by module (sharded: the pulls brought every slice)
+        streamed.expect(push.generation if model.placement is None and not isinstance(outcome, Rejoined) else 0)
         waited, self._waited_s = streamed.waited_s - self._waited_s, streamed.waited_s
-        streams = push.streams
-        payload_bytes = sum(chunk_size(payload) for stream in streams for _, payload in stream.encoded)
-        encode_s = sum(stream.encode_s for stream in streams)
         # exposed: the wait for the head, and the forwards' waits for tensors
-        self._settle(outcome, payload_bytes, computed - started, encode_s, head_in - computed + waited)
+        figures = (computed - started, head_in - computed + waited)
+        self._settle(outcome, lambda: self.client.connections.streamed_figures(*figures))
 
     def _warn_no_samples(self) -> None:
         """Once per optimizer: no forward counted a batch since the last step, so the push is counted as 1 sample."""
@@ -403,27 +344,6 @@ class DistributedOptimizer(WrappedOptimizer):
             )
             self._warned_schedule = True
         return float(group["lr"])
-
-
-def _named_gradients(
-    trainable: list[tuple[str, torch.Tensor]], gradients: list[torch.Tensor | None], grad_scale: torch.Tensor | None
-) -> list[tuple[str, torch.Tensor]]:
-    """Each trainable parameter's gradient by name: zeros for a parameter without one, unscaled by a GradScaler's
-    ``grad_scale`` when the scaler left it scaled."""
-    inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-    named = []
-    for (name, param), gradient in zip(trainable, gradients):
-        if gradient is None:
-            gradient = torch.zeros_like(param, dtype=torch.float32)
-        elif inverse_scale is not None:
-            gradient = gradient.float() * inverse_scale.to(gradient.device)
-        named.append((name, gradient))
-    return named
-
-
-def _all_finite(gradients: list[torch.Tensor | None]) -> bool:
-    checks = [torch.isfinite(g).all() for g in gradients if g is not None]
-    return bool(torch.stack(checks).all()) if checks else True
 
 
 __all__ = ["DistributedOptimizer", "resolve_compression"]

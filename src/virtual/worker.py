@@ -27,7 +27,6 @@ import random
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -49,8 +48,9 @@ from src.ps.worker import (
     StepMachine,
     WorkerCompute,
     check_layout,
+    worker_log,
 )
-from src.ps.worker.calls import FINISH, PULL, PUSH, REGISTER
+from src.ps.worker.calls import FINISH, PULL, PUSH, REGISTER, run_callbacks
 from src.transport.errors import CallError
 from src.transport.stream import SliceStage, part_pieces, part_size
 from src.transport.wire import Outgoing, Received, chunk_size, serialize, split
@@ -189,41 +189,26 @@ class VirtualWorker:
     def _run(
         self, exchange: Exchange, done: Callable[[Any], None], start: Callable[[Callable[[], None]], None] | None = None
     ) -> None:
-        """Carry ``exchange`` on the event loop: each round's calls at once, ``done(outcome)`` once it returns. The
-        first round's messages are made now (its push's payloads may be views of the gradient the shared compute
-        model holds now) and sent by ``start(send)`` (default: at once). A call the machine does not recover from is
-        the run's error; a revoked incarnation with no rejoin left exits 1 (the launcher restarts it)."""
+        """Carry ``exchange`` on the event loop (:func:`~src.ps.worker.calls.run_callbacks`), ``done(outcome)`` once
+        it returns. The first round's messages are made now (its push's payloads may be views of the gradient the
+        shared compute model holds now) and sent by ``start(send)`` (default: at once), each only while this process
+        runs. A call the machine does not recover from is the run's error; a revoked incarnation with no rejoin left
+        exits 1 (the launcher restarts it)."""
         process = self.process
 
-        def advance(replies: list | None, begin: Callable[[Callable[[], None]], None] | None = None) -> None:
-            try:
-                calls = exchange.send(replies)
-            except StopIteration as stop:
-                done(stop.value)
-                return
-            except IncarnationRevoked:
-                self.end("exited with status 1")
-                return
-            except CallError as error:
-                raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {error}") from None
-            senders = [self._message(call) for call in calls]
-            replies_in: list = [None] * len(calls)
-            pending = [len(calls)]
+        def message(call: Call) -> Callable[[Callable[[Any], None]], None]:
+            send = self._message(call)
+            return lambda reply: send(reply) if self.reachable(process) else None
 
-            def arrived(index: int, reply: Any) -> None:
-                replies_in[index] = reply
-                pending[0] -= 1
-                if pending[0] == 0:
-                    advance(replies_in)
+        run_callbacks(exchange, message, done, start=start, failed=self._failed)
 
-            def send() -> None:
-                if self.reachable(process):
-                    for index, sender in enumerate(senders):
-                        sender(partial(arrived, index))
-
-            (begin or (lambda go: go()))(send)
-
-        advance(None, start)
+    def _failed(self, error: Exception) -> None:
+        if isinstance(error, IncarnationRevoked):
+            self.end("exited with status 1")
+        elif isinstance(error, CallError):
+            raise LaunchError(f"worker {self.worker_id}: parameter server call failed: {error}") from None
+        else:
+            raise error
 
     def _message(self, call: Call) -> Callable[[Callable[[Any], None]], None]:
         """``call``'s message, made now; what sends it and hands its reply (or its :class:`CallError`) on."""
@@ -278,13 +263,7 @@ class VirtualWorker:
     def _first_registration(self, registration: pb.RegisterReply) -> None:
         run, config, system = self.run, self.config, self.config.system
         check_layout(self.worker_id, config, run.compute_model, registration, run.placement)
-        self.log = MetricsLogger(
-            Path(system.log_dir) / f"worker_{self.worker_id}",
-            tensorboard=run.tensorboard and "tensorboard" in config.metrics.trackers,
-            role="worker",
-            worker=self.worker_id,
-            clock=run.clock.time,
-        )
+        self.log = worker_log(config, self.worker_id, tensorboard=run.tensorboard, clock=run.clock.time)
         compute = self.compute = WorkerCompute(
             config, self.worker_id, model=run.compute_model, train_set=run.train_set, device=torch.device("cpu"),
             log=self.log, replica=self.replica, faults=self.faults, fire_fault=self._fault,
@@ -294,14 +273,7 @@ class VirtualWorker:
             self.membership, system, placement=run.placement, stats=self._stats, request_ids=seed.getrandbits(62) or 1
         )
         self._heartbeat(self.process, self._new_heartbeat_chain())
-        self._run(self.machine.pull_everything(), self._started)
-
-    def _started(self, received: Received) -> None:
-        self.arriving = set()  # every tensor loaded: the next forward waits for none
-        self.log.event(
-            "run_start", address="virtual", incarnation=self.membership.incarnation, version=self.machine.version
-        )
-        self._work(received)
+        self._run(self.machine.start("virtual"), self._pulled)
 
     def _new_heartbeat_chain(self) -> int:
         self.beating += 1
@@ -335,21 +307,23 @@ class VirtualWorker:
             else:
                 self._finish()
             return
-        if self.config.system.streaming:
-            self._step_streamed(received)
-            return
         batches = list(received.message.work.batches)
-        step_s, extra_s = (
-            self.run.cost.step_s(self.worker_id, sum(len(b.indices) for b in batches)) if batches else (0.0, 0.0)
-        )
+        samples = sum(len(b.indices) for b in batches)
+        step_s, extra_s = self.run.cost.step_s(self.worker_id, samples) if batches else (0.0, 0.0)
+        if self.config.system.streaming:
+            self._step_streamed(batches, step_s, extra_s)
+            return
         process = self.process
         self.step_started = self._now()
         self.run.loop.after(step_s, lambda: self._computed(process, batches, step_s, extra_s))
 
     def _rejoined(self, rejoined: Rejoined) -> None:
         """A call was lost with a session: the machine registered again and pulled every tensor."""
-        self.arriving = set()
-        self._work(rejoined.work)
+        self._pulled(rejoined.work)
+
+    def _pulled(self, received: Received) -> None:
+        self.arriving = set()  # every tensor loaded: the next forward waits for none
+        self._work(received)
 
     def _computed(self, process: int, batches: list[pb.Batch], step_s: float, extra_s: float) -> None:
         """The step's compute time has passed: its real gradient and payloads, then the push after ``compress_s``."""
@@ -402,25 +376,12 @@ class VirtualWorker:
         """Settle the step's reply (``figures``: its compute, compression and communication seconds and its payload
         bytes; ``part_bytes``: a streamed push's parts), draw its spans (``spans``: when the step started and its push
         went, its request id) and take the reply's work."""
-        gradient_s, compress_s, communication_s, payload_bytes = figures
         step_started, sent_at, request_id = spans
-        machine, push = self.machine, self.push
-        machine.settle(
-            reply,
-            StepFigures(
-                gradient_time_s=gradient_s,
-                compression_time_s=compress_s,
-                communication_time_s=communication_s,
-                payload_bytes=payload_bytes,
-                push_bytes=part_bytes + sum(sent for sent, _ in push.traffic),
-                reply_bytes=sum(received for _, received in push.traffic),
-                bytes_sent=self.bytes_sent,
-                bytes_received=self.bytes_received,
-            ),
-        )
+        traffic, totals = [(part_bytes, 0), *self.push.traffic], (self.bytes_sent, self.bytes_received)
+        self.machine.settle(reply, StepFigures.of(figures[:3], figures[3], traffic, totals))
         timelines = self.run.timelines
         timelines.worker(self.worker_id, "push", sent_at, request_id=request_id)
-        timelines.worker(self.worker_id, "step", step_started, step=machine.totals["steps"])
+        timelines.worker(self.worker_id, "step", step_started, step=self.machine.totals["steps"])
         self._work(reply)
 
     def _finish(self) -> None:
@@ -438,14 +399,12 @@ class VirtualWorker:
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
-    def _step_streamed(self, received: Received) -> None:
-        """The real streamed worker's step, from now: the forward layer by layer as the reply's tensors arrive,
-        backward handing each gradient's parts to the links, the push's message after it, the step settled when the
-        reply's head is in (see the module docstring)."""
+    def _step_streamed(self, batches: list[pb.Batch], step_s: float, extra_s: float) -> None:
+        """The real streamed worker's step on ``batches`` (``step_s``: its compute seconds, ``extra_s`` of them an
+        emulated straggler's), from now: the forward layer by layer as the reply's tensors arrive, backward handing
+        each gradient's parts to the links, the push's message after it, the step settled when the reply's head is in
+        (see the module docstring)."""
         run, machine, compute, process = self.run, self.machine, self.compute, self.process
-        batches = list(received.message.work.batches)
-        samples_in = sum(len(b.indices) for b in batches)
-        step_s, extra_s = run.cost.step_s(self.worker_id, samples_in) if batches else (0.0, 0.0)
         # The real gradient and parts now (the shared compute model holds this worker's gradient only now), in the
         # order the real worker's hooks hand them over; only when they travel is simulated below.
         computing = time.perf_counter()
@@ -453,12 +412,8 @@ class VirtualWorker:
         loss, correct, _ = compute.compute(batches, machine.version, machine.totals["steps"] + 1)
         handed = run.gradient_order.end()
         # (gradient, shard, its position there, its share of the gradient): one part a gradient, or one a slice
-        placement, slices = run.placement, machine.codec.slices_of(compute.names)
-        units = [
-            (index, k, position, 1.0 if placement is None else placement.on_shard(k)[position].numel /
-            compute.params[index].numel()) for index in handed
-            for k, position in slices[index]
-        ]  # fmt: skip
+        shares = machine.codec.shares_of(compute.names, [p.numel() for p in compute.params])
+        units = [(index, k, position, share) for index in handed for k, position, share in shares[index]]
         gradient_of = partial(compute.gradient, batches=batches)
         parts = [(k, position, machine.encode_part(k, position, gradient_of)) for _, k, position, _ in units]
         run.compute_wall_s += time.perf_counter() - computing

@@ -10,7 +10,7 @@ hooks of a streamed worker (:mod:`~src.ps.worker.streaming`), and the blocking d
 
 from src.ps.worker.calls import Call, Exchange
 from src.ps.worker.codec import PushCodec
-from src.ps.worker.compute import WorkerCompute, check_layout
+from src.ps.worker.compute import WorkerCompute, check_layout, worker_log
 from src.ps.worker.connections import Connections, Heartbeats
 from src.ps.worker.loading import served_tensors
 from src.ps.worker.machine import Rejoined, StepFigures, StepMachine
@@ -34,4 +34,5 @@ __all__ = [
     "WorkerCompute",
     "check_layout",
     "served_tensors",
+    "worker_log",
 ]

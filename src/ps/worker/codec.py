@@ -23,9 +23,9 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from src.common.seeds import derive_seed
-from src.compression import IDENTITY, TopKCompressor
+from src.compression import IDENTITY, Compressor, TopKCompressor
 from src.compressors.error_feedback import ErrorFeedback
-from src.compressors.policy import CompressionPolicy
+from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.ps.shards.placement import Placement
 
 
@@ -107,6 +107,48 @@ def shard_gradients(
     ]
 
 
+def resolve_compression(compression: Any, system: Any) -> CompressionPolicy | None:
+    """``None``: what the server's config says; ``"none"``: uncompressed; a compressor or a policy: that.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if compression is None:
+        return policy_from_config(system)
+    if isinstance(compression, str) and compression in ("none", "identity"):
+        return None
+    if isinstance(compression, CompressionPolicy):
+        return compression
+    if isinstance(compression, Compressor):
+        return CompressionPolicy(compression)
+    raise ValueError(
+        f"compression: expected None (the server's setting), 'none', a Compressor "
+        f"(src.compression.build_compressor) or a CompressionPolicy, got {compression!r}"
+    )
+
+
+def named_gradients(
+    trainable: list[tuple[str, torch.Tensor]], gradients: list[torch.Tensor | None], grad_scale: torch.Tensor | None
+) -> list[tuple[str, torch.Tensor]]:
+    """Each trainable parameter's gradient by name: zeros for a parameter without one, unscaled by a GradScaler's
+    ``grad_scale`` when the scaler left it scaled."""
+    inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+    named = []
+    for (name, param), gradient in zip(trainable, gradients):
+        if gradient is None:
+            gradient = torch.zeros_like(param, dtype=torch.float32)
+        elif inverse_scale is not None:
+            gradient = gradient.float() * inverse_scale.to(gradient.device)
+        named.append((name, gradient))
+    return named
+
+
+def all_finite(gradients: list[torch.Tensor | None]) -> bool:
+    """Whether every gradient (``None``: none) holds only finite values."""
+    checks = [torch.isfinite(g).all() for g in gradients if g is not None]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
 class PushCodec:
     """One worker's encode and settle, on one server or on every shard of a sharded one (see the module docstring).
 
@@ -145,6 +187,27 @@ class PushCodec:
         )
         """Per shard (one server: one), the residual keys its verdict settles."""
 
+    @classmethod
+    def of_worker(
+        cls,
+        system: Any,
+        seed: int,
+        worker_id: int,
+        names: Sequence[str],
+        placement: Placement | None = None,
+        *,
+        compression: Any = None,
+        error_feedback: bool | None = None,
+    ) -> PushCodec:
+        """Worker ``worker_id``'s codec of ``names``, rounding seeded by ``seed``: ``compression`` as
+        :func:`resolve_compression` reads it (``None``: the run's ``system`` settings), ``error_feedback`` (``None``:
+        ``system.error_feedback``)."""
+        policy = resolve_compression(compression, system)
+        feedback = system.error_feedback if error_feedback is None else error_feedback
+        return cls(
+            system, policy, error_feedback=feedback, seed=seed, worker_id=worker_id, names=names, placement=placement
+        )
+
     def encode(self, named_gradients: Iterable[tuple[str, torch.Tensor]], step: int) -> list[list[Any]]:
         """Each shard's payloads (one server: ``[payloads]``), one per tensor or slice; the residuals wait for the
         verdict (:meth:`settle`)."""
@@ -174,6 +237,27 @@ class PushCodec:
         placement = self.placement
         where = {s.key: (k, i) for k in range(placement.num_shards) for i, s in enumerate(placement.on_shard(k))}
         return [[where[s.key] for s in placement.of_tensor(name)] for name in names]
+
+    def residual_state(self) -> dict[str, Any] | None:
+        """The error-feedback residuals as a state dict (``None``: no error feedback)."""
+        return self.feedback.state_dict() if self.feedback is not None else None
+
+    def load_residuals(self, state: dict[str, Any] | None) -> None:
+        """Take back :meth:`residual_state` (``None``: no residuals; error feedback, if on, starts from zero)."""
+        if state is not None:
+            if self.feedback is None:
+                self.feedback = ErrorFeedback()
+            self.feedback.load_state_dict(state)
+        elif self.feedback is not None:
+            self.feedback.reset()
+
+    def shares_of(self, names: Sequence[str], numels: Sequence[int]) -> list[list[tuple[int, int, float]]]:
+        """:meth:`slices_of` with each part's share of its tensor (``numels``: the tensors' sizes; one server: 1)."""
+        on_shard = self.placement.on_shard if self.placement is not None else None
+        return [
+            [(k, position, 1.0 if on_shard is None else on_shard(k)[position].numel / numel) for k, position in parts]
+            for parts, numel in zip(self.slices_of(names), numels)
+        ]
 
     def settle(self, shard: int, *, accepted: bool) -> None:
         """Shard ``shard``'s verdict on its slices (one server: ``0``, every tensor): commit, or roll back."""

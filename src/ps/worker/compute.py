@@ -23,7 +23,6 @@ from torch import nn
 
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector, FaultSpec
-from src.compressors.policy import policy_from_config
 from src.config import Config, SetupError
 from src.metrics import MetricsLogger
 from src.ps.shards.placement import Placement
@@ -54,6 +53,14 @@ def check_layout(
         raise SetupError(
             f"worker {worker_id}: the local {config.training.model_architecture} does not match the server's parameters"
         )
+
+
+def worker_log(config: Config, worker_id: int, *, tensorboard: bool, **clock: Any) -> MetricsLogger:
+    """Worker ``worker_id``'s event log, ``<log_dir>/worker_<k>`` (TensorBoard scalars beside it when
+    ``tensorboard`` and the run's trackers name it; ``clock``: a virtual run's)."""
+    tensorboard = tensorboard and "tensorboard" in config.metrics.trackers
+    path = Path(config.system.log_dir) / f"worker_{worker_id}"
+    return MetricsLogger(path, tensorboard=tensorboard, role="worker", worker=worker_id, **clock)
 
 
 class WorkerCompute:
@@ -209,15 +216,7 @@ class WorkerCompute:
     ) -> StepMachine:
         """This worker's step machine over its tensors, compressing as the run's ``system`` says (error feedback
         seeded by ``training.seed`` and the worker id), logging to this worker's log."""
-        codec = PushCodec(
-            system,
-            policy_from_config(system),
-            error_feedback=system.error_feedback,
-            seed=self.training.seed,
-            worker_id=self.worker_id,
-            names=self.names,
-            placement=placement,
-        )
+        codec = PushCodec.of_worker(system, self.training.seed, self.worker_id, self.names, placement)
         return StepMachine(
             membership, system, names=self.names, params=self.params, buffer_names=self.buffer_names,
             buffers=self.buffers, placement=placement, codec=codec, log=self.log, stats=stats, request_ids=request_ids,
@@ -248,4 +247,4 @@ class WorkerCompute:
         )
 
 
-__all__ = ["MAX_OVERFLOW_RETRIES", "WorkerCompute", "check_layout"]
+__all__ = ["MAX_OVERFLOW_RETRIES", "WorkerCompute", "check_layout", "worker_log"]

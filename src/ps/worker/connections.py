@@ -5,7 +5,8 @@ machine's exchanges (:mod:`src.ps.worker.machine`) the same way: :meth:`Connecti
 client of its shard (:func:`src.transport.clients.make_client`: gRPC or TCP), the calls yielded together at once on
 one thread per shard, and hands the replies back (:func:`src.ps.worker.calls.run_blocking`).
 
-:class:`Heartbeats` says "alive" every ``system.heartbeat_interval`` from a thread of its own.
+:class:`Heartbeats` says "alive" every ``system.heartbeat_interval`` from a thread of its own
+(:meth:`Connections.start_heartbeats`).
 
 A streamed push (``system.streaming``, :mod:`src.transport.stream`) is one :class:`~src.transport.stream.PushStream`
 per shard, opened before backward (:meth:`Connections.open_streams`) on that shard's push thread: its parts go as
@@ -17,15 +18,20 @@ reply's head; the tensors behind it go on arriving on the push thread (into the 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 from src import parameter_server_pb2 as pb
 from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call, Exchange, T, run_blocking
 from src.ps.worker.machine import StepFigures, StepMachine
+from src.ps.worker.membership import Membership
+from src.ps.worker.streaming import PushStreams, StreamedModel
+from src.telemetry import tracing
 from src.transport.errors import CallError
 from src.transport.stream import PushStream
-from src.transport.wire import Outgoing, Received
+from src.transport.wire import Outgoing, Received, chunk_size
 
 
 class Connections:
@@ -47,6 +53,7 @@ class Connections:
         self._push_threads: list[ThreadPoolExecutor] = []
         self.traffic: list[tuple[int, int]] = []  # (sent, received) of each call of the last run
         self.unclosed: set[int] = set()  # the shards whose stream of the streamed push now takes parts still
+        self.heartbeats: Heartbeats | None = None
 
     @property
     def bytes_sent(self) -> int:
@@ -61,21 +68,25 @@ class Connections:
         self.traffic: list[tuple[int, int]] = []
         return run_blocking(exchange, self.perform, self.pool)
 
-    @property
-    def exchanged(self) -> tuple[int, int]:
-        """The bytes the last :meth:`run`'s calls sent and received (a streamed push's: its stream's, every part)."""
-        return sum(sent for sent, _ in self.traffic), sum(received for _, received in self.traffic)
-
     def figures(
-        self, gradient_s: float, compression_s: float, communication_s: float, payload_bytes: int
+        self, gradient_s: float, compression_s: float, communication_s: float, payloads: Sequence[Sequence[Any]]
     ) -> StepFigures:
         """The step just pushed, as :meth:`StepMachine.settle <src.ps.worker.machine.StepMachine.settle>` counts it:
-        the driver's seconds and payload bytes, and the bytes the push's calls moved (:attr:`exchanged`)."""
-        push_bytes, reply_bytes = self.exchanged
-        return StepFigures(
-            gradient_s, compression_s, communication_s, payload_bytes, push_bytes, reply_bytes, self.bytes_sent,
-            self.bytes_received,
-        )  # fmt: skip
+        the driver's seconds, the bytes of each shard's ``payloads`` and those the push's calls moved (:attr:`traffic`;
+        a streamed push's: its stream's, every part)."""
+        payload_bytes = sum(chunk_size(payload) for shard in payloads for payload in shard)
+        return self._figures(gradient_s, compression_s, communication_s, payload_bytes)
+
+    def streamed_figures(self, gradient_s: float, communication_s: float) -> StepFigures:
+        """:meth:`figures` of the streamed push just closed: its parts' bytes, and the seconds they took to encode
+        (its compression time), as its streams counted them."""
+        payload_bytes = sum(chunk_size(payload) for stream in self.streams for _, payload in stream.encoded)
+        encode_s = sum(stream.encode_s for stream in self.streams)
+        return self._figures(gradient_s, encode_s, communication_s, payload_bytes)
+
+    def _figures(self, gradient_s: float, compression_s: float, communication_s: float, payload_bytes: int):
+        seconds = (gradient_s, compression_s, communication_s)
+        return StepFigures.of(seconds, payload_bytes, self.traffic, (self.bytes_sent, self.bytes_received))
 
     def stats(self, machine: StepMachine | None, total_time_s: float, emulated_delay_s: float = 0.0) -> pb.WorkerStats:
         """What this process reports with heartbeats and at Finish: ``machine``'s totals (``None``: not yet built)
@@ -88,6 +99,14 @@ class Connections:
             total_time_s=total_time_s,
             emulated_delay_s=emulated_delay_s,
         )
+
+    def start_heartbeats(self, membership: Membership, stats: Callable[[], Any], interval: float, name: str) -> None:
+        """Say "alive" to shard 0 every ``interval`` seconds, as ``membership``'s caller with ``stats()``, from a
+        thread named ``name`` (:class:`Heartbeats`), until :meth:`close`."""
+        shard_0 = self.clients[0]
+        beat = lambda: shard_0.heartbeat(membership.caller, stats(), timeout=interval * 2)  # noqa: E731
+        self.heartbeats = Heartbeats(beat, interval, name=name)
+        self.heartbeats.start()
 
     def perform(self, call: Call) -> Any:
         """Make ``call`` on its shard's client; its reply. Its bytes go into :attr:`traffic`.
@@ -159,6 +178,36 @@ class Connections:
             self.stream_calls.append(call)
         return self.streams
 
+    def open_push(
+        self,
+        machine: StepMachine,
+        streamed: StreamedModel,
+        gradient_of: Callable[[int], Any],
+        names: Sequence[str],
+        *,
+        generation: int,
+        pieced: bool,
+        traced: bool = False,
+    ) -> PushStreams:
+        """Open a streamed push to every shard (:meth:`open_streams`) whose parts are ``machine``'s
+        (:meth:`StepMachine.encode_part <src.ps.worker.machine.StepMachine.encode_part>`, cut from ``gradient_of(i)``,
+        the gradient of tensor ``i`` of ``names``), its reply's tensors going into ``streamed`` as reply
+        ``generation`` (broken off after its head: the forward waiting for them raises); ``traced``: each part's
+        encoding and the push in flight are spans of the process's trace."""
+
+        def encode(shard: int, position: int) -> Any:  # on the shard's push thread, while backward goes on
+            with tracing.span("compress", shard=shard, part=position) if traced else nullcontext():
+                return machine.encode_part(shard, position, gradient_of)
+
+        def ended(stream: PushStream, call: Future) -> None:  # the reply is in, or the call failed
+            if traced and stream.first_sent is not None:  # the push in flight, hidden or not (reply_wait: what was not)
+                tracing.record("push", stream.first_sent, time.perf_counter(), step=machine.totals["steps"] + 1)
+            if call.exception() is not None:
+                streamed.reply_broken(generation, call.exception())
+
+        streams = self.open_streams(encode, streamed.on_large(generation), pieced=pieced, on_end=ended)
+        return PushStreams(streams, machine.codec.slices_of(names))
+
     def _close_stream(self, shard: int, message: Any, buffers: Sequence[Any]) -> Received:
         """Close shard ``shard``'s streamed push with ``message`` (which carries the seconds its parts took to
         encode) and ``buffers``; its reply's head, once in.
@@ -199,12 +248,16 @@ class Connections:
         self.wait_streams()
 
     def close(self) -> None:
-        """Close every shard's client but shard 0's (its owner closes it after its heartbeats), and the threads."""
+        """Close every shard's client, the threads, and shard 0's client once the heartbeats stopped."""
         for client in self.clients[1:]:
             client.close()
         for pool in [self.pool, *self._push_threads]:
             if pool is not None:
                 pool.shutdown()
+        if self.heartbeats is not None:
+            self.heartbeats.stop_and_close(self.clients[0].close)
+        else:
+            self.clients[0].close()
 
 
 class Heartbeats(threading.Thread):

@@ -12,9 +12,10 @@ rejoin budget), its :class:`~src.ps.worker.codec.PushCodec` (compression, error 
 parameters it holds (a sharded server's: of each shard's slices), the batches it carries after a rejected push, its
 request ids and its running totals. What it does:
 
-* **pull** (:meth:`~StepMachine.pull_everything`): the parameters and work from the server; a sharded server's shard 0
-  first (its slices, the buffers, the work, the certificate), then every other shard's slices at once (async: with the
-  certificate's window), all of one version (else a shard is starting again: register again and pull again);
+* **pull** (:meth:`~StepMachine.pull_everything`; the first: :meth:`~StepMachine.start`): the parameters and work
+  from the server; a sharded server's shard 0 first (its slices, the buffers, the work, the certificate), then every
+  other shard's slices at once (async: with the certificate's window), all of one version (else a shard is starting
+  again: register again and pull again);
 * **push** (:meth:`~StepMachine.push`), whole or streamed: one server takes the push; a sharded server takes a
   *hold* of its slices on every shard at once, then the tensor-free *commit* to shard 0 once every shard acknowledged
   (async: with each follower's staleness), whose reply carries the verdict, the next work and the certificate, then
@@ -114,6 +115,15 @@ class StepFigures:
     reply_bytes: int
     bytes_sent: int
     bytes_received: int
+
+    @classmethod
+    def of(
+        cls, seconds: Sequence[float], payload_bytes: int, traffic: Sequence[tuple[int, int]], totals: Sequence[int]
+    ) -> StepFigures:
+        """Gradient, compression and communication ``seconds``, the push's ``traffic`` (sent and received bytes of
+        each of its calls) and the process's ``totals`` (bytes sent and received so far)."""
+        sent, received = sum(s for s, _ in traffic), sum(r for _, r in traffic)
+        return cls(*seconds, payload_bytes, sent, received, *totals)
 
 
 class StepMachine:
@@ -295,6 +305,14 @@ class StepMachine:
             yield from self._shard_failed(failed, request.request_id)
             return Rejoined((yield from self._pulled_again()))
         return reply
+
+    def start(self, address: str) -> Exchange[Received]:
+        """The first pull after registering (:meth:`pull_everything`), then the ``run_start`` event (``address``:
+        the server's, as the driver names it)."""
+        received = yield from self.pull_everything()
+        if self.log is not None:
+            self.log.event("run_start", address=address, incarnation=self.membership.incarnation, version=self.version)
+        return received
 
     def pull_everything(self) -> Exchange[Received]:
         """The newest parameters and the next work: one server's pull, or a sharded server's shard 0 then every other
