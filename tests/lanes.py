@@ -88,9 +88,10 @@ class FileMarks(NamedTuple):
     cluster: int
 
 
-CLUSTER_SPACING = 2
-"""Ordinary files after each ``cluster`` file in :func:`file_order`: the other lane's share while one runs a cluster
-file (the Slurm file takes ~150 s, two of the slowest ordinary files about as long)."""
+CLUSTER_SPACING = 40
+"""Slow tests, at least, in the ordinary files after each ``cluster`` file in :func:`file_order`: the other lane's
+share while one runs a cluster file (the Slurm file takes 150-200 s; the three slowest ordinary files, 43 slow tests,
+about as long)."""
 
 
 def file_order(files: dict[Hashable, FileMarks]) -> list[Hashable]:
@@ -100,9 +101,9 @@ def file_order(files: dict[Hashable, FileMarks]) -> list[Hashable]:
       lanes take such files, so an ``alone`` test waits only for the other lane's ``alone`` test or a short ordinary
       one, never for a minute-long ordinary test to end (as one that comes mid-suite does).
     * Then the rest, files with more slow tests first (a file's count of them is a fair guess at its time), so the
-      last files the lanes take are the small ones that even them out; each ``cluster`` file followed by
-      :data:`CLUSTER_SPACING` ordinary ones, so the other lane is on ordinary files while one runs a cluster file
-      (two cluster files at once take turns test by test, each lane idle while the other's test runs).
+      last files the lanes take are the small ones that even them out; each ``cluster`` file followed by ordinary
+      ones with :data:`CLUSTER_SPACING` slow tests, so the other lane is on ordinary files while one runs a cluster
+      file (two cluster files at once take turns test by test, each lane idle while the other's test runs).
     """
 
     def phase(marks: FileMarks) -> int:
@@ -113,6 +114,9 @@ def file_order(files: dict[Hashable, FileMarks]) -> list[Hashable]:
     ordinary = [f for f in rest if not files[f].cluster]
     spread: list[Hashable] = []
     for cluster in (f for f in rest if files[f].cluster):
-        spread += [cluster, *ordinary[:CLUSTER_SPACING]]
-        del ordinary[:CLUSTER_SPACING]
+        spread.append(cluster)
+        slow = 0
+        while ordinary and slow < CLUSTER_SPACING:
+            slow += files[ordinary[0]].slow
+            spread.append(ordinary.pop(0))
     return [f for f in ordered if phase(files[f]) < 2] + spread + ordinary

@@ -136,13 +136,14 @@ def test_a_cluster_holder_runs_beside_a_shared_one_but_not_beside_another_cluste
 
 
 def test_files_with_alone_tests_come_first_then_the_slowest_with_cluster_files_spread_among_them():
+    """After each cluster file, ordinary files with CLUSTER_SPACING (40) slow tests or more: heavy_a and heavy_b."""
     files = {
         "small.py": FileMarks(tests=9, alone=0, slow=0, cluster=0),
         "slurm.py": FileMarks(tests=12, alone=0, slow=9, cluster=9),
         "partly_alone.py": FileMarks(tests=8, alone=1, slow=3, cluster=0),
         "compose.py": FileMarks(tests=4, alone=0, slow=4, cluster=4),
-        "heavy_a.py": FileMarks(tests=5, alone=0, slow=8, cluster=0),
-        "heavy_b.py": FileMarks(tests=6, alone=0, slow=7, cluster=0),
+        "heavy_a.py": FileMarks(tests=5, alone=0, slow=30, cluster=0),
+        "heavy_b.py": FileMarks(tests=6, alone=0, slow=10, cluster=0),
         "heavy_c.py": FileMarks(tests=3, alone=0, slow=2, cluster=0),
         "alone.py": FileMarks(tests=3, alone=3, slow=1, cluster=0),
     }
