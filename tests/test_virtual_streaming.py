@@ -18,7 +18,7 @@ import torch
 from src.common.checkpoint import load_checkpoint
 from src.config import SetupError
 from src.emulation.event_loop import EventLoop, SharedLink
-from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, split_step
+from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, shard_encode_times, split_step
 from src.metrics import read_events
 from src.training.models import build_model
 from src.virtual.calibration import measure_layers
@@ -44,6 +44,9 @@ def test_a_step_spreads_over_the_layers_by_weight_and_backward_readies_gradients
     assert ready_offsets([2.0, 4.0, 2.0], [0, 0, 1, 2, -1]) == [8.0, 8.0, 6.0, 2.0, 8.0]
     # one thread encodes: a part starts when it is ready and the one before it is done
     assert encode_times([1.0, 1.0, 5.0], [0.5, 0.5, 0.5]) == [1.5, 2.0, 5.5]
+    # a thread per shard: shard 1's part waits for none of shard 0's; each shard's parts took their seconds in all
+    done, busy = shard_encode_times([1.0, 1.0, 1.0, 5.0], [0.5, 0.25, 0.5, 0.5], [0, 1, 0, 0], 3)
+    assert (done, busy) == ([1.5, 1.25, 2.0, 5.5], [1.5, 0.25, 0.0])
 
 
 def test_messages_on_a_fifo_link_go_one_after_another_and_an_idle_link_waits_for_the_next():

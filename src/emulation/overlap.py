@@ -11,7 +11,8 @@ a virtual worker (:mod:`src.virtual.worker`) composes into such a step on the ev
 * :func:`ready_offsets`: when each gradient is ready, from the start of backward: backward runs the layers in
   reverse, and a layer's gradients are whole when its segment ends;
 * :func:`encode_times`: when each part is encoded (compensated and compressed) on the push's one thread, in the
-  order the gradients became ready;
+  order the gradients became ready; :func:`shard_encode_times`: the same with a thread per server shard, and the
+  seconds each shard's parts took (its hold's compression time);
 * :class:`FifoLink`: messages on one link, one after another in the order they were put (a streamed push's parts,
   then its message; a reply's pieces);
 * :class:`ForwardPass`: a forward over the layers, layer i starting at max(end of layer i-1, arrival of the
@@ -69,6 +70,21 @@ def encode_times(ready_s: Sequence[float], encode_s: Sequence[float]) -> list[fl
         free = max(ready, free) + seconds
         done.append(free)
     return done
+
+
+def shard_encode_times(
+    ready_s: Sequence[float], encode_s: Sequence[float], shard_of: Sequence[int], shards: int
+) -> tuple[list[float], list[float]]:
+    """When each part is encoded, each shard's parts (``shard_of[k]``: part k's shard, one of ``shards``) on that
+    shard's push's one thread (:func:`encode_times`, in the order handed over), and the seconds each shard's parts
+    took to encode in all."""
+    done, busy = [0.0] * len(ready_s), [0.0] * shards
+    for shard in range(shards):
+        mine = [k for k, of in enumerate(shard_of) if of == shard]
+        busy[shard] = sum(encode_s[k] for k in mine)
+        for k, at in zip(mine, encode_times([ready_s[k] for k in mine], [encode_s[k] for k in mine])):
+            done[k] = at
+    return done, busy
 
 
 Start = Callable[[Callable[[], None]], None]

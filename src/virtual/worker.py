@@ -35,7 +35,7 @@ from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector, FaultSpec
 from src.common.seeds import derive_seed
 from src.common.supervisor import LaunchError
-from src.emulation.overlap import FifoLink, ForwardPass, encode_times, ready_offsets, split_step
+from src.emulation.overlap import FifoLink, ForwardPass, ready_offsets, shard_encode_times, split_step
 from src.metrics import MetricsLogger
 from src.ps.worker import (
     Call,
@@ -426,7 +426,6 @@ class VirtualWorker:
         compress_s = run.cost.compress_s
         self.pushes += 1
         push = self.push = Push(key=(self.worker_id, process, self.pushes), buffers=compute.buffers_to_send(batches))
-        push.hold_s = [0.0] * len(self.targets)
         for stage in self.stages:  # provisional slices of an earlier push do not count
             stage.clear()
         started = self.step_started = self._now()
@@ -444,14 +443,10 @@ class VirtualWorker:
             if not self.reachable(process):
                 return
             backward_started = self._now()
-            encoded: list[float] = [0.0] * len(units)
-            for k in range(len(self.targets)):  # each connection's parts are encoded on its push's one thread
-                mine = [u for u, (_, shard, _, _) in enumerate(units) if shard == k]
-                ready = [backward_started + offsets[units[u][0]] for u in mine]
-                seconds = [compress_s * layers.param_bytes[units[u][0]] * units[u][3] / dense for u in mine]
-                push.hold_s[k] = sum(seconds)
-                for u, at in zip(mine, encode_times(ready, seconds)):
-                    encoded[u] = at
+            ready = [backward_started + offsets[index] for index, _, _, _ in units]
+            seconds = [compress_s * layers.param_bytes[index] * share / dense for index, _, _, share in units]
+            # each connection's parts are encoded on its push's one thread
+            encoded, push.hold_s = shard_encode_times(ready, seconds, [k for _, k, _, _ in units], len(self.targets))
             for (k, position, payload), at in zip(parts, encoded):
                 run.loop.at(at, lambda k=k, position=position, payload=payload: send_part(k, position, payload))
             computed = backward_started + sum(backward_s) + extra_s
