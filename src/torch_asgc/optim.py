@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -38,23 +37,9 @@ from src.config import SetupError
 from src.ps.worker import PushCodec, PushStreams, Rejoined
 from src.ps.worker.codec import all_finite, named_gradients, resolve_compression
 from src.training.lr_schedule import is_constant
-from src.transport.stream import PushStream
 
 from .client import WorkerClient
 from .wrapped import WrappedOptimizer, differences
-
-
-@dataclass
-class _OpenPush:
-    """A streamed push opened by a backward (``system.streaming``) and not yet closed by ``step()``."""
-
-    streams: list[PushStream]  # one per shard (one server: one)
-    generation: int  # the reply's number (src/ps/worker/streaming.py)
-    generator_state: torch.Tensor  # the rounding generator before its parts: restored if the push is given up
-
-    def encoded_keys(self, codec: PushCodec) -> list[Any]:
-        """The residual keys the parts encoded so far updated."""
-        return [codec.keys[k][position] for k, stream in enumerate(self.streams) for position, _ in stream.encoded]
 
 
 class DistributedOptimizer(WrappedOptimizer):
@@ -111,7 +96,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self._warned_schedule = False
         self.streaming = bool(system.streaming)
         """Whether pushes stream (the server's ``system.streaming``; off for good after gradient accumulation)."""
-        self._open: _OpenPush | None = None  # the streamed push the current backward feeds
+        self._open: PushStreams | None = None  # the streamed push opened by the current backward, not yet stepped
         self._generation = 0  # streamed replies so far
         self._waited_s = 0.0  # the forwards' waits for reply tensors, as counted at the last step
         if self.streaming:
@@ -257,16 +242,14 @@ class DistributedOptimizer(WrappedOptimizer):
             grad = params[index].grad
             return grad if grad is not None else torch.zeros_like(params[index], dtype=torch.float32)
 
-        generator_state = machine.codec.generator.get_state()
         model.streamed.repeated = 0
-        push = self.client.connections.open_push(
+        self._open = self.client.connections.open_push(
             machine, model.streamed, gradient_of, model.parameter_names, generation=self._generation,
             pieced=self.client.config.system.pipelined_replies,
         )  # fmt: skip
-        self._open = _OpenPush(push.streams, self._generation, generator_state)
-        return push
+        return self._open
 
-    def _streamable(self, push: _OpenPush, found_inf: Any) -> _OpenPush | None:
+    def _streamable(self, push: PushStreams, found_inf: Any) -> PushStreams | None:
         """``push`` if it holds this step's gradient as the unstreamed push would; ``None`` (given up) after a
         second backward (gradient accumulation: streaming stops for the run).
 
@@ -292,14 +275,12 @@ class DistributedOptimizer(WrappedOptimizer):
         )
         return None
 
-    def _abandon(self, push: _OpenPush, error: BaseException) -> None:
-        """Give up a streamed push before its message: the server drops its parts; the residuals its parts
-        updated and the rounding generator go back to where they were, as if nothing had been encoded."""
-        self.client.connections.abort_streams(error)  # returns once nothing more is encoded for it
-        self.client.model.streamed.end_backward()  # the push is no longer fed
-        self.codec.give_up(push.encoded_keys(self.codec), push.generator_state)
+    def _abandon(self, push: PushStreams, error: BaseException) -> None:
+        """Give up a streamed push before its message (:meth:`~src.ps.worker.connections.Connections.give_up`: as if
+        nothing had been encoded)."""
+        self.client.connections.give_up(push, self.client.model.streamed, self.codec, error)
 
-    def _step_streamed(self, push: _OpenPush, request: Any, started: float, computed: float) -> None:
+    def _step_streamed(self, push: PushStreams, request: Any, started: float, computed: float) -> None:
         """Close the streamed push with its small fields (each shard's hold), wait for the reply's head (a sharded
         server's: the commit's reply and the pulls) and settle it; one server's reply tensors go on arriving for the
         next forward."""

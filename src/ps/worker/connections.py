@@ -12,7 +12,8 @@ A streamed push (``system.streaming``, :mod:`src.transport.stream`) is one :clas
 per shard, opened before backward (:meth:`Connections.open_streams`) on that shard's push thread: its parts go as
 backward hands the gradients over. The machine's streamed Push closes it with the push's message, and its reply is the
 reply's head; the tensors behind it go on arriving on the push thread (into the model, through the stream's
-``on_large``) while the next step computes.
+``on_large``) while the next step computes. A push given up before its message (:meth:`Connections.give_up`) leaves
+the residuals and the rounding generator as they were before its parts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from src import parameter_server_pb2 as pb
 from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call, Exchange, T, run_blocking
+from src.ps.worker.codec import PushCodec
 from src.ps.worker.machine import StepFigures, StepMachine
 from src.ps.worker.membership import Membership
 from src.ps.worker.streaming import PushStreams, StreamedModel
@@ -205,8 +207,17 @@ class Connections:
             if call.exception() is not None:
                 streamed.reply_broken(generation, call.exception())
 
+        generator_state = machine.codec.generator.get_state()  # before any part: restored if the push is given up
         streams = self.open_streams(encode, streamed.on_large(generation), pieced=pieced, on_end=ended)
-        return PushStreams(streams, machine.codec.slices_of(names))
+        slices = machine.codec.slices_of(names)
+        return PushStreams(streams, slices, generation=generation, generator_state=generator_state)
+
+    def give_up(self, push: PushStreams, streamed: StreamedModel, codec: PushCodec, error: BaseException) -> None:
+        """Give up ``push`` (:meth:`open_push`) before its message: the server drops its parts; the residuals its parts
+        updated and the rounding generator go back to where they were, as if nothing had been encoded."""
+        self.abort_streams(error)  # returns once nothing more is encoded for it
+        streamed.end_backward()  # the push is no longer fed
+        codec.give_up(push.encoded_keys(codec.keys), push.generator_state)
 
     def _close_stream(self, shard: int, message: Any, buffers: Sequence[Any]) -> Received:
         """Close shard ``shard``'s streamed push with ``message`` (which carries the seconds its parts took to

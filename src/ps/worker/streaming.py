@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -47,15 +47,31 @@ from src.transport.stream import PushStream, ReplyBroken
 class PushStreams:
     """A streamed push: one :class:`~src.transport.stream.PushStream` per shard (one server: one), each gradient
     handed to the streams of the shards holding its slices (``slices``: per tensor, ``(shard, position)`` of each
-    part, :meth:`~src.ps.worker.codec.PushCodec.slices_of`)."""
+    part, :meth:`~src.ps.worker.codec.PushCodec.slices_of`). ``generation``: its reply's number (the module
+    docstring); ``generator_state``: the rounding generator before its parts, restored if the push is given up
+    (:meth:`~src.ps.worker.connections.Connections.give_up`)."""
 
-    def __init__(self, streams: Sequence[PushStream], slices: Sequence[Sequence[tuple[int, int]]]):
+    def __init__(
+        self,
+        streams: Sequence[PushStream],
+        slices: Sequence[Sequence[tuple[int, int]]],
+        *,
+        generation: int = 0,
+        generator_state: torch.Tensor | None = None,
+    ):
         self.streams = list(streams)
         self.slices = slices
+        self.generation = generation
+        self.generator_state = generator_state
 
     def ready(self, index: int) -> None:
         for shard, position in self.slices[index]:
             self.streams[shard].ready(position)
+
+    def encoded_keys(self, keys: Sequence[Sequence[Any]]) -> list[Any]:
+        """The residual keys the parts encoded so far updated (``keys``: per shard, per position,
+        :attr:`PushCodec.keys <src.ps.worker.codec.PushCodec.keys>`)."""
+        return [keys[k][position] for k, stream in enumerate(self.streams) for position, _ in stream.encoded]
 
 
 class StreamedModel:
