@@ -35,7 +35,7 @@ from typing import Any
 
 from src import parameter_server_pb2 as pb
 from src.common.faults import FaultInjector
-from src.config import Config, SetupError
+from src.config import Config
 from src.emulation.netem import ComputeDelay, conditions_for, link_or_none, worker_seed
 from src.ps.shards.shard_zero import Sharding
 from src.ps.worker import (
@@ -50,7 +50,7 @@ from src.ps.worker import (
     check_layout,
     worker_log,
 )
-from src.ps.worker.run_config import merge_run_config
+from src.ps.worker.run_config import check_shard_addresses, merge_run_config
 from src.telemetry import tracing
 from src.trainer import load_split, model_from_config, resolve_device
 from src.transport.clients import make_client
@@ -136,12 +136,8 @@ class Worker:
             registration = connections.run(self.membership.register())
             config = merge_run_config(self.local_config, registration.run_config_json)
             shards, addresses = config.system.num_servers, list(self.local_config.system.shard_addresses)
-            if shards > 1 and len(addresses) != shards:
-                raise SetupError(
-                    f"system.shard_addresses: the server runs {shards} shards; give every shard's host:port, shard 0 "
-                    f"first (got {len(addresses)})"
-                )
             if shards > 1:
+                check_shard_addresses(shards, len(addresses), "list in system.shard_addresses")
                 clients = [connections.clients[0], *(self._client(address) for address in addresses[1:])]
                 connections = self.connections = Connections(clients, name=f"worker-{self.worker_id}")
             conditions = conditions_for(config.emulation, self.worker_id)

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 from src import parameter_server_pb2 as pb
 from src.config import Config, SetupError, SystemConfig, validate_config
 from src.ps.worker import Connections, Exchange, IncarnationRevoked, Membership, Rejoins, StepMachine
+from src.ps.worker.run_config import check_shard_addresses
 from src.transport.clients import make_client, transport_of
 from src.transport.settings import AUTH_TOKEN_ENV
 
@@ -141,12 +142,7 @@ class WorkerClient:
         registration = self.run(self.membership.register())
         self.config = validate_config(json.loads(registration.run_config_json))
         system = self.config.system
-        if system.num_servers != len(self.connections.clients):
-            shards, given = system.num_servers, len(self.connections.clients)
-            raise SetupError(
-                f"the server runs {shards} shard{'s' if shards > 1 else ''}: connect() to every shard's host:port, "
-                f"shard 0 first (got {given} address{'es' if given > 1 else ''})"
-            )
+        check_shard_addresses(system.num_servers, len(self.connections.clients), "connect() to")
         max_rejoins = system.max_rejoins if self._max_rejoins is None else self._max_rejoins
         self.membership.rejoins = Rejoins(self.worker_id, max_rejoins)
         self.machine = StepMachine(self.membership, system, planned_work=False, stats=self.stats)

@@ -1,4 +1,5 @@
-"""What a worker takes from its registration: the run's config as the server sent it, with the worker's own fields.
+"""What a worker takes from its registration: the run's config as the server sent it, with the worker's own fields,
+and the check that it was given an address for every shard the server runs.
 
 The worker learns the run from the server (the training and compression settings, the model), so a worker on
 another host needs only the server's address and the auth token; its own config keeps only what is local to its
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from src.config import Config, validate_config
+from src.config import Config, SetupError, validate_config
 from src.ps.server.members import SERVER_PATHS
 
 LOCAL_FIELDS = (
@@ -34,4 +35,18 @@ def merge_run_config(local: Config, run_config_json: str) -> Config:
     return validate_config(merged)
 
 
-__all__ = ["LOCAL_FIELDS", "merge_run_config"]
+def check_shard_addresses(shards: int, given: int, how: str) -> None:
+    """A server split across ``shards`` shards (its registration's ``system.num_servers``) needs a connection to every
+    shard: ``given`` addresses were (``how``: where a worker gives them, for the message).
+
+    Raises:
+        SetupError: another number of addresses.
+    """
+    if given != shards:
+        raise SetupError(
+            f"the server runs {shards} shard{'s' if shards > 1 else ''}: {how} every shard's host:port, shard 0 first "
+            f"(got {given} address{'es' if given > 1 else ''})"
+        )
+
+
+__all__ = ["LOCAL_FIELDS", "check_shard_addresses", "merge_run_config"]
