@@ -109,19 +109,22 @@ class SliceStage:
         self.slices.clear()
         self.nbytes = 0
 
-    def fill(self, reply: Received) -> None:
+    def fill(self, reply: Received) -> int:
         """Put each parameter ``reply`` leaves out (its message's ``provisional``) in place from its slices, then
-        forget every slice (what the reply did not name is void).
+        forget every slice (what the reply did not name is void); returns the bytes the slices took (:attr:`nbytes`:
+        what the reply's call received besides the reply).
 
         Raises:
             ValueError: a named parameter's slices did not all come (a server's bug).
         """
+        staged = self.nbytes
         try:
             parameters = reply.large.get("parameters", [])
             for index in reply.message.provisional:
                 parameters[index] = joined_slices(self.slices.get(index, ()), index, reply.message.version)
         finally:
             self.clear()
+        return staged
 
 
 class PushStream:

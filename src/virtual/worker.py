@@ -253,10 +253,7 @@ class VirtualWorker:
         received = split(data, pb.PullReply, MODEL_STATE)
         if not parameters_only:
             return received, 0
-        stage = self.stages[shard]
-        staged = stage.nbytes
-        stage.fill(received)
-        return received, staged
+        return received, self.stages[shard].fill(received)
 
     # ------------------------------------------------------------------------- registration, heartbeats
 
@@ -529,9 +526,7 @@ class VirtualWorker:
                     self.forward.arrived()
 
             def head_in() -> None:
-                stage = self.stages[0]
-                staged = stage.nbytes
-                stage.fill(received)
+                staged = self.stages[0].fill(received)
                 self.arriving, self.tail_pending = arriving, True
                 push.traffic.append((len(data), len(reply_data) + staged))
                 reply(received)
