@@ -234,12 +234,10 @@ class Worker:
             gradient_time_s=computed - started,
             compression_time_s=compressed - computed,
         )
-        with tracing.span("push", request_id=request.request_id):  # blocked on the reply: exposed communication
-            outcome = connections.run(machine.push(request, payloads, compute.buffers_to_send(batches)))
+        times, buffers = (computed - started, compressed - computed, compressed), compute.buffers_to_send(batches)
+        outcome = connections.push_step(machine, request, payloads, buffers, times, traced=True)
         if isinstance(outcome, Rejoined):
             return self._pulled(outcome.work)
-        times = (computed - started, compressed - computed, time.perf_counter() - compressed)
-        machine.settle(outcome, connections.figures(*times, payloads))
         tracing.record("step", started, time.perf_counter(), step=machine.totals["steps"])
         return outcome
 
@@ -280,15 +278,11 @@ class Worker:
         request = machine.request(
             batches, loss=loss, correct=correct, gradient_time_s=computed - started - forward_waits
         )
-        with tracing.span("reply_wait", request_id=request.request_id):  # exposed: nothing left to compute
-            outcome = connections.run(machine.push(request, [], compute.buffers_to_send(batches), streamed=True))
+        times = (computed - started - forward_waits, computed, forward_waits)
+        buffers = compute.buffers_to_send(batches)
+        outcome, head_in = connections.close_push(machine, streamed, push, request, buffers, times, traced=True)
         if isinstance(outcome, Rejoined):
             return self._pulled(outcome.work)
-        head_in = time.perf_counter()
-        # the next forward waits for this reply's tensors, module by module (a sharded server's pulls brought them)
-        streamed.expect(self._generation if machine.placement is None else 0)
-        times = (computed - started - forward_waits, head_in - computed + forward_waits)
-        machine.settle(outcome, connections.streamed_figures(*times))
         tracing.record("step", started, head_in, step=machine.totals["steps"])
         return outcome
 

@@ -209,22 +209,15 @@ class DistributedOptimizer(WrappedOptimizer):
             learning_rate=self._learning_rate_to_send(),
         )
         if push is not None:
-            self._step_streamed(push, request, started, computed)
+            outcome = self._step_streamed(push, request, started, computed)
         else:
-            outcome = self.client.run(self.machine.push(request, payloads, model.buffer_views()))
-            times = (computed - started, compressed - computed, time.perf_counter() - compressed)
-            self._settle(outcome, lambda: self.client.connections.figures(*times, payloads))
+            times = (computed - started, compressed - computed, compressed)
+            outcome = self.client.connections.push_step(self.machine, request, payloads, model.buffer_views(), times)
+        if isinstance(outcome, Rejoined):  # the push was lost with a session: the machine pulled the parameters
+            model.loaded()
         self._mark_wrapped_stepped()
         self.steps += 1
         return loss
-
-    def _settle(self, outcome: Any, figures: Callable[[], Any]) -> None:
-        """The push's reply settled and counted by the step machine with ``figures()`` (the model holds its
-        parameters then); a push lost with a session was settled by the registration, and the parameters pulled."""
-        if isinstance(outcome, Rejoined):
-            self.client.model.loaded()
-        else:
-            self.machine.settle(outcome, figures())
 
     # ------------------------------------------------------------------------- a streamed step (system.streaming)
 
@@ -280,23 +273,21 @@ class DistributedOptimizer(WrappedOptimizer):
         nothing had been encoded)."""
         self.client.connections.give_up(push, self.client.model.streamed, self.codec, error)
 
-    def _step_streamed(self, push: PushStreams, request: Any, started: float, computed: float) -> None:
+    def _step_streamed(self, push: PushStreams, request: Any, started: float, computed: float) -> Any:
         """Close the streamed push with its small fields (each shard's hold), wait for the reply's head (a sharded
-        server's: the commit's reply and the pulls) and settle it; one server's reply tensors go on arriving for the
-        next forward."""
+        server's: the commit's reply and the pulls) and settle it (:meth:`Connections.close_push
+        <src.ps.worker.connections.Connections.close_push>`); one server's reply tensors go on arriving for the next
+        forward. The outcome."""
         model = self.client.model
         streamed = model.streamed
         streamed.end_backward()  # the parameters no gradient reached go now, as zeros
         if model.placement is None:
             model.reply_call = self.client.connections.stream_calls[0]
-        outcome = self.client.run(self.machine.push(request, [], model.buffer_views(), streamed=True))
-        head_in = time.perf_counter()
-        # the next forward waits for this reply's tensors, module by module (sharded: the pulls brought every slice)
-        streamed.expect(push.generation if model.placement is None and not isinstance(outcome, Rejoined) else 0)
+        # exposed: the wait for the head, and the forwards' waits for tensors since the last step
         waited, self._waited_s = streamed.waited_s - self._waited_s, streamed.waited_s
-        # exposed: the wait for the head, and the forwards' waits for tensors
-        figures = (computed - started, head_in - computed + waited)
-        self._settle(outcome, lambda: self.client.connections.streamed_figures(*figures))
+        times = (computed - started, computed, waited)
+        buffers = model.buffer_views()
+        return self.client.connections.close_push(self.machine, streamed, push, request, buffers, times)[0]
 
     def _warn_no_samples(self) -> None:
         """Once per optimizer: no forward counted a batch since the last step, so the push is counted as 1 sample."""

@@ -3,7 +3,8 @@
 The process worker (:mod:`src.worker`) and the library's client (:mod:`src.torch_asgc.client`) carry the step
 machine's exchanges (:mod:`src.ps.worker.machine`) the same way: :meth:`Connections.run` makes each call on the
 client of its shard (:func:`src.transport.clients.make_client`: gRPC or TCP), the calls yielded together at once on
-one thread per shard, and hands the replies back (:func:`src.ps.worker.calls.run_blocking`).
+one thread per shard, and hands the replies back (:func:`src.ps.worker.calls.run_blocking`). A step's push is
+carried and settled the same way for both (:meth:`Connections.push_step`; streamed: :meth:`Connections.close_push`).
 
 :class:`Heartbeats` says "alive" every ``system.heartbeat_interval`` from a thread of its own
 (:meth:`Connections.start_heartbeats`).
@@ -27,7 +28,7 @@ from typing import Any, Callable, Sequence
 from src import parameter_server_pb2 as pb
 from src.ps.worker.calls import FINISH, INITIALIZE, PULL, PUSH, REGISTER, Call, Exchange, T, run_blocking
 from src.ps.worker.codec import PushCodec
-from src.ps.worker.machine import StepFigures, StepMachine
+from src.ps.worker.machine import Rejoined, StepFigures, StepMachine
 from src.ps.worker.membership import Membership
 from src.ps.worker.streaming import PushStreams, StreamedModel
 from src.telemetry import tracing
@@ -69,6 +70,55 @@ class Connections:
         """Carry ``exchange`` to its outcome (raises what it raises); :attr:`traffic` counts its calls' bytes."""
         self.traffic: list[tuple[int, int]] = []
         return run_blocking(exchange, self.perform, self.pool)
+
+    def push_step(
+        self,
+        machine: StepMachine,
+        request: pb.PushRequest,
+        payloads: Sequence[Sequence[Any]],
+        buffers: Sequence[Any],
+        times: tuple[float, float, float],
+        *,
+        traced: bool = False,
+    ) -> Received | Rejoined:
+        """Push ``payloads`` (each shard's) with ``request`` and ``buffers``, wait for the reply and settle it with
+        :meth:`figures` (``times``: the step's gradient and compression seconds, and when compression ended: its
+        communication seconds run from there); the outcome (:class:`~src.ps.worker.machine.Rejoined`: the push was
+        lost with a session, and the registration settled it). ``traced``: the push is a span of the process's trace.
+        """
+        gradient_s, compression_s, compressed = times
+        with tracing.span("push", request_id=request.request_id) if traced else nullcontext():
+            outcome = self.run(machine.push(request, payloads, buffers))  # blocked on the reply: exposed
+        if not isinstance(outcome, Rejoined):
+            machine.settle(outcome, self.figures(gradient_s, compression_s, time.perf_counter() - compressed, payloads))
+        return outcome
+
+    def close_push(
+        self,
+        machine: StepMachine,
+        streamed: StreamedModel,
+        push: PushStreams,
+        request: pb.PushRequest,
+        buffers: Sequence[Any],
+        times: tuple[float, float, float],
+        *,
+        traced: bool = False,
+    ) -> tuple[Received | Rejoined, float]:
+        """Close ``push`` (:meth:`open_push`, every gradient handed over) with ``request`` (each shard's hold) and
+        ``buffers``, wait for the reply's head (a sharded server's: the commit's reply and the pulls) and settle it
+        with :meth:`streamed_figures` (``times``: the step's gradient seconds, when backward ended, and the seconds the
+        forwards waited for the last reply's tensors, exposed as the wait for the head is); the outcome (as
+        :meth:`push_step`'s), and when it was in. The next forward waits for the reply's tensors, module by module (a
+        sharded server's pulls, or a pull after registering again, brought every one). ``traced``: the wait for the
+        head is a span of the process's trace."""
+        gradient_s, computed, waited_s = times
+        with tracing.span("reply_wait", request_id=request.request_id) if traced else nullcontext():
+            outcome = self.run(machine.push(request, [], buffers, streamed=True))  # exposed: nothing left to compute
+        head_in = time.perf_counter()
+        streamed.expect(push.generation if machine.placement is None and not isinstance(outcome, Rejoined) else 0)
+        if not isinstance(outcome, Rejoined):
+            machine.settle(outcome, self.streamed_figures(gradient_s, head_in - computed + waited_s))
+        return outcome, head_in
 
     def figures(
         self, gradient_s: float, compression_s: float, communication_s: float, payloads: Sequence[Sequence[Any]]
