@@ -152,6 +152,12 @@ def test_the_straggler_steps_are_stretched_like_a_real_emulated_run(tmp_path):
     assert cost.step_s(2, 16) == (pytest.approx(0.32), pytest.approx(0.3))  # the spec's additive delay
 
 
+def test_a_push_sent_uncompressed_costs_no_compression_time(tmp_path):
+    cost = CostModel(virtual_config(tmp_path, "compress", system__compression_enabled=True, emulation__compress_s=0.2))
+    assert cost.push_compress_s(100, 4000) == 0.2
+    assert cost.push_compress_s(4000, 4000) == 0.0  # as many bytes as the dense gradient: identity payloads
+
+
 def test_a_dying_server_fails_its_open_calls_in_the_order_they_arrived(tmp_path):
     """Not in the order of their memory addresses (a set of calls): that order changes with whatever else the
     process allocated, and with it which worker registers first with the restarted server."""

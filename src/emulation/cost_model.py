@@ -186,6 +186,12 @@ class CostModel:
         extra = costs.delay.extra_s(measured)
         return measured + extra, extra
 
+    def push_compress_s(self, payload_bytes: int, dense_bytes: int) -> float:
+        """What compressing a push of ``payload_bytes`` costs: ``compress_s``; a push sent uncompressed (as many bytes
+        as its ``dense_bytes`` of identity payloads: its Active Fraction, as the controller's rho 1, or a warm-up
+        step's, ``system.warmup_steps``) spends none, as a real worker's does not."""
+        return self.compress_s if payload_bytes < dense_bytes else 0.0
+
     def shard_times(self, bytes_per_shard: Sequence[int]) -> list[ServerTimes]:
         """Each server shard's times (:func:`shard_times`) from ``server_update_s`` and ``server_reply_s``."""
         return shard_times(self.server_update_s, self.server_reply_s, bytes_per_shard)

@@ -339,10 +339,7 @@ class VirtualWorker:
         # once it runs again: the same payloads, since nothing they are made of changes meanwhile).
         payloads = machine.encode(compute.gradients(batches))
         payload_bytes = sum(chunk_size(p) for shard in payloads for p in shard)
-        # compress_s is what compressing costs: a push sent uncompressed (its Active Fraction, as the controller's rho
-        # 1, or a warm-up step's, system.warmup_steps) spends none, as a real worker's does not
-        compressed = payload_bytes < machine.dense_bytes_per_step
-        compress_s = self.compress_s = run.cost.compress_s if compressed else 0.0
+        compress_s = self.compress_s = run.cost.push_compress_s(payload_bytes, machine.dense_bytes_per_step)
         request = machine.request(
             batches, loss=loss, correct=correct, gradient_time_s=step_s, compression_time_s=compress_s
         )
