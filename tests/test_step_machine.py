@@ -350,3 +350,14 @@ def test_a_workers_codec_takes_the_runs_error_feedback_unless_told_and_the_compr
     assert plain.policy is None and plain.feedback is None  # identity payloads in sync: nothing to feed back
     topk = PushCodec.of_worker(SYNC, 0, 1, NAMES, compression=TopKCompressor(ratio=0.5), error_feedback=True)
     assert topk.policy.compressor.ratio == 0.5 and topk.feedback is not None
+
+
+def test_a_worker_given_another_number_of_shard_addresses_is_told_how_many_in_one_line():
+    from src.config import SetupError
+    from src.ps.worker.run_config import check_shard_addresses
+
+    check_shard_addresses(2, 2, "list in system.shard_addresses")  # every shard: nothing to say
+    for given, counted in ((0, "got 0 addresses"), (1, "got 1 address)"), (3, "got 3 addresses")):
+        with pytest.raises(SetupError, match=r"the server runs 2 shards: connect\(\) to every shard's") as refused:
+            check_shard_addresses(2, given, "connect() to")
+        assert counted in str(refused.value) and "\n" not in str(refused.value)

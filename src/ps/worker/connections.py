@@ -115,7 +115,10 @@ class Connections:
         with tracing.span("reply_wait", request_id=request.request_id) if traced else nullcontext():
             outcome = self.run(machine.push(request, [], buffers, streamed=True))  # exposed: nothing left to compute
         head_in = time.perf_counter()
-        streamed.expect(push.generation if machine.placement is None and not isinstance(outcome, Rejoined) else 0)
+        if machine.placement is None and not isinstance(outcome, Rejoined):
+            streamed.expect(push.generation)  # the next forward waits for the reply's tensors, module by module
+        else:
+            streamed.loaded()  # the pulls brought every tensor
         if not isinstance(outcome, Rejoined):
             machine.settle(outcome, self.streamed_figures(gradient_s, head_in - computed + waited_s))
         return outcome, head_in

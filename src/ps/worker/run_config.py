@@ -45,7 +45,7 @@ def check_shard_addresses(shards: int, given: int, how: str) -> None:
     if given != shards:
         raise SetupError(
             f"the server runs {shards} shard{'s' if shards > 1 else ''}: {how} every shard's host:port, shard 0 first "
-            f"(got {given} address{'es' if given > 1 else ''})"
+            f"(got {given} address{'' if given == 1 else 'es'})"
         )
 
 
