@@ -25,11 +25,10 @@ Progress goes to stderr, the JSON to stdout (``--output`` also writes it to a fi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from src.benchmarks import faults
+from src.benchmarks.common import emit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     results = faults.run_benchmark(args.scenarios, args.window_s, args.heartbeat_timeout)
-    text = json.dumps(results, indent=2)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    print(text)
-    return 0
+    return emit(results, args.output)
 
 
 if __name__ == "__main__":

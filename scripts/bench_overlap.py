@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from src.benchmarks import overlap
+from src.benchmarks.common import emit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as exc:  # JSONDecodeError: a ValueError; RuntimeError: a run failed
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    text = json.dumps(result, indent=2)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    print(text)
-    return 0
+    return emit(result, args.output)
 
 
 if __name__ == "__main__":

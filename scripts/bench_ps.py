@@ -103,11 +103,10 @@ evaluate on a thread beside its workers, on the cores they share.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from src.benchmarks import ps
+from src.benchmarks.common import emit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,11 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         crossover=args.crossover,
         crossover_plot=args.crossover_plot,
     )
-    text = json.dumps(result, indent=2)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    print(text)
-    return 0
+    return emit(result, args.output)
 
 
 if __name__ == "__main__":

@@ -372,6 +372,18 @@ BENCH_RESULTS = {
         },
         "memory": {"workers": 64, "model_mb": 22.3, "peak_rss_gb": 6.5, "target_gb": 8},
     },
+    "bench_rpc_peer": {
+        "models": [
+            {
+                "model": "wide_mlp",
+                "arms": {
+                    "ours_tcp": {"samples_per_s": 725.4, "ratio_to_peer": 0.882, "target_ratio_to_peer": 1.2},
+                    "ours_tcp_streamed": {"samples_per_s": 782.7, "ratio_to_peer": 0.952},
+                    "torch_rpc_peer": {"samples_per_s": 822.2, "ratio_to_peer": 1.0},
+                },
+            }
+        ]
+    },
 }
 
 
@@ -404,6 +416,11 @@ def test_bench_figures_sit_beside_their_references():
     assert (tcp["reference"], tcp["ratio"], tcp["target"], tcp["meets_target"]) == (0.8, 0.53, 0.6, False)
     assert by_reference["raw gRPC echo + optimizer step"]["ratio"] == 0.6
     assert by_reference["DDP, 2 ranks"]["ratio"] == 0.95 and by_reference["DDP, 2 ranks"]["meets_target"] is True
+    peer = [row for row in rows if row["benchmark"] == "bench_rpc_peer"]  # the peer itself is no row of its own
+    assert [(r["figure"], r["reference"], r["ratio"], r["meets_target"]) for r in peer] == [
+        ("wide_mlp sync training samples/s, ours_tcp", 822.2, 0.882, False),
+        ("wide_mlp sync training samples/s, ours_tcp_streamed", 822.2, 0.952, None),
+    ]
     assert suite.last_json_document('progress {not json}\n{"a": {"b": 1}}\n') == {"a": {"b": 1}}
 
 

@@ -39,6 +39,7 @@ QUICK_ARGS = {
         "2",
     ],
     "bench_virtual": ["--skip-memory"],
+    "bench_rpc_peer": ["--repeats", "1", "--epochs", "1"],
     "bench_ddp": [
         "--repeats",
         "1",
@@ -367,12 +368,37 @@ def figures_virtual(result: dict) -> list[dict]:
     return rows
 
 
+def figures_rpc_peer(result: dict) -> list[dict]:
+    """Each of our arms' training samples/s beside the torch.distributed.rpc peer's, per model."""
+    rows = []
+    for model in result["models"]:
+        peer = model["arms"]["torch_rpc_peer"]["samples_per_s"]
+        for arm, row in model["arms"].items():
+            if arm == "torch_rpc_peer":
+                continue
+            rows.append(
+                _row(
+                    "bench_rpc_peer",
+                    f"{model['model']} sync training samples/s, {arm}",
+                    row["samples_per_s"],
+                    peer,
+                    "torch.distributed.rpc PS (tutorial design)",
+                    "samples/s",
+                    row["ratio_to_peer"],
+                    "ours / reference",
+                    row.get("target_ratio_to_peer"),
+                )
+            )
+    return rows
+
+
 FIGURES: dict[str, Callable[[dict], list[dict]]] = {
     "bench_virtual": figures_virtual,
     "bench_baseline": figures_baseline,
     "bench_ddp": figures_ddp,
     "bench_ps": figures_ps,
     "bench_compression": figures_compression,
+    "bench_rpc_peer": figures_rpc_peer,
 }
 
 

@@ -1,0 +1,177 @@
+"""The parameter server a PyTorch user would write instead of ours: torch.distributed.rpc, in the tutorial's design.
+
+The design is that of PyTorch's tutorial "Implementing Batch RPC Processing Using Asynchronous Executions"
+(pytorch/examples, ``distributed/rpc/batch/parameter_server.py``), written here for the training bench
+(:mod:`src.benchmarks.ps.training`):
+
+* one server process holds the model and an SGD optimizer;
+* each trainer calls ``rpc_sync(update_and_fetch, gradients)`` once a step;
+* an ``@rpc.functions.async_execution`` function adds the gradients under a lock; the last trainer of the step
+  triggers the mean, the optimizer's step and the one future that answers every trainer with the parameters.
+
+Like for like with our sync PS, so that only the machinery differs:
+
+* **The same job:** the model initialised from ``training.seed`` (:func:`src.trainer.model_from_config`); trainer
+  k takes the batches our work plan gives worker k, in the same order (:func:`src.training.data.make_shards`);
+  the step is the mean of the trainers' gradients, ``(g1 + g2) / 2``, bit for bit our server's sample-weighted
+  mean at equal batches, stepped by the same optimizer (:func:`src.training.optimizers.optimizer_from_config`,
+  fused). So its final loss and accuracy equal our sync run's to the last digit.
+* **The same wire:** TensorPipe restricted to TCP (the ``uv`` transport and the ``basic`` channel: shared memory
+  would not be a wire), on loopback.
+* **The same threads:** one compute thread per process (``torch.set_num_threads(1)``), as the local launcher
+  gives each of a 2-worker run's processes on 2 cores.
+
+Its clock runs from the trainers' start to the last trainer's end, as ours runs from the first work handed out
+to the last update applied.
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.distributed import rpc
+
+SERVER = "ps"
+TRAINER = "trainer{}"
+JOIN_TIMEOUT_S = 900.0
+
+
+class _Server:
+    """The model, its optimizer, and the step's gradient sum (one per parameter) under a lock."""
+
+    def __init__(self, config: Any, trainers: int):
+        from src.trainer import model_from_config
+        from src.training.optimizers import optimizer_from_config
+
+        self.model = model_from_config(config)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = optimizer_from_config(config, self.params, fused=True)
+        self.trainers = trainers
+        self.sums = [torch.zeros_like(p) for p in self.params]
+        self.arrived = 0
+        self.lock = threading.Lock()
+        self.future: torch.futures.Future = torch.futures.Future()
+
+
+@rpc.functions.async_execution
+def _update_and_fetch(server_rref, gradients: list[torch.Tensor]) -> torch.futures.Future:
+    """Add a trainer's gradients; the last of the step averages, steps and answers everyone with the parameters."""
+    server: _Server = server_rref.local_value()
+    with server.lock:
+        for total, gradient in zip(server.sums, gradients):
+            total.add_(gradient)
+        server.arrived += 1
+        future = server.future
+        if server.arrived == server.trainers:
+            for param, total in zip(server.params, server.sums):
+                param.grad = total.div_(server.trainers)
+            server.optimizer.step()
+            server.sums = [torch.zeros_like(p) for p in server.params]
+            server.arrived = 0
+            server.future = torch.futures.Future()
+            future.set_result([p.detach() for p in server.params])
+    return future
+
+
+def _train(server_rref, worker: int, overrides: dict[str, Any]) -> int:
+    """Trainer ``worker``: its batches of every epoch, one push and one fetch each; returns the samples."""
+    from src.config import load_config
+    from src.trainer import forward_backward, load_split, model_from_config
+    from src.training.data import make_shards
+
+    config = load_config(overrides=overrides)
+    t = config.training
+    model = model_from_config(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    train = load_split(config, "train")
+    samples = 0
+    for epoch in range(t.num_epochs):
+        (shard,) = [s for s in make_shards(len(train), config.system.num_workers, epoch, t.seed) if s.owner == worker]
+        for indices in shard.batches(t.batch_size):
+            images, labels = train.batch(indices)
+            for param in params:
+                param.grad = None
+            forward_backward(model, images, labels)
+            fresh = rpc.rpc_sync(server_rref.owner(), _update_and_fetch, args=(server_rref, [p.grad for p in params]))
+            with torch.no_grad():
+                for param, value in zip(params, fresh):
+                    param.copy_(value)
+            samples += len(indices)
+    return samples
+
+
+def _rank(rank: int, world: int, rendezvous: str, overrides: dict[str, Any], results) -> None:
+    """One process: the server (rank 0, which also starts the trainers and evaluates) or a trainer."""
+    torch.set_num_threads(1)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"file://{rendezvous}", _transports=["uv"], _channels=["basic"], rpc_timeout=JOIN_TIMEOUT_S
+    )
+    name = SERVER if rank == 0 else TRAINER.format(rank - 1)
+    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    if rank == 0:
+        from src.config import load_config
+        from src.trainer import evaluate, load_split
+
+        config = load_config(overrides=overrides)
+        server = _Server(config, world - 1)
+        server_rref = rpc.RRef(server)
+        started = time.perf_counter()
+        jobs = [rpc.rpc_async(TRAINER.format(k), _train, args=(server_rref, k, overrides)) for k in range(world - 1)]
+        samples = sum(job.wait() for job in jobs)
+        train_time = time.perf_counter() - started
+        loss, accuracy = evaluate(server.model, load_split(config, "test"))
+        results.put(
+            {
+                "throughput_samples_per_s": samples / train_time,
+                "train_time_s": train_time,
+                "samples_processed": samples,
+                "final_loss": loss,
+                "final_accuracy": accuracy,
+            }
+        )
+    rpc.shutdown()
+
+
+def run_rpc_peer(overrides: dict[str, Any]) -> dict[str, Any]:
+    """A sync run of the peer with ``system.num_workers`` trainers on the config ``overrides`` give; its summary
+    (``throughput_samples_per_s``, ``final_loss``, ``final_accuracy``, ``samples_processed``, ``train_time_s``)."""
+    from src.common.child_processes import process_context
+    from src.config import load_config
+
+    world = load_config(overrides=overrides).system.num_workers + 1
+    context = process_context()
+    results = context.Queue()
+    summary = None
+    with tempfile.TemporaryDirectory() as folder:  # the ranks meet in a file: no port to probe and lose
+        rendezvous = f"{folder}/rendezvous"
+        processes = [
+            context.Process(target=_rank, args=(rank, world, rendezvous, overrides, results)) for rank in range(world)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        try:
+            while summary is None:
+                try:
+                    summary = results.get(timeout=1.0)
+                except queue.Empty:
+                    failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                    if failed or time.monotonic() > deadline:
+                        raise RuntimeError(f"the torch.distributed.rpc peer failed (exit codes {failed})") from None
+        finally:
+            for process in processes:
+                if summary is None:
+                    process.kill()
+                process.join(60)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    failed = [p.exitcode for p in processes if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"the torch.distributed.rpc peer's processes exited with {failed}")
+    return summary

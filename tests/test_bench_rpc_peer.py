@@ -1,0 +1,52 @@
+"""``scripts/bench_rpc_peer.py``'s reference is the same job: the torch.distributed.rpc parameter server
+(``src/benchmarks/ps/rpc_peer.py``) trains the same model on the same batches with the same updates as our sync PS,
+so both end on the same loss and accuracy to the last digit; the bench's own table says so per arm
+(``same_updates``); a bad flag is one line and exit status 2."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.ps_fixtures import ROOT, run_process
+
+SMALL_JOB = {
+    "training.dataset": "mnist_5k",
+    "training.max_train_samples": 320,
+    "training.max_test_samples": 200,
+    "training.num_epochs": 2,
+    "training.batch_size": 16,
+    "training.momentum": 0.9,
+    "training.checkpoint_interval": 10**6,
+    "training.eval_at_epoch_ends": False,
+    "system.num_workers": 2,
+    "system.aggregation_mode": "sync",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_rpc_peer_computes_the_updates_our_sync_ps_computes(tmp_path):
+    from src.benchmarks.ps.rpc_peer import run_rpc_peer
+    from src.config import load_config
+    from src.launch.ps import run_local
+
+    peer = run_rpc_peer(SMALL_JOB)
+    folders = {"system.log_dir": str(tmp_path / "logs"), "system.checkpoint_dir": str(tmp_path / "ckpt")}
+    ours = run_local(load_config(overrides={**SMALL_JOB, **folders, "system.transport": "tcp"}))
+    assert peer["samples_processed"] == ours["samples_processed"] == 2 * 320
+    assert (peer["final_loss"], peer["final_accuracy"]) == (ours["final_loss"], ours["final_accuracy"])
+    assert peer["throughput_samples_per_s"] > 0 and peer["train_time_s"] > 0
+    # a different job (another seed) ends elsewhere: the equality above is not one the peer always meets
+    other = run_rpc_peer({**SMALL_JOB, "training.seed": 7})
+    assert other["final_loss"] != peer["final_loss"]
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_flag_is_one_line_and_exit_2():
+    done = run_process(
+        [sys.executable, str(ROOT / "scripts" / "bench_rpc_peer.py"), "--repeats", "0"], cwd=ROOT, timeout=50
+    )
+    assert done.returncode == 2 and "--repeats, --batch-size and --epochs must be at least 1" in done.stderr
+    assert done.stdout == ""
