@@ -26,6 +26,7 @@ import sys
 
 import pytest
 
+from src.common.threads import idle_threads_sleep
 from tests.lanes import CLUSTER, EXCLUSIVE, SHARED, FileMarks, LaneLock, file_order, lock_folder
 
 # Python's default, where the environment turned it off (PYTHONDONTWRITEBYTECODE=1 on the CI machine): compiled
@@ -36,8 +37,9 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # OpenMP threads that wait for work sleep instead of spinning (libgomp spins by default): with two lanes, a
 # process's spinning threads take the cores the other lane's process computes on. Measured here, two 4-worker
 # virtual PS runs at once: 28.5 s and 56 CPU-s spinning, 15.0 s and 29 CPU-s passive (one alone: 11 to 12 s
-# either way). It changes no result: the thread counts, and so the arithmetic, are the same.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# either way). It changes no result: the thread counts, and so the arithmetic, are the same. The runners and
+# the framework's children do the same for themselves (src/common/threads.py); this covers the tests' own runs.
+idle_threads_sleep()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -32,6 +32,8 @@ import multiprocessing
 import multiprocessing.context
 import os
 
+from src.common.threads import idle_threads_sleep
+
 PRELOAD = ("torch",)
 """What the forkserver imports before it forks anything: modules that never import gRPC."""
 
@@ -42,8 +44,10 @@ START_METHOD = "forkserver"
 def use_forkserver() -> None:
     """Have the (one, per process) forkserver import :data:`PRELOAD` when it starts.
 
-    Harmless once the server runs: it keeps what it imported at its start, which was this.
+    Harmless once the server runs: it keeps what it imported at its start, which was this. The server, and so
+    every child, loads torch with idle OpenMP threads sleeping (:mod:`src.common.threads`).
     """
+    idle_threads_sleep()
     multiprocessing.set_forkserver_preload(list(PRELOAD))
 
 
