@@ -343,6 +343,11 @@ def test_the_codec_gives_each_slices_share_of_its_tensor_and_a_users_gradients_u
     assert [n for n, _ in named] == ["w", "b"] and torch.equal(named[0][1], torch.full((2,), 2.0))
     assert torch.equal(named[1][1], torch.zeros(1))
     assert all_finite([None, torch.ones(2)]) and not all_finite([torch.tensor([float("inf")])])
+    assert all_finite([]) and not all_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
+    assert not all_finite([torch.tensor([float("inf"), float("-inf")])])  # their sum is NaN, still refused
+    big = torch.full((4,), 3e38)  # finite values whose float32 sum overflows: the exact check decides
+    assert all_finite([big, big.to(torch.bfloat16)])
+    assert not all_finite([torch.cat([big, torch.tensor([-float("inf")])])])
 
 
 def test_a_workers_codec_takes_the_runs_error_feedback_unless_told_and_the_compression_it_is_given():

@@ -24,6 +24,7 @@ import torch
 
 from src.common.seeds import derive_seed
 from src.compression import IDENTITY, Compressor, TopKCompressor
+from src.compressors.checks import all_finite as values_finite
 from src.compressors.error_feedback import ErrorFeedback
 from src.compressors.policy import CompressionPolicy, policy_from_config
 from src.ps.shards.placement import Placement
@@ -144,9 +145,12 @@ def named_gradients(
 
 
 def all_finite(gradients: list[torch.Tensor | None]) -> bool:
-    """Whether every gradient (``None``: none) holds only finite values."""
-    checks = [torch.isfinite(g).all() for g in gradients if g is not None]
-    return bool(torch.stack(checks).all()) if checks else True
+    """Whether every gradient (``None``: none) holds only finite values.
+
+    One pass per gradient, its sum (:func:`src.compressors.checks.all_finite`, exact: an overflowing sum of finite
+    values falls back to the minimum and maximum): ``isfinite(...).all()`` materialises a boolean per value, 26 ms
+    against 1.1 for wide_mlp's 23 MB of gradients on one thread here."""
+    return all(values_finite(g) for g in gradients if g is not None)
 
 
 class PushCodec:
