@@ -1,8 +1,8 @@
 """The parameter server a PyTorch user would write instead of ours: torch.distributed.rpc, in the tutorial's design.
 
 The design is that of PyTorch's tutorial "Implementing Batch RPC Processing Using Asynchronous Executions"
-(pytorch/examples, ``distributed/rpc/batch/parameter_server.py``), written here for the training bench
-(:mod:`src.benchmarks.ps.training`):
+(pytorch/examples, ``distributed/rpc/batch/parameter_server.py``), written here for the bench against it
+(:mod:`src.benchmarks.ps.peer`):
 
 * one server process holds the model and an SGD optimizer;
 * each trainer calls ``rpc_sync(update_and_fetch, gradients)`` once a step;
@@ -21,8 +21,8 @@ Like for like with our sync PS, so that only the machinery differs:
 * **The same threads:** one compute thread per process (``torch.set_num_threads(1)``), as the local launcher
   gives each of a 2-worker run's processes on 2 cores.
 
-Its clock runs from the trainers' start to the last trainer's end, as ours runs from the first work handed out
-to the last update applied.
+Its clock runs from the moment every trainer has built its model and loaded its data to the last trainer's last
+reply, as ours runs from the first work handed out (after the workers registered) to the last update applied.
 """
 
 from __future__ import annotations
@@ -78,30 +78,44 @@ def _update_and_fetch(server_rref, gradients: list[torch.Tensor]) -> torch.futur
     return future
 
 
-def _train(server_rref, worker: int, overrides: dict[str, Any]) -> int:
-    """Trainer ``worker``: its batches of every epoch, one push and one fetch each; returns the samples."""
+_TRAINER: dict[str, Any] = {}
+"""A trainer process's model, parameters, data and batches, made by :func:`_prepare` before the clock starts."""
+
+
+def _prepare(worker: int, overrides: dict[str, Any]) -> None:
+    """Trainer ``worker``: build the model and load the data; its batches of every epoch, as our work plan has them."""
     from src.config import load_config
-    from src.trainer import forward_backward, load_split, model_from_config
+    from src.trainer import load_split, model_from_config
     from src.training.data import make_shards
 
     config = load_config(overrides=overrides)
     t = config.training
     model = model_from_config(config)
-    params = [p for p in model.parameters() if p.requires_grad]
     train = load_split(config, "train")
-    samples = 0
+    batches = []
     for epoch in range(t.num_epochs):
         (shard,) = [s for s in make_shards(len(train), config.system.num_workers, epoch, t.seed) if s.owner == worker]
-        for indices in shard.batches(t.batch_size):
-            images, labels = train.batch(indices)
-            for param in params:
-                param.grad = None
-            forward_backward(model, images, labels)
-            fresh = rpc.rpc_sync(server_rref.owner(), _update_and_fetch, args=(server_rref, [p.grad for p in params]))
-            with torch.no_grad():
-                for param, value in zip(params, fresh):
-                    param.copy_(value)
-            samples += len(indices)
+        batches += list(shard.batches(t.batch_size))
+    _TRAINER.update(model=model, params=[p for p in model.parameters() if p.requires_grad], train=train)
+    _TRAINER["batches"] = batches
+
+
+def _train(server_rref) -> int:
+    """The prepared trainer's batches, one push and one fetch each; returns the samples."""
+    from src.trainer import forward_backward
+
+    model, params, train = _TRAINER["model"], _TRAINER["params"], _TRAINER["train"]
+    samples = 0
+    for indices in _TRAINER["batches"]:
+        images, labels = train.batch(indices)
+        for param in params:
+            param.grad = None
+        forward_backward(model, images, labels)
+        fresh = rpc.rpc_sync(server_rref.owner(), _update_and_fetch, args=(server_rref, [p.grad for p in params]))
+        with torch.no_grad():
+            for param, value in zip(params, fresh):
+                param.copy_(value)
+        samples += len(indices)
     return samples
 
 
@@ -120,9 +134,10 @@ def _rank(rank: int, world: int, rendezvous: str, overrides: dict[str, Any], res
         config = load_config(overrides=overrides)
         server = _Server(config, world - 1)
         server_rref = rpc.RRef(server)
+        trainers = [TRAINER.format(k) for k in range(world - 1)]
+        torch.futures.wait_all([rpc.rpc_async(name, _prepare, args=(k, overrides)) for k, name in enumerate(trainers)])
         started = time.perf_counter()
-        jobs = [rpc.rpc_async(TRAINER.format(k), _train, args=(server_rref, k, overrides)) for k in range(world - 1)]
-        samples = sum(job.wait() for job in jobs)
+        samples = sum(torch.futures.wait_all([rpc.rpc_async(name, _train, args=(server_rref,)) for name in trainers]))
         train_time = time.perf_counter() - started
         loss, accuracy = evaluate(server.model, load_split(config, "test"))
         results.put(
