@@ -18,6 +18,7 @@ settles its slices alone (async: a shard where the push was too stale rolls it b
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -147,10 +148,16 @@ def named_gradients(
 def all_finite(gradients: list[torch.Tensor | None]) -> bool:
     """Whether every gradient (``None``: none) holds only finite values.
 
-    One pass per gradient, its sum (:func:`src.compressors.checks.all_finite`, exact: an overflowing sum of finite
-    values falls back to the minimum and maximum): ``isfinite(...).all()`` materialises a boolean per value, 26 ms
-    against 1.1 for wide_mlp's 23 MB of gradients on one thread here."""
-    return all(values_finite(g) for g in gradients if g is not None)
+    One pass per gradient, its sum, and one read of the sums' total (one device sync on a GPU): NaN and +-Inf make
+    the total non-finite, so a finite total proves every value finite. Finite values whose sums overflow fall back
+    to the exact check per gradient (:func:`src.compressors.checks.all_finite`). ``isfinite(...).all()`` would
+    materialise a boolean per value: 26 ms against 1.1 for wide_mlp's 23 MB of gradients on one thread here."""
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return True
+    if math.isfinite(torch.stack([g.sum().float() for g in present]).sum().item()):
+        return True
+    return all(values_finite(g) for g in present)
 
 
 class PushCodec:
