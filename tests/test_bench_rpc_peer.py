@@ -9,19 +9,13 @@ import sys
 
 import pytest
 
+from src.benchmarks.ps.peer import training_job
 from tests.ps_fixtures import ROOT, run_process
 
 SMALL_JOB = {
-    "training.dataset": "mnist_5k",
+    **training_job("simple_cnn", 2, 16),
     "training.max_train_samples": 320,
     "training.max_test_samples": 200,
-    "training.num_epochs": 2,
-    "training.batch_size": 16,
-    "training.momentum": 0.9,
-    "training.checkpoint_interval": 10**6,
-    "training.eval_at_epoch_ends": False,
-    "system.num_workers": 2,
-    "system.aggregation_mode": "sync",
 }
 
 

@@ -37,7 +37,8 @@ TARGETS = {"simple_cnn": {"ours_tcp": 1.3, "ours_grpc": 1.2}, "wide_mlp": {"ours
 """Issue 55's targets: an arm's samples/s over the peer's, per model."""
 
 
-def _job(model: str, num_epochs: int, batch_size: int) -> dict[str, Any]:
+def training_job(model: str, num_epochs: int, batch_size: int) -> dict[str, Any]:
+    """The config overrides of the job every arm trains: 2 workers, sync, mnist_5k, evaluated only at its end."""
     return {
         "training.dataset": "mnist_5k",
         "training.model_architecture": model,
@@ -66,7 +67,7 @@ def bench_model(model: str, num_epochs: int, batch_size: int, repeats: int, arms
     """Every arm of ``arms`` (the peer included) ``repeats`` times in turns on ``model``: medians and ratios."""
     from src.common.supervisor import stdout_to_stderr
 
-    job = _job(model, num_epochs, batch_size)
+    job = training_job(model, num_epochs, batch_size)
     measured: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
         for repeat in range(repeats):
