@@ -286,13 +286,18 @@ def test_a_reply_on_the_wire_while_the_model_changes_keeps_its_version():
     assert not np.array_equal(np.frombuffer(expected, dtype=np.float32), tensor.numpy())
 
 
-def test_a_large_body_is_read_in_bounded_reads_and_whole():
-    """Reads take at most RECEIVE_CHUNK_BYTES each (reads of several MB stalled loopback senders), progress
-    follows each, and the body arrives byte for byte."""
-    from src.transport.tcp_frames import RECEIVE_CHUNK_BYTES
+@pytest.mark.parametrize("bound", ["default", "push"])
+def test_a_large_body_is_read_in_bounded_reads_and_whole(bound):
+    """Reads take at most RECEIVE_CHUNK_BYTES each by default (reads of several MB stalled a loopback echo), at
+    most the bound a reader gives (the server's pushes: PUSH_READ_BYTES), progress follows each, and the body
+    arrives byte for byte."""
+    from src.transport.tcp_frames import PUSH_READ_BYTES, RECEIVE_CHUNK_BYTES
     from src.transport.tcp_frames import receive_exactly as read_frame_body
 
-    payload = bytes(range(256)) * ((3 * RECEIVE_CHUNK_BYTES + 1234) // 256)
+    limit = RECEIVE_CHUNK_BYTES if bound == "default" else 2 * RECEIVE_CHUNK_BYTES
+    assert PUSH_READ_BYTES > RECEIVE_CHUNK_BYTES
+    options = {} if bound == "default" else {"read_bytes": limit}
+    payload = bytes(range(256)) * ((3 * limit + 1234) // 256)
     left, right = socket.socketpair()
     asked: list[int] = []
 
@@ -304,11 +309,11 @@ def test_a_large_body_is_read_in_bounded_reads_and_whole():
     sender = threading.Thread(target=left.sendall, args=(payload,))
     sender.start()
     body, progress = bytearray(len(payload)), []
-    read_frame_body(Recording(), memoryview(body), progress.append)
+    read_frame_body(Recording(), memoryview(body), progress.append, **options)
     sender.join(10)
     left.close()
     right.close()
     assert bytes(body) == payload
-    assert asked and max(asked) <= RECEIVE_CHUNK_BYTES
-    assert len(asked) >= len(payload) // RECEIVE_CHUNK_BYTES
+    assert asked and max(asked) == limit
+    assert len(asked) >= len(payload) // limit
     assert progress[-1] == len(payload) and progress == sorted(progress)

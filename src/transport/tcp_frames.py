@@ -164,15 +164,32 @@ def parse_header(data) -> Header:
 
 
 RECEIVE_CHUNK_BYTES = 32 << 10
-"""Most bytes one read takes from the socket. A read holds the socket while it copies; on loopback here,
-reads of whatever is left of a message (several MB at once) made the kernel retransmit segments and
-stall the sender: a raw echo of 16 MB each way took 12.9 ms so and 6.8 ms in 32 KB reads (43 MB: 39 ->
-22.5 ms; 1 MB: the same). Both ends of the TCP transport read so, and ``scripts/bench_ps.py``'s raw echo,
-the wire's limit it is measured against, reads the same way."""
+"""Most bytes one read takes from the socket, unless the reader says otherwise. A read holds the socket while it
+copies; on loopback here, reads of whatever is left of a message (several MB at once) made the kernel retransmit
+segments and stall the sender: a raw echo of 16 MB each way took 12.9 ms so and 6.8 ms in 32 KB reads (43 MB: 39 ->
+22.5 ms; 1 MB: the same). The client reads so, as do a pipelined push's parts (their reads are what the server
+reports as arrived, and virtual time cuts its pieces at this size), and ``scripts/bench_ps.py``'s raw echo, the
+wire's limit it is measured against, reads the same way."""
+
+PUSH_READ_BYTES = 4 << 20
+"""Most bytes one of the server's reads of a push takes (a whole push, or a streamed push's part that reports no
+progress). A server reads several workers' pushes at once on few cores, and there fewer, larger reads pay: a 2-worker
+sync run of wide_mlp (23 MB pushes) on 2 cores ran at 853-864 samples/s with the server's push reads at 4 MB against
+779-812 at 32 KB (3 runs each, in turns; the workers' reads at 4 MB gained nothing: 748-794). One worker's round
+trip alone (``scripts/bench_ps.py``) stayed within its noise: 1.7 / 4.7 / 18.9 / 47.5 ms at 1 / 4 / 16 / 43 MB,
+against 1.8 / 6.3 / 18.5 / 43.1. 4 MB is the socket's receive buffer (``SOCKET_BUFFER_BYTES``), all one read can
+find waiting."""
 
 
-def receive_exactly(sock: socket.socket, view: memoryview, progress: Callable[[int], None] | None = None) -> None:
-    """Fill ``view`` from ``sock``; ``progress(bytes filled so far)`` after each read, if given.
+def receive_exactly(
+    sock: socket.socket,
+    view: memoryview,
+    progress: Callable[[int], None] | None = None,
+    *,
+    read_bytes: int = RECEIVE_CHUNK_BYTES,
+) -> None:
+    """Fill ``view`` from ``sock`` in reads of at most ``read_bytes``; ``progress(bytes filled so far)`` after each
+    read, if given.
 
     Raises:
         PeerClosed: the connection ended first.
@@ -180,7 +197,7 @@ def receive_exactly(sock: socket.socket, view: memoryview, progress: Callable[[i
     """
     filled, size = 0, len(view)
     while filled < size:
-        count = sock.recv_into(view[filled:], min(size - filled, RECEIVE_CHUNK_BYTES))
+        count = sock.recv_into(view[filled:], min(size - filled, read_bytes))
         if count == 0:
             raise PeerClosed(f"connection closed after {filled} of {size} bytes" if filled else "connection closed")
         filled += count

@@ -50,6 +50,7 @@ from src.transport.tcp import tune_socket
 from src.transport.tcp_frames import (
     HEADER_BYTES,
     HELLO_MAX_BYTES,
+    PUSH_READ_BYTES,
     FrameError,
     Kind,
     Method,
@@ -278,7 +279,10 @@ class TCPServer:
                 if parts is None or parts_call != header.call:
                     parts, parts_call = self.driver.push_parts(self.max_message_bytes, sink), header.call
                 part = new_body(header.length)
-                receive_exactly(sock, part, partial(parts.progress, part) if parts.arriving is not None else None)
+                if parts.arriving is not None:  # pipelined: what each read brings is reported as arrived
+                    receive_exactly(sock, part, partial(parts.progress, part))
+                else:
+                    receive_exactly(sock, part, read_bytes=PUSH_READ_BYTES)
                 parts.add(part)
                 sock.settimeout(None)
                 continue
@@ -288,7 +292,7 @@ class TCPServer:
                 body = parts.assemble(receive_body(sock, header.length))
             elif header.method == Method.PUSH:  # its gradients are decoded as they arrive (still in the cache)
                 body = self.driver.push_splitter(new_body(header.length))
-                receive_exactly(sock, body.view, body.advance)
+                receive_exactly(sock, body.view, body.advance, read_bytes=PUSH_READ_BYTES)
             else:
                 body = receive_body(sock, header.length)
             if header.method == Method.PUSH:
