@@ -2,6 +2,7 @@
 
     python scripts/bench_rpc_peer.py --output docs/ps_rpc_peer.json        # ~6 minutes on 2 cores
     python scripts/bench_rpc_peer.py --models simple_cnn --repeats 1 --arms ours_tcp   # a quick look
+    python scripts/bench_rpc_peer.py --profile --models wide_mlp --output docs/ps_rpc_peer_profile.json   # ~30 s
 
 The peer is the parameter server PyTorch's own tutorial builds ("Implementing Batch RPC Processing Using
 Asynchronous Executions"): a server process with the model and an SGD optimizer, each trainer calling
@@ -12,6 +13,12 @@ gRPC and TCP, unstreamed and streamed, TCP streamed with pipelined replies, and 
 flipped every repeat. Per arm: the median samples/s, ``ratio_to_peer``, the final loss and accuracy, and
 ``same_updates`` (they equal the peer's to the last digit: the arms computed the same updates). Progress goes to
 stderr, the JSON to stdout; ``--output`` also writes it to a file. Definitions: ``src/benchmarks/ps/peer.py``.
+
+``--profile`` instead runs each model once traced over TCP (``--trace``) and once as the peer, and prints where a
+step's milliseconds go on each side: the median of each span of ours (the worker's ``forward_backward``,
+``compress``, ``send``, ``reply_wait``, ``receive``, ``settle``; the server's ``receive``, ``serve_push``,
+``barrier_wait``, ``average``, ``optimizer_step``, ``send``) beside the peer's phases (the trainer's
+``forward_backward``, ``update_and_fetch``, ``copy``; the server's ``add`` and ``close``).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import argparse
 import sys
 
 from src.benchmarks.common import emit
-from src.benchmarks.ps.peer import ARMS, bench_against_rpc_peer
+from src.benchmarks.ps.peer import ARMS, bench_against_rpc_peer, profile_step
 
 DEFAULT_EPOCHS = {"simple_cnn": 2, "wide_mlp": 1}
 
@@ -37,10 +44,15 @@ def main(argv: list[str] | None = None) -> int:
         "--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="which arms (the peer always runs)"
     )
     parser.add_argument("--output", help="also write the JSON here")
+    parser.add_argument(
+        "--profile", action="store_true", help="where a step's milliseconds go, ours (TCP) beside the peer's, one run"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.batch_size < 1 or (args.epochs is not None and args.epochs < 1):
         parser.error("--repeats, --batch-size and --epochs must be at least 1")
     epochs = {m: args.epochs or DEFAULT_EPOCHS[m] for m in args.models}
+    if args.profile:
+        return emit({"profiles": [profile_step(m, epochs[m], args.batch_size) for m in args.models]}, args.output)
     result = bench_against_rpc_peer(args.models, epochs, args.batch_size, args.repeats, args.arms)
     return emit(result, args.output)
 

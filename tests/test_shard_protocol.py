@@ -335,3 +335,42 @@ def test_a_run_stopped_from_outside_refuses_waiting_calls_with_its_code(tmp_path
     assert refused.value.code == code
     assert (failed_call(code, refused.value.message, 0, None) == "lost") == (kind == "registers again")
     run.close()
+
+
+def test_the_pull_that_opens_the_first_round_wakes_the_pulls_waiting_for_it(tmp_path):
+    """A sync run's first round opens with the last worker's pull; the workers whose pulls already wait for their work
+    are woken then, not when their wait next times out (a transport's call waits in ``lock.wait`` with a timeout
+    to notice a cancelled call: a missed wake-up held worker 0 back by most of that timeout)."""
+    import threading
+    import time
+
+    config = _config(tmp_path, workers=2)
+    core = ServerCore(config, work=planned_work(config, SAMPLES), model=_model(), tensorboard=False)
+    timeout_s = 20.0
+    waited: list[float] = []
+    waits = threading.Event()
+    with core.lock:
+        callers = [
+            pb.Caller(worker_id=w, session=core.register(pb.RegisterRequest(worker_id=w), f"test:{w}")[0].session)
+            for w in range(2)
+        ]
+        first = core.begin_pull(callers[0])
+        assert core.poll_work(first) is None  # the round waits for worker 1
+
+    def wait_for_work() -> None:
+        started = time.monotonic()
+        with core.lock:
+            while core.poll_work(first) is None:
+                waits.set()  # the lock is held until the wait below releases it
+                core.lock.wait(timeout_s)
+        waited.append(time.monotonic() - started)
+
+    waiting = threading.Thread(target=wait_for_work)
+    waiting.start()
+    assert waits.wait(timeout_s)
+    with core.lock:  # taken once worker 0's pull waits inside lock.wait
+        second = core.begin_pull(callers[1])  # opens the round
+        assert core.poll_work(second) is not None
+    waiting.join(timeout_s + 5)
+    core.close()
+    assert waited and waited[0] < timeout_s / 2, f"worker 0's pull waited {waited} s for the round worker 1 opened"

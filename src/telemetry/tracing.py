@@ -32,9 +32,11 @@ Instrumenting code (the API the trainers, the parameter server, its workers and 
   profiler label.
 * Names in use (keep to them so merged traces read alike), see docs/observability.md for where:
   ``epoch``, ``step``, ``forward_backward``, ``optimizer_step``, ``evaluate``, ``checkpoint``
-  (every trainer); ``compress``, ``push``, ``pull`` (a parameter-server worker; streaming: ``reply_wait``,
-  ``parameter_wait``, and ``compress`` per part and ``push`` on the push's thread); ``serve_push``,
-  ``serve_pull``, ``decode``, ``apply``, ``barrier_wait``, ``reply``, ``downlink_wait`` (the server);
+  (every trainer); ``compress``, ``push``, ``pull``, ``settle`` (a parameter-server worker; streaming: ``reply_wait``,
+  ``parameter_wait``, and ``compress`` per part and ``push`` on the push's thread; its TCP client: ``send``,
+  ``reply_wait``, ``receive``); ``serve_push``, ``serve_pull``, ``decode``, ``apply`` (sync: > ``average``,
+  ``optimizer_step``), ``barrier_wait``, ``reply``, ``downlink_wait`` (the server; its TCP transport: ``receive`` a
+  push, ``send`` a reply);
   ``hook_exchange``, ``exchange_wait`` (DDP).
 
 Clock: ``ts`` is wall-clock time in microseconds since the Unix epoch, taken as ``perf_counter``

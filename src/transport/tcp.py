@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
+from src.telemetry import tracing
 from src.transport.protocol import ProtocolClient
 from src.transport.settings import client_tls_roots, split_address
 from src.transport.stream import PushStream, SliceStage, part_pieces, part_size
@@ -237,12 +238,15 @@ class TCPParameterServerClient(ProtocolClient):
             self.uplink.transmit(size)
         try:
             sock.settimeout(_remaining(deadline))
-            send_frame(sock, header, pieces.buffers)
+            with tracing.span("send", bytes=size):
+                send_frame(sock, header, pieces.buffers)
             sock.settimeout(_remaining(deadline))
-            reply_header = self._past_slices(connection, connection.staged.add)
+            with tracing.span("reply_wait"):
+                reply_header = self._past_slices(connection, connection.staged.add)
             if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
                 raise FrameError("RESOURCE_EXHAUSTED", f"reply of {reply_header.length} bytes")
-            body = receive_body(sock, reply_header.length)
+            with tracing.span("receive", bytes=reply_header.length):
+                body = receive_body(sock, reply_header.length)
         except (OSError, PeerClosed, FrameError) as exc:
             raise self._broken(connection, exc) from None
         with self._lock:

@@ -44,6 +44,7 @@ from typing import Any
 
 from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
+from src.telemetry import tracing
 from src.transport.errors import Refused
 from src.transport.settings import server_tls_files, split_address
 from src.transport.tcp import tune_socket
@@ -292,7 +293,8 @@ class TCPServer:
                 body = parts.assemble(receive_body(sock, header.length))
             elif header.method == Method.PUSH:  # its gradients are decoded as they arrive (still in the cache)
                 body = self.driver.push_splitter(new_body(header.length))
-                receive_exactly(sock, body.view, body.advance, read_bytes=PUSH_READ_BYTES)
+                with tracing.span("receive", bytes=header.length):
+                    receive_exactly(sock, body.view, body.advance, read_bytes=PUSH_READ_BYTES)
             else:
                 body = receive_body(sock, header.length)
             if header.method == Method.PUSH:
@@ -351,7 +353,7 @@ class TCPServer:
             return
         pieces = encode(reply)
         try:
-            with self._writing(call):
+            with self._writing(call), tracing.span("send", bytes=len(pieces)):
                 send_frame(sock, pack_header(Kind.REPLY, method, len(pieces), call=header.call), pieces.buffers)
         finally:
             pieces.release()  # the lease on the version's tensors the reply was sent from

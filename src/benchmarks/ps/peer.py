@@ -101,6 +101,51 @@ def bench_model(model: str, num_epochs: int, batch_size: int, repeats: int, arms
     }
 
 
+PROFILED_SPANS = {
+    "worker": ("step", "forward_backward", "compress", "send", "reply_wait", "receive", "settle"),
+    "server": ("receive", "serve_push", "barrier_wait", "average", "optimizer_step", "send"),
+}
+"""The spans of our TCP run a step's profile gives, per process (the worker's and the server's TCP transport and
+core name them: :mod:`src.telemetry.tracing`)."""
+
+
+def profile_step(model: str, num_epochs: int, batch_size: int) -> dict[str, Any]:
+    """Where a step's milliseconds go, ours (TCP, unstreamed, traced) beside the peer's: the median of each span
+    (ours: over both workers' steps, or the server's calls) or phase (the peer's), one run of each."""
+    from src.benchmarks.ps.rpc_peer import run_rpc_peer
+    from src.common.supervisor import stdout_to_stderr
+    from src.config import load_config
+    from src.launch.ps import run_local
+    from src.telemetry.tracing import read_trace
+
+    job = training_job(model, num_epochs, batch_size)
+    with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
+        overrides = {**job, **ARMS["ours_tcp"], "system.trace": True, "system.log_dir": f"{tmp}/logs"}
+        ours = run_local(load_config(overrides={**overrides, "system.checkpoint_dir": f"{tmp}/ckpt"}))
+        spans: dict[str, dict[str, list[float]]] = {
+            role: {name: [] for name in names} for role, names in PROFILED_SPANS.items()
+        }
+        for trace in sorted(os.listdir(f"{tmp}/logs")):
+            role = "server" if trace == "server" else "worker" if trace.startswith("worker_") else None
+            if role is None or not os.path.exists(f"{tmp}/logs/{trace}/trace.json"):
+                continue
+            for event in read_trace(f"{tmp}/logs/{trace}/trace.json"):
+                if event.get("ph") == "X" and event["name"] in spans[role]:
+                    spans[role][event["name"]].append(event["dur"] / 1000)
+        peer = run_rpc_peer(job)
+    return {
+        "model": model,
+        "ours_tcp": {
+            "samples_per_s": round(ours["throughput_samples_per_s"], 1),
+            **{
+                role: {n: round(statistics.median(v), 2) for n, v in named.items() if v}
+                for role, named in spans.items()
+            },
+        },
+        "torch_rpc_peer": {"samples_per_s": round(peer["throughput_samples_per_s"], 1), **peer["phases_ms"]},
+    }
+
+
 def bench_against_rpc_peer(
     models: list[str], epochs: dict[str, int], batch_size: int, repeats: int, arms: list[str] | None = None
 ) -> dict[str, Any]:

@@ -28,6 +28,7 @@ reply, as ours runs from the first work handed out (after the workers registered
 from __future__ import annotations
 
 import queue
+import statistics
 import tempfile
 import threading
 import time
@@ -56,24 +57,31 @@ class _Server:
         self.arrived = 0
         self.lock = threading.Lock()
         self.future: torch.futures.Future = torch.futures.Future()
+        self.phases: dict[str, list[float]] = {"add": [], "close": []}
+        """Seconds of each push's handling: ``add`` (a push that waits for others), ``close`` (the last, which
+        also averages and steps)."""
 
 
 @rpc.functions.async_execution
 def _update_and_fetch(server_rref, gradients: list[torch.Tensor]) -> torch.futures.Future:
     """Add a trainer's gradients; the last of the step averages, steps and answers everyone with the parameters."""
     server: _Server = server_rref.local_value()
+    started = time.perf_counter()
     with server.lock:
         for total, gradient in zip(server.sums, gradients):
             total.add_(gradient)
         server.arrived += 1
         future = server.future
-        if server.arrived == server.trainers:
+        closes = server.arrived == server.trainers
+        if closes:
             for param, total in zip(server.params, server.sums):
                 param.grad = total.div_(server.trainers)
             server.optimizer.step()
             server.sums = [torch.zeros_like(p) for p in server.params]
             server.arrived = 0
             server.future = torch.futures.Future()
+        server.phases["close" if closes else "add"].append(time.perf_counter() - started)
+        if closes:
             future.set_result([p.detach() for p in server.params])
     return future
 
@@ -100,23 +108,29 @@ def _prepare(worker: int, overrides: dict[str, Any]) -> None:
     _TRAINER["batches"] = batches
 
 
-def _train(server_rref) -> int:
-    """The prepared trainer's batches, one push and one fetch each; returns the samples."""
+def _train(server_rref) -> tuple[int, dict[str, list[float]]]:
+    """The prepared trainer's batches, one push and one fetch each; returns the samples and the seconds of each
+    step's phases (``forward_backward``, ``update_and_fetch``: the call, ``copy``: the reply into the model)."""
     from src.trainer import forward_backward
 
     model, params, train = _TRAINER["model"], _TRAINER["params"], _TRAINER["train"]
-    samples = 0
+    samples, phases = 0, {"forward_backward": [], "update_and_fetch": [], "copy": []}
     for indices in _TRAINER["batches"]:
         images, labels = train.batch(indices)
         for param in params:
             param.grad = None
+        started = time.perf_counter()
         forward_backward(model, images, labels)
+        computed = time.perf_counter()
         fresh = rpc.rpc_sync(server_rref.owner(), _update_and_fetch, args=(server_rref, [p.grad for p in params]))
+        answered = time.perf_counter()
         with torch.no_grad():
             for param, value in zip(params, fresh):
                 param.copy_(value)
+        for phase, seconds in zip(phases, (computed - started, answered - computed, time.perf_counter() - answered)):
+            phases[phase].append(seconds)
         samples += len(indices)
-    return samples
+    return samples, phases
 
 
 def _rank(rank: int, world: int, rendezvous: str, overrides: dict[str, Any], results) -> None:
@@ -137,8 +151,10 @@ def _rank(rank: int, world: int, rendezvous: str, overrides: dict[str, Any], res
         trainers = [TRAINER.format(k) for k in range(world - 1)]
         torch.futures.wait_all([rpc.rpc_async(name, _prepare, args=(k, overrides)) for k, name in enumerate(trainers)])
         started = time.perf_counter()
-        samples = sum(torch.futures.wait_all([rpc.rpc_async(name, _train, args=(server_rref,)) for name in trainers]))
+        trained = torch.futures.wait_all([rpc.rpc_async(name, _train, args=(server_rref,)) for name in trainers])
         train_time = time.perf_counter() - started
+        samples = sum(count for count, _ in trained)
+        trainer_phases = {phase: [s for _, phases in trained for s in phases[phase]] for phase in trained[0][1]}
         loss, accuracy = evaluate(server.model, load_split(config, "test"))
         results.put(
             {
@@ -147,14 +163,23 @@ def _rank(rank: int, world: int, rendezvous: str, overrides: dict[str, Any], res
                 "samples_processed": samples,
                 "final_loss": loss,
                 "final_accuracy": accuracy,
+                "phases_ms": {
+                    "trainer": _medians_ms(trainer_phases),
+                    "server": _medians_ms(server.phases),
+                },
             }
         )
     rpc.shutdown()
 
 
+def _medians_ms(phases: dict[str, list[float]]) -> dict[str, float]:
+    return {phase: round(1000 * statistics.median(seconds), 2) for phase, seconds in phases.items() if seconds}
+
+
 def run_rpc_peer(overrides: dict[str, Any]) -> dict[str, Any]:
     """A sync run of the peer with ``system.num_workers`` trainers on the config ``overrides`` give; its summary
-    (``throughput_samples_per_s``, ``final_loss``, ``final_accuracy``, ``samples_processed``, ``train_time_s``)."""
+    (``throughput_samples_per_s``, ``final_loss``, ``final_accuracy``, ``samples_processed``, ``train_time_s``, and
+    ``phases_ms``: the median milliseconds of a step's phases, the trainers' and the server's)."""
     from src.common.child_processes import process_context
     from src.config import load_config
 

@@ -298,6 +298,7 @@ class ServerCore:
         if not member.ready:
             member.ready = True
             self.updates.maybe_start()
+            self.lock.notify_all()  # a round it opened has work for the pulls already waiting
         return member
 
     def pull_reply(self, member: Member, work: tuple[list[Batch] | None, bool]) -> bytes | Pieces:

@@ -142,11 +142,13 @@ class Updates:
         round_ = self._round
         if round_ is not None and round_.complete():
             contributions = round_.contributions()
-            gradients, buffers = self.state.average(contributions)
+            with tracing.span("average", pushes=len(contributions)):
+                gradients, buffers = self.state.average(contributions)
             self._set_step_learning_rate(contributions)
             rate = self.state.learning_rate
             started = time.perf_counter()
-            self.state.step(gradients, buffers)
+            with tracing.span("optimizer_step"):
+                self.state.step(gradients, buffers)
             self.step_s += time.perf_counter() - started
             self._round = None
             self._pushed_samples.update((c.worker, c.num_samples) for c in contributions)

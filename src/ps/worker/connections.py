@@ -90,7 +90,9 @@ class Connections:
         with tracing.span("push", request_id=request.request_id) if traced else nullcontext():
             outcome = self.run(machine.push(request, payloads, buffers))  # blocked on the reply: exposed
         if not isinstance(outcome, Rejoined):
-            machine.settle(outcome, self.figures(gradient_s, compression_s, time.perf_counter() - compressed, payloads))
+            figures = self.figures(gradient_s, compression_s, time.perf_counter() - compressed, payloads)
+            with tracing.span("settle") if traced else nullcontext():  # mostly the reply's tensors into the model
+                machine.settle(outcome, figures)
         return outcome
 
     def close_push(
