@@ -109,9 +109,27 @@ PROFILED_SPANS = {
 core name them: :mod:`src.telemetry.tracing`)."""
 
 
+_CALL_SPANS = ("send", "reply_wait", "receive")
+"""A worker's spans of any call (pulls and heartbeats too): the profile keeps those of its pushes."""
+
+
+def _step_spans(events: list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
+    """The complete spans of a trace, a worker's calls only where they are within one of its pushes."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    if role != "worker":
+        return spans
+    pushes = [(e["tid"], e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == "push"]
+
+    def in_push(event: dict[str, Any]) -> bool:
+        return any(t == event["tid"] and a <= event["ts"] <= b for t, a, b in pushes)
+
+    return [e for e in spans if e["name"] not in _CALL_SPANS or in_push(e)]
+
+
 def profile_step(model: str, num_epochs: int, batch_size: int) -> dict[str, Any]:
     """Where a step's milliseconds go, ours (TCP, unstreamed, traced) beside the peer's: the median of each span
-    (ours: over both workers' steps, or the server's calls) or phase (the peer's), one run of each."""
+    (ours: over both workers' steps and their pushes' calls, or the server's calls) or phase (the peer's), one run
+    of each."""
     from src.benchmarks.ps.rpc_peer import run_rpc_peer
     from src.common.supervisor import stdout_to_stderr
     from src.config import load_config
@@ -129,8 +147,8 @@ def profile_step(model: str, num_epochs: int, batch_size: int) -> dict[str, Any]
             role = "server" if trace == "server" else "worker" if trace.startswith("worker_") else None
             if role is None or not os.path.exists(f"{tmp}/logs/{trace}/trace.json"):
                 continue
-            for event in read_trace(f"{tmp}/logs/{trace}/trace.json"):
-                if event.get("ph") == "X" and event["name"] in spans[role]:
+            for event in _step_spans(read_trace(f"{tmp}/logs/{trace}/trace.json"), role):
+                if event["name"] in spans[role]:
                     spans[role][event["name"]].append(event["dur"] / 1000)
         peer = run_rpc_peer(job)
     return {
