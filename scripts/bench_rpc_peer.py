@@ -16,7 +16,7 @@ stderr, the JSON to stdout; ``--output`` also writes it to a file. Definitions: 
 
 ``--profile`` instead runs each model once traced over TCP (``--trace``) and once as the peer, and prints where a
 step's milliseconds go on each side: the median of each span of ours (the worker's ``forward_backward``,
-``compress``, ``send``, ``reply_wait``, ``receive``, ``settle``; the server's ``receive``, ``serve_push``,
+``compress``, ``send``, ``await_reply``, ``receive``, ``settle``; the server's ``receive``, ``serve_push``,
 ``barrier_wait``, ``average``, ``optimizer_step``, ``send``) beside the peer's phases (the trainer's
 ``forward_backward``, ``update_and_fetch``, ``copy``; the server's ``add`` and ``close``).
 """

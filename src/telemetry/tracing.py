@@ -33,8 +33,8 @@ Instrumenting code (the API the trainers, the parameter server, its workers and 
 * Names in use (keep to them so merged traces read alike), see docs/observability.md for where:
   ``epoch``, ``step``, ``forward_backward``, ``optimizer_step``, ``evaluate``, ``checkpoint``
   (every trainer); ``compress``, ``push``, ``pull``, ``settle`` (a parameter-server worker; streaming: ``reply_wait``,
-  ``parameter_wait``, and ``compress`` per part and ``push`` on the push's thread; its TCP client: ``send``,
-  ``reply_wait``, ``receive``); ``serve_push``, ``serve_pull``, ``decode``, ``apply`` (sync: > ``average``,
+  ``parameter_wait``, and ``compress`` per part and ``push`` on the push's thread; its TCP client, each call:
+  ``send``, ``await_reply``, ``receive``); ``serve_push``, ``serve_pull``, ``decode``, ``apply`` (sync: > ``average``,
   ``optimizer_step``), ``barrier_wait``, ``reply``, ``downlink_wait`` (the server; its TCP transport: ``receive`` a
   push, ``send`` a reply);
   ``hook_exchange``, ``exchange_wait`` (DDP).

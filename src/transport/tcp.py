@@ -241,7 +241,7 @@ class TCPParameterServerClient(ProtocolClient):
             with tracing.span("send", bytes=size):
                 send_frame(sock, header, pieces.buffers)
             sock.settimeout(_remaining(deadline))
-            with tracing.span("reply_wait"):
+            with tracing.span("await_reply"):
                 reply_header = self._past_slices(connection, connection.staged.add)
             if reply_header.length > CLIENT_MAX_MESSAGE_BYTES:
                 raise FrameError("RESOURCE_EXHAUSTED", f"reply of {reply_header.length} bytes")

@@ -102,14 +102,14 @@ def bench_model(model: str, num_epochs: int, batch_size: int, repeats: int, arms
 
 
 PROFILED_SPANS = {
-    "worker": ("step", "forward_backward", "compress", "send", "reply_wait", "receive", "settle"),
+    "worker": ("step", "forward_backward", "compress", "send", "await_reply", "receive", "settle"),
     "server": ("receive", "serve_push", "barrier_wait", "average", "optimizer_step", "send"),
 }
 """The spans of our TCP run a step's profile gives, per process (the worker's and the server's TCP transport and
 core name them: :mod:`src.telemetry.tracing`)."""
 
 
-_CALL_SPANS = ("send", "reply_wait", "receive")
+_CALL_SPANS = ("send", "await_reply", "receive")
 """A worker's spans of any call (pulls and heartbeats too): the profile keeps those of its pushes."""
 
 
