@@ -9,7 +9,8 @@ Asynchronous Executions"): a server process with the model and an SGD optimizer,
 ``rpc_sync(update_and_fetch, gradients)`` once a step, the last trainer of a step triggering the mean, the step and
 one reply future for all (``src/benchmarks/ps/rpc_peer.py``), TensorPipe restricted to TCP. Each model trains the
 same 2-worker sync job (mnist_5k, the same batches in the same order, the same fused SGD) in every arm: our PS over
-gRPC and TCP, unstreamed and streamed, TCP streamed with pipelined replies, and the peer, in turns, the order
+gRPC and TCP, unstreamed and streamed, TCP streamed with pipelined replies, TCP on 2 server shards, and the peer,
+in turns, the order
 flipped every repeat. Per arm: the median samples/s, ``ratio_to_peer``, the final loss and accuracy, and
 ``same_updates`` (they equal the peer's to the last digit: the arms computed the same updates). Progress goes to
 stderr, the JSON to stdout; ``--output`` also writes it to a file. Definitions: ``src/benchmarks/ps/peer.py``.

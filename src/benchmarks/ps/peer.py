@@ -2,7 +2,8 @@
 
 Per model, in turns (the order flips every repeat), each arm trains the same job: a 2-worker sync run on
 mnist_5k, the same batches in the same order, evaluated only at its end. The arms are our PS over gRPC and over
-TCP, each unstreamed and streamed, TCP streamed with pipelined replies, every one started as the local launcher
+TCP, each unstreamed and streamed, TCP streamed with pipelined replies, TCP with the model on 2 server shards (the
+peer's one server against our two, the same bytes per worker), every one started as the local launcher
 starts it (:func:`src.launch.ps.run_local`), and the peer (:mod:`src.benchmarks.ps.rpc_peer`:
 torch.distributed.rpc in the tutorial's design, TensorPipe on TCP). Every arm computes the same updates, so each
 one's final loss and accuracy must equal the peer's to the last digit: ``same_updates`` says whether they did.
@@ -28,6 +29,7 @@ ARMS: dict[str, dict[str, Any]] = {
         "system.streaming": True,
         "system.pipelined_replies": True,
     },
+    "ours_tcp_2_shards": {"system.transport": "tcp", "system.num_servers": 2},
     "torch_rpc_peer": {},
 }
 """Each arm's settings on top of the common job; the last is the reference."""
