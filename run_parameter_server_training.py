@@ -302,10 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     config = checked_config(parser, args)
 
     from src.common.supervisor import LaunchError  # after flag checks: --help and flag errors stay fast
-    from src.ps.state.refusals import RunFailed
+    from src.ps.state.refusals import IncarnationRevoked, RunFailed
     from src.transport.errors import CallError
     from src.transport.settings import AuthTokenMissing
-    from src.worker import IncarnationRevoked
 
     return exit_status(
         lambda: run_role(args, config),

@@ -100,6 +100,27 @@ def test_worker_role_without_a_token_says_so(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_launcher_itself_never_loads_torch(tmp_path):
+    """The local runner only starts and watches its children, which train: importing torch (1-1.5 s before the
+    first child starts) is theirs alone. A fresh interpreter runs the runner's ``main`` and says what it loaded."""
+    probe = (
+        "import sys, run_parameter_server_training as runner; "
+        "code = runner.main('--workers 2 --dataset mnist_5k --num-epochs 1 --max-train-samples 128'.split()); "
+        "print('torch loaded:', 'torch' in sys.modules); sys.exit(code)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(RUNNER.parent)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Final Accuracy:" in result.stdout and "torch loaded: False" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
 def test_server_that_cannot_start_fails_the_run(tmp_path):
     result = run_cli(["--server-address", "192.0.2.1:0", "--max-train-samples", "64"], cwd=tmp_path, timeout=120)
     assert result.returncode == 1

@@ -497,10 +497,6 @@ def exit_status(
         describe: extra exception types -> their one-line description (default ``str``).
         interrupted: what to print on Ctrl-C.
     """
-    from src.common.checkpoint import CheckpointError  # torch comes with these: only once the flags are good
-    from src.training.data import DatasetUnavailableError
-
-    describe = {DatasetUnavailableError: str, CheckpointError: str, SetupError: str, **(describe or {})}
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints where every thread is: a stuck run tells why
         try:
             faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
@@ -511,8 +507,21 @@ def exit_status(
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
-    except tuple(describe) as exc:
-        line = next(text for kind, text in describe.items() if isinstance(exc, kind))(exc)
-        print(f"error: {line}", file=sys.stderr)
+    except Exception as exc:
+        expected = {**_loaded(EXPECTED_ERRORS), SetupError: str, **(describe or {})}
+        line = next((text for kind, text in expected.items() if isinstance(exc, kind)), None)
+        if line is None:
+            raise
+        print(f"error: {line(exc)}", file=sys.stderr)
         return 1
     return 0
+
+
+EXPECTED_ERRORS = (("src.training.data", "DatasetUnavailableError"), ("src.common.checkpoint", "CheckpointError"))
+"""Every runner's expected failures beyond :class:`~src.config.SetupError`, by module and name: both modules import
+torch, which a launcher whose children train need not load (the parameter server's, 1-1.5 s)."""
+
+
+def _loaded(errors: tuple[tuple[str, str], ...]) -> dict[type[BaseException], Callable[[Any], str]]:
+    """Those of ``errors`` whose module has been imported (an error of a module never imported was not raised)."""
+    return {getattr(sys.modules[module], name): str for module, name in errors if module in sys.modules}

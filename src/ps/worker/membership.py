@@ -20,6 +20,7 @@ import logging
 from typing import Literal, Sequence
 
 from src import parameter_server_pb2 as pb
+from src.ps.state.refusals import IncarnationRevoked
 from src.ps.worker.calls import REGISTER, Call, Exchange
 from src.transport.errors import CallError
 
@@ -32,11 +33,6 @@ REVOKED_CODE = "ABORTED"
 
 Failure = Literal["lost", "revoked"]
 """What a failed call means for the worker (see :func:`failed_call`)."""
-
-
-class IncarnationRevoked(RuntimeError):
-    """The server declared this incarnation failed (silent too long, or replaced) and this process may not
-    rejoin (no :class:`Rejoins` budget, or it is spent): this process must stop."""
 
 
 class Rejoins:
