@@ -121,6 +121,46 @@ def test_the_launcher_itself_never_loads_torch(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_a_second_server_started_for_the_same_address_refuses_in_one_line(tmp_path, transport):
+    """A server's twin, started by mistake beside it, must not share its port (gRPC binds with SO_REUSEPORT unless
+    told not to, and the kernel would split the workers' connections between the two): it exits 1 with one line,
+    and the first server goes on serving."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = f"--role server --server-address 127.0.0.1:{port} --workers 1 --max-train-samples 64 --transport {transport}"
+    env = {**os.environ, "DTS_AUTH_TOKEN": "twin-test"}
+    first = subprocess.Popen(
+        [sys.executable, str(RUNNER), *args.split()],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for line in first.stderr:
+            if "parameter server listening on" in line:
+                break
+        assert first.poll() is None, "the first server did not start"
+        (tmp_path / "twin").mkdir()
+        twin = run_cli(args.split(), cwd=tmp_path / "twin", timeout=120, env=env)
+        assert twin.returncode == 1, twin.stderr[-2000:]
+        lines = twin.stderr.strip().splitlines()
+        assert lines == [f"error: system.server_address: cannot bind 127.0.0.1:{port} (Address already in use)"], lines
+        with socket.create_connection(("127.0.0.1", port), timeout=10):  # the first one still accepts
+            pass
+        assert first.poll() is None
+    finally:
+        kill_group(first)
+        first.communicate()
+
+
+@pytest.mark.slow
 def test_server_that_cannot_start_fails_the_run(tmp_path):
     result = run_cli(["--server-address", "192.0.2.1:0", "--max-train-samples", "64"], cwd=tmp_path, timeout=120)
     assert result.returncode == 1

@@ -53,7 +53,7 @@ from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
 from src.transport.errors import CallError
 from src.transport.protocol import ProtocolClient
-from src.transport.settings import AUTH_TOKEN_ENV, client_tls_roots, server_tls_files
+from src.transport.settings import AUTH_TOKEN_ENV, bound_socket, client_tls_roots, server_tls_files, split_address
 from src.transport.stream import PROVISIONAL_HEAD, PushStream, part_pieces, part_size
 from src.transport.wire import (  # noqa: F401  (re-exported: the message codec is part of this module's interface)
     Outgoing,
@@ -276,6 +276,12 @@ def service_handler(servicer) -> grpc.GenericRpcHandler:
     )
 
 
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+"""gRPC binds with ``SO_REUSEPORT`` by default on Linux: a second server started for the same address (a shard's
+twin, started by mistake beside it) would bind too, and the kernel would split new connections between the two.
+Without it the second one cannot bind and stops with one line, as the TCP server's does."""
+
+
 def start_grpc_server(
     servicer,
     system: SystemConfig,
@@ -298,19 +304,23 @@ def start_grpc_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="ps-rpc"),
         interceptors=[TokenAuthInterceptor(token)],
-        options=message_options(max_message_bytes) + keepalive_options(server=True),
+        options=message_options(max_message_bytes) + keepalive_options(server=True) + [EXCLUSIVE_PORT],
     )
     server.add_generic_rpc_handlers([service_handler(servicer)])
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     credentials = server_credentials(system)
     address = system.server_address
+    if split_address(address)[1] != 0:  # a port in use says so in one line (gRPC's own refusal logs its own first)
+        bound_socket(address).close()
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise SetupError(f"system.server_address: cannot bind {address} ({exc})") from None
     if port == 0:
-        raise SetupError(f"system.server_address: cannot bind {address} (in use or not a local address)")
+        raise SetupError(
+            f"system.server_address: cannot bind {address} (in use, by another server for it, or not a local address)"
+        )
     server.start()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

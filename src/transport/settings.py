@@ -6,7 +6,8 @@
 * **TLS.** ``system.tls_cert_file`` + ``tls_key_file`` make the server speak TLS (:func:`server_tls_files`); a client
   uses TLS when it has ``tls_ca_file`` (or, for a self-signed server, ``tls_cert_file``) to verify against
   (:func:`client_tls_roots`).
-* **Addresses** are ``host:port`` (:func:`split_address`).
+* **Addresses** are ``host:port`` (:func:`split_address`). A server's is its own: :func:`bound_socket` binds it
+  without ``SO_REUSEPORT``, so a second server started for the same address stops with one line.
 
 gRPC (:mod:`src.transport.grpc`) and binary frames on TCP (:mod:`src.transport.tcp`) read them alike.
 """
@@ -14,6 +15,7 @@ gRPC (:mod:`src.transport.grpc`) and binary frames on TCP (:mod:`src.transport.t
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 from src.config import SetupError, SystemConfig
@@ -84,3 +86,29 @@ __all__ = [
     "server_tls_files",
     "split_address",
 ]
+
+
+def bound_socket(address: str) -> socket.socket:
+    """A TCP socket bound to a server's ``address`` (``host:port``; port 0: a free one), not yet listening.
+
+    ``SO_REUSEADDR`` lets a restarted server take its port back from the connections its predecessor left in
+    ``TIME_WAIT``; there is no ``SO_REUSEPORT``, so a port another live process listens on cannot be bound.
+
+    Raises:
+        SetupError: the address cannot be bound (the system's reason: in use, not a local address).
+    """
+    host, port = split_address(address)
+    try:
+        family, kind, proto, _, bound = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        bound_to = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise SetupError(f"system.server_address: cannot bind {address} ({exc.strerror or exc})") from None
+    try:
+        bound_to.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound_to.bind(bound)
+    except OSError as exc:
+        bound_to.close()
+        raise SetupError(f"system.server_address: cannot bind {address} ({exc.strerror or exc})") from None
+    return bound_to

@@ -46,7 +46,7 @@ from src import parameter_server_pb2 as pb
 from src.config import SetupError, SystemConfig
 from src.telemetry import tracing
 from src.transport.errors import Refused
-from src.transport.settings import server_tls_files, split_address
+from src.transport.settings import bound_socket, server_tls_files
 from src.transport.tcp import tune_socket
 from src.transport.tcp_frames import (
     HEADER_BYTES,
@@ -143,17 +143,13 @@ class TCPServer:
 
     def start(self) -> int:
         """Listen on ``system.server_address`` (port 0: a free one); returns the bound port."""
-        host, port = split_address(self.address)
+        listener = bound_socket(self.address)
         try:
-            family, kind, proto, _, bound = socket.getaddrinfo(
-                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-            listener = socket.socket(family, kind, proto)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server takes its port back
-            listener.bind(bound)
             listener.listen(128)
         except OSError as exc:
-            raise SetupError(f"system.server_address: cannot bind {self.address} ({exc.strerror or exc})") from None
+            listener.close()
+            reason = exc.strerror or exc
+            raise SetupError(f"system.server_address: cannot listen on {self.address} ({reason})") from None
         listener.settimeout(ACCEPT_POLL_S)
         self._listener = listener
         self._accepting = threading.Thread(target=self._accept, name="ps-tcp-accept", daemon=True)
