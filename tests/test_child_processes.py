@@ -81,22 +81,3 @@ def test_a_runner_sets_the_wait_policy_before_torch_loads(runner):
     ended = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
     assert "src.launch" in ended
     assert "torch" not in ended or ended.index("src.launch") < ended.index("torch")
-
-
-def _report_loaded(name: str, send) -> None:
-    import sys
-
-    send.send(name in sys.modules)
-
-
-@pytest.mark.timeout(120)
-def test_a_child_finds_torchs_compiler_front_end_imported_before_its_first_optimizer_step():
-    """Every optimizer's first step imports ``torch._dynamo`` (about a CPU-second): the forkserver has paid it."""
-    context = process_context()
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_report_loaded, args=("torch._dynamo", send))
-    child.start()
-    send.close()
-    loaded = receive.recv()
-    child.join(60)
-    assert child.exitcode == 0 and loaded

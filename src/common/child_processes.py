@@ -1,4 +1,4 @@
-"""How the framework starts its child processes: forked from a fresh server that has imported only torch and dynamo.
+"""How the framework starts its child processes: forked from a fresh server that has imported only torch.
 
 Every launcher's child (the parameter server, a worker, a DDP rank, a benchmark's or a calibration's
 process) used to be *spawned*: a fresh interpreter that imports torch again before any work, about
@@ -7,10 +7,9 @@ process) used to be *spawned*: a fresh interpreter that imports torch again befo
 gRPC does not survive ``fork`` once it has started (its threads and polling state are not copied
 sanely), so a child is never forked from a launcher, which may hold gRPC channels. It is forked from
 multiprocessing's *forkserver* instead: a fresh interpreter, started with exec like a spawned child,
-that imports :data:`PRELOAD` (torch and ``torch._dynamo``, never gRPC and never the launcher's
-``__main__``) and then only forks. Each child starts with torch already imported and does the rest as
-a spawned child would: it imports the launcher's main module and the target's module, and gRPC, after
-the fork.
+that imports :data:`PRELOAD` (torch, never gRPC and never the launcher's ``__main__``) and then only
+forks. Each child starts with torch already imported and does the rest as a spawned child would:
+it imports the launcher's main module and the target's module, and gRPC, after the fork.
 
 Two things a spawned child had and a forked one must be given:
 
@@ -35,13 +34,8 @@ import os
 
 from src.common.threads import idle_threads_sleep
 
-PRELOAD = ("torch", "torch._dynamo")
-"""What the forkserver imports before it forks anything: modules that never import gRPC (nor start a thread).
-
-``torch._dynamo`` is there because every optimizer's first ``step`` (and its ``zero_grad`` and ``state_dict``)
-imports it, to mark itself as not compiled: 1.0-1.3 CPU-seconds in each parameter server, DDP rank and
-calibration child, paid once by the server instead (in the test suite, 112 of its children paid it before
-this; the forkservers that served them, 46)."""
+PRELOAD = ("torch",)
+"""What the forkserver imports before it forks anything: modules that never import gRPC."""
 
 START_METHOD = "forkserver"
 """The start method for torch's ``start_processes``, after :func:`use_forkserver`."""
